@@ -1,0 +1,45 @@
+"""`<lora:name:weight>` and `<lora:name:unet_w:te_w>` prompt tags, as A1111 writes them.
+
+Tags are parsed into the same declarative list `Engine.set_loras` takes and stripped from the
+prompt, so a prompt-only user gets exactly the same patching path as a slider user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from app.adapters.specs import LoraSpec
+
+_TAG = re.compile(r"<lora:([^:>]+)((?::[^:>]*){0,2})>", re.IGNORECASE)
+
+
+def _number(text: str, tag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"prompt tag {tag!r}: {text!r} is not a number") from None
+
+
+def parse_prompt_loras(prompt: str) -> tuple[str, tuple[LoraSpec, ...]]:
+    """Return the prompt without tags and the specs the tags ask for (last tag wins per name)."""
+    found: dict[str, LoraSpec] = {}
+    for match in _TAG.finditer(prompt):
+        name = match.group(1).strip()
+        numbers = [n for n in match.group(2).split(":")[1:] if n.strip()]
+        values = [_number(n.strip(), match.group(0)) for n in numbers]
+        weight = values[0] if values else 1.0
+        te = values[1] if len(values) > 1 else None
+        found[name] = LoraSpec(name, weight=weight, unet_weight=weight if te is not None else None, te_weight=te)
+    stripped = re.sub(r"\s{2,}", " ", _TAG.sub("", prompt)).strip(" ,")
+    return stripped, tuple(found.values())
+
+
+def merge_prompt_loras(params, desired: tuple[LoraSpec, ...]):
+    """Strip tags from `params.prompt`; tags add to `desired` or override an entry of the same name."""
+    prompt, tagged = parse_prompt_loras(params.prompt)
+    if not tagged:
+        return params, desired
+    by_name = {spec.name: spec for spec in desired}
+    by_name.update({spec.name: spec for spec in tagged})
+    return dataclasses.replace(params, prompt=prompt), tuple(by_name.values())

@@ -1,0 +1,39 @@
+"""`LoraSpec`: one entry of the user's declared LoRA list.
+
+The engine is declarative: callers send the *full* desired list and the patcher reconciles.
+A spec is frozen so a list of them can serve as the exact record of what was applied (the
+undo state), which SD.Next's shallow-copied "previous networks" list failed to be.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA by library name with its strength; UNet/text-encoder strengths default to `weight`."""
+
+    name: str
+    weight: float = 1.0
+    unet_weight: float | None = None
+    te_weight: float | None = None
+
+    def __post_init__(self) -> None:
+        for label, value in (("weight", self.weight), ("unet_weight", self.unet_weight),
+                             ("te_weight", self.te_weight)):
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"LoRA {self.name!r}: {label} must be a finite number, got {value!r}")
+
+    @property
+    def unet_strength(self) -> float:
+        return self.weight if self.unet_weight is None else self.unet_weight
+
+    @property
+    def te_strength(self) -> float:
+        return self.weight if self.te_weight is None else self.te_weight
+
+    def strength_for(self, component: str) -> float:
+        """UNet strength for the UNet, text-encoder strength for either text encoder."""
+        return self.unet_strength if component == "unet" else self.te_strength

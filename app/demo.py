@@ -1,0 +1,199 @@
+"""Tiny random-weight SD1.5 / SDXL pipelines and a demo data folder in the A1111 layout.
+
+Used by tests (session fixtures) and by `launch.py` so a fresh install shows a working app without
+downloading anything. The tiny models keep the real architectures' structure (LDM naming, SDXL's
+two text encoders and text_time embedding, the real VAE scaling factors and upcast flag) so every
+loader path — single file and diffusers folder — is exercised, at a size that runs on two CPU cores.
+PyTorch's default initialisation already gives structured, prompt-dependent images at this size
+(tests check it), so no weight rescaling is applied.
+
+    python -m app.demo DIR     # writes DIR/models/Stable-diffusion, DIR/embeddings
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # as in models.py: must precede the first Hugging Face import
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import diffusers  # noqa: E402
+import torch  # noqa: E402
+from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
+
+from app.engine.ldm_layout import to_ldm_state_dict  # noqa: E402
+from app.engine.models import CONFIG_DIRS, CONFIGS_METADATA_KEY, PIPELINE_CLASSES, load_tokenizers  # noqa: E402
+from app.settings import Settings  # noqa: E402
+
+ARCHS = ("sd15", "sdxl")
+_TIME_EMBED_DIM = 8
+# vocab_size and max_position_embeddings stay real so the bundled tokenizer works unchanged.
+_CLIP = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+_TEXT_L = dict(
+    _CLIP,
+    hidden_size=32,
+    intermediate_size=37,
+    num_attention_heads=4,
+    num_hidden_layers=3,
+    hidden_act="quick_gelu",
+    projection_dim=32,
+)
+# SDXL's second encoder must be wider than the first: diffusers' single-file loader tells the two
+# apart by the width of their position embeddings and would give both the first one's weights.
+_TEXT_G = dict(_TEXT_L, hidden_size=64, intermediate_size=96, hidden_act="gelu")
+_VAE = dict(
+    block_out_channels=(32, 64),
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    latent_channels=4,
+    layers_per_block=1,
+    norm_num_groups=32,
+    sample_size=64,
+)
+_UNET = dict(sample_size=32, block_out_channels=(32, 64), norm_num_groups=32)
+# SD1.5 mirrors the real layout (attention on top levels, plain bottom level, layers_per_block 2);
+# SDXL uses layers_per_block 1 so the LDM block numbering is exercised for both values.
+TINY_CONFIGS = {
+    "sd15": {
+        "unet": dict(
+            _UNET,
+            layers_per_block=2,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=_TEXT_L["hidden_size"],
+            attention_head_dim=8,
+        ),
+        "vae": dict(_VAE, scaling_factor=0.18215),
+        "text_encoder": dict(_TEXT_L, num_hidden_layers=5),
+    },
+    "sdxl": {
+        "unet": dict(
+            _UNET,
+            layers_per_block=1,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=_TEXT_L["hidden_size"] + _TEXT_G["hidden_size"],
+            attention_head_dim=(2, 4),
+            transformer_layers_per_block=(1, 2),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=_TIME_EMBED_DIM,
+            projection_class_embeddings_input_dim=6 * _TIME_EMBED_DIM + _TEXT_G["projection_dim"],
+        ),
+        "vae": dict(_VAE, scaling_factor=0.13025, force_upcast=True),
+        "text_encoder": _TEXT_L,
+        "text_encoder_2": _TEXT_G,
+    },
+}
+_TEXT_CLASSES = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
+EMBEDDING_VECTORS = 2
+
+LoraWriter = Callable[[Path, object, str], None]
+
+
+def build_tiny_pipeline(arch: str, seed: int = 0):
+    """A random-weight tiny pipeline on CPU in float32; the same seed gives the same weights.
+
+    The global RNG is forked so building a pipeline does not disturb the caller's random state.
+    """
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    configs = TINY_CONFIGS[arch]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        components = {
+            "unet": UNet2DConditionModel(**configs["unet"]),
+            "vae": AutoencoderKL(**configs["vae"]),
+        }
+        for name, cls in _TEXT_CLASSES.items():
+            if name in configs:
+                components[name] = cls(CLIPTextConfig(**configs[name]))
+    index = json.loads((CONFIG_DIRS[arch] / "model_index.json").read_text())
+    scheduler_cls = getattr(diffusers, index["scheduler"][1])
+    components["scheduler"] = scheduler_cls.from_pretrained(CONFIG_DIRS[arch], subfolder="scheduler")
+    extra = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    pipe = PIPELINE_CLASSES[arch](**components, **load_tokenizers(arch), **(extra if arch == "sd15" else {}))
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    return pipe
+
+
+def component_configs(pipe, arch: str) -> dict[str, dict]:
+    """The model components' configs as JSON objects (what a tiny single file embeds)."""
+    names = ["unet", "vae", *(n for n in _TEXT_CLASSES if n in TINY_CONFIGS[arch])]
+    configs = {}
+    for name in names:
+        module = getattr(pipe, name)
+        # diffusers models serialise their config themselves; transformers models through `.config`.
+        holder = module if isinstance(module, diffusers.ConfigMixin) else module.config
+        configs[name] = json.loads(holder.to_json_string())
+    return configs
+
+
+def write_single_file(pipe, arch: str, path: Path) -> None:
+    """Save in the LDM single-file layout with the component configs embedded in the metadata."""
+    metadata = {"format": "pt", CONFIGS_METADATA_KEY: json.dumps(component_configs(pipe, arch))}
+    save_file(to_ldm_state_dict(pipe, arch), str(path), metadata=metadata)
+
+
+def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random textual-inversion embedding in the A1111 layout for `arch`, scaled like the vocabulary."""
+    generator = torch.Generator().manual_seed(seed)
+    layout = {
+        "sd15": {"emb_params": "text_encoder"},
+        "sdxl": {"clip_l": "text_encoder", "clip_g": "text_encoder_2"},
+    }
+    tensors = {}
+    for key, encoder_name in layout[arch].items():
+        table = getattr(pipe, encoder_name).get_input_embeddings().weight.detach()
+        vectors = torch.randn(EMBEDDING_VECTORS, table.shape[1], generator=generator)
+        tensors[key] = (vectors * table.std()).contiguous()
+    return tensors
+
+
+def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int = 0) -> dict[str, Path]:
+    """Write tiny checkpoints (single file + diffusers folder) and embeddings for both archs.
+
+    LoRA files are not written here: `app/adapters` owns their formats, so a caller passes
+    `lora_writer(lora_dir, pipe, arch)`, called once per architecture with that tiny pipeline.
+    Returns the written paths by name (`sd15_file`, `sd15_folder`, `sd15_embedding`, ... plus
+    `checkpoints_dir`, `lora_dir`, `embeddings_dir`).
+    """
+    settings = Settings(data_dir=Path(data_dir))
+    paths = {
+        "checkpoints_dir": settings.checkpoints_dir,
+        "lora_dir": settings.lora_dir,
+        "embeddings_dir": settings.embeddings_dir,
+    }
+    for folder in paths.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    for arch in ARCHS:
+        pipe = build_tiny_pipeline(arch, seed)
+        paths[f"{arch}_file"] = settings.checkpoints_dir / f"tiny-{arch}.safetensors"
+        write_single_file(pipe, arch, paths[f"{arch}_file"])
+        paths[f"{arch}_folder"] = settings.checkpoints_dir / f"tiny-{arch}-diffusers"
+        pipe.save_pretrained(paths[f"{arch}_folder"], safe_serialization=True)
+        paths[f"{arch}_embedding"] = settings.embeddings_dir / f"tiny-{arch}-embedding.safetensors"
+        save_file(embedding_tensors(pipe, arch, seed), str(paths[f"{arch}_embedding"]))
+        if lora_writer is not None:
+            lora_writer(settings.lora_dir, pipe, arch)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write tiny demo models in the A1111 folder layout.")
+    parser.add_argument("data_dir", type=Path)
+    args = parser.parse_args()
+    for name, path in write_demo(args.data_dir).items():
+        print(f"{name:16} {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Observability in one place: placement rows, per-LoRA counters, timers, GPU/RAM readings, recent logs.
+
+Everything here is read-only with respect to the model: the engine's worker calls these to
+build immutable snapshots; the Diagnostics tab and the bug report only ever see snapshots.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from app.engine.placement import PlacementPlan, Violation, dtype_name, iter_tensors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One module that owns tensors directly, as the Diagnostics table shows it."""
+
+    component: str
+    module: str
+    cls: str
+    device: str
+    dtype: str
+    params: int
+    mib: float
+    loras: tuple[str, ...]
+    offload: str
+    violation: bool
+
+
+@dataclass(frozen=True)
+class LoraCounters:
+    matched_layers: int = 0
+    unmatched_keys: int = 0
+    apply_errors: int = 0
+    runtime_errors: int = 0
+    disabled: bool = False
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class TimerStat:
+    count: int
+    last_s: float
+    total_s: float
+
+
+class Timers:
+    """Named durations (load, patch, move, generate, verify) with count, last and total."""
+
+    def __init__(self) -> None:
+        self._stats: dict[str, TimerStat] = {}
+
+    def record(self, name: str, seconds: float) -> None:
+        old = self._stats.get(name, TimerStat(0, 0.0, 0.0))
+        self._stats[name] = TimerStat(old.count + 1, seconds, old.total_s + seconds)
+
+    def snapshot(self) -> dict[str, TimerStat]:
+        return dict(self._stats)
+
+
+def _join(values: set[str]) -> str:
+    return "+".join(sorted(values))
+
+
+def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], tuple[str, ...]],
+                   violations: list[Violation]) -> tuple[ModuleRow, ...]:
+    """Aggregate every tensor into one row per owning module (mixed devices show as `a+b`)."""
+    bad = {(v.component, v.module) for v in violations}
+    acc: dict[tuple[str, str], dict] = {}
+    for comp, path, module, _name, tensor, is_param in iter_tensors(pipe):
+        row = acc.setdefault((comp, path), {"cls": type(module).__name__, "devices": set(), "dtypes": set(),
+                                            "params": 0, "bytes": 0})
+        row["devices"].add(str(tensor.device))
+        row["dtypes"].add(dtype_name(tensor.dtype))
+        row["params"] += tensor.numel() if is_param else 0
+        row["bytes"] += tensor.numel() * tensor.element_size()
+    rows = []
+    for (comp, path), row in acc.items():
+        comp_plan = plan.components.get(comp)
+        offload = "offloaded" if comp_plan is not None and comp_plan.offloaded else "resident"
+        rows.append(ModuleRow(comp, path, row["cls"], _join(row["devices"]), _join(row["dtypes"]), row["params"],
+                              round(row["bytes"] / 2**20, 3), tuple(patched.get((comp, path), ())), offload,
+                              (comp, path) in bad))
+    return tuple(rows)
+
+
+def process_memory() -> dict[str, float]:
+    """Resident RAM of this process and, on CUDA, allocated/reserved VRAM in MiB."""
+    out = {"ram_mib": psutil.Process(os.getpid()).memory_info().rss / 2**20}
+    if torch.cuda.is_available():
+        out["vram_allocated_mib"] = torch.cuda.memory_allocated() / 2**20
+        out["vram_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
+    return out
+
+
+def gpu_stats() -> list[dict] | str:
+    """Per-GPU memory, utilisation and temperature from NVML; a note string when unavailable."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVML missing or no driver: a CPU box, not an error
+        return f"NVML unavailable ({type(exc).__name__}: {exc}); running without GPU statistics"
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            gpus.append({
+                "index": i,
+                "name": pynvml.nvmlDeviceGetName(handle),
+                "memory_used_mib": mem.used / 2**20,
+                "memory_total_mib": mem.total / 2**20,
+                "utilization_pct": util.gpu,
+                "temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+            })
+        return gpus
+    finally:
+        pynvml.nvmlShutdown()
+
+
+class MemoryTimeline:
+    """RAM/VRAM samples over the last minutes, with transition markers, for the timeline chart."""
+
+    def __init__(self, seconds: float = 600.0) -> None:
+        self._seconds = seconds
+        self._samples: collections.deque[tuple[float, dict[str, float], str]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def sample(self, marker: str = "") -> None:
+        now = time.time()
+        with self._lock:
+            self._samples.append((now, process_memory(), marker))
+            while self._samples and self._samples[0][0] < now - self._seconds:
+                self._samples.popleft()
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return [{"t": t, **mem, "marker": marker} for t, mem, marker in self._samples]
+
+
+class RecentLogHandler(logging.Handler):
+    """Keeps the last N formatted log lines for the bug report."""
+
+    def __init__(self, capacity: int = 500) -> None:
+        super().__init__()
+        self._lines: collections.deque[str] = collections.deque(maxlen=capacity)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._lines.append(self.format(record))
+
+    def lines(self) -> list[str]:
+        return list(self._lines)
+
+
+def set_debug_logging(lora_debug: bool, move_debug: bool) -> None:
+    """Apply the run-time debug toggles: DEBUG level on the adapter and placement loggers."""
+    logging.getLogger("app.adapters").setLevel(logging.DEBUG if lora_debug else logging.INFO)
+    logging.getLogger("app.engine.placement").setLevel(logging.DEBUG if move_debug else logging.INFO)

@@ -1,0 +1,84 @@
+"""Textual-inversion embeddings (`.safetensors` only), added to the tokenizers and text encoders.
+
+Layouts: SD1.5 files hold `emb_params` (n, 768); SDXL files hold `clip_l` (n, 768) for the first
+encoder and `clip_g` (n, 1280) for the second. A file named `foo` adds tokens `foo`, `foo_1`, …
+and the diffusers pipelines expand `foo` in a prompt to all of them. Vectors are cast to the
+encoder's own weight dtype and device before being written — the inference side of the
+OneTrainer `expected scalar type Float but found Half` report, where an fp32 vector met an
+fp16 encoder. Files that do not fit the loaded architecture are skipped with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from app.adapters.files import read_header
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = {
+    "sd15": (("emb_params", "tokenizer", "text_encoder"),),
+    "sdxl": (("clip_l", "tokenizer", "text_encoder"), ("clip_g", "tokenizer_2", "text_encoder_2")),
+}
+
+
+class EmbeddingError(ValueError):
+    """An embedding file that cannot be used with the loaded model."""
+
+
+def _token_names(name: str, count: int) -> list[str]:
+    return [name] + [f"{name}_{i}" for i in range(1, count)]
+
+
+def _add_vectors(tokenizer, encoder, tokens: list[str], vectors: torch.Tensor) -> None:
+    tokenizer.add_tokens(tokens)
+    encoder.resize_token_embeddings(len(tokenizer))
+    weight = encoder.get_input_embeddings().weight
+    ids = tokenizer.convert_tokens_to_ids(tokens)
+    with torch.no_grad():
+        weight[ids] = vectors.to(device=weight.device, dtype=weight.dtype)
+
+
+def _check_fits(pipe, arch: str, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every check before the first token is added, so a misfit never half-loads."""
+    layout = LAYOUTS[arch]
+    missing = [key for key, _tok, _enc in layout if key not in tensors]
+    if missing:
+        raise EmbeddingError(f"{path.name}: no {', '.join(missing)} tensor; has {sorted(tensors)} "
+                             f"(not an {arch.upper()} embedding?)")
+    for key, tok_attr, enc_attr in layout:
+        if path.stem in getattr(pipe, tok_attr).get_vocab():
+            raise EmbeddingError(f"{path.name}: token {path.stem!r} already exists in the vocabulary")
+        width = getattr(pipe, enc_attr).get_input_embeddings().weight.shape[1]
+        if tensors[key].shape[-1] != width:
+            raise EmbeddingError(f"{path.name}: {key} vectors have size {tensors[key].shape[-1]}, "
+                                 f"the {enc_attr} expects {width}")
+
+
+def load_embedding(pipe, arch: str, path: Path) -> str:
+    """Add one embedding file to `pipe`; returns the token name. Raises EmbeddingError if it does not fit."""
+    read_header(path)
+    tensors = load_file(str(path), device="cpu")
+    _check_fits(pipe, arch, path, tensors)
+    for key, tok_attr, enc_attr in LAYOUTS[arch]:
+        vectors = tensors[key].reshape(-1, tensors[key].shape[-1])
+        tokens = _token_names(path.stem, vectors.shape[0])
+        _add_vectors(getattr(pipe, tok_attr), getattr(pipe, enc_attr), tokens, vectors)
+    return path.stem
+
+
+def load_all(pipe, arch: str, folder: Path) -> tuple[str, ...]:
+    """Load every fitting `.safetensors` embedding in `folder`; others are logged and skipped."""
+    if not folder.is_dir():
+        return ()
+    loaded = []
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            loaded.append(load_embedding(pipe, arch, path))
+        except (EmbeddingError, ValueError) as exc:
+            log.info("embedding %s skipped: %s", path.name, exc)
+    return tuple(loaded)

@@ -1,0 +1,512 @@
+"""The engine state machine: one worker thread owns the pipeline; everything else asks.
+
+Why: the seed crashes were races between code paths that each moved or patched tensors on
+their own. Here every mutation (load, dtype, offload, LoRAs, unload) and every generation is a
+command on one queue, served by one worker. Each command runs as a transition: enter its
+working state, verify/repair placement *before* (so a stray tensor never reaches a forward
+pass), run the body, verify/repair *after*, record a history row, publish an immutable
+snapshot. A body that fails leaves the pipeline as it was (each body owns its undo); if an
+undo itself fails the engine enters ERROR and only a load or unload leaves it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import enum
+import gc
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from app import diagnostics
+from app.adapters.files import LoraLibrary
+from app.adapters.patcher import LoraStack
+from app.adapters.prompt import merge_prompt_loras
+from app.adapters.specs import LoraSpec
+from app.engine import embeddings, generate, models, placement
+from app.engine.generate import GeneratedImage, GenerateParams, RunContext
+from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(str, enum.Enum):
+    EMPTY = "EMPTY"
+    LOADING = "LOADING"
+    READY = "READY"
+    PATCHING = "PATCHING"
+    MOVING = "MOVING"
+    GENERATING = "GENERATING"
+    ERROR = "ERROR"
+
+
+class RollbackFailed(RuntimeError):
+    """An undo could not restore the last good state; the engine must enter ERROR."""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One row of the bounded history."""
+
+    command: str
+    detail: str
+    state: str
+    started: float
+    duration_s: float
+    outcome: str  # "ok" | "failed, rolled back" | "failed, engine in ERROR"
+    violations_found: int
+    violations_repaired: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    command: str
+    message: str
+    traceback: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Progress:
+    phase: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An immutable picture of the engine, built by the worker after each transition."""
+
+    state: str
+    model: str | None = None
+    arch: str | None = None
+    model_hash: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    requested_dtype: str = "auto"
+    offload: str = "none"
+    loras: tuple[LoraSpec, ...] = ()
+    placement: tuple[diagnostics.ModuleRow, ...] = ()
+    violations: tuple[placement.Violation, ...] = ()  # found (and repaired) by the last transition
+    violations_found_total: int = 0
+    violations_repaired_total: int = 0
+    lora_counters: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    timers: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    history: tuple[Transition, ...] = ()
+    last_error: ErrorRecord | None = None
+    progress: Progress | None = None
+    embeddings: tuple[str, ...] = ()
+    taken_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form (for the API and the bug report)."""
+        out = dataclasses.asdict(self)
+        out["lora_counters"] = {k: dataclasses.asdict(v) for k, v in self.lora_counters.items()}
+        out["timers"] = {k: dataclasses.asdict(v) for k, v in self.timers.items()}
+        return out
+
+
+@dataclass
+class _Command:
+    name: str
+    detail: str
+    state: EngineState
+    body: Callable[[], Any]
+    future: Future
+    record: bool = True
+
+
+@dataclass
+class _Loaded:
+    """The current model and what was applied to it (worker-private)."""
+
+    model: models.LoadedModel
+    plan: placement.PlacementPlan
+    stack: LoraStack
+    embeddings: tuple[str, ...]
+
+
+def _release_memory() -> None:
+    """Return freed RAM/VRAM to the OS/driver so "unload" really shows up in the numbers."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: nothing to trim
+        pass
+
+
+class Engine:
+    """Public, blocking API over the command queue. Thread-safe; every call waits for its result."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.device = placement.resolve_device(settings.device)
+        self.library = LoraLibrary(settings.lora_dir)
+        self._queue: collections.deque[_Command | None] = collections.deque()
+        self._wake = threading.Condition()
+        self._state = EngineState.EMPTY
+        self._loaded: _Loaded | None = None
+        self._requested_dtype = settings.dtype
+        self._offload = settings.offload
+        self._desired_loras: tuple[LoraSpec, ...] = ()
+        self._counters: dict[str, diagnostics.LoraCounters] = {}
+        self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
+        self._timers = diagnostics.Timers()
+        self._found_total = 0
+        self._repaired_total = 0
+        self._last_error: ErrorRecord | None = None
+        self._progress: Progress | None = None
+        self._last_violations: tuple[placement.Violation, ...] = ()
+        self.timeline = diagnostics.MemoryTimeline()
+        self._snapshot = Snapshot(state=EngineState.EMPTY.value, device=str(self.device),
+                                  requested_dtype=settings.dtype, offload=settings.offload)
+        diagnostics.set_debug_logging(settings.lora_debug, settings.move_debug)
+        self._worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ public API
+    def load_model(self, name_or_path: str, dtype: str | None = None) -> Snapshot:
+        if dtype is not None:
+            self._check_choice("dtype", dtype, DTYPE_CHOICES)
+        return self._call("load_model", f"{name_or_path} dtype={dtype or self._requested_dtype}",
+                          EngineState.LOADING, lambda: self._do_load(name_or_path, dtype))
+
+    def set_dtype(self, dtype: str) -> Snapshot:
+        self._check_choice("dtype", dtype, DTYPE_CHOICES)
+        return self._call("set_dtype", dtype, EngineState.LOADING, lambda: self._do_set_dtype(dtype))
+
+    def set_offload(self, mode: str) -> Snapshot:
+        self._check_choice("offload", mode, OFFLOAD_CHOICES)
+        return self._call("set_offload", mode, EngineState.MOVING, lambda: self._do_set_offload(mode))
+
+    def set_loras(self, specs: Sequence[LoraSpec]) -> Snapshot:
+        specs = tuple(specs)
+        self.library.validate_specs(specs)
+        detail = ", ".join(f"{s.name}:{s.unet_strength:g}/{s.te_strength:g}" for s in specs) or "none"
+        return self._call("set_loras", detail, EngineState.PATCHING, lambda: self._do_set_loras(specs))
+
+    def generate(self, params: GenerateParams) -> list[GeneratedImage]:
+        return self._call("generate", f"{params.steps} steps {params.width}x{params.height} x{params.batch}",
+                          EngineState.GENERATING, lambda: self._do_generate(params), result=True)
+
+    def inspect_lora(self, name: str):
+        """Parse and shape-check a LoRA against the loaded model without applying it.
+
+        Returns its `MatchReport`; raises the same error `set_loras` would. Runs on the worker
+        (it reads the model) but is not a transition, so it leaves no history row.
+        """
+        def body():
+            if self._loaded is None:
+                raise RuntimeError("no model loaded")
+            return self._loaded.stack.prepare(name, self.library.open(name)).report
+
+        future = self.submit("inspect_lora", name, EngineState.READY, body, record=False)
+        return future.result()
+
+    def unload(self) -> Snapshot:
+        return self._call("unload", "", EngineState.MOVING, self._do_unload)
+
+    def set_debug(self, *, lora_debug: bool | None = None, move_debug: bool | None = None,
+                  strict: bool | None = None) -> Settings:
+        """Debug toggles take effect at once (they touch no tensor, so no queueing)."""
+        changes = {k: v for k, v in {"lora_debug": lora_debug, "move_debug": move_debug,
+                                     "strict": strict}.items() if v is not None}
+        self.settings = self.settings.replace(**changes)
+        diagnostics.set_debug_logging(self.settings.lora_debug, self.settings.move_debug)
+        return self.settings
+
+    def snapshot(self) -> Snapshot:
+        """The last published snapshot with the live state and progress laid over it."""
+        return dataclasses.replace(self._snapshot, state=self._state.value, progress=self._progress)
+
+    def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
+               record: bool = True) -> Future:
+        """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine."""
+        future: Future = Future()
+        with self._wake:
+            self._queue.append(_Command(name, detail, state, body, future, record))
+            self._wake.notify()
+        return future
+
+    def close(self) -> None:
+        with self._wake:
+            self._queue.append(None)
+            self._wake.notify()
+        self._worker.join(timeout=60)
+
+    @property
+    def pipeline(self):
+        """The live pipeline, for tests and benchmarks that must reach inside. Not for the UI."""
+        return None if self._loaded is None else self._loaded.model.pipe
+
+    # ------------------------------------------------------------------ queue plumbing
+    @staticmethod
+    def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+        if value not in choices:
+            raise ValueError(f"{what} must be one of {', '.join(choices)}; got {value!r}")
+
+    def _call(self, name: str, detail: str, state: EngineState, body: Callable[[], Any], result: bool = False):
+        value = self.submit(name, detail, state, body).result()
+        return value if result else self.snapshot()
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue:
+                    self._wake.wait()
+                command = self._queue.popleft()
+            if command is None:
+                return
+            if command.record:
+                self._run_transition(command)
+            else:
+                self._run_query(command)
+
+    @staticmethod
+    def _run_query(command: _Command) -> None:
+        try:
+            command.future.set_result(command.body())
+        except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+            command.future.set_exception(exc)
+
+    def _run_transition(self, command: _Command) -> None:
+        before = self._state
+        self._state = command.state
+        started, t0 = time.time(), time.perf_counter()
+        found = repaired = 0
+        outcome, error, value = "ok", None, None
+        self._last_violations = ()  # the snapshot shows what this transition found (and repaired)
+        try:
+            found, repaired = self._verify_and_repair(f"before {command.name}")
+            value = command.body()
+            more_found, more_repaired = self._verify_and_repair(f"after {command.name}")
+            found, repaired = found + more_found, repaired + more_repaired
+            self._state = EngineState.READY if self._loaded else EngineState.EMPTY
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's future
+            error = exc
+            rollback_failed = isinstance(exc, RollbackFailed) or before == EngineState.ERROR
+            self._state = (EngineState.ERROR if rollback_failed
+                           else EngineState.READY if self._loaded else EngineState.EMPTY)
+            outcome = "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
+            self._last_error = ErrorRecord(command.name, f"{type(exc).__name__}: {exc}",
+                                           traceback.format_exc(), time.time())
+            log.error("%s (%s) failed: %s", command.name, command.detail, exc, exc_info=True)
+        finally:
+            self._progress = None
+        duration = time.perf_counter() - t0
+        self._timers.record(command.name, duration)
+        self._history.append(Transition(command.name, command.detail, command.state.value, started, duration,
+                                        outcome, found, repaired, None if error is None else str(error)))
+        self.timeline.sample(command.name)
+        self._publish()
+        if error is None:
+            command.future.set_result(value)
+        else:
+            command.future.set_exception(error)
+
+    def _verify_and_repair(self, when: str) -> tuple[int, int]:
+        """Find and repair placement violations; strict mode turns any finding into a failure."""
+        if self._loaded is None:
+            return 0, 0
+        t0 = time.perf_counter()
+        pipe, plan = self._loaded.model.pipe, self._loaded.plan
+        found = placement.verify(pipe, plan)
+        repaired = placement.sync(pipe, plan, reason=when) if found else 0
+        self._timers.record("verify", time.perf_counter() - t0)
+        self._last_violations += tuple(found)
+        self._found_total += len(found)
+        self._repaired_total += repaired
+        if found:
+            log.warning("%d placement violations %s, %d repaired; first: %s", len(found), when, repaired, found[0])
+            if self.settings.strict:
+                raise placement.PlacementError(
+                    f"strict mode: {len(found)} placement violations {when} (repaired), first: {found[0]}")
+        return len(found), repaired
+
+    def _publish(self) -> None:
+        loaded = self._loaded
+        common = dict(
+            state=self._state.value, device=str(self.device), requested_dtype=self._requested_dtype,
+            offload=self._offload, violations=self._last_violations,
+            violations_found_total=self._found_total, violations_repaired_total=self._repaired_total,
+            lora_counters=MappingProxyType(dict(self._counters)),
+            timers=MappingProxyType(self._timers.snapshot()), history=tuple(self._history),
+            last_error=self._last_error, taken_at=time.time(),
+        )
+        if loaded is None:
+            self._snapshot = Snapshot(**common)
+            return
+        rows = diagnostics.placement_rows(loaded.model.pipe, loaded.plan, loaded.stack.patched_modules(),
+                                          list(self._last_violations))
+        self._snapshot = Snapshot(
+            model=loaded.model.info.name, arch=loaded.model.arch, model_hash=loaded.model.short_hash,
+            dtype=placement.dtype_name(loaded.plan.dtype), loras=loaded.stack.applied, placement=rows,
+            embeddings=loaded.embeddings, **common)
+
+    # ------------------------------------------------------------------ command bodies (worker only)
+    def _resolved_dtype(self, requested: str) -> torch.dtype:
+        return placement.resolve_dtype(requested, self.device)
+
+    def _do_load(self, name_or_path: str, dtype: str | None) -> None:
+        requested = dtype or self._requested_dtype
+        info = models.resolve_checkpoint(name_or_path, self.settings.checkpoints_dir)
+        self._progress = Progress(f"loading {info.name}", 0, 3)
+        t0 = time.perf_counter()
+        fresh = models.load_pipeline(info, self._resolved_dtype(requested))
+        self._timers.record("load", time.perf_counter() - t0)
+        self._progress = Progress(f"placing {info.name}", 1, 3)
+        self._swap_in(fresh)
+        self._requested_dtype = requested
+        self._progress = Progress("applying LoRAs", 2, 3)
+        self._reapply_desired_loras()
+
+    def _swap_in(self, fresh: models.LoadedModel) -> None:
+        """Place a freshly loaded model and make it current; the old one stays usable until then.
+
+        The old pipeline is parked on the CPU first so a large new model can fit on the GPU; if
+        placing the new one fails, the old one is put back where it was.
+        """
+        old = self._loaded
+        plan = placement.plan_placement(fresh.pipe, self._resolved_dtype(self._requested_dtype_for(fresh)),
+                                        self.device, self._offload)
+        cpu_plan = None
+        try:
+            if old is not None and self.device.type != "cpu":
+                cpu_plan = placement.plan_placement(old.model.pipe, old.plan.dtype, torch.device("cpu"), "none")
+                placement.apply_plan(old.model.pipe, cpu_plan, reason="park previous model")
+            embedded = embeddings.load_all(fresh.pipe, fresh.arch, self.settings.embeddings_dir)
+            placement.apply_plan(fresh.pipe, plan, reason="load")
+        except BaseException:
+            del fresh
+            if cpu_plan is not None:
+                self._restore_placement(old)
+            _release_memory()
+            raise
+        if old is not None:
+            old.stack.release()
+        self._loaded = _Loaded(fresh, plan, LoraStack(fresh.pipe, fresh.arch), embedded)
+        del old
+        _release_memory()
+
+    def _requested_dtype_for(self, fresh: models.LoadedModel) -> str:
+        return placement.dtype_name(next(fresh.pipe.unet.parameters()).dtype)
+
+    def _restore_placement(self, loaded: _Loaded) -> None:
+        try:
+            placement.apply_plan(loaded.model.pipe, loaded.plan, reason="rollback")
+        except BaseException as exc:
+            raise RollbackFailed(f"could not put the previous model back: {exc}") from exc
+
+    def _reapply_desired_loras(self) -> None:
+        """After a (re)load, apply what the user asked for; LoRAs that do not fit are reported, not fatal."""
+        if not self._desired_loras:
+            return
+        fitting = []
+        for spec in self._desired_loras:
+            try:
+                self._apply_loras(tuple(fitting) + (spec,))
+                fitting.append(spec)
+            except Exception as exc:  # reported per LoRA in counters; the load itself succeeded
+                log.warning("LoRA %s not re-applied after load: %s", spec.name, exc)
+
+    def _do_set_dtype(self, dtype: str) -> None:
+        """Reload from the checkpoint in the new dtype: casting back and forth would lose bits."""
+        if self._loaded is None:
+            self._requested_dtype = dtype
+            return
+        self._do_load(self._loaded.model.info.name, dtype)
+
+    def _do_set_offload(self, mode: str) -> None:
+        if mode not in ("none",) and self.device.type != "cpu":
+            raise NotImplementedError(f"offload mode {mode!r} is not available yet; use 'none'")
+        self._offload = mode
+        if self._loaded is None:
+            return
+        old_plan = self._loaded.plan
+        new_plan = placement.plan_placement(self._loaded.model.pipe, old_plan.dtype, self.device, mode)
+        try:
+            placement.apply_plan(self._loaded.model.pipe, new_plan, reason=f"offload {mode}")
+        except BaseException:
+            self._offload = old_plan.offload
+            self._restore_placement(self._loaded)
+            raise
+        self._loaded.plan = new_plan
+
+    def _do_set_loras(self, specs: tuple[LoraSpec, ...]) -> None:
+        self._desired_loras = specs
+        if self._loaded is not None:
+            self._apply_loras(specs)
+
+    def _apply_loras(self, specs: tuple[LoraSpec, ...]) -> None:
+        """Reconcile the stack with `specs`, all or nothing, and update the per-LoRA counters."""
+        assert self._loaded is not None
+        t0 = time.perf_counter()
+        files = {s.name: self.library.open(s.name) for s in specs}
+        try:
+            report = self._loaded.stack.reconcile(specs, files)
+        except Exception as exc:
+            name = getattr(exc, "lora_name", None)
+            if name is not None:
+                old = self._counters.get(name, diagnostics.LoraCounters())
+                self._counters[name] = dataclasses.replace(old, apply_errors=old.apply_errors + 1, message=str(exc))
+            raise
+        finally:
+            self._timers.record("patch", time.perf_counter() - t0)
+        for name, match in report.items():
+            old = self._counters.get(name, diagnostics.LoraCounters())
+            self._counters[name] = dataclasses.replace(old, matched_layers=match.matched_layers,
+                                                       unmatched_keys=match.unmatched_keys, message=match.message)
+
+    def _do_generate(self, params: GenerateParams) -> list[GeneratedImage]:
+        if self._loaded is None:
+            raise RuntimeError("no model loaded: load a checkpoint first")
+        params, prompt_loras = merge_prompt_loras(params, self._desired_loras)
+        self.library.validate_specs(prompt_loras)
+        if prompt_loras != self._loaded.stack.applied:
+            self._state = EngineState.PATCHING
+            self._apply_loras(prompt_loras)
+            self._state = EngineState.GENERATING
+        self._verify_and_repair("before denoising")
+        loaded = self._loaded
+        seed = generate.resolve_seed(params.seed)
+        ctx = RunContext(loaded.model.info.name, loaded.model.short_hash,
+                         tuple((s.name, s.unet_strength, self.library.short_hash(s.name)) for s in loaded.stack.applied))
+        self._progress = Progress("denoising", 0, params.steps)
+
+        def on_step(step: int, total: int) -> None:
+            self._progress = Progress("denoising", step, total)
+
+        t0 = time.perf_counter()
+        try:
+            images = generate.run(loaded.model.pipe, self.device, params, seed, on_step)
+        except torch.cuda.OutOfMemoryError as exc:
+            _release_memory()
+            raise MemoryError(
+                f"out of GPU memory generating {params.batch}x{params.width}x{params.height}: "
+                "try a smaller batch or size, or an offload mode (model, balanced, sequential)") from exc
+        self._timers.record("denoise+decode", time.perf_counter() - t0)
+        out = []
+        for i, image in enumerate(images):
+            text = generate.infotext(params, seed + i, ctx)
+            path = generate.save_png(image, text, self.settings.outputs_dir, seed + i)
+            out.append(GeneratedImage(image, seed + i, text, path))
+        return out
+
+    def _do_unload(self) -> None:
+        if self._loaded is not None:
+            self._loaded.stack.release()
+        self._loaded = None
+        _release_memory()

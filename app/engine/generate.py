@@ -1,0 +1,178 @@
+"""One generation: scheduler choice, per-image seeds, denoising, our own VAE decode, PNG infotext.
+
+Seeds use CPU generators, one per image, so the same seed gives the same image whatever the
+offload mode, device placement or batch position. The VAE decode is done here rather than by
+the diffusers pipeline because the SDXL pipeline upcasts the VAE by *replacing its dtype* in
+the middle of a call; our placement plan already keeps that VAE in fp32, so decoding in the
+VAE's own dtype is both correct and mutation-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    UniPCMultistepScheduler,
+)
+from PIL import Image, PngImagePlugin
+
+log = logging.getLogger(__name__)
+
+SCHEDULERS: dict[str, tuple[type, dict]] = {
+    "Euler": (EulerDiscreteScheduler, {}),
+    "Euler a": (EulerAncestralDiscreteScheduler, {}),
+    "DPM++ 2M": (DPMSolverMultistepScheduler, {"use_karras_sigmas": False}),
+    "DPM++ 2M Karras": (DPMSolverMultistepScheduler, {"use_karras_sigmas": True}),
+    "DDIM": (DDIMScheduler, {}),
+    "UniPC": (UniPCMultistepScheduler, {}),
+}
+MAX_SEED = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    prompt: str
+    negative_prompt: str = ""
+    steps: int = 20
+    cfg: float = 7.0
+    seed: int = -1
+    width: int = 512
+    height: int = 512
+    batch: int = 1
+    sampler: str = "Euler a"
+
+    def __post_init__(self) -> None:
+        if self.sampler not in SCHEDULERS:
+            raise ValueError(f"unknown sampler {self.sampler!r}; choose one of {sorted(SCHEDULERS)}")
+        if not 1 <= self.steps <= 150:
+            raise ValueError(f"steps must be 1..150, got {self.steps}")
+        if not 1 <= self.batch <= 16:
+            raise ValueError(f"batch must be 1..16, got {self.batch}")
+        for side in (self.width, self.height):
+            if side % 8 or not 64 <= side <= 2048:
+                raise ValueError(f"width and height must be multiples of 8 in 64..2048, got {side}")
+        if not -1 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be -1 (random) or 0..{MAX_SEED}, got {self.seed}")
+
+
+@dataclass(frozen=True)
+class GeneratedImage:
+    image: Image.Image
+    seed: int
+    infotext: str
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the engine knows about the model and adapters a generation runs with."""
+
+    model_name: str
+    model_hash: str
+    loras: tuple[tuple[str, float, str], ...] = ()  # (name, weight, short hash)
+    extra: dict = field(default_factory=dict)
+
+
+def resolve_seed(seed: int) -> int:
+    return random.randint(0, MAX_SEED) if seed == -1 else seed
+
+
+def infotext(params: GenerateParams, seed: int, ctx: RunContext) -> str:
+    """A1111-style `parameters` text, so other tools can read our PNGs back."""
+    parts = [
+        f"Steps: {params.steps}",
+        f"Sampler: {params.sampler}",
+        f"CFG scale: {params.cfg:g}",
+        f"Seed: {seed}",
+        f"Size: {params.width}x{params.height}",
+        f"Model hash: {ctx.model_hash}",
+        f"Model: {ctx.model_name}",
+    ]
+    if ctx.loras:
+        parts.append('Lora hashes: "' + ", ".join(f"{n}: {h}" for n, _w, h in ctx.loras) + '"')
+        parts.append('Lora weights: "' + ", ".join(f"{n}: {w:g}" for n, w, _h in ctx.loras) + '"')
+    parts.extend(f"{k}: {v}" for k, v in ctx.extra.items())
+    parts.append("Version: steady-diffusion")
+    lines = [params.prompt]
+    if params.negative_prompt:
+        lines.append(f"Negative prompt: {params.negative_prompt}")
+    lines.append(", ".join(parts))
+    return "\n".join(lines)
+
+
+def _scheduler_for(pipe, sampler: str):
+    cls, overrides = SCHEDULERS[sampler]
+    return cls.from_config(pipe.scheduler.config, **overrides)
+
+
+def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
+    vae = pipe.vae
+    weight = next(vae.parameters())
+    latents = latents.to(device=weight.device, dtype=weight.dtype)
+    config = vae.config
+    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+    if mean is not None and std is not None:
+        mean_t = torch.tensor(mean, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1)
+        std_t = torch.tensor(std, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1)
+        latents = latents * std_t / config.scaling_factor + mean_t
+    else:
+        latents = latents / config.scaling_factor
+    with torch.inference_mode():
+        decoded = vae.decode(latents, return_dict=False)[0]
+    return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
+
+
+def run(pipe, device: torch.device, params: GenerateParams, seed: int,
+        on_step: Callable[[int, int], None] | None = None) -> list[Image.Image]:
+    """Denoise and decode `params.batch` images; image i uses seed `seed + i`."""
+    pipe.scheduler = _scheduler_for(pipe, params.sampler)
+    generators = [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(params.batch)]
+
+    def step_end(_pipe, step, _timestep, kwargs):
+        if on_step is not None:
+            on_step(step + 1, params.steps)
+        return kwargs
+
+    with torch.inference_mode():
+        latents = pipe(
+            prompt=params.prompt,
+            negative_prompt=params.negative_prompt or None,
+            num_inference_steps=params.steps,
+            guidance_scale=params.cfg,
+            width=params.width,
+            height=params.height,
+            num_images_per_prompt=params.batch,
+            generator=generators,
+            output_type="latent",
+            callback_on_step_end=step_end,
+        ).images
+    return _decode(pipe, latents)
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int) -> Path:
+    """Write `outputs/<date>/<nnnnn>-<seed>.png` with the infotext in the `parameters` chunk."""
+    folder = outputs_dir / datetime.now().strftime("%Y-%m-%d")
+    folder.mkdir(parents=True, exist_ok=True)
+    index = len(list(folder.glob("*.png")))
+    path = folder / _UNSAFE.sub("_", f"{index:05d}-{seed}.png")
+    while path.exists():
+        index += 1
+        path = folder / f"{index:05d}-{seed}.png"
+    meta = PngImagePlugin.PngInfo()
+    meta.add_text("parameters", text)
+    image.save(path, pnginfo=meta)
+    return path

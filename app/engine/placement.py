@@ -1,0 +1,218 @@
+"""Placement plan, verification and repair: the only code that moves or casts model tensors.
+
+Why this module exists: every crash in the seed reports came from a tensor that some code put
+on a hard-coded device or dtype, after which nothing checked. Here a `PlacementPlan` states
+where each component's tensors must be *at rest* (between uses) and *at compute* (while its
+forward runs). `verify()` walks every parameter and buffer of every component — never
+`module.device`, which only reads the first parameter — and `sync()` repairs what it finds in
+place, keeping each `Parameter` object (and so every hook and reference) alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class PlacementError(RuntimeError):
+    """A component could not be brought to its planned device/dtype."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def resolve_device(requested: str) -> torch.device:
+    """`auto` means the first CUDA device when one is usable, else the CPU."""
+    if requested == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
+
+
+def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """The dtype policy.
+
+    `auto`: bf16 where the GPU supports it, else fp16 on CUDA, fp32 on the CPU. On the CPU an
+    fp16 request becomes fp32, because Half kernels (LayerNorm among them) are missing or
+    slow there — the OneTrainer `expected scalar type Float but found Half` class. bf16 is
+    honoured on the CPU when asked for explicitly: torch ships bf16 CPU kernels for every op
+    these models use.
+    """
+    if requested == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    dtype = DTYPES[requested]
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.float32
+    return dtype
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{self.device}/{dtype_name(self.dtype)}"
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """Where one component's tensors live at rest and while its forward runs."""
+
+    rest: Placement
+    compute: Placement
+
+    @property
+    def offloaded(self) -> bool:
+        return self.rest.device != self.compute.device
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    device: torch.device
+    dtype: torch.dtype
+    offload: str
+    components: Mapping[str, ComponentPlan]
+
+    def expected(self, component: str) -> Placement:
+        """Placement every tensor of `component` must have at rest."""
+        return self.components[component].rest
+
+
+@dataclass(frozen=True)
+class Violation:
+    component: str
+    module: str
+    tensor: str
+    expected: str
+    actual: str
+
+    def __str__(self) -> str:
+        where = f"{self.component}.{self.module}.{self.tensor}" if self.module else f"{self.component}.{self.tensor}"
+        return f"{where}: expected {self.expected}, found {self.actual}"
+
+
+def torch_components(pipe) -> dict[str, torch.nn.Module]:
+    """The pipeline's `nn.Module` components (unet, vae, text encoders), in a stable order."""
+    return {name: c for name, c in sorted(pipe.components.items()) if isinstance(c, torch.nn.Module)}
+
+
+def iter_tensors(pipe) -> Iterator[tuple[str, str, torch.nn.Module, str, torch.Tensor, bool]]:
+    """Yield (component, module path, module, tensor name, tensor, is_parameter) for every
+    parameter and buffer owned directly by every module of every component."""
+    for comp_name, component in torch_components(pipe).items():
+        for path, module in component.named_modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    yield comp_name, path, module, name, param, True
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    yield comp_name, path, module, name, buf, False
+
+
+def _matches(tensor: torch.Tensor, want: Placement) -> bool:
+    if tensor.device != want.device:
+        return False
+    # Integer buffers (position ids, step counters) keep their own dtype by design.
+    return not tensor.is_floating_point() or tensor.dtype == want.dtype
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{tensor.device}/{dtype_name(tensor.dtype)}"
+
+
+def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str) -> PlacementPlan:
+    """Build the plan for `pipe` at `dtype` on `device` under an offload mode.
+
+    Policy beyond the plain request: the SDXL VAE is kept in fp32 when its config asks for
+    upcasting (`force_upcast`), because its fp16 decode overflows to NaN; on the CPU nothing
+    runs in fp16 (see `resolve_dtype`).
+    """
+    if device.type == "cpu" and dtype == torch.float16:
+        dtype = torch.float32
+    cpu = torch.device("cpu")
+    plans = {}
+    for name, component in torch_components(pipe).items():
+        comp_dtype = dtype
+        if name == "vae" and getattr(component.config, "force_upcast", False):
+            comp_dtype = torch.float32
+        compute = Placement(device, comp_dtype)
+        offloaded = offload != "none" and device.type != "cpu"
+        rest = Placement(cpu, comp_dtype) if offloaded else compute
+        plans[name] = ComponentPlan(rest=rest, compute=compute)
+    return PlacementPlan(device=device, dtype=dtype, offload=offload, components=plans)
+
+
+def verify(pipe, plan: PlacementPlan) -> list[Violation]:
+    """Every tensor whose device or dtype differs from the plan's at-rest placement."""
+    found = []
+    for comp, path, _module, name, tensor, _is_param in iter_tensors(pipe):
+        if comp not in plan.components:
+            found.append(Violation(comp, path, name, "component absent from plan", _describe(tensor)))
+            continue
+        want = plan.expected(comp)
+        if not _matches(tensor, want):
+            found.append(Violation(comp, path, name, str(want), _describe(tensor)))
+    return found
+
+
+def _move_tensor(module: torch.nn.Module, name: str, is_param: bool, want: Placement) -> None:
+    """Move one tensor in place of itself: a parameter keeps its identity (only `.data` changes),
+    a buffer is re-registered under the same name."""
+    if is_param:
+        param = module._parameters[name]
+        dtype = want.dtype if param.is_floating_point() else param.dtype
+        with torch.no_grad():
+            param.data = param.data.to(device=want.device, dtype=dtype)
+    else:
+        buf = module._buffers[name]
+        dtype = want.dtype if buf.is_floating_point() else buf.dtype
+        module._buffers[name] = buf.to(device=want.device, dtype=dtype)
+
+
+def sync(pipe, plan: PlacementPlan, *, reason: str = "sync") -> int:
+    """Repair every violation in place; returns how many tensors were moved or cast."""
+    components = torch_components(pipe)
+    repaired = 0
+    for v in verify(pipe, plan):
+        if v.component not in plan.components:
+            raise PlacementError(f"{v.component} has no placement plan; cannot repair {v}")
+        module = components[v.component].get_submodule(v.module) if v.module else components[v.component]
+        is_param = v.tensor in module._parameters
+        want = plan.expected(v.component)
+        started = time.perf_counter()
+        _move_tensor(module, v.tensor, is_param, want)
+        repaired += 1
+        log.debug("move %s: %s -> %s (%s, %.1f ms)", f"{v.component}.{v.module}.{v.tensor}", v.actual,
+                  want, reason, (time.perf_counter() - started) * 1e3)
+    return repaired
+
+
+def apply_plan(pipe, plan: PlacementPlan, *, reason: str) -> None:
+    """Bring every component to its at-rest placement, component by component.
+
+    `Module.to` keeps parameter objects and leaves integer buffers' dtypes alone; a final
+    verify proves nothing was left behind.
+    """
+    for name, component in torch_components(pipe).items():
+        want = plan.expected(name)
+        started = time.perf_counter()
+        component.to(device=want.device, dtype=want.dtype)
+        log.debug("move %s -> %s (%s, %.1f ms)", name, want, reason, (time.perf_counter() - started) * 1e3)
+    leftovers = verify(pipe, plan)
+    if leftovers:
+        raise PlacementError(f"{len(leftovers)} tensors not at their planned placement, e.g. {leftovers[0]}")

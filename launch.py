@@ -1,0 +1,93 @@
+"""Steady Diffusion launcher: command-line flags -> Settings -> Engine -> UI.
+
+`python launch.py` serves the UI on 127.0.0.1:7860. With an empty models folder it first writes
+tiny random-weight demo models so a newcomer sees a working app at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may ask a model hub, ever
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("NO_PROXY", "localhost,127.0.0.1")
+
+from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings  # noqa: E402
+
+log = logging.getLogger("steady_diffusion")
+
+
+def parse_auth(pairs: list[str], auth_file: str | None) -> tuple[tuple[str, str], ...]:
+    """`user:pass` pairs from the command line and/or a file with one pair per line."""
+    lines = list(pairs)
+    if auth_file:
+        lines += [ln.strip() for ln in Path(auth_file).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    out = []
+    for line in lines:
+        user, sep, password = line.partition(":")
+        if not sep or not user or not password:
+            raise SystemExit(f"--auth expects user:password, got {line.split(':')[0]!r}:…")
+        out.append((user, password))
+    return tuple(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch.py", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data-dir", default=".", help="folder with models/Stable-diffusion, models/Lora, "
+                   "embeddings and outputs (an A1111 install folder works as is)")
+    p.add_argument("--model", default=None, help="checkpoint name to load at start (default: the first found)")
+    p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 …")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights dtype; auto = bf16 on GPUs that support it, else fp16 on CUDA, fp32 on CPU")
+    p.add_argument("--offload", default="none", choices=OFFLOAD_CHOICES, help="offload mode at start")
+    p.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
+                   help="cap on GPU memory for balanced offload (simulate a smaller GPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the UNet (slow first run)")
+    p.add_argument("--strict", action="store_true", help="treat any placement violation as an error")
+    p.add_argument("--lora-debug", action="store_true", help="log LoRA key matching (also SD_LORA_DEBUG=1)")
+    p.add_argument("--move-debug", action="store_true", help="log every tensor move (also SD_MOVE_DEBUG=1)")
+    p.add_argument("--no-demo", action="store_true", help="do not create demo models when none are found")
+    p.add_argument("--listen", action="store_true", help="serve on 0.0.0.0 instead of 127.0.0.1")
+    p.add_argument("--port", type=int, default=7860, help="HTTP port")
+    p.add_argument("--share", action="store_true", help="create a public Gradio share link")
+    p.add_argument("--auth", action="append", default=[], metavar="USER:PASS", help="require a login (repeatable)")
+    p.add_argument("--auth-file", default=None, help="file with one user:password per line")
+    p.add_argument("--no-auth", action="store_true",
+                   help="allow --share/--listen without a password (otherwise one is generated)")
+    p.add_argument("--bug-report", nargs="?", const="bug-report.zip", default=None, metavar="ZIP",
+                   help="write a bug-report bundle and exit (works when the UI cannot start)")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return Settings(
+        data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype, offload=args.offload,
+        vram_budget_gib=args.vram_budget, compile=args.compile, strict=args.strict,
+        lora_debug=args.lora_debug or Settings().lora_debug, move_debug=args.move_debug or Settings().move_debug,
+        listen=args.listen, port=args.port, share=args.share, auth=parse_auth(args.auth, args.auth_file),
+        no_auth=args.no_auth,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    if args.bug_report:
+        from app.report import write_bug_report_offline
+
+        path = write_bug_report_offline(settings, Path(args.bug_report))
+        print(f"bug report written to {path}")
+        return 0
+    from app.ui.serve import serve
+
+    return serve(settings, initial_model=args.model, create_demo=not args.no_demo)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures. No test downloads anything: the Hugging Face hub is switched off before any
+library that could reach it is imported, and every model is a tiny random-weight one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # read once when huggingface_hub is imported
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def demo_paths(tmp_path_factory) -> dict[str, Path]:
+    """Paths written once per session by `app.demo.write_demo` (tiny SD1.5/SDXL single files and
+    diffusers folders, one embedding per arch). Shared: copy before modifying anything in it."""
+    from app.demo import write_demo
+
+    return write_demo(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def demo_dir(demo_paths) -> Path:
+    """The session's demo data folder (A1111 layout: models/Stable-diffusion, models/Lora, embeddings)."""
+    return demo_paths["checkpoints_dir"].parent.parent
+
+
+@pytest.fixture
+def data_dir(demo_dir, tmp_path) -> Path:
+    """A private data folder whose models, LoRAs and embeddings are hard links to the session's demo
+    files, so a test can add files (a corrupt checkpoint, a new LoRA) or write outputs without
+    affecting other tests. Tests must not modify the linked files in place."""
+    for sub in ("models/Stable-diffusion", "models/Lora", "embeddings"):
+        source = demo_dir / sub
+        if source.is_dir():
+            shutil.copytree(source, tmp_path / sub, copy_function=os.link)
+        else:
+            (tmp_path / sub).mkdir(parents=True)
+    return tmp_path
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests skip (with the reason) where there is no CUDA device."""
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu through the device tool)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gpu_data_dir(data_dir) -> Path:
+    """The same private data folder, for GPU tests (kept separate so intent is visible)."""
+    return data_dir

@@ -1,0 +1,132 @@
+"""Tiny demo pipelines and the demo data folder that tests and first-run users rely on."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from app import demo
+from app.engine import models
+
+
+def _weights(pipe) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.{k}": v
+        for name in ("unet", "vae", "text_encoder")
+        for k, v in getattr(pipe, name).state_dict().items()
+    }
+
+
+def _image(pipe, prompt: str) -> np.ndarray:
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    return pipe(prompt, num_inference_steps=2, generator=generator, output_type="np").images[0]
+
+
+def test_tiny_pipeline_is_deterministic_per_seed_and_leaves_global_rng_alone():
+    """Fixtures rebuild the saved pipelines from the seed, so the same seed must give the same weights;
+    building one must not shift the caller's random stream."""
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first = _weights(demo.build_tiny_pipeline("sd15", seed=7))
+    assert torch.equal(torch.rand(3), expected_next)
+    again = _weights(demo.build_tiny_pipeline("sd15", seed=7))
+    other = _weights(demo.build_tiny_pipeline("sd15", seed=8))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["unet.conv_in.weight"], other["unet.conv_in.weight"])
+
+
+def test_tiny_pipeline_rejects_unknown_architecture():
+    """Only the two supported architectures have tiny versions."""
+    with pytest.raises(ValueError, match="sd15"):
+        demo.build_tiny_pipeline("sd3")
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+def test_tiny_pipeline_draws_a_prompt_dependent_image(arch):
+    """Random weights still give images with structure that change with the prompt, so tests that
+    compare images (LoRA on/off, seeds, batches) can see a difference."""
+    pipe = demo.build_tiny_pipeline(arch)
+    cat, dog = _image(pipe, "a photo of a cat"), _image(pipe, "a painting of a dog")
+    assert cat.shape == (64, 64, 3)
+    assert cat.std() > 0.05
+    assert np.abs(cat - dog).max() > 0.01
+
+
+def test_tiny_sdxl_keeps_the_real_structure_that_loaders_and_adapters_rely_on():
+    """SDXL tiny: two encoders of different widths, text_time embedding, real VAE scaling and upcast."""
+    pipe = demo.build_tiny_pipeline("sdxl")
+    assert pipe.unet.config.addition_embed_type == "text_time"
+    assert pipe.unet.config.cross_attention_dim == pipe.text_encoder.config.hidden_size + (
+        pipe.text_encoder_2.config.hidden_size
+    )
+    assert pipe.text_encoder.config.hidden_size != pipe.text_encoder_2.config.hidden_size
+    assert (pipe.vae.config.scaling_factor, pipe.vae.config.force_upcast) == (0.13025, True)
+    assert pipe.text_encoder.config.vocab_size == 49408 == len(pipe.tokenizer)
+
+
+def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
+    """The demo folder has both archs as single files and diffusers folders, and one embedding per arch."""
+    checkpoints = demo_dir / "models" / "Stable-diffusion"
+    names = [info.name for info in models.discover_checkpoints(checkpoints)]
+    assert names == [
+        "tiny-sd15-diffusers",
+        "tiny-sd15.safetensors",
+        "tiny-sdxl-diffusers",
+        "tiny-sdxl.safetensors",
+    ]
+    assert (demo_dir / "models" / "Lora").is_dir()
+    assert demo_paths["lora_dir"] == demo_dir / "models" / "Lora"
+    assert sorted(p.name for p in (demo_dir / "embeddings").iterdir()) == [
+        "tiny-sd15-embedding.safetensors",
+        "tiny-sdxl-embedding.safetensors",
+    ]
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+def test_demo_single_file_is_ldm_layout_with_embedded_configs(demo_paths, arch):
+    """Single files look like real checkpoints (LDM keys) and carry the tiny configs they need."""
+    with safe_open(str(demo_paths[f"{arch}_file"]), "pt") as handle:
+        keys, metadata = set(handle.keys()), handle.metadata()
+    assert models.detect_architecture(keys) == arch
+    configs = json.loads(metadata[models.CONFIGS_METADATA_KEY])
+    expected = {"unet", "vae", "text_encoder"} | ({"text_encoder_2"} if arch == "sdxl" else set())
+    assert set(configs) == expected
+    assert configs["unet"]["block_out_channels"] == [32, 64]
+
+
+def test_demo_embeddings_use_the_a1111_layouts(demo_paths):
+    """SD1.5 embeddings hold `emb_params`; SDXL ones `clip_l` and `clip_g`, sized to each encoder."""
+    sd15 = load_file(str(demo_paths["sd15_embedding"]))
+    sdxl = load_file(str(demo_paths["sdxl_embedding"]))
+    assert {k: tuple(v.shape) for k, v in sd15.items()} == {"emb_params": (2, 32)}
+    assert {k: tuple(v.shape) for k, v in sdxl.items()} == {"clip_l": (2, 32), "clip_g": (2, 64)}
+
+
+def test_write_demo_calls_the_lora_writer_once_per_arch(tmp_path):
+    """LoRA files come from app/adapters through this hook, given the Lora folder and each tiny pipeline."""
+    calls = []
+    demo.write_demo(
+        tmp_path, lora_writer=lambda folder, pipe, arch: calls.append((folder, type(pipe).__name__, arch))
+    )
+    lora_dir = tmp_path.resolve() / "models" / "Lora"
+    assert calls == [
+        (lora_dir, "StableDiffusionPipeline", "sd15"),
+        (lora_dir, "StableDiffusionXLPipeline", "sdxl"),
+    ]
+
+
+def test_cli_writes_into_the_given_folder(tmp_path, monkeypatch, capsys):
+    """`python -m app.demo DIR` passes DIR to write_demo and prints what it wrote."""
+    seen = []
+    monkeypatch.setattr(demo, "write_demo", lambda path: seen.append(path) or {"sd15_file": path / "x"})
+    monkeypatch.setattr("sys.argv", ["app.demo", str(tmp_path)])
+    demo.main()
+    assert seen == [tmp_path]
+    assert str(tmp_path / "x") in capsys.readouterr().out

@@ -1,0 +1,183 @@
+"""The engine state machine: transitions, history, rollback, placement repair, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from app.engine.engine import Engine, EngineState
+from app.engine.generate import GenerateParams
+from app.engine.models import ModelLoadError
+from app.settings import Settings
+
+FAST = dict(steps=2, width=64, height=64, cfg=5.0, sampler="Euler")
+
+
+@pytest.fixture
+def engine(data_dir):
+    eng = Engine(Settings(data_dir=data_dir, device="cpu"))
+    yield eng
+    eng.close()
+
+
+def _pixels(result) -> np.ndarray:
+    return np.asarray(result[0].image)
+
+
+def test_each_transition_records_a_history_row(engine):
+    """Every public command runs as one transition with its working state, outcome and timing."""
+    assert engine.snapshot().state == EngineState.EMPTY.value
+    engine.load_model("tiny-sd15.safetensors")
+    engine.set_dtype("bf16")
+    engine.set_offload("none")
+    engine.set_loras([])
+    engine.generate(GenerateParams("a cat", seed=1, **FAST))
+    snap = engine.unload()
+    rows = [(h.command, h.state, h.outcome) for h in snap.history]
+    assert rows == [
+        ("load_model", "LOADING", "ok"),
+        ("set_dtype", "LOADING", "ok"),
+        ("set_offload", "MOVING", "ok"),
+        ("set_loras", "PATCHING", "ok"),
+        ("generate", "GENERATING", "ok"),
+        ("unload", "MOVING", "ok"),
+    ]
+    assert all(h.duration_s >= 0 and h.started > 0 for h in snap.history)
+    assert snap.state == EngineState.EMPTY.value and snap.model is None
+
+
+def test_failed_load_of_corrupt_file_keeps_previous_model(engine, data_dir):
+    """A corrupt checkpoint fails in LOADING; the previous model stays loaded, READY and usable."""
+    engine.load_model("tiny-sd15.safetensors")
+    before = {k: v.clone() for k, v in engine.pipeline.unet.state_dict().items()}
+    bad = data_dir / "models" / "Stable-diffusion" / "broken.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": broken json}")
+    with pytest.raises(ModelLoadError, match="broken.safetensors"):
+        engine.load_model("broken.safetensors")
+    snap = engine.snapshot()
+    assert snap.state == EngineState.READY.value
+    assert snap.model == "tiny-sd15.safetensors"
+    assert snap.history[-1].outcome == "failed, rolled back"
+    assert "broken.safetensors" in snap.last_error.message
+    after = engine.pipeline.unet.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert len(engine.generate(GenerateParams("a cat", seed=3, **FAST))) == 1
+
+
+def test_injected_dtype_and_stray_buffer_are_repaired_before_generation(engine):
+    """verify() finds a weight cast to another dtype and a stray float64 buffer; the engine repairs
+    both before denoising, counts them in the history row and the snapshot, and generation runs."""
+    engine.load_model("tiny-sd15.safetensors")
+    unet = engine.pipeline.unet
+    proj = unet.get_submodule("down_blocks.0.attentions.0.proj_in")
+    param_id = id(proj.weight)
+    proj.weight.data = proj.weight.data.to(torch.bfloat16)
+    unet.get_submodule("conv_in").register_buffer("stray", torch.ones(3, dtype=torch.float64))
+    result = engine.generate(GenerateParams("a cat", seed=5, **FAST))
+    assert len(result) == 1
+    snap = engine.snapshot()
+    row = snap.history[-1]
+    assert row.command == "generate" and row.outcome == "ok"
+    assert row.violations_found == 2 and row.violations_repaired == 2
+    assert snap.violations_found_total == 2
+    assert proj.weight.dtype == torch.float32 and id(proj.weight) == param_id
+    assert unet.get_submodule("conv_in").stray.dtype == torch.float32
+
+
+def test_snapshot_lists_every_violation_it_found(engine):
+    """The snapshot names the component, module, tensor, expected and actual placement."""
+    engine.load_model("tiny-sd15.safetensors")
+    vae = engine.pipeline.vae
+    vae.get_submodule("decoder.conv_out").bias.data = vae.get_submodule("decoder.conv_out").bias.data.double()
+    snap = engine.set_loras([])
+    (v,) = snap.violations
+    assert (v.component, v.module, v.tensor) == ("vae", "decoder.conv_out", "bias")
+    assert v.expected == "cpu/fp32" and v.actual == "cpu/float64"
+    flagged = [r for r in snap.placement if r.violation]
+    assert [(r.component, r.module) for r in flagged] == [("vae", "decoder.conv_out")]
+
+
+def test_same_seed_gives_identical_images(engine):
+    """Determinism: CPU generators per image make a seed reproduce bit-for-bit."""
+    engine.load_model("tiny-sd15.safetensors")
+    a = engine.generate(GenerateParams("a cat", seed=42, **FAST))
+    b = engine.generate(GenerateParams("a cat", seed=42, **FAST))
+    c = engine.generate(GenerateParams("a cat", seed=43, **FAST))
+    assert np.array_equal(_pixels(a), _pixels(b))
+    assert not np.array_equal(_pixels(a), _pixels(c))
+
+
+def test_batch_image_i_equals_single_image_with_seed_plus_i(engine):
+    """Image i of a batch uses seed+i, so any image of a batch can be reproduced alone."""
+    engine.load_model("tiny-sd15.safetensors")
+    batch = engine.generate(GenerateParams("a cat", seed=7, batch=2, **FAST))
+    single = engine.generate(GenerateParams("a cat", seed=8, **FAST))
+    assert [r.seed for r in batch] == [7, 8]
+    assert np.abs(np.asarray(batch[1].image, dtype=int) - _pixels(single).astype(int)).max() <= 1
+
+
+def test_png_carries_a1111_infotext(engine):
+    """Saved PNGs hold the `parameters` text other tools read."""
+    from PIL import Image
+
+    engine.load_model("tiny-sd15.safetensors")
+    (img,) = engine.generate(GenerateParams("a red cube", negative_prompt="blurry", seed=11, **FAST))
+    text = Image.open(img.path).info["parameters"]
+    assert text.startswith("a red cube\nNegative prompt: blurry\nSteps: 2, Sampler: Euler, CFG scale: 5")
+    assert "Seed: 11" in text and "Size: 64x64" in text and "Model: tiny-sd15.safetensors" in text
+
+
+@pytest.mark.parametrize("model", ["tiny-sd15.safetensors", "tiny-sdxl.safetensors"])
+def test_embedding_in_bf16_text_encoder(engine, model):
+    """A textual-inversion embedding is cast to a bf16 encoder's dtype and used in generation."""
+    engine.load_model(model, dtype="bf16")
+    snap = engine.snapshot()
+    assert snap.dtype == "bf16" and snap.embeddings
+    token = snap.embeddings[0]
+    te = engine.pipeline.text_encoder
+    assert te.get_input_embeddings().weight.dtype == torch.bfloat16
+    out = engine.generate(GenerateParams(f"a photo of {token}", seed=2, **FAST))
+    assert out and not snap.violations
+
+
+def test_sdxl_vae_stays_fp32_when_config_asks_for_upcast(engine):
+    """SDXL's VAE (force_upcast) is planned in fp32 while the rest of the model is bf16."""
+    engine.load_model("tiny-sdxl.safetensors", dtype="bf16")
+    pipe = engine.pipeline
+    assert pipe.vae.config.force_upcast
+    assert {p.dtype for p in pipe.vae.parameters()} == {torch.float32}
+    assert {p.dtype for p in pipe.unet.parameters()} == {torch.bfloat16}
+    assert engine.generate(GenerateParams("a cat", seed=1, **FAST))
+
+
+def test_fp16_request_on_cpu_becomes_fp32(engine):
+    """Nothing runs in Half on the CPU (LayerNorm/conv kernels): fp16 there is stored as fp32."""
+    snap = engine.load_model("tiny-sd15.safetensors", dtype="fp16")
+    assert snap.dtype == "fp32" and snap.requested_dtype == "fp16"
+
+
+def test_bad_choices_are_refused_before_queueing(engine):
+    """Unknown dtype/offload names fail at once with the list of valid choices."""
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        engine.set_dtype("int8")
+    with pytest.raises(ValueError, match="offload must be one of"):
+        engine.set_offload("turbo")
+    assert engine.snapshot().history == ()
+
+
+@pytest.mark.gpu
+def test_gpu_cpu_bias_is_repaired_before_it_can_raise(gpu_data_dir):
+    """The SD.Next #3614 state (a CPU bias beside a CUDA weight) is repaired before denoising."""
+    eng = Engine(Settings(data_dir=gpu_data_dir, device="cuda"))
+    try:
+        snap = eng.load_model("tiny-sd15.safetensors")
+        assert snap.dtype == "bf16"  # auto on an H100
+        for module in eng.pipeline.unet.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.data = module.bias.data.cpu()
+        out = eng.generate(GenerateParams("a cat", seed=1, **FAST))
+        assert out and eng.snapshot().history[-1].violations_repaired > 0
+        assert all(p.device.type == "cuda" for p in eng.pipeline.unet.parameters())
+    finally:
+        eng.close()
