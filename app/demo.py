@@ -23,13 +23,21 @@ from pathlib import Path  # noqa: E402
 
 import diffusers  # noqa: E402
 import torch  # noqa: E402
-from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: E402
+from diffusers import (  # noqa: E402
+    AutoencoderKL,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
 from safetensors.torch import save_file  # noqa: E402
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
 
 from app.engine.ldm_layout import to_ldm_state_dict  # noqa: E402
-from app.engine.models import CONFIG_DIRS, CONFIGS_METADATA_KEY, PIPELINE_CLASSES, load_tokenizers  # noqa: E402
+from app.engine.models import CONFIG_DIRS, CONFIGS_METADATA_KEY, load_tokenizers  # noqa: E402
 from app.settings import Settings  # noqa: E402
+
+# Plain diffusers classes, so the written folders load in any diffusers-based tool.
+DIFFUSERS_CLASSES = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 
 ARCHS = ("sd15", "sdxl")
 _TIME_EMBED_DIM = 8
@@ -118,7 +126,7 @@ def build_tiny_pipeline(arch: str, seed: int = 0):
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
     components["scheduler"] = scheduler_cls.from_pretrained(CONFIG_DIRS[arch], subfolder="scheduler")
     extra = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
-    pipe = PIPELINE_CLASSES[arch](**components, **load_tokenizers(arch), **(extra if arch == "sd15" else {}))
+    pipe = DIFFUSERS_CLASSES[arch](**components, **load_tokenizers(arch), **(extra if arch == "sd15" else {}))
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.eval()

@@ -73,6 +73,13 @@ def _join(values: set[str]) -> str:
     return "+".join(sorted(values))
 
 
+def _offload_state(plan: PlacementPlan, component: str) -> str:
+    comp_plan = plan.components.get(component)
+    if comp_plan is None or not comp_plan.offloaded or component in plan.resident:
+        return "resident"
+    return "streamed" if plan.offload in ("sequential", "group") else "offloaded"
+
+
 def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], tuple[str, ...]],
                    violations: list[Violation]) -> tuple[ModuleRow, ...]:
     """Aggregate every tensor into one row per owning module (mixed devices show as `a+b`)."""
@@ -87,8 +94,7 @@ def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], 
         row["bytes"] += tensor.numel() * tensor.element_size()
     rows = []
     for (comp, path), row in acc.items():
-        comp_plan = plan.components.get(comp)
-        offload = "offloaded" if comp_plan is not None and comp_plan.offloaded else "resident"
+        offload = _offload_state(plan, comp)
         rows.append(ModuleRow(comp, path, row["cls"], _join(row["devices"]), _join(row["dtypes"]), row["params"],
                               round(row["bytes"] / 2**20, 3), tuple(patched.get((comp, path), ())), offload,
                               (comp, path) in bad))

@@ -8,11 +8,8 @@ not re-read the disk, and a file replaced on disk is picked up on the next apply
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 import logging
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +21,7 @@ from safetensors.torch import load_file
 from app.adapters.errors import AdapterFormatError
 from app.adapters.specs import LoraSpec
 from app.paths import resolve_under
+from app.safetensors_files import SafetensorsFileError, file_sha256, read_header
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
@@ -39,49 +37,19 @@ class AdapterFile:
     size_bytes: int
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def read_header(path: Path) -> dict:
-    """Parse and sanity-check the safetensors JSON header without reading tensor data."""
-    size = path.stat().st_size
-    if size < 8:
-        raise AdapterFormatError(f"{path.name}: file is {size} bytes, too small to be a .safetensors file")
-    with open(path, "rb") as fh:
-        (header_len,) = struct.unpack("<Q", fh.read(8))
-        if header_len > min(size - 8, 100 * 2**20):
-            raise AdapterFormatError(
-                f"{path.name}: not a .safetensors file (header length {header_len} does not fit a "
-                f"{size}-byte file; a renamed .ckpt/.pt pickle?)")
-        try:
-            header = json.loads(fh.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise AdapterFormatError(f"{path.name}: safetensors header is not valid JSON ({exc})") from None
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    if ends and max(ends) > size - 8 - header_len:
-        raise AdapterFormatError(
-            f"{path.name}: truncated: the header promises {max(ends)} bytes of tensor data, "
-            f"the file holds {size - 8 - header_len}")
-    return header
-
-
 def read_adapter(name: str, path: Path) -> AdapterFile:
-    header = read_header(path)
+    """Read every tensor of an adapter file after the header check; NaN/Inf tensors are refused
+    (a LoRA with them would silently turn every image black)."""
     try:
+        _keys, metadata = read_header(path)
         tensors = load_file(str(path), device="cpu")
-    except (SafetensorError, ValueError, RuntimeError) as exc:
-        raise AdapterFormatError(f"{path.name}: cannot read tensors ({exc})") from None
+    except (SafetensorsFileError, SafetensorError) as exc:
+        raise AdapterFormatError(str(exc)) from None
     if not tensors:
         raise AdapterFormatError(f"{path.name}: contains no tensors")
     for key, tensor in tensors.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise AdapterFormatError(f"{path.name}: tensor {key} contains NaN or Inf values; refused")
-    metadata = dict(header.get("__metadata__") or {})
     return AdapterFile(name, path, tensors, metadata, file_sha256(path)[:12], path.stat().st_size)
 
 

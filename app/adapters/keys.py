@@ -90,9 +90,12 @@ class KeyTable:
                 yield from ((f"{p}{ldm.replace('.', '_')}", ("unet", path)) for p in ("lora_unet_", "lycoris_"))
         for comp, prefix in _te_prefixes(arch).items():
             for path, module in getattr(pipe, comp).named_modules():
-                if path and getattr(module, "weight", None) is not None:
-                    yield f"{prefix}{path.replace('.', '_')}", (comp, path)
-                    yield f"{comp}.{path}", (comp, path)
+                if not path or getattr(module, "weight", None) is None:
+                    continue
+                # transformers >= 5.6 dropped CLIPTextModel's `text_model.` level; trainers still write it.
+                for spelled in {path, path if path.startswith("text_model.") else f"text_model.{path}"}:
+                    yield f"{prefix}{spelled.replace('.', '_')}", (comp, path)
+                    yield f"{comp}.{spelled}", (comp, path)
 
     def group(self, tensors: dict[str, torch.Tensor]) -> list[LayerGroup]:
         """Group an adapter file's tensors by layer and resolve each layer to a module."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from app.adapters.files import read_header
+from app.safetensors_files import read_header
 
 log = logging.getLogger(__name__)
 

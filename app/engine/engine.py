@@ -33,7 +33,7 @@ from app.adapters.files import LoraLibrary
 from app.adapters.patcher import LoraStack
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import embeddings, generate, models, placement
+from app.engine import embeddings, generate, models, offload, placement
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
 
@@ -135,6 +135,7 @@ class _Loaded:
     plan: placement.PlacementPlan
     stack: LoraStack
     embeddings: tuple[str, ...]
+    strategy: offload.OffloadStrategy
 
 
 def _release_memory() -> None:
@@ -368,47 +369,62 @@ class Engine:
         fresh = models.load_pipeline(info, self._resolved_dtype(requested))
         self._timers.record("load", time.perf_counter() - t0)
         self._progress = Progress(f"placing {info.name}", 1, 3)
-        self._swap_in(fresh)
+        self._swap_in(fresh, self._resolved_dtype(requested))
         self._requested_dtype = requested
         self._progress = Progress("applying LoRAs", 2, 3)
         self._reapply_desired_loras()
 
-    def _swap_in(self, fresh: models.LoadedModel) -> None:
+    def _place(self, pipe, plan: placement.PlacementPlan, reason: str) -> offload.OffloadStrategy:
+        """Apply a plan and install its offload strategy; on failure no hook of it stays behind."""
+        t0 = time.perf_counter()
+        placement.apply_plan(pipe, plan, reason=reason)
+        pipe.execution_device = plan.device
+        strategy = offload.make_strategy(pipe, plan, self.settings.vram_budget_gib, self.settings.balanced_watermark)
+        try:
+            strategy.install()
+        except BaseException:
+            strategy.remove()
+            raise
+        self._timers.record("move", time.perf_counter() - t0)
+        return strategy
+
+    def _swap_in(self, fresh: models.LoadedModel, dtype: torch.dtype) -> None:
         """Place a freshly loaded model and make it current; the old one stays usable until then.
 
-        The old pipeline is parked on the CPU first so a large new model can fit on the GPU; if
-        placing the new one fails, the old one is put back where it was.
+        The old pipeline is parked on the CPU (hooks removed) so a large new model can fit on the
+        GPU; if placing the new one fails, the old one is put back with its offload mode.
         """
         old = self._loaded
-        plan = placement.plan_placement(fresh.pipe, self._resolved_dtype(self._requested_dtype_for(fresh)),
-                                        self.device, self._offload)
-        cpu_plan = None
+        plan = placement.plan_placement(fresh.pipe, dtype, self.device, self._offload)
+        parked = False
         try:
             if old is not None and self.device.type != "cpu":
+                old.strategy.remove()
+                parked = True
                 cpu_plan = placement.plan_placement(old.model.pipe, old.plan.dtype, torch.device("cpu"), "none")
                 placement.apply_plan(old.model.pipe, cpu_plan, reason="park previous model")
             embedded = embeddings.load_all(fresh.pipe, fresh.arch, self.settings.embeddings_dir)
-            placement.apply_plan(fresh.pipe, plan, reason="load")
+            strategy = self._place(fresh.pipe, plan, reason="load")
         except BaseException:
             del fresh
-            if cpu_plan is not None:
+            if parked:
                 self._restore_placement(old)
             _release_memory()
             raise
         if old is not None:
+            old.strategy.remove()
             old.stack.release()
-        self._loaded = _Loaded(fresh, plan, LoraStack(fresh.pipe, fresh.arch), embedded)
+        self._loaded = _Loaded(fresh, plan, LoraStack(fresh.pipe, fresh.arch), embedded, strategy)
         del old
         _release_memory()
 
-    def _requested_dtype_for(self, fresh: models.LoadedModel) -> str:
-        return placement.dtype_name(next(fresh.pipe.unet.parameters()).dtype)
-
     def _restore_placement(self, loaded: _Loaded) -> None:
+        """Put a model back to its own plan and offload mode (the undo of parking or a failed move)."""
         try:
-            placement.apply_plan(loaded.model.pipe, loaded.plan, reason="rollback")
+            loaded.strategy.remove()
+            loaded.strategy = self._place(loaded.model.pipe, loaded.plan, reason="rollback")
         except BaseException as exc:
-            raise RollbackFailed(f"could not put the previous model back: {exc}") from exc
+            raise RollbackFailed(f"could not put the model back to its previous placement: {exc}") from exc
 
     def _reapply_desired_loras(self) -> None:
         """After a (re)load, apply what the user asked for; LoRAs that do not fit are reported, not fatal."""
@@ -430,20 +446,19 @@ class Engine:
         self._do_load(self._loaded.model.info.name, dtype)
 
     def _do_set_offload(self, mode: str) -> None:
-        if mode not in ("none",) and self.device.type != "cpu":
-            raise NotImplementedError(f"offload mode {mode!r} is not available yet; use 'none'")
-        self._offload = mode
-        if self._loaded is None:
+        """Remove the old mode's hooks completely, apply the new plan, install the new hooks."""
+        loaded = self._loaded
+        if loaded is None:
+            self._offload = mode
             return
-        old_plan = self._loaded.plan
-        new_plan = placement.plan_placement(self._loaded.model.pipe, old_plan.dtype, self.device, mode)
+        new_plan = placement.plan_placement(loaded.model.pipe, loaded.plan.dtype, self.device, mode)
+        loaded.strategy.remove()
         try:
-            placement.apply_plan(self._loaded.model.pipe, new_plan, reason=f"offload {mode}")
+            strategy = self._place(loaded.model.pipe, new_plan, reason=f"offload {mode}")
         except BaseException:
-            self._offload = old_plan.offload
-            self._restore_placement(self._loaded)
+            self._restore_placement(loaded)
             raise
-        self._loaded.plan = new_plan
+        loaded.plan, loaded.strategy, self._offload = new_plan, strategy, mode
 
     def _do_set_loras(self, specs: tuple[LoraSpec, ...]) -> None:
         self._desired_loras = specs
@@ -482,8 +497,8 @@ class Engine:
         self._verify_and_repair("before denoising")
         loaded = self._loaded
         seed = generate.resolve_seed(params.seed)
-        ctx = RunContext(loaded.model.info.name, loaded.model.short_hash,
-                         tuple((s.name, s.unet_strength, self.library.short_hash(s.name)) for s in loaded.stack.applied))
+        applied = tuple((s.name, s.unet_strength, self.library.short_hash(s.name)) for s in loaded.stack.applied)
+        ctx = RunContext(loaded.model.info.name, loaded.model.short_hash, applied)
         self._progress = Progress("denoising", 0, params.steps)
 
         def on_step(step: int, total: int) -> None:
@@ -491,12 +506,15 @@ class Engine:
 
         t0 = time.perf_counter()
         try:
-            images = generate.run(loaded.model.pipe, self.device, params, seed, on_step)
+            images = generate.run(loaded.model.pipe, params, seed, on_step)
         except torch.cuda.OutOfMemoryError as exc:
             _release_memory()
             raise MemoryError(
                 f"out of GPU memory generating {params.batch}x{params.width}x{params.height}: "
                 "try a smaller batch or size, or an offload mode (model, balanced, sequential)") from exc
+        finally:
+            loaded.strategy.settle()
+            loaded.plan = loaded.plan.with_resident(loaded.strategy.resident())
         self._timers.record("denoise+decode", time.perf_counter() - t0)
         out = []
         for i, image in enumerate(images):
@@ -507,6 +525,7 @@ class Engine:
 
     def _do_unload(self) -> None:
         if self._loaded is not None:
+            self._loaded.strategy.remove()
             self._loaded.stack.release()
         self._loaded = None
         _release_memory()

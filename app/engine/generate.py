@@ -118,8 +118,9 @@ def _scheduler_for(pipe, sampler: str):
 
 def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     vae = pipe.vae
-    weight = next(vae.parameters())
-    latents = latents.to(device=weight.device, dtype=weight.dtype)
+    # The execution device, not the VAE's current one: under offload the VAE rests on the CPU
+    # until its hooks bring it over. The dtype is the VAE's own (fp32 when it must upcast).
+    latents = latents.to(device=pipe._execution_device, dtype=next(vae.parameters()).dtype)
     config = vae.config
     mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
     if mean is not None and std is not None:
@@ -128,12 +129,12 @@ def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
         latents = latents * std_t / config.scaling_factor + mean_t
     else:
         latents = latents / config.scaling_factor
-    with torch.inference_mode():
+    with torch.no_grad():
         decoded = vae.decode(latents, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
 
 
-def run(pipe, device: torch.device, params: GenerateParams, seed: int,
+def run(pipe, params: GenerateParams, seed: int,
         on_step: Callable[[int, int], None] | None = None) -> list[Image.Image]:
     """Denoise and decode `params.batch` images; image i uses seed `seed + i`."""
     pipe.scheduler = _scheduler_for(pipe, params.sampler)
@@ -144,7 +145,9 @@ def run(pipe, device: torch.device, params: GenerateParams, seed: int,
             on_step(step + 1, params.steps)
         return kwargs
 
-    with torch.inference_mode():
+    # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
+    # tensors could not be patched in place afterwards.
+    with torch.no_grad():
         latents = pipe(
             prompt=params.prompt,
             negative_prompt=params.negative_prompt or None,

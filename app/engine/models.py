@@ -20,7 +20,6 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # before any Hugging Face import: the flag is read at import time
 
 import contextlib  # noqa: E402
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import shutil  # noqa: E402
@@ -34,11 +33,8 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from diffusers import (  # noqa: E402
     AutoencoderKL,
-    StableDiffusionPipeline,
-    StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from safetensors import SafetensorError, safe_open  # noqa: E402
 from transformers import (  # noqa: E402
     CLIPTextConfig,
     CLIPTextModel,
@@ -47,6 +43,8 @@ from transformers import (  # noqa: E402
 )
 
 from app.engine.ldm_layout import TEXT_ENCODER_PREFIXES, UNET_PREFIX, ldm_plan  # noqa: E402
+from app.engine.pipelines import PIPELINE_CLASSES  # noqa: E402
+from app.safetensors_files import SafetensorsFileError, file_sha256, read_header  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +56,8 @@ TOKENIZER_DIR = ASSETS_DIR / "clip_tokenizer"
 # checkpoints do not have it and get the bundled full-size configs.
 CONFIGS_METADATA_KEY = "steady_diffusion.configs"
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
-PIPELINE_CLASSES = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 _TEXT_ENCODER_CLASSES = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
-_ARCH_BY_PIPELINE_CLASS = {cls.__name__: arch for arch, cls in PIPELINE_CLASSES.items()}
+_ARCH_BY_PIPELINE_CLASS = {"StableDiffusionPipeline": "sd15", "StableDiffusionXLPipeline": "sdxl"}
 _CONFIG_FILES = {
     "unet": "unet/config.json",
     "vae": "vae/config.json",
@@ -250,34 +247,9 @@ def resolve_checkpoint(name_or_path: str, root: Path) -> CheckpointInfo:
 def read_safetensors_header(path: Path) -> tuple[frozenset[str], dict[str, str]]:
     """Tensor names and metadata of a safetensors file, raising ModelLoadError if it is not one."""
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            return frozenset(handle.keys()), dict(handle.metadata() or {})
-    except (SafetensorError, OSError) as exc:
-        raise ModelLoadError(
-            f"{path.name}: not a valid safetensors file ({_header_problem(path, exc)})"
-        ) from exc
-
-
-def _header_problem(path: Path, exc: Exception) -> str:
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(4)
-    except OSError:
-        return str(exc)
-    if not head:
-        return "the file is empty"
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
-        return "it is a pickled PyTorch checkpoint renamed to .safetensors; refusing to unpickle it"
-    return f"{exc}; the file may be truncated or corrupt"
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, streamed (checkpoints are several GB)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return read_header(path)
+    except SafetensorsFileError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 # ----------------------------------------------------------------------------------------- loading

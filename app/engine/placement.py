@@ -10,6 +10,7 @@ place, keeping each `Parameter` object (and so every hook and reference) alive.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -83,14 +84,25 @@ class ComponentPlan:
 
 @dataclass(frozen=True)
 class PlacementPlan:
+    """Where every component must be between commands.
+
+    `resident` names the offloadable components that an offload strategy currently keeps on
+    the compute device (balanced mode); for them "at rest" means the compute placement.
+    """
+
     device: torch.device
     dtype: torch.dtype
     offload: str
     components: Mapping[str, ComponentPlan]
+    resident: frozenset[str] = frozenset()
 
     def expected(self, component: str) -> Placement:
         """Placement every tensor of `component` must have at rest."""
-        return self.components[component].rest
+        plan = self.components[component]
+        return plan.compute if component in self.resident else plan.rest
+
+    def with_resident(self, names: frozenset[str]) -> PlacementPlan:
+        return dataclasses.replace(self, resident=frozenset(names))
 
 
 @dataclass(frozen=True)
@@ -170,18 +182,71 @@ def verify(pipe, plan: PlacementPlan) -> list[Violation]:
     return found
 
 
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _moved(tensor: torch.Tensor, want: Placement) -> torch.Tensor:
+    """A copy of `tensor` at `want` (integer tensors keep their dtype). Never an inference-mode
+    tensor, so later in-place LoRA writes outside inference mode stay legal."""
+    dtype = want.dtype if tensor.is_floating_point() else tensor.dtype
+    with torch.inference_mode(False), torch.no_grad():
+        return tensor.to(device=want.device, dtype=dtype)
+
+
 def _move_tensor(module: torch.nn.Module, name: str, is_param: bool, want: Placement) -> None:
     """Move one tensor in place of itself: a parameter keeps its identity (only `.data` changes),
     a buffer is re-registered under the same name."""
     if is_param:
         param = module._parameters[name]
-        dtype = want.dtype if param.is_floating_point() else param.dtype
-        with torch.no_grad():
-            param.data = param.data.to(device=want.device, dtype=dtype)
+        param.data = _moved(param.data, want)
     else:
-        buf = module._buffers[name]
-        dtype = want.dtype if buf.is_floating_point() else buf.dtype
-        module._buffers[name] = buf.to(device=want.device, dtype=dtype)
+        module._buffers[name] = _moved(module._buffers[name], want)
+
+
+def component_bytes(component: torch.nn.Module) -> int:
+    return _bytes(list(component.parameters()) + list(component.buffers()))
+
+
+def move_component(component: torch.nn.Module, name: str, want: Placement, *, reason: str) -> None:
+    """Move a whole component (every parameter and buffer) to `want`; logs the move for move-debug."""
+    started = time.perf_counter()
+    tensors = [(m, n, p is not None and n in m._parameters) for m in component.modules()
+               for n, p in (*m._parameters.items(), *m._buffers.items()) if p is not None]
+    moved, sources = 0, set()
+    for module, tensor_name, is_param in tensors:
+        tensor = module._parameters[tensor_name] if is_param else module._buffers[tensor_name]
+        if not _matches(tensor, want):
+            moved += tensor.numel() * tensor.element_size()
+            sources.add(_describe(tensor))
+            _move_tensor(module, tensor_name, is_param, want)
+    if moved:
+        log.debug("move %s: %s -> %s, %.1f MiB in %.1f ms (%s)", name, "+".join(sorted(sources)), want,
+                  moved / 2**20, (time.perf_counter() - started) * 1e3, reason)
+
+
+def stream_in(module: torch.nn.Module, want: Placement) -> dict[str, torch.Tensor]:
+    """Point a leaf module's own tensors at copies on the compute device; returns the at-rest
+    tensors so `stream_out` can point back to them without copying anything back."""
+    stash = {}
+    for store in (module._parameters, module._buffers):
+        for name, tensor in store.items():
+            if tensor is not None and not _matches(tensor, want):
+                stash[name] = tensor.data
+                if store is module._parameters:
+                    tensor.data = _moved(tensor.data, want)
+                else:
+                    store[name] = _moved(tensor, want)
+    return stash
+
+
+def stream_out(module: torch.nn.Module, stash: dict[str, torch.Tensor]) -> None:
+    """Undo `stream_in`: the compute copies are dropped, the at-rest tensors are current again."""
+    for name, tensor in stash.items():
+        if name in module._parameters:
+            module._parameters[name].data = tensor
+        else:
+            module._buffers[name] = tensor
 
 
 def sync(pipe, plan: PlacementPlan, *, reason: str = "sync") -> int:
@@ -195,24 +260,18 @@ def sync(pipe, plan: PlacementPlan, *, reason: str = "sync") -> int:
         is_param = v.tensor in module._parameters
         want = plan.expected(v.component)
         started = time.perf_counter()
+        size = _bytes([module._parameters[v.tensor] if is_param else module._buffers[v.tensor]])
         _move_tensor(module, v.tensor, is_param, want)
         repaired += 1
-        log.debug("move %s: %s -> %s (%s, %.1f ms)", f"{v.component}.{v.module}.{v.tensor}", v.actual,
-                  want, reason, (time.perf_counter() - started) * 1e3)
+        log.debug("move %s: %s -> %s, %d bytes in %.2f ms (%s)", f"{v.component}.{v.module}.{v.tensor}",
+                  v.actual, want, size, (time.perf_counter() - started) * 1e3, reason)
     return repaired
 
 
 def apply_plan(pipe, plan: PlacementPlan, *, reason: str) -> None:
-    """Bring every component to its at-rest placement, component by component.
-
-    `Module.to` keeps parameter objects and leaves integer buffers' dtypes alone; a final
-    verify proves nothing was left behind.
-    """
+    """Bring every component to its at-rest placement; a final verify proves nothing was left behind."""
     for name, component in torch_components(pipe).items():
-        want = plan.expected(name)
-        started = time.perf_counter()
-        component.to(device=want.device, dtype=want.dtype)
-        log.debug("move %s -> %s (%s, %.1f ms)", name, want, reason, (time.perf_counter() - started) * 1e3)
+        move_component(component, name, plan.expected(name), reason=reason)
     leftovers = verify(pipe, plan)
     if leftovers:
         raise PlacementError(f"{len(leftovers)} tensors not at their planned placement, e.g. {leftovers[0]}")

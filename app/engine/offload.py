@@ -1,0 +1,235 @@
+"""Offload strategies: none, model, balanced, sequential, group. None of them splits a layer.
+
+Each strategy installs forward hooks that ask `placement` (the only mover) to bring weights to
+the compute device when a forward needs them, and `remove()` takes away every hook it added
+(handles are kept, so removal is exact and symmetric). What each mode moves:
+
+* **model**: whole components; one on the GPU at a time, the previous one goes back to the CPU.
+* **balanced**: whole components; they stay resident while the GPU stays under a watermark
+  (fraction of VRAM, capped by `--vram-budget`); the least recently used is evicted when a
+  newcomer would not fit. A component is never left half on each device.
+* **sequential**: each leaf module's own tensors, copied to the GPU for its forward and
+  dropped after; the CPU tensor stays the storage, so nothing is copied back.
+* **group**: whole blocks (a down block, an encoder layer) streamed like `sequential`, with the
+  next block of the same list copied ahead on a side CUDA stream. Our own rather than
+  diffusers' group offloading, which needs accelerate and keeps pinned copies of every weight.
+
+`settle()` brings components back to their at-rest placement after a generation, so verify()
+always sees the same picture between commands.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from app.engine import placement
+from app.engine.placement import PlacementPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OffloadStrategy:
+    """Base: mode `none`. Subclasses add hooks; the base keeps their handles for exact removal."""
+
+    pipe: object
+    plan: PlacementPlan
+    handles: list = field(default_factory=list)
+    mode: str = "none"
+
+    def install(self) -> None:
+        """Add this mode's hooks (none for `none`)."""
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def resident(self) -> frozenset[str]:
+        """Components that stay on the compute device between commands."""
+        return frozenset(self.plan.components) if self.mode == "none" else frozenset()
+
+    def settle(self) -> None:
+        """Bring components back to their at-rest placement after a generation (a failed forward
+        included). Streaming modes need nothing: their hooks restore each module after its
+        forward, and the verify that follows every command catches what an exception left."""
+
+
+class ModelOffload(OffloadStrategy):
+    """Whole components move to the GPU for their forward; the last active one is sent back."""
+
+    def __init__(self, pipe, plan: PlacementPlan) -> None:
+        super().__init__(pipe, plan, mode="model")
+        self._on_device: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def install(self) -> None:
+        for name, component in placement.torch_components(self.pipe).items():
+            # The VAE's decode() is not its forward(), so its direct children carry the hook too.
+            for module in (component, *component.children()):
+                self.handles.append(module.register_forward_pre_hook(self._hook_for(name)))
+
+    def _hook_for(self, name: str):
+        def pre_hook(_module, _args):
+            if name in self._on_device:
+                self._on_device.move_to_end(name)
+                return
+            self._make_room(name)
+            component = placement.torch_components(self.pipe)[name]
+            placement.move_component(component, name, self.plan.components[name].compute, reason=f"{self.mode}: onload")
+            self._on_device[name] = None
+        return pre_hook
+
+    def _make_room(self, incoming: str) -> None:
+        for name in list(self._on_device):
+            self._evict(name)
+
+    def remove(self) -> None:
+        self._on_device.clear()
+        super().remove()
+
+    def _evict(self, name: str) -> None:
+        component = placement.torch_components(self.pipe)[name]
+        placement.move_component(component, name, self.plan.components[name].rest, reason=f"{self.mode}: evict")
+        del self._on_device[name]
+
+    def settle(self) -> None:
+        for name in [n for n in self._on_device if n not in self.resident()]:
+            self._evict(name)
+
+
+class BalancedOffload(ModelOffload):
+    """Model offload that keeps components resident while they fit under the VRAM budget."""
+
+    def __init__(self, pipe, plan: PlacementPlan, budget_bytes: int) -> None:
+        super().__init__(pipe, plan)
+        self.mode = "balanced"
+        self.budget_bytes = budget_bytes
+
+    def resident(self) -> frozenset[str]:
+        return frozenset(self._on_device)
+
+    def _make_room(self, incoming: str) -> None:
+        sizes = {n: placement.component_bytes(c) for n, c in placement.torch_components(self.pipe).items()}
+        used = sum(sizes[n] for n in self._on_device)
+        for name in list(self._on_device):  # least recently used first
+            if used + sizes[incoming] <= self.budget_bytes:
+                break
+            self._evict(name)
+            used -= sizes[name]
+
+
+
+class SequentialOffload(OffloadStrategy):
+    """Leaf modules' tensors are copied to the GPU for their forward only; lowest VRAM."""
+
+    def __init__(self, pipe, plan: PlacementPlan) -> None:
+        super().__init__(pipe, plan, mode="sequential")
+        self._stashes: dict[int, dict[str, torch.Tensor]] = {}
+
+    def install(self) -> None:
+        for name, component in placement.torch_components(self.pipe).items():
+            compute = self.plan.components[name].compute
+            for module in component.modules():
+                if module._parameters or module._buffers:
+                    self.handles.append(module.register_forward_pre_hook(self._onload(compute)))
+                    self.handles.append(module.register_forward_hook(self._offload))
+
+    def _onload(self, compute: placement.Placement):
+        def pre_hook(module, _args):
+            self._stashes[id(module)] = placement.stream_in(module, compute)
+        return pre_hook
+
+    def _offload(self, module, _args, _output) -> None:
+        placement.stream_out(module, self._stashes.pop(id(module), {}))
+
+    def remove(self) -> None:
+        self._stashes.clear()
+        super().remove()
+
+
+def _blocks(component: torch.nn.Module) -> list[torch.nn.Module]:
+    """A component's groups: every element of its ModuleList children, every other child whole."""
+    groups = []
+    for child in component.children():
+        if isinstance(child, torch.nn.ModuleList):
+            groups.extend(child)
+        else:
+            groups.append(child)
+    return groups
+
+
+class GroupOffload(OffloadStrategy):
+    """Blocks (down/mid/up blocks, encoder layers, …) streamed whole; on CUDA the next block of the
+    same list is copied ahead on a side stream while the current one computes."""
+
+    def __init__(self, pipe, plan: PlacementPlan) -> None:
+        super().__init__(pipe, plan, mode="group")
+        self._stashes: dict[int, list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]] = {}
+        self._ready: dict[int, object] = {}
+        self._stream = torch.cuda.Stream(plan.device) if plan.device.type == "cuda" else None
+
+    def install(self) -> None:
+        for name, component in placement.torch_components(self.pipe).items():
+            if component._parameters or component._buffers:
+                raise ValueError(f"group offload: {name} owns tensors outside its blocks; use sequential")
+            compute = self.plan.components[name].compute
+            groups = _blocks(component)
+            for i, group in enumerate(groups):
+                ahead = groups[i + 1] if i + 1 < len(groups) else None
+                self.handles.append(group.register_forward_pre_hook(self._onload(compute, ahead)))
+                self.handles.append(group.register_forward_hook(self._offload))
+
+    def _stream_group(self, group: torch.nn.Module, compute: placement.Placement) -> None:
+        if id(group) not in self._stashes:
+            self._stashes[id(group)] = [(m, placement.stream_in(m, compute)) for m in group.modules()]
+
+    def _onload(self, compute: placement.Placement, ahead: torch.nn.Module | None):
+        def pre_hook(group, _args):
+            event = self._ready.pop(id(group), None)
+            if event is not None:
+                torch.cuda.current_stream(compute.device).wait_event(event)
+            self._stream_group(group, compute)
+            if ahead is not None and self._stream is not None and id(ahead) not in self._stashes:
+                with torch.cuda.stream(self._stream):
+                    self._stream_group(ahead, compute)
+                    self._ready[id(ahead)] = self._stream.record_event()
+        return pre_hook
+
+    def _offload(self, group, _args, _output) -> None:
+        for module, stash in self._stashes.pop(id(group), []):
+            placement.stream_out(module, stash)
+
+    def remove(self) -> None:
+        self._stashes.clear()
+        self._ready.clear()
+        super().remove()
+
+
+def make_strategy(pipe, plan: PlacementPlan, vram_budget_gib: float | None, watermark: float) -> OffloadStrategy:
+    """The strategy object for `plan.offload` (on the CPU every mode is a no-op move, hooks included)."""
+    mode = plan.offload
+    if mode == "none":
+        return OffloadStrategy(pipe, plan)
+    if mode == "model":
+        return ModelOffload(pipe, plan)
+    if mode == "balanced":
+        return BalancedOffload(pipe, plan, balanced_budget_bytes(plan.device, vram_budget_gib, watermark))
+    if mode == "sequential":
+        return SequentialOffload(pipe, plan)
+    if mode == "group":
+        return GroupOffload(pipe, plan)
+    raise ValueError(f"unknown offload mode {mode!r}")
+
+
+def balanced_budget_bytes(device: torch.device, vram_budget_gib: float | None, watermark: float) -> int:
+    """The smaller of watermark × total VRAM and the explicit budget (GiB)."""
+    caps = []
+    if device.type == "cuda":
+        caps.append(int(torch.cuda.get_device_properties(device).total_memory * watermark))
+    if vram_budget_gib is not None:
+        caps.append(int(vram_budget_gib * 2**30))
+    return min(caps) if caps else 2**62
