@@ -181,3 +181,39 @@ def test_gpu_cpu_bias_is_repaired_before_it_can_raise(gpu_data_dir):
         assert all(p.device.type == "cuda" for p in eng.pipeline.unet.parameters())
     finally:
         eng.close()
+
+
+def test_strict_mode_fails_the_command_that_meets_a_violation(engine):
+    """Strict mode: a violation found before a command fails that command (after repairing it)."""
+    engine.load_model("tiny-sd15.safetensors")
+    engine.set_debug(strict=True)
+    conv = engine.pipeline.unet.get_submodule("conv_in")
+    conv.bias.data = conv.bias.data.double()
+    with pytest.raises(Exception, match="strict mode: 1 placement violations before generate"):
+        engine.generate(GenerateParams("a cat", seed=1, **FAST))
+    snap = engine.snapshot()
+    assert snap.state == EngineState.READY.value and snap.history[-1].outcome == "failed, rolled back"
+    assert conv.bias.dtype == torch.float32  # repaired all the same
+    engine.set_debug(strict=False)
+    assert engine.generate(GenerateParams("a cat", seed=1, **FAST))
+
+
+def test_failed_undo_enters_error_and_a_load_recovers(engine, monkeypatch):
+    """When a command fails and its undo fails too, the engine says ERROR (not READY); loading a
+    model is the way out."""
+    from app.engine import placement
+
+    engine.load_model("tiny-sd15.safetensors")
+    real_apply = placement.apply_plan
+
+    def broken_apply(*_args, **_kwargs):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(placement, "apply_plan", broken_apply)
+    with pytest.raises(RuntimeError, match="simulated device failure|could not put the model back"):
+        engine.set_offload("model")
+    snap = engine.snapshot()
+    assert snap.state == EngineState.ERROR.value
+    assert snap.history[-1].outcome == "failed, engine in ERROR"
+    monkeypatch.setattr(placement, "apply_plan", real_apply)
+    assert engine.load_model("tiny-sd15.safetensors").state == EngineState.READY.value

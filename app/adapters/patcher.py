@@ -96,6 +96,18 @@ class LoraStack:
                 out.setdefault(target, []).append(spec.name)
         return {k: tuple(v) for k, v in out.items()}
 
+    def culprits(self, exc: BaseException) -> tuple[str, ...]:
+        """LoRAs patched into the innermost patched module on `exc`'s traceback (none if no such frame)."""
+        by_module = {id(self._modules[t]): names for t, names in self.patched_modules().items() if t in self._modules}
+        found: tuple[str, ...] = ()
+        tb = exc.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if id(owner) in by_module:
+                found = by_module[id(owner)]
+            tb = tb.tb_next
+        return found
+
     def release(self) -> None:
         """Forget backups and adapters (the pipeline is being dropped)."""
         self._backups.clear()

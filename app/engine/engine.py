@@ -298,7 +298,8 @@ class Engine:
             self._state = EngineState.READY if self._loaded else EngineState.EMPTY
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's future
             error = exc
-            rollback_failed = isinstance(exc, RollbackFailed) or before == EngineState.ERROR
+            rollback_failed = (isinstance(exc, RollbackFailed) or before == EngineState.ERROR
+                               or not self._repair_after_failure(command.name))
             self._state = (EngineState.ERROR if rollback_failed
                            else EngineState.READY if self._loaded else EngineState.EMPTY)
             outcome = "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
@@ -318,7 +319,17 @@ class Engine:
         else:
             command.future.set_exception(error)
 
-    def _verify_and_repair(self, when: str) -> tuple[int, int]:
+    def _repair_after_failure(self, command: str) -> bool:
+        """A failed body may have been cut off mid-move: verify and repair once more, never raising.
+        Returns False when even that fails (the engine then enters ERROR)."""
+        try:
+            self._verify_and_repair(f"after failed {command}", strict=False)
+            return True
+        except Exception:  # noqa: BLE001 - reported through the ERROR state and the log
+            log.exception("placement could not be repaired after failed %s", command)
+            return False
+
+    def _verify_and_repair(self, when: str, strict: bool | None = None) -> tuple[int, int]:
         """Find and repair placement violations; strict mode turns any finding into a failure."""
         if self._loaded is None:
             return 0, 0
@@ -332,7 +343,7 @@ class Engine:
         self._repaired_total += repaired
         if found:
             log.warning("%d placement violations %s, %d repaired; first: %s", len(found), when, repaired, found[0])
-            if self.settings.strict:
+            if self.settings.strict if strict is None else strict:
                 raise placement.PlacementError(
                     f"strict mode: {len(found)} placement violations {when} (repaired), first: {found[0]}")
         return len(found), repaired
@@ -371,6 +382,7 @@ class Engine:
         self._progress = Progress(f"placing {info.name}", 1, 3)
         self._swap_in(fresh, self._resolved_dtype(requested))
         self._requested_dtype = requested
+        self._enable_all_loras()
         self._progress = Progress("applying LoRAs", 2, 3)
         self._reapply_desired_loras()
 
@@ -462,6 +474,7 @@ class Engine:
 
     def _do_set_loras(self, specs: tuple[LoraSpec, ...]) -> None:
         self._desired_loras = specs
+        self._enable_all_loras()
         if self._loaded is not None:
             self._apply_loras(specs)
 
@@ -488,17 +501,27 @@ class Engine:
     def _do_generate(self, params: GenerateParams) -> list[GeneratedImage]:
         if self._loaded is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
-        params, prompt_loras = merge_prompt_loras(params, self._desired_loras)
-        self.library.validate_specs(prompt_loras)
-        if prompt_loras != self._loaded.stack.applied:
+        params, wanted = merge_prompt_loras(params, self._desired_loras)
+        self.library.validate_specs(wanted)
+        wanted = tuple(s for s in wanted if not self._counters.get(s.name, diagnostics.LoraCounters()).disabled)
+        if wanted != self._loaded.stack.applied:
             self._state = EngineState.PATCHING
-            self._apply_loras(prompt_loras)
+            self._apply_loras(wanted)
             self._state = EngineState.GENERATING
-        self._verify_and_repair("before denoising")
+            self._verify_and_repair("before denoising")
         loaded = self._loaded
         seed = generate.resolve_seed(params.seed)
         applied = tuple((s.name, s.unet_strength, self.library.short_hash(s.name)) for s in loaded.stack.applied)
         ctx = RunContext(loaded.model.info.name, loaded.model.short_hash, applied)
+        images = self._denoise(loaded, params, seed)
+        out = []
+        for i, image in enumerate(images):
+            text = generate.infotext(params, seed + i, ctx)
+            path = generate.save_png(image, text, self.settings.outputs_dir, seed + i)
+            out.append(GeneratedImage(image, seed + i, text, path))
+        return out
+
+    def _denoise(self, loaded: _Loaded, params: GenerateParams, seed: int) -> list:
         self._progress = Progress("denoising", 0, params.steps)
 
         def on_step(step: int, total: int) -> None:
@@ -506,22 +529,44 @@ class Engine:
 
         t0 = time.perf_counter()
         try:
-            images = generate.run(loaded.model.pipe, params, seed, on_step)
+            return generate.run(loaded.model.pipe, params, seed, on_step)
         except torch.cuda.OutOfMemoryError as exc:
             _release_memory()
             raise MemoryError(
                 f"out of GPU memory generating {params.batch}x{params.width}x{params.height}: "
                 "try a smaller batch or size, or an offload mode (model, balanced, sequential)") from exc
+        except Exception as exc:
+            self._attribute_runtime_error(loaded, exc)
+            raise
         finally:
+            self._timers.record("denoise+decode", time.perf_counter() - t0)
             loaded.strategy.settle()
             loaded.plan = loaded.plan.with_resident(loaded.strategy.resident())
-        self._timers.record("denoise+decode", time.perf_counter() - t0)
-        out = []
-        for i, image in enumerate(images):
-            text = generate.infotext(params, seed + i, ctx)
-            path = generate.save_png(image, text, self.settings.outputs_dir, seed + i)
-            out.append(GeneratedImage(image, seed + i, text, path))
-        return out
+
+    def _attribute_runtime_error(self, loaded: _Loaded, exc: Exception) -> None:
+        """Count an error raised inside a patched layer against the LoRAs patched into it.
+
+        Past `max_lora_errors` (and outside strict mode, where every error must surface as is) the
+        LoRA is removed from the model and marked disabled, so one bad adapter cannot break every
+        generation; an explicit set_loras or a model load re-enables it.
+        """
+        names = loaded.stack.culprits(exc)
+        for name in names:
+            old = self._counters.get(name, diagnostics.LoraCounters())
+            errors = old.runtime_errors + 1
+            disable = not self.settings.strict and errors >= self.settings.max_lora_errors
+            message = (f"disabled after {errors} runtime errors; last: {exc}" if disable
+                       else f"runtime error {errors}/{self.settings.max_lora_errors}: {exc}")
+            self._counters[name] = dataclasses.replace(old, runtime_errors=errors, disabled=disable, message=message)
+            log.error("LoRA %s: %s", name, message)
+        disabled = {n for n in names if self._counters[n].disabled}
+        if disabled:
+            self._apply_loras(tuple(s for s in loaded.stack.applied if s.name not in disabled))
+
+    def _enable_all_loras(self) -> None:
+        for name, counters in self._counters.items():
+            if counters.disabled:
+                self._counters[name] = dataclasses.replace(counters, disabled=False, runtime_errors=0, message="")
 
     def _do_unload(self) -> None:
         if self._loaded is not None:
