@@ -243,12 +243,15 @@ def test_discover_lists_files_and_diffusers_folders_sorted(tmp_path):
     assert models.discover_checkpoints(tmp_path / "missing") == []
 
 
-def test_resolve_accepts_names_paths_inside_root_and_bare_stems(tmp_path):
-    """Users may pass the listed name, an absolute path inside the folder, or the name without suffix."""
+def test_resolve_accepts_listed_names_and_bare_stems(tmp_path):
+    """Users may pass the listed name or the name without suffix; absolute paths are refused even
+    inside the folder, because names arrive from the API and must not reveal the file system."""
     target = _safetensors(tmp_path / "sub" / "m.safetensors")
-    for spelling in ("sub/m.safetensors", str(target), "sub/m"):
+    for spelling in ("sub/m.safetensors", "sub/m"):
         info = models.resolve_checkpoint(spelling, tmp_path)
-        assert (info.name, info.kind, info.path) == ("sub/m.safetensors", "file", target.resolve())
+        assert (info.name, info.kind, info.path) == ("sub/m.safetensors", "file", target)
+    with pytest.raises(UnsafeCheckpointPathError, match="absolute paths"):
+        models.resolve_checkpoint(str(target), tmp_path)
 
 
 @pytest.mark.parametrize("name", ["../outside.safetensors", "sub/../../outside.safetensors", "/etc/passwd"])
@@ -261,14 +264,15 @@ def test_resolve_refuses_paths_leading_out_of_the_checkpoint_folder(tmp_path, na
         models.resolve_checkpoint(name, root)
 
 
-def test_resolve_refuses_a_symlink_out_of_the_checkpoint_folder(tmp_path):
-    """A symlink inside the folder pointing elsewhere is refused like a `..` path (and not listed)."""
+def test_resolve_follows_a_symlink_the_user_placed_in_the_folder(tmp_path):
+    """A user's symlink inside the models folder (models on another drive) is listed and loads; the
+    untrusted part is the name, which cannot contain `..` or be absolute."""
     root = tmp_path / "root"
     root.mkdir()
-    (root / "link.safetensors").symlink_to(_safetensors(tmp_path / "outside.safetensors"))
-    with pytest.raises(UnsafeCheckpointPathError, match="outside"):
-        models.resolve_checkpoint("link.safetensors", root)
-    assert models.discover_checkpoints(root) == []
+    target = _safetensors(tmp_path / "elsewhere" / "outside.safetensors")
+    (root / "link.safetensors").symlink_to(target)
+    assert models.resolve_checkpoint("link.safetensors", root).path.resolve() == target.resolve()
+    assert [info.name for info in models.discover_checkpoints(root)] == ["link.safetensors"]
 
 
 class _Boom:
@@ -424,3 +428,23 @@ def test_bf16_load_gives_bf16_weights_on_cpu(demo_paths, kind):
             for key, tensor in _tensors(module).items():
                 assert tensor.device.type == "cpu", f"{name}.{key}"
                 assert not tensor.is_floating_point() or tensor.dtype == torch.bfloat16, f"{name}.{key}"
+
+
+def test_folder_of_another_pipeline_class_is_named(tmp_path):
+    """A diffusers folder for an unsupported pipeline says which class it is, before loading weights."""
+    folder = tmp_path / "flux"
+    _safetensors(folder / "unet" / "diffusion_pytorch_model.safetensors")
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(UnknownArchitectureError, match="flux: model_index.json names 'FluxPipeline'"):
+        models.load_pipeline(models.resolve_checkpoint("flux", tmp_path), torch.float32)
+
+
+def test_load_refuses_a_pipeline_that_breaks_the_cpu_dtype_contract(demo_paths, monkeypatch):
+    """If a diffusers/accelerate change ever left a stray tensor in another dtype (or device, or a hook),
+    the load fails naming it instead of handing placement a mixed pipeline."""
+    stray = build_tiny_pipeline("sd15")
+    stray.unet.conv_in.bias.data = stray.unet.conv_in.bias.data.double()
+    monkeypatch.setattr(models, "_load_folder", lambda info, arch, dtype: stray)
+    info = models.resolve_checkpoint("tiny-sd15-diffusers", demo_paths["checkpoints_dir"])
+    with pytest.raises(ModelLoadError, match=r"unet.conv_in.bias on cpu in torch.float64"):
+        models.load_pipeline(info, torch.float32)

@@ -44,6 +44,7 @@ from transformers import (  # noqa: E402
 
 from app.engine.ldm_layout import TEXT_ENCODER_PREFIXES, UNET_PREFIX, ldm_plan  # noqa: E402
 from app.engine.pipelines import PIPELINE_CLASSES  # noqa: E402
+from app.paths import UnsafePathError, resolve_under  # noqa: E402
 from app.safetensors_files import SafetensorsFileError, file_sha256, read_header  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -168,14 +169,13 @@ def detect_architecture(keys: Iterable[str]) -> str:
 
 
 def discover_checkpoints(root: Path) -> list[CheckpointInfo]:
-    """`*.safetensors` files and diffusers folders in `root` and its direct subfolders, sorted by name."""
-    root = Path(root).resolve()
+    """`*.safetensors` files and diffusers folders in `root` and its direct subfolders, sorted by name.
+    Symlinks the user placed there are followed (model folders often live on another drive)."""
+    root = Path(root)
     if not root.is_dir():
         return []
     found = []
     for entry in _candidates(root):
-        if not entry.resolve().is_relative_to(root):
-            continue  # a symlink out of the folder; resolve_checkpoint would refuse it too
         if _is_diffusers_folder(entry):
             found.append(_info(root, entry, "folder"))
         elif entry.is_file() and entry.suffix == ".safetensors":
@@ -205,21 +205,16 @@ def _info(root: Path, path: Path, kind: str) -> CheckpointInfo:
 
 
 def resolve_checkpoint(name_or_path: str, root: Path) -> CheckpointInfo:
-    """The checkpoint a user asked for, by name relative to `root` or by a path inside it.
+    """The checkpoint a user asked for, by its name relative to `root`.
 
-    Refuses `..`, paths (or symlinks) leading outside `root`, and anything but safetensors files
-    and diffusers folders: pickle-based files (.ckpt/.bin/.pt) can run code when loaded.
-    A bare name without suffix also matches `<name>.safetensors`.
+    Refuses absolute paths and `..` (names come from the UI and the API), and anything but
+    safetensors files and diffusers folders: pickle-based files (.ckpt/.bin/.pt) can run code when
+    loaded. A bare name without suffix also matches `<name>.safetensors`.
     """
-    root = Path(root).resolve()
-    raw = Path(name_or_path)
-    if ".." in raw.parts:
-        raise UnsafeCheckpointPathError(
-            f"checkpoint name {name_or_path!r} contains '..'; names are relative to {root}"
-        )
-    path = (raw if raw.is_absolute() else root / raw).resolve()
-    if not path.is_relative_to(root):
-        raise UnsafeCheckpointPathError(f"checkpoint {name_or_path!r} resolves to {path}, outside {root}")
+    try:
+        path = resolve_under(Path(root), name_or_path, "checkpoint")
+    except UnsafePathError as exc:
+        raise UnsafeCheckpointPathError(str(exc)) from None
     if not path.exists() and not path.suffix and path.with_suffix(".safetensors").is_file():
         path = path.with_suffix(".safetensors")
     if not path.exists():
