@@ -473,10 +473,11 @@ class Engine:
         loaded.plan, loaded.strategy, self._offload = new_plan, strategy, mode
 
     def _do_set_loras(self, specs: tuple[LoraSpec, ...]) -> None:
-        self._desired_loras = specs
+        """The desired list changes only if it applies: a LoRA that fails leaves the previous list."""
         self._enable_all_loras()
         if self._loaded is not None:
             self._apply_loras(specs)
+        self._desired_loras = specs
 
     def _apply_loras(self, specs: tuple[LoraSpec, ...]) -> None:
         """Reconcile the stack with `specs`, all or nothing, and update the per-LoRA counters."""
