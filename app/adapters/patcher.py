@@ -152,6 +152,9 @@ class LoraStack:
     def _check_fit(self, name: str, file: AdapterFile, layers, unmatched, mismatched) -> None:
         hint = architecture_hint(file.tensors, file.metadata)
         made_for = f" (it looks made for {hint.upper()})" if hint and hint != self._arch else ""
+        if made_for:  # refused even where some shapes happen to fit: half a foreign LoRA is no LoRA
+            raise LoraApplyError(name, f"does not fit this {self._arch.upper()} model{made_for}, even though "
+                                       f"{len(layers)} of its layers fit by shape; nothing applied")
         if mismatched:
             raise LoraApplyError(name, f"does not fit this {self._arch.upper()} model{made_for}: "
                                        f"{len(mismatched)} layers have the wrong shape, e.g. {mismatched[0]}")
@@ -175,10 +178,9 @@ class LoraStack:
             for target in touched:
                 written.append(target)
                 self._write_layer(target, specs, prepared)
-        except Exception as exc:
+        except Exception:
             self._rollback(written, *previous)
-            culprit = next((s.name for s in specs if target in prepared[s.name].layers), "?")
-            raise LoraApplyError(culprit, f"failed while patching {target[0]}.{target[1]}: {exc}") from exc
+            raise
         self._applied = specs
         self._prepared = {spec.name: prepared[spec.name] for spec in specs}
         log.debug("LoRA stack now %s; %d layers rewritten, %d backups held",
@@ -200,8 +202,9 @@ class LoraStack:
 
     def _write_layer(self, target: Target, specs, prepared) -> None:
         module = self._module(target)
-        contributions = [(s.strength_for(target[0]), prepared[s.name].layers[target])
-                         for s in specs if target in prepared[s.name].layers]
+        # A fixed order (by name) makes the float32 sum, and so the bits, independent of list order.
+        contributions = [(s.name, s.strength_for(target[0]), prepared[s.name].layers[target])
+                         for s in sorted(specs, key=lambda s: s.name) if target in prepared[s.name].layers]
         backup = self._backups.get(target)
         if not contributions:
             if backup is not None:
@@ -215,13 +218,16 @@ class LoraStack:
         if module.bias is not None:
             b0 = (base_bias if base_bias is not None else module.bias.detach()).to(module.bias.device, torch.float32)
         new_w, new_b = w0.clone(), None if b0 is None else b0.clone()
-        for strength, adapter in contributions:
-            delta = adapter.delta(w0, b0)
+        for name, strength, adapter in contributions:
+            try:
+                delta = adapter.delta(w0, b0)
+            except Exception as exc:
+                raise LoraApplyError(name, f"failed while patching {target[0]}.{target[1]}: {exc}") from exc
             if delta.weight is not None:
                 new_w.add_(delta.weight, alpha=strength)
             if delta.bias is not None:
                 if new_b is None:
-                    raise IncompatibleAdapterError(f"{target[1]} has no bias but the adapter changes one")
+                    raise LoraApplyError(name, f"{target[0]}.{target[1]} has no bias but the adapter changes one")
                 new_b.add_(delta.bias, alpha=strength)
         if backup is None:
             backup = self._backups[target] = _Backup(_backup_copy(module.weight), None)

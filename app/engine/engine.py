@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from app import diagnostics
+from app.adapters.errors import AdapterError
 from app.adapters.files import LoraLibrary
-from app.adapters.patcher import LoraStack
+from app.adapters.patcher import LoraApplyError, LoraStack
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
 from app.engine import embeddings, generate, models, offload, placement
@@ -163,6 +164,7 @@ class Engine:
         self._requested_dtype = settings.dtype
         self._offload = settings.offload
         self._desired_loras: tuple[LoraSpec, ...] = ()
+        self._unfit: set[str] = set()
         self._counters: dict[str, diagnostics.LoraCounters] = {}
         self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
         self._timers = diagnostics.Timers()
@@ -439,15 +441,17 @@ class Engine:
             raise RollbackFailed(f"could not put the model back to its previous placement: {exc}") from exc
 
     def _reapply_desired_loras(self) -> None:
-        """After a (re)load, apply what the user asked for; LoRAs that do not fit are reported, not fatal."""
-        if not self._desired_loras:
-            return
-        fitting = []
+        """After a (re)load, apply what the user asked for. A LoRA that does not fit this model is
+        reported and set aside (`_unfit`) but stays in the user's list, so switching back to a model
+        it fits re-applies it; generations meanwhile run without it."""
+        self._unfit = set()
+        fitting: list[LoraSpec] = []
         for spec in self._desired_loras:
             try:
-                self._apply_loras(tuple(fitting) + (spec,))
+                self._apply_loras((*fitting, spec))
                 fitting.append(spec)
             except Exception as exc:  # reported per LoRA in counters; the load itself succeeded
+                self._unfit.add(spec.name)
                 log.warning("LoRA %s not re-applied after load: %s", spec.name, exc)
 
     def _do_set_dtype(self, dtype: str) -> None:
@@ -477,14 +481,14 @@ class Engine:
         self._enable_all_loras()
         if self._loaded is not None:
             self._apply_loras(specs)
-        self._desired_loras = specs
+        self._desired_loras, self._unfit = specs, set()
 
     def _apply_loras(self, specs: tuple[LoraSpec, ...]) -> None:
         """Reconcile the stack with `specs`, all or nothing, and update the per-LoRA counters."""
         assert self._loaded is not None
         t0 = time.perf_counter()
-        files = {s.name: self.library.open(s.name) for s in specs}
         try:
+            files = {s.name: self._open_lora(s.name) for s in specs}
             report = self._loaded.stack.reconcile(specs, files)
         except Exception as exc:
             name = getattr(exc, "lora_name", None)
@@ -499,12 +503,24 @@ class Engine:
             self._counters[name] = dataclasses.replace(old, matched_layers=match.matched_layers,
                                                        unmatched_keys=match.unmatched_keys, message=match.message)
 
+    def _open_lora(self, name: str):
+        """Read a LoRA file; a read failure is that LoRA's apply error (counted under its name)."""
+        try:
+            return self.library.open(name)
+        except (AdapterError, OSError) as exc:
+            raise LoraApplyError(name, str(exc)) from exc
+
+    def _usable(self, specs: tuple[LoraSpec, ...]) -> tuple[LoraSpec, ...]:
+        """`specs` minus LoRAs disabled after runtime errors and those that do not fit this model."""
+        disabled = {name for name, counters in self._counters.items() if counters.disabled}
+        return tuple(s for s in specs if s.name not in self._unfit | disabled)
+
     def _do_generate(self, params: GenerateParams) -> list[GeneratedImage]:
         if self._loaded is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
         params, wanted = merge_prompt_loras(params, self._desired_loras)
         self.library.validate_specs(wanted)
-        wanted = tuple(s for s in wanted if not self._counters.get(s.name, diagnostics.LoraCounters()).disabled)
+        wanted = self._usable(wanted)
         if wanted != self._loaded.stack.applied:
             self._state = EngineState.PATCHING
             self._apply_loras(wanted)
