@@ -25,7 +25,8 @@ def parse_auth(pairs: list[str], auth_file: str | None) -> tuple[tuple[str, str]
     """`user:pass` pairs from the command line and/or a file with one pair per line."""
     lines = list(pairs)
     if auth_file:
-        lines += [ln.strip() for ln in Path(auth_file).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+        text = Path(auth_file).read_text()
+        lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     out = []
     for line in lines:
         user, sep, password = line.partition(":")
@@ -47,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", default="none", choices=OFFLOAD_CHOICES, help="offload mode at start")
     p.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
                    help="cap on GPU memory for balanced offload (simulate a smaller GPU)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the UNet (slow first run)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the UNet (first compile ~1 min, cached across restarts; offload none only)")
+    p.add_argument("--compile-mode", default="reduce-overhead", choices=("reduce-overhead", "default"),
+                   help="reduce-overhead uses CUDA graphs (fastest); default compiles without them")
     p.add_argument("--strict", action="store_true", help="treat any placement violation as an error")
     p.add_argument("--lora-debug", action="store_true", help="log LoRA key matching (also SD_LORA_DEBUG=1)")
     p.add_argument("--move-debug", action="store_true", help="log every tensor move (also SD_MOVE_DEBUG=1)")
@@ -67,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
         data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype, offload=args.offload,
-        vram_budget_gib=args.vram_budget, compile=args.compile, strict=args.strict,
+        vram_budget_gib=args.vram_budget, compile=args.compile, compile_mode=args.compile_mode,
+        strict=args.strict,
         lora_debug=args.lora_debug or Settings().lora_debug, move_debug=args.move_debug or Settings().move_debug,
         listen=args.listen, port=args.port, share=args.share, auth=parse_auth(args.auth, args.auth_file),
         no_auth=args.no_auth,

@@ -196,10 +196,12 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write tiny demo models in the A1111 folder layout.")
+    from app.adapters.synthetic import write_demo_loras
+
+    parser = argparse.ArgumentParser(description="Write tiny demo models and LoRAs in the A1111 folder layout.")
     parser.add_argument("data_dir", type=Path)
     args = parser.parse_args()
-    for name, path in write_demo(args.data_dir).items():
+    for name, path in write_demo(args.data_dir, lora_writer=write_demo_loras).items():
         print(f"{name:16} {path}")
 
 

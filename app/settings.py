@@ -43,6 +43,7 @@ class Settings:
     slider_min: float = -2.0
     slider_max: float = 2.0
     compile: bool = False
+    compile_mode: str = "reduce-overhead"  # or "default" (no CUDA graphs)
     # serving
     listen: bool = False
     port: int = 7860
@@ -53,6 +54,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.compile_mode not in ("reduce-overhead", "default"):
+            raise ValueError(f"compile_mode must be reduce-overhead or default, got {self.compile_mode!r}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())
@@ -72,6 +75,11 @@ class Settings:
     @property
     def outputs_dir(self) -> Path:
         return self.data_dir / "outputs"
+
+    @property
+    def compile_cache_dir(self) -> Path:
+        """torch.compile artifacts kept across restarts, so a warm start skips the minute-long compile."""
+        return self.data_dir / "cache" / "torch-compile"
 
     def replace(self, **changes) -> Settings:
         return dataclasses.replace(self, **changes)

@@ -217,3 +217,16 @@ def test_failed_undo_enters_error_and_a_load_recovers(engine, monkeypatch):
     assert snap.history[-1].outcome == "failed, engine in ERROR"
     monkeypatch.setattr(placement, "apply_plan", real_apply)
     assert engine.load_model("tiny-sd15.safetensors").state == EngineState.READY.value
+
+
+def test_compile_setting_on_cpu_stays_eager_with_a_note(data_dir):
+    """`--compile` where inductor cannot run (CPU) keeps the engine working in eager mode and says why
+    in the snapshot, instead of failing the load."""
+    eng = Engine(Settings(data_dir=data_dir, device="cpu", compile=True))
+    try:
+        snap = eng.load_model("tiny-sd15.safetensors")
+        assert snap.compile is not None and snap.compile.phase == "eager" and snap.compile.note
+        assert eng.generate(GenerateParams("a cat", seed=1, **FAST))
+        assert eng.snapshot().compile.compiles == 0
+    finally:
+        eng.close()

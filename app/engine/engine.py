@@ -34,7 +34,7 @@ from app.adapters.files import LoraLibrary
 from app.adapters.patcher import LoraApplyError, LoraStack
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import embeddings, generate, models, offload, placement
+from app.engine import compiled, embeddings, generate, models, offload, placement
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
 
@@ -108,6 +108,7 @@ class Snapshot:
     last_error: ErrorRecord | None = None
     progress: Progress | None = None
     embeddings: tuple[str, ...] = ()
+    compile: compiled.CompileStatus | None = None
     taken_at: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,6 +138,7 @@ class _Loaded:
     stack: LoraStack
     embeddings: tuple[str, ...]
     strategy: offload.OffloadStrategy
+    compile: compiled.CompileState | None = None
 
 
 def _release_memory() -> None:
@@ -233,7 +235,9 @@ class Engine:
 
     def snapshot(self) -> Snapshot:
         """The last published snapshot with the live state and progress laid over it."""
-        return dataclasses.replace(self._snapshot, state=self._state.value, progress=self._progress)
+        loaded = self._loaded
+        status = loaded.compile.status() if loaded is not None and loaded.compile is not None else None
+        return dataclasses.replace(self._snapshot, state=self._state.value, progress=self._progress, compile=status)
 
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
                record: bool = True) -> Future:
@@ -413,6 +417,7 @@ class Engine:
         parked = False
         try:
             if old is not None and self.device.type != "cpu":
+                compiled.disable(old.model.pipe)
                 old.strategy.remove()
                 parked = True
                 cpu_plan = placement.plan_placement(old.model.pipe, old.plan.dtype, torch.device("cpu"), "none")
@@ -426,11 +431,24 @@ class Engine:
             _release_memory()
             raise
         if old is not None:
+            compiled.disable(old.model.pipe)
             old.strategy.remove()
             old.stack.release()
+        fresh.pipe.set_progress_bar_config(disable=True)
         self._loaded = _Loaded(fresh, plan, LoraStack(fresh.pipe, fresh.arch), embedded, strategy)
+        self._sync_compile(self._loaded)
         del old
         _release_memory()
+
+    def _sync_compile(self, loaded: _Loaded) -> None:
+        """(Re)install the compiled UNet path when `--compile` is on. LoRA changes never call this:
+        fused weights are written in place, so compiled graphs stay valid without a recompile."""
+        compiled.disable(loaded.model.pipe)
+        loaded.compile = None
+        if self.settings.compile:
+            loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self.device,
+                                             mode=self.settings.compile_mode,
+                                             cache_dir=self.settings.compile_cache_dir, background=True)
 
     def _restore_placement(self, loaded: _Loaded) -> None:
         """Put a model back to its own plan and offload mode (the undo of parking or a failed move)."""
@@ -468,13 +486,16 @@ class Engine:
             self._offload = mode
             return
         new_plan = placement.plan_placement(loaded.model.pipe, loaded.plan.dtype, self.device, mode)
+        compiled.disable(loaded.model.pipe)
         loaded.strategy.remove()
         try:
             strategy = self._place(loaded.model.pipe, new_plan, reason=f"offload {mode}")
         except BaseException:
             self._restore_placement(loaded)
+            self._sync_compile(loaded)
             raise
         loaded.plan, loaded.strategy, self._offload = new_plan, strategy, mode
+        self._sync_compile(loaded)
 
     def _do_set_loras(self, specs: tuple[LoraSpec, ...]) -> None:
         """The desired list changes only if it applies: a LoRA that fails leaves the previous list."""
@@ -587,6 +608,7 @@ class Engine:
 
     def _do_unload(self) -> None:
         if self._loaded is not None:
+            compiled.disable(self._loaded.model.pipe)
             self._loaded.strategy.remove()
             self._loaded.stack.release()
         self._loaded = None

@@ -1,0 +1,439 @@
+"""The compiled UNet fast path: `torch.compile` (with CUDA graphs in `reduce-overhead` mode) behind
+the same `nn.Module`.
+
+Why LoRAs stay live under compilation: the patcher writes fused weights with `copy_` into the
+existing parameters, so every parameter keeps its identity, dtype, device, shape and address.
+Dynamo guards on exactly that metadata and CUDA graphs on those addresses, so adding, re-weighting
+and removing LoRAs neither recompiles nor re-captures: the next replay simply reads the new values.
+Anything that *replaces* a parameter (an offload move, a placement repair) does invalidate them,
+which is why only offload `none` is compiled; the modes that move weights run eager with a note.
+
+How it is wired: `enable(pipe)` sets one instance attribute, `pipe.unet.forward`, to
+`CompileState.forward`; the module object, its parameters and its hooks stay what placement, the
+verifier and the patcher already know, and `disable(pipe)` deletes that attribute again.
+`CompileState.forward` dispatches per call signature (shapes, dtypes, flags): a signature whose
+graph is compiled ("warmed") runs compiled, anything else runs the plain eager forward. With
+`background=True` (the engine) a new signature starts a compile on a helper thread and the call
+itself runs eager, so the app stays usable during the first compile (~1 min for SD1.5 on an H100);
+with `background=False` (benchmarks, tests) the first call compiles in line.
+
+How compiles are counted: the dynamo backend is wrapped by `_CountingBackend`, which counts every
+FX graph dynamo hands to the real backend (one per compiled signature when the UNet traces as one
+graph, more if it graph-breaks). CUDA-graph recordings are counted from dynamo's compile callbacks
+(trigger `CUDAGRAPH_RECORDING`) where the installed torch has them; otherwise that count is None.
+A LoRA change must leave both counts unchanged; tests and the benchmark assert it.
+
+Compiled artifacts survive restarts through torch's own caches: `configure_cache` points the
+inductor cache (`TORCHINDUCTOR_CACHE_DIR`, which holds the FX-graph, AOTAutograd and Triton caches)
+at a folder of ours, and `torch.compiler`'s portable "mega-cache" is saved there after each compile
+and loaded back on the next `enable`, where the torch version provides it.
+
+Each distinct signature (image size, batch) compiles once, up to torch's recompile limit (8); later
+sizes stay eager and the status says so. A background compile runs one extra UNet forward beside the
+generation in flight, so it needs that much more VRAM; on a small GPU prefer `background=False`.
+
+One compiled UNet per process: `close()` calls `torch._dynamo.reset()`, which drops every compiled
+graph (the entries live on the shared `UNet2DConditionModel.forward` code object) and frees the
+CUDA-graph memory pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODES = ("reduce-overhead", "default")
+# Offload modes under which UNet weights never change device between generations.
+STATIC_OFFLOAD_MODES = frozenset({"none"})
+FIRST_COMPILE_HINT = "the first compile takes ~1 min for SD1.5 and ~2-3 min for SDXL; seconds when cached"
+MEGA_CACHE_FILE = "mega-cache.bin"
+
+
+def is_compiled_path_allowed(offload: str, device: torch.device, backend: str = "inductor") -> tuple[bool, str]:
+    """Whether the compiled path may run; when not, the note the UI shows instead."""
+    if offload not in STATIC_OFFLOAD_MODES:
+        return False, (f"offload '{offload}' moves UNet weights between devices, which invalidates compiled "
+                       "graphs; running eager (use offload 'none' for the compiled path)")
+    if backend == "inductor" and torch.device(device).type != "cuda":
+        return False, "the compiled path needs a CUDA device; running eager"
+    return True, ""
+
+
+def configure_cache(cache_dir: Path, *, override: bool = False) -> Path:
+    """Point torch's compile caches at `cache_dir` so a restart reuses compiled kernels.
+
+    Must run before the first compile in the process: inductor fixes its cache folder then. An
+    explicit `TORCHINDUCTOR_CACHE_DIR` from the environment wins unless `override` (the benchmark
+    overrides to measure a cold first compile). Returns the mega-cache file path.
+    """
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    inductor_dir = str(cache_dir / "inductor")
+    if override:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
+    else:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_dir)
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    return cache_dir / MEGA_CACHE_FILE
+
+
+def load_mega_cache(path: Path) -> bool:
+    """Hot-load a saved mega-cache; an unreadable one (another torch version) is reported and skipped,
+    because it only saves time: the compile then simply runs from scratch."""
+    if not path.is_file() or not hasattr(torch.compiler, "load_cache_artifacts"):
+        return False
+    try:
+        info = torch.compiler.load_cache_artifacts(path.read_bytes())
+    except Exception as exc:  # noqa: BLE001 - a stale cache must not block compiling
+        log.warning("compile cache %s unreadable (%s); compiling from scratch", path, exc)
+        return False
+    if info is None:  # torch logs why (corrupt, other version) and loads nothing
+        log.warning("compile cache %s not loaded; compiling from scratch", path)
+        return False
+    return True
+
+
+def save_mega_cache(path: Path) -> bool:
+    """Write every compile artifact of this process to `path` (atomically); False where unsupported."""
+    if not hasattr(torch.compiler, "save_cache_artifacts"):
+        return False
+    artifacts = torch.compiler.save_cache_artifacts()
+    if not artifacts:
+        return False
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(artifacts[0])
+    tmp.replace(path)
+    return True
+
+
+def _leaf_key(value) -> object:
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.device)
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _leaf_key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_leaf_key(v) for v in value))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value).__name__, value)
+    return (type(value).__name__,)
+
+
+def signature_key(args: tuple, kwargs: dict) -> tuple:
+    """What makes two UNet calls share a compiled graph: argument structure, tensor shapes/dtypes/
+    devices, and plain values (flags such as `return_dict`). Runs on every UNet call, hence the
+    hand-written walk (a few microseconds) instead of a generic pytree flatten."""
+    return _leaf_key(args), _leaf_key(kwargs)
+
+
+def describe_call(args: tuple, kwargs: dict) -> str:
+    """A short label of a call for notes: the first tensor's shape and dtype (the CFG latent batch)."""
+    first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
+    if first is None:
+        return "no tensor inputs"
+    return "latents " + "x".join(map(str, first.shape)) + f" {str(first.dtype).removeprefix('torch.')}"
+
+
+class _CountingBackend:
+    """A dynamo backend that counts the graphs it compiles, then hands them to the real backend.
+
+    For inductor the real backend is the object `torch.compile(mode=...)` itself builds (mode
+    `reduce-overhead` = the `triton.cudagraphs` option); any other backend, a name or a callable,
+    is used as is, e.g. `eager`/`aot_eager` in CPU tests.
+    """
+
+    def __init__(self, backend, mode: str) -> None:
+        self.graphs = 0
+        self._lock = threading.Lock()
+        if backend == "inductor":
+            self._compile = torch._TorchCompileInductorWrapper(None if mode == "default" else mode, None, False)
+            self.config_patches = dict(self._compile.config)
+        else:
+            self._compile = backend if callable(backend) else torch._dynamo.lookup_backend(backend)
+            self.config_patches = {}
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        with self._lock:
+            self.graphs += 1
+        return self._compile(gm, example_inputs, **kwargs)
+
+
+class _RecordingCounter:
+    """Counts CUDA-graph recordings (process-wide) through dynamo's compile-start callbacks."""
+
+    def __init__(self) -> None:
+        trigger = getattr(getattr(torch._dynamo.callback, "CallbackTrigger", None), "CUDAGRAPH_RECORDING", None)
+        self._trigger = trigger
+        self.count: int | None = None if trigger is None else 0
+        if trigger is not None:
+            torch._dynamo.callback_handler.register_start_callback(self._on_start)
+
+    def _on_start(self, args=None) -> None:
+        if getattr(args, "callback_trigger", None) is self._trigger:
+            self.count += 1
+
+    def close(self) -> None:
+        if self._trigger is not None and self._on_start in torch._dynamo.callback_handler.start_callbacks:
+            torch._dynamo.callback_handler.remove_start_callback(self._on_start)
+
+
+@dataclass(frozen=True)
+class CompileStatus:
+    """An immutable picture of the compiled path for snapshots and the bench."""
+
+    phase: str  # "eager" (not allowed) | "waiting" | "compiling" | "compiled" | "failed" | "closed"
+    mode: str
+    backend: str
+    compiles: int
+    cudagraph_recordings: int | None
+    shapes_ready: int
+    note: str
+    compile_seconds: tuple[tuple[str, float], ...] = ()
+
+
+def _cuda_device(args: tuple) -> torch.device | None:
+    """The CUDA device of the first tensor among the inputs, if they are on one."""
+    first = next((x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)), None)
+    return first.device if first is not None and first.device.type == "cuda" else None
+
+
+def _device_context(args: tuple):
+    """Make the inputs' CUDA device current on a helper thread (threads start on device 0)."""
+    device = _cuda_device(args)
+    return contextlib.nullcontext() if device is None else torch.cuda.device(device)
+
+
+class CompileState:
+    """The compiled path of one UNet: per-signature dispatch and warm-up, counters, teardown.
+
+    `_run_lock` is held whenever compiled code runs or compiles, so dynamo and the CUDA-graph tree
+    are never entered by two threads at once; a call that finds it taken (a compile in flight on
+    the helper thread) runs eager rather than wait. A state built with a `blocked_note` (offload
+    moves weights, no CUDA) installs nothing and only reports why.
+    """
+
+    def __init__(self, unet: torch.nn.Module, *, mode: str = "reduce-overhead", backend="inductor",
+                 background: bool = True, mega_cache: Path | None = None, blocked_note: str = "") -> None:
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+        self.unet = unet
+        self.mode = mode
+        self.backend = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
+        self.blocked_note = blocked_note
+        self._background = background
+        self._mega_cache = mega_cache
+        self._cudagraphs = backend == "inductor" and mode == "reduce-overhead"
+        self._max_shapes = int(getattr(torch._dynamo.config, "recompile_limit", 8))
+        self._ready: dict[tuple, str] = {}  # signature -> label
+        self._failed: dict[tuple, str] = {}  # signature -> "label: error"
+        self._seconds: dict[str, float] = {}  # label -> wall time of its first (compiling) call
+        self._warming: tuple[str, float] | None = None  # (label, monotonic start) of the compile in flight
+        self._thread: threading.Thread | None = None
+        self._state_lock = threading.Lock()
+        self._run_lock = threading.Lock()
+        self._closed = False
+        self._counter = self._recordings = self._compiled = None
+        if blocked_note:
+            return
+        self._eager = type(unet).forward.__get__(unet)
+        self._counter = _CountingBackend(backend, mode)
+        self._compiled = torch.compile(self._eager, backend=self._counter, dynamic=False)
+        self._recordings = _RecordingCounter()
+        unet.forward = self.forward
+
+    # ------------------------------------------------------------------ counters and status
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled so far (see the module docstring for what counts)."""
+        return 0 if self._counter is None else self._counter.graphs
+
+    @property
+    def config_patches(self) -> dict:
+        """The inductor options the mode applies (`reduce-overhead`: CUDA graphs); empty otherwise."""
+        return {} if self._counter is None else dict(self._counter.config_patches)
+
+    @property
+    def cudagraph_recordings(self) -> int | None:
+        return None if self._recordings is None else self._recordings.count
+
+    @property
+    def note(self) -> str:
+        return self.status().note
+
+    @property
+    def phase(self) -> str:
+        return self.status().phase
+
+    def status(self) -> CompileStatus:
+        with self._state_lock:
+            ready, failed, warming = dict(self._ready), dict(self._failed), self._warming
+            seconds = tuple(self._seconds.items())
+        phase, note = self._describe(ready, failed, warming)
+        return CompileStatus(phase, self.mode, self.backend, self.compiles, self.cudagraph_recordings,
+                             len(ready), note, seconds)
+
+    def _describe(self, ready: dict, failed: dict, warming: tuple[str, float] | None) -> tuple[str, str]:
+        if self._closed:
+            return "closed", "compiled path off"
+        if self.blocked_note:
+            return "eager", self.blocked_note
+        if warming is not None:
+            label, started = warming
+            phase, note = "compiling", (f"compiling the UNet for {label}, {time.monotonic() - started:.0f} s so far "
+                                        f"({FIRST_COMPILE_HINT}); generating eagerly meanwhile")
+        elif ready:
+            phase, note = "compiled", f"compiled ({self.mode}) for {len(ready)} input sizes"
+        elif failed:
+            phase, note = "failed", "compiling failed; running eager"
+        else:
+            phase, note = "waiting", (f"compiled path on ({self.mode}): each new image size compiles once, "
+                                      f"{FIRST_COMPILE_HINT}")
+        if failed:
+            note += "; failed: " + "; ".join(failed.values()) + " (those sizes run eager)"
+        if len(ready) + len(failed) >= self._max_shapes:
+            note += f"; {self._max_shapes} sizes compiled, the torch limit: further sizes run eager"
+        return phase, note
+
+    # ------------------------------------------------------------------ dispatch
+    def forward(self, *args, **kwargs):
+        """The UNet's forward: compiled for warmed signatures, otherwise eager (compiling first
+        in line, or starting a background compile, when the signature is new)."""
+        key = signature_key(args, kwargs)
+        if key in self._ready and self._run_lock.acquire(blocking=False):
+            try:
+                return self._run_compiled(args, kwargs)
+            finally:
+                self._run_lock.release()
+        if self._may_compile(key):
+            if not self._background:
+                return self.warm(*args, **kwargs)
+            self._start_warm(key, args, kwargs)
+        return self._eager(*args, **kwargs)
+
+    def _run_compiled(self, args: tuple, kwargs: dict):
+        if self._cudagraphs:
+            # Each UNet call is a new inference step: outputs of the previous replay may be reused.
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._compiled(*args, **kwargs)
+
+    def _may_compile(self, key: tuple) -> bool:
+        busy = self._thread is not None and self._thread.is_alive()
+        known = key in self._ready or key in self._failed
+        full = len(self._ready) + len(self._failed) >= self._max_shapes
+        return not (self._closed or busy or known or full)
+
+    def warm(self, *args, **kwargs):
+        """Compile (when new) and run the compiled forward for exactly this call; returns its output.
+        A failure is recorded against the signature (which then stays eager) and re-raised."""
+        key, label = signature_key(args, kwargs), describe_call(args, kwargs)
+        started = time.perf_counter()
+        try:
+            with self._run_lock:
+                out = self._run_compiled(args, kwargs)
+                device = _cuda_device(args)
+                if device is not None:  # the compile time must include the GPU work it launched
+                    torch.cuda.synchronize(device)
+        except BaseException as exc:
+            with self._state_lock:
+                self._failed[key] = f"{label}: {type(exc).__name__}: {exc}"
+            raise
+        with self._state_lock:
+            self._ready[key] = label
+            self._seconds.setdefault(label, time.perf_counter() - started)
+        self.save_cache()
+        return out
+
+    def _start_warm(self, key: tuple, args: tuple, kwargs: dict) -> None:
+        inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+        with self._state_lock:
+            if not self._may_compile(key):
+                return
+            self._warming = (describe_call(args, kwargs), time.monotonic())
+            self._thread = threading.Thread(target=self._warm_in_background, args=(inputs, torch.is_grad_enabled()),
+                                            name="unet-compile", daemon=True)
+            self._thread.start()
+
+    def _warm_in_background(self, inputs: tuple, grad_enabled: bool) -> None:
+        args, kwargs = inputs
+        try:
+            with torch.set_grad_enabled(grad_enabled), _device_context(args):
+                self.warm(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - recorded by warm() and shown in the status; eager keeps working
+            log.warning("background UNet compile failed; that input size stays eager", exc_info=True)
+        finally:
+            with self._state_lock:
+                self._warming = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a background compile in flight is done; True when none is left running."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    def save_cache(self) -> bool:
+        """Save the mega-cache (when a cache folder was configured); a disk error is only logged."""
+        if self._mega_cache is None:
+            return False
+        try:
+            return save_mega_cache(self._mega_cache)
+        except OSError as exc:
+            log.warning("could not save the compile cache to %s: %s", self._mega_cache, exc)
+            return False
+
+    def close(self) -> None:
+        """Wait for a compile in flight, restore the plain forward and drop every compiled graph."""
+        if self._closed:
+            return
+        self.wait()
+        self._closed = True
+        if self.blocked_note:
+            return
+        if installed_state(self.unet) is self:
+            del self.unet.forward
+        self._recordings.close()
+        self._compiled = None
+        torch._dynamo.reset()
+
+
+def installed_state(unet: torch.nn.Module) -> CompileState | None:
+    """The CompileState whose forward is installed on `unet`, if any."""
+    owner = getattr(vars(unet).get("forward"), "__self__", None)
+    return owner if isinstance(owner, CompileState) else None
+
+
+def enable(pipe, *, offload: str = "none", mode: str = "reduce-overhead", backend="inductor",
+           background: bool = True, cache_dir: Path | None = None, device: torch.device | None = None) -> CompileState:
+    """Compile `pipe.unet` (replacing a previous compiled state), or explain why it stays eager.
+
+    `backend` is `inductor` on the GPU path; tests pass `eager`/`aot_eager` (or a callable) to run
+    the same dispatch and counting on the CPU in seconds. `cache_dir` keeps compiled artifacts
+    across restarts (see `configure_cache`).
+    """
+    disable(pipe)
+    device = torch.device(device if device is not None else pipe._execution_device)
+    allowed, note = is_compiled_path_allowed(offload, device, backend if isinstance(backend, str) else "custom")
+    mega_cache = None
+    if allowed and cache_dir is not None:
+        mega_cache = configure_cache(cache_dir)
+        load_mega_cache(mega_cache)
+    return CompileState(pipe.unet, mode=mode, backend=backend, background=background, mega_cache=mega_cache,
+                        blocked_note=note)
+
+
+def disable(pipe) -> None:
+    """Remove the compiled path from `pipe.unet` (no-op when none is installed)."""
+    state = installed_state(pipe.unet)
+    if state is not None:
+        state.close()

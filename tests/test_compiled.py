@@ -1,0 +1,277 @@
+"""The compiled UNet path (`app.engine.compiled`).
+
+On the CPU these run dynamo with its `eager` backend: tracing, guards, per-signature dispatch, the
+compile counter and the LoRA contract are the same code the GPU runs with inductor, in seconds. The
+`gpu` tests repeat the contract with inductor and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+from safetensors.torch import save_file
+
+from app.adapters.files import read_adapter
+from app.adapters.patcher import LoraStack
+from app.adapters.specs import LoraSpec
+from app.demo import build_tiny_pipeline
+from app.engine import compiled
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    """Tiny models gain nothing from a second thread, and OpenMP's spin-waiting makes them many
+    times slower on a busy two-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _small_pipe():
+    """The tiny SD1.5 pipeline with a one-level UNet: the same UNet class and code paths, fewer
+    modules, so dynamo traces it in a fraction of the time."""
+    pipe = build_tiny_pipeline("sd15")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        unet = UNet2DConditionModel(block_out_channels=(32,), down_block_types=("CrossAttnDownBlock2D",),
+                                    up_block_types=("CrossAttnUpBlock2D",), layers_per_block=1,
+                                    cross_attention_dim=32, attention_head_dim=8, sample_size=8)
+    pipe.register_modules(unet=unet.eval())
+    return pipe
+
+
+@pytest.fixture
+def pipe():
+    pipe = _small_pipe()
+    yield pipe
+    compiled.disable(pipe)
+
+
+def _inputs(batch: int = 1, device: str = "cpu", dtype=torch.float32) -> tuple:
+    """UNet inputs as the SD pipeline passes them under CFG (2 × batch rows)."""
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(2 * batch, 4, 8, 8, generator=generator).to(device, dtype)
+    hidden = torch.randn(2 * batch, 77, 32, generator=generator).to(device, dtype)
+    return sample, torch.tensor(500.0, device=device), hidden
+
+
+def _unet_out(pipe, batch: int = 1, **kw) -> torch.Tensor:
+    with torch.no_grad():
+        return pipe.unet(*_inputs(batch, **kw), return_dict=False)[0].clone()
+
+
+def _lora_files(tmp_path, unet, names=("a", "b")) -> dict:
+    """PEFT-layout LoRAs on every attention projection, large enough to move the output."""
+    files = {}
+    for seed, name in enumerate(names):
+        generator = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for path, module in unet.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".attn" in path:
+                tensors[f"unet.{path}.lora_A.weight"] = torch.randn(4, module.in_features, generator=generator) * 0.3
+                tensors[f"unet.{path}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=generator) * 0.3
+        save_file(tensors, str(tmp_path / f"{name}.safetensors"))
+        files[name] = read_adapter(name, tmp_path / f"{name}.safetensors")
+    return files
+
+
+def _reweight_sequence() -> list[list[LoraSpec]]:
+    """Add, ten re-weights, add a second, remove the first, remove all: every step changes the weights."""
+    steps = [[LoraSpec("a", 1.0)]] + [[LoraSpec("a", 1.1 if i % 2 == 0 else 0.9)] for i in range(10)]
+    return steps + [[LoraSpec("a", 0.9), LoraSpec("b", 1.0)], [LoraSpec("b", 1.0)], []]
+
+
+def test_lora_changes_reach_the_output_without_recompiling(pipe, tmp_path):
+    """Fusing with copy_ keeps every parameter's identity and metadata, so adding, re-weighting and
+    removing LoRAs changes the compiled output without a single new graph; removing all restores the
+    original output bit for bit. The compiled forward computes what the plain one does."""
+    eager = _unet_out(pipe)
+    state = compiled.enable(pipe, backend="eager", background=False, device="cpu")
+    files = _lora_files(tmp_path, pipe.unet)
+    stack = LoraStack(pipe, "sd15")
+    assert state.compiles == 0
+    base = _unet_out(pipe)
+    torch.testing.assert_close(base, eager)
+    graphs = state.compiles
+    assert graphs >= 1 and state.status().shapes_ready == 1
+    previous = base
+    for specs in _reweight_sequence():
+        stack.reconcile(specs, files)
+        out = _unet_out(pipe)
+        assert not torch.equal(out, previous), f"LoRA change {specs} did not reach the compiled output"
+        previous = out
+    assert torch.equal(previous, base)
+    assert state.compiles == graphs
+
+
+def _linear_pipe() -> SimpleNamespace:
+    """A stand-in pipeline whose "UNet" is one Linear: dispatch and warm-up do not depend on the
+    module, and dynamo traces this one in milliseconds."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return SimpleNamespace(unet=torch.nn.Linear(8, 8), _execution_device=torch.device("cpu"))
+
+
+def _linear_out(pipe) -> torch.Tensor:
+    with torch.no_grad():
+        return pipe.unet(torch.ones(2, 8)).clone()
+
+
+def test_background_compile_keeps_generating_eagerly_until_ready():
+    """With background=True a new shape starts a compile on a helper thread and the calls meanwhile run
+    eager (no waiting); the status says "compiling" with the ~1 min hint; once ready, calls go compiled."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_backend(gm, _example_inputs):
+        entered.set()
+        release.wait(60)
+        return gm.forward
+
+    pipe = _linear_pipe()
+    eager = _linear_out(pipe)
+    state = compiled.enable(pipe, backend=slow_backend, background=True, device="cpu")
+    try:
+        torch.testing.assert_close(_linear_out(pipe), eager)
+        assert entered.wait(60)
+        status = state.status()
+        assert status.phase == "compiling"
+        assert "compiling the UNet" in status.note and "1 min" in status.note and "eagerly" in status.note
+        torch.testing.assert_close(_linear_out(pipe), eager)  # does not block on the compile in flight
+        release.set()
+        assert state.wait(60)
+        assert state.status().phase == "compiled" and state.status().shapes_ready == 1
+        graphs = state.compiles
+        torch.testing.assert_close(_linear_out(pipe), eager)
+        assert graphs == 1 and state.compiles == graphs
+    finally:
+        release.set()
+        compiled.disable(pipe)
+
+
+def test_background_compile_failure_is_reported_and_stays_eager():
+    """A compile that fails leaves that size eager and says so; generation keeps working."""
+
+    def broken_backend(_gm, _example_inputs):
+        raise RuntimeError("no compiler here")
+
+    pipe = _linear_pipe()
+    eager = _linear_out(pipe)
+    state = compiled.enable(pipe, backend=broken_backend, background=True, device="cpu")
+    try:
+        _linear_out(pipe)
+        assert state.wait(60)
+        status = state.status()
+        assert status.phase == "failed" and "no compiler here" in status.note
+        torch.testing.assert_close(_linear_out(pipe), eager)
+    finally:
+        compiled.disable(pipe)
+
+
+@pytest.mark.parametrize("offload", ["model", "balanced", "sequential", "group"])
+def test_offload_modes_that_move_weights_stay_eager(pipe, offload):
+    """Modes that move weights would invalidate compiled graphs: nothing is installed and the note says why."""
+    state = compiled.enable(pipe, offload=offload, backend="eager", device="cpu")
+    assert state.phase == "eager" and f"'{offload}'" in state.note and "eager" in state.note
+    assert "forward" not in vars(pipe.unet) and compiled.installed_state(pipe.unet) is None
+    assert state.compiles == 0
+
+
+def test_inductor_needs_cuda(pipe):
+    """The GPU path (inductor) refuses a CPU device with a clear note instead of a minutes-long compile."""
+    state = compiled.enable(pipe, device="cpu")
+    assert state.phase == "eager" and "CUDA" in state.note
+    assert compiled.installed_state(pipe.unet) is None
+
+
+def test_gpu_path_defaults_to_inductor_with_cuda_graphs(pipe):
+    """Without arguments enable() is the GPU path: inductor in reduce-overhead mode, i.e. CUDA graphs."""
+    defaults = {k: p.default for k, p in inspect.signature(compiled.enable).parameters.items()}
+    assert defaults["backend"] == "inductor" and defaults["mode"] == "reduce-overhead"
+    state = compiled.CompileState(pipe.unet, background=False)  # nothing compiles until a call
+    try:
+        assert state.backend == "inductor" and state.config_patches == {"triton.cudagraphs": True}
+    finally:
+        state.close()
+    state = compiled.CompileState(pipe.unet, mode="default", background=False)
+    assert state.config_patches == {}
+    state.close()
+
+
+def test_enable_replaces_and_disable_restores_the_plain_forward(pipe):
+    """Only `unet.forward` is set; a second enable closes the first; disable removes it again."""
+    first = compiled.enable(pipe, backend="eager", background=False, device="cpu")
+    assert compiled.installed_state(pipe.unet) is first
+    second = compiled.enable(pipe, backend="eager", background=False, device="cpu")
+    assert first.phase == "closed" and compiled.installed_state(pipe.unet) is second
+    compiled.disable(pipe)
+    assert "forward" not in vars(pipe.unet) and second.phase == "closed"
+    assert _unet_out(pipe).shape == (2, 4, 8, 8)
+
+
+def test_cache_dir_and_unreadable_mega_cache(tmp_path, monkeypatch):
+    """configure_cache points inductor's caches at our folder; a corrupt mega-cache is skipped, not fatal."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")  # restored after the test
+    mega = compiled.configure_cache(tmp_path / "cache", override=True)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    assert torch._inductor.config.fx_graph_cache
+    mega.write_bytes(b"not a cache")
+    assert compiled.load_mega_cache(mega) is False
+    assert compiled.load_mega_cache(tmp_path / "missing.bin") is False
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+def _cuda_pipe():
+    pipe = _small_pipe()
+    pipe.unet.to("cuda", torch.float16)
+    return pipe
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_survive_lora_changes(tmp_path):
+    """Inductor + CUDA graphs: LoRA add/re-weight/remove change the output with no new graph and no
+    CUDA-graph re-recording; removing all LoRAs restores the original output exactly."""
+    pipe = _cuda_pipe()
+    try:
+        state = compiled.enable(pipe, background=False, device="cuda")
+        files = _lora_files(tmp_path, pipe.unet)
+        stack = LoraStack(pipe, "sd15")
+        base = [_unet_out(pipe, device="cuda", dtype=torch.float16) for _ in range(3)][-1]  # compile, warm, record
+        graphs, recordings = state.compiles, state.cudagraph_recordings
+        previous = base
+        for specs in _reweight_sequence():
+            stack.reconcile(specs, files)
+            out = _unet_out(pipe, device="cuda", dtype=torch.float16)
+            assert not torch.equal(out, previous)
+            previous = out
+        assert torch.equal(previous, base)
+        assert state.compiles == graphs
+        assert recordings is None or state.cudagraph_recordings == recordings
+    finally:
+        compiled.disable(pipe)
+
+
+@pytest.mark.gpu
+def test_background_compile_then_replays_on_the_calling_thread():
+    """The engine's shape: the compile runs on a helper thread, replays happen on the worker thread.
+    The CUDA-graph tree built there must serve the other thread (and match eager)."""
+    pipe = _cuda_pipe()
+    eager = _unet_out(pipe, device="cuda", dtype=torch.float16)
+    try:
+        state = compiled.enable(pipe, background=True, device="cuda")
+        _unet_out(pipe, device="cuda", dtype=torch.float16)
+        assert state.wait(600) and state.status().phase == "compiled"
+        outs = [_unet_out(pipe, device="cuda", dtype=torch.float16) for _ in range(4)]
+        graphs = state.compiles
+        outs.append(_unet_out(pipe, device="cuda", dtype=torch.float16))
+        assert state.compiles == graphs
+        for out in outs:
+            torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2)
+    finally:
+        compiled.disable(pipe)
