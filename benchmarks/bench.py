@@ -1204,9 +1204,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, str]:
                                  repeats=args.repeats or preset.repeats, steps=args.steps or preset.steps)
     stem = preset.mode
     if archs != preset.archs:
-        stem += "-" + "+".join(archs)
+        stem += "-" + "_".join(archs)
     if sections != preset.sections:
-        stem += "-" + "+".join(sections)
+        stem += "-" + "_".join(sections)
     if batches != preset.batches:
         stem += "-b" + "+".join(map(str, batches))
     return config, stem

@@ -83,8 +83,11 @@ def test_sdnext_sequence_in_every_offload_mode(full_model, dtype):
     reference = runs["none"]
     strength_step = np.abs(reference[0] - reference[1]).mean()
     assert strength_step > 0 and np.abs(reference[0] - reference[2]).mean() > strength_step
-    tolerance = min(0.3, strength_step / 2)
+    # Offload modes fuse LoRAs where the weight rests (CPU float32 vs GPU float32 matmuls), which can
+    # move a bf16 weight by one ulp (8-bit mantissa); fp16 keeps 3 more bits. Hence a per-dtype cap.
+    tolerance = min(0.3 if dtype == "fp16" else 1.5, strength_step / 2)
     for name, images in runs.items():
         for stage, (image, expected) in enumerate(zip(images, reference, strict=True)):
             diff = np.abs(image - expected).mean()
-            assert diff <= tolerance, f"{arch} {dtype} {name}, stage {stage}: mean pixel difference {diff:.3f}"
+            assert diff <= tolerance, (f"{arch} {dtype} {name}, stage {stage}: mean pixel difference {diff:.3f} "
+                                       f"(tolerance {tolerance:.3f}, a 1.0->1.1 step changes {strength_step:.3f})")

@@ -13,6 +13,10 @@ The rules that make the seed crashes unreachable:
   order-independent and exactly undoable, at the cost of not composing them as a chain.
 * Backup policy: beside the weight when it lives on the CPU, or on a GPU with room to spare
   (re-weighting then needs no host transfer); otherwise in pinned CPU memory.
+* The float32 math runs on the engine's compute device wherever the weight rests (a CPU weight
+  under an offload mode included): the same float32 products give the same bits in every
+  offload mode — on an H100, CPU-side fusion moved bf16 weights by an ulp and images by 0.9
+  grey levels, nearly what a 0.1 strength step changes — and the GPU does the matmuls faster.
 * `reconcile` is all or nothing: every adapter is parsed and shape-checked before the first
   write, and a failure mid-way recomputes each touched layer from the previous applied list.
 """
@@ -76,9 +80,10 @@ def _backup_copy(tensor: torch.Tensor) -> torch.Tensor:
 class LoraStack:
     """The adapters fused into one pipeline, with the backups needed to change or undo them."""
 
-    def __init__(self, pipe, arch: str) -> None:
+    def __init__(self, pipe, arch: str, compute_device: torch.device | None = None) -> None:
         self._pipe = pipe
         self._arch = arch
+        self._compute_device = compute_device
         self._table: KeyTable | None = None
         self._modules: dict[Target, torch.nn.Module] = {}
         self._backups: dict[Target, _Backup] = {}
@@ -213,10 +218,11 @@ class LoraStack:
             return
         base = backup.weight if backup is not None else module.weight.detach()
         base_bias = backup.bias if backup is not None else None
-        w0 = base.to(module.weight.device, torch.float32)
+        device = self._compute_device or module.weight.device
+        w0 = base.to(device, torch.float32)
         b0 = None
         if module.bias is not None:
-            b0 = (base_bias if base_bias is not None else module.bias.detach()).to(module.bias.device, torch.float32)
+            b0 = (base_bias if base_bias is not None else module.bias.detach()).to(device, torch.float32)
         new_w, new_b = w0.clone(), None if b0 is None else b0.clone()
         for name, strength, adapter in contributions:
             try:

@@ -111,13 +111,6 @@ class Snapshot:
     compile: compiled.CompileStatus | None = None
     taken_at: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form (for the API and the bug report)."""
-        out = dataclasses.asdict(self)
-        out["lora_counters"] = {k: dataclasses.asdict(v) for k, v in self.lora_counters.items()}
-        out["timers"] = {k: dataclasses.asdict(v) for k, v in self.timers.items()}
-        return out
-
 
 @dataclass
 class _Command:
@@ -435,7 +428,7 @@ class Engine:
             old.strategy.remove()
             old.stack.release()
         fresh.pipe.set_progress_bar_config(disable=True)
-        self._loaded = _Loaded(fresh, plan, LoraStack(fresh.pipe, fresh.arch), embedded, strategy)
+        self._loaded = _Loaded(fresh, plan, LoraStack(fresh.pipe, fresh.arch, self.device), embedded, strategy)
         self._sync_compile(self._loaded)
         del old
         _release_memory()
@@ -448,7 +441,9 @@ class Engine:
         if self.settings.compile:
             loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self.device,
                                              mode=self.settings.compile_mode,
-                                             cache_dir=self.settings.compile_cache_dir, background=True)
+                                             cache_dir=self.settings.compile_cache_dir,
+                                             # CUDA-graph trees are per thread: record them on the worker.
+                                             background=self.settings.compile_mode == "default")
 
     def _restore_placement(self, loaded: _Loaded) -> None:
         """Put a model back to its own plan and offload mode (the undo of parking or a failed move)."""

@@ -44,6 +44,14 @@ class OffloadStrategy:
     def install(self) -> None:
         """Add this mode's hooks (none for `none`)."""
 
+    def _move_inputs_at_entry(self) -> None:
+        """Tensor arguments of each component go to its compute device on entry. diffusers places
+        some inputs by the device a component's weights rest on (SDXL's text encoders), which is
+        the CPU under every offload mode."""
+        for name, component in placement.torch_components(self.pipe).items():
+            device = self.plan.components[name].compute.device
+            self.handles.append(component.register_forward_pre_hook(_inputs_to(device), with_kwargs=True))
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
@@ -67,6 +75,7 @@ class ModelOffload(OffloadStrategy):
         self._on_device: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def install(self) -> None:
+        self._move_inputs_at_entry()
         for name, component in placement.torch_components(self.pipe).items():
             # The VAE's decode() is not its forward(), so its direct children carry the hook too.
             for module in (component, *component.children()):
@@ -131,6 +140,7 @@ class SequentialOffload(OffloadStrategy):
         self._stashes: dict[int, dict[str, torch.Tensor]] = {}
 
     def install(self) -> None:
+        self._move_inputs_at_entry()
         for name, component in placement.torch_components(self.pipe).items():
             compute = self.plan.components[name].compute
             for module in component.modules():
@@ -146,9 +156,27 @@ class SequentialOffload(OffloadStrategy):
     def _offload(self, module, _args, _output) -> None:
         placement.stream_out(module, self._stashes.pop(id(module), {}))
 
-    def remove(self) -> None:
+    def settle(self) -> None:
+        """A forward cut off by an exception leaves its copies in place: point back to the CPU tensors."""
+        for module in placement.torch_components(self.pipe).values():
+            for sub in module.modules():
+                stash = self._stashes.pop(id(sub), None)
+                if stash:
+                    placement.stream_out(sub, stash)
         self._stashes.clear()
+
+    def remove(self) -> None:
+        self.settle()
         super().remove()
+
+
+def _inputs_to(device: torch.device):
+    def to_device(value):
+        return value.to(device) if isinstance(value, torch.Tensor) else value
+
+    def pre_hook(_module, args, kwargs):
+        return tuple(to_device(a) for a in args), {k: to_device(v) for k, v in kwargs.items()}
+    return pre_hook
 
 
 def _blocks(component: torch.nn.Module) -> list[torch.nn.Module]:
@@ -163,37 +191,51 @@ def _blocks(component: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class GroupOffload(OffloadStrategy):
-    """Blocks (down/mid/up blocks, encoder layers, …) streamed whole; on CUDA the next block of the
-    same list is copied ahead on a side stream while the current one computes."""
+    """Blocks (down/mid/up blocks, encoder layers, …) streamed whole. On CUDA, once a component's
+    execution order has been seen (its first forward), the block that ran next last time is copied
+    ahead on a side stream while the current one computes. Registration order is no guide: the
+    UNet registers its up blocks before its mid block but runs them after."""
 
     def __init__(self, pipe, plan: PlacementPlan) -> None:
         super().__init__(pipe, plan, mode="group")
         self._stashes: dict[int, list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]] = {}
         self._ready: dict[int, object] = {}
+        self._next: dict[int, torch.nn.Module] = {}
+        self._last: dict[str, torch.nn.Module] = {}
         self._stream = torch.cuda.Stream(plan.device) if plan.device.type == "cuda" else None
 
     def install(self) -> None:
+        self._move_inputs_at_entry()
         for name, component in placement.torch_components(self.pipe).items():
             if component._parameters or component._buffers:
                 raise ValueError(f"group offload: {name} owns tensors outside its blocks; use sequential")
             compute = self.plan.components[name].compute
-            groups = _blocks(component)
-            for i, group in enumerate(groups):
-                ahead = groups[i + 1] if i + 1 < len(groups) else None
-                self.handles.append(group.register_forward_pre_hook(self._onload(compute, ahead)))
+            for group in _blocks(component):
+                self.handles.append(group.register_forward_pre_hook(self._onload(name, compute)))
                 self.handles.append(group.register_forward_hook(self._offload))
 
     def _stream_group(self, group: torch.nn.Module, compute: placement.Placement) -> None:
         if id(group) not in self._stashes:
             self._stashes[id(group)] = [(m, placement.stream_in(m, compute)) for m in group.modules()]
 
-    def _onload(self, compute: placement.Placement, ahead: torch.nn.Module | None):
+    def _onload(self, component: str, compute: placement.Placement):
         def pre_hook(group, _args):
+            previous = self._last.get(component)
+            if previous is not None and previous is not group:
+                self._next.setdefault(id(previous), group)  # learn the execution order once
+            self._last[component] = group
             event = self._ready.pop(id(group), None)
             if event is not None:
-                torch.cuda.current_stream(compute.device).wait_event(event)
+                current = torch.cuda.current_stream(compute.device)
+                current.wait_event(event)
+                for module in group.modules():  # copied on the side stream, read on this one
+                    for tensor in (*module._parameters.values(), *module._buffers.values()):
+                        if tensor is not None and tensor.device.type == "cuda":
+                            tensor.record_stream(current)
             self._stream_group(group, compute)
+            ahead = self._next.get(id(group))
             if ahead is not None and self._stream is not None and id(ahead) not in self._stashes:
+                self._stream.wait_stream(torch.cuda.current_stream(compute.device))
                 with torch.cuda.stream(self._stream):
                     self._stream_group(ahead, compute)
                     self._ready[id(ahead)] = self._stream.record_event()
@@ -203,9 +245,20 @@ class GroupOffload(OffloadStrategy):
         for module, stash in self._stashes.pop(id(group), []):
             placement.stream_out(module, stash)
 
-    def remove(self) -> None:
+    def settle(self) -> None:
+        """Drop blocks copied ahead that did not run (the last block prefetches the first of the next step)."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.plan.device).wait_stream(self._stream)
+        for stashes in self._stashes.values():
+            for module, stash in stashes:
+                placement.stream_out(module, stash)
         self._stashes.clear()
         self._ready.clear()
+        self._last.clear()
+
+    def remove(self) -> None:
+        self.settle()
+        self._next.clear()
         super().remove()
 
 

@@ -1,0 +1,57 @@
+"""`build_app`: the Blocks with the engine status line, the two tabs and the named API.
+
+The status line above the tabs is refreshed every second from `engine.snapshot()` (cheap: an
+immutable object plus the live state), so whatever the engine is doing — loading, patching,
+generating, stuck in ERROR — is visible while any handler waits on it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from app.ui import views
+from app.ui.api import register_api
+from app.ui.common import UiContext
+from app.ui.diagnostics_tab import build_diagnostics_tab, refresh
+from app.ui.generate_tab import build_generate_tab, wire_page_load
+
+CSS_PATH = Path(__file__).resolve().parents[2] / "assets" / "ui.css"
+STATUS_REFRESH_S = 1.0
+
+
+def theme() -> gr.themes.Base:
+    """The default theme on system font stacks: no font file is fetched from anywhere."""
+    return gr.themes.Default(font=["ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "sans-serif"],
+                             font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"])
+
+
+def launch_kwargs() -> dict:
+    """Look-and-feel arguments Gradio 6 takes at `launch()`, not in `Blocks()`."""
+    return {"theme": theme(), "css_paths": [CSS_PATH] if CSS_PATH.is_file() else None}
+
+
+def build_app(ctx: UiContext) -> gr.Blocks:
+    """The whole app; theme and CSS are applied by `launch(**launch_kwargs())` (Gradio 6)."""
+    with gr.Blocks(title="Steady Diffusion", analytics_enabled=False) as demo:
+        register_api(ctx)  # first, so the documented endpoint names are never taken by a UI handler
+        with gr.Row(elem_classes="sd-header"):
+            gr.Markdown("## Steady Diffusion")
+            status = gr.HTML(elem_id="sd-status-line")
+        with gr.Tabs():
+            with gr.Tab("Generate", id="generate") as generate_tab:
+                tab = build_generate_tab(ctx)
+            with gr.Tab("Diagnostics", id="diagnostics") as diagnostics_tab:
+                diag = build_diagnostics_tab(ctx)
+        ticker = gr.Timer(STATUS_REFRESH_S)
+        ticker.tick(lambda: views.status_html(ctx.engine.snapshot()), None, status, api_visibility="private",
+                    show_progress="hidden")
+        refresh_diagnostics = dict(fn=lambda *filters: refresh(ctx, *filters), inputs=diag.refresh_inputs,
+                                   outputs=diag.refresh_outputs, api_visibility="private", show_progress="hidden")
+        diagnostics_tab.select(lambda: gr.Timer(active=True), None, diag.timer, api_visibility="private")
+        diagnostics_tab.select(**refresh_diagnostics)
+        generate_tab.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
+        wire_page_load(ctx, tab, demo)
+        demo.load(lambda: views.status_html(ctx.engine.snapshot()), None, status, api_visibility="private")
+    return demo

@@ -1,0 +1,156 @@
+"""The Diagnostics tab: a live view of the engine built only from snapshots, plus the repair tools.
+
+A `gr.Timer` refreshes it every `REFRESH_S` seconds, but only while the tab is visible: the
+timer is started by this tab's `select` and stopped by the other tabs' (Gradio 6 timers keep
+ticking on hidden tabs otherwise). Each tick also samples process memory, so the timeline
+moves between transitions.
+"""
+
+from __future__ import annotations
+
+import io
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import gradio as gr
+
+from app import diagnostics
+from app.report import REPORT_PNG, build_bug_report
+from app.ui import views
+from app.ui.common import PROGRESS, UiContext, run_with_progress, user_errors
+
+REFRESH_S = 2.0
+
+
+@dataclass
+class DiagnosticsTab:
+    """What `build_app` wires from outside the tab: the timer (tab selection starts/stops it) and one refresh."""
+
+    timer: gr.Timer
+    refresh_outputs: list
+    refresh_inputs: list
+
+
+def refresh(ctx: UiContext, component: str, text: str, only_violations: bool, only_patched: bool) -> list:
+    """Everything the tab shows, from one snapshot (so the tables agree with each other)."""
+    ctx.engine.timeline.sample()
+    snap = ctx.engine.snapshot()
+    rows, matching = views.module_rows(snap, component, text, only_violations, only_patched)
+    gpu, gpu_note = views.gpu_rows(diagnostics.gpu_stats())
+    memory = diagnostics.process_memory()
+    mem_text = " · ".join(f"{k.replace('_mib', '')} {v:,.0f} MiB" for k, v in memory.items())
+    components = ["all", *dict.fromkeys(r.component for r in snap.placement)]
+    shown = f"showing {len(rows)} of {matching} matching modules ({len(snap.placement)} total)"
+    return [
+        f"{views.status_html(snap)}<div class='sd-muted' id='sd-diag-updated'>updated {time.strftime('%H:%M:%S')}"
+        f" · {mem_text}</div>",
+        views.history_rows(snap),
+        views.component_rows(snap),
+        gr.Dropdown(choices=components),
+        views.lora_rows(snap),
+        rows,
+        shown,
+        gr.Dataframe(value=gpu, visible=bool(gpu)),
+        gpu_note,
+        views.timer_rows(snap),
+        views.timeline_svg(ctx.engine.timeline.snapshot()),
+        views.error_text(snap),
+    ]
+
+
+def _table(headers: list[str], elem_id: str, label: str, max_height: int = 320, widths: list[str] | None = None,
+           scale: int | None = None) -> gr.Dataframe:
+    return gr.Dataframe(headers=headers, column_count=len(headers), label=label, interactive=False, wrap=True,
+                        max_height=max_height, elem_id=elem_id, column_widths=widths, scale=scale)
+
+
+def _debug_toggles(ctx: UiContext) -> None:
+    s = ctx.settings
+    with gr.Row():
+        lora = gr.Checkbox(s.lora_debug, label="LoRA debug (log key matching)", elem_id="sd-lora-debug")
+        move = gr.Checkbox(s.move_debug, label="Move debug (log every tensor move)", elem_id="sd-move-debug")
+        strict = gr.Checkbox(s.strict, label="Strict mode (a placement violation fails the transition)",
+                             elem_id="sd-strict")
+
+    def toggle(lora_on, move_on, strict_on):
+        changed = ctx.engine.set_debug(lora_debug=lora_on, move_debug=move_on, strict=strict_on)
+        gr.Info(f"debug: LoRA {changed.lora_debug}, move {changed.move_debug}, strict {changed.strict}")
+
+    for box in (lora, move, strict):
+        box.input(toggle, [lora, move, strict], None, api_visibility="private")
+
+
+def _actions(ctx: UiContext) -> None:
+    with gr.Row():
+        unload = gr.Button("Unload model / free memory", variant="stop", elem_id="sd-unload")
+        report = gr.Button("Export bug report", variant="secondary", elem_id="sd-bug-report")
+    unload_note = gr.Markdown()
+    with gr.Row():
+        bundle = gr.File(label="Bug report (zip)", elem_id="sd-bug-zip", scale=1)
+        card = gr.Image(label="Bug report card (paste into the issue)", type="filepath", format="png",
+                        elem_id="sd-bug-card", scale=3, height=520, buttons=["download", "fullscreen"])
+
+    def free_memory(progress=PROGRESS):
+        before = diagnostics.process_memory()
+        with user_errors("Unload"):
+            run_with_progress(ctx.engine, ctx.engine.unload, progress)
+        after = diagnostics.process_memory()
+        return "Freed: " + ", ".join(f"{k.replace('_mib', '')} {before[k]:,.0f} → {after.get(k, 0):,.0f} MiB"
+                                     for k in before)
+
+    unload.click(free_memory, None, unload_note, api_visibility="private", concurrency_id="loras")
+    report.click(lambda: export_bug_report(ctx), None, [bundle, card], api_name="bug_report",
+                 api_description="Bug-report bundle: a zip (report.json + card.png) and the card PNG alone.")
+
+
+def export_bug_report(ctx: UiContext) -> tuple[str, str]:
+    """Write the zip and its card into a fresh temp folder; Gradio serves both from its cache."""
+    data = build_bug_report(ctx.engine, ctx.settings, ctx.log_lines(), ctx.secrets)
+    folder = Path(tempfile.mkdtemp(prefix="sd-bug-report-"))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    zip_path = folder / f"steady-diffusion-bug-report-{stamp}.zip"
+    zip_path.write_bytes(data)
+    card_path = folder / f"bug-report-card-{stamp}.png"
+    with zipfile.ZipFile(io.BytesIO(data)) as bundle:
+        card_path.write_bytes(bundle.read(REPORT_PNG))
+    return str(zip_path), str(card_path)
+
+
+def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
+    """Lay out the tab; every display is an output of one `refresh` so a tick is a single snapshot."""
+    _debug_toggles(ctx)
+    state = gr.HTML(elem_id="sd-diag-state")
+    history = _table(views.HISTORY_HEADERS, "sd-history", "Engine history (newest first)", 260,
+                     ["9%", "11%", "31%", "11%", "9%", "17%", "12%"])
+    summary = _table(views.SUMMARY_HEADERS, "sd-components", "Components", 200)
+    with gr.Row():
+        loras = _table(views.LORA_HEADERS, "sd-lora-counters", "LoRA counters", 220,
+                       ["16%", "17%", "11%", "11%", "10%", "10%", "25%"], scale=3)
+        timers = _table(views.TIMER_HEADERS, "sd-timers", "Timers", 220, scale=2)
+    with gr.Row():
+        component = gr.Dropdown(["all"], value="all", label="Component", scale=1)
+        text = gr.Textbox(label="Module or class contains", scale=2)
+        only_bad = gr.Checkbox(False, label="only violations", scale=1)
+        only_patched = gr.Checkbox(False, label="only LoRA-patched", scale=1)
+    modules_note = gr.Markdown(elem_id="sd-modules-note")
+    modules = _table(views.MODULE_HEADERS, "sd-modules", "Modules (every parameter and buffer checked)", 420,
+                     ["9%", "31%", "12%", "7%", "6%", "8%", "6%", "9%", "6%", "6%"])
+    gpu_note = gr.Markdown()
+    gpu = _table(views.GPU_HEADERS, "sd-gpu", "GPU (NVML)", 160)
+    timeline = gr.HTML(label="Memory timeline")
+    _actions(ctx)
+    error = gr.Code(label="Last error (with traceback)", language=None, lines=8, elem_id="sd-last-error")
+    outputs = [state, history, summary, component, loras, modules, modules_note, gpu, gpu_note, timers, timeline,
+               error]
+    inputs = [component, text, only_bad, only_patched]
+    timer = gr.Timer(REFRESH_S, active=False)
+    tick = dict(fn=lambda *a: refresh(ctx, *a), inputs=inputs, outputs=outputs, api_visibility="private",
+                show_progress="hidden")
+    timer.tick(**tick)
+    for control in (component, only_bad, only_patched):
+        control.input(**tick)
+    text.submit(**tick)
+    return DiagnosticsTab(timer, outputs, inputs)

@@ -1,0 +1,180 @@
+"""LoRA cards: what a file says about itself (safetensors metadata) and whether it fits the model.
+
+Metadata comes from the file header only (no tensor data is read), so listing a folder of large
+LoRAs stays cheap and never touches the engine's LoRA cache, which belongs to the worker. The
+fit check asks the engine (`inspect_lora`), which parses the file against the loaded model on
+its worker thread; results are cached per (model hash, file identity) because a LoRA's fit
+only changes when either side changes.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from app.adapters.errors import AdapterError, AdapterFormatError
+from app.safetensors_files import SafetensorsFileError, file_sha256, read_header
+
+# Suffix -> algorithm name, checked in order (LoRA last: LoCon/DoRA files also carry lora_down).
+_ALGO_MARKERS = (("hada_w1", "LoHa"), ("lokr_w", "LoKr"), ("oft_blocks", "OFT"), ("a1.weight", "GLoRA"),
+                 ("dora_scale", "DoRA"), ("lora_mid", "LoCon (Tucker)"), ("lora_down", "LoRA"),
+                 ("lora_A", "LoRA (PEFT)"), (".diff", "Full"), ("on_input", "IA3"))
+
+
+@dataclass(frozen=True)
+class CardInfo:
+    """What a LoRA card shows; every field may be unknown (None) for files without metadata."""
+
+    name: str
+    base_model: str | None
+    trigger_words: tuple[str, ...]
+    rank: int | None
+    alpha: str | None
+    algorithm: str
+    short_hash: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Outcome of the fit check: level "ok", "warn" (some keys unmatched) or "error" (refused)."""
+
+    level: str
+    message: str
+    matched_layers: int = 0
+    unmatched_keys: int = 0
+
+
+def _trigger_words(meta: dict[str, str]) -> tuple[str, ...]:
+    """Trigger words as trainers record them: explicit phrase first, else the most frequent tags."""
+    for key in ("modelspec.trigger_phrase", "ss_trigger_words", "trigger_words"):
+        if meta.get(key):
+            return tuple(w.strip() for w in meta[key].split(",") if w.strip())[:8]
+    try:
+        frequencies = json.loads(meta.get("ss_tag_frequency") or "{}")
+    except json.JSONDecodeError:
+        return ()
+    totals: dict[str, int] = {}
+    for tags in frequencies.values():
+        for tag, count in tags.items():
+            totals[tag.strip()] = totals.get(tag.strip(), 0) + int(count)
+    return tuple(sorted(totals, key=totals.get, reverse=True)[:5])
+
+
+def _algorithm(meta: dict[str, str], keys: list[str]) -> str:
+    try:
+        args = json.loads(meta.get("ss_network_args") or "{}")
+    except json.JSONDecodeError:
+        args = {}
+    if isinstance(args, dict) and args.get("algo"):
+        return str(args["algo"])
+    for marker, name in _ALGO_MARKERS:
+        if any(marker in k for k in keys):
+            return name
+    return "unknown"
+
+
+def _rank(meta: dict[str, str], path: Path, keys: list[str]) -> int | None:
+    """`ss_network_dim`, else the first down-projection's row count (its shape only, no data read)."""
+    if str(meta.get("ss_network_dim", "")).isdigit():
+        return int(meta["ss_network_dim"])
+    down = next((k for k in sorted(keys) if k.endswith(("lora_down.weight", "lora_A.weight"))), None)
+    if down is None:
+        return None
+    with safe_open(str(path), framework="pt") as handle:
+        return int(handle.get_slice(down).get_shape()[0])
+
+
+def read_card(name: str, path: Path, short_hash: str) -> CardInfo:
+    """Build a card from the safetensors header of `path` (raises `AdapterFormatError` if it is not one)."""
+    try:
+        key_set, meta = read_header(path)
+    except SafetensorsFileError as exc:
+        raise AdapterFormatError(str(exc)) from None
+    keys = sorted(key_set)
+    base = meta.get("ss_base_model_version") or meta.get("modelspec.architecture") or meta.get("ss_sd_model_name")
+    return CardInfo(name=name, base_model=base, trigger_words=_trigger_words(meta), rank=_rank(meta, path, keys),
+                    alpha=meta.get("ss_network_alpha"), algorithm=_algorithm(meta, keys), short_hash=short_hash,
+                    size_bytes=path.stat().st_size)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def card_markdown(card: CardInfo | None, fit: Fit | None, name: str, problem: str = "") -> str:
+    """Card body: a fit badge first (never hidden), then the metadata the file carries."""
+    lines = [f"**{html.escape(name)}**"]
+    if problem:
+        lines.append(f"<span class='sd-badge sd-badge-error'>⚠ unreadable</span> {html.escape(problem)}")
+        return "\n\n".join(lines)
+    if fit is None:
+        lines.append("<span class='sd-badge'>checking fit…</span>")
+    elif fit.level == "ok":
+        lines.append(f"<span class='sd-badge sd-badge-ok'>✓ fits: {fit.matched_layers} layers</span>")
+    elif fit.level == "warn":
+        lines.append(f"<span class='sd-badge sd-badge-warn'>⚠ {fit.unmatched_keys} keys matched nothing</span> "
+                     f"{fit.matched_layers} layers patched; {html.escape(fit.message)}")
+    else:
+        lines.append(f"<span class='sd-badge sd-badge-error'>✗ does not fit — not applied</span> "
+                     f"{html.escape(fit.message)}")
+    if card is not None:
+        rank = f"rank: {card.rank if card.rank is not None else '?'}" + (f" (alpha {card.alpha})" if card.alpha else "")
+        facts = [f"base model: {html.escape(card.base_model or 'not recorded')}",
+                 f"algorithm: {html.escape(card.algorithm)}", rank,
+                 f"hash: `{card.short_hash}` · {_size(card.size_bytes)}"]
+        if card.trigger_words:
+            facts.append("trigger words: " + ", ".join(f"`{html.escape(w)}`" for w in card.trigger_words))
+        lines.append(" · ".join(facts))
+    return "\n\n".join(lines)
+
+
+class CardCache:
+    """Cards by file identity and fit results by (model hash, file identity); thread-safe."""
+
+    def __init__(self) -> None:
+        self._cards: dict[tuple, CardInfo] = {}
+        self._fits: dict[tuple, Fit] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _identity(path: Path) -> tuple:
+        stat = path.stat()
+        return str(path), stat.st_mtime_ns, stat.st_size
+
+    def card(self, name: str, path: Path) -> CardInfo:
+        key = self._identity(path)
+        with self._lock:
+            if key in self._cards:
+                return self._cards[key]
+        card = read_card(name, path, file_sha256(path)[:12])
+        with self._lock:
+            self._cards[key] = card
+        return card
+
+    def fit(self, engine, name: str, path: Path, model_hash: str | None) -> Fit:
+        """Ask the engine whether `name` fits the loaded model; a refusal becomes an "error" fit."""
+        if model_hash is None:
+            return Fit("warn", "no model loaded yet: fit not checked")
+        key = (model_hash, *self._identity(path))
+        with self._lock:
+            if key in self._fits:
+                return self._fits[key]
+        try:
+            report = engine.inspect_lora(name)
+        except AdapterError as exc:  # the file does not fit this model: a result to show, and to cache
+            fit = Fit("error", str(exc))
+        except Exception as exc:  # engine busy in ERROR, file vanished …: show it, but ask again next time
+            return Fit("warn", f"fit not checked: {exc}")
+        else:
+            level = "error" if report.matched_layers == 0 else "warn" if report.unmatched_keys else "ok"
+            fit = Fit(level, report.message or ("matched zero layers" if level == "error" else ""),
+                      report.matched_layers, report.unmatched_keys)
+        with self._lock:
+            self._fits[key] = fit
+        return fit

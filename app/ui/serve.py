@@ -1,0 +1,183 @@
+"""Serving: auth policy, launch, share-link fallback, readiness, and `serve()` for `launch.py`.
+
+Policy: a server reachable by others (`--listen` on all interfaces, or a `--share` link) never
+runs without a login unless the user says `--no-auth`. Without `--auth`, a random password is
+generated and printed once on the console (stdout, never the log, so it cannot end up in a bug
+report). Offline, Gradio cannot create a share link; we say so plainly and keep serving locally.
+
+Only the outputs folder is added to Gradio's `allowed_paths`: generated images are served from
+there; models and LoRAs are only ever addressed by name through the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import gradio as gr
+import psutil
+
+from app.diagnostics import RecentLogHandler
+from app.engine.engine import Engine
+from app.settings import Settings
+from app.ui.app import build_app, launch_kwargs
+from app.ui.common import UiContext, checkpoint_names
+
+log = logging.getLogger(__name__)
+GENERATED_USER = "steady"
+
+
+@dataclass(frozen=True)
+class AuthPolicy:
+    """Logins Gradio must require; `generated_password` is set when we made one up."""
+
+    credentials: tuple[tuple[str, str], ...]
+    generated_password: str | None = None
+
+    @property
+    def required(self) -> bool:
+        return bool(self.credentials)
+
+
+def auth_policy(settings: Settings, token: str | None = None) -> AuthPolicy:
+    """Explicit `--auth` wins; exposure (`--share`/`--listen`) without it gets a generated password."""
+    if settings.auth:
+        return AuthPolicy(tuple(settings.auth))
+    if (settings.share or settings.listen) and not settings.no_auth:
+        password = token or secrets.token_urlsafe(12)
+        return AuthPolicy(((GENERATED_USER, password),), password)
+    return AuthPolicy(())
+
+
+@dataclass
+class Server:
+    """A running app: its local URL, whether a share link exists, and how to stop it."""
+
+    demo: gr.Blocks
+    local_url: str
+    share_url: str | None
+    policy: AuthPolicy
+
+    def close(self) -> None:
+        self.demo.close()
+
+
+def host_for(settings: Settings) -> str:
+    """All interfaces only when asked (`--listen`); the default stays on loopback."""
+    return "0.0.0.0" if settings.listen else "127.0.0.1"
+
+
+def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
+    """Build and launch the app without blocking; raises `OSError` when the port is taken."""
+    settings = ctx.settings
+    demo = build_app(ctx)
+    demo.queue(default_concurrency_limit=1)
+    settings.outputs_dir.mkdir(parents=True, exist_ok=True)
+    _app, local_url, share_url = demo.launch(
+        server_name=host_for(settings), server_port=settings.port, share=settings.share,
+        auth=list(policy.credentials) or None, auth_message="Steady Diffusion: log in to continue",
+        allowed_paths=[str(settings.outputs_dir)], prevent_thread_lock=True, quiet=True, show_error=True,
+        inbrowser=False, footer_links=["api", "settings"], ssr_mode=False, mcp_server=False, pwa=False,
+        **launch_kwargs())
+    return Server(demo, local_url, share_url, policy)
+
+
+def wait_until_ready(url: str, timeout_s: float = 30.0) -> None:
+    """Poll `/gradio_api/info` until it answers (200, or 401 when a login is required)."""
+    deadline = time.monotonic() + timeout_s
+    target = url.rstrip("/") + "/gradio_api/info"
+    while True:
+        try:
+            with urllib.request.urlopen(target, timeout=2):
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the app did not answer at {target} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def install_log_capture() -> RecentLogHandler:
+    """Keep recent log lines (for the bug report) from every logger of the process."""
+    handler = RecentLogHandler()
+    handler.setLevel(logging.INFO)
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def _ensure_demo(settings: Settings) -> None:
+    if checkpoint_names(settings):
+        return
+    from app.adapters.synthetic import write_demo_loras
+    from app.demo import write_demo
+
+    print(f"No checkpoints in {settings.checkpoints_dir}: writing tiny random-weight demo models and LoRAs there.",
+          flush=True)
+    write_demo(settings.data_dir, lora_writer=write_demo_loras)
+
+
+def _load_in_background(engine: Engine, name: str) -> None:
+    """The UI opens at once; the status line shows LOADING until the model is in."""
+
+    def load() -> None:
+        try:
+            engine.load_model(name)
+        except Exception as exc:  # recorded by the engine (history, last error); the UI shows it
+            log.error("initial model %s could not be loaded: %s", name, exc)
+
+    threading.Thread(target=load, name="initial-load", daemon=True).start()
+
+
+def _announce(settings: Settings, server: Server) -> None:
+    """Console lines for the user. The share link is printed once, never logged."""
+    shown_host = "127.0.0.1" if not settings.listen else f"0.0.0.0 (all interfaces), port {settings.port}"
+    print(f"Steady Diffusion is running at {server.local_url} (bound to {shown_host})", flush=True)
+    if settings.share and server.share_url:
+        print(f"Public share link (also protected by the login): {server.share_url}", flush=True)
+    elif settings.share:
+        print("Could not create a Gradio share link (no connection to the share server?). "
+              f"Serving locally only, at {server.local_url}.", flush=True)
+    policy = server.policy
+    if policy.generated_password:
+        print(f"Login required. user: {GENERATED_USER}  password: {policy.generated_password}\n"
+              "(generated for this run and shown only once; choose your own with --auth user:pass, "
+              "or allow open access with --no-auth)", flush=True)
+    elif policy.required:
+        print(f"Login required ({len(policy.credentials)} user(s) from --auth/--auth-file).", flush=True)
+
+
+def serve(settings: Settings, initial_model: str | None = None, create_demo: bool = True) -> int:
+    """Run the app until Ctrl+C; returns the process exit code."""
+    log_capture = install_log_capture()
+    if create_demo:
+        _ensure_demo(settings)
+    engine = Engine(settings)
+    names = checkpoint_names(settings)
+    model = initial_model or (names[0] if names else None)
+    if model:
+        _load_in_background(engine, model)
+    else:
+        print(f"No checkpoint found in {settings.checkpoints_dir}; add one and press ↻ in the UI.", flush=True)
+    policy = auth_policy(settings)
+    ctx = UiContext(engine, settings, log_capture.lines, tuple(p for _u, p in policy.credentials))
+    try:
+        server = start_server(ctx, policy)
+    except OSError as exc:
+        print(f"Cannot serve on port {settings.port}: {exc}. Choose another with --port.", flush=True)
+        engine.close()
+        return 1
+    _announce(settings, server)
+    log.info("UI ready %.1f s after the process started", time.time() - psutil.Process().create_time())
+    try:
+        server.demo.block_thread()
+    finally:
+        engine.close()
+    return 0

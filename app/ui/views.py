@@ -1,0 +1,176 @@
+"""Snapshot -> what the UI shows: status line, tables, memory timeline. Pure functions, no Gradio.
+
+Why separate: the tabs re-render these on every timer tick, and the functions are easiest to
+check (and to keep honest) when they take an immutable `Snapshot` and return plain rows.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Sequence
+
+from app.engine.engine import Snapshot
+
+HISTORY_HEADERS = ["time", "command", "detail", "state", "duration s", "outcome", "violations found/repaired"]
+SUMMARY_HEADERS = ["component", "modules", "params", "MiB", "devices", "dtypes", "LoRA-patched", "offload",
+                   "violations"]
+MODULE_HEADERS = ["component", "module", "class", "device", "dtype", "params", "MiB", "LoRAs", "offload",
+                  "violation"]
+LORA_HEADERS = ["LoRA", "applied weight (UNet / TE)", "matched layers", "unmatched keys", "apply errors",
+                "runtime errors", "note"]
+TIMER_HEADERS = ["timer", "count", "last s", "total s", "mean s"]
+GPU_HEADERS = ["GPU", "name", "memory used MiB", "memory total MiB", "utilisation %", "temperature °C"]
+MAX_MODULE_ROWS = 400
+_BUSY_STATES = {"LOADING", "PATCHING", "MOVING", "GENERATING"}
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def loras_text(snap: Snapshot) -> str:
+    return ", ".join(f"{s.name} {s.unet_strength:g}/{s.te_strength:g}" for s in snap.loras) or "none"
+
+
+def status_html(snap: Snapshot) -> str:
+    """The always-visible engine line: state pill, progress, model, placement policy, LoRAs, violations."""
+    state = snap.state
+    css = "busy" if state in _BUSY_STATES else "error" if state == "ERROR" else "idle"
+    progress = ""
+    if snap.progress is not None:
+        progress = f" — {html.escape(snap.progress.phase)} {snap.progress.step}/{snap.progress.total}"
+    model = html.escape(snap.model or "no model loaded")
+    parts = [
+        f"<span class='sd-state sd-{css}'>{state}</span>{progress}",
+        f"model <b>{model}</b>" + (f" ({snap.arch})" if snap.arch else ""),
+        f"{snap.device} · {snap.dtype or snap.requested_dtype} · offload {snap.offload}",
+        f"LoRAs {html.escape(loras_text(snap))}",
+    ]
+    if snap.violations_found_total:
+        parts.append(f"<span class='sd-bad'>violations found {snap.violations_found_total}, "
+                     f"repaired {snap.violations_repaired_total}</span>")
+    if snap.state == "ERROR" and snap.last_error is not None:
+        parts.append(f"<span class='sd-bad'>{html.escape(snap.last_error.message)}</span>")
+    return "<div class='sd-status' id='sd-status'>" + " · ".join(parts) + "</div>"
+
+
+def history_rows(snap: Snapshot, limit: int = 25) -> list[list]:
+    """Most recent first: what ran, how long, how it ended."""
+    return [[_clock(h.started), h.command, h.detail, h.state, round(h.duration_s, 3), h.outcome,
+             f"{h.violations_found}/{h.violations_repaired}"] for h in reversed(snap.history[-limit:])]
+
+
+def component_rows(snap: Snapshot) -> list[list]:
+    """One row per component: size, where its tensors are, how many modules carry LoRAs or violate."""
+    acc: dict[str, dict] = {}
+    for row in snap.placement:
+        c = acc.setdefault(row.component, {"modules": 0, "params": 0, "mib": 0.0, "devices": set(), "dtypes": set(),
+                                           "patched": 0, "offload": set(), "bad": 0})
+        c["modules"] += 1
+        c["params"] += row.params
+        c["mib"] += row.mib
+        c["devices"].update(row.device.split("+"))
+        c["dtypes"].update(row.dtype.split("+"))
+        c["patched"] += bool(row.loras)
+        c["offload"].add(row.offload)
+        c["bad"] += row.violation
+    return [[name, c["modules"], c["params"], round(c["mib"], 2), ", ".join(sorted(c["devices"])),
+             ", ".join(sorted(c["dtypes"])), c["patched"], ", ".join(sorted(c["offload"])), c["bad"]]
+            for name, c in acc.items()]
+
+
+def module_rows(snap: Snapshot, component: str = "all", text: str = "", only_violations: bool = False,
+                only_patched: bool = False, limit: int = MAX_MODULE_ROWS) -> tuple[list[list], int]:
+    """The per-module table after filters; returns (rows shown, rows matching) so the UI can say it cut."""
+    needle = text.strip().lower()
+    matching = [
+        r for r in snap.placement
+        if (component in ("all", "", None) or r.component == component)
+        and (not needle or needle in f"{r.module} {r.cls}".lower())
+        and (not only_violations or r.violation)
+        and (not only_patched or r.loras)
+    ]
+    rows = [[r.component, r.module or "(root)", r.cls, r.device, r.dtype, r.params, r.mib, ", ".join(r.loras),
+             r.offload, "✗ VIOLATION" if r.violation else ""] for r in matching[:limit]]
+    return rows, len(matching)
+
+
+def lora_rows(snap: Snapshot) -> list[list]:
+    """Counters for every LoRA the engine has seen this session, applied or not."""
+    applied = {s.name: s for s in snap.loras}
+    names = list(dict.fromkeys([*applied, *snap.lora_counters]))
+    rows = []
+    for name in names:
+        c = snap.lora_counters.get(name)
+        spec = applied.get(name)
+        weight = f"{spec.unet_strength:g} / {spec.te_strength:g}" if spec else "not applied"
+        if c is None:
+            rows.append([name, weight, "", "", "", "", ""])
+            continue
+        note = ("DISABLED " if c.disabled else "") + c.message
+        rows.append([name, weight, c.matched_layers, c.unmatched_keys, c.apply_errors, c.runtime_errors, note])
+    return rows
+
+
+def timer_rows(snap: Snapshot) -> list[list]:
+    return [[name, t.count, round(t.last_s, 4), round(t.total_s, 3), round(t.total_s / max(t.count, 1), 4)]
+            for name, t in sorted(snap.timers.items())]
+
+
+def gpu_rows(stats: list[dict] | str) -> tuple[list[list], str]:
+    """NVML readings as rows, or no rows and the reason NVML is not available."""
+    if isinstance(stats, str):
+        return [], stats
+    rows = [[g["index"], g["name"], round(g["memory_used_mib"]), round(g["memory_total_mib"]), g["utilization_pct"],
+             g["temperature_c"]] for g in stats]
+    return rows, f"{len(rows)} GPU(s) via NVML"
+
+
+def error_text(snap: Snapshot) -> str:
+    err = snap.last_error
+    if err is None:
+        return "no errors this session"
+    return f"[{_clock(err.at)}] {err.command}: {err.message}\n\n{err.traceback}"
+
+
+def _series_path(points: Sequence[tuple[float, float]], x0: float, span: float, lo: float, hi: float, w: int,
+                 h: int) -> str:
+    coords = [f"{(t - x0) / span * w:.1f},{h - (v - lo) / (hi - lo) * h:.1f}" for t, v in points]
+    return "M" + " L".join(coords) if coords else ""
+
+
+def timeline_svg(samples: Sequence[dict], width: int = 760, height: int = 180) -> str:
+    """RAM (and VRAM where present) over the sampled window, one dashed line per transition.
+
+    Inline SVG keeps the chart in the page (no image files written per tick, nothing fetched).
+    The y axis spans the observed range (labelled), so a few hundred MiB freed stay visible.
+    """
+    if len(samples) < 2:
+        return "<div class='sd-muted' id='sd-timeline'>collecting memory samples…</div>"
+    x0, x1 = samples[0]["t"], samples[-1]["t"]
+    span = max(x1 - x0, 1.0)
+    series = {"RAM": "ram_mib", "VRAM allocated": "vram_allocated_mib", "VRAM reserved": "vram_reserved_mib"}
+    colours = {"RAM": "#1f5fa8", "VRAM allocated": "#2a7d2e", "VRAM reserved": "#8fbf6b"}
+    present = {label: key for label, key in series.items() if any(key in s for s in samples)}
+    values = [s[key] for s in samples for key in present.values() if key in s]
+    lo, hi = min(values) * 0.95, max(values) * 1.05 + 1.0
+    lines, marks = [], []
+    for label, key in present.items():
+        path = _series_path([(s["t"], s[key]) for s in samples if key in s], x0, span, lo, hi, width, height)
+        lines.append(f"<path d='{path}' fill='none' stroke='{colours[label]}' stroke-width='2'/>")
+    for s in samples:
+        if s.get("marker"):
+            x = (s["t"] - x0) / span * width
+            marks.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='0' y2='{height}' stroke='#bc4c00' "
+                         f"stroke-dasharray='3,3'/><text x='{x + 2:.1f}' y='12' font-size='10' fill='#bc4c00'>"
+                         f"{html.escape(s['marker'])}</text>")
+    axis = (f"<text x='4' y='{height - 4}' font-size='10' fill='#57606a'>{lo:,.0f} MiB</text>"
+            f"<text x='4' y='24' font-size='10' fill='#57606a'>{hi:,.0f} MiB</text>")
+    legend = " ".join(f"<span style='color:{colours[label]}'>■ {label}</span>" for label in present)
+    last = samples[-1]
+    now = ", ".join(f"{label} {last[key]:,.0f} MiB" for label, key in present.items() if key in last)
+    return (f"<div id='sd-timeline'><div class='sd-muted'>{legend} — now: {now}; last {span:.0f} s; "
+            f"dashed lines = transitions</div>"
+            f"<svg viewBox='0 0 {width} {height}' width='100%' height='{height}' role='img' "
+            f"style='background:#f6f8fa;border-radius:6px'>{axis}{''.join(marks)}{''.join(lines)}</svg></div>")

@@ -1,0 +1,360 @@
+"""The served app through its public API (`gradio_client`), the auth policy, and the UI's pure helpers.
+
+One app is launched per module on the tiny SD1.5 demo model with synthetic kohya LoRAs; the
+share/auth test launches `launch.py` itself on an empty folder, as a newcomer would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from app.engine.engine import Engine
+from app.settings import Settings
+from app.ui import views
+from app.ui.common import UiContext, specs_from_json
+from app.ui.generate_tab import fitting_specs, slot_weights
+from app.ui.serve import auth_policy, start_server, wait_until_ready
+
+gradio_client = pytest.importorskip("gradio_client")
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny-sd15.safetensors"
+ATTN = "down_blocks.0.attentions.0.transformer_blocks.0.attn1."
+MID = "mid_block.attentions.0.transformer_blocks.0."
+# (module path, (out, in)) in the tiny SD1.5 demo model; kohya prefix per component.
+LORAS = {
+    "style": {"unet": {ATTN + "to_q": (32, 32), ATTN + "to_k": (32, 32)}},
+    "detail": {"unet": {MID + "attn1.to_q": (64, 64), MID + "attn2.to_k": (64, 32)},
+               "te": {"text_model.encoder.layers.0.self_attn.q_proj": (32, 32)}},
+    "wrong": {"unet": {ATTN + "to_q": (48, 48)}},
+    "nomatch": {"unet": {"no_such_block.proj": (8, 8)}},
+    "partial": {"unet": {ATTN + "to_v": (32, 32), "no_such_block.proj": (8, 8)}},
+}
+STYLE_METADATA = {"ss_base_model_version": "sd_v1", "ss_network_dim": "4", "ss_network_alpha": "4",
+                  "ss_tag_frequency": json.dumps({"set": {"watercolor": 5, "fox": 3}})}
+
+
+# ----------------------------------------------------------------------------- shared helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_kohya_lora(path: Path, layers: dict[str, dict[str, tuple[int, int]]], seed: int, rank: int = 4,
+                     metadata: dict[str, str] | None = None) -> None:
+    """A kohya-format LoRA (`lora_down`, `lora_up`, `alpha`) with weights big enough to change an image."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for component, modules in layers.items():
+        for module, (out_f, in_f) in modules.items():
+            key = f"lora_{component}_" + module.replace(".", "_")
+            tensors[f"{key}.lora_down.weight"] = torch.randn(rank, in_f, generator=generator) * 0.5
+            tensors[f"{key}.lora_up.weight"] = torch.randn(out_f, rank, generator=generator) * 0.5
+            tensors[f"{key}.alpha"] = torch.tensor(float(rank))
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def make_ui_data(root: Path, demo_dir: Path) -> Path:
+    """A private data folder: the demo models (hard links) plus the synthetic LoRAs above."""
+    for sub in ("models/Stable-diffusion", "embeddings"):
+        shutil.copytree(demo_dir / sub, root / sub, copy_function=os.link)
+    lora_dir = root / "models" / "Lora"
+    lora_dir.mkdir(parents=True, exist_ok=True)
+    for seed, (name, layers) in enumerate(LORAS.items()):
+        write_kohya_lora(lora_dir / f"{name}.safetensors", layers, seed, metadata=STYLE_METADATA if name == "style"
+                         else None)
+    return root
+
+
+@contextlib.contextmanager
+def running_app(settings: Settings, engine: Engine | None = None):
+    """Serve the app in this process (model loaded first); yields (server, engine)."""
+    own = engine is None
+    engine = engine or Engine(settings)
+    try:
+        if own:
+            engine.load_model(MODEL)
+        policy = auth_policy(settings)
+        server = start_server(UiContext(engine, settings, secrets=tuple(p for _u, p in policy.credentials)), policy)
+        try:
+            wait_until_ready(server.local_url)
+            yield server, engine
+        finally:
+            server.close()
+    finally:
+        if own:
+            engine.close()
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory, demo_dir):
+    data = make_ui_data(tmp_path_factory.mktemp("ui"), demo_dir)
+    settings = Settings(data_dir=data, device="cpu", port=free_port())
+    with running_app(settings) as (server, engine):
+        yield server, engine, settings
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return gradio_client.Client(app[0].local_url, verbose=False)
+
+
+def _generate(client, seed: int, prompt: str = "a fox") -> tuple[np.ndarray, str, list]:
+    images, infotext, details = client.predict(prompt=prompt, sampler="Euler", steps=2, cfg=5.0, seed=seed, width=64,
+                                               height=64, api_name="/generate")
+    with Image.open(images[0]["image"]) as im:
+        return np.asarray(im.convert("RGB")), infotext, details
+
+
+# ------------------------------------------------------------------------------------ API tests
+def test_endpoints_have_their_documented_names(client):
+    """Scripts depend on these names: a UI handler must never take one (Gradio would rename ours `_1`)."""
+    names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
+    assert {"/generate", "/set_loras", "/set_offload", "/set_dtype", "/load_model", "/unload", "/set_debug",
+            "/snapshot", "/list_models", "/list_loras", "/inspect_lora", "/bug_report"} <= names
+    assert not [n for n in names if re.search(r"_\d+$", n)]
+
+
+def test_generate_returns_image_and_infotext(client):
+    pixels, infotext, details = _generate(client, seed=7)
+    assert pixels.shape == (64, 64, 3)
+    assert "Seed: 7" in infotext and "Steps: 2" in infotext and f"Model: {MODEL}" in infotext
+    assert details[0]["seed"] == 7 and details[0]["file"].endswith(".png")
+
+
+def test_set_loras_changes_output_reweights_live_and_removal_restores(client):
+    client.predict([], api_name="/set_loras")
+    base, _, _ = _generate(client, seed=3)
+    loads_before = client.predict(api_name="/snapshot")["timers"]["load"]["count"]
+    summary = client.predict([{"name": "style", "weight": 1.5}, {"name": "detail", "weight": -1.0, "te_weight": 0.5}],
+                             api_name="/set_loras")
+    assert [(x["name"], x["unet_weight"], x["te_weight"]) for x in summary["loras"]] == \
+        [("style", 1.5, 1.5), ("detail", -1.0, 0.5)]
+    patched, infotext, _ = _generate(client, seed=3)
+    assert np.abs(patched.astype(int) - base.astype(int)).max() > 0, "two LoRAs left the image unchanged"
+    assert 'Lora weights: "style: 1.5, detail: -1"' in infotext
+    client.predict([{"name": "style", "weight": 0.7}, {"name": "detail", "weight": -1.0, "te_weight": 0.5}],
+                   api_name="/set_loras")
+    snap = client.predict(api_name="/snapshot")
+    assert snap["history"][-1]["command"] == "set_loras" and snap["timers"]["load"]["count"] == loads_before
+    client.predict([], api_name="/set_loras")
+    restored, _, _ = _generate(client, seed=3)
+    assert np.array_equal(restored, base), "removing every LoRA must give the original image back"
+
+
+def test_snapshot_shows_patched_modules(client):
+    client.predict([["style", 1.0], ["detail", 0.5]], api_name="/set_loras")
+    snap = client.predict(api_name="/snapshot")
+    patched = {(r["component"], r["module"]): r["loras"] for r in snap["placement"] if r["loras"]}
+    assert patched[("unet", ATTN + "to_q")] == ["style"]
+    assert patched[("unet", MID + "attn2.to_k")] == ["detail"]
+    assert patched[("text_encoder", "encoder.layers.0.self_attn.q_proj")] == ["detail"]  # kohya: text_model_…
+    assert len(patched) == 5
+    assert snap["lora_counters"]["detail"]["matched_layers"] == 3
+    client.predict([], api_name="/set_loras")
+
+
+def test_any_finite_weight_through_the_api_but_not_inf_or_text(client):
+    summary = client.predict([{"name": "style", "weight": 7.5}], api_name="/set_loras")
+    assert summary["loras"][0]["unet_weight"] == 7.5  # beyond the slider range: allowed through the API
+    for bad in ("inf", None, True):
+        with pytest.raises(Exception, match="finite number"):
+            client.predict([{"name": "style", "weight": bad}], api_name="/set_loras")
+    assert client.predict(api_name="/snapshot")["loras"][0]["weight"] == 7.5  # refused calls changed nothing
+    client.predict([], api_name="/set_loras")
+
+
+@pytest.mark.parametrize("endpoint, argument", [
+    ("/set_loras", [{"name": "../../../etc/passwd", "weight": 1}]),
+    ("/set_loras", [{"name": "/etc/passwd", "weight": 1}]),
+    ("/load_model", "../tiny-sd15.safetensors"),
+    ("/load_model", "/etc/passwd"),
+    ("/inspect_lora", "../Stable-diffusion/tiny-sd15"),
+])
+def test_path_traversal_names_are_refused(client, endpoint, argument):
+    with pytest.raises(Exception, match="not a plain name|not in "):
+        client.predict(argument, api_name=endpoint)
+    snap = client.predict(api_name="/snapshot")
+    assert snap["model"] == MODEL and snap["state"] == "READY"
+
+
+def test_lora_fit_badges_and_card_metadata(client):
+    style = client.predict("style", api_name="/inspect_lora")
+    assert style["fit"]["level"] == "ok" and style["fit"]["matched_layers"] == 2
+    card = style["card"]
+    assert (card["base_model"], card["rank"], card["algorithm"]) == ("sd_v1", 4, "LoRA")
+    assert card["trigger_words"] == ["watercolor", "fox"] and len(card["short_hash"]) == 12
+    wrong = client.predict("wrong", api_name="/inspect_lora")["fit"]
+    assert wrong["level"] == "error" and "does not fit" in wrong["message"]
+    nomatch = client.predict("nomatch", api_name="/inspect_lora")["fit"]
+    assert nomatch["level"] == "error" and "matched zero" in nomatch["message"]
+    partial = client.predict("partial", api_name="/inspect_lora")["fit"]
+    assert (partial["level"], partial["matched_layers"], partial["unmatched_keys"]) == ("warn", 1, 1)
+
+
+def test_bug_report_zip_has_json_and_png(client):
+    zip_path, card_path = client.predict(api_name="/bug_report")
+    with zipfile.ZipFile(zip_path) as bundle:
+        report = json.loads(bundle.read("report.json"))
+        with Image.open(io.BytesIO(bundle.read("card.png"))) as card:
+            assert card.format == "PNG" and card.width == 1100 and card.height > 200
+    assert report["snapshot"]["model"] == MODEL
+    assert report["versions"]["torch"]["version"] == torch.__version__
+    assert report["versions"]["libraries"]["gradio"]
+    assert any(h["command"] == "generate" for h in report["history"])
+    with Image.open(card_path) as preview:
+        assert preview.format == "PNG"
+
+
+def test_offload_and_unload_round_trip(client):
+    assert client.predict("model", api_name="/set_offload")["offload"] == "model"
+    assert client.predict("none", api_name="/set_offload")["offload"] == "none"
+    with pytest.raises(Exception, match="offload must be one of"):
+        client.predict("everything", api_name="/set_offload")
+    assert client.predict(api_name="/unload")["state"] == "EMPTY"
+    assert client.predict(api_name="/snapshot")["placement"] == []
+    assert client.predict(MODEL, api_name="/load_model")["state"] == "READY"
+
+
+def test_debug_toggles_take_effect_at_once(client):
+    adapters, placement = logging.getLogger("app.adapters"), logging.getLogger("app.engine.placement")
+    assert client.predict(True, True, True, api_name="/set_debug") == \
+        {"lora_debug": True, "move_debug": True, "strict": True}
+    assert adapters.level == placement.level == logging.DEBUG
+    client.predict(False, False, False, api_name="/set_debug")
+    assert adapters.level == placement.level == logging.INFO
+
+
+def test_only_generated_images_are_served(app, client):
+    """Gradio's file route must serve outputs, and never models, LoRAs or the app's own files."""
+    settings = app[2]
+    _generate(client, seed=1)
+    output = next(settings.outputs_dir.rglob("*.png"))
+    base = app[0].local_url + "gradio_api/file="
+    assert urllib.request.urlopen(base + str(output), timeout=10).status == 200
+    for private in (settings.lora_dir / "style.safetensors", settings.checkpoints_dir / MODEL, ROOT / "launch.py"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + str(private), timeout=10)
+        assert refused.value.code == 403, private
+
+
+def test_auth_refuses_an_unauthenticated_client(app):
+    _server, engine, settings = app
+    locked = settings.replace(port=free_port(), auth=(("alice", "s3cret-pw"),))
+    with running_app(locked, engine) as (server, _):
+        _assert_locked(server.local_url)
+        with pytest.raises(ValueError, match="Could not login"):
+            gradio_client.Client(server.local_url, auth=("alice", "wrong"), verbose=False)
+        authed = gradio_client.Client(server.local_url, auth=("alice", "s3cret-pw"), verbose=False)
+        zip_path, _ = authed.predict(api_name="/bug_report")
+        with zipfile.ZipFile(zip_path) as bundle:
+            assert b"s3cret-pw" not in bundle.read("report.json")
+
+
+def test_share_without_auth_requires_the_generated_password(tmp_path):
+    """`launch.py --share` on an empty folder: demo written, share refused offline (said clearly),
+    served locally behind a generated password printed once; ready within the 15 s budget."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--data-dir", str(tmp_path), "--port", str(port),
+                             "--share", "--device", "cpu"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        wait_until_ready(url, timeout_s=90)
+        ready_s, cpu_s = time.monotonic() - started, sum(psutil.Process(proc.pid).cpu_times())
+        output = _read_until(proc, r"password: (\S+)", timeout_s=20)
+        password = re.search(r"password: (\S+)", output).group(1)
+        assert "Could not create a Gradio share link" in output and "gradio.live" not in output
+        _assert_locked(url)
+        authed = gradio_client.Client(url, auth=("steady", password), verbose=False)
+        assert MODEL in authed.predict(api_name="/list_models")
+        # CPU seconds, not wall time: on a shared 2-core CI box other jobs stretch the wall clock.
+        assert cpu_s < 15, f"UI needed {cpu_s:.1f} CPU s ({ready_s:.1f} s wall) to answer on a fresh folder"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _assert_locked(url: str) -> None:
+    """No client, no config, no direct API call without a login."""
+    with pytest.raises(gradio_client.exceptions.AuthenticationError):
+        gradio_client.Client(url, verbose=False)
+    for path, body in (("config", None), ("gradio_api/info", None), ("gradio_api/call/snapshot", b'{"data": []}')):
+        request = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 401, path
+
+
+def _read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> str:
+    deadline, text = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline and not re.search(pattern, text):
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        text += line
+    return text
+
+
+# ---------------------------------------------------------------------------- policy and helpers
+@pytest.mark.parametrize("changes, expect_user, generated", [
+    ({}, None, False),
+    ({"listen": True}, "steady", True),
+    ({"share": True}, "steady", True),
+    ({"share": True, "no_auth": True}, None, False),
+    ({"listen": True, "auth": (("bob", "pw"),)}, "bob", False),
+])
+def test_auth_policy(changes, expect_user, generated):
+    policy = auth_policy(Settings(**changes))
+    assert (policy.credentials[0][0] if policy.credentials else None) == expect_user
+    assert (policy.generated_password is not None) == generated
+    if generated:
+        assert len(policy.generated_password) >= 16 and auth_policy(Settings(**changes)).generated_password != \
+            policy.generated_password
+
+
+def test_specs_from_json_validates_shape_and_numbers():
+    specs = specs_from_json([{"name": "a", "weight": 0.5, "te_weight": -3}, ["b", 2]])
+    assert [(s.name, s.unet_strength, s.te_strength) for s in specs] == [("a", 0.5, -3.0), ("b", 2.0, 2.0)]
+    for bad in ({"name": "a"}, [{"weight": 1}], [{"name": "a", "strength": 1}], [{"name": "a", "weight": "1"}]):
+        with pytest.raises(ValueError):
+            specs_from_json(bad)
+
+
+def test_slider_values_map_to_specs_and_refused_loras_are_left_out():
+    values = (0.5, 1.0, *[1.0] * 6, 0.25, -1.0, *[1.0] * 6)
+    assert slot_weights(["a", "b"], values) == {"a": (0.5, 0.25), "b": (1.0, -1.0)}
+    specs = fitting_specs(["a", "b"], {"b": "error"}, values)
+    assert [(s.name, s.unet_strength, s.te_strength) for s in specs] == [("a", 0.5, 0.25)]
+
+
+def test_module_table_filters(app):
+    snap = app[1].snapshot()
+    all_rows, total = views.module_rows(snap)
+    assert total == len(snap.placement) and len(all_rows) == min(total, views.MAX_MODULE_ROWS)
+    unet_rows, _ = views.module_rows(snap, component="unet", text="to_q")
+    assert unet_rows and all(r[0] == "unet" and "to_q" in r[1] for r in unet_rows)
+    assert views.module_rows(snap, only_violations=True)[1] == len([r for r in snap.placement if r.violation])
