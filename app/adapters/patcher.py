@@ -139,7 +139,7 @@ class LoraStack:
                 unmatched.append(group.key)
                 continue
             try:
-                adapter = parse_layer(group.key, group.tensors)
+                adapter = parse_layer(group.key, self._on_compute_device(group.tensors))
                 module = self._module(group.target)
                 adapter.validate_against(tuple(module.weight.shape))
             except IncompatibleAdapterError as exc:
@@ -153,6 +153,13 @@ class LoraStack:
             log.debug("LoRA %s: %d unmatched layer keys: %s", name, len(unmatched), ", ".join(sorted(unmatched)))
         message = f"{len(unmatched)} layer keys matched nothing in the model" if unmatched else ""
         return _Prepared(file, layers, MatchReport(len(layers), len(unmatched), message))
+
+    def _on_compute_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Adapter tensors are uploaded once, in the file's dtype, when a LoRA is prepared: every later
+        re-weight then computes without a host-to-device copy per layer."""
+        if self._compute_device is None:
+            return tensors
+        return {k: v.to(self._compute_device) for k, v in tensors.items()}
 
     def _check_fit(self, name: str, file: AdapterFile, layers, unmatched, mismatched) -> None:
         hint = architecture_hint(file.tensors, file.metadata)
