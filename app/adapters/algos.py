@@ -276,7 +276,19 @@ class Adapter(ABC):
 
 # ----------------------------------------------------------------------------------- algorithms
 @_algorithm
-class LoRA(Adapter):
+class _Factored(Adapter):
+    """Algorithms whose ΔW is built from factors: the shape check is the same for all of them."""
+
+    @abstractmethod
+    def _dims(self) -> tuple[int, Shape]:
+        """(rows, per-row shape) of the ΔW the factors build."""
+
+    def validate_against(self, base_weight_shape: Sequence[int]) -> None:
+        _check_fits(self._where, self.algo, *self._dims(), base_weight_shape)
+
+
+@_algorithm
+class LoRA(_Factored):
     """LoRA / LoCon: ΔW = s · up · down, or s · up ×₁ mid ×₂ down with a Tucker `mid`.
 
     down (r, in[, kh, kw]), up (out, r[, 1, 1]); Tucker: mid (r, r, kh, kw) and a 1×1 down.
@@ -316,9 +328,6 @@ class LoRA(Adapter):
     def rank(self) -> int:
         return self.down.shape[0]
 
-    def validate_against(self, base_weight_shape: Sequence[int]) -> None:
-        _check_fits(self._where, self.algo, *self._dims(), base_weight_shape)
-
     def _weight_delta(self, w0: Tensor) -> Tensor:
         dev = w0.device
         mid = None if self.mid is None else _f32(self.mid, dev)
@@ -328,7 +337,7 @@ class LoRA(Adapter):
 
 
 @_algorithm
-class LoHa(Adapter):
+class LoHa(_Factored):
     """LoHa: ΔW = s · (w1a·w1b) ⊙ (w2a·w2b), s = alpha / rank with rank = hada_w1_b's rows.
 
     Plain: w_a (out, r), w_b (r, in·kh·kw) — LyCORIS stores conv factors flattened. Tucker
@@ -388,9 +397,6 @@ class LoHa(Adapter):
     def rank(self) -> int:
         return self.w1b.shape[0]
 
-    def validate_against(self, base_weight_shape: Sequence[int]) -> None:
-        _check_fits(self._where, self.algo, *self._dims(), base_weight_shape)
-
     def _weight_delta(self, w0: Tensor) -> Tensor:
         dev, tucker = w0.device, self.t1 is not None
         cores = [None if t is None else _f32(t, dev) for t in (self.t1, self.t2)]
@@ -404,7 +410,7 @@ _LOKR_KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr
 
 
 @_algorithm
-class LoKr(Adapter):
+class LoKr(_Factored):
     """LoKr: ΔW = s · (w1 ⊗ w2) reshaped onto W.
 
     w1 (a, c) is `lokr_w1` or `lokr_w1_a`·`lokr_w1_b`; w2 (b, d[, kh, kw]) is `lokr_w2`,
@@ -479,7 +485,7 @@ class LoKr(Adapter):
         return None if factor_b is None else factor_b.shape[0]
 
     def validate_against(self, base_weight_shape: Sequence[int]) -> None:
-        _check_fits(self._where, self.algo, *self._dims(), base_weight_shape)
+        super().validate_against(base_weight_shape)
         w2_cols = self._factor_dims(2)[1]
         kernel = math.prod(base_weight_shape[2:])
         if len(_strip_ones(w2_cols)) <= 1 and math.prod(w2_cols) % kernel:
@@ -516,7 +522,7 @@ def _glora_layout_fits(shapes: Mapping[str, Shape], old: bool) -> bool:
 
 
 @_algorithm
-class GLoRA(Adapter):
+class GLoRA(_Factored):
     """GLoRA: W′ = W + s·(W·A + B), so ΔW depends on the base weight.
 
     New layout: ΔW = s·(W ×ᵢ a1 ×ᵢ a2 + b1·[bm]·b2), where a1/a2 act on W's input-channel axis (1×1
@@ -576,7 +582,7 @@ class GLoRA(Adapter):
         return self.a1.shape[0] if self.old_layout else self.a2.shape[0]
 
     def validate_against(self, base_weight_shape: Sequence[int]) -> None:
-        _check_fits(self._where, self.algo, *self._dims(), base_weight_shape)
+        super().validate_against(base_weight_shape)
         channels = self.a1.shape[0]
         if not self.old_layout and (len(base_weight_shape) < 2 or base_weight_shape[1] != channels):
             raise IncompatibleAdapterError(
