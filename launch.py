@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="treat any placement violation as an error")
     p.add_argument("--lora-debug", action="store_true", help="log LoRA key matching (also SD_LORA_DEBUG=1)")
     p.add_argument("--move-debug", action="store_true", help="log every tensor move (also SD_MOVE_DEBUG=1)")
+    p.add_argument("--slider-range", nargs=2, type=float, default=(-2.0, 2.0), metavar=("MIN", "MAX"),
+                   help="range of the LoRA weight sliders (the API accepts any finite weight)")
     p.add_argument("--no-demo", action="store_true", help="do not create demo models when none are found")
     p.add_argument("--listen", action="store_true", help="serve on 0.0.0.0 instead of 127.0.0.1")
     p.add_argument("--port", type=int, default=7860, help="HTTP port")
@@ -74,6 +76,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         vram_budget_gib=args.vram_budget, compile=args.compile, compile_mode=args.compile_mode,
         strict=args.strict,
         lora_debug=args.lora_debug or Settings().lora_debug, move_debug=args.move_debug or Settings().move_debug,
+        slider_min=min(args.slider_range), slider_max=max(args.slider_range),
         listen=args.listen, port=args.port, share=args.share, auth=parse_auth(args.auth, args.auth_file),
         no_auth=args.no_auth,
     )
