@@ -55,16 +55,18 @@ _TEXT_L = dict(
 # SDXL's second encoder must be wider than the first: diffusers' single-file loader tells the two
 # apart by the width of their position embeddings and would give both the first one's weights.
 _TEXT_G = dict(_TEXT_L, hidden_size=64, intermediate_size=96, hidden_act="gelu")
+# Four levels like the real VAE (downscale 8), so the UI's default 512² means a 64² latent, as it
+# does for SD1.5: two levels would give a 256² latent whose attention is far too slow on a CPU.
 _VAE = dict(
-    block_out_channels=(32, 64),
-    down_block_types=("DownEncoderBlock2D",) * 2,
-    up_block_types=("UpDecoderBlock2D",) * 2,
+    block_out_channels=(16, 16, 32, 32),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
     latent_channels=4,
     layers_per_block=1,
-    norm_num_groups=32,
+    norm_num_groups=16,
     sample_size=64,
 )
-_UNET = dict(sample_size=32, block_out_channels=(32, 64), norm_num_groups=32)
+_UNET = dict(sample_size=8, block_out_channels=(32, 64), norm_num_groups=32)
 # SD1.5 mirrors the real layout (attention on top levels, plain bottom level, layers_per_block 2);
 # SDXL uses layers_per_block 1 so the LDM block numbering is exercised for both values.
 TINY_CONFIGS = {
