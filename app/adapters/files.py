@@ -79,7 +79,7 @@ class LoraLibrary:
         if dupes:
             raise ValueError(f"LoRA listed more than once: {', '.join(dupes)}; give each LoRA once")
         for spec in specs:
-            resolve_under(self.root, spec.name + SUFFIX, "LoRA")
+            resolve_under(self.root, spec.name, "LoRA")  # the bare name: empty, NUL, `..`, absolute
             if not all(math.isfinite(v) for v in (spec.unet_strength, spec.te_strength)):
                 raise ValueError(f"LoRA {spec.name!r}: strengths must be finite")
 

@@ -96,7 +96,7 @@ def load_mega_cache(path: Path) -> bool:
     try:
         info = torch.compiler.load_cache_artifacts(path.read_bytes())
     except Exception as exc:  # noqa: BLE001 - a stale cache must not block compiling
-        log.warning("compile cache %s unreadable (%s); compiling from scratch", path, exc)
+        log.warning("compile cache %s unreadable (%s); compiling from scratch", path, str(exc))
         return False
     if info is None:  # torch logs why (corrupt, other version) and loads nothing
         log.warning("compile cache %s not loaded; compiling from scratch", path)
@@ -389,7 +389,7 @@ class CompileState:
         try:
             return save_mega_cache(self._mega_cache)
         except OSError as exc:
-            log.warning("could not save the compile cache to %s: %s", self._mega_cache, exc)
+            log.warning("could not save the compile cache to %s: %s", self._mega_cache, str(exc))
             return False
 
     def close(self) -> None:

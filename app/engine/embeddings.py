@@ -80,5 +80,5 @@ def load_all(pipe, arch: str, folder: Path) -> tuple[str, ...]:
         try:
             loaded.append(load_embedding(pipe, arch, path))
         except (EmbeddingError, ValueError) as exc:
-            log.info("embedding %s skipped: %s", path.name, exc)
+            log.info("embedding %s skipped: %s", path.name, str(exc))
     return tuple(loaded)

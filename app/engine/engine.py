@@ -304,7 +304,7 @@ class Engine:
             outcome = "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
             self._last_error = ErrorRecord(command.name, f"{type(exc).__name__}: {exc}",
                                            traceback.format_exc(), time.time())
-            log.error("%s (%s) failed: %s", command.name, command.detail, exc, exc_info=True)
+            log.error("%s (%s) failed: %s", command.name, command.detail, str(exc), exc_info=True)
         finally:
             self._progress = None
         duration = time.perf_counter() - t0
@@ -465,7 +465,7 @@ class Engine:
                 fitting.append(spec)
             except Exception as exc:  # reported per LoRA in counters; the load itself succeeded
                 self._unfit.add(spec.name)
-                log.warning("LoRA %s not re-applied after load: %s", spec.name, exc)
+                log.warning("LoRA %s not re-applied after load: %s", spec.name, str(exc))
 
     def _do_set_dtype(self, dtype: str) -> None:
         """Reload from the checkpoint in the new dtype: casting back and forth would lose bits."""

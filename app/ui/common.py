@@ -54,7 +54,7 @@ def user_errors(action: str) -> Iterator[None]:
     except gr.Error:
         raise
     except Exception as exc:
-        log.info("%s refused: %s", action, exc)
+        log.info("%s refused: %s", action, str(exc))
         raise gr.Error(f"{action} failed: {exc}", duration=None) from exc
 
 

@@ -131,7 +131,7 @@ def _load_in_background(engine: Engine, name: str) -> None:
         try:
             engine.load_model(name)
         except Exception as exc:  # recorded by the engine (history, last error); the UI shows it
-            log.error("initial model %s could not be loaded: %s", name, exc)
+            log.error("initial model %s could not be loaded: %s", name, str(exc))
 
     threading.Thread(target=load, name="initial-load", daemon=True).start()
 
