@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 
+from app.adapters.patcher import LoraApplyError
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline
@@ -165,6 +166,27 @@ def test_retained_log_records_do_not_pin_swapped_out_models(data):
         engine.set_loras([LoraSpec("sdxl-lora")])
         engine.load_model(MODELS["sd15"], dtype="fp32")
         assert any("not re-applied" in r.getMessage() for r in keep.records)
+        unet = weakref.ref(engine.pipeline.unet)
+        engine.load_model(MODELS["sdxl"], dtype="fp32")
+        gc.collect()
+        assert unet() is None, "the swapped-out SD1.5 UNet is still alive"
+    finally:
+        logger.removeHandler(keep)
+        engine.close()
+
+
+def test_retained_failure_records_do_not_pin_swapped_out_models(data):
+    """The same for a failed transition's error record: a refused set_loras on SD1.5 is logged
+    (with its traceback as text), then SDXL replaces SD1.5 — the SD1.5 UNet must be freed."""
+    keep = KeepRecords()
+    logger = logging.getLogger("app")
+    logger.addHandler(keep)
+    engine = Engine(Settings(data_dir=data, device="cpu"))
+    try:
+        engine.load_model(MODELS["sd15"], dtype="fp32")
+        with pytest.raises(LoraApplyError):
+            engine.set_loras([LoraSpec("sdxl-lora")])
+        assert any(r.levelno == logging.ERROR and "set_loras" in r.getMessage() for r in keep.records)
         unet = weakref.ref(engine.pipeline.unet)
         engine.load_model(MODELS["sdxl"], dtype="fp32")
         gc.collect()

@@ -304,7 +304,9 @@ class Engine:
             outcome = "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
             self._last_error = ErrorRecord(command.name, f"{type(exc).__name__}: {exc}",
                                            traceback.format_exc(), time.time())
-            log.error("%s (%s) failed: %s", command.name, command.detail, str(exc), exc_info=True)
+            # The traceback goes to the log as text: a live exc_info would keep its frames (and the
+            # pipelines they reference) alive in any handler that keeps records.
+            log.error("%s (%s) failed: %s\n%s", command.name, command.detail, str(exc), self._last_error.traceback)
         finally:
             self._progress = None
         duration = time.perf_counter() - t0

@@ -1,0 +1,495 @@
+"""Stateful fuzz of the public engine API: no sequence of user actions may reach a device/dtype
+mismatch, leave a tensor out of place, or lose the model's weights.
+
+A Hypothesis state machine drives one `Engine` through random sequences of load_model,
+set_dtype, set_offload, set_loras (set / append / remove / re-weight, every adapter algorithm,
+strengths 0, negative and above 1, separate text-encoder strengths), prompt `<lora:…>` tags,
+set_debug toggles (strict included), generate and unload, while a plain model of the desired
+state predicts what the engine must show. Some actions must be refused: a list holding a LoRA
+made for the other architecture or missing from the folder (refused whole, nothing changes), a
+generation with no model loaded. Switching architecture with LoRAs set loads the model without
+the ones that do not fit (set aside, re-applied on switching back). After every step:
+
+* placement: `placement.verify` finds nothing against the plan for the snapshot's dtype and
+  offload mode, the snapshot reports no violation found (none is ever injected here, so even a
+  repaired one would mean some code path misplaced a tensor) and the last history row is `ok`
+  (or, for an action the engine must refuse, `failed, rolled back` with the state intact);
+* the snapshot equals the desired state: model, architecture, dtype (fp16 on the CPU is stored
+  as fp32 by policy), requested dtype, offload mode, applied LoRAs;
+* weights, bit for bit: with no LoRA every tensor equals a freshly loaded pipeline at that dtype
+  (the checkpoint) and the LoRA stack holds no backup; with LoRAs every tensor equals a fresh
+  fuse of the same list (a new `LoraStack` on a fresh load) — so no history of slider moves,
+  offload switches, reloads and generations changes what the same list produces.
+
+Runs are deterministic (`derandomize=True`, no example database) with a fixed budget of at
+least 2,000 engine transitions on the CPU; the `gpu` variant runs at least 500 on CUDA across
+every offload mode in fp16 and bf16.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from app.adapters.patcher import LoraApplyError, LoraStack
+from app.adapters.specs import LoraSpec
+from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, write_adapter
+from app.demo import build_tiny_pipeline
+from app.diagnostics import set_debug_logging
+from app.engine import placement
+from app.engine.engine import Engine, EngineState
+from app.engine.generate import GenerateParams
+from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
+
+ARCHS = ("sd15", "sdxl")
+MODELS = {"sd15": "tiny-sd15.safetensors", "sdxl": "tiny-sdxl.safetensors"}
+# Strengths a slider or the API can send: zero, negative, above one, beyond the slider range.
+STRENGTHS = (0.0, 1.0, 0.5, -1.0, 1.1, 2.5, -0.3, 4.0)
+# (file stem suffix, algorithm, key layout, stored dtype): every algorithm once, plain LoRA in
+# three more spellings, and files stored in fp16/bf16 as well as fp32.
+ADAPTERS = tuple(
+    (algo, algo, "kohya" if algo in ("lora", "dora") else "lycoris", torch.bfloat16 if i % 3 == 1 else torch.float32)
+    for i, algo in enumerate(ALGORITHMS)
+) + (
+    ("lora-peft", "lora", "peft", torch.float16),
+    ("lora-ldm", "lora", "kohya_ldm", torch.float32),
+    ("dora-peft", "dora", "peft", torch.float32),
+)
+FUZZ_STEPS = 2  # steps per generation: enough to run the scheduler twice, cheap on two CPU cores
+SAMPLERS = ("Euler", "DDIM", "Euler a")
+MAX_LORAS = 4  # appends beyond this remove one instead, so lists stay varied rather than full
+
+# Relative frequency of each action. Reloads and generations cost ~10× a LoRA change on the
+# CPU, so they are rarer; every action still occurs dozens of times across the budget.
+ACTION_WEIGHTS = {
+    "set_loras": 5, "append_lora": 6, "remove_lora": 4, "reweight_lora": 6, "set_offload": 5,
+    "set_debug": 3, "generate": 3, "set_dtype": 1, "load_model": 1, "unload": 1, "refused_set_loras": 1,
+}
+WEIGHTED_ACTIONS = tuple(a for a, n in ACTION_WEIGHTS.items() for _ in range(n))
+
+
+def lora_names(arch: str) -> tuple[str, ...]:
+    return tuple(f"{arch}-{stem}" for stem, *_ in ADAPTERS)
+
+
+def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
+    """A data folder with the demo checkpoints (hard links) and one adapter file per entry of
+    `ADAPTERS` and architecture, written against the same tiny pipelines the checkpoints hold."""
+    for sub in ("models/Stable-diffusion", "embeddings"):
+        shutil.copytree(demo_dir / sub, target / sub, copy_function=os.link)
+    lora_dir = target / "models" / "Lora"
+    for arch in ARCHS:
+        pipe = build_tiny_pipeline(arch)  # seed 0, like the demo checkpoints
+        for i, (stem, algo, layout, dtype) in enumerate(ADAPTERS):
+            # A cyclic window of the default targets: adapters overlap partly, as real ones do,
+            # and each touches ~10 layers (re-fusing cost grows with layers × stacked adapters).
+            window = tuple(DEFAULT_TARGETS[(2 * i + k) % len(DEFAULT_TARGETS)] for k in range(5))
+            kwargs = dict(seed=100 + i, alpha=2.0 if i % 2 else None, strength=0.5)
+            path = lora_dir / f"{arch}-{stem}.safetensors"
+            try:
+                write_adapter(path, pipe, arch, algo, layout, dtype, targets=window, **kwargs)
+            except ValueError:  # the algorithm applies to no layer of that window (norm, Tucker)
+                write_adapter(path, pipe, arch, algo, layout, dtype, **kwargs)
+    return target
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as integers, so equality is bit-exact (NaN, -0.0 included)."""
+    t = tensor.detach().cpu()
+    if t.is_floating_point():
+        t = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def _module_digest(module: torch.nn.Module) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in ("weight", "bias"):
+        t = getattr(module, name, None)
+        if t is not None:
+            h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
+            h.update(_bits(t).reshape(-1).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _module(pipe, target: tuple[str, str]) -> torch.nn.Module:
+    return getattr(pipe, target[0]).get_submodule(target[1])
+
+
+class References:
+    """Fresh loads per (model, dtype) and fresh fuses of LoRA lists on them, for comparison.
+
+    A reference engine loads each (model, dtype request) once; its pipeline stays pristine (the
+    checkpoint) between checks, and its tensors' bits are kept as the checkpoint's. A fresh fuse
+    is a brand-new `LoraStack` on that pipeline: reconcile the list, digest each patched module,
+    reconcile back to nothing, and prove the restore bit-exact before the next use.
+    """
+
+    def __init__(self, data_dir: Path, device: str) -> None:
+        self.data_dir, self.device = data_dir, device
+        self._engines: dict[tuple[str, str], Engine] = {}
+        self._checkpoint: dict[tuple[str, str], list] = {}
+        self._pristine: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
+        self._fused: dict[tuple, dict[tuple[str, str], str]] = {}
+        self.fuses = 0
+
+    def engine(self, model: str, dtype: str) -> Engine:
+        key = (model, dtype)
+        if key not in self._engines:
+            eng = Engine(Settings(data_dir=self.data_dir, device=self.device))
+            eng.load_model(model, dtype=dtype)
+            self._engines[key] = eng
+            self._pristine[key] = {}
+            self._checkpoint[key] = [((c, p, n), t.dtype, t.shape, _bits(t).clone())
+                                     for c, p, _m, n, t, _ in placement.iter_tensors(eng.pipeline)]
+        return self._engines[key]
+
+    def checkpoint(self, model: str, dtype: str) -> list:
+        """[(component, module, tensor name), dtype, shape, bits] of a fresh load, in iteration order."""
+        self.engine(model, dtype)
+        return self._checkpoint[(model, dtype)]
+
+    def fused_digests(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...]):
+        """{(component, module): digest of weight+bias} of a fresh fuse of `specs`."""
+        key = (model, dtype, specs)
+        if key in self._fused:
+            return self._fused[key]
+        eng = self.engine(model, dtype)
+        pipe, pristine = eng.pipeline, self._pristine[(model, dtype)]
+        stack = LoraStack(pipe, arch, eng.device)  # fusion math on the compute device, as the engine does
+        files = {s.name: eng.library.open(s.name) for s in specs}
+        for spec in specs:
+            for target in stack.prepare(spec.name, files[spec.name]).layers:
+                pristine.setdefault(target, _module_digest(_module(pipe, target)))
+        stack.reconcile(specs, files)
+        digests = {t: _module_digest(_module(pipe, t)) for t in stack.patched_modules()}
+        stack.reconcile((), {})
+        assert all(_module_digest(_module(pipe, t)) == pristine[t] for t in digests), \
+            "reference LoraStack did not restore exactly"
+        self.fuses += 1
+        self._fused[key] = digests
+        return digests
+
+    def close(self) -> None:
+        for eng in self._engines.values():
+            eng.close()
+
+
+def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arch: str,
+                   specs: tuple[LoraSpec, ...]) -> None:
+    """Every tensor of the engine's pipeline equals the checkpoint's bit for bit, except the
+    weight and bias of modules a fresh fuse of `specs` patches, which equal that fuse bit for bit
+    (fusion runs on the compute device in every offload mode, so on a GPU too the bits cannot
+    depend on where a weight rested when it was fused)."""
+    fused = refs.fused_digests(model, dtype, arch, specs) if specs else {}
+    checkpoint = refs.checkpoint(model, dtype)
+    mine = [((c, p, n), t) for c, p, _m, n, t, _ in placement.iter_tensors(engine.pipeline)]
+    assert [(k, t.dtype, t.shape) for k, t in mine] == [(k, d, s) for k, d, s, _ in checkpoint], \
+        "pipeline structure differs from a fresh load"
+    for (key, tensor), (*_, bits) in zip(mine, checkpoint, strict=True):
+        if key[:2] in fused and key[2] in ("weight", "bias"):
+            continue
+        assert torch.equal(_bits(tensor), bits), f"{'.'.join(key)} differs from the checkpoint"
+    for target, digest in fused.items():
+        assert _module_digest(_module(engine.pipeline, target)) == digest, \
+            f"{target} differs from a fresh fuse of {specs}"
+
+
+@dataclasses.dataclass
+class FuzzConfig:
+    data_dir: Path
+    device: str
+    dtypes: tuple[str, ...]
+    refs: References
+    stats: collections.Counter
+    usable: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    refused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Sort every adapter file, per loaded architecture, into usable or refused by asking the
+        engine (`inspect_lora`): the synthetic SDXL files that touch only layers SD1.5 has with the
+        same shapes (Tucker convs, say) legitimately fit both, and are usable on both."""
+        for arch in ARCHS:
+            dtype = placement.dtype_name(placement.resolve_dtype(self.dtypes[0], torch.device(self.device)))
+            eng = self.refs.engine(MODELS[arch], dtype)
+            usable, refused = [], []
+            for name in lora_names("sd15") + lora_names("sdxl"):
+                try:
+                    eng.inspect_lora(name)
+                    usable.append(name)
+                except LoraApplyError:
+                    refused.append(name)
+            assert set(lora_names(arch)) <= set(usable), refused
+            self.usable[arch], self.refused[arch] = tuple(usable), tuple(refused)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """The desired state (what the user asked for) beside the engine that must realise it."""
+
+    config: FuzzConfig  # set by the test before the run
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = self.config
+        self.engine = Engine(Settings(data_dir=cfg.data_dir, device=cfg.device))
+        self.model: str | None = None
+        self.arch = "sd15"  # the architecture LoRA choices are made for (kept across unload)
+        self.requested = "auto"
+        self.offload = "none"
+        self.desired: tuple[LoraSpec, ...] = ()
+        # What must be fused: desired (plus the last generation's prompt tags), minus what cannot fit.
+        self.applied: tuple[LoraSpec, ...] = ()
+        self.debug = {"lora_debug": False, "move_debug": False, "strict": False}
+        self.expect_failure = False
+        self.last_command = ""
+
+    def teardown(self) -> None:
+        try:
+            self.engine.unload()  # a retained log record may pin this engine object; never its pipeline
+        finally:
+            self.engine.close()
+            set_debug_logging(False, False)
+
+    # ------------------------------------------------------------------ helpers
+    def _count(self, command: str, expect_failure: bool = False) -> None:
+        self.config.stats[command] += 1
+        self.config.stats["transitions"] += 1
+        self.last_command, self.expect_failure = command, expect_failure
+
+    def _usable(self) -> tuple[str, ...]:
+        return self.config.usable[self.arch]
+
+    def _spec(self, data, name: str) -> LoraSpec:
+        weight = data.draw(st.sampled_from(STRENGTHS), label="weight")
+        te = data.draw(st.one_of(st.none(), st.sampled_from(STRENGTHS)), label="te_weight")
+        return LoraSpec(name, weight=weight, te_weight=te)
+
+    def _fitting(self, specs: tuple[LoraSpec, ...], arch: str) -> tuple[LoraSpec, ...]:
+        return tuple(s for s in specs if s.name in self.config.usable[arch])
+
+    def _set(self, specs: tuple[LoraSpec, ...]) -> None:
+        """set_loras: with a model loaded, a list holding a LoRA that cannot apply to it (made for
+        the other architecture, or missing from the folder) must be refused whole, leaving model,
+        stack and desired list as they were; otherwise the list becomes desired and applied."""
+        unusable = [s.name for s in specs if s.name not in self._usable()]
+        if self.model is not None and unusable:
+            self._count("set_loras", expect_failure=True)
+            self.config.stats["refused"] += 1
+            blamed = "|".join(re.escape(n) for n in unusable)
+            with pytest.raises(LoraApplyError, match=rf"LoRA '({blamed})': "):
+                self.engine.set_loras(list(specs))
+            return
+        self._count("set_loras")
+        self.engine.set_loras(list(specs))
+        self.desired = specs
+        self.applied = specs if self.model else ()
+
+    def _load(self, arch: str, dtype: str | None) -> None:
+        """load_model: the desired list is re-applied minus what does not fit the new model (set
+        aside, not fatal: switching back re-applies it)."""
+        self._count("load_model")
+        self.engine.load_model(MODELS[arch], dtype=dtype)
+        self.model, self.arch = MODELS[arch], arch
+        self.requested = dtype or self.requested
+        self.applied = self._fitting(self.desired, arch)
+        if len(self.applied) < len(self.desired):
+            self.config.stats["set_aside"] += 1
+
+    # ------------------------------------------------------------------ actions
+    @initialize(arch=st.sampled_from(ARCHS), data=st.data())
+    def first_load(self, arch: str, data) -> None:
+        self.requested = data.draw(st.sampled_from(self.config.dtypes), label="dtype")
+        self._load(arch, self.requested)
+
+    @rule(action=st.sampled_from(WEIGHTED_ACTIONS), data=st.data())
+    def act(self, action: str, data) -> None:
+        getattr(self, f"_do_{action}")(data)
+
+    def _do_set_loras(self, data) -> None:
+        names = data.draw(st.lists(st.sampled_from(self._usable()), unique=True, max_size=4), label="names")
+        self._set(tuple(self._spec(data, n) for n in names))
+
+    def _do_append_lora(self, data) -> None:
+        if len(self.desired) >= MAX_LORAS:
+            return self._do_remove_lora(data)
+        free = [n for n in self._usable() if n not in {s.name for s in self.desired}]
+        self._set(self.desired + (self._spec(data, data.draw(st.sampled_from(free), label="append")),))
+
+    def _do_remove_lora(self, data) -> None:
+        if not self.desired:
+            return self._set(())
+        i = data.draw(st.integers(0, len(self.desired) - 1), label="remove index")
+        self._set(self.desired[:i] + self.desired[i + 1:])
+
+    def _do_reweight_lora(self, data) -> None:
+        if not self.desired:
+            return self._do_append_lora(data)
+        i = data.draw(st.integers(0, len(self.desired) - 1), label="reweight index")
+        self._set(self.desired[:i] + (self._spec(data, self.desired[i].name),) + self.desired[i + 1:])
+
+    def _do_refused_set_loras(self, data) -> None:
+        """Insert a LoRA the loaded model cannot take (other architecture, or a missing file) into
+        the current list; with no model loaded the list is simply stored."""
+        listed = {s.name for s in self.desired}  # a duplicate would be refused before queueing
+        bad = data.draw(st.sampled_from([n for n in (*self.config.refused[self.arch], "missing-lora")
+                                         if n not in listed]), label="refused")
+        specs = list(self.desired)
+        specs.insert(data.draw(st.integers(0, len(specs)), label="at"), LoraSpec(bad, 1.0))
+        self._set(tuple(specs))
+
+    def _do_set_offload(self, data) -> None:
+        mode = data.draw(st.sampled_from(OFFLOAD_CHOICES), label="offload")
+        self._count("set_offload")
+        self.engine.set_offload(mode)
+        self.offload = mode
+
+    def _do_set_dtype(self, data) -> None:
+        dtype = data.draw(st.sampled_from(self.config.dtypes), label="dtype")
+        self._count("set_dtype")
+        self.engine.set_dtype(dtype)
+        self.requested = dtype
+        self.applied = self._fitting(self.desired, self.arch) if self.model else ()
+
+    def _do_load_model(self, data) -> None:
+        arch = data.draw(st.sampled_from(ARCHS), label="arch")
+        dtype = data.draw(st.one_of(st.none(), st.sampled_from(self.config.dtypes)), label="dtype")
+        self._load(arch, dtype)
+
+    def _do_unload(self, data) -> None:
+        self._count("unload")
+        self.engine.unload()
+        self.model, self.applied = None, ()
+
+    def _do_set_debug(self, data) -> None:
+        changes = {k: data.draw(st.booleans(), label=k) for k in self.debug}
+        self.engine.set_debug(**changes)
+        self.debug = changes
+        self.config.stats["set_debug"] += 1
+
+    def _do_generate(self, data) -> None:
+        tagged = data.draw(st.lists(st.sampled_from(self._usable()), unique=True, max_size=2), label="tags")
+        tags = tuple(LoraSpec(n, weight=data.draw(st.sampled_from(STRENGTHS), label="tag weight")) for n in tagged)
+        prompt = "a cat " + " ".join(f"<lora:{s.name}:{s.weight!r}>" for s in tags)
+        params = GenerateParams(prompt, steps=FUZZ_STEPS, width=64, height=64, cfg=5.0,
+                                sampler=data.draw(st.sampled_from(SAMPLERS), label="sampler"),
+                                seed=data.draw(st.integers(0, 2**32 - 1), label="seed"))
+        if self.model is None:
+            self._count("generate", expect_failure=True)
+            with pytest.raises(RuntimeError, match="no model loaded"):
+                self.engine.generate(params)
+            return
+        self._count("generate")
+        images = self.engine.generate(params)
+        assert len(images) == 1 and images[0].image.size == (64, 64)
+        merged = {s.name: s for s in self.desired}
+        merged.update({s.name: s for s in tags})
+        self.applied = self._fitting(tuple(merged.values()), self.arch)
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def engine_matches_desired_state(self) -> None:
+        snap = self.engine.snapshot()
+        if self.last_command:
+            row = snap.history[-1]
+            want = "failed, rolled back" if self.expect_failure else "ok"
+            assert (row.command, row.outcome) == (self.last_command, want), row
+        assert snap.violations == () and snap.violations_found_total == 0, snap.violations
+        assert snap.requested_dtype == self.requested and snap.offload == self.offload
+        assert {k: getattr(self.engine.settings, k) for k in self.debug} == self.debug
+        if self.model is None:
+            assert snap.state == EngineState.EMPTY.value and snap.model is None and self.engine.pipeline is None
+            return
+        dtype = placement.dtype_name(placement.resolve_dtype(self.requested, self.engine.device))
+        assert snap.state == EngineState.READY.value
+        assert (snap.model, snap.arch, snap.dtype) == (self.model, self.arch, dtype)
+        assert snap.loras == self.applied, (snap.loras, self.applied)
+        for spec in self.applied:
+            counters = snap.lora_counters[spec.name]
+            assert counters.matched_layers > 0 and not counters.disabled, (spec.name, counters)
+
+    @invariant()
+    def every_tensor_where_the_plan_says(self) -> None:
+        if self.model is None:
+            return
+        snap = self.engine.snapshot()
+        plan = placement.plan_placement(self.engine.pipeline, placement.DTYPES[snap.dtype], self.engine.device,
+                                        snap.offload)
+        # Which components an offload strategy keeps on the GPU between commands is its own call
+        # (balanced mode); everything else about the plan is recomputed here from the snapshot.
+        resident = self.engine._loaded.plan.resident
+        assert snap.offload in ("none", "balanced") or not resident, (snap.offload, resident)
+        assert placement.verify(self.engine.pipeline, plan.with_resident(resident)) == []
+
+    @invariant()
+    def weights_equal_checkpoint_or_fresh_fuse(self) -> None:
+        if self.model is None:
+            return
+        dtype = placement.dtype_name(placement.resolve_dtype(self.requested, self.engine.device))
+        assert_weights(self.engine, self.config.refs, self.model, dtype, self.arch, self.applied)
+        if not self.applied:
+            assert self.engine._loaded.stack._backups == {}, "backups kept after every LoRA was removed"
+
+
+def run_fuzz(config: FuzzConfig, examples: int, steps: int) -> None:
+    EngineMachine.config = config
+    run_state_machine_as_test(EngineMachine, settings=settings(
+        max_examples=examples, stateful_step_count=steps, derandomize=True, database=None, deadline=None,
+        phases=(Phase.explicit, Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck),
+        print_blob=False))
+
+
+@pytest.fixture(scope="module")
+def fuzz_data(demo_dir, tmp_path_factory) -> Path:
+    return make_fuzz_data(demo_dir, tmp_path_factory.mktemp("fuzz"))
+
+
+# The fixed CI budget: derandomize=True replays the same examples on every run (~2,400 transitions;
+# it shifts only when the state machine, these settings or Hypothesis change: hence the margin).
+CPU_EXAMPLES, CPU_STEPS, CPU_MIN_TRANSITIONS = 32, 110, 2000
+
+
+@pytest.mark.timeout(1200)  # passing: ~4 min on two cores; a failure adds up to 5 min of shrinking
+def test_fuzz_engine_api_cpu(fuzz_data, record_property):
+    """≥2,000 random transitions on the CPU (both architectures, every dtype request, every offload
+    mode, every adapter algorithm, strengths 0/negative/>1, prompt tags, debug and strict toggles)
+    keep placement clean, the snapshot equal to the desired state and the weights bit-equal to
+    the checkpoint or to a fresh fuse of the same LoRA list."""
+    refs = References(fuzz_data, "cpu")
+    config = FuzzConfig(fuzz_data, "cpu", DTYPE_CHOICES, refs, collections.Counter())
+    try:
+        run_fuzz(config, CPU_EXAMPLES, CPU_STEPS)
+    finally:
+        refs.close()
+    record_property("fuzz_stats", dict(config.stats))
+    print(f"fuzz cpu: {dict(config.stats)}, reference fuses {refs.fuses}")
+    assert config.stats["transitions"] >= CPU_MIN_TRANSITIONS, dict(config.stats)
+    for action in ("set_loras", "set_offload", "set_dtype", "load_model", "unload", "generate", "set_debug", "refused"):
+        assert config.stats[action] >= 20, (action, dict(config.stats))
+    assert config.stats["set_aside"] >= 5, dict(config.stats)  # loads that set foreign LoRAs aside
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(1200)
+def test_fuzz_engine_api_gpu(fuzz_data, record_property):
+    """≥500 random transitions on CUDA across every offload mode in fp16 and bf16: the same
+    invariants, bit-exact too — weights rest on the CPU or the GPU depending on the mode, but
+    fusion always runs on the GPU, so the same list must give the same bits in every mode."""
+    refs = References(fuzz_data, "cuda")
+    config = FuzzConfig(fuzz_data, "cuda", ("fp16", "bf16"), refs, collections.Counter())
+    try:
+        run_fuzz(config, 14, 70)
+    finally:
+        refs.close()
+    record_property("fuzz_stats", dict(config.stats))
+    print(f"fuzz gpu: {dict(config.stats)}")
+    assert config.stats["transitions"] >= 500, dict(config.stats)
