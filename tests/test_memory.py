@@ -152,48 +152,48 @@ class KeepRecords(logging.Handler):
         self.records.append(record)
 
 
+def _assert_sd15_freed_after_swap(data, prepare) -> None:
+    """Run `prepare(engine, records)` with SD1.5 loaded and a record-keeping log handler attached,
+    then swap SD1.5 for SDXL: the SD1.5 UNet must be freed despite the retained records."""
+    keep = KeepRecords()
+    logger = logging.getLogger("app")
+    logger.addHandler(keep)
+    engine = Engine(Settings(data_dir=data, device="cpu"))
+    try:
+        prepare(engine, keep.records)
+        unet = weakref.ref(engine.pipeline.unet)
+        engine.load_model(MODELS["sdxl"], dtype="fp32")
+        gc.collect()
+        assert unet() is None, "the swapped-out SD1.5 UNet is still alive"
+    finally:
+        logger.removeHandler(keep)
+        engine.close()
+
+
 def test_retained_log_records_do_not_pin_swapped_out_models(data):
     """A log handler that keeps records must not keep a swapped-out model alive: the engine's
     records should carry text, not live exceptions whose tracebacks reference the pipeline.
     Scenario: SD1.5 loads while an SDXL LoRA is desired (it does not fit and is skipped, with a
     warning); then SDXL replaces SD1.5 — the SD1.5 UNet must be freed."""
-    keep = KeepRecords()
-    logger = logging.getLogger("app")
-    logger.addHandler(keep)
-    engine = Engine(Settings(data_dir=data, device="cpu"))
-    try:
+    def prepare(engine, records):
         engine.load_model(MODELS["sdxl"], dtype="fp32")
         engine.set_loras([LoraSpec("sdxl-lora")])
         engine.load_model(MODELS["sd15"], dtype="fp32")
-        assert any("not re-applied" in r.getMessage() for r in keep.records)
-        unet = weakref.ref(engine.pipeline.unet)
-        engine.load_model(MODELS["sdxl"], dtype="fp32")
-        gc.collect()
-        assert unet() is None, "the swapped-out SD1.5 UNet is still alive"
-    finally:
-        logger.removeHandler(keep)
-        engine.close()
+        assert any("not re-applied" in r.getMessage() for r in records)
+
+    _assert_sd15_freed_after_swap(data, prepare)
 
 
 def test_retained_failure_records_do_not_pin_swapped_out_models(data):
     """The same for a failed transition's error record: a refused set_loras on SD1.5 is logged
     (with its traceback as text), then SDXL replaces SD1.5 — the SD1.5 UNet must be freed."""
-    keep = KeepRecords()
-    logger = logging.getLogger("app")
-    logger.addHandler(keep)
-    engine = Engine(Settings(data_dir=data, device="cpu"))
-    try:
+    def prepare(engine, records):
         engine.load_model(MODELS["sd15"], dtype="fp32")
         with pytest.raises(LoraApplyError):
             engine.set_loras([LoraSpec("sdxl-lora")])
-        assert any(r.levelno == logging.ERROR and "set_loras" in r.getMessage() for r in keep.records)
-        unet = weakref.ref(engine.pipeline.unet)
-        engine.load_model(MODELS["sdxl"], dtype="fp32")
-        gc.collect()
-        assert unet() is None, "the swapped-out SD1.5 UNet is still alive"
-    finally:
-        logger.removeHandler(keep)
-        engine.close()
+        assert any(r.levelno == logging.ERROR and "set_loras" in r.getMessage() for r in records)
+
+    _assert_sd15_freed_after_swap(data, prepare)
 
 
 @pytest.mark.gpu
