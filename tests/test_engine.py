@@ -230,3 +230,22 @@ def test_compile_setting_on_cpu_stays_eager_with_a_note(data_dir):
         assert eng.snapshot().compile.compiles == 0
     finally:
         eng.close()
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_is_reported_and_the_engine_stays_ready(gpu_data_dir):
+    """An oversized batch runs out of GPU memory inside denoising: the engine frees what it can, says
+    what to try instead, stays READY, and the next normal generation succeeds."""
+    eng = Engine(Settings(data_dir=gpu_data_dir, device="cuda"))
+    try:
+        eng.load_model("tiny-sd15.safetensors")
+        # 2048² is a 256² latent: self-attention over 65,536 tokens for 32 images (batch 16 × CFG).
+        huge = GenerateParams("a cat", steps=1, width=2048, height=2048, batch=16, sampler="Euler", seed=1)
+        with pytest.raises(MemoryError, match="out of GPU memory .* smaller batch or size, or an offload mode"):
+            eng.generate(huge)
+        snap = eng.snapshot()
+        assert snap.state == EngineState.READY.value and snap.history[-1].outcome == "failed, rolled back"
+        assert torch.cuda.memory_allocated() < 2 * 2**30
+        assert eng.generate(GenerateParams("a cat", seed=1, **FAST))
+    finally:
+        eng.close()
