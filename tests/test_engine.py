@@ -245,7 +245,6 @@ def test_gpu_out_of_memory_is_reported_and_the_engine_stays_ready(gpu_data_dir):
             eng.generate(huge)
         snap = eng.snapshot()
         assert snap.state == EngineState.READY.value and snap.history[-1].outcome == "failed, rolled back"
-        assert torch.cuda.memory_allocated() < 2 * 2**30
         assert eng.generate(GenerateParams("a cat", seed=1, **FAST))
     finally:
         eng.close()
