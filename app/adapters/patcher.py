@@ -43,7 +43,8 @@ class LoraApplyError(AdapterError):
     """Applying one named LoRA failed; nothing of the new list was kept."""
 
     def __init__(self, lora_name: str, message: str) -> None:
-        super().__init__(f"LoRA {lora_name!r}: {message}")
+        named = message.startswith(f"LoRA {lora_name!r}")  # e.g. the library's "LoRA 'x' not found"
+        super().__init__(message if named else f"LoRA {lora_name!r}: {message}")
         self.lora_name = lora_name
 
 
