@@ -166,9 +166,9 @@ def _with_bad_value(value: float):
     return build
 
 
-def _tensors(build):
+def _tensors(build, scratch: str = "scratch.safetensors"):
     def to_bytes(env: Env) -> bytes:
-        path = env.data / "scratch.safetensors"
+        path = env.data / scratch
         save_file(build(env), str(path))
         return path.read_bytes()
     return to_bytes
@@ -412,11 +412,7 @@ def _ckpt_bytes(env: Env) -> bytes:
 
 
 def _ckpt_tensors(build):
-    def to_bytes(env: Env) -> bytes:
-        path = env.data / "scratch-ckpt.safetensors"
-        save_file(build(env), str(path))
-        return path.read_bytes()
-    return to_bytes
+    return _tensors(build, "scratch-ckpt.safetensors")
 
 
 def _unet_only(env: Env) -> dict[str, torch.Tensor]:

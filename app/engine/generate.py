@@ -13,7 +13,7 @@ import logging
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -81,7 +81,6 @@ class RunContext:
     model_name: str
     model_hash: str
     loras: tuple[tuple[str, float, str], ...] = ()  # (name, weight, short hash)
-    extra: dict = field(default_factory=dict)
 
 
 def resolve_seed(seed: int) -> int:
@@ -102,7 +101,6 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext) -> str:
     if ctx.loras:
         parts.append('Lora hashes: "' + ", ".join(f"{n}: {h}" for n, _w, h in ctx.loras) + '"')
         parts.append('Lora weights: "' + ", ".join(f"{n}: {w:g}" for n, w, _h in ctx.loras) + '"')
-    parts.extend(f"{k}: {v}" for k, v in ctx.extra.items())
     parts.append("Version: steady-diffusion")
     lines = [params.prompt]
     if params.negative_prompt:
