@@ -113,9 +113,12 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _module_digest(module: torch.nn.Module) -> str:
+    return _digest(module.weight, getattr(module, "bias", None))
+
+
+def _digest(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     h = hashlib.blake2b(digest_size=16)
-    for name in ("weight", "bias"):
-        t = getattr(module, name, None)
+    for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
             h.update(_bits(t).reshape(-1).contiguous().numpy().tobytes())
@@ -190,19 +193,22 @@ def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arc
     """Every tensor of the engine's pipeline equals the checkpoint's bit for bit, except the
     weight and bias of modules a fresh fuse of `specs` patches, which equal that fuse bit for bit
     (fusion runs on the compute device in every offload mode, so on a GPU too the bits cannot
-    depend on where a weight rested when it was fused)."""
+    depend on where a weight rested when it was fused). Under a streamed offload mode LoRAs apply
+    on the fly: then every stored tensor is the checkpoint's, and the weights the patched layers'
+    forwards compute with equal the fresh fuse."""
     fused = refs.fused_digests(model, dtype, arch, specs) if specs else {}
+    stack = engine._loaded.stack
     checkpoint = refs.checkpoint(model, dtype)
     mine = [((c, p, n), t) for c, p, _m, n, t, _ in placement.iter_tensors(engine.pipeline)]
     assert [(k, t.dtype, t.shape) for k, t in mine] == [(k, d, s) for k, d, s, _ in checkpoint], \
         "pipeline structure differs from a fresh load"
     for (key, tensor), (*_, bits) in zip(mine, checkpoint, strict=True):
-        if key[:2] in fused and key[2] in ("weight", "bias"):
+        if key[:2] in fused and key[2] in ("weight", "bias") and not stack.on_the_fly:
             continue
         assert torch.equal(_bits(tensor), bits), f"{'.'.join(key)} differs from the checkpoint"
+    assert set(stack.patched_modules()) == set(fused), "patched layers differ from a fresh fuse's"
     for target, digest in fused.items():
-        assert _module_digest(_module(engine.pipeline, target)) == digest, \
-            f"{target} differs from a fresh fuse of {specs}"
+        assert _digest(*stack.forward_weights(target)) == digest, f"{target} differs from a fresh fuse of {specs}"
 
 
 @dataclasses.dataclass
@@ -436,8 +442,12 @@ class EngineMachine(RuleBasedStateMachine):
             return
         dtype = placement.dtype_name(placement.resolve_dtype(self.requested, self.engine.device))
         assert_weights(self.engine, self.config.refs, self.model, dtype, self.arch, self.applied)
+        stack = self.engine._loaded.stack
+        assert stack.on_the_fly == (self.offload in ("sequential", "group")), (stack.on_the_fly, self.offload)
+        if not self.applied or stack.on_the_fly:
+            assert stack._backups == {}, "backups kept after every LoRA was removed or while applied on the fly"
         if not self.applied:
-            assert self.engine._loaded.stack._backups == {}, "backups kept after every LoRA was removed"
+            assert stack._patches == {}, "on-the-fly hooks kept after every LoRA was removed"
 
 
 def run_fuzz(config: FuzzConfig, examples: int, steps: int) -> None:

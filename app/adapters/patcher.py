@@ -17,6 +17,12 @@ The rules that make the seed crashes unreachable:
   under an offload mode included): the same float32 products give the same bits in every
   offload mode — on an H100, CPU-side fusion moved bf16 weights by an ulp and images by 0.9
   grey levels, nearly what a 0.1 strength step changes — and the GPU does the matmuls faster.
+* On-the-fly instead of fused, for streamed offload modes (sequential, group), where the stored
+  weight is a CPU copy streamed in for each forward: re-fusing CPU copies would cost a GPU round
+  trip per layer per LoRA change. There a pair of hooks swaps in W0 + Σ mᵢ·ΔWᵢ(W0), computed by
+  the same function as the fused value (same bits), for the duration of the layer's forward; the
+  stored weights stay the checkpoint's and no backup is needed. Costs one small fp32 sum per
+  patched layer per forward, which streaming's transfers dwarf.
 * `reconcile` is all or nothing: every adapter is parsed and shape-checked before the first
   write, and a failure mid-way recomputes each touched layer from the previous applied list.
 """
@@ -70,6 +76,46 @@ class _Backup:
     bias: torch.Tensor | None
 
 
+@dataclass
+class _Patch:
+    """An on-the-fly layer: its adapters, its two hook handles, and the parameters its forward swapped out."""
+
+    contributions: tuple
+    handles: tuple = ()
+    swapped: tuple | None = None
+
+
+Contributions = tuple[tuple[str, float, object], ...]  # (LoRA name, strength, adapter), sorted by name
+
+
+def _combine(target: Target, contributions: Contributions, weight: torch.Tensor, bias: torch.Tensor | None,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W0 + Σ mᵢ·ΔWᵢ(W0) in float32 on `device`, and likewise the bias when an adapter changes it
+    (None when none does). The one formula behind both paths, so fused and on-the-fly layers carry
+    the same bits. Differentiable in `weight` and `bias` (the on-the-fly forward under autograd);
+    each ΔW is computed without a graph."""
+    w0 = weight.to(device, torch.float32)
+    b0 = None if bias is None else bias.to(device, torch.float32)
+    new_w, new_b = w0.clone(), None
+    for name, strength, adapter in contributions:
+        try:
+            delta = adapter.delta(w0.detach(), None if b0 is None else b0.detach())
+        except Exception as exc:
+            raise LoraApplyError(name, f"failed while patching {target[0]}.{target[1]}: {exc}") from exc
+        if delta.weight is not None:
+            new_w.add_(delta.weight, alpha=strength)
+        if delta.bias is not None:
+            if b0 is None:
+                raise LoraApplyError(name, f"{target[0]}.{target[1]} has no bias but the adapter changes one")
+            new_b = b0.clone() if new_b is None else new_b
+            new_b.add_(delta.bias, alpha=strength)
+    return new_w, new_b
+
+
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach()
+
+
 def _backup_copy(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(tensor.device)
@@ -81,8 +127,11 @@ def _backup_copy(tensor: torch.Tensor) -> torch.Tensor:
 class LoraStack:
     """The adapters fused into one pipeline, with the backups needed to change or undo them."""
 
-    def __init__(self, pipe, arch: str, compute_device: torch.device | None = None) -> None:
+    def __init__(self, pipe, arch: str, compute_device: torch.device | None = None, *,
+                 on_the_fly: bool = False) -> None:
         self._pipe = pipe
+        self._on_the_fly = on_the_fly
+        self._patches: dict[Target, _Patch] = {}
         self._arch = arch
         self._compute_device = compute_device
         self._table: KeyTable | None = None
@@ -114,8 +163,26 @@ class LoraStack:
             tb = tb.tb_next
         return found
 
+    @property
+    def on_the_fly(self) -> bool:
+        return self._on_the_fly
+
+    def forward_weights(self, target: Target) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias a patched layer's forward computes with: its own tensors when fused,
+        the on-the-fly result otherwise (what tests compare against a fresh fuse)."""
+        module = self._module(target)
+        patch = self._patches.get(target)
+        if patch is None:
+            return module.weight, module.bias
+        with torch.no_grad():
+            return self._patched_tensors(target, patch, module.weight, module.bias)
+
     def release(self) -> None:
-        """Forget backups and adapters (the pipeline is being dropped)."""
+        """Forget backups, hooks and adapters (the pipeline is being dropped)."""
+        for patch in self._patches.values():
+            for handle in patch.handles:
+                handle.remove()
+        self._patches.clear()
         self._backups.clear()
         self._prepared.clear()
         self._modules.clear()
@@ -216,8 +283,11 @@ class LoraStack:
     def _write_layer(self, target: Target, specs, prepared) -> None:
         module = self._module(target)
         # A fixed order (by name) makes the float32 sum, and so the bits, independent of list order.
-        contributions = [(s.name, s.strength_for(target[0]), prepared[s.name].layers[target])
-                         for s in sorted(specs, key=lambda s: s.name) if target in prepared[s.name].layers]
+        contributions = tuple((s.name, s.strength_for(target[0]), prepared[s.name].layers[target])
+                              for s in sorted(specs, key=lambda s: s.name) if target in prepared[s.name].layers)
+        if self._on_the_fly:
+            self._set_patch(module, target, contributions)
+            return
         backup = self._backups.get(target)
         if not contributions:
             if backup is not None:
@@ -225,32 +295,86 @@ class LoraStack:
                 del self._backups[target]
             return
         base = backup.weight if backup is not None else module.weight.detach()
-        base_bias = backup.bias if backup is not None else None
-        device = self._compute_device or module.weight.device
-        w0 = base.to(device, torch.float32)
-        b0 = None
-        if module.bias is not None:
-            b0 = (base_bias if base_bias is not None else module.bias.detach()).to(device, torch.float32)
-        new_w, new_b = w0.clone(), None if b0 is None else b0.clone()
-        for name, strength, adapter in contributions:
-            try:
-                delta = adapter.delta(w0, b0)
-            except Exception as exc:
-                raise LoraApplyError(name, f"failed while patching {target[0]}.{target[1]}: {exc}") from exc
-            if delta.weight is not None:
-                new_w.add_(delta.weight, alpha=strength)
-            if delta.bias is not None:
-                if new_b is None:
-                    raise LoraApplyError(name, f"{target[0]}.{target[1]} has no bias but the adapter changes one")
-                new_b.add_(delta.bias, alpha=strength)
+        base_bias = backup.bias if backup is not None and backup.bias is not None else _detached(module.bias)
+        new_w, new_b = _combine(target, contributions, base, base_bias, self._compute_device or module.weight.device)
         if backup is None:
             backup = self._backups[target] = _Backup(_backup_copy(module.weight), None)
-        if new_b is not None and backup.bias is None and not torch.equal(new_b, b0):
+        if new_b is not None and backup.bias is None:
             backup.bias = _backup_copy(module.bias)
         with torch.no_grad():
             module.weight.copy_(new_w)
-            if backup.bias is not None:
+            if new_b is not None:
                 module.bias.copy_(new_b)
+            elif backup.bias is not None:  # the adapter that changed the bias is gone
+                module.bias.copy_(backup.bias)
+                backup.bias = None
+
+    # ---------------------------------------------------------------- the on-the-fly path
+    def set_on_the_fly(self, enabled: bool) -> None:
+        """Switch how the applied adapters reach the forward: fused into the stored weights, or
+        computed at each forward from untouched weights (streamed offload modes). Every layer is
+        first taken back to W0 under the old policy, then re-applied under the new one; on-the-fly
+        hooks are always re-registered, so they follow the offload hooks that stream a weight in."""
+        specs, prepared = self._applied, dict(self._prepared)
+        targets = list(self.patched_modules())
+        previous = self._on_the_fly
+        for target in targets:
+            self._write_layer(target, (), {})
+        self._on_the_fly = enabled
+        try:
+            for target in targets:
+                self._write_layer(target, specs, prepared)
+        except Exception:
+            for target in targets:
+                self._write_layer(target, (), {})
+            self._on_the_fly = previous
+            for target in targets:
+                self._write_layer(target, specs, prepared)
+            raise
+
+    def _set_patch(self, module: torch.nn.Module, target: Target, contributions: Contributions) -> None:
+        """Install, update or remove one layer's on-the-fly hooks; the stored weights are never written."""
+        patch = self._patches.get(target)
+        if patch is not None and contributions:
+            patch.contributions = contributions
+            return
+        if patch is not None:
+            for handle in patch.handles:
+                handle.remove()
+            del self._patches[target]
+            return
+        if not contributions:
+            return
+        patch = self._patches[target] = _Patch(contributions)
+
+        def swap_in(mod, _args):
+            weight, bias = mod._parameters["weight"], mod._parameters.get("bias")
+            new_w, new_b = self._patched_tensors(target, patch, weight, bias)
+            patch.swapped = (weight, bias)
+            mod._parameters["weight"] = new_w
+            if new_b is not bias:
+                mod._parameters["bias"] = new_b
+
+        def swap_out(mod, _args, _output):
+            if patch.swapped is not None:
+                mod._parameters["weight"], bias = patch.swapped
+                if bias is not None:
+                    mod._parameters["bias"] = bias
+                patch.swapped = None
+
+        # The pre-hook runs after any offload hook that streamed the weight in (registered later);
+        # the post-hook is prepended and always called, so the Parameter is back before the weight
+        # streams out, even when the forward raised.
+        patch.handles = (module.register_forward_pre_hook(swap_in),
+                         module.register_forward_hook(swap_out, prepend=True, always_call=True))
+
+    def _patched_tensors(self, target: Target, patch: _Patch, weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused weight (and bias) for one forward, in the parameters' own dtype: the output of
+        the layer keeps its input's dtype, and autograd hands back gradients in the parameters'
+        dtype (a float32 adapter on a bf16 model never leaks float32 into the graph)."""
+        new_w, new_b = _combine(target, patch.contributions, weight, bias, self._compute_device or weight.device)
+        return new_w.to(weight.device, weight.dtype), bias if new_b is None else new_b.to(bias.device, bias.dtype)
 
     @staticmethod
     def _restore(module: torch.nn.Module, backup: _Backup) -> None:

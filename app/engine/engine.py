@@ -430,7 +430,8 @@ class Engine:
             old.strategy.remove()
             old.stack.release()
         fresh.pipe.set_progress_bar_config(disable=True)
-        self._loaded = _Loaded(fresh, plan, LoraStack(fresh.pipe, fresh.arch, self.device), embedded, strategy)
+        stack = LoraStack(fresh.pipe, fresh.arch, self.device, on_the_fly=strategy.streams_weights)
+        self._loaded = _Loaded(fresh, plan, stack, embedded, strategy)
         self._sync_compile(self._loaded)
         del old
         _release_memory()
@@ -452,6 +453,7 @@ class Engine:
         try:
             loaded.strategy.remove()
             loaded.strategy = self._place(loaded.model.pipe, loaded.plan, reason="rollback")
+            loaded.stack.set_on_the_fly(loaded.strategy.streams_weights)
         except BaseException as exc:
             raise RollbackFailed(f"could not put the model back to its previous placement: {exc}") from exc
 
@@ -487,6 +489,11 @@ class Engine:
         loaded.strategy.remove()
         try:
             strategy = self._place(loaded.model.pipe, new_plan, reason=f"offload {mode}")
+            try:
+                loaded.stack.set_on_the_fly(strategy.streams_weights)
+            except BaseException:
+                strategy.remove()
+                raise
         except BaseException:
             self._restore_placement(loaded)
             self._sync_compile(loaded)

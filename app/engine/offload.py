@@ -57,6 +57,11 @@ class OffloadStrategy:
             handle.remove()
         self.handles.clear()
 
+    @property
+    def streams_weights(self) -> bool:
+        """Weights rest on the CPU and are streamed in per forward: LoRAs apply on the fly here."""
+        return False
+
     def resident(self) -> frozenset[str]:
         """Components that stay on the compute device between commands."""
         return frozenset(self.plan.components) if self.mode == "none" else frozenset()
@@ -139,6 +144,10 @@ class SequentialOffload(OffloadStrategy):
         super().__init__(pipe, plan, mode="sequential")
         self._stashes: dict[int, dict[str, torch.Tensor]] = {}
 
+    @property
+    def streams_weights(self) -> bool:
+        return True
+
     def install(self) -> None:
         self._move_inputs_at_entry()
         for name, component in placement.torch_components(self.pipe).items():
@@ -203,6 +212,10 @@ class GroupOffload(OffloadStrategy):
         self._next: dict[int, torch.nn.Module] = {}
         self._last: dict[str, torch.nn.Module] = {}
         self._stream = torch.cuda.Stream(plan.device) if plan.device.type == "cuda" else None
+
+    @property
+    def streams_weights(self) -> bool:
+        return True
 
     def install(self) -> None:
         self._move_inputs_at_entry()
