@@ -126,8 +126,9 @@ def test_switching_policy_restores_refuses_and_leaves_no_hook_or_backup(tmp_path
 
 @pytest.mark.parametrize("mode", ["sequential", "group"])
 def test_streamed_mode_reweights_without_writing_and_draws_the_fused_image(data_dir, mode):
-    """Engine under a streamed mode: re-weighting touches no stored weight, and each image equals
-    the one `none` (fused) draws at the same weight, pixel for pixel (same math, same CPU)."""
+    """Engine under a streamed mode: re-weighting touches no stored weight, the snapshot says the
+    LoRAs apply on the fly, and each image equals the one `none` (fused) draws at the same weight,
+    pixel for pixel (same math, same CPU)."""
     engine = Engine(Settings(data_dir=data_dir, device="cpu"))
     try:
         engine.load_model("tiny-sd15.safetensors")
@@ -138,7 +139,8 @@ def test_streamed_mode_reweights_without_writing_and_draws_the_fused_image(data_
             engine.set_offload(offload)
             checkpoint = adapter_state_digests(engine.pipeline) if offload == mode else None
             for weight in (1.0, 1.1, 1.0):
-                engine.set_loras([LoraSpec(lora, weight)])
+                snap = engine.set_loras([LoraSpec(lora, weight)])
+                assert snap.lora_mode == ("fused" if offload == "none" else "on the fly")
                 images[offload, weight] = np.asarray(engine.generate(params)[0].image)
             if checkpoint is not None:
                 assert adapter_state_digests(engine.pipeline) == checkpoint

@@ -98,6 +98,7 @@ class Snapshot:
     requested_dtype: str = "auto"
     offload: str = "none"
     loras: tuple[LoraSpec, ...] = ()
+    lora_mode: str = "fused"  # or "on the fly" (streamed offload modes)
     placement: tuple[diagnostics.ModuleRow, ...] = ()
     violations: tuple[placement.Violation, ...] = ()  # found (and repaired) by the last transition
     violations_found_total: int = 0
@@ -367,6 +368,7 @@ class Engine:
         self._snapshot = Snapshot(
             model=loaded.model.info.name, arch=loaded.model.arch, model_hash=loaded.model.short_hash,
             dtype=placement.dtype_name(loaded.plan.dtype), loras=loaded.stack.applied, placement=rows,
+            lora_mode="on the fly" if loaded.stack.on_the_fly else "fused",
             embeddings=loaded.embeddings, **common)
 
     # ------------------------------------------------------------------ command bodies (worker only)

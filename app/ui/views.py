@@ -45,7 +45,7 @@ def status_html(snap: Snapshot) -> str:
         f"<span class='sd-state sd-{css}'>{state}</span>{progress}",
         f"model <b>{model}</b>" + (f" ({snap.arch})" if snap.arch else ""),
         f"{snap.device} · {snap.dtype or snap.requested_dtype} · offload {snap.offload}",
-        f"LoRAs {html.escape(loras_text(snap))}",
+        f"LoRAs {html.escape(loras_text(snap))}" + (f" ({snap.lora_mode})" if snap.loras else ""),
     ]
     if snap.violations_found_total:
         parts.append(f"<span class='sd-bad'>violations found {snap.violations_found_total}, "
