@@ -208,6 +208,7 @@ class Adapter(ABC):
     keys: ClassVar[frozenset[str]]
     markers: ClassVar[frozenset[str]]
     accepts_dora: ClassVar[bool] = False
+    reads_base: ClassVar[bool] = False  # ΔW depends on W0's values, not only its shape
 
     layer: str = field(default="", kw_only=True)
 
@@ -273,6 +274,15 @@ class Adapter(ABC):
             bias = bias.reshape(base_bias.shape)
         return Delta(None if weight is None else weight.reshape(base_weight.shape), bias)
 
+    def accumulate(self, acc: Tensor, base_weight: Tensor, base_bias: Tensor | None, strength: float) -> Tensor | None:
+        """acc += strength·ΔW in place (acc: float32, shaped like the weight); returns Δb at
+        strength 1 (or None). The patcher sums every adapter of a layer this way; algorithms that
+        can add their product without materialising ΔW override it."""
+        delta = self.delta(base_weight, base_bias)
+        if delta.weight is not None:
+            acc.add_(delta.weight, alpha=strength)
+        return delta.bias
+
 
 # ----------------------------------------------------------------------------------- algorithms
 @_algorithm
@@ -327,6 +337,18 @@ class LoRA(_Factored):
     @property
     def rank(self) -> int:
         return self.down.shape[0]
+
+    def accumulate(self, acc: Tensor, base_weight: Tensor, base_bias: Tensor | None, strength: float) -> Tensor | None:
+        """One fused multiply-add, acc += (m·s)·up·down, instead of building ΔW, scaling it and
+        adding it: a third of the memory passes a re-weight of a large layer costs."""
+        if self.mid is not None or not acc.is_contiguous():
+            return super().accumulate(acc, base_weight, base_bias, strength)
+        self.validate_against(base_weight.shape)
+        dev = acc.device
+        with torch.no_grad():
+            up, down = _f32(self.up, dev).flatten(1), _f32(self.down, dev).flatten(1)
+        acc.view(acc.shape[0], -1).addmm_(up, down, alpha=strength * _low_rank_scale(self.alpha, self.rank))
+        return None
 
     def _weight_delta(self, w0: Tensor) -> Tensor:
         dev = w0.device
@@ -540,6 +562,7 @@ class GLoRA(_Factored):
     old_layout: bool = False
 
     algo = "GLoRA"
+    reads_base = True
     keys = frozenset({"a1.weight", "a2.weight", "b1.weight", "b2.weight", "bm.weight", "alpha"})
     markers = keys - {"alpha"}
     accepts_dora = True
@@ -679,6 +702,7 @@ class IA3(Adapter):
     on_input: bool = False
 
     algo = "IA3"
+    reads_base = True
     keys = frozenset({"weight", "on_input"})
     markers = keys
 
@@ -728,6 +752,7 @@ class OFT(Adapter):
     constraint: float | None = None
 
     algo = "OFT"
+    reads_base = True
     keys = frozenset({"oft_blocks", "rescale", "alpha", "constraint"})
     markers = frozenset({"oft_blocks"})
 
@@ -800,6 +825,7 @@ class DoRA(Adapter):
     dora_scale: Tensor
 
     algo = "DoRA"
+    reads_base = True
     keys = frozenset({"dora_scale"})
     markers = keys
 

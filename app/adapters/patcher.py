@@ -94,21 +94,21 @@ def _combine(target: Target, contributions: Contributions, weight: torch.Tensor,
     (None when none does). The one formula behind both paths, so fused and on-the-fly layers carry
     the same bits. Differentiable in `weight` and `bias` (the on-the-fly forward under autograd);
     each ΔW is computed without a graph."""
-    w0 = weight.to(device, torch.float32)
+    new_w = weight.to(device, torch.float32, copy=True)
+    # A separate pristine W0 only when some adapter reads its values; the others read its shape.
+    w0 = weight.detach().to(device, torch.float32) if any(a.reads_base for _, _, a in contributions) else new_w
     b0 = None if bias is None else bias.to(device, torch.float32)
-    new_w, new_b = w0.clone(), None
+    new_b = None
     for name, strength, adapter in contributions:
         try:
-            delta = adapter.delta(w0.detach(), None if b0 is None else b0.detach())
+            bias_delta = adapter.accumulate(new_w, w0.detach(), None if b0 is None else b0.detach(), strength)
         except Exception as exc:
             raise LoraApplyError(name, f"failed while patching {target[0]}.{target[1]}: {exc}") from exc
-        if delta.weight is not None:
-            new_w.add_(delta.weight, alpha=strength)
-        if delta.bias is not None:
+        if bias_delta is not None:
             if b0 is None:
                 raise LoraApplyError(name, f"{target[0]}.{target[1]} has no bias but the adapter changes one")
             new_b = b0.clone() if new_b is None else new_b
-            new_b.add_(delta.bias, alpha=strength)
+            new_b.add_(bias_delta, alpha=strength)
     return new_w, new_b
 
 
