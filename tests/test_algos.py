@@ -7,6 +7,7 @@ runs each algorithm variant × base layer kind × adapter dtype × base weight d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -394,6 +395,47 @@ def test_delta_matches_reference(variant, kind, adapter_dtype, base_dtype):
         assert delta.bias is None
     else:
         _assert_matches(delta.bias, want_b, TOL[adapter_dtype])
+
+
+@pytest.mark.parametrize(("variant", "kind"), CASES, ids=[f"{v}-{k}" for v, k in CASES])
+def test_accumulate_adds_strength_times_delta_in_place(variant, kind):
+    """`accumulate` (what the patcher sums with; LoRA's is one fused multiply-add) adds m·ΔW into the
+    float32 accumulator in place and hands back Δb at strength 1, as `delta` computes them."""
+    stored, _, base = _build(variant, kind, BF16, BF16)
+    adapter, bias = parse_layer(LAYER, stored), torch.zeros(OUT, dtype=BF16)
+    delta = adapter.delta(base, bias)
+    acc = base.float()
+    storage = acc.data_ptr()
+    bias_delta = adapter.accumulate(acc, base.float(), bias.float(), -0.7)
+    assert acc.data_ptr() == storage and acc.dtype == F32
+    torch.testing.assert_close(acc, base.float() - 0.7 * delta.weight, rtol=1e-5, atol=1e-5)
+    assert (bias_delta is None) == (delta.bias is None)
+    if bias_delta is not None:
+        assert torch.equal(bias_delta, delta.bias)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_to_moves_every_tensor_and_keeps_the_file_dtype(variant):
+    """`Adapter.to` (the one upload per LoRA) moves every tensor, a DoRA's inner adapter's included,
+    keeps each tensor's dtype and the algorithm, and leaves the original where it was."""
+    kind = VARIANTS[variant][1][0]
+    stored, _, _ = _build(variant, kind, F16)
+    adapter = parse_layer(LAYER, stored)
+    moved = adapter.to(torch.device("meta"))
+
+    def tensors(a) -> list[torch.Tensor]:
+        found = []
+        for f in dataclasses.fields(a):
+            value = getattr(a, f.name)
+            if isinstance(value, Adapter):
+                found += tensors(value)
+            elif isinstance(value, torch.Tensor):
+                found.append(value)
+        return found
+
+    assert type(moved) is type(adapter) and moved.layer == adapter.layer
+    assert [t.dtype for t in tensors(moved)] == [t.dtype for t in tensors(adapter)] and tensors(adapter)
+    assert all(t.is_meta for t in tensors(moved)) and not any(t.is_meta for t in tensors(adapter))
 
 
 def test_variants_are_parsed_as_the_intended_algorithm():

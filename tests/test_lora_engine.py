@@ -285,6 +285,24 @@ def test_reweighting_rewrites_only_that_loras_layers(engine, tiny, monkeypatch):
                        for k, t in getattr(engine.pipeline, c).state_dict().items()}
 
 
+def test_reconcile_reports_progress_once_per_layer_it_rewrites(engine, tiny):
+    """The "patching LoRA layers" progress counts the layers actually rewritten: every layer of a
+    new LoRA, only the re-weighted LoRA's layers on a slider move."""
+    a = _write(engine, tiny, "a", targets=ATTENTION)
+    b = _write(engine, tiny, "b", targets=BIASED_CONVS, seed=5)
+    engine.load_model(CHECKPOINTS["sd15"])
+    stack = LoraStack(engine.pipeline, "sd15")
+    files = {n: read_adapter(n, engine.library.path_for(n)) for n in ("a", "b")}
+    calls: list[tuple[int, int]] = []
+    stack.reconcile([LoraSpec("a"), LoraSpec("b")], files, progress=lambda *c: calls.append(c))
+    total = len(a.layers) + len(b.layers)
+    assert calls == [(i, total) for i in range(1, total + 1)]
+    calls.clear()
+    stack.reconcile([LoraSpec("a"), LoraSpec("b", 0.5)], files, progress=lambda *c: calls.append(c))
+    assert calls == [(i, len(b.layers)) for i in range(1, len(b.layers) + 1)]
+    stack.reconcile([], files)
+
+
 def test_inspect_lora_reports_what_set_loras_would_without_applying(engine, tiny):
     """`inspect_lora` parses and shape-checks a LoRA against the loaded model: the same match counts
     set_loras reports and the same refusal for another architecture, with no weight written and

@@ -38,6 +38,7 @@ weights; we follow the training-time forward instead.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -232,6 +233,12 @@ class Adapter(ABC):
     def rank(self) -> int | None:
         """The low-rank dimension, for algorithms that have one."""
         return None
+
+    def to(self: _A, device: torch.device) -> _A:
+        """The same adapter with its tensors on `device`, dtype untouched (the file's, until calculation)."""
+        moved = {f.name: value.to(device) for f in fields(self)
+                 if isinstance(value := getattr(self, f.name), (Tensor, Adapter))}
+        return dataclasses.replace(self, **moved)
 
     @property
     def num_params(self) -> int:

@@ -30,7 +30,7 @@ The rules that make the seed crashes unreachable:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -195,8 +195,11 @@ class LoraStack:
             self._modules[target] = getattr(self._pipe, component).get_submodule(path)
         return self._modules[target]
 
-    def prepare(self, name: str, file: AdapterFile) -> _Prepared:
-        """Parse and shape-check every layer of a file against this model; raise before any write."""
+    def prepare(self, name: str, file: AdapterFile, *, upload: bool = True) -> _Prepared:
+        """Parse and shape-check every layer of a file against this model; raise before any write.
+
+        With `upload`, each layer's tensors then go to the compute device once, in the file's dtype:
+        every later re-weight computes without a host-to-device copy. An inspection skips that."""
         if self._table is None:
             self._table = KeyTable(self._pipe, self._arch)
         layers: dict[Target, object] = {}
@@ -207,7 +210,7 @@ class LoraStack:
                 unmatched.append(group.key)
                 continue
             try:
-                adapter = parse_layer(group.key, self._on_compute_device(group.tensors))
+                adapter = parse_layer(group.key, group.tensors)
                 module = self._module(group.target)
                 adapter.validate_against(tuple(module.weight.shape))
             except IncompatibleAdapterError as exc:
@@ -217,17 +220,12 @@ class LoraStack:
                 raise LoraApplyError(name, str(exc)) from exc
             layers[group.target] = adapter
         self._check_fit(name, file, layers, unmatched, mismatched)
+        if upload and self._compute_device is not None:
+            layers = {target: adapter.to(self._compute_device) for target, adapter in layers.items()}
         if unmatched:
             log.debug("LoRA %s: %d unmatched layer keys: %s", name, len(unmatched), ", ".join(sorted(unmatched)))
         message = f"{len(unmatched)} layer keys matched nothing in the model" if unmatched else ""
         return _Prepared(file, layers, MatchReport(len(layers), len(unmatched), message))
-
-    def _on_compute_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Adapter tensors are uploaded once, in the file's dtype, when a LoRA is prepared: every later
-        re-weight then computes without a host-to-device copy per layer."""
-        if self._compute_device is None:
-            return tensors
-        return {k: v.to(self._compute_device) for k, v in tensors.items()}
 
     def _check_fit(self, name: str, file: AdapterFile, layers, unmatched, mismatched) -> None:
         hint = architecture_hint(file.tensors, file.metadata)
@@ -243,8 +241,10 @@ class LoraStack:
                                        f"model{made_for}; nothing applied")
 
     # ---------------------------------------------------------------- writes
-    def reconcile(self, specs: Sequence[LoraSpec], files: Mapping[str, AdapterFile]) -> dict[str, MatchReport]:
-        """Make the fused weights equal W0 + Σ strengths·ΔW for exactly `specs`; all or nothing."""
+    def reconcile(self, specs: Sequence[LoraSpec], files: Mapping[str, AdapterFile],
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, MatchReport]:
+        """Make the fused weights equal W0 + Σ strengths·ΔW for exactly `specs`; all or nothing.
+        `progress(done, total)` is called after each layer written (the UI's "patching" bar)."""
         specs = tuple(specs)
         prepared = {}
         for spec in specs:
@@ -258,6 +258,8 @@ class LoraStack:
             for target in touched:
                 written.append(target)
                 self._write_layer(target, specs, prepared)
+                if progress is not None:
+                    progress(len(written), len(touched))
         except Exception:
             self._rollback(written, *previous)
             raise

@@ -210,7 +210,7 @@ class Engine:
         def body():
             if self._loaded is None:
                 raise RuntimeError("no model loaded")
-            return self._loaded.stack.prepare(name, self.library.open(name)).report
+            return self._loaded.stack.prepare(name, self.library.open(name), upload=False).report
 
         future = self.submit("inspect_lora", name, EngineState.READY, body, record=False)
         return future.result()
@@ -516,7 +516,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             files = {s.name: self._open_lora(s.name) for s in specs}
-            report = self._loaded.stack.reconcile(specs, files)
+            report = self._loaded.stack.reconcile(specs, files, progress=self._patch_progress)
         except Exception as exc:
             name = getattr(exc, "lora_name", None)
             if name is not None:
@@ -529,6 +529,9 @@ class Engine:
             old = self._counters.get(name, diagnostics.LoraCounters())
             self._counters[name] = dataclasses.replace(old, matched_layers=match.matched_layers,
                                                        unmatched_keys=match.unmatched_keys, message=match.message)
+
+    def _patch_progress(self, done: int, total: int) -> None:
+        self._progress = Progress("patching LoRA layers", done, total)
 
     def _open_lora(self, name: str):
         """Read a LoRA file; a read failure is that LoRA's apply error (counted under its name)."""
