@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.adapters.specs import LoraSpec
 from app.engine.engine import Engine
 from app.engine.generate import GenerateParams
 from app.engine.placement import Placement, plan_placement
@@ -53,19 +54,34 @@ def test_every_mode_generates_the_same_image(engine, model):
         assert engine.snapshot().history[-1].violations_found == 0
 
 
-def test_switching_every_mode_to_every_other_three_times_leaves_no_hooks(engine):
-    """Any mode -> any other mode, three rounds: zero violations, and back in `none` the hook count
-    equals the count right after load (a full remove leaves no hook behind)."""
+@pytest.mark.parametrize("lora", [None, "demo-style-sd15"])
+def test_switching_every_mode_to_every_other_three_times_leaves_no_hooks(engine, lora):
+    """Any mode -> any other mode, three rounds: zero violations; each mode shows the same hooks every
+    time it is entered (none pile up), and back in `none` the hook count equals the count right after
+    load (a full remove leaves no hook behind). With a LoRA applied, the streamed modes carry exactly
+    one on-the-fly hook pair per patched layer, and `none` none (the LoRA is fused again)."""
     engine.load_model("tiny-sd15.safetensors")
     engine.set_offload("none")
     baseline = _hook_count(engine.pipeline)
+    engine.set_loras([LoraSpec(lora)] if lora else [])
+    patched = len(engine._loaded.stack.patched_modules())
+    assert (patched > 0) == bool(lora)
     found_before = engine.snapshot().violations_found_total
+    per_mode: dict[str, int] = {}
     for _round in range(3):
         for src, dst in itertools.permutations(OFFLOAD_CHOICES, 2):
             engine.set_offload(src)
             engine.set_offload(dst)
+            assert _hook_count(engine.pipeline) == per_mode.setdefault(dst, _hook_count(engine.pipeline)), (src, dst)
             engine.set_offload("none")
             assert _hook_count(engine.pipeline) == baseline, (src, dst)
+    for mode in ("sequential", "group"):
+        engine.set_offload(mode)
+        engine.set_loras([])
+        assert per_mode[mode] - _hook_count(engine.pipeline) == 2 * patched, mode
+        engine.set_loras([LoraSpec(lora)] if lora else [])
+    engine.set_offload("none")
+    engine.set_loras([])
     snap = engine.snapshot()
     assert snap.violations_found_total == found_before
     assert all(h.outcome == "ok" for h in snap.history)
