@@ -83,8 +83,10 @@ def test_sdnext_sequence_in_every_offload_mode(full_model, dtype):
     reference = runs["none"]
     strength_step = np.abs(reference[0] - reference[1]).mean()
     assert strength_step > 0 and np.abs(reference[0] - reference[2]).mean() > strength_step
-    # Offload modes fuse LoRAs where the weight rests (CPU float32 vs GPU float32 matmuls), which can
-    # move a bf16 weight by one ulp (8-bit mantissa); fp16 keeps 3 more bits. Hence a per-dtype cap.
+    # LoRA math runs on the GPU in every mode (fused, or on the fly under sequential/group, by the same
+    # function), so weights carry the same bits; what remains is kernel-level nondeterminism between
+    # runs, larger in bf16 (8-bit mantissa) than fp16. Hence a per-dtype cap. (A run that fused
+    # CPU-resting weights on the CPU differed by 0.90 levels in bf16.)
     tolerance = min(0.3 if dtype == "fp16" else 1.5, strength_step / 2)
     for name, images in runs.items():
         for stage, (image, expected) in enumerate(zip(images, reference, strict=True)):

@@ -44,6 +44,7 @@ def lora_list(arch: str, weight: float = 1.0) -> list[LoraSpec]:
 def assert_stack_empty(engine: Engine) -> None:
     stack = engine._loaded.stack
     assert stack._backups == {}, f"{len(stack._backups)} backups kept after every LoRA was removed"
+    assert stack._patches == {}, f"{len(stack._patches)} on-the-fly layers kept after every LoRA was removed"
     assert stack._prepared == {} and stack.applied == ()
 
 
