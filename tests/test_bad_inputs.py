@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from app.adapters.errors import AdapterError, AdapterFormatError
@@ -47,7 +48,10 @@ from app.engine.models import (
     UnknownArchitectureError,
     UnsafeCheckpointPathError,
     UnsupportedCheckpointFormatError,
+    check_finite_weights,
     discover_checkpoints,
+    load_pipeline,
+    resolve_checkpoint,
 )
 from app.paths import UnsafePathError
 from app.settings import Settings
@@ -415,6 +419,20 @@ def _ckpt_tensors(build):
     return _tensors(build, "scratch-ckpt.safetensors")
 
 
+def _checkpoint_with(value: float):
+    """The good checkpoint (metadata included: it carries the tiny model's configs) with one value of
+    one UNet conv set to `value`."""
+    def build(env: Env) -> bytes:
+        source, path = env.ckpt_dir / SD15, env.data / "scratch-ckpt.safetensors"
+        with safe_open(str(source), framework="pt") as handle:
+            metadata = handle.metadata()
+        tensors = load_file(str(source))
+        tensors["model.diffusion_model.input_blocks.0.0.weight"].view(-1)[3] = value
+        save_file(tensors, str(path), metadata=metadata)
+        return path.read_bytes()
+    return build
+
+
 def _unet_only(env: Env) -> dict[str, torch.Tensor]:
     tensors = load_file(str(env.ckpt_dir / SD15))
     return {k: v for k, v in tensors.items() if k.startswith("model.diffusion_model.")}
@@ -447,6 +465,9 @@ BAD_CHECKPOINTS = {
                                   r"\(put it in models/Lora\)"),
     "unet_only": (_ckpt_tensors(_unet_only), UnknownArchitectureError,
                   r"not an SD1\.5/SDXL checkpoint: looks like a UNet without its text encoder"),
+    "nan_weights": (_checkpoint_with(float("nan")), ModelLoadError,
+                    r"bad-nan_weights\.safetensors: 1 weight tensors hold NaN or Inf values when loaded in float32, "
+                    r"e\.g\. unet\.conv_in\.weight; refusing it"),
 }
 
 
@@ -460,6 +481,19 @@ def test_bad_checkpoint_is_refused_and_previous_model_stays(env, ready, kind):
         env.engine.load_model(f"bad-{kind}.safetensors")
     assert_intact(env, ready, failed="load_model")
     assert f"bad-{kind}" in env.engine.snapshot().last_error.message
+
+
+def test_weights_beyond_fp16_range_load_in_fp32_and_are_refused_in_fp16_with_a_hint(env):
+    """A weight of 1e6 fits fp32 but overflows to Inf in fp16. The check runs on the pipeline as
+    loaded; a CPU stores an fp16 request as fp32, so the fp16 case (a GPU load) is checked on the
+    cast pipeline directly: refused with the advice to use bf16 or fp32."""
+    (env.ckpt_dir / "huge.safetensors").write_bytes(_checkpoint_with(1e6)(env))
+    info = resolve_checkpoint("huge.safetensors", env.ckpt_dir)
+    pipe = load_pipeline(info, torch.float32).pipe  # fits fp32: no error
+    with pytest.raises(ModelLoadError, match=r"huge\.safetensors: 1 weight tensors hold NaN or Inf values when "
+                                             r"loaded in float16, e\.g\. unet\.conv_in\.weight \(values beyond "
+                                             r"±65504 overflow fp16: try bf16 or fp32\); refusing it"):
+        check_finite_weights(pipe.to(torch.float16), torch.float16, info.name)
 
 
 @pytest.mark.parametrize("suffix", [".ckpt", ".pt", ".bin", ".pth"])
