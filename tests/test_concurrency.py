@@ -12,7 +12,7 @@ import re
 import threading
 
 import pytest
-from test_ui import free_port, make_ui_data, running_app
+from served_app import free_port, make_ui_data, running_app
 
 from app.settings import Settings
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from test_ui import LORAS, write_kohya_lora
+from served_app import LORAS, write_kohya_lora
 
 from app.engine.engine import Engine
 from app.engine.models import ModelLoadError
