@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", default="none", choices=OFFLOAD_CHOICES, help="offload mode at start")
     p.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
                    help="cap on GPU memory for balanced offload (simulate a smaller GPU)")
+    p.add_argument("--vram-watermark", type=float, default=Settings.balanced_watermark, metavar="FRACTION",
+                   help="balanced offload keeps components resident up to this fraction of the GPU's memory")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the UNet (first compile ~1 min, cached across restarts; offload none only)")
     p.add_argument("--compile-mode", default="reduce-overhead", choices=("reduce-overhead", "default"),
@@ -73,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
         data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype, offload=args.offload,
-        vram_budget_gib=args.vram_budget, compile=args.compile, compile_mode=args.compile_mode,
+        vram_budget_gib=args.vram_budget, balanced_watermark=args.vram_watermark,
+        compile=args.compile, compile_mode=args.compile_mode,
         strict=args.strict,
         lora_debug=args.lora_debug or Settings().lora_debug, move_debug=args.move_debug or Settings().move_debug,
         slider_min=min(args.slider_range), slider_max=max(args.slider_range),

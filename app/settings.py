@@ -58,6 +58,11 @@ class Settings:
             raise ValueError(f"compile_mode must be reduce-overhead or default, got {self.compile_mode!r}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}")
+        if not 0 < self.balanced_watermark <= 1:
+            raise ValueError(f"the VRAM watermark is a fraction of the GPU's memory in (0, 1], "
+                             f"got {self.balanced_watermark}")
+        if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
+            raise ValueError(f"the VRAM budget must be a positive number of GiB, got {self.vram_budget_gib}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())
 
     @property

@@ -16,6 +16,7 @@ import torch
 from app.adapters.specs import LoraSpec
 from app.engine.engine import Engine
 from app.engine.generate import GenerateParams
+from app.engine.offload import balanced_budget_bytes
 from app.engine.placement import Placement, plan_placement
 from app.settings import OFFLOAD_CHOICES, Settings
 
@@ -112,3 +113,20 @@ def test_plan_distinguishes_rest_from_compute():
     assert plan_model.expected("unet") == Placement(torch.device("cpu"), torch.bfloat16)
     assert plan_model.components["unet"].compute == Placement(gpu, torch.bfloat16)
     assert plan_model.with_resident(frozenset({"unet"})).expected("unet") == Placement(gpu, torch.bfloat16)
+
+
+def test_launch_flags_set_the_balanced_budget_and_nonsense_is_refused():
+    """`--vram-watermark` and `--vram-budget` reach the settings and the balanced budget;
+    a watermark outside (0, 1] or a non-positive budget is refused at start-up with a message."""
+    import launch
+
+    settings = launch.settings_from_args(launch.build_parser().parse_args(["--vram-watermark", "0.5",
+                                                                           "--vram-budget", "3"]))
+    assert (settings.balanced_watermark, settings.vram_budget_gib) == (0.5, 3.0)
+    cpu = torch.device("cpu")
+    assert balanced_budget_bytes(cpu, settings.vram_budget_gib, settings.balanced_watermark) == 3 * 2**30
+    for bad in (dict(balanced_watermark=0.0), dict(balanced_watermark=1.5)):
+        with pytest.raises(ValueError, match=r"VRAM watermark is a fraction of the GPU's memory in \(0, 1\]"):
+            Settings(**bad)
+    with pytest.raises(ValueError, match="VRAM budget must be a positive number of GiB"):
+        Settings(vram_budget_gib=0)
