@@ -316,7 +316,10 @@ class LoraStack:
         """Switch how the applied adapters reach the forward: fused into the stored weights, or
         computed at each forward from untouched weights (streamed offload modes). Every layer is
         first taken back to W0 under the old policy, then re-applied under the new one; on-the-fly
-        hooks are always re-registered, so they follow the offload hooks that stream a weight in."""
+        hooks are always re-registered, so they follow the offload hooks that stream a weight in.
+        Fused to fused (e.g. `none` to `model`) changes nothing: the fused weights moved as they are."""
+        if not enabled and not self._on_the_fly:
+            return
         specs, prepared = self._applied, dict(self._prepared)
         targets = list(self.patched_modules())
         previous = self._on_the_fly
