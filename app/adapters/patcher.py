@@ -21,8 +21,9 @@ The rules that make the seed crashes unreachable:
   weight is a CPU copy streamed in for each forward: re-fusing CPU copies would cost a GPU round
   trip per layer per LoRA change. There a pair of hooks swaps in W0 + Σ mᵢ·ΔWᵢ(W0), computed by
   the same function as the fused value (same bits), for the duration of the layer's forward; the
-  stored weights stay the checkpoint's and no backup is needed. Costs one small fp32 sum per
-  patched layer per forward, which streaming's transfers dwarf.
+  stored weights stay the checkpoint's and no backup is needed. Costs that computation (an fp32
+  copy of the weight plus one multiply-add per LoRA) per patched layer per forward, on the GPU,
+  beside the host transfer streaming already pays for the layer.
 * `reconcile` is all or nothing: every adapter is parsed and shape-checked before the first
   write, and a failure mid-way recomputes each touched layer from the previous applied list.
 """
@@ -76,16 +77,16 @@ class _Backup:
     bias: torch.Tensor | None
 
 
+Contributions = tuple[tuple[str, float, object], ...]  # (LoRA name, strength, adapter), sorted by name
+
+
 @dataclass
 class _Patch:
     """An on-the-fly layer: its adapters, its two hook handles, and the parameters its forward swapped out."""
 
-    contributions: tuple
+    contributions: Contributions
     handles: tuple = ()
     swapped: tuple | None = None
-
-
-Contributions = tuple[tuple[str, float, object], ...]  # (LoRA name, strength, adapter), sorted by name
 
 
 def _combine(target: Target, contributions: Contributions, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -125,7 +126,7 @@ def _backup_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class LoraStack:
-    """The adapters fused into one pipeline, with the backups needed to change or undo them."""
+    """The adapters applied to one pipeline (fused, or on the fly), with what is needed to change or undo them."""
 
     def __init__(self, pipe, arch: str, compute_device: torch.device | None = None, *,
                  on_the_fly: bool = False) -> None:
