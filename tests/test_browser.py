@@ -85,6 +85,7 @@ def _save(page, name: str) -> None:
 def _generate_tab(page, engine) -> None:
     page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
     page.wait_for_selector("#sd-lora-status >> text=Applied", timeout=TIMEOUT_MS)  # page-load sync is done
+    assert page.input_value("#sd-width input[type=number]") == "64"  # the tiny model's native size
     _pick_loras(page, ["style", "detail", "wrong"])
     page.wait_for_selector("#sd-lora-card-1 >> text=fits", timeout=TIMEOUT_MS)
     page.wait_for_selector("#sd-lora-card-2 >> text=does not fit", timeout=TIMEOUT_MS)

@@ -29,7 +29,7 @@ from served_app import ATTN, MID, MODEL, free_port, make_ui_data, running_app
 from app.settings import Settings
 from app.ui import views
 from app.ui.common import specs_from_json
-from app.ui.generate_tab import fitting_specs, slot_weights
+from app.ui.generate_tab import fitting_specs, native_size_updates, slot_weights
 from app.ui.serve import auth_policy, wait_until_ready
 
 gradio_client = pytest.importorskip("gradio_client")
@@ -269,6 +269,17 @@ def test_specs_from_json_validates_shape_and_numbers():
     for bad in ({"name": "a"}, [{"weight": 1}], [{"name": "a", "strength": 1}], [{"name": "a", "weight": "1"}]):
         with pytest.raises(ValueError):
             specs_from_json(bad)
+
+
+def test_size_sliders_follow_the_native_size_only_when_it_changes(app):
+    """The served tiny model reports its native size (UNet sample size 8 × VAE factor 8 = 64 px);
+    loading a model of another native size moves width and height there, the same size keeps the
+    user's choice, and no model (None) changes nothing."""
+    assert app[1].snapshot().native_size == 64
+    assert [u.get("value") for u in native_size_updates(512, 1024)] == [1024, 1024]
+    assert [u.get("value") for u in native_size_updates(None, 64)] == [64, 64]
+    for previous, current in ((512, 512), (1024, None)):
+        assert all("value" not in u for u in native_size_updates(previous, current)), (previous, current)
 
 
 def test_slider_values_map_to_specs_and_refused_loras_are_left_out():

@@ -93,6 +93,7 @@ class Snapshot:
     model: str | None = None
     arch: str | None = None
     model_hash: str | None = None
+    native_size: int | None = None  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
     device: str = "cpu"
     dtype: str | None = None
     requested_dtype: str = "auto"
@@ -367,6 +368,7 @@ class Engine:
                                           list(self._last_violations))
         self._snapshot = Snapshot(
             model=loaded.model.info.name, arch=loaded.model.arch, model_hash=loaded.model.short_hash,
+            native_size=loaded.model.pipe.unet.config.sample_size * loaded.model.pipe.vae_scale_factor,
             dtype=placement.dtype_name(loaded.plan.dtype), loras=loaded.stack.applied, placement=rows,
             lora_mode="on the fly" if loaded.stack.on_the_fly else "fused",
             embeddings=loaded.embeddings, **common)

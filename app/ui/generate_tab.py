@@ -60,9 +60,20 @@ class GenerateTab:
     offload: gr.Radio
     model_status: gr.Markdown
     loras: LoraSlots
+    width: gr.Slider
+    height: gr.Slider
 
 
 # ----------------------------------------------------------------------------------- pure helpers
+def native_size_updates(previous: int | None, current: int | None) -> list:
+    """Width and height jump to a newly loaded model's native size when it differs from the last
+    model's (SDXL draws badly at SD1.5's 512², SD1.5 slowly and oddly at 1024²); otherwise the
+    user's choice stays."""
+    if current is None or current == previous:
+        return [gr.update(), gr.update()]
+    return [gr.update(value=current), gr.update(value=current)]
+
+
 def slot_weights(slot_names: list[str], values: tuple) -> dict[str, tuple[float, float]]:
     """{name: (unet, te)} from the slider values (the first MAX_LORAS are UNet, the rest TE)."""
     return {name: (float(values[i]), float(values[MAX_LORAS + i])) for i, name in enumerate(slot_names)}
@@ -156,11 +167,11 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
                                  object_fit="contain", buttons=["download", "download_all", "fullscreen"])
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
-    tab = GenerateTab(model, dtype, offload, model_status, loras)
+    prompt, negative, sampler, steps, cfg, width, height, batch = controls
+    tab = GenerateTab(model, dtype, offload, model_status, loras, width, height)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     _wire_loras(ctx, loras)
-    prompt, negative, sampler, steps, cfg, width, height, batch = controls
     go.click(lambda progress=PROGRESS, *args: _generate(ctx, progress, *args),
              [prompt, negative, sampler, steps, cfg, seed, width, height, batch, loras.slot_names, loras.fits,
               *loras.sliders], [gallery, infotext, infos, chosen_seed], api_visibility="private",
@@ -179,8 +190,10 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
     def ui_load_model(name, progress=PROGRESS):
         with user_errors("Loading the model"):
             name = checked_checkpoint(ctx.settings, name)
+            previous = engine.snapshot().native_size
             snap = run_with_progress(engine, lambda: engine.load_model(name), progress)
-        return f"Loaded **{snap.model}** ({snap.arch}, {snap.dtype} on {snap.device})"
+        return [f"Loaded **{snap.model}** ({snap.arch}, {snap.dtype} on {snap.device}; native size "
+                f"{snap.native_size}²)", *native_size_updates(previous, snap.native_size)]
 
     def ui_set_dtype(dtype, progress=PROGRESS):
         with user_errors("Changing the dtype"):
@@ -193,7 +206,7 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
         return f"offload now **{snap.offload}**"
 
     private = dict(api_visibility="private", concurrency_id=LORA_QUEUE)
-    tab.model.input(ui_load_model, tab.model, tab.model_status, **private)
+    tab.model.input(ui_load_model, tab.model, [tab.model_status, tab.width, tab.height], **private)
     tab.dtype.input(ui_set_dtype, tab.dtype, tab.model_status, **private)
     tab.offload.input(ui_set_offload, tab.offload, tab.model_status, **private)
     refresh.click(lambda: gr.Dropdown(choices=checkpoint_names(ctx.settings)), None, tab.model,
@@ -277,11 +290,11 @@ def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
         names = [s.name for s in snap.loras]
         weights = {s.name: (s.unet_strength, s.te_strength) for s in snap.loras}
         return [gr.Dropdown(choices=checkpoint_names(ctx.settings), value=snap.model), snap.requested_dtype,
-                snap.offload, gr.Dropdown(choices=ctx.engine.library.names(), value=names),
-                *slot_updates(ctx, names, weights)]
+                snap.offload, *native_size_updates(None, snap.native_size),
+                gr.Dropdown(choices=ctx.engine.library.names(), value=names), *slot_updates(ctx, names, weights)]
 
-    demo.load(on_load, None, [tab.model, tab.dtype, tab.offload, slots.select, *slots.groups, *slots.cards,
-                              *slots.sliders, slots.slot_names],
+    demo.load(on_load, None, [tab.model, tab.dtype, tab.offload, tab.width, tab.height, slots.select, *slots.groups,
+                              *slots.cards, *slots.sliders, slots.slot_names],
               api_visibility="private").then(**_fit_check(ctx, slots))
 
 
