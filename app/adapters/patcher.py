@@ -235,8 +235,9 @@ class LoraStack:
             raise LoraApplyError(name, f"does not fit this {self._arch.upper()} model{made_for}, even though "
                                        f"{len(layers)} of its layers fit by shape; nothing applied")
         if mismatched:
+            verb = "has" if len(mismatched) == 1 else "have"
             raise LoraApplyError(name, f"does not fit this {self._arch.upper()} model{made_for}: "
-                                       f"{len(mismatched)} layers have the wrong shape, e.g. {mismatched[0]}")
+                                       f"{len(mismatched)} of its layers {verb} the wrong shape, e.g. {mismatched[0]}")
         if not layers:
             raise LoraApplyError(name, f"matched zero of its {len(unmatched)} layers in this {self._arch.upper()} "
                                        f"model{made_for}; nothing applied")
