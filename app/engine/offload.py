@@ -15,7 +15,8 @@ the compute device when a forward needs them, and `remove()` takes away every ho
   diffusers' group offloading, which needs accelerate and keeps pinned copies of every weight.
 
 `settle()` brings components back to their at-rest placement after a generation, so verify()
-always sees the same picture between commands.
+always sees the same picture between commands. `streams_weights` tells the LoRA stack to apply
+adapters on the fly (sequential, group) instead of fusing them into CPU copies.
 """
 
 from __future__ import annotations
