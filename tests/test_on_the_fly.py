@@ -151,3 +151,33 @@ def test_streamed_mode_reweights_without_writing_and_draws_the_fused_image(data_
         assert engine.snapshot().violations_found_total == 0
     finally:
         engine.close()
+
+
+def test_a_failed_switch_to_a_streamed_mode_rolls_back_to_the_fused_weights(data_dir, monkeypatch):
+    """If installing the on-the-fly hooks fails half-way through an offload switch, the switch is
+    rolled back: previous mode, LoRA fused again bit for bit, no hook left, engine READY."""
+    engine = Engine(Settings(data_dir=data_dir, device="cpu"))
+    try:
+        engine.load_model("tiny-sd15.safetensors")
+        engine.set_loras([LoraSpec("demo-style-sd15", 0.7)])
+        fused = adapter_state_digests(engine.pipeline)
+        install = LoraStack._set_patch
+        calls = []
+
+        def failing(self, module, target, contributions):
+            calls.append(target)
+            if contributions and len(calls) > 3:
+                raise RuntimeError("injected: hook install failed")
+            return install(self, module, target, contributions)
+
+        monkeypatch.setattr(LoraStack, "_set_patch", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.set_offload("sequential")
+        snap = engine.snapshot()
+        assert (snap.state, snap.offload, snap.lora_mode) == ("READY", "none", "fused")
+        assert snap.history[-1].outcome == "failed, rolled back"
+        assert adapter_state_digests(engine.pipeline) == fused
+        assert not any(m._forward_pre_hooks or m._forward_hooks
+                       for c in (engine.pipeline.unet, engine.pipeline.text_encoder) for m in c.modules())
+    finally:
+        engine.close()
