@@ -415,6 +415,18 @@ def test_accumulate_adds_strength_times_delta_in_place(variant, kind):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_reads_base_is_set_exactly_where_delta_depends_on_the_weight_values(variant):
+    """The patcher hands algorithms without `reads_base` its accumulator as W0 (already holding other
+    adapters' sums): that is only sound if their ΔW ignores W0's values, so the flag must match."""
+    kind = VARIANTS[variant][1][0]
+    stored, _, base = _build(variant, kind)
+    adapter = parse_layer(LAYER, stored)
+    bias = torch.zeros(OUT)
+    depends = not torch.equal(adapter.delta(base, bias).weight, adapter.delta(base * 3 + 1, bias).weight)
+    assert adapter.reads_base == depends, (variant, adapter.reads_base)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_to_moves_every_tensor_and_keeps_the_file_dtype(variant):
     """`Adapter.to` (the one upload per LoRA) moves every tensor, a DoRA's inner adapter's included,
     keeps each tensor's dtype and the algorithm, and leaves the original where it was."""

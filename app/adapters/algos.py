@@ -1,8 +1,9 @@
 """Delta-weight math for every LoRA-family algorithm.
 
 Each algorithm is a frozen dataclass whose named fields hold the adapter's tensors exactly as
-they came out of the file: dtype and device untouched, so a fp16 file costs fp16 memory while it
-waits. Three questions are asked of it, in this order:
+they came out of the file: dtype untouched, so a fp16 file costs fp16 memory while it waits;
+`to(device)` moves them (the patcher uploads each LoRA to the compute device once). The
+questions asked of it, in this order:
 
 * `from_tensors(layer, tensors)` builds it from one layer's suffix dict and checks the tensors
   against each other (rank mismatch, missing partner keys): `AdapterFormatError`.
@@ -14,6 +15,10 @@ waits. Three questions are asked of it, in this order:
   (that device, float32) at this moment and never earlier, so a bf16 file, a bf16 model and a
   CPU-held file patched into a GPU weight all take the same path and none of them computes in
   half precision.
+* `accumulate(acc, base_weight, base_bias, m)` adds m·ΔW into a float32 accumulator in place (what
+  the patcher sums a layer with); plain LoRA does it as one multiply-add without building ΔW.
+  `reads_base` marks the algorithms whose ΔW depends on W0's values (GLoRA, DoRA, IA3, OFT): for
+  the others the patcher passes the accumulator itself as W0, whose shape is all they read.
 
 `parse_layer` picks the class from the set of suffixes present (a registry of key sets, one entry
 per algorithm); `dora_scale` is a modifier that wraps whichever low-rank algorithm it accompanies.
