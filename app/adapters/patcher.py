@@ -113,6 +113,13 @@ def _combine(target: Target, contributions: Contributions, weight: torch.Tensor,
     return new_w, new_b
 
 
+def _cast_where_computed(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A float32 result bound for a weight on another device (a CPU-resting weight under model or
+    balanced offload) is cast before it crosses the bus: half the bytes for fp16/bf16 weights, and
+    the same rounding the on-the-fly path does on the compute device."""
+    return value if value.device == target.device else value.to(target.dtype)
+
+
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
 
@@ -306,9 +313,9 @@ class LoraStack:
         if new_b is not None and backup.bias is None:
             backup.bias = _backup_copy(module.bias)
         with torch.no_grad():
-            module.weight.copy_(new_w)
+            module.weight.copy_(_cast_where_computed(new_w, module.weight))
             if new_b is not None:
-                module.bias.copy_(new_b)
+                module.bias.copy_(_cast_where_computed(new_b, module.bias))
             elif backup.bias is not None:  # the adapter that changed the bias is gone
                 module.bias.copy_(backup.bias)
                 backup.bias = None
