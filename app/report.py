@@ -318,7 +318,8 @@ def _strength(spec: dict, key: str) -> float:
 
 
 def _draw_loras(canvas: _Canvas, snapshot: dict, counters: dict) -> None:
-    canvas.heading("LoRAs (matched layers / unmatched keys / apply errors / runtime errors)")
+    mode = f", {snapshot['lora_mode']}" if snapshot.get("loras") and snapshot.get("lora_mode") else ""
+    canvas.heading(f"LoRAs{mode} (matched layers / unmatched keys / apply errors / runtime errors)")
     weights = {s["name"]: s for s in snapshot.get("loras") or []}
     names = list(dict.fromkeys([*weights, *counters]))
     if not names:

@@ -115,6 +115,7 @@ def test_bundle_from_a_live_engine_is_complete_and_redacted(data_dir):
     assert report["errors"][0]["command"] == "load_model" and "Traceback" in report["errors"][0]["traceback"]
     assert report["failed_transitions"][0]["outcome"] == "failed, rolled back"
     assert report["lora_counters"]["style"]["matched_layers"] == 2
+    assert (report["snapshot"]["lora_mode"], report["snapshot"]["native_size"]) == ("fused", 64)
     assert [h["command"] for h in report["history"]] == ["load_model", "set_loras", "load_model"]
     assert report["log"][0] == "opened ~/private/notes.txt"
     assert report["versions"]["python"] and "torch" in report["versions"]
