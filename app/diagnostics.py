@@ -77,7 +77,7 @@ def _offload_state(plan: PlacementPlan, component: str) -> str:
     comp_plan = plan.components.get(component)
     if comp_plan is None or not comp_plan.offloaded or component in plan.resident:
         return "resident"
-    return "streamed" if plan.offload in ("sequential", "group") else "offloaded"
+    return "streamed" if plan.streamed else "offloaded"
 
 
 def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], tuple[str, ...]],

@@ -19,7 +19,6 @@ same ΔW a full-rank delta would; the test checks the fused weight against that 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -33,6 +32,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from weight_digest import weights_digest
 
 from app.adapters.errors import AdapterError, AdapterFormatError
 from app.adapters.patcher import LoraApplyError
@@ -64,15 +64,6 @@ LAYER = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
 KEY = "lora_unet_" + LAYER.replace(".", "_")
 
 
-def weights_digest(pipe) -> str:
-    """Hash of every parameter and buffer (names, dtypes, shapes and raw bytes) of a pipeline."""
-    h = hashlib.sha256()
-    for comp, path, _m, name, t, _p in placement.iter_tensors(pipe):
-        h.update(f"{comp}.{path}.{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 @dataclass
 class Env:
     data: Path
@@ -80,11 +71,11 @@ class Env:
 
     @property
     def lora_dir(self) -> Path:
-        return self.data / "models" / "Lora"
+        return self.engine.settings.lora_dir
 
     @property
     def ckpt_dir(self) -> Path:
-        return self.data / "models" / "Stable-diffusion"
+        return self.engine.settings.checkpoints_dir
 
 
 @dataclass(frozen=True)

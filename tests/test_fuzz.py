@@ -444,7 +444,7 @@ class EngineMachine(RuleBasedStateMachine):
         dtype = placement.dtype_name(placement.resolve_dtype(self.requested, self.engine.device))
         assert_weights(self.engine, self.config.refs, self.model, dtype, self.arch, self.applied)
         stack = self.engine._loaded.stack
-        assert stack.on_the_fly == (self.offload in ("sequential", "group")), (stack.on_the_fly, self.offload)
+        assert stack.on_the_fly == (self.offload in placement.STREAMED_MODES), (stack.on_the_fly, self.offload)
         if not self.applied or stack.on_the_fly:
             assert stack._backups == {}, "backups kept after every LoRA was removed or while applied on the fly"
         if not self.applied:

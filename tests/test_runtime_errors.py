@@ -10,13 +10,12 @@ checking that the next generation succeeds without it.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from weight_digest import weights_digest
 
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
@@ -43,14 +42,6 @@ A, B, C = (LoraSpec(name, 0.8) for name in TARGETS)
 
 class InjectedFailure(RuntimeError):
     """What the test hook raises: a stand-in for a kernel or shape error inside a layer."""
-
-
-def weights_digest(pipe) -> str:
-    h = hashlib.sha256()
-    for comp, path, _m, name, t, _p in placement.iter_tensors(pipe):
-        h.update(f"{comp}.{path}.{name}:{t.dtype}".encode())
-        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")

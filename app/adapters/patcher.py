@@ -120,10 +120,6 @@ def _cast_where_computed(value: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return value if value.device == target.device else value.to(target.dtype)
 
 
-def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.detach()
-
-
 def _backup_copy(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(tensor.device)
@@ -306,7 +302,8 @@ class LoraStack:
                 del self._backups[target]
             return
         base = backup.weight if backup is not None else module.weight.detach()
-        base_bias = backup.bias if backup is not None and backup.bias is not None else _detached(module.bias)
+        base_bias = backup.bias if backup is not None and backup.bias is not None else module.bias
+        base_bias = None if base_bias is None else base_bias.detach()
         new_w, new_b = _combine(target, contributions, base, base_bias, self._compute_device or module.weight.device)
         if backup is None:
             backup = self._backups[target] = _Backup(_backup_copy(module.weight), None)

@@ -491,14 +491,13 @@ class Engine:
         new_plan = placement.plan_placement(loaded.model.pipe, loaded.plan.dtype, self.device, mode)
         compiled.disable(loaded.model.pipe)
         loaded.strategy.remove()
+        strategy = None
         try:
             strategy = self._place(loaded.model.pipe, new_plan, reason=f"offload {mode}")
-            try:
-                loaded.stack.set_on_the_fly(strategy.streams_weights)
-            except BaseException:
-                strategy.remove()
-                raise
+            loaded.stack.set_on_the_fly(strategy.streams_weights)
         except BaseException:
+            if strategy is not None:
+                strategy.remove()
             self._restore_placement(loaded)
             self._sync_compile(loaded)
             raise

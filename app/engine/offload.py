@@ -61,7 +61,7 @@ class OffloadStrategy:
     @property
     def streams_weights(self) -> bool:
         """Weights rest on the CPU and are streamed in per forward: LoRAs apply on the fly here."""
-        return False
+        return self.plan.streamed
 
     def resident(self) -> frozenset[str]:
         """Components that stay on the compute device between commands."""
@@ -145,10 +145,6 @@ class SequentialOffload(OffloadStrategy):
         super().__init__(pipe, plan, mode="sequential")
         self._stashes: dict[int, dict[str, torch.Tensor]] = {}
 
-    @property
-    def streams_weights(self) -> bool:
-        return True
-
     def install(self) -> None:
         self._move_inputs_at_entry()
         for name, component in placement.torch_components(self.pipe).items():
@@ -213,10 +209,6 @@ class GroupOffload(OffloadStrategy):
         self._next: dict[int, torch.nn.Module] = {}
         self._last: dict[str, torch.nn.Module] = {}
         self._stream = torch.cuda.Stream(plan.device) if plan.device.type == "cuda" else None
-
-    @property
-    def streams_weights(self) -> bool:
-        return True
 
     def install(self) -> None:
         self._move_inputs_at_entry()

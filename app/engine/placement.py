@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Offload modes whose weights rest on the CPU and are streamed in per forward (leaf or block).
+STREAMED_MODES = frozenset({"sequential", "group"})
 
 
 class PlacementError(RuntimeError):
@@ -95,6 +97,11 @@ class PlacementPlan:
     offload: str
     components: Mapping[str, ComponentPlan]
     resident: frozenset[str] = frozenset()
+
+    @property
+    def streamed(self) -> bool:
+        """Weights are streamed in per forward: LoRAs apply on the fly instead of being fused."""
+        return self.offload in STREAMED_MODES
 
     def expected(self, component: str) -> Placement:
         """Placement every tensor of `component` must have at rest."""
