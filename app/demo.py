@@ -32,8 +32,8 @@ from diffusers import (  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
 
-from app.engine.ldm_layout import to_ldm_state_dict  # noqa: E402
 from app.engine.models import CONFIG_DIRS, CONFIGS_METADATA_KEY, load_tokenizers  # noqa: E402
+from app.families.ldm_layout import to_ldm_state_dict  # noqa: E402
 from app.settings import Settings  # noqa: E402
 
 # Plain diffusers classes, so the written folders load in any diffusers-based tool.

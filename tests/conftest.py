@@ -30,6 +30,17 @@ def demo_dir(demo_paths) -> Path:
 
 
 @pytest.fixture
+def engine(data_dir):
+    """A CPU engine on a private data folder, closed after the test."""
+    from app.engine.engine import Engine
+    from app.settings import Settings
+
+    eng = Engine(Settings(data_dir=data_dir, device="cpu"))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
 def data_dir(demo_dir, tmp_path) -> Path:
     """A private data folder whose models, LoRAs and embeddings are hard links to the session's demo
     files, so a test can add files (a corrupt checkpoint, a new LoRA) or write outputs without

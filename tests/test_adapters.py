@@ -22,13 +22,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.adapters.algos import LoHa
+from app.adapters.errors import LoraApplyError
 from app.adapters.files import read_adapter
-from app.adapters.patcher import LoraApplyError, LoraStack
+from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, LAYOUTS, adapter_state_digests, write_adapter
 from app.demo import build_tiny_pipeline
 from app.engine.engine import Engine, EngineState
-from app.settings import Settings
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 COMPONENTS = {"sd15": ("unet", "text_encoder"), "sdxl": ("unet", "text_encoder", "text_encoder_2")}
@@ -456,13 +456,6 @@ def test_reordering_the_list_gives_the_bits_of_a_fresh_fuse_in_that_order(tiny, 
 
 
 # ------------------------------------------------------------------ refusals through the engine
-@pytest.fixture
-def engine(data_dir):
-    eng = Engine(Settings(data_dir=data_dir, device="cpu"))
-    yield eng
-    eng.close()
-
-
 def _assert_refused_cleanly(engine: Engine, before: dict[str, str], message: str) -> None:
     """The refusal changed no weight bit, kept the applied list, and left the engine READY."""
     snap = engine.snapshot()

@@ -1,4 +1,4 @@
-"""Delta-weight math of every LoRA-family algorithm (app/adapters/algos.py).
+"""Delta-weight math of every LoRA-family algorithm (app/adapters/algos/).
 
 Every ΔW is checked against a reference written here straight from the published formula, in
 float64 with einsum or explicit loops, never through the module's own helpers. The main matrix

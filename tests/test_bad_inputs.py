@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from weight_digest import weights_digest
 
-from app.adapters.errors import AdapterError, AdapterFormatError
-from app.adapters.patcher import LoraApplyError
+from app.adapters.errors import AdapterError, AdapterFormatError, LoraApplyError
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline
@@ -56,7 +56,7 @@ from app.engine.models import (
 from app.paths import UnsafePathError
 from app.settings import Settings
 
-FAST = dict(steps=2, width=64, height=64, cfg=5.0, sampler="Euler", seed=3)
+FAST = dict(tiny.FAST, seed=3)
 SD15 = "tiny-sd15.safetensors"
 GOOD = LoraSpec("sd15-good", 0.8)
 # One real linear layer of the tiny SD1.5 UNet, and its kohya key.

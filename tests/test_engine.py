@@ -5,20 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny import FAST
 
 from app.engine.engine import Engine, EngineState
 from app.engine.generate import GenerateParams
 from app.engine.models import ModelLoadError
 from app.settings import Settings
-
-FAST = dict(steps=2, width=64, height=64, cfg=5.0, sampler="Euler")
-
-
-@pytest.fixture
-def engine(data_dir):
-    eng = Engine(Settings(data_dir=data_dir, device="cpu"))
-    yield eng
-    eng.close()
 
 
 def _pixels(result) -> np.ndarray:

@@ -42,7 +42,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from app.adapters.patcher import LoraApplyError, LoraStack
+from app.adapters.errors import LoraApplyError
+from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, write_adapter
 from app.demo import build_tiny_pipeline

@@ -17,9 +17,11 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tiny import FAST
 
+from app.adapters.errors import LoraApplyError
 from app.adapters.files import read_adapter
-from app.adapters.patcher import LoraApplyError, LoraStack
+from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests, write_adapter, write_demo_loras
 from app.demo import build_tiny_pipeline
@@ -28,17 +30,9 @@ from app.engine.generate import GenerateParams
 from app.engine.placement import DTYPES
 from app.settings import Settings
 
-FAST = dict(steps=2, width=64, height=64, cfg=5.0, sampler="Euler")
 CHECKPOINTS = {"sd15": "tiny-sd15.safetensors", "sdxl": "tiny-sdxl.safetensors"}
 ATTENTION = ("unet.*attn[12].to_[qkv]", "unet.*attn1.to_out.0", "text_encoder*.self_attn.q_proj")
 BIASED_CONVS = ("unet.*resnets.*.conv[12]", "unet.*resnets.*.conv_shortcut", "unet.*samplers.0.conv")
-
-
-@pytest.fixture
-def engine(data_dir):
-    eng = Engine(Settings(data_dir=data_dir, device="cpu"))
-    yield eng
-    eng.close()
 
 
 @pytest.fixture(scope="module")

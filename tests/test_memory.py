@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 
-from app.adapters.patcher import LoraApplyError
+from app.adapters.errors import LoraApplyError
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline

@@ -17,7 +17,6 @@ from safetensors.torch import load_file, save_file
 
 from app.demo import build_tiny_pipeline, write_single_file
 from app.engine import models
-from app.engine.ldm_layout import TEXT_ENCODER_PREFIXES, ldm_plan, to_ldm_state_dict, unet_module_to_ldm
 from app.engine.models import (
     CheckpointNotFoundError,
     ModelLoadError,
@@ -25,6 +24,7 @@ from app.engine.models import (
     UnsafeCheckpointPathError,
     UnsupportedCheckpointFormatError,
 )
+from app.families.ldm_layout import TEXT_ENCODER_PREFIXES, ldm_plan, to_ldm_state_dict, unet_module_to_ldm
 
 CONFIGS = models.CONFIG_DIRS
 

@@ -11,6 +11,7 @@ import itertools
 
 import numpy as np
 import pytest
+import tiny
 import torch
 
 from app.adapters.specs import LoraSpec
@@ -20,7 +21,7 @@ from app.engine.offload import balanced_budget_bytes
 from app.engine.placement import Placement, plan_placement
 from app.settings import OFFLOAD_CHOICES, Settings
 
-FAST = dict(steps=2, width=64, height=64, cfg=5.0, sampler="Euler", seed=4)
+FAST = dict(tiny.FAST, seed=4)
 
 
 def _hook_count(pipe) -> int:

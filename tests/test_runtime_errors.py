@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import tiny
 from weight_digest import weights_digest
 
 from app.adapters.specs import LoraSpec
@@ -25,7 +26,7 @@ from app.engine.engine import Engine, EngineState
 from app.engine.generate import GenerateParams
 from app.settings import OFFLOAD_CHOICES, Settings
 
-FAST = dict(steps=2, width=64, height=64, cfg=5.0, sampler="Euler", seed=5)
+FAST = dict(tiny.FAST, seed=5)
 MAX_ERRORS = 3
 SD15 = "tiny-sd15.safetensors"
 # Which modules each test LoRA patches (tiny SD1.5 UNet): A and B are disjoint, C shares A's to_q.

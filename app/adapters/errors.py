@@ -26,3 +26,12 @@ class IncompatibleAdapterError(AdapterError):
 
     Usually a LoRA made for another architecture (SD1.5 vs SDXL) or mapped to the wrong layer.
     """
+
+
+class LoraApplyError(AdapterError):
+    """Applying one named LoRA failed; nothing of the new list was kept."""
+
+    def __init__(self, lora_name: str, message: str) -> None:
+        named = message.startswith(f"LoRA {lora_name!r}")  # e.g. the library's "LoRA 'x' not found"
+        super().__init__(message if named else f"LoRA {lora_name!r}: {message}")
+        self.lora_name = lora_name

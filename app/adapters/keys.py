@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine.ldm_layout import unet_module_map
+from app.families.ldm_layout import unet_module_map
 
 log = logging.getLogger(__name__)
 

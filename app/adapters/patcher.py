@@ -36,39 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-from app.adapters.algos import parse_layer
-from app.adapters.errors import AdapterError, IncompatibleAdapterError
+from app.adapters.errors import LoraApplyError
 from app.adapters.files import AdapterFile
-from app.adapters.keys import KeyTable, Target, architecture_hint
+from app.adapters.keys import KeyTable, Target
+from app.adapters.matching import MatchReport, PreparedAdapter, match_adapter
 from app.adapters.specs import LoraSpec
 
 log = logging.getLogger(__name__)
 GPU_BACKUP_HEADROOM = 2 * 2**30
-
-
-class LoraApplyError(AdapterError):
-    """Applying one named LoRA failed; nothing of the new list was kept."""
-
-    def __init__(self, lora_name: str, message: str) -> None:
-        named = message.startswith(f"LoRA {lora_name!r}")  # e.g. the library's "LoRA 'x' not found"
-        super().__init__(message if named else f"LoRA {lora_name!r}: {message}")
-        self.lora_name = lora_name
-
-
-@dataclass(frozen=True)
-class MatchReport:
-    matched_layers: int
-    unmatched_keys: int
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """One adapter file parsed against this model: per target module, its algorithm object."""
-
-    file: AdapterFile
-    layers: Mapping[Target, object]
-    report: MatchReport
 
 
 @dataclass
@@ -142,7 +117,7 @@ class LoraStack:
         self._modules: dict[Target, torch.nn.Module] = {}
         self._backups: dict[Target, _Backup] = {}
         self._applied: tuple[LoraSpec, ...] = ()
-        self._prepared: dict[str, _Prepared] = {}
+        self._prepared: dict[str, PreparedAdapter] = {}
 
     @property
     def applied(self) -> tuple[LoraSpec, ...]:
@@ -199,51 +174,15 @@ class LoraStack:
             self._modules[target] = getattr(self._pipe, component).get_submodule(path)
         return self._modules[target]
 
-    def prepare(self, name: str, file: AdapterFile, *, upload: bool = True) -> _Prepared:
+    def prepare(self, name: str, file: AdapterFile, *, upload: bool = True) -> PreparedAdapter:
         """Parse and shape-check every layer of a file against this model; raise before any write.
 
         With `upload`, each layer's tensors then go to the compute device once, in the file's dtype:
         every later re-weight computes without a host-to-device copy. An inspection skips that."""
         if self._table is None:
             self._table = KeyTable(self._pipe, self._arch)
-        layers: dict[Target, object] = {}
-        unmatched: list[str] = []
-        mismatched: list[str] = []
-        for group in self._table.group(file.tensors):
-            if group.target is None:
-                unmatched.append(group.key)
-                continue
-            try:
-                adapter = parse_layer(group.key, group.tensors)
-                module = self._module(group.target)
-                adapter.validate_against(tuple(module.weight.shape))
-            except IncompatibleAdapterError as exc:
-                mismatched.append(str(exc))
-                continue
-            except AdapterError as exc:
-                raise LoraApplyError(name, str(exc)) from exc
-            layers[group.target] = adapter
-        self._check_fit(name, file, layers, unmatched, mismatched)
-        if upload and self._compute_device is not None:
-            layers = {target: adapter.to(self._compute_device) for target, adapter in layers.items()}
-        if unmatched:
-            log.debug("LoRA %s: %d unmatched layer keys: %s", name, len(unmatched), ", ".join(sorted(unmatched)))
-        message = f"{len(unmatched)} layer keys matched nothing in the model" if unmatched else ""
-        return _Prepared(file, layers, MatchReport(len(layers), len(unmatched), message))
-
-    def _check_fit(self, name: str, file: AdapterFile, layers, unmatched, mismatched) -> None:
-        hint = architecture_hint(file.tensors, file.metadata)
-        made_for = f" (it looks made for {hint.upper()})" if hint and hint != self._arch else ""
-        if made_for:  # refused even where some shapes happen to fit: half a foreign LoRA is no LoRA
-            raise LoraApplyError(name, f"does not fit this {self._arch.upper()} model{made_for}, even though "
-                                       f"{len(layers)} of its layers fit by shape; nothing applied")
-        if mismatched:
-            verb = "has" if len(mismatched) == 1 else "have"
-            raise LoraApplyError(name, f"does not fit this {self._arch.upper()} model{made_for}: "
-                                       f"{len(mismatched)} of its layers {verb} the wrong shape, e.g. {mismatched[0]}")
-        if not layers:
-            raise LoraApplyError(name, f"matched zero of its {len(unmatched)} layers in this {self._arch.upper()} "
-                                       f"model{made_for}; nothing applied")
+        prepared = match_adapter(name, file, self._table, self._module)
+        return prepared.to(self._compute_device) if upload and self._compute_device is not None else prepared
 
     # ---------------------------------------------------------------- writes
     def reconcile(self, specs: Sequence[LoraSpec], files: Mapping[str, AdapterFile],

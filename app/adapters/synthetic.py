@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from app.engine.ldm_layout import unet_module_map
+from app.families.ldm_layout import unet_module_map
 
 __all__ = [
     "ALGORITHMS",

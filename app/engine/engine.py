@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from app import diagnostics
-from app.adapters.errors import AdapterError
+from app.adapters.errors import AdapterError, LoraApplyError
 from app.adapters.files import LoraLibrary
-from app.adapters.patcher import LoraApplyError, LoraStack
+from app.adapters.patcher import LoraStack
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
 from app.engine import compiled, embeddings, generate, models, offload, placement

@@ -42,8 +42,8 @@ from transformers import (  # noqa: E402
     CLIPTokenizer,
 )
 
-from app.engine.ldm_layout import TEXT_ENCODER_PREFIXES, UNET_PREFIX, ldm_plan  # noqa: E402
 from app.engine.pipelines import PIPELINE_CLASSES  # noqa: E402
+from app.families.ldm_layout import TEXT_ENCODER_PREFIXES, UNET_PREFIX, ldm_plan  # noqa: E402
 from app.paths import UnsafePathError, resolve_under  # noqa: E402
 from app.safetensors_files import SafetensorsFileError, file_sha256, read_header  # noqa: E402
 
