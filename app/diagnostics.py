@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from app.engine.placement import PlacementPlan, Violation, dtype_name, iter_tensors
+from app.engine.offload import MODES
+from app.engine.placement import PlacementPlan, Violation, dtype_name, iter_tensors, torch_components
+from app.hooks import HookRegistry
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +38,7 @@ class ModuleRow:
     loras: tuple[str, ...]
     offload: str
     violation: bool
-
-
-@dataclass(frozen=True)
-class LoraCounters:
-    matched_layers: int = 0
-    unmatched_keys: int = 0
-    apply_errors: int = 0
-    runtime_errors: int = 0
-    disabled: bool = False
-    message: str = ""
+    hooks: tuple[str, ...] = ()  # named hooks on this module, in the order they run
 
 
 @dataclass(frozen=True)
@@ -77,27 +70,36 @@ def _offload_state(plan: PlacementPlan, component: str) -> str:
     comp_plan = plan.components.get(component)
     if comp_plan is None or not comp_plan.offloaded or component in plan.resident:
         return "resident"
-    return "streamed" if plan.streamed else "offloaded"
+    return "streamed" if MODES[plan.offload].streams_weights else "offloaded"
 
 
 def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], tuple[str, ...]],
-                   violations: list[Violation]) -> tuple[ModuleRow, ...]:
-    """Aggregate every tensor into one row per owning module (mixed devices show as `a+b`)."""
+                   violations: list[Violation], hooks: HookRegistry) -> tuple[ModuleRow, ...]:
+    """One row per module that owns tensors or carries a named hook (mixed devices show as `a+b`)."""
     bad = {(v.component, v.module) for v in violations}
     acc: dict[tuple[str, str], dict] = {}
+
+    def row_for(comp: str, path: str, module) -> dict:
+        return acc.setdefault((comp, path), {"cls": type(module).__name__, "devices": set(), "dtypes": set(),
+                                             "params": 0, "bytes": 0, "hooks": hooks.names(module)})
+
     for comp, path, module, _name, tensor, is_param in iter_tensors(pipe):
-        row = acc.setdefault((comp, path), {"cls": type(module).__name__, "devices": set(), "dtypes": set(),
-                                            "params": 0, "bytes": 0})
+        row = row_for(comp, path, module)
         row["devices"].add(str(tensor.device))
         row["dtypes"].add(dtype_name(tensor.dtype))
         row["params"] += tensor.numel() if is_param else 0
         row["bytes"] += tensor.numel() * tensor.element_size()
+    if any(True for _ in hooks.hooked()):  # blocks without tensors of their own (group offload) show too
+        for comp, component in torch_components(pipe).items():
+            for path, module in component.named_modules():
+                if hooks.names(module):
+                    row_for(comp, path, module)
     rows = []
     for (comp, path), row in acc.items():
         offload = _offload_state(plan, comp)
         rows.append(ModuleRow(comp, path, row["cls"], _join(row["devices"]), _join(row["dtypes"]), row["params"],
                               round(row["bytes"] / 2**20, 3), tuple(patched.get((comp, path), ())), offload,
-                              (comp, path) in bad))
+                              (comp, path) in bad, row["hooks"]))
     return tuple(rows)
 
 

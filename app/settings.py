@@ -12,8 +12,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.engine.offload import MODES
+
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
-OFFLOAD_CHOICES = ("none", "model", "sequential", "balanced", "group")
+OFFLOAD_CHOICES = tuple(MODES)  # the one table of offload modes lives beside their strategies
 
 
 def _env_flag(name: str) -> bool:
@@ -44,6 +46,10 @@ class Settings:
     slider_max: float = 2.0
     compile: bool = False
     compile_mode: str = "reduce-overhead"  # or "default" (no CUDA graphs)
+    # The dtype offloaded weights rest in (None: the compute dtype). A wider one than the compute
+    # dtype (fp32 rest, bf16 compute) makes every offload mode really move and cast tensors on a
+    # CPU-only machine: how CI runs the moving code without a GPU.
+    rest_dtype: str | None = None
     # serving
     listen: bool = False
     port: int = 7860
@@ -58,6 +64,8 @@ class Settings:
             raise ValueError(f"compile_mode must be reduce-overhead or default, got {self.compile_mode!r}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}")
+        if self.rest_dtype not in (None, "fp16", "bf16", "fp32"):
+            raise ValueError(f"rest_dtype must be fp16, bf16 or fp32, got {self.rest_dtype!r}")
         if not 0 < self.balanced_watermark <= 1:
             raise ValueError(f"the VRAM watermark is a fraction of the GPU's memory in (0, 1], "
                              f"got {self.balanced_watermark}")

@@ -77,10 +77,10 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 from app.adapters.specs import LoraSpec  # noqa: E402
 from app.demo import DIFFUSERS_CLASSES, build_tiny_pipeline  # noqa: E402
 from app.engine import compiled  # noqa: E402
-from app.engine.engine import Engine  # noqa: E402
 from app.engine.generate import GenerateParams  # noqa: E402
 from app.engine.models import CONFIG_DIRS, load_tokenizers  # noqa: E402
 from app.engine.placement import DTYPES  # noqa: E402
+from app.engine.worker import Engine  # noqa: E402
 from app.settings import Settings  # noqa: E402
 
 log = logging.getLogger("bench")

@@ -32,7 +32,7 @@ def demo_dir(demo_paths) -> Path:
 @pytest.fixture
 def engine(data_dir):
     """A CPU engine on a private data folder, closed after the test."""
-    from app.engine.engine import Engine
+    from app.engine.worker import Engine
     from app.settings import Settings
 
     eng = Engine(Settings(data_dir=data_dir, device="cpu"))

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from app.engine.engine import Engine
+from app.engine.worker import Engine
 from app.settings import Settings
 from app.ui.common import UiContext
 from app.ui.serve import auth_policy, start_server, wait_until_ready

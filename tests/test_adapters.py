@@ -28,7 +28,7 @@ from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, LAYOUTS, adapter_state_digests, write_adapter
 from app.demo import build_tiny_pipeline
-from app.engine.engine import Engine, EngineState
+from app.engine.worker import Engine, EngineState
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 COMPONENTS = {"sd15": ("unet", "text_encoder"), "sdxl": ("unet", "text_encoder", "text_encoder_2")}

@@ -39,8 +39,7 @@ from app.adapters.errors import AdapterError, AdapterFormatError, LoraApplyError
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline
-from app.engine import placement
-from app.engine.engine import Engine, EngineState
+from app.engine import offload, placement
 from app.engine.generate import GenerateParams
 from app.engine.models import (
     CheckpointNotFoundError,
@@ -53,6 +52,7 @@ from app.engine.models import (
     load_pipeline,
     resolve_checkpoint,
 )
+from app.engine.worker import Engine, EngineState
 from app.paths import UnsafePathError
 from app.settings import Settings
 
@@ -120,7 +120,7 @@ def assert_intact(env: Env, base: Baseline, failed: str | None = None) -> None:
     assert snap.state == EngineState.READY.value
     assert snap.model == base.model and snap.loras == base.loras
     assert weights_digest(env.engine.pipeline) == base.digest
-    plan = placement.plan_placement(env.engine.pipeline, placement.DTYPES[snap.dtype], env.engine.device, snap.offload)
+    plan = offload.plan_for(env.engine.pipeline, placement.DTYPES[snap.dtype], env.engine.device, snap.offload)
     assert placement.verify(env.engine.pipeline, plan) == []
     if failed is None:
         assert len(snap.history) == base.history_len, snap.history[-1]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny import FAST
 
-from app.engine.engine import Engine, EngineState
 from app.engine.generate import GenerateParams
 from app.engine.models import ModelLoadError
+from app.engine.worker import Engine, EngineState
 from app.settings import Settings
 
 

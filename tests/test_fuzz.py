@@ -3,7 +3,7 @@ mismatch, leave a tensor out of place, or lose the model's weights.
 
 A Hypothesis state machine drives one `Engine` through random sequences of load_model,
 set_dtype, set_offload, set_loras (set / append / remove / re-weight, every adapter algorithm,
-strengths 0, negative and above 1, separate text-encoder strengths), prompt `<lora:…>` tags,
+strengths 0, negative and above 1, separate text-encoder strengths), prompt `<lora:…>` tags (for one generation only),
 set_debug toggles (strict included), generate and unload, while a plain model of the desired
 state predicts what the engine must show. Some actions must be refused: a list holding a LoRA
 made for the other architecture or missing from the folder (refused whole, nothing changes), a
@@ -19,7 +19,12 @@ the ones that do not fit (set aside, re-applied on switching back). After every 
 * weights, bit for bit: with no LoRA every tensor equals a freshly loaded pipeline at that dtype
   (the checkpoint) and the LoRA stack holds no backup; with LoRAs every tensor equals a fresh
   fuse of the same list (a new `LoraStack` on a fresh load) — so no history of slider moves,
-  offload switches, reloads and generations changes what the same list produces.
+  offload switches, reloads and generations changes what the same list produces. Under a
+  streamed offload mode LoRAs are bypass forwards: every stored tensor is the checkpoint's, the
+  bypassed layers are the fresh fuse's patched layers, and each one's output on a probe input
+  equals the fresh fuse's within the dtype's rounding;
+* hooks: each module carries exactly the named hooks its offload mode plans (tests/hook_plan.py),
+  plus `lora.bypass` on the bypassed layers — nothing piles up across switches.
 
 Runs are deterministic (`derandomize=True`, no example database) with a fixed budget of at
 least 2,000 engine transitions on the CPU; the `gpu` variant runs at least 500 on CUDA across
@@ -38,6 +43,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hook_plan import actual_hooks, expected_hooks
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -48,9 +54,9 @@ from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, write_adapter
 from app.demo import build_tiny_pipeline
 from app.diagnostics import set_debug_logging
-from app.engine import placement
-from app.engine.engine import Engine, EngineState
+from app.engine import offload, placement
 from app.engine.generate import GenerateParams
+from app.engine.worker import Engine, EngineState
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
 
 ARCHS = ("sd15", "sdxl")
@@ -145,6 +151,7 @@ class References:
         self._checkpoint: dict[tuple[str, str], list] = {}
         self._pristine: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
         self._fused: dict[tuple, dict[tuple[str, str], str]] = {}
+        self._probes: dict[tuple, dict[tuple[str, str], torch.Tensor]] = {}
         self.fuses = 0
 
     def engine(self, model: str, dtype: str) -> Engine:
@@ -177,6 +184,7 @@ class References:
                 pristine.setdefault(target, _module_digest(_module(pipe, target)))
         stack.reconcile(specs, files)
         digests = {t: _module_digest(_module(pipe, t)) for t in stack.patched_modules()}
+        self._probes[key] = {t: probe(_module(pipe, t)) for t in digests}
         stack.reconcile((), {})
         assert all(_module_digest(_module(pipe, t)) == pristine[t] for t in digests), \
             "reference LoraStack did not restore exactly"
@@ -184,9 +192,30 @@ class References:
         self._fused[key] = digests
         return digests
 
+    def probes(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...]):
+        """{(component, module): output of the freshly fused layer on its probe input}."""
+        self.fused_digests(model, dtype, arch, specs)
+        return self._probes[(model, dtype, specs)]
+
     def close(self) -> None:
         for eng in self._engines.values():
             eng.close()
+
+
+def probe(module: torch.nn.Module) -> torch.Tensor:
+    """The layer's output on a fixed input of its width (what a bypass must reproduce)."""
+    g = torch.Generator().manual_seed(11)
+    weight = module.weight
+    if isinstance(module, torch.nn.Conv2d):
+        shape = (1, module.in_channels, 8, 8)
+    elif isinstance(module, torch.nn.GroupNorm):
+        shape = (1, module.num_channels, 4, 4)
+    elif isinstance(module, torch.nn.LayerNorm):
+        shape = (2, *module.normalized_shape)
+    else:
+        shape = (2, weight.shape[1])
+    with torch.no_grad():
+        return module(torch.randn(shape, generator=g).to(weight.device, weight.dtype)).float().cpu()
 
 
 def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arch: str,
@@ -194,22 +223,30 @@ def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arc
     """Every tensor of the engine's pipeline equals the checkpoint's bit for bit, except the
     weight and bias of modules a fresh fuse of `specs` patches, which equal that fuse bit for bit
     (fusion runs on the compute device in every offload mode, so on a GPU too the bits cannot
-    depend on where a weight rested when it was fused). Under a streamed offload mode LoRAs apply
-    on the fly: then every stored tensor is the checkpoint's, and the weights the patched layers'
-    forwards compute with equal the fresh fuse."""
+    depend on where a weight rested when it was fused). Under a streamed offload mode LoRAs are
+    bypass forwards: then every stored tensor is the checkpoint's, the bypassed layers are the
+    fresh fuse's, and their outputs on a probe input equal the fresh fuse's within rounding."""
     fused = refs.fused_digests(model, dtype, arch, specs) if specs else {}
-    stack = engine._loaded.stack
+    stack = engine.lora_stack
+    bypass = bool(stack.bypass_components)
     checkpoint = refs.checkpoint(model, dtype)
     mine = [((c, p, n), t) for c, p, _m, n, t, _ in placement.iter_tensors(engine.pipeline)]
     assert [(k, t.dtype, t.shape) for k, t in mine] == [(k, d, s) for k, d, s, _ in checkpoint], \
         "pipeline structure differs from a fresh load"
     for (key, tensor), (*_, bits) in zip(mine, checkpoint, strict=True):
-        if key[:2] in fused and key[2] in ("weight", "bias") and not stack.on_the_fly:
+        if key[:2] in fused and key[2] in ("weight", "bias") and not bypass:
             continue
         assert torch.equal(_bits(tensor), bits), f"{'.'.join(key)} differs from the checkpoint"
     assert set(stack.patched_modules()) == set(fused), "patched layers differ from a fresh fuse's"
-    for target, digest in fused.items():
-        assert _digest(*stack.forward_weights(target)) == digest, f"{target} differs from a fresh fuse of {specs}"
+    if not bypass:
+        for target, digest in fused.items():
+            assert _module_digest(_module(engine.pipeline, target)) == digest, f"{target} differs from a fresh fuse"
+        return
+    assert set(stack.bypassed()) == set(fused), "bypassed layers differ from a fresh fuse's patched layers"
+    tolerance = {torch.float32: 2e-5}.get(placement.DTYPES[dtype], 4e-2)
+    for target, want in (refs.probes(model, dtype, arch, specs) if specs else {}).items():
+        got = probe(_module(engine.pipeline, target))
+        assert float((got - want).abs().max()) <= tolerance * float(want.abs().max()), f"{target}: bypass != fuse"
 
 
 @dataclasses.dataclass
@@ -401,7 +438,8 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(images) == 1 and images[0].image.size == (64, 64)
         merged = {s.name: s for s in self.desired}
         merged.update({s.name: s for s in tags})
-        self.applied = self._fitting(tuple(merged.values()), self.arch)
+        for spec in self._fitting(tuple(merged.values()), self.arch):  # the run carried every fitting tag
+            assert f"{spec.name}: {spec.unet_strength:g}" in images[0].infotext, (spec, images[0].infotext)
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -430,11 +468,11 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             return
         snap = self.engine.snapshot()
-        plan = placement.plan_placement(self.engine.pipeline, placement.DTYPES[snap.dtype], self.engine.device,
+        plan = offload.plan_for(self.engine.pipeline, placement.DTYPES[snap.dtype], self.engine.device,
                                         snap.offload)
         # Which components an offload strategy keeps on the GPU between commands is its own call
         # (balanced mode); everything else about the plan is recomputed here from the snapshot.
-        resident = self.engine._loaded.plan.resident
+        resident = self.engine.placement_plan.resident
         assert snap.offload in ("none", "balanced") or not resident, (snap.offload, resident)
         assert placement.verify(self.engine.pipeline, plan.with_resident(resident)) == []
 
@@ -444,12 +482,22 @@ class EngineMachine(RuleBasedStateMachine):
             return
         dtype = placement.dtype_name(placement.resolve_dtype(self.requested, self.engine.device))
         assert_weights(self.engine, self.config.refs, self.model, dtype, self.arch, self.applied)
-        stack = self.engine._loaded.stack
-        assert stack.on_the_fly == (self.offload in placement.STREAMED_MODES), (stack.on_the_fly, self.offload)
-        if not self.applied or stack.on_the_fly:
-            assert stack._backups == {}, "backups kept after every LoRA was removed or while applied on the fly"
+        stack = self.engine.lora_stack
+        streamed = offload.MODES[self.offload].streams_weights
+        assert bool(stack.bypass_components) == streamed, (stack.bypass_components, self.offload)
+        if not self.applied or streamed:
+            assert stack._backups == {}, "backups kept after every LoRA was removed or while bypassed"
         if not self.applied:
-            assert stack._patches == {}, "on-the-fly hooks kept after every LoRA was removed"
+            assert stack.bypassed() == {}, "bypass hooks kept after every LoRA was removed"
+
+    @invariant()
+    def every_module_carries_the_hooks_its_mode_plans(self) -> None:
+        if self.model is None:
+            return
+        snap = self.engine.snapshot()
+        fused = self.config.refs.fused_digests(self.model, snap.dtype, self.arch, self.applied) if self.applied else {}
+        bypassed = set(fused) if offload.MODES[self.offload].streams_weights else set()
+        assert actual_hooks(snap) == expected_hooks(self.engine.pipeline, self.offload, bypassed)
 
 
 def run_fuzz(config: FuzzConfig, examples: int, steps: int) -> None:

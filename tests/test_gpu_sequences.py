@@ -19,8 +19,8 @@ import torch
 
 from app import bench as app_bench
 from app.adapters.specs import LoraSpec
-from app.engine.engine import Engine
 from app.engine.generate import GenerateParams
+from app.engine.worker import Engine
 from app.settings import OFFLOAD_CHOICES, Settings
 
 pytestmark = pytest.mark.gpu

@@ -25,9 +25,9 @@ from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests, write_adapter, write_demo_loras
 from app.demo import build_tiny_pipeline
-from app.engine.engine import Engine, EngineState
 from app.engine.generate import GenerateParams
 from app.engine.placement import DTYPES
+from app.engine.worker import Engine, EngineState
 from app.settings import Settings
 
 CHECKPOINTS = {"sd15": "tiny-sd15.safetensors", "sdxl": "tiny-sdxl.safetensors"}
@@ -68,11 +68,6 @@ def _split(digests: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """(UNet digests, text-encoder digests)."""
     unet = {k: v for k, v in digests.items() if k.startswith("unet.")}
     return unet, {k: v for k, v in digests.items() if not k.startswith("unet.")}
-
-
-def _forward_digests(engine: Engine) -> dict[str, str]:
-    """Digests of the weights every forward computes with, fused or applied on the fly."""
-    return adapter_state_digests(engine.pipeline, engine._loaded.stack)
 
 
 class FreshFuse:
@@ -172,8 +167,10 @@ def test_unet_and_text_encoder_strengths_touch_only_their_component(engine, tiny
 def test_three_loras_on_biased_convs_add_remove_add_each_step_equals_a_fresh_fuse(engine, tiny):
     """SD.Next: add three LoRAs touching biased convs (LoCon, a full diff with `diff_b`, LoHa),
     remove one, add another, switching offload mode between runs and generating after each step:
-    every step's weights (biases included) equal a fresh fuse of the same list on the original
-    model, and the last remove restores the checkpoint."""
+    every fused step's weights (biases included) equal a fresh fuse of the same list on the
+    original model; under `sequential` (bypass) the stored weights stay the checkpoint's and the
+    bypassed layers are exactly the ones a fresh fuse patches; the last remove restores the
+    checkpoint."""
     _write(engine, tiny, "locon", targets=BIASED_CONVS, seed=1)
     _write(engine, tiny, "fullb", "full", targets=BIASED_CONVS, seed=2)
     _write(engine, tiny, "loha", "loha", targets=BIASED_CONVS + ATTENTION, seed=3)
@@ -185,9 +182,13 @@ def test_three_loras_on_biased_convs_add_remove_add_each_step_equals_a_fresh_fus
     for i, specs in enumerate(steps):
         engine.set_offload(("none", "model", "sequential")[i % 3])
         engine.set_loras(specs)
-        assert _forward_digests(engine) == fresh.digests(specs), f"step {i}: {specs}"
-        if engine.snapshot().offload == "sequential":  # applied on the fly: stored weights untouched
+        want = fresh.digests(specs)
+        if engine.snapshot().offload == "sequential":  # bypass forwards: stored weights untouched
             assert adapter_state_digests(engine.pipeline) == checkpoint, f"step {i}: {specs}"
+            patched = {k.rsplit(".", 1)[0] for k in want if want[k] != checkpoint[k]}
+            assert {".".join(t) for t in engine.lora_stack.bypassed()} == patched, f"step {i}: {specs}"
+        else:
+            assert adapter_state_digests(engine.pipeline) == want, f"step {i}: {specs}"
         assert _generate(engine, seed=i)
     assert adapter_state_digests(engine.pipeline) == checkpoint
     assert all(h.outcome == "ok" and h.violations_found == 0 for h in engine.snapshot().history)
@@ -211,10 +212,11 @@ def test_generate_twice_unchanged_then_a_batch_of_three_all_carry_the_lora(engin
 # ------------------------------------------------------------------------------- prompt tags
 @pytest.mark.parametrize(("tag", "spec"), [("<lora:style:0.6>", LoraSpec("style", 0.6)),
                                            ("<lora:style:0.6:1.4>", LoraSpec("style", unet_weight=0.6, te_weight=1.4))])
-def test_prompt_tags_fuse_what_set_loras_fuses_and_are_stripped(engine, tiny, tag, spec):
-    """`<lora:name:w>` and `<lora:name:unet_w:te_w>` take the same patching path as set_loras:
-    identical weights and image; the tag is stripped from the infotext prompt, which records the
-    LoRA instead; a later prompt without the tag generates without the LoRA."""
+def test_prompt_tags_apply_to_one_generation_and_stay_in_the_saved_prompt(engine, tiny, tag, spec):
+    """`<lora:name:w>` and `<lora:name:unet_w:te_w>` take the same patching path as set_loras, for
+    that generation only (A1111): identical image, and afterwards the weights are the checkpoint's
+    again and the snapshot lists no LoRA; the saved prompt keeps the tag (so A1111/Civitai can
+    reproduce the image) and the infotext records the LoRA's weight and hash."""
     _write(engine, tiny, "style", targets=ATTENTION + BIASED_CONVS)
     engine.load_model(CHECKPOINTS["sd15"])
     checkpoint = adapter_state_digests(engine.pipeline)
@@ -222,14 +224,15 @@ def test_prompt_tags_fuse_what_set_loras_fuses_and_are_stripped(engine, tiny, ta
     by_slider = adapter_state_digests(engine.pipeline)
     slider_image = _pixels(_generate(engine, prompt="a cat, detailed"))
     engine.set_loras([])
+    assert by_slider != checkpoint
     (tagged,) = _generate(engine, prompt=f"a cat, detailed {tag}")
-    assert adapter_state_digests(engine.pipeline) == by_slider
+    assert adapter_state_digests(engine.pipeline) == checkpoint and engine.snapshot().loras == ()
     assert np.array_equal(np.asarray(tagged.image, dtype=np.int16), slider_image)
     prompt_line, _, params = tagged.infotext.partition("\n")
-    assert prompt_line == "a cat, detailed" and "<lora" not in tagged.infotext
-    assert 'Lora weights: "style: 0.6"' in params
-    _generate(engine)
-    assert adapter_state_digests(engine.pipeline) == checkpoint
+    assert prompt_line == f"a cat, detailed {tag}"
+    assert 'Lora weights: "style: 0.6"' in params and 'Lora hashes: "style: ' in params
+    (untagged,) = _generate(engine, prompt="a cat, detailed")
+    assert "Lora" not in untagged.infotext
 
 
 # ----------------------------------------------------------------------- diagnostics and reach

@@ -25,7 +25,7 @@ from app.adapters.errors import LoraApplyError
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline
-from app.engine.engine import Engine
+from app.engine.worker import Engine
 from app.settings import Settings
 
 MODELS = {"sd15": "tiny-sd15.safetensors", "sdxl": "tiny-sdxl.safetensors"}
@@ -42,9 +42,9 @@ def lora_list(arch: str, weight: float = 1.0) -> list[LoraSpec]:
 
 
 def assert_stack_empty(engine: Engine) -> None:
-    stack = engine._loaded.stack
+    stack = engine.lora_stack
     assert stack._backups == {}, f"{len(stack._backups)} backups kept after every LoRA was removed"
-    assert stack._patches == {}, f"{len(stack._patches)} on-the-fly layers kept after every LoRA was removed"
+    assert stack.bypassed() == {}, f"{len(stack.bypassed())} bypass layers kept after every LoRA was removed"
     assert stack._prepared == {} and stack.applied == ()
 
 
@@ -97,7 +97,7 @@ def test_switching_models_back_and_forth_returns_ram(data):
                 assert snap.history[-1].outcome == "ok"
                 assert_stack_empty(engine)
                 snap = engine.set_loras(lora_list(arch))
-                assert len(snap.loras) == len(ALGOS) and engine._loaded.stack._backups
+                assert len(snap.loras) == len(ALGOS) and engine.lora_stack._backups
             readings.append(rss())
         engine.unload()
     finally:
@@ -180,7 +180,7 @@ def test_retained_log_records_do_not_pin_swapped_out_models(data):
         engine.load_model(MODELS["sdxl"], dtype="fp32")
         engine.set_loras([LoraSpec("sdxl-lora")])
         engine.load_model(MODELS["sd15"], dtype="fp32")
-        assert any("not re-applied" in r.getMessage() for r in records)
+        assert any("set aside" in r.getMessage() for r in records)
 
     _assert_sd15_freed_after_swap(data, prepare)
 

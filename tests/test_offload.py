@@ -1,8 +1,9 @@
 """Offload modes on the CPU: every mode selectable, generation unchanged, switching leaves nothing behind.
 
 On a CPU-only machine the compute and rest devices coincide, so these tests protect the
-machinery (plans, hook install/removal, settle, verify) rather than transfer speed; the
-`gpu` tests exercise real moves.
+machinery (plans, named hooks, settle, verify); tests/test_offload_moves.py makes the rest
+dtype differ from the compute dtype so every move really happens, and the `gpu` tests exercise
+real device transfers.
 """
 
 from __future__ import annotations
@@ -13,22 +14,16 @@ import numpy as np
 import pytest
 import tiny
 import torch
+from hook_plan import actual_hooks, expected_hooks
 
 from app.adapters.specs import LoraSpec
-from app.engine.engine import Engine
 from app.engine.generate import GenerateParams
-from app.engine.offload import balanced_budget_bytes
-from app.engine.placement import Placement, plan_placement
+from app.engine.offload import balanced_budget_bytes, plan_for
+from app.engine.placement import Placement
+from app.engine.worker import Engine
 from app.settings import OFFLOAD_CHOICES, Settings
 
 FAST = dict(tiny.FAST, seed=4)
-
-
-def _hook_count(pipe) -> int:
-    from app.engine.placement import torch_components
-
-    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
-               for c in torch_components(pipe).values() for m in c.modules())
 
 
 @pytest.fixture(scope="module")
@@ -57,48 +52,32 @@ def test_every_mode_generates_the_same_image(engine, model):
 
 
 @pytest.mark.parametrize("lora", [None, "demo-style-sd15"])
-def test_switching_every_mode_to_every_other_three_times_leaves_no_hooks(engine, lora):
-    """Any mode -> any other mode, three rounds: zero violations; each mode shows the same hooks every
-    time it is entered (none pile up), and back in `none` the hook count equals the count right after
-    load (a full remove leaves no hook behind). With a LoRA applied, the streamed modes carry exactly
-    one on-the-fly hook pair per patched layer, and `none` none (the LoRA is fused again)."""
+def test_switching_every_mode_to_every_other_three_times_leaves_exactly_the_planned_hooks(engine, lora):
+    """Any mode -> any other mode, three rounds: zero violations, and after every switch each
+    module carries exactly the named hooks its mode plans (none pile up, none are left behind by
+    the previous mode): `offload.inputs` at each component's entry, `offload.component` on the
+    components and their children (model, balanced), `offload.stream` on each module with tensors
+    (sequential) or each block (group), and `lora.bypass` on every patched layer in the streamed
+    modes — the LoRA is fused (no hook) in the others."""
     engine.load_model("tiny-sd15.safetensors")
     engine.set_offload("none")
-    baseline = _hook_count(engine.pipeline)
     engine.set_loras([LoraSpec(lora)] if lora else [])
-    patched = len(engine._loaded.stack.patched_modules())
-    assert (patched > 0) == bool(lora)
+    patched = set(engine.lora_stack.patched_modules())
+    assert bool(patched) == bool(lora)
     found_before = engine.snapshot().violations_found_total
-    per_mode: dict[str, int] = {}
     for _round in range(3):
         for src, dst in itertools.permutations(OFFLOAD_CHOICES, 2):
-            engine.set_offload(src)
-            engine.set_offload(dst)
-            assert _hook_count(engine.pipeline) == per_mode.setdefault(dst, _hook_count(engine.pipeline)), (src, dst)
-            engine.set_offload("none")
-            assert _hook_count(engine.pipeline) == baseline, (src, dst)
-    for mode in ("sequential", "group"):
-        engine.set_offload(mode)
-        engine.set_loras([])
-        assert per_mode[mode] - _hook_count(engine.pipeline) == 2 * patched, mode
-        engine.set_loras([LoraSpec(lora)] if lora else [])
-    engine.set_offload("none")
-    engine.set_loras([])
-    snap = engine.snapshot()
+            for mode in (src, dst):
+                snap = engine.set_offload(mode)
+                bypassed = patched if mode in ("sequential", "group") else set()
+                assert actual_hooks(snap) == expected_hooks(engine.pipeline, mode, bypassed), (src, dst, mode)
+                assert snap.lora_mode == ("bypass" if bypassed else "fused")
+    engine.set_offload("sequential")
+    assert all("lora.bypass" not in names for names in actual_hooks(engine.set_loras([])).values())
+    snap = engine.set_offload("none")
+    assert actual_hooks(snap) == {}
     assert snap.violations_found_total == found_before
     assert all(h.outcome == "ok" for h in snap.history)
-
-
-@pytest.mark.parametrize("mode", ["model", "sequential", "group", "balanced"])
-def test_mode_installs_hooks_and_none_removes_them(engine, mode):
-    """Each offload mode really installs hooks (it is not a no-op), and switching to none removes them."""
-    engine.load_model("tiny-sd15.safetensors")
-    engine.set_offload("none")
-    baseline = _hook_count(engine.pipeline)
-    engine.set_offload(mode)
-    assert _hook_count(engine.pipeline) > baseline
-    engine.set_offload("none")
-    assert _hook_count(engine.pipeline) == baseline
 
 
 def test_plan_distinguishes_rest_from_compute():
@@ -108,8 +87,8 @@ def test_plan_distinguishes_rest_from_compute():
 
     pipe = build_tiny_pipeline("sd15")
     gpu = torch.device("cuda", 0)
-    plan_none = plan_placement(pipe, torch.bfloat16, gpu, "none")
-    plan_model = plan_placement(pipe, torch.bfloat16, gpu, "model")
+    plan_none = plan_for(pipe, torch.bfloat16, gpu, "none")
+    plan_model = plan_for(pipe, torch.bfloat16, gpu, "model")
     assert plan_none.expected("unet") == Placement(gpu, torch.bfloat16)
     assert plan_model.expected("unet") == Placement(torch.device("cpu"), torch.bfloat16)
     assert plan_model.components["unet"].compute == Placement(gpu, torch.bfloat16)

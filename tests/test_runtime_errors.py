@@ -21,9 +21,9 @@ from weight_digest import weights_digest
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline
-from app.engine import placement
-from app.engine.engine import Engine, EngineState
+from app.engine import offload, placement
 from app.engine.generate import GenerateParams
+from app.engine.worker import Engine, EngineState
 from app.settings import OFFLOAD_CHOICES, Settings
 
 FAST = dict(tiny.FAST, seed=5)
@@ -111,7 +111,7 @@ def counters(engine: Engine, name: str):
 
 def assert_placement_clean(engine: Engine) -> None:
     snap = engine.snapshot()
-    plan = placement.plan_placement(engine.pipeline, placement.DTYPES[snap.dtype], engine.device, snap.offload)
+    plan = offload.plan_for(engine.pipeline, placement.DTYPES[snap.dtype], engine.device, snap.offload)
     assert placement.verify(engine.pipeline, plan) == []
 
 
@@ -191,7 +191,7 @@ def test_lora_disabled_after_max_errors_and_removed_from_the_model(engine, refer
     snap = engine.snapshot()
     assert snap.loras == ()
     assert weights_digest(engine.pipeline) == reference[()]
-    assert engine._loaded.stack._backups == {}
+    assert engine.lora_stack._backups == {}
     hook.remove()
     images = engine.generate(GenerateParams("a cat", **FAST))
     assert len(images) == 1 and "lora-a" not in images[0].infotext

@@ -72,6 +72,14 @@ class LoraLibrary:
             raise FileNotFoundError(f"LoRA {name!r} not found in {self.root} (was it moved or deleted?)")
         return path
 
+    def exists(self, name: str) -> bool:
+        """Whether `name` is a LoRA file in the library (an unsafe or absent name is not)."""
+        try:
+            self.path_for(name)
+        except (OSError, ValueError):
+            return False
+        return True
+
     def validate_specs(self, specs: Sequence[LoraSpec]) -> None:
         """Refuse duplicates and unsafe names before anything is queued."""
         seen = collections.Counter(spec.name for spec in specs)

@@ -17,13 +17,10 @@ The rules that make the seed crashes unreachable:
   under an offload mode included): the same float32 products give the same bits in every
   offload mode — on an H100, CPU-side fusion moved bf16 weights by an ulp and images by 0.9
   grey levels, nearly what a 0.1 strength step changes — and the GPU does the matmuls faster.
-* On-the-fly instead of fused, for streamed offload modes (sequential, group), where the stored
-  weight is a CPU copy streamed in for each forward: re-fusing CPU copies would cost a GPU round
-  trip per layer per LoRA change. There a pair of hooks swaps in W0 + Σ mᵢ·ΔWᵢ(W0), computed by
-  the same function as the fused value (same bits), for the duration of the layer's forward; the
-  stored weights stay the checkpoint's and no backup is needed. Costs that computation (an fp32
-  copy of the weight plus one multiply-add per LoRA) per patched layer per forward, on the GPU,
-  beside the host transfer streaming already pays for the layer.
+* Bypass instead of fused for the components the engine names (weights streamed in per forward,
+  or resting in another dtype than they compute in): there each patched layer gets a
+  `lora.bypass` hook that adds Σ mᵢ·Δᵢ(x) to its output (app/adapters/bypass.py); the stored
+  weights stay the checkpoint's, no backup is held, and a re-weight only replaces the hook's list.
 * `reconcile` is all or nothing: every adapter is parsed and shape-checked before the first
   write, and a failure mid-way recomputes each touched layer from the previous applied list.
 """
@@ -36,11 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
+from app.adapters.bypass import BypassLayer, Contributions
+from app.adapters.bypass import install as install_bypass
 from app.adapters.errors import LoraApplyError
 from app.adapters.files import AdapterFile
 from app.adapters.keys import KeyTable, Target
 from app.adapters.matching import MatchReport, PreparedAdapter, match_adapter
 from app.adapters.specs import LoraSpec
+from app.hooks import HookRegistry
 
 log = logging.getLogger(__name__)
 GPU_BACKUP_HEADROOM = 2 * 2**30
@@ -52,24 +52,10 @@ class _Backup:
     bias: torch.Tensor | None
 
 
-Contributions = tuple[tuple[str, float, object], ...]  # (LoRA name, strength, adapter), sorted by name
-
-
-@dataclass
-class _Patch:
-    """An on-the-fly layer: its adapters, its two hook handles, and the parameters its forward swapped out."""
-
-    contributions: Contributions
-    handles: tuple = ()
-    swapped: tuple | None = None
-
-
 def _combine(target: Target, contributions: Contributions, weight: torch.Tensor, bias: torch.Tensor | None,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """W0 + Σ mᵢ·ΔWᵢ(W0) in float32 on `device`, and likewise the bias when an adapter changes it
-    (None when none does). The one formula behind both paths, so fused and on-the-fly layers carry
-    the same bits. Differentiable in `weight` and `bias` (the on-the-fly forward under autograd);
-    each ΔW is computed without a graph."""
+    (None when none does)."""
     new_w = weight.to(device, torch.float32, copy=True)
     # A separate pristine W0 only when some adapter reads its values; the others read its shape.
     w0 = weight.detach().to(device, torch.float32) if any(a.reads_base for _, _, a in contributions) else new_w
@@ -90,8 +76,7 @@ def _combine(target: Target, contributions: Contributions, weight: torch.Tensor,
 
 def _cast_where_computed(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A float32 result bound for a weight on another device (a CPU-resting weight under model or
-    balanced offload) is cast before it crosses the bus: half the bytes for fp16/bf16 weights, and
-    the same rounding the on-the-fly path does on the compute device."""
+    balanced offload) is cast before it crosses the bus: half the bytes for fp16/bf16 weights."""
     return value if value.device == target.device else value.to(target.dtype)
 
 
@@ -104,13 +89,15 @@ def _backup_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class LoraStack:
-    """The adapters applied to one pipeline (fused, or on the fly), with what is needed to change or undo them."""
+    """The adapters applied to one pipeline (fused, or as bypass forwards), with what is needed to
+    change or undo them. `bypass` names the components whose layers take bypass hooks."""
 
     def __init__(self, pipe, arch: str, compute_device: torch.device | None = None, *,
-                 on_the_fly: bool = False) -> None:
+                 hooks: HookRegistry | None = None, bypass: frozenset[str] = frozenset()) -> None:
         self._pipe = pipe
-        self._on_the_fly = on_the_fly
-        self._patches: dict[Target, _Patch] = {}
+        self._hooks = hooks if hooks is not None else HookRegistry()
+        self._bypass_components = frozenset(bypass)
+        self._bypassed: dict[Target, BypassLayer] = {}
         self._arch = arch
         self._compute_device = compute_device
         self._table: KeyTable | None = None
@@ -143,25 +130,18 @@ class LoraStack:
         return found
 
     @property
-    def on_the_fly(self) -> bool:
-        return self._on_the_fly
+    def bypass_components(self) -> frozenset[str]:
+        return self._bypass_components
 
-    def forward_weights(self, target: Target) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight and bias a patched layer's forward computes with: its own tensors when fused,
-        the on-the-fly result otherwise (what tests compare against a fresh fuse)."""
-        module = self._module(target)
-        patch = self._patches.get(target)
-        if patch is None:
-            return module.weight, module.bias
-        with torch.no_grad():
-            return self._patched_tensors(target, patch, module.weight, module.bias)
+    def bypassed(self) -> dict[Target, Contributions]:
+        """The layers applied as bypass forwards, with the (name, strength, adapter) each adds."""
+        return {target: layer.contributions for target, layer in self._bypassed.items()}
 
     def release(self) -> None:
         """Forget backups, hooks and adapters (the pipeline is being dropped)."""
-        for patch in self._patches.values():
-            for handle in patch.handles:
-                handle.remove()
-        self._patches.clear()
+        for target in list(self._bypassed):
+            self._hooks.remove(self._module(target), "lora.bypass")
+        self._bypassed.clear()
         self._backups.clear()
         self._prepared.clear()
         self._modules.clear()
@@ -231,8 +211,8 @@ class LoraStack:
         # A fixed order (by name) makes the float32 sum, and so the bits, independent of list order.
         contributions = tuple((s.name, s.strength_for(target[0]), prepared[s.name].layers[target])
                               for s in sorted(specs, key=lambda s: s.name) if target in prepared[s.name].layers)
-        if self._on_the_fly:
-            self._set_patch(module, target, contributions)
+        if target[0] in self._bypass_components:
+            self._set_bypass(module, target, contributions)
             return
         backup = self._backups.get(target)
         if not contributions:
@@ -256,75 +236,41 @@ class LoraStack:
                 module.bias.copy_(backup.bias)
                 backup.bias = None
 
-    # ---------------------------------------------------------------- the on-the-fly path
-    def set_on_the_fly(self, enabled: bool) -> None:
-        """Switch how the applied adapters reach the forward: fused into the stored weights, or
-        computed at each forward from untouched weights (streamed offload modes). Every layer is
-        first taken back to W0 under the old policy, then re-applied under the new one; on-the-fly
-        hooks are always re-registered, so they follow the offload hooks that stream a weight in.
-        Fused to fused (e.g. `none` to `model`) changes nothing: the fused weights moved as they are."""
-        if not enabled and not self._on_the_fly:
+    # ---------------------------------------------------------------- the bypass path
+    def set_bypass(self, components: frozenset[str]) -> None:
+        """Change which components take LoRAs as bypass forwards instead of fused weights. Every
+        patched layer is first taken back to W0 under the old policy, then re-applied under the new
+        one; on failure the old policy is re-applied (fused bits recomputed from W0, so exact)."""
+        components = frozenset(components)
+        if components == self._bypass_components:
             return
         specs, prepared = self._applied, dict(self._prepared)
         targets = list(self.patched_modules())
-        previous = self._on_the_fly
+        previous = self._bypass_components
         for target in targets:
             self._write_layer(target, (), {})
-        self._on_the_fly = enabled
+        self._bypass_components = components
         try:
             for target in targets:
                 self._write_layer(target, specs, prepared)
         except Exception:
             for target in targets:
                 self._write_layer(target, (), {})
-            self._on_the_fly = previous
+            self._bypass_components = previous
             for target in targets:
                 self._write_layer(target, specs, prepared)
             raise
 
-    def _set_patch(self, module: torch.nn.Module, target: Target, contributions: Contributions) -> None:
-        """Install, update or remove one layer's on-the-fly hooks; the stored weights are never written."""
-        patch = self._patches.get(target)
-        if patch is not None and contributions:
-            patch.contributions = contributions
-            return
-        if patch is not None:
-            for handle in patch.handles:
-                handle.remove()
-            del self._patches[target]
-            return
-        if not contributions:
-            return
-        patch = self._patches[target] = _Patch(contributions)
-
-        def swap_in(mod, _args):
-            weight, bias = mod._parameters["weight"], mod._parameters.get("bias")
-            new_w, new_b = self._patched_tensors(target, patch, weight, bias)
-            patch.swapped = (weight, bias)
-            mod._parameters["weight"] = new_w
-            if new_b is not bias:
-                mod._parameters["bias"] = new_b
-
-        def swap_out(mod, _args, _output):
-            if patch.swapped is not None:
-                mod._parameters["weight"], bias = patch.swapped
-                if bias is not None:
-                    mod._parameters["bias"] = bias
-                patch.swapped = None
-
-        # The pre-hook runs after any offload hook that streamed the weight in (registered later);
-        # the post-hook is prepended and always called, so the Parameter is back before the weight
-        # streams out, even when the forward raised.
-        patch.handles = (module.register_forward_pre_hook(swap_in),
-                         module.register_forward_hook(swap_out, prepend=True, always_call=True))
-
-    def _patched_tensors(self, target: Target, patch: _Patch, weight: torch.Tensor,
-                         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fused weight (and bias) for one forward, in the parameters' own dtype: the output of
-        the layer keeps its input's dtype, and autograd hands back gradients in the parameters'
-        dtype (a float32 adapter on a bf16 model never leaks float32 into the graph)."""
-        new_w, new_b = _combine(target, patch.contributions, weight, bias, self._compute_device or weight.device)
-        return new_w.to(weight.device, weight.dtype), bias if new_b is None else new_b.to(bias.device, bias.dtype)
+    def _set_bypass(self, module: torch.nn.Module, target: Target, contributions: Contributions) -> None:
+        """Install, update or remove one layer's bypass hook; the stored weights are never written."""
+        layer = self._bypassed.get(target)
+        if layer is not None and contributions:
+            layer.contributions = contributions
+        elif layer is not None:
+            self._hooks.remove(module, "lora.bypass")
+            del self._bypassed[target]
+        elif contributions:
+            self._bypassed[target] = install_bypass(self._hooks, module, f"{target[0]}.{target[1]}", contributions)
 
     @staticmethod
     def _restore(module: torch.nn.Module, backup: _Backup) -> None:

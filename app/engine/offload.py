@@ -1,8 +1,8 @@
 """Offload strategies: none, model, balanced, sequential, group. None of them splits a layer.
 
 Each strategy installs forward hooks that ask `placement` (the only mover) to bring weights to
-the compute device when a forward needs them, and `remove()` takes away every hook it added
-(handles are kept, so removal is exact and symmetric). What each mode moves:
+the compute device when a forward needs them, and `remove()` takes away every hook it added.
+What each mode moves:
 
 * **model**: whole components; one on the GPU at a time, the previous one goes back to the CPU.
 * **balanced**: whole components; they stay resident while the GPU stays under a watermark
@@ -14,33 +14,42 @@ the compute device when a forward needs them, and `remove()` takes away every ho
   next block of the same list copied ahead on a side CUDA stream. Our own rather than
   diffusers' group offloading, which needs accelerate and keeps pinned copies of every weight.
 
+Every hook goes through the pipeline's `HookRegistry` under a constant name (`offload.inputs`,
+`offload.component`, `offload.stream`), so it runs in the registry's declared order beside LoRA
+and quantisation hooks, and `remove()` is `remove_all("offload.")`. `MODES` is the one table of
+modes: settings, placement, the compiled path, the LoRA stack and the UI all read it. Each class
+says whether its mode `moves_weights` (components rest off the compute device) and whether it
+`streams_weights` (weights arrive per forward, so LoRAs apply as bypass forwards, not fused).
+
 `settle()` brings components back to their at-rest placement after a generation, so verify()
-always sees the same picture between commands. `streams_weights` tells the LoRA stack to apply
-adapters on the fly (sequential, group) instead of fusing them into CPU copies.
+always sees the same picture between commands.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from app.engine import placement
 from app.engine.placement import PlacementPlan
+from app.hooks import HookRegistry, ModelHook
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class OffloadStrategy:
-    """Base: mode `none`. Subclasses add hooks; the base keeps their handles for exact removal."""
+    """Mode `none`: nothing moves. Subclasses add named hooks through the registry."""
 
-    pipe: object
-    plan: PlacementPlan
-    handles: list = field(default_factory=list)
-    mode: str = "none"
+    mode: ClassVar[str] = "none"
+    moves_weights: ClassVar[bool] = False  # components rest off the compute device between forwards
+    streams_weights: ClassVar[bool] = False  # weights are copied in per forward (leaf or block)
+    label: ClassVar[str] = "nothing: every component on the GPU"
+
+    def __init__(self, pipe, plan: PlacementPlan, hooks: HookRegistry) -> None:
+        self.pipe, self.plan, self.hooks = pipe, plan, hooks
 
     def install(self) -> None:
         """Add this mode's hooks (none for `none`)."""
@@ -51,33 +60,30 @@ class OffloadStrategy:
         the CPU under every offload mode."""
         for name, component in placement.torch_components(self.pipe).items():
             device = self.plan.components[name].compute.device
-            self.handles.append(component.register_forward_pre_hook(_inputs_to(device), with_kwargs=True))
+            self.hooks.add(component, ModelHook("offload.inputs", pre=_inputs_to(device)))
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    @property
-    def streams_weights(self) -> bool:
-        """Weights rest on the CPU and are streamed in per forward: LoRAs apply on the fly here."""
-        return self.plan.streamed
+        self.hooks.remove_all("offload.")
 
     def resident(self) -> frozenset[str]:
         """Components that stay on the compute device between commands."""
-        return frozenset(self.plan.components) if self.mode == "none" else frozenset()
+        return frozenset(self.plan.components) if not self.moves_weights else frozenset()
 
     def settle(self) -> None:
         """Bring components back to their at-rest placement after a generation (a failed forward
-        included). Streaming modes need nothing: their hooks restore each module after its
-        forward, and the verify that follows every command catches what an exception left."""
+        included). Streaming modes need nothing: their `after` hooks restore each module after its
+        forward, raising or not, and the verify that follows every command catches the rest."""
 
 
 class ModelOffload(OffloadStrategy):
     """Whole components move to the GPU for their forward; the last active one is sent back."""
 
-    def __init__(self, pipe, plan: PlacementPlan) -> None:
-        super().__init__(pipe, plan, mode="model")
+    mode = "model"
+    moves_weights = True
+    label = "whole components, one on the GPU at a time"
+
+    def __init__(self, pipe, plan: PlacementPlan, hooks: HookRegistry) -> None:
+        super().__init__(pipe, plan, hooks)
         self._on_device: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def install(self) -> None:
@@ -85,10 +91,10 @@ class ModelOffload(OffloadStrategy):
         for name, component in placement.torch_components(self.pipe).items():
             # The VAE's decode() is not its forward(), so its direct children carry the hook too.
             for module in (component, *component.children()):
-                self.handles.append(module.register_forward_pre_hook(self._hook_for(name)))
+                self.hooks.add(module, ModelHook("offload.component", pre=self._hook_for(name)))
 
     def _hook_for(self, name: str):
-        def pre_hook(_module, _args):
+        def pre_hook(_module, _args, _kwargs):
             if name in self._on_device:
                 self._on_device.move_to_end(name)
                 return
@@ -119,9 +125,11 @@ class ModelOffload(OffloadStrategy):
 class BalancedOffload(ModelOffload):
     """Model offload that keeps components resident while they fit under the VRAM budget."""
 
-    def __init__(self, pipe, plan: PlacementPlan, budget_bytes: int) -> None:
-        super().__init__(pipe, plan)
-        self.mode = "balanced"
+    mode = "balanced"
+    label = "whole components, kept resident under a VRAM watermark"
+
+    def __init__(self, pipe, plan: PlacementPlan, hooks: HookRegistry, budget_bytes: int) -> None:
+        super().__init__(pipe, plan, hooks)
         self.budget_bytes = budget_bytes
 
     def resident(self) -> frozenset[str]:
@@ -137,12 +145,16 @@ class BalancedOffload(ModelOffload):
             used -= sizes[name]
 
 
-
 class SequentialOffload(OffloadStrategy):
     """Leaf modules' tensors are copied to the GPU for their forward only; lowest VRAM."""
 
-    def __init__(self, pipe, plan: PlacementPlan) -> None:
-        super().__init__(pipe, plan, mode="sequential")
+    mode = "sequential"
+    moves_weights = True
+    streams_weights = True
+    label = "each leaf module's tensors, copied in for its forward only"
+
+    def __init__(self, pipe, plan: PlacementPlan, hooks: HookRegistry) -> None:
+        super().__init__(pipe, plan, hooks)
         self._stashes: dict[int, dict[str, torch.Tensor]] = {}
 
     def install(self) -> None:
@@ -151,19 +163,20 @@ class SequentialOffload(OffloadStrategy):
             compute = self.plan.components[name].compute
             for module in component.modules():
                 if module._parameters or module._buffers:
-                    self.handles.append(module.register_forward_pre_hook(self._onload(compute)))
-                    self.handles.append(module.register_forward_hook(self._offload))
+                    self.hooks.add(module, ModelHook("offload.stream", pre=self._onload(compute),
+                                                     after=self._offload))
 
     def _onload(self, compute: placement.Placement):
-        def pre_hook(module, _args):
+        def pre_hook(module, _args, _kwargs):
             self._stashes[id(module)] = placement.stream_in(module, compute)
         return pre_hook
 
-    def _offload(self, module, _args, _output) -> None:
+    def _offload(self, module) -> None:
         placement.stream_out(module, self._stashes.pop(id(module), {}))
 
     def settle(self) -> None:
-        """A forward cut off by an exception leaves its copies in place: point back to the CPU tensors."""
+        """A forward cut off by a BaseException (an interrupt: torch runs `after` hooks only for
+        `Exception`) leaves its copies in place: point back to the CPU tensors."""
         for module in placement.torch_components(self.pipe).values():
             for sub in module.modules():
                 stash = self._stashes.pop(id(sub), None)
@@ -202,8 +215,13 @@ class GroupOffload(OffloadStrategy):
     ahead on a side stream while the current one computes. Registration order is no guide: the
     UNet registers its up blocks before its mid block but runs them after."""
 
-    def __init__(self, pipe, plan: PlacementPlan) -> None:
-        super().__init__(pipe, plan, mode="group")
+    mode = "group"
+    moves_weights = True
+    streams_weights = True
+    label = "whole blocks, the next one copied ahead on a side CUDA stream"
+
+    def __init__(self, pipe, plan: PlacementPlan, hooks: HookRegistry) -> None:
+        super().__init__(pipe, plan, hooks)
         self._stashes: dict[int, list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]] = {}
         self._ready: dict[int, object] = {}
         self._next: dict[int, torch.nn.Module] = {}
@@ -217,15 +235,14 @@ class GroupOffload(OffloadStrategy):
                 raise ValueError(f"group offload: {name} owns tensors outside its blocks; use sequential")
             compute = self.plan.components[name].compute
             for group in _blocks(component):
-                self.handles.append(group.register_forward_pre_hook(self._onload(name, compute)))
-                self.handles.append(group.register_forward_hook(self._offload))
+                self.hooks.add(group, ModelHook("offload.stream", pre=self._onload(name, compute), after=self._offload))
 
     def _stream_group(self, group: torch.nn.Module, compute: placement.Placement) -> None:
         if id(group) not in self._stashes:
             self._stashes[id(group)] = [(m, placement.stream_in(m, compute)) for m in group.modules()]
 
     def _onload(self, component: str, compute: placement.Placement):
-        def pre_hook(group, _args):
+        def pre_hook(group, _args, _kwargs):
             previous = self._last.get(component)
             if previous is not None and previous is not group:
                 self._next.setdefault(id(previous), group)  # learn the execution order once
@@ -247,7 +264,7 @@ class GroupOffload(OffloadStrategy):
                     self._ready[id(ahead)] = self._stream.record_event()
         return pre_hook
 
-    def _offload(self, group, _args, _output) -> None:
+    def _offload(self, group) -> None:
         for module, stash in self._stashes.pop(id(group), []):
             placement.stream_out(module, stash)
 
@@ -268,20 +285,35 @@ class GroupOffload(OffloadStrategy):
         super().remove()
 
 
-def make_strategy(pipe, plan: PlacementPlan, vram_budget_gib: float | None, watermark: float) -> OffloadStrategy:
+# The one table of offload modes, in the order the UI lists them.
+MODES: dict[str, type[OffloadStrategy]] = {
+    cls.mode: cls for cls in (OffloadStrategy, ModelOffload, BalancedOffload, SequentialOffload, GroupOffload)
+}
+
+
+def make_strategy(pipe, plan: PlacementPlan, hooks: HookRegistry, vram_budget_gib: float | None,
+                  watermark: float) -> OffloadStrategy:
     """The strategy object for `plan.offload` (on the CPU every mode is a no-op move, hooks included)."""
-    mode = plan.offload
-    if mode == "none":
-        return OffloadStrategy(pipe, plan)
-    if mode == "model":
-        return ModelOffload(pipe, plan)
-    if mode == "balanced":
-        return BalancedOffload(pipe, plan, balanced_budget_bytes(plan.device, vram_budget_gib, watermark))
-    if mode == "sequential":
-        return SequentialOffload(pipe, plan)
-    if mode == "group":
-        return GroupOffload(pipe, plan)
-    raise ValueError(f"unknown offload mode {mode!r}")
+    cls = MODES[plan.offload]
+    if cls is BalancedOffload:
+        return cls(pipe, plan, hooks, balanced_budget_bytes(plan.device, vram_budget_gib, watermark))
+    return cls(pipe, plan, hooks)
+
+
+def plan_for(pipe, dtype: torch.dtype, device: torch.device, mode: str,
+             rest_dtype: torch.dtype | None = None) -> PlacementPlan:
+    """The placement plan of `pipe` under offload `mode` (see `placement.plan_placement`)."""
+    return placement.plan_placement(pipe, dtype, device, mode, moves_weights=MODES[mode].moves_weights,
+                                    rest_dtype=rest_dtype)
+
+
+def bypass_components(plan: PlacementPlan) -> frozenset[str]:
+    """Components whose LoRAs are added as bypass forwards instead of fused into the weights: all
+    of them when weights are streamed in per forward (re-fusing the resting copies would cost a
+    round trip per layer per change), and any that rests in another dtype than it computes in
+    (fusing would round the delta into the storage dtype)."""
+    streamed = MODES[plan.offload].streams_weights
+    return frozenset(name for name, c in plan.components.items() if streamed or c.rest.dtype != c.compute.dtype)
 
 
 def balanced_budget_bytes(device: torch.device, vram_budget_gib: float | None, watermark: float) -> int:

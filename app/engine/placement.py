@@ -22,8 +22,6 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-# Offload modes whose weights rest on the CPU and are streamed in per forward (leaf or block).
-STREAMED_MODES = frozenset({"sequential", "group"})
 
 
 class PlacementError(RuntimeError):
@@ -81,7 +79,7 @@ class ComponentPlan:
 
     @property
     def offloaded(self) -> bool:
-        return self.rest.device != self.compute.device
+        return self.rest != self.compute
 
 
 @dataclass(frozen=True)
@@ -97,11 +95,6 @@ class PlacementPlan:
     offload: str
     components: Mapping[str, ComponentPlan]
     resident: frozenset[str] = frozenset()
-
-    @property
-    def streamed(self) -> bool:
-        """Weights are streamed in per forward: LoRAs apply on the fly instead of being fused."""
-        return self.offload in STREAMED_MODES
 
     def expected(self, component: str) -> Placement:
         """Placement every tensor of `component` must have at rest."""
@@ -154,12 +147,17 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{tensor.device}/{dtype_name(tensor.dtype)}"
 
 
-def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str) -> PlacementPlan:
-    """Build the plan for `pipe` at `dtype` on `device` under an offload mode.
+def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str, *, moves_weights: bool,
+                   rest_dtype: torch.dtype | None = None) -> PlacementPlan:
+    """Build the plan for `pipe` at `dtype` on `device` under offload mode `offload` (named for
+    diagnostics; `offload.plan_for` fills in what the mode does).
 
-    Policy beyond the plain request: the SDXL VAE is kept in fp32 when its config asks for
-    upcasting (`force_upcast`), because its fp16 decode overflows to NaN; on the CPU nothing
-    runs in fp16 (see `resolve_dtype`).
+    A mode that `moves_weights` rests components on the CPU between forwards, in `rest_dtype`
+    (default: the compute dtype). A rest dtype wider than the compute dtype makes every move a
+    real cast even on a CPU-only machine: that is how CI runs the moving code (fp32 rest, bf16
+    compute) without a GPU. Policy beyond the plain request: the SDXL VAE is kept in fp32 when its
+    config asks for upcasting (`force_upcast`), because its fp16 decode overflows to NaN; on the
+    CPU nothing runs in fp16 (see `resolve_dtype`).
     """
     if device.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32
@@ -170,8 +168,7 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str)
         if name == "vae" and getattr(component.config, "force_upcast", False):
             comp_dtype = torch.float32
         compute = Placement(device, comp_dtype)
-        offloaded = offload != "none" and device.type != "cpu"
-        rest = Placement(cpu, comp_dtype) if offloaded else compute
+        rest = Placement(cpu, rest_dtype or comp_dtype) if moves_weights else compute
         plans[name] = ComponentPlan(rest=rest, compute=compute)
     return PlacementPlan(device=device, dtype=dtype, offload=offload, components=plans)
 

@@ -21,8 +21,8 @@ import gradio as gr
 
 from app.adapters.specs import LoraSpec
 from app.engine import models
-from app.engine.engine import Engine
 from app.engine.generate import GeneratedImage, GenerateParams
+from app.engine.worker import Engine
 from app.paths import UnsafePathError, resolve_under
 from app.settings import Settings
 from app.ui.lora_cards import CardCache

@@ -23,7 +23,7 @@ import gradio as gr
 import psutil
 
 from app.diagnostics import RecentLogHandler
-from app.engine.engine import Engine
+from app.engine.worker import Engine
 from app.settings import Settings
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names

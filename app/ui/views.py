@@ -10,7 +10,7 @@ import html
 import time
 from collections.abc import Sequence
 
-from app.engine.engine import Snapshot
+from app.engine.snapshot import Snapshot
 
 HISTORY_HEADERS = ["time", "command", "detail", "state", "duration s", "outcome", "violations found/repaired"]
 SUMMARY_HEADERS = ["component", "modules", "params", "MiB", "devices", "dtypes", "LoRA-patched", "offload",

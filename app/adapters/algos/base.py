@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from app.adapters.errors import AdapterFormatError, IncompatibleAdapterError
+from app.adapters.layer_ops import LayerOp
 
 Shape = tuple[int, ...]
 _A = TypeVar("_A", bound="Adapter")
@@ -232,6 +233,19 @@ class Adapter(ABC):
                 )
             bias = bias.reshape(base_bias.shape)
         return Delta(None if weight is None else weight.reshape(base_weight.shape), bias)
+
+    def bypass(self, module: torch.nn.Module, x: Tensor, op: LayerOp, strength: float, output: Tensor) -> Tensor | None:
+        """strength·(op(x, ΔW) + Δb): this adapter's share of the layer's output, in the output's
+        dtype (see app/adapters/bypass.py). This default materialises ΔW in float32 from the weight
+        the forward has in hand (exact for the algorithms whose ΔW reads W) and rounds it once;
+        low-rank algorithms override it to run their factors on x."""
+        weight = module.weight
+        delta = self.delta(weight.detach(), None if getattr(module, "bias", None) is None else module.bias.detach())
+
+        def scaled(t: Tensor | None) -> Tensor | None:
+            return None if t is None else (t * strength).to(output.dtype)
+
+        return op(module, x, scaled(delta.weight), scaled(delta.bias), output)
 
     def accumulate(self, acc: Tensor, base_weight: Tensor, base_bias: Tensor | None, strength: float) -> Tensor | None:
         """acc += strength·ΔW in place (acc: float32, shaped like the weight); returns Δb at

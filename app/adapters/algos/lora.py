@@ -18,6 +18,7 @@ from app.adapters.algos.base import (
     _read_scalar,
     _require,
 )
+from app.adapters.layer_ops import LayerOp
 
 
 @_algorithm
@@ -72,6 +73,18 @@ class LoRA(_Factored):
             up, down = _f32(self.up, dev).flatten(1), _f32(self.down, dev).flatten(1)
         acc.view(acc.shape[0], -1).addmm_(up, down, alpha=strength * _low_rank_scale(self.alpha, self.rank))
         return None
+
+    def bypass(self, module: torch.nn.Module, x: Tensor, op: LayerOp, strength: float, output: Tensor) -> Tensor | None:
+        """up(mid(down(x))) on x itself where the layer has a low-rank path (linear, conv): no
+        weight-sized tensor per forward; the scale and strength ride on the small `up` factor."""
+        dtype, dev = output.dtype, x.device
+        if op.low_rank is not None:
+            up = (self.up.to(dev, torch.float32) * (strength * _low_rank_scale(self.alpha, self.rank))).to(dtype)
+            mid = None if self.mid is None else self.mid.to(dev, dtype)
+            out = op.low_rank(module, x, self.down.to(dev, dtype), mid, up)
+            if out is not None:
+                return out
+        return super().bypass(module, x, op, strength, output)
 
     def _weight_delta(self, w0: Tensor) -> Tensor:
         dev = w0.device

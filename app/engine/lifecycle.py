@@ -1,0 +1,344 @@
+"""The model lifecycle: the steps that make the loaded model match a `Desired`.
+
+Load and swap a checkpoint, place it under an offload mode (plan, move, install the mode's
+hooks), patch LoRAs, run a generation, unload. Only the worker calls these, one at a time, and
+each step owns its undo: a load that fails leaves the previous model loaded and placed as it
+was; an offload switch that fails puts the previous mode back; a LoRA change is all or nothing
+(the stack's own rollback). `realise` diffs a `Desired` against what is loaded and runs only
+the steps that differ.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from app import diagnostics
+from app.adapters.errors import LoraApplyError
+from app.adapters.files import AdapterFile
+from app.adapters.matching import MatchReport
+from app.adapters.patcher import LoraStack
+from app.adapters.specs import LoraSpec
+from app.engine import compiled, embeddings, generate, models, offload, placement
+from app.engine.desired import Desired
+from app.engine.generate import GenerateParams
+from app.hooks import HookRegistry
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+class RollbackFailed(RuntimeError):
+    """An undo could not restore the last good state; the engine must enter ERROR."""
+
+
+@dataclass
+class _Loaded:
+    """The current model and everything applied to it (lifecycle-private)."""
+
+    model: models.LoadedModel
+    signature: tuple[int, int]  # the checkpoint's (mtime, size) at load: a changed file is reloaded
+    plan: placement.PlacementPlan
+    hooks: HookRegistry
+    stack: LoraStack
+    embeddings: tuple[str, ...]
+    strategy: offload.OffloadStrategy
+    set_aside: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
+    compile: compiled.CompileState | None = None
+
+
+@dataclass(frozen=True)
+class LoadedFacts:
+    """What the snapshot shows about the loaded model."""
+
+    model: str
+    arch: str
+    model_hash: str
+    native_size: int  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
+    dtype: torch.dtype
+    offload: str
+    loras: tuple[LoraSpec, ...]
+    lora_mode: str  # "fused", "bypass" or "fused + bypass"
+    embeddings: tuple[str, ...]
+    set_aside: Mapping[str, str]
+
+
+def release_memory() -> None:
+    """Return freed RAM/VRAM to the OS/driver so "unload" really shows up in the numbers."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: nothing to trim
+        pass
+
+
+class ModelLifecycle:
+    """Owns the loaded pipeline; the worker's only way to change it."""
+
+    def __init__(self, settings: Settings, device: torch.device, timers: diagnostics.Timers,
+                 open_lora: Callable[[str], AdapterFile], progress: ProgressFn) -> None:
+        self._settings = settings
+        self._device = device
+        self._timers = timers
+        self._open_lora = open_lora
+        self._progress = progress
+        self._loaded: _Loaded | None = None
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def pipeline(self):
+        return None if self._loaded is None else self._loaded.model.pipe
+
+    @property
+    def stack(self) -> LoraStack | None:
+        return None if self._loaded is None else self._loaded.stack
+
+    @property
+    def plan(self) -> placement.PlacementPlan | None:
+        return None if self._loaded is None else self._loaded.plan
+
+    def facts(self) -> LoadedFacts | None:
+        loaded = self._loaded
+        if loaded is None:
+            return None
+        pipe, bypass = loaded.model.pipe, loaded.stack.bypass_components
+        patched = {component for component, _ in loaded.stack.patched_modules()}
+        modes = sorted({"bypass" if c in bypass else "fused" for c in patched}) or ["fused"]
+        return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.model.short_hash,
+                           pipe.unet.config.sample_size * pipe.vae_scale_factor, loaded.plan.dtype,
+                           loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
+                           dict(loaded.set_aside))
+
+    def rows(self, violations) -> tuple[diagnostics.ModuleRow, ...]:
+        loaded = self._loaded
+        if loaded is None:
+            return ()
+        return diagnostics.placement_rows(loaded.model.pipe, loaded.plan, loaded.stack.patched_modules(),
+                                          list(violations), loaded.hooks)
+
+    def compile_status(self) -> compiled.CompileStatus | None:
+        loaded = self._loaded
+        return None if loaded is None or loaded.compile is None else loaded.compile.status()
+
+    def inspect(self, name: str, file: AdapterFile) -> MatchReport:
+        if self._loaded is None:
+            raise RuntimeError("no model loaded")
+        return self._loaded.stack.prepare(name, file, upload=False).report
+
+    def culprits(self, exc: BaseException) -> tuple[str, ...]:
+        return () if self._loaded is None else self._loaded.stack.culprits(exc)
+
+    # ------------------------------------------------------------------ placement checks
+    def verify_and_repair(self, when: str) -> tuple[list[placement.Violation], int]:
+        """Violations of the plan found now, and how many tensors were moved back."""
+        if self._loaded is None:
+            return [], 0
+        pipe, plan = self._loaded.model.pipe, self._loaded.plan
+        found = placement.verify(pipe, plan)
+        return found, placement.sync(pipe, plan, reason=when) if found else 0
+
+    # ------------------------------------------------------------------ realising a Desired
+    def realise(self, want: Desired, loras: tuple[LoraSpec, ...], *, retry_set_aside: bool = False
+                ) -> tuple[dict[str, MatchReport], dict[str, str]]:
+        """Make the loaded model match `want` with `loras` (the wanted list minus disabled ones)
+        applied, running only the steps that differ. A (re)load applies them leniently: one that
+        does not fit this model is set aside with its reason. Otherwise LoRAs set aside stay aside,
+        unless `retry_set_aside` (an explicit LoRA list): then every one must fit or the step
+        fails. Returns the match report of each LoRA applied and the LoRAs newly set aside."""
+        if want.model is None:
+            self.unload()
+            return {}, {}
+        dtype = placement.resolve_dtype(want.dtype, self._device)
+        loaded = self._loaded
+        if loaded is None or self._stale(loaded, want.model, dtype):
+            self._load(want.model, dtype, want.offload)
+            return self._apply_fitting(loras)
+        if loaded.plan.offload != want.offload:
+            self._set_offload(want.offload)
+        wanted = loras if retry_set_aside else tuple(s for s in loras if s.name not in loaded.set_aside)
+        reports = self.apply_loras(wanted) if wanted != loaded.stack.applied else {}
+        if retry_set_aside:
+            loaded.set_aside.clear()
+        return reports, {}
+
+    def _stale(self, loaded: _Loaded, name: str, dtype: torch.dtype) -> bool:
+        """Another checkpoint, another dtype, or the same file changed on disk since it was loaded."""
+        if loaded.model.info.name != name or loaded.plan.dtype != dtype:
+            return True
+        return loaded.signature != _signature(loaded.model.info.path)
+
+    def apply_loras(self, specs: tuple[LoraSpec, ...]) -> dict[str, MatchReport]:
+        """Reconcile the stack with `specs`, all or nothing."""
+        assert self._loaded is not None
+        t0 = time.perf_counter()
+        try:
+            files = {s.name: self._open_lora(s.name) for s in specs}
+            return self._loaded.stack.reconcile(specs, files, progress=self._patch_progress)
+        finally:
+            self._timers.record("patch", time.perf_counter() - t0)
+
+    def _patch_progress(self, done: int, total: int) -> None:
+        self._progress("patching LoRA layers", done, total)
+
+    def _apply_fitting(self, specs: tuple[LoraSpec, ...]) -> tuple[dict[str, MatchReport], dict[str, str]]:
+        """After a load: apply each LoRA that fits, one more at a time; set the others aside."""
+        loaded = self._loaded
+        fitting: list[LoraSpec] = []
+        reports: dict[str, MatchReport] = {}
+        for spec in specs:
+            try:
+                reports = self.apply_loras((*fitting, spec))
+                fitting.append(spec)
+            except LoraApplyError as exc:
+                loaded.set_aside[spec.name] = str(exc)
+                log.warning("LoRA %s set aside for %s: %s", spec.name, loaded.model.info.name, str(exc))
+        return reports, dict(loaded.set_aside)
+
+    # ------------------------------------------------------------------ load / swap / unload
+    def _load(self, name: str, dtype: torch.dtype, mode: str) -> None:
+        info = models.resolve_checkpoint(name, self._settings.checkpoints_dir)
+        self._progress(f"loading {info.name}", 0, 3)
+        t0 = time.perf_counter()
+        fresh = models.load_pipeline(info, dtype)
+        self._timers.record("load", time.perf_counter() - t0)
+        self._progress(f"placing {info.name}", 1, 3)
+        self._swap_in(fresh, dtype, mode)
+        self._progress("applying LoRAs", 2, 3)
+
+    def _plan(self, pipe, dtype: torch.dtype, mode: str) -> placement.PlacementPlan:
+        rest = self._settings.rest_dtype
+        return offload.plan_for(pipe, dtype, self._device, mode, None if rest is None else placement.DTYPES[rest])
+
+    def _place(self, pipe, plan: placement.PlacementPlan, hooks: HookRegistry, reason: str) -> offload.OffloadStrategy:
+        """Apply a plan and install its offload strategy; on failure no hook of it stays behind."""
+        t0 = time.perf_counter()
+        placement.apply_plan(pipe, plan, reason=reason)
+        pipe.execution_device = plan.device
+        strategy = offload.make_strategy(pipe, plan, hooks, self._settings.vram_budget_gib,
+                                         self._settings.balanced_watermark)
+        try:
+            strategy.install()
+        except BaseException:
+            strategy.remove()
+            raise
+        self._timers.record("move", time.perf_counter() - t0)
+        return strategy
+
+    def _swap_in(self, fresh: models.LoadedModel, dtype: torch.dtype, mode: str) -> None:
+        """Place a freshly loaded model and make it current; the old one stays usable until then.
+
+        The old pipeline is parked on the CPU (hooks removed) so a large new model can fit on the
+        GPU; if placing the new one fails, the old one is put back with its offload mode.
+        """
+        old = self._loaded
+        plan, hooks = self._plan(fresh.pipe, dtype, mode), HookRegistry()
+        parked = False
+        try:
+            if old is not None and self._device.type != "cpu":
+                self._release_hooks(old)
+                parked = True
+                cpu_plan = offload.plan_for(old.model.pipe, old.plan.dtype, torch.device("cpu"), "none")
+                placement.apply_plan(old.model.pipe, cpu_plan, reason="park previous model")
+            embedded = embeddings.load_all(fresh.pipe, fresh.arch, self._settings.embeddings_dir)
+            strategy = self._place(fresh.pipe, plan, hooks, reason="load")
+        except BaseException:
+            del fresh
+            if parked:
+                self._restore_placement(old)
+            release_memory()
+            raise
+        if old is not None:
+            self._release_hooks(old)
+            old.stack.release()
+        fresh.pipe.set_progress_bar_config(disable=True)
+        stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan))
+        self._loaded = _Loaded(fresh, _signature(fresh.info.path), plan, hooks, stack, embedded, strategy)
+        self._sync_compile(self._loaded)
+        del old
+        release_memory()
+
+    @staticmethod
+    def _release_hooks(loaded: _Loaded) -> None:
+        compiled.disable(loaded.model.pipe)
+        loaded.strategy.remove()
+
+    def unload(self) -> None:
+        if self._loaded is not None:
+            self._release_hooks(self._loaded)
+            self._loaded.stack.release()
+        self._loaded = None
+        release_memory()
+
+    def _sync_compile(self, loaded: _Loaded) -> None:
+        """(Re)install the compiled UNet path when `--compile` is on. LoRA changes never call this:
+        fused weights are written in place, so compiled graphs stay valid without a recompile."""
+        compiled.disable(loaded.model.pipe)
+        loaded.compile = None
+        if self._settings.compile:
+            loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self._device,
+                                             mode=self._settings.compile_mode,
+                                             cache_dir=self._settings.compile_cache_dir,
+                                             # CUDA-graph trees are per thread: record them on the worker.
+                                             background=self._settings.compile_mode == "default")
+
+    def _restore_placement(self, loaded: _Loaded) -> None:
+        """Put a model back to its own plan and offload mode (the undo of parking or a failed move)."""
+        try:
+            loaded.strategy.remove()
+            loaded.strategy = self._place(loaded.model.pipe, loaded.plan, loaded.hooks, reason="rollback")
+            loaded.stack.set_bypass(offload.bypass_components(loaded.plan))
+        except BaseException as exc:
+            raise RollbackFailed(f"could not put the model back to its previous placement: {exc}") from exc
+
+    def _set_offload(self, mode: str) -> None:
+        """Remove the old mode's hooks completely, apply the new plan, install the new hooks."""
+        loaded = self._loaded
+        new_plan = self._plan(loaded.model.pipe, loaded.plan.dtype, mode)
+        compiled.disable(loaded.model.pipe)
+        loaded.strategy.remove()
+        strategy = None
+        try:
+            strategy = self._place(loaded.model.pipe, new_plan, loaded.hooks, reason=f"offload {mode}")
+            loaded.stack.set_bypass(offload.bypass_components(new_plan))
+        except BaseException:
+            if strategy is not None:
+                strategy.remove()
+            self._restore_placement(loaded)
+            self._sync_compile(loaded)
+            raise
+        loaded.plan, loaded.strategy = new_plan, strategy
+        self._sync_compile(loaded)
+
+    # ------------------------------------------------------------------ generation
+    def denoise(self, params: GenerateParams, seed: int, on_step: Callable[[int, int], None]) -> list:
+        """Run one generation; afterwards every component is back at its resting placement."""
+        loaded = self._loaded
+        if loaded is None:
+            raise RuntimeError("no model loaded: load a checkpoint first")
+        t0 = time.perf_counter()
+        try:
+            return generate.run(loaded.model.pipe, params, seed, on_step)
+        except torch.cuda.OutOfMemoryError as exc:
+            release_memory()
+            raise MemoryError(
+                f"out of GPU memory generating {params.batch}x{params.width}x{params.height}: "
+                "try a smaller batch or size, or an offload mode (model, balanced, sequential)") from exc
+        finally:
+            self._timers.record("denoise+decode", time.perf_counter() - t0)
+            loaded.strategy.settle()
+            loaded.plan = loaded.plan.with_resident(loaded.strategy.resident())
+
+
+def _signature(path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size

@@ -1,0 +1,122 @@
+"""The engine's published picture: immutable records the worker builds after each transition.
+
+The UI, the API and the bug report only ever read these; nothing in them refers back to live
+tensors or to the pipeline, so a snapshot can be kept, compared and serialised freely.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from app import diagnostics
+from app.adapters.specs import LoraSpec
+from app.engine import compiled, placement
+from app.engine.desired import Desired
+from app.engine.lifecycle import LoadedFacts
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One row of the bounded history."""
+
+    command: str
+    detail: str
+    state: str
+    started: float
+    duration_s: float
+    outcome: str  # "ok" | "failed, rolled back" | "failed, engine in ERROR"
+    violations_found: int
+    violations_repaired: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    command: str
+    message: str
+    traceback: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Progress:
+    phase: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class LoraState:
+    """One LoRA of the wanted list as the engine sees it: the truth the UI draws."""
+
+    name: str
+    unet_strength: float
+    te_strength: float
+    status: str  # "applied" | "set aside" | "disabled" | "no model loaded"
+    reason: str = ""  # why set aside or disabled
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An immutable picture of the engine, built by the worker after each transition."""
+
+    state: str
+    model: str | None = None
+    arch: str | None = None
+    model_hash: str | None = None
+    native_size: int | None = None  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
+    device: str = "cpu"
+    dtype: str | None = None
+    requested_dtype: str = "auto"
+    offload: str = "none"
+    loras: tuple[LoraSpec, ...] = ()  # applied to the model now
+    lora_states: tuple[LoraState, ...] = ()  # every wanted LoRA: applied, set aside or disabled, and why
+    lora_mode: str = "fused"  # "fused", "bypass" or "fused + bypass"
+    placement: tuple[diagnostics.ModuleRow, ...] = ()
+    violations: tuple[placement.Violation, ...] = ()  # found (and repaired) by the last transition
+    violations_found_total: int = 0
+    violations_repaired_total: int = 0
+    lora_counters: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    timers: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    history: tuple[Transition, ...] = ()
+    last_error: ErrorRecord | None = None
+    progress: Progress | None = None
+    embeddings: tuple[str, ...] = ()
+    compile: compiled.CompileStatus | None = None
+    taken_at: float = 0.0
+
+
+def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,
+                counters: Mapping[str, object]) -> tuple[LoraState, ...]:
+    """Each wanted LoRA's status on the loaded model."""
+    applied = {s.name for s in facts.loras} if facts is not None else set()
+    out = []
+    for spec in wanted:
+        counter = counters.get(spec.name)
+        if facts is None:
+            status, reason = "no model loaded", ""
+        elif spec.name in applied:
+            status, reason = "applied", ""
+        elif counter is not None and counter.disabled:
+            status, reason = "disabled", counter.message
+        else:
+            status, reason = "set aside", facts.set_aside.get(spec.name, "")
+        out.append(LoraState(spec.name, spec.unet_strength, spec.te_strength, status, reason))
+    return tuple(out)
+
+
+def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFacts | None, rows, violations,
+                   found_total: int, repaired_total: int, counters: MappingProxyType, timers: dict,
+                   history: tuple[Transition, ...], last_error: ErrorRecord | None) -> Snapshot:
+    common = dict(state=state, device=device, requested_dtype=desired.dtype, offload=desired.offload,
+                  violations=violations, violations_found_total=found_total, violations_repaired_total=repaired_total,
+                  lora_counters=counters, timers=MappingProxyType(timers), history=history, last_error=last_error,
+                  lora_states=lora_states(desired.loras, facts, counters), taken_at=time.time())
+    if facts is None:
+        return Snapshot(**common)
+    return Snapshot(model=facts.model, arch=facts.arch, model_hash=facts.model_hash, native_size=facts.native_size,
+                    dtype=placement.dtype_name(facts.dtype), loras=facts.loras, placement=rows,
+                    lora_mode=facts.lora_mode, embeddings=facts.embeddings, **common)

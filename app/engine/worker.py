@@ -1,0 +1,365 @@
+"""The engine state machine: one worker thread owns the model; everything else asks.
+
+Why: the seed crashes were races between code paths that each moved or patched tensors on
+their own. Here every mutation (load, dtype, offload, LoRAs, unload) and every generation is a
+command on one queue, served by one worker. A mutation builds the next `Desired` and asks the
+model lifecycle to realise it; each command runs as a transition: enter its working state,
+verify/repair placement *before* (so a stray tensor never reaches a forward pass), run the body,
+verify/repair *after*, record a history row, publish an immutable snapshot. A body that fails
+leaves the model and the `Desired` as they were (each lifecycle step owns its undo); if an undo
+itself fails the engine enters ERROR and only a load or unload leaves it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from app import diagnostics
+from app.adapters.errors import AdapterError, LoraApplyError
+from app.adapters.files import LoraLibrary
+from app.adapters.prompt import merge_prompt_loras
+from app.adapters.specs import LoraSpec
+from app.engine import generate, placement
+from app.engine.desired import Desired
+from app.engine.generate import GeneratedImage, GenerateParams, RunContext
+from app.engine.lifecycle import ModelLifecycle, RollbackFailed
+from app.engine.lora_counters import LoraCounterBook, capped
+from app.engine.offload import MODES
+from app.engine.snapshot import ErrorRecord, Progress, Snapshot, Transition, build_snapshot
+from app.settings import DTYPE_CHOICES, Settings
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(str, enum.Enum):
+    EMPTY = "EMPTY"
+    LOADING = "LOADING"
+    READY = "READY"
+    PATCHING = "PATCHING"
+    MOVING = "MOVING"
+    GENERATING = "GENERATING"
+    ERROR = "ERROR"
+
+
+@dataclass
+class _Command:
+    name: str
+    detail: str
+    state: EngineState
+    body: Callable[[], Any]
+    future: Future
+    record: bool = True
+
+
+class Engine:
+    """Public, blocking API over the command queue. Thread-safe; every call waits for its result."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.device = placement.resolve_device(settings.device)
+        self.library = LoraLibrary(settings.lora_dir)
+        self._queue: collections.deque[_Command | None] = collections.deque()
+        self._wake = threading.Condition()
+        self._state = EngineState.EMPTY
+        self._desired = Desired(dtype=settings.dtype, offload=settings.offload)
+        self._counters = LoraCounterBook(self.library.exists, settings.max_lora_errors)
+        self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
+        self._timers = diagnostics.Timers()
+        self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress)
+        self._found_total = 0
+        self._repaired_total = 0
+        self._last_error: ErrorRecord | None = None
+        self._progress: Progress | None = None
+        self._last_violations: tuple[placement.Violation, ...] = ()
+        self.timeline = diagnostics.MemoryTimeline()
+        self._snapshot = Snapshot(state=EngineState.EMPTY.value, device=str(self.device),
+                                  requested_dtype=settings.dtype, offload=settings.offload)
+        diagnostics.set_debug_logging(settings.lora_debug, settings.move_debug)
+        self._worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ public API
+    def load_model(self, name_or_path: str, dtype: str | None = None) -> Snapshot:
+        """Load a checkpoint (a no-op when that file is already loaded in that dtype)."""
+        if dtype is not None:
+            self._check_choice("dtype", dtype, DTYPE_CHOICES)
+        return self._change("load_model", f"{name_or_path} dtype={dtype or self._desired.dtype}", EngineState.LOADING,
+                            lambda d: d.replace(model=name_or_path, dtype=dtype or d.dtype), enable_loras=True)
+
+    def set_dtype(self, dtype: str) -> Snapshot:
+        """Reload in the new dtype (casting back and forth would lose bits)."""
+        self._check_choice("dtype", dtype, DTYPE_CHOICES)
+        return self._change("set_dtype", dtype, EngineState.LOADING, lambda d: d.replace(dtype=dtype))
+
+    def set_offload(self, mode: str) -> Snapshot:
+        self._check_choice("offload", mode, tuple(MODES))
+        return self._change("set_offload", mode, EngineState.MOVING, lambda d: d.replace(offload=mode))
+
+    def set_loras(self, specs: Sequence[LoraSpec]) -> Snapshot:
+        """The full wanted list; applied all or nothing (a LoRA that fails leaves the previous list)."""
+        specs = tuple(specs)
+        self.library.validate_specs(specs)
+        detail = ", ".join(f"{s.name}:{s.unet_strength:g}/{s.te_strength:g}" for s in specs) or "none"
+        return self._change("set_loras", capped(detail), EngineState.PATCHING, lambda d: d.replace(loras=specs),
+                            enable_loras=True, retry_set_aside=True)
+
+    def unload(self) -> Snapshot:
+        return self._change("unload", "", EngineState.MOVING, lambda d: d.replace(model=None))
+
+    def generate(self, params: GenerateParams) -> list[GeneratedImage]:
+        return self._call("generate", f"{params.steps} steps {params.width}x{params.height} x{params.batch}",
+                          EngineState.GENERATING, lambda: self._do_generate(params), result=True)
+
+    def inspect_lora(self, name: str):
+        """Parse and shape-check a LoRA against the loaded model without applying it.
+
+        Returns its `MatchReport`; raises the same error `set_loras` would. Runs on the worker
+        (it reads the model) but is not a transition, so it leaves no history row.
+        """
+        return self.submit("inspect_lora", name, EngineState.READY,
+                           lambda: self._lifecycle.inspect(name, self.library.open(name)), record=False).result()
+
+    def set_debug(self, *, lora_debug: bool | None = None, move_debug: bool | None = None,
+                  strict: bool | None = None) -> Settings:
+        """Debug toggles take effect at once (they touch no tensor, so no queueing)."""
+        changes = {k: v for k, v in {"lora_debug": lora_debug, "move_debug": move_debug,
+                                     "strict": strict}.items() if v is not None}
+        self.settings = self.settings.replace(**changes)
+        diagnostics.set_debug_logging(self.settings.lora_debug, self.settings.move_debug)
+        return self.settings
+
+    def snapshot(self) -> Snapshot:
+        """The last published snapshot with the live state and progress laid over it."""
+        return dataclasses.replace(self._snapshot, state=self._state.value, progress=self._progress,
+                                   compile=self._lifecycle.compile_status())
+
+    def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
+               record: bool = True) -> Future:
+        """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine."""
+        future: Future = Future()
+        with self._wake:
+            self._queue.append(_Command(name, detail, state, body, future, record))
+            self._wake.notify()
+        return future
+
+    def close(self) -> None:
+        with self._wake:
+            self._queue.append(None)
+            self._wake.notify()
+        self._worker.join(timeout=60)
+
+    @property
+    def pipeline(self):
+        """The live pipeline, for tests and benchmarks that must reach inside. Not for the UI."""
+        return self._lifecycle.pipeline
+
+    @property
+    def lora_stack(self):
+        """The live LoRA stack (backups, bypass layers), for tests. Not for the UI."""
+        return self._lifecycle.stack
+
+    @property
+    def placement_plan(self):
+        """The live placement plan (which components balanced mode keeps resident), for tests."""
+        return self._lifecycle.plan
+
+    # ------------------------------------------------------------------ queue plumbing
+    @staticmethod
+    def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+        if value not in choices:
+            raise ValueError(f"{what} must be one of {', '.join(choices)}; got {capped(repr(value), 80)}")
+
+    def _call(self, name: str, detail: str, state: EngineState, body: Callable[[], Any], result: bool = False):
+        value = self.submit(name, detail, state, body).result()
+        return value if result else self.snapshot()
+
+    def _change(self, name: str, detail: str, state: EngineState, change: Callable[[Desired], Desired], *,
+                enable_loras: bool = False, retry_set_aside: bool = False) -> Snapshot:
+        """A mutation: realise the next `Desired` and commit it only if that succeeded."""
+        def body() -> None:
+            want = change(self._desired)
+            if enable_loras:
+                self._counters.enable_all()
+            self._realise(want, want.loras, retry_set_aside=retry_set_aside)
+            self._desired = want
+        return self._call(name, detail, state, body)
+
+    def _realise(self, want: Desired, loras: tuple[LoraSpec, ...], *, retry_set_aside: bool = False) -> None:
+        """Realise `want` with `loras` (minus disabled ones); counters record what was matched,
+        set aside or refused."""
+        disabled = self._counters.disabled()
+        try:
+            reports, set_aside = self._lifecycle.realise(want, tuple(s for s in loras if s.name not in disabled),
+                                                         retry_set_aside=retry_set_aside)
+        except LoraApplyError as exc:
+            self._counters.apply_failed(exc.lora_name, str(exc))
+            raise
+        for name, reason in set_aside.items():
+            self._counters.apply_failed(name, reason)
+        self._counters.matched(reports)
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue:
+                    self._wake.wait()
+                command = self._queue.popleft()
+            if command is None:
+                return
+            if command.record:
+                self._run_transition(command)
+            else:
+                self._run_query(command)
+
+    @staticmethod
+    def _run_query(command: _Command) -> None:
+        try:
+            command.future.set_result(command.body())
+        except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+            command.future.set_exception(exc)
+
+    def _run_transition(self, command: _Command) -> None:
+        before = self._state
+        self._state = command.state
+        started, t0 = time.time(), time.perf_counter()
+        found = repaired = 0
+        error, value = None, None
+        self._last_violations = ()  # the snapshot shows what this transition found (and repaired)
+        try:
+            found, repaired = self._verify_and_repair(f"before {command.name}")
+            value = command.body()
+            more_found, more_repaired = self._verify_and_repair(f"after {command.name}")
+            found, repaired = found + more_found, repaired + more_repaired
+            outcome = "ok"
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's future
+            error = exc
+            outcome = self._fail(command, exc, before)
+        finally:
+            self._progress = None
+        if outcome != "failed, engine in ERROR":
+            self._state = EngineState.READY if self._lifecycle.pipeline is not None else EngineState.EMPTY
+        duration = time.perf_counter() - t0
+        self._timers.record(command.name, duration)
+        self._history.append(Transition(command.name, command.detail, command.state.value, started, duration,
+                                        outcome, found, repaired, None if error is None else capped(str(error))))
+        self.timeline.sample(command.name)
+        self._publish()
+        if error is None:
+            command.future.set_result(value)
+        else:
+            command.future.set_exception(error)
+
+    def _fail(self, command: _Command, exc: BaseException, before: EngineState) -> str:
+        """Repair what a failed body may have left, record the error; returns the outcome."""
+        rollback_failed = (isinstance(exc, RollbackFailed) or before == EngineState.ERROR
+                           or not self._repair_after_failure(command.name))
+        if rollback_failed:
+            self._state = EngineState.ERROR
+        self._last_error = ErrorRecord(command.name, capped(f"{type(exc).__name__}: {exc}"),
+                                       traceback.format_exc(), time.time())
+        # The traceback goes to the log as text: a live exc_info would keep its frames (and the
+        # pipelines they reference) alive in any handler that keeps records.
+        log.error("%s (%s) failed: %s\n%s", command.name, command.detail, capped(str(exc)), self._last_error.traceback)
+        return "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
+
+    def _repair_after_failure(self, command: str) -> bool:
+        """A failed body may have been cut off mid-move: verify and repair once more, never raising.
+        Returns False when even that fails (the engine then enters ERROR)."""
+        try:
+            self._verify_and_repair(f"after failed {command}", strict=False)
+            return True
+        except Exception:  # noqa: BLE001 - reported through the ERROR state and the log
+            log.exception("placement could not be repaired after failed %s", command)
+            return False
+
+    def _verify_and_repair(self, when: str, strict: bool | None = None) -> tuple[int, int]:
+        """Find and repair placement violations; strict mode turns any finding into a failure."""
+        t0 = time.perf_counter()
+        found, repaired = self._lifecycle.verify_and_repair(when)
+        self._timers.record("verify", time.perf_counter() - t0)
+        self._last_violations += tuple(found)
+        self._found_total += len(found)
+        self._repaired_total += repaired
+        if found:
+            log.warning("%d placement violations %s, %d repaired; first: %s", len(found), when, repaired, found[0])
+            if self.settings.strict if strict is None else strict:
+                raise placement.PlacementError(
+                    f"strict mode: {len(found)} placement violations {when} (repaired), first: {found[0]}")
+        return len(found), repaired
+
+    def _publish(self) -> None:
+        self._snapshot = build_snapshot(
+            state=self._state.value, device=str(self.device), desired=self._desired, facts=self._lifecycle.facts(),
+            rows=self._lifecycle.rows(self._last_violations), violations=self._last_violations,
+            found_total=self._found_total, repaired_total=self._repaired_total,
+            counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),
+            last_error=self._last_error)
+
+    # ------------------------------------------------------------------ command bodies (worker only)
+    def _set_progress(self, phase: str, step: int, total: int) -> None:
+        self._progress = Progress(phase, step, total)
+
+    def _open_lora(self, name: str):
+        """Read a LoRA file; a read failure is that LoRA's apply error (counted under its name)."""
+        try:
+            return self.library.open(name)
+        except (AdapterError, OSError) as exc:
+            raise LoraApplyError(name, str(exc)) from exc
+
+    def _do_generate(self, params: GenerateParams) -> list[GeneratedImage]:
+        """Prompt tags apply to this generation only (A1111): the LoRAs are patched to the desired
+        list plus the tags for the run and back to the desired list afterwards."""
+        if self._lifecycle.pipeline is None:
+            raise RuntimeError("no model loaded: load a checkpoint first")
+        saved_prompt = params.prompt  # tags stay in the saved prompt, as A1111 writes it
+        params, wanted = merge_prompt_loras(params, self._desired.loras)
+        self.library.validate_specs(wanted)
+        tagged = wanted != self._desired.loras
+        if tagged:
+            self._state = EngineState.PATCHING
+            self._realise(self._desired, wanted)
+            self._verify_and_repair("before denoising")
+            self._state = EngineState.GENERATING
+        try:
+            return self._generate_images(params, saved_prompt)
+        finally:
+            if tagged:
+                self._realise(self._desired, self._desired.loras)
+
+    def _generate_images(self, params: GenerateParams, saved_prompt: str) -> list[GeneratedImage]:
+        facts = self._lifecycle.facts()
+        seed = generate.resolve_seed(params.seed)
+        applied = tuple((s.name, s.unet_strength, self.library.short_hash(s.name)) for s in facts.loras)
+        ctx = RunContext(facts.model, facts.model_hash, applied)
+        self._set_progress("denoising", 0, params.steps)
+        try:
+            images = self._lifecycle.denoise(params, seed, lambda step, total: self._set_progress("denoising", step,
+                                                                                                   total))
+        except Exception as exc:
+            self._attribute_runtime_error(exc)
+            raise
+        out = []
+        for i, image in enumerate(images):
+            text = generate.infotext(dataclasses.replace(params, prompt=saved_prompt), seed + i, ctx)
+            path = generate.save_png(image, text, self.settings.outputs_dir, seed + i)
+            out.append(GeneratedImage(image, seed + i, text, path))
+        return out
+
+    def _attribute_runtime_error(self, exc: Exception) -> None:
+        """Count an error raised inside a patched layer against the LoRAs patched into it; past
+        `max_lora_errors` (outside strict mode) the LoRA is taken off the model and marked
+        disabled, so one bad adapter cannot break every generation; an explicit set_loras or a
+        model load re-enables it."""
+        disabled = self._counters.runtime_error(self._lifecycle.culprits(exc), exc, strict=self.settings.strict)
+        if disabled:
+            self._realise(self._desired, self._desired.loras)

@@ -1,0 +1,48 @@
+"""What named hooks each offload mode must leave on which module, derived here from the modes'
+documented behaviour (not from the strategies' code), for the offload tests and the fuzz."""
+
+from __future__ import annotations
+
+import torch
+
+from app.engine.placement import torch_components
+
+Where = tuple[str, str]  # (component, module path)
+
+
+def _blocks(component: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """A component's groups for `group` offload: each element of a ModuleList child, other children whole."""
+    out = []
+    for name, child in component.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            out.extend((f"{name}.{i}", block) for i, block in enumerate(child))
+        else:
+            out.append((name, child))
+    return out
+
+
+def expected_hooks(pipe, mode: str, bypassed: set[Where] = frozenset()) -> dict[Where, tuple[str, ...]]:
+    """{(component, module): hook names in run order} for `mode`, with LoRA bypasses on `bypassed`."""
+    want: dict[Where, list[str]] = {}
+    for comp, component in torch_components(pipe).items():
+        if mode != "none":
+            want.setdefault((comp, ""), []).append("offload.inputs")
+        if mode in ("model", "balanced"):
+            want[(comp, "")].append("offload.component")
+            for name, _child in component.named_children():
+                want.setdefault((comp, name), []).append("offload.component")
+        elif mode == "sequential":
+            for path, module in component.named_modules():
+                if module._parameters or module._buffers:
+                    want.setdefault((comp, path), []).append("offload.stream")
+        elif mode == "group":
+            for path, _block in _blocks(component):
+                want.setdefault((comp, path), []).append("offload.stream")
+    for where in bypassed:
+        want.setdefault(where, []).append("lora.bypass")
+    return {where: tuple(names) for where, names in want.items()}
+
+
+def actual_hooks(snapshot) -> dict[Where, tuple[str, ...]]:
+    """The hook names the engine's snapshot reports per module (rows without hooks left out)."""
+    return {(row.component, row.module): row.hooks for row in snapshot.placement if row.hooks}
