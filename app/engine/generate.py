@@ -116,9 +116,11 @@ def _scheduler_for(pipe, sampler: str):
 
 def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     vae = pipe.vae
-    # The execution device, not the VAE's current one: under offload the VAE rests on the CPU
-    # until its hooks bring it over. The dtype is the VAE's own (fp32 when it must upcast).
-    latents = latents.to(device=pipe._execution_device, dtype=next(vae.parameters()).dtype)
+    # The execution device and the VAE's compute dtype, not its resting ones: under offload the
+    # VAE rests on the CPU (maybe in a wider dtype) until its hooks bring it over. fp32 when it
+    # must upcast.
+    dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
+    latents = latents.to(device=pipe._execution_device, dtype=dtype)
     config = vae.config
     mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
     if mean is not None and std is not None:

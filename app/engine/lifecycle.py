@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -224,6 +225,7 @@ class ModelLifecycle:
         t0 = time.perf_counter()
         placement.apply_plan(pipe, plan, reason=reason)
         pipe.execution_device = plan.device
+        pipe.compute_dtypes = MappingProxyType({name: c.compute.dtype for name, c in plan.components.items()})
         strategy = offload.make_strategy(pipe, plan, hooks, self._settings.vram_budget_gib,
                                          self._settings.balanced_watermark)
         try:

@@ -57,10 +57,13 @@ class OffloadStrategy:
     def _move_inputs_at_entry(self) -> None:
         """Tensor arguments of each component go to its compute device on entry. diffusers places
         some inputs by the device a component's weights rest on (SDXL's text encoders), which is
-        the CPU under every offload mode."""
+        the CPU under every offload mode. Where a component rests in another dtype than it
+        computes in, diffusers also casts activations by the resting dtype (`text_encoder.dtype`
+        reads the first parameter): those are cast to the compute dtype here too."""
         for name, component in placement.torch_components(self.pipe).items():
-            device = self.plan.components[name].compute.device
-            self.hooks.add(component, ModelHook("offload.inputs", pre=_inputs_to(device)))
+            plan = self.plan.components[name]
+            cast = plan.rest.dtype != plan.compute.dtype
+            self.hooks.add(component, ModelHook("offload.inputs", pre=_inputs_to(plan.compute, cast)))
 
     def remove(self) -> None:
         self.hooks.remove_all("offload.")
@@ -189,12 +192,22 @@ class SequentialOffload(OffloadStrategy):
         super().remove()
 
 
-def _inputs_to(device: torch.device):
-    def to_device(value):
-        return value.to(device) if isinstance(value, torch.Tensor) else value
+def _inputs_to(compute: placement.Placement, cast: bool):
+    """A pre-hook moving tensor arguments (nested in dicts, lists, tuples too) to the compute
+    device and, with `cast`, floating activations (two or more dimensions) to the compute dtype.
+    Timesteps (0-D or 1-D) keep their dtype, as they do when nothing is offloaded."""
+    def to_compute(value):
+        if isinstance(value, torch.Tensor):
+            activation = cast and value.is_floating_point() and value.dim() >= 2
+            return value.to(compute.device, compute.dtype if activation else value.dtype)
+        if isinstance(value, dict):
+            return {k: to_compute(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(to_compute(v) for v in value)
+        return value
 
     def pre_hook(_module, args, kwargs):
-        return tuple(to_device(a) for a in args), {k: to_device(v) for k, v in kwargs.items()}
+        return to_compute(args), to_compute(kwargs)
     return pre_hook
 
 
