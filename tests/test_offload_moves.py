@@ -91,7 +91,7 @@ def test_every_moving_mode_casts_in_and_back_out_exactly(engines, model, monkeyp
             assert all(state[k].equal(v) for k, v in checkpoint.items()), f"{mode}: UNet not back bit for bit"
     # Whole-component casts compute identically; streamed modes leave a module's neighbours at
     # rest in fp32 while it runs, so code that reads a component's dtype (`self.dtype`) sees fp32
-    # and a few intermediates run wider: the same image to within two grey levels on average (bf16 rounding in another order).
+    # and a few intermediates run wider: the same image to within two grey levels on average.
     assert np.array_equal(images["balanced"], images["model"])
     for mode in ("sequential", "group"):
         assert np.abs(images[mode] - images["model"]).mean() < 2.0, mode

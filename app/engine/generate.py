@@ -49,8 +49,9 @@ class GenerateParams:
     seed: int = -1
     width: int = 512
     height: int = 512
-    batch: int = 1
+    batch: int = 1  # images per denoising run (A1111 "batch size")
     sampler: str = "Euler a"
+    n_iter: int = 1  # runs one after another, seeds continuing (A1111 "batch count"); Skip ends one
 
     def __post_init__(self) -> None:
         if self.sampler not in SCHEDULERS:
@@ -59,6 +60,8 @@ class GenerateParams:
             raise ValueError(f"steps must be 1..150, got {self.steps}")
         if not 1 <= self.batch <= 16:
             raise ValueError(f"batch must be 1..16, got {self.batch}")
+        if not 1 <= self.n_iter <= 100:
+            raise ValueError(f"batch count must be 1..100, got {self.n_iter}")
         for side in (self.width, self.height):
             if side % 8 or not 64 <= side <= 2048:
                 raise ValueError(f"width and height must be multiples of 8 in 64..2048, got {side}")
@@ -72,6 +75,11 @@ class GeneratedImage:
     seed: int
     infotext: str
     path: Path | None = None
+    stopped_at: int | None = None  # the step an Interrupt or Skip stopped the denoising at (None: ran all)
+
+    @property
+    def complete(self) -> bool:
+        return self.stopped_at is None
 
 
 @dataclass(frozen=True)
@@ -134,15 +142,22 @@ def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
 
 
-def run(pipe, params: GenerateParams, seed: int,
-        on_step: Callable[[int, int], None] | None = None) -> list[Image.Image]:
-    """Denoise and decode `params.batch` images; image i uses seed `seed + i`."""
+StepCallback = Callable[[int, int, torch.Tensor], bool]
+
+
+def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None) -> list[Image.Image]:
+    """Denoise and decode `params.batch` images; image i uses seed `seed + i`.
+
+    `on_step(step, total, latents)` runs after each step; when it returns True the remaining steps
+    are skipped (diffusers' own interrupt flag) and the latents reached so far are decoded: an
+    Interrupt or Skip lands between two steps, never inside a forward.
+    """
     pipe.scheduler = _scheduler_for(pipe, params.sampler)
     generators = [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(params.batch)]
 
     def step_end(_pipe, step, _timestep, kwargs):
-        if on_step is not None:
-            on_step(step + 1, params.steps)
+        if on_step is not None and on_step(step + 1, params.steps, kwargs["latents"]):
+            _pipe._interrupt = True
         return kwargs
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode

@@ -52,6 +52,14 @@ class EngineState(str, enum.Enum):
 
 
 @dataclass
+class _Job:
+    """The generation in progress: who started it and whether an Interrupt/Skip asked it to stop."""
+
+    owner: str | None
+    stop: str | None = None  # "interrupt" (keep what is there) | "drop" | "skip" (this run only)
+
+
+@dataclass
 class _Command:
     name: str
     detail: str
@@ -81,6 +89,7 @@ class Engine:
         self._last_error: ErrorRecord | None = None
         self._progress: Progress | None = None
         self._last_violations: tuple[placement.Violation, ...] = ()
+        self._job: _Job | None = None
         self.timeline = diagnostics.MemoryTimeline()
         self._snapshot = Snapshot(state=EngineState.EMPTY.value, device=str(self.device),
                                   requested_dtype=settings.dtype, offload=settings.offload)
@@ -116,9 +125,32 @@ class Engine:
     def unload(self) -> Snapshot:
         return self._change("unload", "", EngineState.MOVING, lambda d: d.replace(model=None))
 
-    def generate(self, params: GenerateParams) -> list[GeneratedImage]:
-        return self._call("generate", f"{params.steps} steps {params.width}x{params.height} x{params.batch}",
-                          EngineState.GENERATING, lambda: self._do_generate(params), result=True)
+    def generate(self, params: GenerateParams, *, owner: str | None = None) -> list[GeneratedImage]:
+        """Generate `params.n_iter` × `params.batch` images; `owner` names who may interrupt it."""
+        detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
+        return self._call("generate", detail, EngineState.GENERATING,
+                          lambda: self._do_generate(params, owner), result=True)
+
+    def interrupt(self, *, keep_partial: bool = True, owner: str | None = None) -> bool:
+        """Stop the running generation between two steps; the engine is READY within a step.
+        With `keep_partial` the images reached so far are decoded and returned (and saved), as
+        A1111 does; otherwise nothing is. `owner` (a UI session or API client) stops only a job it
+        started: a closed tab cancels its own job, never another user's. Returns whether a
+        generation was running for that owner."""
+        job = self._job
+        if job is None or (owner is not None and job.owner != owner):
+            return False
+        job.stop = "interrupt" if keep_partial else "drop"
+        return True
+
+    def skip(self, *, owner: str | None = None) -> bool:
+        """End the current run of a batch count early (its images decoded as they are) and go on
+        with the next one. Returns whether a generation was running for that owner."""
+        job = self._job
+        if job is None or (owner is not None and job.owner != owner):
+            return False
+        job.stop = "skip"
+        return True
 
     def inspect_lora(self, name: str):
         """Parse and shape-check a LoRA against the loaded model without applying it.
@@ -316,7 +348,7 @@ class Engine:
         except (AdapterError, OSError) as exc:
             raise LoraApplyError(name, str(exc)) from exc
 
-    def _do_generate(self, params: GenerateParams) -> list[GeneratedImage]:
+    def _do_generate(self, params: GenerateParams, owner: str | None) -> list[GeneratedImage]:
         """Prompt tags apply to this generation only (A1111): the LoRAs are patched to the desired
         list plus the tags for the run and back to the desired list afterwards."""
         if self._lifecycle.pipeline is None:
@@ -325,35 +357,57 @@ class Engine:
         params, wanted = merge_prompt_loras(params, self._desired.loras)
         self.library.validate_specs(wanted)
         tagged = wanted != self._desired.loras
-        if tagged:
-            self._state = EngineState.PATCHING
-            self._realise(self._desired, wanted)
-            self._verify_and_repair("before denoising")
-            self._state = EngineState.GENERATING
+        job = self._job = _Job(owner)
         try:
-            return self._generate_images(params, saved_prompt)
+            if tagged:
+                self._state = EngineState.PATCHING
+                self._realise(self._desired, wanted)
+                self._verify_and_repair("before denoising")
+                self._state = EngineState.GENERATING
+            return self._generate_images(params, saved_prompt, job)
         finally:
+            self._job = None
             if tagged:
                 self._realise(self._desired, self._desired.loras)
 
-    def _generate_images(self, params: GenerateParams, saved_prompt: str) -> list[GeneratedImage]:
+    def _generate_images(self, params: GenerateParams, saved_prompt: str, job: _Job) -> list[GeneratedImage]:
         facts = self._lifecycle.facts()
         seed = generate.resolve_seed(params.seed)
         applied = tuple((s.name, s.unet_strength, self.library.short_hash(s.name)) for s in facts.loras)
         ctx = RunContext(facts.model, facts.model_hash, applied)
-        self._set_progress("denoising", 0, params.steps)
+        saved = dataclasses.replace(params, prompt=saved_prompt)
+        out = []
+        for run in range(params.n_iter):
+            first = seed + run * params.batch
+            images, stopped_at = self._denoise_run(params, first, job, f"denoising, run {run + 1}/{params.n_iter}")
+            if job.stop == "drop":
+                return []
+            for i, image in enumerate(images):
+                text = generate.infotext(saved, first + i, ctx)
+                path = generate.save_png(image, text, self.settings.outputs_dir, first + i)
+                out.append(GeneratedImage(image, first + i, text, path, stopped_at))
+            if job.stop == "interrupt":
+                break
+            job.stop = None  # a Skip ends this run only
+        return out
+
+    def _denoise_run(self, params: GenerateParams, seed: int, job: _Job, phase: str) -> tuple[list, int | None]:
+        """One run of the batch; returns its images and the step it was stopped at (None: all ran)."""
+        reached = 0
+
+        def on_step(step: int, total: int, _latents) -> bool:
+            nonlocal reached
+            reached = step
+            self._set_progress(phase, step, total)
+            return job.stop is not None
+
+        self._set_progress(phase, 0, params.steps)
         try:
-            images = self._lifecycle.denoise(params, seed, lambda step, total: self._set_progress("denoising", step,
-                                                                                                   total))
+            images = self._lifecycle.denoise(params, seed, on_step)
         except Exception as exc:
             self._attribute_runtime_error(exc)
             raise
-        out = []
-        for i, image in enumerate(images):
-            text = generate.infotext(dataclasses.replace(params, prompt=saved_prompt), seed + i, ctx)
-            path = generate.save_png(image, text, self.settings.outputs_dir, seed + i)
-            out.append(GeneratedImage(image, seed + i, text, path))
-        return out
+        return images, None if reached == params.steps else reached
 
     def _attribute_runtime_error(self, exc: Exception) -> None:
         """Count an error raised inside a patched layer against the LoRAs patched into it; past
