@@ -30,16 +30,17 @@ from diffusers import (  # noqa: E402
     UNet2DConditionModel,
 )
 from safetensors.torch import save_file  # noqa: E402
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
+from transformers import CLIPTextConfig  # noqa: E402
 
-from app.engine.models import CONFIG_DIRS, CONFIGS_METADATA_KEY, load_tokenizers  # noqa: E402
+from app.engine.models import CONFIGS_METADATA_KEY  # noqa: E402
+from app.families import FAMILIES, family  # noqa: E402
 from app.families.ldm_layout import to_ldm_state_dict  # noqa: E402
 from app.settings import Settings  # noqa: E402
 
 # Plain diffusers classes, so the written folders load in any diffusers-based tool.
 DIFFUSERS_CLASSES = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 
-ARCHS = ("sd15", "sdxl")
+ARCHS = tuple(FAMILIES)
 _TIME_EMBED_DIM = 8
 # vocab_size and max_position_embeddings stay real so the bundled tokenizer works unchanged.
 _CLIP = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=0, eos_token_id=2, pad_token_id=1)
@@ -101,7 +102,6 @@ TINY_CONFIGS = {
         "text_encoder_2": _TEXT_G,
     },
 }
-_TEXT_CLASSES = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
 EMBEDDING_VECTORS = 2
 
 LoraWriter = Callable[[Path, object, str], None]
@@ -121,14 +121,13 @@ def build_tiny_pipeline(arch: str, seed: int = 0):
             "unet": UNet2DConditionModel(**configs["unet"]),
             "vae": AutoencoderKL(**configs["vae"]),
         }
-        for name, cls in _TEXT_CLASSES.items():
-            if name in configs:
-                components[name] = cls(CLIPTextConfig(**configs[name]))
-    index = json.loads((CONFIG_DIRS[arch] / "model_index.json").read_text())
+        for te in family(arch).text_encoders:
+            components[te.component] = te.model_class(CLIPTextConfig(**configs[te.component]))
+    fam = family(arch)
+    index = json.loads((fam.config_dir / "model_index.json").read_text())
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
-    components["scheduler"] = scheduler_cls.from_pretrained(CONFIG_DIRS[arch], subfolder="scheduler")
-    extra = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
-    pipe = DIFFUSERS_CLASSES[arch](**components, **load_tokenizers(arch), **(extra if arch == "sd15" else {}))
+    components["scheduler"] = scheduler_cls.from_pretrained(fam.config_dir, subfolder="scheduler")
+    pipe = DIFFUSERS_CLASSES[arch](**components, **fam.tokenizers(), **fam.pipeline_kwargs)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.eval()
@@ -137,7 +136,7 @@ def build_tiny_pipeline(arch: str, seed: int = 0):
 
 def component_configs(pipe, arch: str) -> dict[str, dict]:
     """The model components' configs as JSON objects (what a tiny single file embeds)."""
-    names = ["unet", "vae", *(n for n in _TEXT_CLASSES if n in TINY_CONFIGS[arch])]
+    names = ["unet", "vae", *(te.component for te in family(arch).text_encoders)]
     configs = {}
     for name in names:
         module = getattr(pipe, name)
@@ -150,19 +149,16 @@ def component_configs(pipe, arch: str) -> dict[str, dict]:
 def write_single_file(pipe, arch: str, path: Path) -> None:
     """Save in the LDM single-file layout with the component configs embedded in the metadata."""
     metadata = {"format": "pt", CONFIGS_METADATA_KEY: json.dumps(component_configs(pipe, arch))}
-    save_file(to_ldm_state_dict(pipe, arch), str(path), metadata=metadata)
+    save_file(to_ldm_state_dict(pipe, family(arch)), str(path), metadata=metadata)
 
 
 def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """A random textual-inversion embedding in the A1111 layout for `arch`, scaled like the vocabulary."""
     generator = torch.Generator().manual_seed(seed)
-    layout = {
-        "sd15": {"emb_params": "text_encoder"},
-        "sdxl": {"clip_l": "text_encoder", "clip_g": "text_encoder_2"},
-    }
     tensors = {}
-    for key, encoder_name in layout[arch].items():
-        table = getattr(pipe, encoder_name).get_input_embeddings().weight.detach()
+    for te in family(arch).text_encoders:
+        key = te.embedding_key
+        table = getattr(pipe, te.component).get_input_embeddings().weight.detach()
         vectors = torch.randn(EMBEDDING_VECTORS, table.shape[1], generator=generator)
         tensors[key] = (vectors * table.std()).contiguous()
     return tensors

@@ -78,9 +78,9 @@ from app.adapters.specs import LoraSpec  # noqa: E402
 from app.demo import DIFFUSERS_CLASSES, build_tiny_pipeline  # noqa: E402
 from app.engine import compiled  # noqa: E402
 from app.engine.generate import GenerateParams  # noqa: E402
-from app.engine.models import CONFIG_DIRS, load_tokenizers  # noqa: E402
 from app.engine.placement import DTYPES  # noqa: E402
 from app.engine.worker import Engine  # noqa: E402
+from app.families import family  # noqa: E402
 from app.settings import Settings  # noqa: E402
 
 log = logging.getLogger("bench")
@@ -429,7 +429,7 @@ _LORA_CONV = re.compile(r"resnets\.\d+\.conv[12]$")
 def random_pipeline(arch: str, device: torch.device, dtype: torch.dtype):
     """The full-size pipeline from the bundled configs with random weights, initialised on `device`
     (seconds on a GPU, where the CPU would take minutes for SDXL)."""
-    config_dir = CONFIG_DIRS[arch]
+    config_dir = family(arch).config_dir
     index = json.loads((config_dir / "model_index.json").read_text())
     text_classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
     with torch.device(device), torch.random.fork_rng(devices=[]):
@@ -443,8 +443,7 @@ def random_pipeline(arch: str, device: torch.device, dtype: torch.dtype):
                 parts[name] = cls(CLIPTextConfig.from_pretrained(config_dir / name))
     parts = {name: module.to(dtype).eval() for name, module in parts.items()}
     parts["scheduler"] = getattr(diffusers, index["scheduler"][1]).from_pretrained(config_dir, subfolder="scheduler")
-    extra = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
-    return DIFFUSERS_CLASSES[arch](**parts, **load_tokenizers(arch), **(extra if arch == "sd15" else {}))
+    return DIFFUSERS_CLASSES[arch](**parts, **family(arch).tokenizers(), **family(arch).pipeline_kwargs)
 
 
 def lora_targets(unet: torch.nn.Module, convs: bool) -> list[tuple[str, tuple[int, ...]]]:

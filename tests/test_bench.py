@@ -106,9 +106,9 @@ def test_unet_flops_match_the_full_size_architecture(bench):
     TFLOP per CFG step at 512², four times that at batch 4."""
     from diffusers import UNet2DConditionModel
 
-    from app.engine.models import CONFIG_DIRS
+    from app.families import family
 
-    config = UNet2DConditionModel.load_config(CONFIG_DIRS["sd15"] / "unet")
+    config = UNet2DConditionModel.load_config(family("sd15").config_dir / "unet")
     one = bench.unet_tflop_per_step(config, 1, 64)
     assert 1.3 < one < 1.9
     assert bench.unet_tflop_per_step(config, 4, 64) == pytest.approx(4 * one, rel=0.01)

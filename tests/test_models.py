@@ -24,9 +24,10 @@ from app.engine.models import (
     UnsafeCheckpointPathError,
     UnsupportedCheckpointFormatError,
 )
-from app.families.ldm_layout import TEXT_ENCODER_PREFIXES, ldm_plan, to_ldm_state_dict, unet_module_to_ldm
+from app.families import family
+from app.families.ldm_layout import ldm_plan, to_ldm_state_dict, unet_module_to_ldm
 
-CONFIGS = models.CONFIG_DIRS
+CONFIGS = {arch: family(arch).config_dir for arch in ('sd15', 'sdxl')}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_sdxl_vae_config_upcasts_and_uses_its_own_scaling_factor(meta_pipes):
 
 def test_bundled_tokenizer_encodes_like_openai_clip():
     """The tokenizer rebuilt from OpenCLIP's BPE list gives CLIP's ids; SDXL's second one pads with "!"."""
-    tokenizers = models.load_tokenizers("sdxl")
+    tokenizers = family("sdxl").tokenizers()
     first, second = tokenizers["tokenizer"], tokenizers["tokenizer_2"]
     assert first("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
     assert len(first) == 49408 and first.model_max_length == 77
@@ -137,7 +138,7 @@ def test_full_size_ldm_layout_is_what_diffusers_single_file_loader_expects(meta_
     """Our LDM writer and diffusers' LDM reader are inverses on the real architectures: every tensor
     comes back under its own name and shape (checked on the meta device, so it costs nothing)."""
     pipe = meta_pipes[arch]
-    ldm = to_ldm_state_dict(pipe, arch)
+    ldm = to_ldm_state_dict(pipe, family(arch))
     converted = {
         "unet": sfu.convert_ldm_unet_checkpoint(ldm, dict(pipe.unet.config)),
         "vae": sfu.convert_ldm_vae_checkpoint(dict(ldm), dict(pipe.vae.config)),
@@ -146,7 +147,7 @@ def test_full_size_ldm_layout_is_what_diffusers_single_file_loader_expects(meta_
         },
     }
     if arch == "sdxl":
-        prefix = TEXT_ENCODER_PREFIXES["sdxl"]["text_encoder_2"]
+        prefix = family("sdxl").text_encoder("text_encoder_2").single_file_prefix
         converted["text_encoder_2"] = sfu.convert_open_clip_checkpoint(
             pipe.text_encoder_2, ldm, prefix=prefix
         )
@@ -160,9 +161,9 @@ def test_full_size_ldm_layout_is_what_diffusers_single_file_loader_expects(meta_
 def test_open_clip_layout_fuses_qkv_and_transposes_the_projection():
     """SDXL's second encoder is stored as OpenCLIP does: one in_proj (q, k, v), text_projection as x @ P."""
     pipe = build_tiny_pipeline("sdxl")
-    ldm = to_ldm_state_dict(pipe, "sdxl")
+    ldm = to_ldm_state_dict(pipe, family("sdxl"))
     encoder = pipe.text_encoder_2.state_dict()
-    prefix = TEXT_ENCODER_PREFIXES["sdxl"]["text_encoder_2"]
+    prefix = family("sdxl").text_encoder("text_encoder_2").single_file_prefix
     layer = "text_model.encoder.layers.1.self_attn."
     fused = torch.cat([encoder[f"{layer}{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(ldm[prefix + "transformer.resblocks.1.attn.in_proj_weight"], fused)
@@ -176,7 +177,7 @@ def test_open_clip_layout_fuses_qkv_and_transposes_the_projection():
 @pytest.mark.parametrize("arch", ["sd15", "sdxl"])
 def test_detect_architecture_on_full_size_key_sets(meta_pipes, arch):
     """The key set of a real checkpoint (as our LDM plan names it) is recognised as its architecture."""
-    keys = {entry.key for entry in ldm_plan(meta_pipes[arch], arch)}
+    keys = {entry.key for entry in ldm_plan(meta_pipes[arch], family(arch))}
     assert models.detect_architecture(keys) == arch
 
 
@@ -358,7 +359,7 @@ def test_embedded_config_metadata_must_be_valid(tmp_path):
     """Corrupt embedded configs are a load error naming the metadata key, not a crash in diffusers."""
     pipe = build_tiny_pipeline("sd15")
     save_file(
-        to_ldm_state_dict(pipe, "sd15"),
+        to_ldm_state_dict(pipe, family("sd15")),
         str(tmp_path / "odd.safetensors"),
         metadata={models.CONFIGS_METADATA_KEY: json.dumps({"safety_checker": {}})},
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.families import family
 from app.families.ldm_layout import unet_module_map
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,7 @@ Target = tuple[str, str]  # (component, module path)
 
 
 def _te_prefixes(arch: str) -> dict[str, str]:
-    if arch == "sdxl":
-        return {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
-    return {"text_encoder": "lora_te_"}
+    return {te.component: te.lora_prefix for te in family(arch).text_encoders}
 
 
 def split_key(key: str) -> tuple[str, str]:

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from app.families import FAMILIES
 from app.families.ldm_layout import unet_module_map
 
 __all__ = [
@@ -70,7 +71,7 @@ DEFAULT_TARGETS = (
     "text_encoder*.layers.0.layer_norm1",
 )
 _KINDS = ((torch.nn.Linear, "linear"), (torch.nn.Conv2d, "conv"), ((torch.nn.GroupNorm, torch.nn.LayerNorm), "norm"))
-_COMPONENTS = {"sd15": ("unet", "text_encoder"), "sdxl": ("unet", "text_encoder", "text_encoder_2")}
+_COMPONENTS = {name: fam.components for name, fam in FAMILIES.items()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -316,7 +317,7 @@ ALGORITHMS: dict[str, Algorithm] = {
 
 
 # --------------------------------------------------------------------------------------- layouts
-_KOHYA_TE = {"sd15": {"text_encoder": "lora_te_"}, "sdxl": {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}}
+_KOHYA_TE = {name: {te.component: te.lora_prefix for te in fam.text_encoders} for name, fam in FAMILIES.items()}
 _PEFT_TE = {arch: {c: f"{c}." for c in comps[1:]} for arch, comps in _COMPONENTS.items()}
 _PEFT_SUFFIXES = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight",
                   "dora_scale": "lora_magnitude_vector"}

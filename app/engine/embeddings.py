@@ -16,14 +16,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from app.families import family
 from app.safetensors_files import read_header
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = {
-    "sd15": (("emb_params", "tokenizer", "text_encoder"),),
-    "sdxl": (("clip_l", "tokenizer", "text_encoder"), ("clip_g", "tokenizer_2", "text_encoder_2")),
-}
+
+
+def _layout(arch: str) -> tuple[tuple[str, str, str], ...]:
+    """(key in the file, tokenizer attribute, text encoder attribute) per text encoder."""
+    return tuple((te.embedding_key, te.tokenizer, te.component) for te in family(arch).text_encoders)
 
 
 class EmbeddingError(ValueError):
@@ -45,7 +47,7 @@ def _add_vectors(tokenizer, encoder, tokens: list[str], vectors: torch.Tensor) -
 
 def _check_fits(pipe, arch: str, path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Every check before the first token is added, so a misfit never half-loads."""
-    layout = LAYOUTS[arch]
+    layout = _layout(arch)
     missing = [key for key, _tok, _enc in layout if key not in tensors]
     if missing:
         raise EmbeddingError(f"{path.name}: no {', '.join(missing)} tensor; has {sorted(tensors)} "
@@ -64,7 +66,7 @@ def load_embedding(pipe, arch: str, path: Path) -> str:
     read_header(path)
     tensors = load_file(str(path), device="cpu")
     _check_fits(pipe, arch, path, tensors)
-    for key, tok_attr, enc_attr in LAYOUTS[arch]:
+    for key, tok_attr, enc_attr in _layout(arch):
         vectors = tensors[key].reshape(-1, tensors[key].shape[-1])
         tokens = _token_names(path.stem, vectors.shape[0])
         _add_vectors(getattr(pipe, tok_attr), getattr(pipe, enc_attr), tokens, vectors)

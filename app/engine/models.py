@@ -37,45 +37,25 @@ from diffusers import (  # noqa: E402
 )
 from transformers import (  # noqa: E402
     CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPTokenizer,
 )
 
-from app.engine.pipelines import PIPELINE_CLASSES  # noqa: E402
-from app.families.ldm_layout import TEXT_ENCODER_PREFIXES, UNET_PREFIX, ldm_plan  # noqa: E402
+from app.families import FAMILIES, family, family_of_pipeline  # noqa: E402
+from app.families.ldm_layout import UNET_PREFIX, ldm_plan  # noqa: E402
 from app.paths import UnsafePathError, resolve_under  # noqa: E402
 from app.safetensors_files import SafetensorsFileError, file_sha256, read_header  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
-CONFIG_DIRS = {"sd15": ASSETS_DIR / "configs" / "sd15", "sdxl": ASSETS_DIR / "configs" / "sdxl"}
-TOKENIZER_DIR = ASSETS_DIR / "clip_tokenizer"
 # Tiny checkpoints (demo, tests) are not a standard architecture, and single files carry no config,
 # so they embed their component configs as JSON under this safetensors metadata key; real
 # checkpoints do not have it and get the bundled full-size configs.
 CONFIGS_METADATA_KEY = "steady_diffusion.configs"
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
-_TEXT_ENCODER_CLASSES = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
-_ARCH_BY_PIPELINE_CLASS = {"StableDiffusionPipeline": "sd15", "StableDiffusionXLPipeline": "sdxl"}
 _CONFIG_FILES = {
     "unet": "unet/config.json",
     "vae": "vae/config.json",
     "text_encoder": "text_encoder/config.json",
     "text_encoder_2": "text_encoder_2/config.json",
-}
-# One marker key per component; a checkpoint must hold all of them to be loadable as that arch.
-_ARCH_MARKERS = {
-    "sd15": (
-        UNET_PREFIX + "input_blocks.0.0.weight",
-        TEXT_ENCODER_PREFIXES["sd15"]["text_encoder"] + "embeddings.token_embedding.weight",
-    ),
-    "sdxl": (
-        UNET_PREFIX + "label_emb.0.0.weight",
-        TEXT_ENCODER_PREFIXES["sdxl"]["text_encoder"] + "embeddings.token_embedding.weight",
-        TEXT_ENCODER_PREFIXES["sdxl"]["text_encoder_2"] + "token_embedding.weight",
-    ),
 }
 _LORA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lycoris_")
 _LORA_MARKERS = (".lora_down.", ".lora_up.", ".lora_A.", ".lora_B.", ".hada_w1_a", ".lokr_w1", ".oft_blocks")
@@ -150,9 +130,9 @@ def detect_architecture(keys: Iterable[str]) -> str:
     file is not mistaken for a loadable one; foreign files are described for the user.
     """
     keys = set(keys)
-    for arch, markers in _ARCH_MARKERS.items():
-        if all(m in keys for m in markers):
-            return arch
+    for fam in FAMILIES.values():
+        if all(m in keys for m in fam.checkpoint_markers):
+            return fam.name
     for description, matches in _OTHER_FORMATS:
         example = next((k for k in sorted(keys) if matches(k)), None)
         if example is not None:
@@ -250,14 +230,6 @@ def read_safetensors_header(path: Path) -> tuple[frozenset[str], dict[str, str]]
 # ----------------------------------------------------------------------------------------- loading
 
 
-def load_tokenizers(arch: str) -> dict[str, CLIPTokenizer]:
-    """The bundled CLIP tokenizer(s) as pipeline kwargs; SDXL's second one pads with "!"."""
-    tokenizers = {"tokenizer": CLIPTokenizer.from_pretrained(TOKENIZER_DIR)}
-    if arch == "sdxl":
-        tokenizers["tokenizer_2"] = CLIPTokenizer.from_pretrained(TOKENIZER_DIR, pad_token="!")
-    return tokenizers
-
-
 def load_pipeline(info: CheckpointInfo, dtype: torch.dtype) -> LoadedModel:
     """Load a checkpoint on CPU in `dtype`, offline, with the safety checker off."""
     if info.kind == "folder":
@@ -289,10 +261,7 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype) -> LoadedModel:
 
 
 def _pipeline_kwargs(arch: str, dtype: torch.dtype) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
-    if arch == "sd15":
-        kwargs.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    return kwargs
+    return {"dtype": dtype, "local_files_only": True, **family(arch).pipeline_kwargs}
 
 
 def _folder_arch(info: CheckpointInfo) -> str:
@@ -300,12 +269,13 @@ def _folder_arch(info: CheckpointInfo) -> str:
         class_name = json.loads((info.path / "model_index.json").read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"{info.name}: unreadable model_index.json ({exc})") from exc
-    if class_name not in _ARCH_BY_PIPELINE_CLASS:
+    fam = family_of_pipeline(class_name)
+    if fam is None:
         raise UnknownArchitectureError(
             f"{info.name}: model_index.json names {class_name!r}; "
-            f"supported: {sorted(_ARCH_BY_PIPELINE_CLASS)}"
+            f"supported: {sorted(f.diffusers_pipeline for f in FAMILIES.values())}"
         )
-    return _ARCH_BY_PIPELINE_CLASS[class_name]
+    return fam.name
 
 
 def _validate_folder_weights(info: CheckpointInfo) -> None:
@@ -328,7 +298,7 @@ def _validate_folder_weights(info: CheckpointInfo) -> None:
 def _load_folder(info: CheckpointInfo, arch: str, dtype: torch.dtype):
     """A diffusers folder brings its own tokenizers (they may carry added tokens), so ours stay out."""
     kwargs = _pipeline_kwargs(arch, dtype)
-    return PIPELINE_CLASSES[arch].from_pretrained(info.path, use_safetensors=True, **kwargs)
+    return family(arch).pipeline_class.from_pretrained(info.path, use_safetensors=True, **kwargs)
 
 
 def meta_components(arch: str, config_dir: Path) -> SimpleNamespace:
@@ -339,9 +309,8 @@ def meta_components(arch: str, config_dir: Path) -> SimpleNamespace:
             "unet": UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(config_dir / "unet")),
             "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(config_dir / "vae")),
         }
-        for name in TEXT_ENCODER_PREFIXES[arch]:
-            config = CLIPTextConfig.from_pretrained(config_dir / name)
-            parts[name] = _TEXT_ENCODER_CLASSES[name](config)
+        for te in family(arch).text_encoders:
+            parts[te.component] = te.model_class(CLIPTextConfig.from_pretrained(config_dir / te.component))
     return SimpleNamespace(**parts)
 
 
@@ -354,17 +323,18 @@ def _single_file_loader(keys: frozenset[str], metadata: dict[str, str]):
 
     def load(info: CheckpointInfo, arch: str, dtype: torch.dtype):
         with _config_folder(arch, metadata, info.name) as config_dir:
-            plan = ldm_plan(meta_components(arch, config_dir), arch)
+            fam = family(arch)
+            plan = ldm_plan(meta_components(arch, config_dir), fam)
             missing = sorted({entry.key for entry in plan} - keys)
             if missing:
                 raise ModelLoadError(
                     f"{info.name}: {len(missing)} tensors of the {arch} pipeline are missing from the file "
                     f"(e.g. {', '.join(missing[:3])})"
                 )
-            return PIPELINE_CLASSES[arch].from_single_file(
+            return fam.pipeline_class.from_single_file(
                 str(info.path),
                 config=str(config_dir),
-                **load_tokenizers(arch),
+                **fam.tokenizers(),
                 **_pipeline_kwargs(arch, dtype),
             )
 
@@ -375,12 +345,12 @@ def _single_file_loader(keys: frozenset[str], metadata: dict[str, str]):
 def _config_folder(arch: str, metadata: dict[str, str], name: str) -> Iterator[Path]:
     """The bundled config folder, or a temporary copy with the file's embedded component configs."""
     if CONFIGS_METADATA_KEY not in metadata:
-        yield CONFIG_DIRS[arch]
+        yield family(arch).config_dir
         return
     overrides = _embedded_configs(arch, metadata[CONFIGS_METADATA_KEY], name)
     with tempfile.TemporaryDirectory(prefix="sd-config-") as tmp:
         folder = Path(tmp) / arch
-        shutil.copytree(CONFIG_DIRS[arch], folder)
+        shutil.copytree(family(arch).config_dir, folder)
         for component, config in overrides.items():
             (folder / _CONFIG_FILES[component]).write_text(json.dumps(config))
         yield folder
@@ -391,7 +361,7 @@ def _embedded_configs(arch: str, text: str, name: str) -> dict[str, dict]:
         configs = json.loads(text)
     except ValueError as exc:
         raise ModelLoadError(f"{name}: metadata {CONFIGS_METADATA_KEY!r} is not valid JSON ({exc})") from exc
-    allowed = {"unet", "vae", *TEXT_ENCODER_PREFIXES[arch]}
+    allowed = {"unet", "vae", *family(arch).components}
     if not isinstance(configs, dict) or not set(configs) <= allowed:
         raise ModelLoadError(
             f"{name}: metadata {CONFIGS_METADATA_KEY!r} must map {sorted(allowed)} to configs"

@@ -35,5 +35,3 @@ class SteadySDPipeline(_StatedExecutionDevice, StableDiffusionPipeline):
 class SteadySDXLPipeline(_StatedExecutionDevice, StableDiffusionXLPipeline):
     """SDXL pipeline whose execution device is set by the engine."""
 
-
-PIPELINE_CLASSES = {"sd15": SteadySDPipeline, "sdxl": SteadySDXLPipeline}

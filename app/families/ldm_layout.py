@@ -27,14 +27,6 @@ import torch
 
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
-# Where each text encoder lives in a single file, per architecture.
-TEXT_ENCODER_PREFIXES = {
-    "sd15": {"text_encoder": "cond_stage_model.transformer.text_model."},
-    "sdxl": {
-        "text_encoder": "conditioner.embedders.0.transformer.text_model.",
-        "text_encoder_2": "conditioner.embedders.1.model.",
-    },
-}
 
 _RESNET_PARTS = {
     "norm1": "in_layers.0",
@@ -276,23 +268,22 @@ _LAYOUTS: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {
 }
 
 
-def ldm_plan(pipe, arch: str) -> list[LdmTensor]:
-    """Where every tensor of the pipeline's UNet, VAE and text encoder(s) goes in an LDM file."""
-    if arch not in TEXT_ENCODER_PREFIXES:
-        raise ValueError(f"arch must be one of {sorted(TEXT_ENCODER_PREFIXES)}, got {arch!r}")
+def ldm_plan(pipe, family) -> list[LdmTensor]:
+    """Where every tensor of the pipeline's UNet, VAE and text encoder(s) goes in an LDM file;
+    `family` (an `app.families.Family`) says where its text encoders live and in which layout."""
     plan = _unet_plan(pipe.unet) + _vae_plan(pipe.vae)
-    for name, prefix in TEXT_ENCODER_PREFIXES[arch].items():
-        keys = getattr(pipe, name).state_dict().keys()
-        open_clip = name == "text_encoder_2"
-        plan += _open_clip_plan(keys, prefix) if open_clip else _clip_plan(keys, name, prefix)
+    for te in family.text_encoders:
+        keys = getattr(pipe, te.component).state_dict().keys()
+        prefix = te.single_file_prefix
+        plan += _open_clip_plan(keys, prefix) if te.open_clip else _clip_plan(keys, te.component, prefix)
     return plan
 
 
-def to_ldm_state_dict(pipe, arch: str) -> dict[str, torch.Tensor]:
+def to_ldm_state_dict(pipe, family) -> dict[str, torch.Tensor]:
     """The pipeline's weights as one LDM single-file state dict (SD1.5 or SDXL layout)."""
     states = {}
     result = {}
-    for entry in ldm_plan(pipe, arch):
+    for entry in ldm_plan(pipe, family):
         if entry.component not in states:
             states[entry.component] = getattr(pipe, entry.component).state_dict()
         tensors = [states[entry.component][s] for s in entry.sources]

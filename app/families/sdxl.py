@@ -1,0 +1,27 @@
+"""SDXL base: CLIP ViT-L/14 plus OpenCLIP ViT-bigG/14 (with projection), 1024² native size."""
+
+from __future__ import annotations
+
+from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+from app.engine.pipelines import SteadySDXLPipeline
+from app.families import ASSETS_DIR, Family, TextEncoder
+from app.families.ldm_layout import UNET_PREFIX
+
+_CLIP_L = TextEncoder("text_encoder", "tokenizer", CLIPTextModel,
+                      "conditioner.embedders.0.transformer.text_model.", open_clip=False,
+                      lora_prefix="lora_te1_", embedding_key="clip_l")
+_CLIP_G = TextEncoder("text_encoder_2", "tokenizer_2", CLIPTextModelWithProjection, "conditioner.embedders.1.model.",
+                      open_clip=True, lora_prefix="lora_te2_", embedding_key="clip_g", pad_token="!")
+
+SDXL = Family(
+    name="sdxl",
+    label="SDXL",
+    pipeline_class=SteadySDXLPipeline,
+    diffusers_pipeline="StableDiffusionXLPipeline",
+    text_encoders=(_CLIP_L, _CLIP_G),
+    checkpoint_markers=(UNET_PREFIX + "label_emb.0.0.weight",
+                        _CLIP_L.single_file_prefix + "embeddings.token_embedding.weight",
+                        _CLIP_G.single_file_prefix + "token_embedding.weight"),
+    config_dir=ASSETS_DIR / "configs" / "sdxl",
+)
