@@ -57,6 +57,7 @@ COMPONENT_PREFIXES: dict[str, tuple[str, ...]] = {
 }
 _KOHYA_TE_PREFIXES = {"text_encoder": ("lora_te_", "lora_te1_"), "text_encoder_2": ("lora_te2_",)}
 
+_PEFT_MAGNITUDE = "lora_magnitude_vector"
 # File suffixes other tools write -> the kohya/LyCORIS suffix the algorithms read, with the style
 # tag the report shows. Matched longest first against the end of a key.
 _SUFFIX_SPELLINGS: dict[str, tuple[str, str]] = {
@@ -69,8 +70,8 @@ _SUFFIX_SPELLINGS: dict[str, tuple[str, str]] = {
     ".lora_linear_layer.up.weight": ("lora_up.weight", "lora_linear_layer"),
     "_lora.down.weight": ("lora_down.weight", "to_q_lora.down"),
     "_lora.up.weight": ("lora_up.weight", "to_q_lora.down"),
-    ".lora_magnitude_vector": ("dora_scale", "lora_magnitude_vector"),
-    ".lora_magnitude_vector.weight": ("dora_scale", "lora_magnitude_vector"),
+    ".lora_magnitude_vector": ("dora_scale", _PEFT_MAGNITUDE),
+    ".lora_magnitude_vector.weight": ("dora_scale", _PEFT_MAGNITUDE),
     # IA3's bare `weight` is left out: after a dotted module path it is a full weight.
     **{f".{s}": (s, "") for s in SUFFIXES - {"weight"}},
 }
@@ -189,7 +190,10 @@ class KeyTable:
         styles: dict[str, str] = {}
         for key, tensor in tensors.items():
             split = split_key(key)
-            layers[split.layer][split.suffix] = tensor
+            # PEFT's magnitude is per output row whatever its shape ((1, out, 1, 1) on a conv):
+            # flat, it cannot be read as LyCORIS's legacy per-input-column (1, in, …) layout.
+            flat = split.style == _PEFT_MAGNITUDE and tensor.dim() > 1
+            layers[split.layer][split.suffix] = tensor.reshape(-1) if flat else tensor
             keys[split.layer].append(key)
             styles[split.layer] = styles.get(split.layer) or split.style
         groups = []
