@@ -1,184 +1,39 @@
 """LoRA files as the tools really write them, fused into the tiny SD1.5 and SDXL pipelines.
 
-Files come from the tools' own writers, not from our synthetic one: PEFT (`LoraConfig`,
-`get_peft_model`, `get_peft_model_state_dict`, `save_pretrained`), diffusers
-(`save_lora_weights(..., *_lora_adapter_metadata=...)`, `convert_state_dict_to_kohya`) and the
-legacy diffusers attention-processor layout renamed from PEFT's tensors. They cover attention,
-feed-forward, resnet convs, the time (and SDXL's added) embeddings and every text encoder.
-
-The reference is the formula, computed here in float64 from the PEFT layers themselves:
-W = W0 + Σ wᵢ·Dᵢ with D = scale·B@A and PEFT's own `scaling` (lora_alpha/r, per pattern, or
-/√r for rsLoRA), D = W′ − W0 for DoRA (W′ = m·V/‖V‖ per output row, V = W0 + scale·B@A).
-fp32 models must land within a few float32 ulps of each layer's magnitude.
+The files come from PEFT's and diffusers' own writers (see `lora_tools`), not from our synthetic
+one. The reference is the formula W = W0 + Σ wᵢ·Dᵢ computed in float64 from the PEFT layers; fp32
+models must land within a few float32 ulps of each layer's magnitude, and removal must restore
+every bit.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-from diffusers.utils import convert_state_dict_to_kohya
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, inject_adapter_in_model
-from safetensors.torch import save_file
+from diffusers import StableDiffusionPipeline
+from lora_tools import (
+    COMPONENTS,
+    ToolFile,
+    expected_deltas,
+    peft_copy,
+    write_diffusers,
+    write_kohya,
+    write_legacy,
+    write_peft_folder,
+)
+from peft import LoraConfig, get_peft_model_state_dict
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from app.adapters.errors import LoraApplyError
 from app.adapters.files import read_adapter
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
+from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline
-
-COMPONENTS = {"sd15": ("unet", "text_encoder"), "sdxl": ("unet", "text_encoder", "text_encoder_2")}
-UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "conv_shortcut",
-                "time_emb_proj", "linear_1", "linear_2"]  # linear_N: time_embedding (and SDXL add_embedding)
-TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
-FP32_ULPS = 4
-DORA_ULPS = 12  # DoRA normalises whole rows and adds a float32 eps to the norm
-Expected = dict[tuple[str, str], torch.Tensor]  # (component, path) -> float64 D at strength 1
-
-
-@dataclass
-class ToolFile:
-    """A LoRA file written by a tool, and the float64 delta it must add per module at strength 1."""
-
-    path: Path
-    expected: Expected
-    ulps: int = FP32_ULPS
-
-
-# ---------------------------------------------------------------------------------- PEFT layers
-def _randomise(peft_module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Give PEFT's B (and DoRA magnitudes) random values so ΔW is of the weight's order (PEFT
-    starts B at zero: a zero delta would prove nothing)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_module.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-            elif "lora_magnitude_vector" in name:
-                param.mul_(1 + 0.2 * torch.randn(param.shape, generator=generator))
-    return peft_module
-
-
-def _peft_copy(module: torch.nn.Module, config: LoraConfig, seed: int) -> torch.nn.Module:
-    """A copy of `module` with PEFT LoRA layers injected and randomised."""
-    return _randomise(inject_adapter_in_model(config, copy.deepcopy(module)), seed)
-
-
-def _lora_layers(peft_module: torch.nn.Module):
-    """(path, base weight, A, B, PEFT's scaling, DoRA magnitude or None) of every LoRA layer, float64."""
-    for path, layer in peft_module.named_modules():
-        if not hasattr(layer, "lora_A") or "default" not in layer.lora_A:
-            continue
-        magnitude = layer.lora_magnitude_vector["default"].weight if "default" in layer.lora_magnitude_vector else None
-        yield (path, layer.base_layer.weight.detach().double(), layer.lora_A["default"].weight.detach().double(),
-               layer.lora_B["default"].weight.detach().double(), float(layer.scaling["default"]),
-               None if magnitude is None else magnitude.detach().double())
-
-
-def _formula(w0, a, b, scale, magnitude) -> torch.Tensor:
-    """D = scale·B@A (conv kernels on A, B 1×1); DoRA: D = m·V/‖V‖ − W0 with V = W0 + scale·B@A."""
-    delta = (scale * (b.flatten(1) @ a.flatten(1))).reshape(w0.shape)
-    if magnitude is None:
-        return delta
-    merged = w0 + delta
-    norm = merged.flatten(1).norm(dim=1).reshape(-1, *[1] * (w0.dim() - 1))
-    return magnitude.reshape(norm.shape) * merged / norm - w0
-
-
-def _expected(peft_modules: dict[str, torch.nn.Module], *, peft_scale: bool = True) -> Expected:
-    """Float64 D per module; `peft_scale=False` for layouts that carry no scale (scale 1)."""
-    out = {}
-    for component, module in peft_modules.items():
-        for path, w0, a, b, scale, magnitude in _lora_layers(module):
-            out[(component, path)] = _formula(w0, a, b, scale if peft_scale else 1.0, magnitude)
-    return out
-
-
-def _peft_modules(pipe, arch: str, configs: dict[str, LoraConfig], seed: int) -> dict[str, torch.nn.Module]:
-    return {c: _peft_copy(getattr(pipe, c), configs[c], seed + i) for i, c in enumerate(COMPONENTS[arch])}
-
-
-def _state_dicts(modules: dict[str, torch.nn.Module]) -> dict[str, dict[str, torch.Tensor]]:
-    return {c: {k: v.detach().clone() for k, v in get_peft_model_state_dict(m).items()} for c, m in modules.items()}
-
-
-# --------------------------------------------------------------------------------------- writers
-def _configs(arch: str, *, dora: bool = False) -> dict[str, LoraConfig]:
-    """Per component: rank/alpha patterns on the UNet, rsLoRA on the first text encoder."""
-    configs = {
-        "unet": LoraConfig(r=4, lora_alpha=8, target_modules=UNET_TARGETS, rank_pattern={"conv2": 2},
-                           alpha_pattern={"ff.net.2": 3}, use_dora=dora),
-        "text_encoder": LoraConfig(r=4, lora_alpha=4, target_modules=TEXT_TARGETS, use_rslora=True),
-    }
-    if arch == "sdxl":
-        configs["text_encoder_2"] = LoraConfig(r=2, lora_alpha=3, target_modules=TEXT_TARGETS)
-    return configs
-
-
-def write_diffusers(folder: Path, pipe, arch: str, seed: int, *, dora: bool = False) -> ToolFile:
-    """diffusers' `save_lora_weights` with each component's LoraConfig as adapter metadata."""
-    configs = _configs(arch, dora=dora)
-    modules = _peft_modules(pipe, arch, configs, seed)
-    layers = {f"{c}_lora_layers": sd for c, sd in _state_dicts(modules).items()}
-    metadata = {f"{c}_lora_adapter_metadata": configs[c].to_dict() for c in COMPONENTS[arch]}
-    writer = StableDiffusionXLPipeline if arch == "sdxl" else StableDiffusionPipeline
-    writer.save_lora_weights(folder, **layers, **metadata)
-    return ToolFile(folder / "pytorch_lora_weights.safetensors", _expected(modules), DORA_ULPS if dora else FP32_ULPS)
-
-
-def write_kohya(path: Path, pipe, arch: str, seed: int) -> ToolFile:
-    """diffusers' `convert_state_dict_to_kohya`: `lora_unet_`, `lora_te1_`/`lora_te2_` (also on
-    SD1.5), alpha = rank as int64, so scale 1 whatever the LoraConfig said."""
-    modules = _peft_modules(pipe, arch, _configs(arch), seed)
-    prefixed = {f"{c}.{k}": v for c, sd in _state_dicts(modules).items() for k, v in sd.items()}
-    save_file(convert_state_dict_to_kohya(prefixed), str(path))
-    return ToolFile(path, _expected(modules, peft_scale=False))
-
-
-_LEGACY_UNET = {".to_out.0.lora_A.weight": ".processor.to_out_lora.down.weight",
-                ".to_out.0.lora_B.weight": ".processor.to_out_lora.up.weight",
-                **{f".to_{p}.lora_{ab}.weight": f".processor.to_{p}_lora.{du}.weight"
-                   for p in "qkv" for ab, du in (("A", "down"), ("B", "up"))}}
-_LEGACY_TEXT = {**{f".{p}_proj.lora_{ab}.weight": f".to_{p}_lora.{du}.weight"
-                   for p in ("q", "k", "v", "out") for ab, du in (("A", "down"), ("B", "up"))},
-                ".lora_A.weight": ".lora_linear_layer.down.weight", ".lora_B.weight": ".lora_linear_layer.up.weight"}
-
-
-def legacy_key(component: str, key: str) -> str:
-    """diffusers' pre-PEFT spelling: attention processors (`attn1.processor.to_q_lora.down`,
-    `self_attn.to_q_lora.down` for q_proj), `lora.down` on other UNet layers, `lora_linear_layer`
-    on the text encoders' MLPs, text encoders with transformers 4.x's `text_model.` level."""
-    table = _LEGACY_UNET if component == "unet" else _LEGACY_TEXT
-    for peft, legacy in table.items():
-        if key.endswith(peft):
-            key = key[: -len(peft)] + legacy
-            break
-    else:
-        key = key.replace(".lora_A.weight", ".lora.down.weight").replace(".lora_B.weight", ".lora.up.weight")
-    level = "" if component == "unet" or key.startswith("text_model.") else "text_model."
-    return f"{component}.{level}{key}"
-
-
-def write_legacy(path: Path, pipe, arch: str, seed: int, strays: dict[str, torch.Tensor]) -> ToolFile:
-    """The legacy layout (no alpha: scale 1), plus `strays` that match no module."""
-    modules = _peft_modules(pipe, arch, _configs(arch), seed)
-    tensors = {legacy_key(c, k): v for c, sd in _state_dicts(modules).items() for k, v in sd.items()}
-    save_file({**tensors, **strays}, str(path))
-    return ToolFile(path, _expected(modules, peft_scale=False))
-
-
-def write_peft_folder(folder: Path, pipe, seed: int) -> ToolFile:
-    """PEFT's own `save_pretrained` of the UNet: `adapter_model.safetensors` with bare
-    `base_model.model.` keys, its LoraConfig (alpha 8, r 4) only in `adapter_config.json` beside it."""
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_out.0", "conv1", "linear_1"])
-    model = _randomise(get_peft_model(copy.deepcopy(pipe.unet), config), seed)
-    model.save_pretrained(folder)
-    return ToolFile(folder / "adapter_model.safetensors", _expected({"unet": model.base_model.model}))
-
 
 # -------------------------------------------------------------------------------------- fixtures
 FORMATS = ("diffusers", "diffusers_dora", "kohya", "legacy", "peft_folder")
@@ -297,7 +152,215 @@ def test_the_files_cover_every_kind_of_layer(tool_files):
 
 
 def load_file_metadata(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as handle:
         return handle.metadata() or {}
+
+
+@pytest.mark.parametrize(("first", "second"), [("diffusers", "kohya"), ("legacy", "diffusers_dora"),
+                                               ("peft_folder", "legacy")])
+@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+def test_two_tool_files_stacked(model, tool_files, arch, first, second):
+    """Two files of different layouts at strengths 1 and 0.6 sum their deltas, each taken against
+    W0; dropping the first leaves exactly the second; dropping both restores every bit."""
+    pipe, pristine = model(arch)
+    a, b = tool_files(arch)[first], tool_files(arch)[second]
+    stack, _ = _fuse(pipe, arch, [("a", a, 1.0), ("b", b, 0.6)])
+    _assert_fused(pipe, arch, pristine, [(a, 1.0), (b, 0.6)])
+    stack.reconcile([LoraSpec("b", 0.6)], {"b": read_adapter("b", b.path)})
+    _assert_fused(pipe, arch, pristine, [(b, 0.6)])
+    stack.reconcile([], {})
+    _assert_restored(pipe, arch, pristine)
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("sd15", "diffusers"), ("sd15", "kohya"), ("sdxl", "diffusers"),
+                                           ("sdxl", "diffusers_dora")])
+def test_diffusers_fuses_these_files_to_the_same_weights(model, tool_files, arch, fmt):
+    """Where diffusers reads a layout right, its own `load_lora_weights` + `fuse_lora` on a fresh
+    pipeline gives our fused weights: the same alpha from the metadata, the same `lora_te1_` text
+    encoder, the same DoRA."""
+    pipe, pristine = model(arch)
+    tool = tool_files(arch)[fmt]
+    _fuse(pipe, arch, [("a", tool, 1.0)])
+    theirs = build_tiny_pipeline(arch)
+    theirs.load_lora_weights(str(tool.path.parent), weight_name=tool.path.name)
+    theirs.fuse_lora(components=list(COMPONENTS[arch]), lora_scale=1.0)
+    theirs.unload_lora_weights()
+    for component in COMPONENTS[arch]:
+        ours = getattr(pipe, component).state_dict()
+        for key, tensor in getattr(theirs, component).state_dict().items():
+            torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{component}.{key}")
+
+
+@pytest.mark.parametrize(("arch", "layout", "spelled"), [
+    ("sdxl", "kohya", ("lora_unet_label_emb_0_0", "lora_unet_time_embed_2", "lora_unet_input_blocks_3_1_")),
+    ("sd15", "kohya_ldm", ("lora_unet_time_embed_0", "lora_unet_input_blocks_1_1_", "lora_unet_output_blocks_")),
+])
+def test_kohya_files_with_ldm_block_names_fuse_to_the_formula(model, tmp_path, arch, layout, spelled):
+    """kohya names UNet layers by LDM blocks on SDXL (`input_blocks_3_1_…`, `label_emb_0_0` for the
+    added embedding, `time_embed_2`), and some SD1.5 tools do too. Compared with the formula, not
+    with diffusers: the installed diffusers refuses SD1.5 LDM names outright (it remaps them only
+    when given a UNet config, which its SD1.5 loader does not pass), and earlier diffusers releases
+    dropped SDXL's `label_emb` keys, so diffusers is no reference here."""
+    pipe, pristine = model(arch)
+    targets = ("unet.time_embedding.linear_*", "unet.add_embedding.linear_*", "unet.*attn[12].to_[qk]",
+               "unet.*resnets.*.conv[12]", "unet.*ff.net.2", "text_encoder*.layers.0.mlp.fc1")
+    written = write_adapter(tmp_path / "ldm.safetensors", pipe, arch, "lora", layout, targets=targets, alpha=3.0)
+    for needle in spelled:
+        assert any(k.startswith(needle) for k in written.tensors), (needle, sorted(written.tensors)[:5])
+    expected = {target: float(t["alpha"]) / t["lora_down.weight"].shape[0] * (
+        t["lora_up.weight"].double().flatten(1) @ t["lora_down.weight"].double().flatten(1)).reshape(
+        getattr(pipe, target[0]).get_submodule(target[1]).weight.shape) for target, t in written.layers.items()}
+    tool = ToolFile(written.path, expected)
+    stack, report = _fuse(pipe, arch, [("a", tool, 0.6)])
+    assert (report["a"].matched_layers, report["a"].unmatched_keys) == (len(expected), 0)
+    assert report["a"].layout.startswith("kohya (LDM block names)")
+    _assert_fused(pipe, arch, pristine, [(tool, 0.6)])
+    stack.reconcile([], {})
+    _assert_restored(pipe, arch, pristine)
+
+
+# ------------------------------------------------------------------------------ per-file report
+REPORTS = {  # format -> (layout, scale source)
+    "diffusers": ("diffusers/PEFT, lora_A/lora_B", "PEFT metadata (lora_adapter_metadata)"),
+    "diffusers_dora": ("diffusers/PEFT, lora_A/lora_B", "PEFT metadata (lora_adapter_metadata)"),
+    "kohya": ("kohya", "alpha tensors"),
+    "peft_folder": ("PEFT (bare module names), lora_A/lora_B", "PEFT adapter_config.json"),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_report_says_layout_scale_source_leftovers_and_architecture(model, tool_files, fmt):
+    """The per-file report names the layout the keys were written in, where the scale came from,
+    the first tensors that matched nothing and the architecture the file fits; the LoRA card
+    shows all of it."""
+    from app.ui.lora_cards import Fit, card_markdown
+
+    pipe, _ = model("sd15")
+    _, reports = _fuse(pipe, "sd15", [("a", tool_files("sd15")[fmt], 1.0)])
+    report = reports["a"]
+    assert report.fits == "SD15" and report.declared is None
+    if fmt == "legacy":
+        assert report.layout.split(" + ")[0] == "diffusers legacy attention processors, to_q_lora.down"
+        assert {"diffusers/PEFT, lora.down/lora.up", "diffusers/PEFT, lora_linear_layer"} <= set(
+            report.layout.split(" + "))
+        assert report.scale_source == "absent (scale 1)"
+        assert report.unmatched_examples == tuple(sorted(STRAYS))[:3]
+        assert report.message.startswith("4 tensors (2 layers) matched nothing in the model, e.g. text_encoder.")
+    else:
+        assert (report.layout, report.scale_source) == REPORTS[fmt]
+        assert (report.unmatched_examples, report.message) == ((), "")
+    card = card_markdown(None, Fit.from_report(report), "a")
+    assert f"layout: {report.layout}" in card and f"scale: {report.scale_source}" in card
+    assert ("4 tensors unmatched: `text_encoder." in card) == (fmt == "legacy")
+
+
+def test_lora_te1_file_applies_on_sd15_and_foreign_files_are_refused_whole(model, tool_files):
+    """`convert_state_dict_to_kohya` writes `lora_te1_` for SD1.5 too: every layer fits, so it
+    applies. An SDXL file on SD1.5 (named as made for SDXL: it has a second text encoder SD1.5
+    lacks) and an SD1.5 file on SDXL (cross-attention keys of the wrong width) are refused whole,
+    no bit written."""
+    pipe, pristine = model("sd15")
+    kohya = tool_files("sd15")["kohya"]
+    assert any(k.startswith("lora_te1_") for k in load_file(kohya.path))
+    _, report = _fuse(pipe, "sd15", [("a", kohya, 1.0)])
+    assert report["a"].fits == "SD15" and ("text_encoder", "encoder.layers.0.self_attn.q_proj") in kohya.expected
+    for arch, foreign, pattern in (("sd15", tool_files("sdxl")["diffusers"], r"\(it looks made for SDXL\)"),
+                                   ("sdxl", tool_files("sd15")["kohya"], r"layers have the wrong shape")):
+        pipe, pristine = model(arch)
+        with pytest.raises(LoraApplyError, match=rf"does not fit this {arch.upper()} model.*{pattern}"):
+            _fuse(pipe, arch, [("x", foreign, 1.0)])
+        _assert_restored(pipe, arch, pristine)
+
+
+# ------------------------------------------------------------------------------------- refusals
+def _with_metadata(tmp_path: Path, tool: ToolFile, name: str, edit) -> ToolFile:
+    """A copy of a tool's file whose `lora_adapter_metadata` JSON went through `edit` (a dict edit,
+    or a string that replaces the JSON text)."""
+    metadata = load_file_metadata(tool.path)
+    if isinstance(edit, str):
+        metadata["lora_adapter_metadata"] = edit
+    else:
+        config = json.loads(metadata["lora_adapter_metadata"])
+        config.update(edit)
+        metadata["lora_adapter_metadata"] = json.dumps(config)
+    path = tmp_path / f"{name}.safetensors"
+    save_file(load_file(tool.path), str(path), metadata=metadata)
+    return ToolFile(path, tool.expected)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"unet.peft_type": "LOHA"}, "PEFT adapter type LOHA is not supported"),
+    ({"unet.modules_to_save": ["conv_in"]}, "PEFT option modules_to_save"),
+    ({"unet.init_lora_weights": "pissa_niter_4"}, "trains against a residual base model"),
+    ({"unet.rank_pattern": {"conv2": 3}}, "gives rank 3 but the file's lora_A has rank 2"),
+    ({"unet.use_dora": True}, "says use_dora=True but the layer has no magnitude vector"),
+    ("{not json", "is not valid JSON"),
+], ids=["loha", "modules_to_save", "pissa", "rank", "dora", "json"])
+def test_peft_configs_beyond_plain_lora_are_refused_by_name(model, tool_files, tmp_path, edit, message):
+    """A PEFT config that makes the adapter more than W + scale·B·A, or that disagrees with the
+    tensors, refuses the file whole with the option named; no weight changes."""
+    pipe, pristine = model("sd15")
+    tool = _with_metadata(tmp_path, tool_files("sd15")["diffusers"], "edited", edit)
+    with pytest.raises(LoraApplyError, match=message):
+        _fuse(pipe, "sd15", [("x", tool, 1.0)])
+    _assert_restored(pipe, "sd15", pristine)
+
+
+@pytest.mark.parametrize(("metadata", "boft", "message"), [
+    ({"ss_network_args": json.dumps({"algo": "tlora"})}, False, "T-LoRA: it was trained with a rank mask"),
+    ({"lycoris_config": json.dumps({"algo": "glokr", "linear_dim": 4})}, False, "GLoKr: LyCORIS never released"),
+    ({}, True, "BOFT .butterfly OFT, 4-D oft_blocks."),
+], ids=["tlora", "glokr", "boft"])
+def test_lycoris_algorithms_without_a_fusable_format_are_refused_by_name(model, tmp_path, metadata, boft, message):
+    """T-LoRA (its tensors are a plain LoRA, but it needs a per-timestep rank mask), GLoKr (never
+    released) and BOFT (its rotation changed between LyCORIS releases) are refused whole, named,
+    whether the trainer's metadata or the tensors' shape tells."""
+    pipe, pristine = model("sd15")
+    written = write_adapter(tmp_path / "l.safetensors", pipe, "sd15", "lora", "lycoris", metadata=metadata)
+    tensors = dict(written.tensors)
+    if boft:
+        tensors["lycoris_down_blocks_0_attentions_0_proj_in.oft_blocks"] = torch.zeros(2, 4, 8, 8)
+    save_file(tensors, str(written.path), metadata={**written.metadata, **metadata})
+    with pytest.raises(LoraApplyError, match=message):
+        _fuse(pipe, "sd15", [("x", ToolFile(written.path, {}), 1.0)])
+    _assert_restored(pipe, "sd15", pristine)
+
+
+def test_metadata_naming_another_architecture_decides_only_a_partial_fit(model, tool_files, tmp_path):
+    """Metadata saying SDXL does not refuse a file every layer of which fits SD1.5 (it applies, the
+    report says so); the same file with tensors that match nothing is taken at its word and refused."""
+    pipe, pristine = model("sd15")
+    kohya = tool_files("sd15")["kohya"]
+    tensors, sdxl = load_file(kohya.path), {"ss_base_model_version": "sdxl_base_v1-0"}
+    save_file(tensors, str(tmp_path / "fits.safetensors"), metadata=sdxl)
+    stack, report = _fuse(pipe, "sd15", [("a", ToolFile(tmp_path / "fits.safetensors", {}), 1.0)])
+    assert report["a"].declared == "sdxl" and "its metadata names SDXL, but every layer fits" in report["a"].message
+    stack.reconcile([], {})
+    stray = {"lora_unet_no_block.lora_down.weight": torch.ones(4, 4)}
+    save_file({**tensors, **stray}, str(tmp_path / "partial.safetensors"), metadata=sdxl)
+    with pytest.raises(LoraApplyError, match=r"\(it looks made for SDXL\): its metadata names SDXL"):
+        _fuse(pipe, "sd15", [("b", ToolFile(tmp_path / "partial.safetensors", {}), 1.0)])
+    _assert_restored(pipe, "sd15", pristine)
+
+
+def test_peft_lora_bias_moves_the_bias_by_scale_times_b(model, tmp_path):
+    """PEFT's `lora_bias=True` gives lora_B a bias: the layer's bias moves by w·scale·b beside
+    W0 + w·scale·B@A (PEFT's own merge rule), and both come back bit-exact on removal."""
+    pipe, pristine = model("sd15")
+    config = LoraConfig(r=4, lora_alpha=6, target_modules=["to_out.0", "ff.net.2", "conv1", "proj_in"], lora_bias=True)
+    unet = peft_copy(pipe.unet, config, seed=9)
+    StableDiffusionPipeline.save_lora_weights(tmp_path, unet_lora_layers=get_peft_model_state_dict(unet),
+                                              unet_lora_adapter_metadata=config.to_dict())
+    tool = ToolFile(tmp_path / "pytorch_lora_weights.safetensors", expected_deltas({"unet": unet}))
+    stack, _ = _fuse(pipe, "sd15", [("b", tool, 0.6)])
+    layers = {path: layer for path, layer in unet.named_modules() if hasattr(layer, "lora_A")}
+    assert len(layers) == len(tool.expected) > 10
+    for path, layer in layers.items():
+        fused = pipe.unet.get_submodule(path)
+        bias = pristine[f"unet.{path}.bias"].double() + 0.6 * layer.scaling["default"] * (
+            layer.lora_B["default"].bias.detach().double())
+        torch.testing.assert_close(fused.bias.double(), bias, rtol=0, atol=1e-6)
+        torch.testing.assert_close(fused.weight.double(), pristine[f"unet.{path}.weight"].double()
+                                   + 0.6 * tool.expected[("unet", path)], rtol=0, atol=1e-5)
+    stack.reconcile([], {})
+    _assert_restored(pipe, "sd15", pristine)

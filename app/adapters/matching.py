@@ -146,23 +146,25 @@ def _parse(groups: list[LayerGroup], scales: PeftScales,
 
 def _refuse_unsupported(file: AdapterFile) -> None:
     """Refuse by name the LyCORIS algorithms whose files cannot be fused correctly."""
-    algo = _trainer_algo(file.metadata)
-    if algo is None and any(k.endswith(".oft_blocks") and t.dim() == 4 for k, t in file.tensors.items()):
-        algo = "boft"
-    if algo in _UNSUPPORTED_ALGOS:
-        raise AdapterFormatError(f"is {_UNSUPPORTED_ALGOS[algo]}; not supported, nothing applied")
+    algos = _trainer_algos(file.metadata)
+    if any(k.endswith(".oft_blocks") and t.dim() == 4 for k, t in file.tensors.items()):
+        algos.add("boft")
+    unsupported = sorted(algos & _UNSUPPORTED_ALGOS.keys())
+    if unsupported:
+        raise AdapterFormatError(f"is {_UNSUPPORTED_ALGOS[unsupported[0]]}; not supported, nothing applied")
 
 
-def _trainer_algo(metadata: Mapping[str, str]) -> str | None:
-    """The `algo` a kohya (`ss_network_args`) or SimpleTuner (`lycoris_config`) run recorded."""
+def _trainer_algos(metadata: Mapping[str, str]) -> set[str]:
+    """The `algo`s a kohya (`ss_network_args`) or SimpleTuner (`lycoris_config`) run recorded."""
+    algos = set()
     for key in ("ss_network_args", "lycoris_config"):
         try:
             args = json.loads(metadata.get(key) or "{}")
         except json.JSONDecodeError:
             continue
         if isinstance(args, dict) and args.get("algo"):
-            return str(args["algo"]).lower().replace("-", "").replace("_", "")
-    return None
+            algos.add(str(args["algo"]).lower().replace("-", "").replace("_", ""))
+    return algos
 
 
 def declared_architecture(metadata: Mapping[str, str]) -> str | None:
