@@ -178,6 +178,7 @@ class KeyTable:
             for spelled in {path, path if path.startswith("text_model.") else f"text_model.{path}"}:
                 for prefix in _KOHYA_TE_PREFIXES[comp]:
                     yield f"{prefix}{spelled.replace('.', '_')}", target, KOHYA
+                yield f"lycoris_{spelled.replace('.', '_')}", target, LYCORIS  # LyCORIS's own wrapper
                 yield f"{comp}.{spelled}", target, DIFFUSERS
                 yield spelled, target, PEFT_BARE
                 for legacy in _legacy_spellings(spelled):
