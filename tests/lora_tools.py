@@ -26,9 +26,10 @@ from safetensors.torch import save_file
 COMPONENTS = {"sd15": ("unet", "text_encoder"), "sdxl": ("unet", "text_encoder", "text_encoder_2")}
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "conv_shortcut",
                 "time_emb_proj", "linear_1", "linear_2"]  # linear_N: time_embedding (and SDXL add_embedding)
-TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "text_projection"]  # SDXL's 2nd encoder
+# float32 ulps of a layer's magnitude the fused fp32 weight may be off (measured: ≤ 1.3 for LoRA,
+# ≤ 2.9 for DoRA, which normalises whole rows).
 FP32_ULPS = 4
-DORA_ULPS = 12  # DoRA normalises whole rows and adds a float32 eps to the norm
 Expected = dict[tuple[str, str], torch.Tensor]  # (component, path) -> float64 D at strength 1
 
 
@@ -38,7 +39,6 @@ class ToolFile:
 
     path: Path
     expected: Expected
-    ulps: int = FP32_ULPS
 
 
 # ---------------------------------------------------------------------------------- PEFT layers
@@ -120,7 +120,7 @@ def write_diffusers(folder: Path, pipe, arch: str, seed: int, *, dora: bool = Fa
     writer = StableDiffusionXLPipeline if arch == "sdxl" else StableDiffusionPipeline
     writer.save_lora_weights(folder, **layers, **metadata)
     path = folder / "pytorch_lora_weights.safetensors"
-    return ToolFile(path, expected_deltas(modules), DORA_ULPS if dora else FP32_ULPS)
+    return ToolFile(path, expected_deltas(modules))
 
 
 def write_kohya(path: Path, pipe, arch: str, seed: int) -> ToolFile:
