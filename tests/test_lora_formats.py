@@ -369,3 +369,31 @@ def test_peft_lora_bias_moves_the_bias_by_scale_times_b(model, tmp_path):
                                    + 0.6 * tool.expected[("unet", path)], rtol=0, atol=1e-5)
     stack.reconcile([], {})
     _assert_restored(pipe, "sd15", pristine)
+
+
+def test_adapter_config_json_counts_only_when_it_belongs_to_the_file(model, tool_files, tmp_path):
+    """PEFT's `adapter_config.json` scales the `adapter_model.safetensors` beside it, or a renamed
+    file alone in its folder; beside several files it could belong to any, so none takes it."""
+    pipe, _ = model("sd15")
+    folder = tool_files("sd15")["peft_folder"].path.parent
+    (tmp_path / "adapter_config.json").write_bytes((folder / "adapter_config.json").read_bytes())
+    renamed = tmp_path / "mine.safetensors"
+    renamed.write_bytes((folder / "adapter_model.safetensors").read_bytes())
+    assert read_adapter("mine", renamed).sidecar_config is not None
+    (tmp_path / "other.safetensors").write_bytes(renamed.read_bytes())
+    assert read_adapter("mine", renamed).sidecar_config is None
+    stack, report = _fuse(pipe, "sd15", [("mine", ToolFile(renamed, {}), 1.0)])
+    assert report["mine"].scale_source == "absent (scale 1)"
+    stack.reconcile([], {})
+
+
+def test_a_whole_module_weight_in_a_peft_file_is_refused_not_read_as_ia3(model, tool_files, tmp_path):
+    """`conv_in.weight` beside PEFT's bare keys is a full replacement weight (PEFT modules_to_save),
+    though IA3 also stores a `weight`: refused by name rather than fused as a scaling vector."""
+    pipe, pristine = model("sd15")
+    path = tool_files("sd15")["peft_folder"].path
+    tensors = {**load_file(path), "conv_in.weight": pipe.unet.conv_in.weight.detach().clone()}
+    save_file(tensors, str(tmp_path / "full.safetensors"))
+    with pytest.raises(LoraApplyError, match=r"conv_in: a whole module weight .PEFT modules_to_save"):
+        _fuse(pipe, "sd15", [("x", ToolFile(tmp_path / "full.safetensors", {}), 1.0)])
+    _assert_restored(pipe, "sd15", pristine)

@@ -171,7 +171,7 @@ def declared_architecture(metadata: Mapping[str, str]) -> str | None:
     """The architecture a file's training metadata names (modelspec / kohya), or None."""
     text = f"{metadata.get('modelspec.architecture', '')} {metadata.get('ss_base_model_version', '')}".lower()
     for needles, arch in ((("xl",), "sdxl"), (("flux",), "flux"), (("sd3", "stable-diffusion-3"), "sd3"),
-                          (("v2",), "sd2"), (("v1",), "sd15")):
+                          (("v2",), "sd2"), (("v1", "sd1", "sd_1", "sd 1"), "sd15")):
         if any(n in text for n in needles):
             return arch
     return None
