@@ -375,8 +375,9 @@ def test_three_stacked_adapters_sum_deltas_taken_against_the_original_weight(tin
 
 
 def test_unmatched_keys_are_counted_and_the_rest_applies(tiny, tmp_path):
-    """Layers naming modules this model lacks are counted in `MatchReport.unmatched_keys` (per
-    layer, with a message) and skipped; every other layer applies exactly."""
+    """Layers naming modules this model lacks are skipped and counted in `MatchReport.unmatched_keys`
+    in tensors (two layers of two tensors: 4), the message naming the first few; every other layer
+    applies exactly."""
     model = tiny("sd15", F32)
     adapter = write_adapter(tmp_path / "a.safetensors", model.pipe, "sd15", "lora", "kohya", F32, alpha=2.0)
     strays = ("lora_unet_down_blocks_7_attentions_0_proj_in", "lora_te_text_model_encoder_layers_42_mlp_fc1")
@@ -384,8 +385,9 @@ def test_unmatched_keys_are_counted_and_the_rest_applies(tiny, tmp_path):
     save_file({**adapter.tensors, **extra}, str(adapter.path), metadata=adapter.metadata)
     spec = LoraSpec("a", 1.0)
     _, report = _fuse(model, [(spec, adapter)])
-    assert (report["a"].matched_layers, report["a"].unmatched_keys) == (len(adapter.layers), 2)
-    assert "2 layer keys matched nothing" in report["a"].message
+    assert (report["a"].matched_layers, report["a"].unmatched_keys) == (len(adapter.layers), 4)
+    assert report["a"].unmatched_examples == tuple(sorted(extra))[:3]
+    assert report["a"].message.startswith("4 tensors (2 layers) matched nothing in the model, e.g. lora_te_")
     _assert_fused(model, [(spec, "lora", adapter)])
 
 

@@ -279,15 +279,18 @@ def test_lora_for_the_other_architecture_is_refused_both_ways(env, ready):
 
 def test_partly_matching_lora_applies_and_reports_unmatched_keys(env, ready):
     """Keys that match nothing beside keys that match are not fatal (trainers add layers other
-    models lack): the LoRA applies, and its counters say how many keys matched nothing."""
+    models lack): the LoRA applies, and its counters say how many tensors matched nothing (a layer's
+    two tensors here) and name them."""
     tensors = _lora_layer(env, rank=4)
     tensors.update({"lora_unet_no_such_block_to_q.lora_down.weight": torch.ones(4, 32),
                     "lora_unet_no_such_block_to_q.lora_up.weight": torch.ones(32, 4)})
     save_file(tensors, str(env.lora_dir / "partial.safetensors"))
     snap = env.engine.set_loras([GOOD, LoraSpec("partial")])
     counters = snap.lora_counters["partial"]
-    assert (counters.matched_layers, counters.unmatched_keys) == (1, 1)
-    assert counters.message == "1 layer keys matched nothing in the model"
+    assert (counters.matched_layers, counters.unmatched_keys) == (1, 2)
+    stray = "lora_unet_no_such_block_to_q"
+    assert counters.message == (f"2 tensors (1 layer) matched nothing in the model, e.g. "
+                                f"{stray}.lora_down.weight, {stray}.lora_up.weight")
     assert snap.history[-1].outcome == "ok"
 
 

@@ -127,6 +127,8 @@ def test_path_traversal_names_are_refused(client, endpoint, argument):
 
 
 def test_lora_fit_badges_and_card_metadata(client):
+    """`/inspect_lora` gives the card's metadata and the fit check: ok, refused (wrong shape, nothing
+    matched) or partial, with the per-file report (layout, scale source, unmatched tensors named)."""
     style = client.predict("style", api_name="/inspect_lora")
     assert style["fit"]["level"] == "ok" and style["fit"]["matched_layers"] == 2
     card = style["card"]
@@ -137,7 +139,9 @@ def test_lora_fit_badges_and_card_metadata(client):
     nomatch = client.predict("nomatch", api_name="/inspect_lora")["fit"]
     assert nomatch["level"] == "error" and "matched zero" in nomatch["message"]
     partial = client.predict("partial", api_name="/inspect_lora")["fit"]
-    assert (partial["level"], partial["matched_layers"], partial["unmatched_keys"]) == ("warn", 1, 1)
+    assert (partial["level"], partial["matched_layers"], partial["unmatched_keys"]) == ("warn", 1, 3)
+    assert (partial["layout"], partial["scale_source"], partial["fits"]) == ("kohya", "alpha tensors", "SD15")
+    assert partial["unmatched_examples"][0] == "lora_unet_no_such_block_proj.alpha"
 
 
 def test_bug_report_zip_has_json_and_png(client):

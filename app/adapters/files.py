@@ -35,6 +35,7 @@ class AdapterFile:
     metadata: dict[str, str]
     short_hash: str
     size_bytes: int
+    sidecar_config: str | None = None  # PEFT's adapter_config.json beside the file, as text
 
 
 def read_adapter(name: str, path: Path) -> AdapterFile:
@@ -50,7 +51,31 @@ def read_adapter(name: str, path: Path) -> AdapterFile:
     for key, tensor in tensors.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise AdapterFormatError(f"{path.name}: tensor {key} contains NaN or Inf values; refused")
-    return AdapterFile(name, path, tensors, metadata, file_sha256(path)[:12], path.stat().st_size)
+    return AdapterFile(name, path, tensors, metadata, file_sha256(path)[:12], path.stat().st_size,
+                       _peft_sidecar(path))
+
+
+PEFT_SIDECAR = "adapter_config.json"
+_SIDECAR_MAX_BYTES = 1 << 20
+
+
+def _peft_sidecar(path: Path) -> str | None:
+    """The text of PEFT's `adapter_config.json` when it belongs to this file: PEFT's
+    `save_pretrained` writes it beside `adapter_model.safetensors`; a renamed file counts when it
+    is the folder's only `.safetensors` (a config shared by several files would scale them all).
+    It holds the LoRA's alpha and rank, without which a PEFT file applies at the wrong strength.
+    Read with the file and cached with it: edit the config, then touch the file to re-read it."""
+    sidecar = path.with_name(PEFT_SIDECAR)
+    if not sidecar.is_file():
+        return None
+    if path.name != "adapter_model.safetensors" and len(list(path.parent.glob(f"*{SUFFIX}"))) != 1:
+        return None
+    if sidecar.stat().st_size > _SIDECAR_MAX_BYTES:
+        raise AdapterFormatError(f"{sidecar}: larger than {_SIDECAR_MAX_BYTES} bytes; not a PEFT adapter config")
+    try:
+        return sidecar.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AdapterFormatError(f"{sidecar}: cannot be read ({exc})") from None
 
 
 class LoraLibrary:

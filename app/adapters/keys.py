@@ -2,61 +2,136 @@
 
 Why a table: kohya names replace every `.` of a module path with `_`, and module names contain
 `_` themselves (`to_q`, `proj_in`, `transformer_blocks`), so splitting a key on `_` guesses.
-Instead we enumerate the model's own module paths, spell each one every way a trainer may
-(kohya `lora_unet_`/`lora_te_`/`lora_te1_`/`lora_te2_`, LyCORIS `lycoris_`, LDM block names for
-the UNet, diffusers/PEFT dotted names) and look keys up exactly.
+Instead we enumerate the model's own module paths, spell each one every way a tool writes it and
+look keys up exactly. The spellings (each tagged, so a report can say which layout a file uses):
+
+* kohya / sd-scripts: `lora_unet_` + the path with `_` (diffusers names, or LDM block names as
+  sd-scripts writes them for SDXL), `lora_te_`/`lora_te1_` for the first text encoder (diffusers'
+  `convert_state_dict_to_kohya` writes `lora_te1_` even for SD1.5), `lora_te2_` for the second;
+* LyCORIS: `lycoris_` + the UNet path with `_`;
+* diffusers / PEFT: dotted paths behind `unet.`/`text_encoder.`/`text_encoder_2.`, or bare
+  (PEFT's own `save_pretrained`, after `base_model.model.`); a bare text-encoder path is the same
+  in both SDXL encoders and so resolves nowhere there;
+* diffusers' legacy attention processors: `attn1.processor.to_q_lora.down.weight` in the UNet and
+  `self_attn.to_q_lora.down.weight` (for `q_proj`) in the text encoders, `to_out_lora` for the
+  output projection.
+
+Text-encoder paths are spelled with and without transformers' `text_model.` level (transformers
+>= 5.6 dropped it from `CLIPTextModel`; trainers and older files still write it).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
-from app.families import family
+from app.adapters.algos import SUFFIXES
 from app.families.ldm_layout import unet_module_map
 
 log = logging.getLogger(__name__)
 
-# Dotted (diffusers / PEFT) suffixes, normalised to the kohya spelling the algorithms expect.
-_DOTTED_SUFFIXES = {
-    ".lora_A.weight": "lora_down.weight",
-    ".lora_B.weight": "lora_up.weight",
-    ".lora.down.weight": "lora_down.weight",
-    ".lora.up.weight": "lora_up.weight",
-    ".lora_linear_layer.down.weight": "lora_down.weight",
-    ".lora_linear_layer.up.weight": "lora_up.weight",
-    ".lora_magnitude_vector": "dora_scale",
-    ".lora_magnitude_vector.weight": "dora_scale",
-    ".alpha": "alpha",
-}
-_PEFT_ROOT = "base_model.model."
-
 Target = tuple[str, str]  # (component, module path)
 
+# Spelling tags, as the per-file report names them.
+KOHYA = "kohya"
+KOHYA_LDM = "kohya (LDM block names)"
+LYCORIS = "LyCORIS"
+DIFFUSERS = "diffusers/PEFT"
+PEFT_BARE = "PEFT (bare module names)"
+LEGACY = "diffusers legacy attention processors"
+DOTTED_SPELLINGS = frozenset({DIFFUSERS, PEFT_BARE, LEGACY})
 
-def _te_prefixes(arch: str) -> dict[str, str]:
-    return {te.component: te.lora_prefix for te in family(arch).text_encoders}
+# Key prefixes that name a component, for every family we know of (also those we do not load:
+# a file addressing a component the model lacks is made for another model).
+COMPONENT_PREFIXES: dict[str, tuple[str, ...]] = {
+    "unet": ("lora_unet_", "lycoris_", "unet."),
+    "text_encoder": ("lora_te_", "lora_te1_", "text_encoder."),
+    "text_encoder_2": ("lora_te2_", "text_encoder_2."),
+    "text_encoder_3": ("lora_te3_", "text_encoder_3."),
+    "transformer": ("lora_transformer_", "transformer.", "diffusion_model.", "lora_unet_double_blocks_",
+                    "lora_unet_single_blocks_"),
+}
+_KOHYA_TE_PREFIXES = {"text_encoder": ("lora_te_", "lora_te1_"), "text_encoder_2": ("lora_te2_",)}
+
+_PEFT_MAGNITUDE = "lora_magnitude_vector"
+# File suffixes other tools write -> the kohya/LyCORIS suffix the algorithms read, with the style
+# tag the report shows. Matched longest first against the end of a key.
+_SUFFIX_SPELLINGS: dict[str, tuple[str, str]] = {
+    ".lora_A.weight": ("lora_down.weight", "lora_A/lora_B"),
+    ".lora_B.weight": ("lora_up.weight", "lora_A/lora_B"),
+    ".lora_B.bias": ("lora_up.bias", "lora_A/lora_B"),
+    ".lora.down.weight": ("lora_down.weight", "lora.down/lora.up"),
+    ".lora.up.weight": ("lora_up.weight", "lora.down/lora.up"),
+    ".lora_linear_layer.down.weight": ("lora_down.weight", "lora_linear_layer"),
+    ".lora_linear_layer.up.weight": ("lora_up.weight", "lora_linear_layer"),
+    "_lora.down.weight": ("lora_down.weight", "to_q_lora.down"),
+    "_lora.up.weight": ("lora_up.weight", "to_q_lora.down"),
+    ".lora_magnitude_vector": ("dora_scale", _PEFT_MAGNITUDE),
+    ".lora_magnitude_vector.weight": ("dora_scale", _PEFT_MAGNITUDE),
+    # IA3's bare `weight` is left out: after a dotted module path it is a full weight.
+    **{f".{s}": (s, "") for s in SUFFIXES - {"weight"}},
+}
+_SUFFIXES_LONGEST_FIRST = sorted(_SUFFIX_SPELLINGS, key=len, reverse=True)
+_PEFT_ROOT = "base_model.model."
+_ATTENTION_PROJ = re.compile(r"(.*\.attn\d)\.(to_q|to_k|to_v|to_out\.0)$")
+_TEXT_ATTENTION_PROJ = re.compile(r"(.*\.self_attn)\.(q|k|v|out)_proj$")
 
 
-def split_key(key: str) -> tuple[str, str]:
-    """(layer key, normalised suffix) of one tensor key."""
-    for dotted, suffix in _DOTTED_SUFFIXES.items():
-        if key.endswith(dotted) and "." in key[: -len(dotted)]:
-            return key[: -len(dotted)].removeprefix(_PEFT_ROOT), suffix
+@dataclass(frozen=True)
+class SplitKey:
+    """One tensor key cut into its layer key and the normalised suffix, with the suffix style."""
+
+    layer: str
+    suffix: str
+    style: str
+
+
+def split_key(key: str) -> SplitKey:
+    """The layer a tensor belongs to and its suffix under the name the algorithms use."""
+    for tail in _SUFFIXES_LONGEST_FIRST:
+        if key.endswith(tail) and len(key) > len(tail):
+            suffix, style = _SUFFIX_SPELLINGS[tail]
+            return SplitKey(key[: -len(tail)].removeprefix(_PEFT_ROOT), suffix, style)
     layer, _, suffix = key.partition(".")
-    return layer, suffix
+    return SplitKey(layer, suffix, "")
+
+
+def component_named(layer: str) -> str | None:
+    """The component a layer key's prefix names (None for bare paths)."""
+    for component, prefixes in COMPONENT_PREFIXES.items():
+        if layer.startswith(prefixes):
+            return component
+    return None
 
 
 @dataclass(frozen=True)
 class LayerGroup:
-    """Tensors of one adapter layer, already matched to a model module (or not)."""
+    """Tensors of one adapter layer, matched to a model module (or not), with how it was spelled.
+
+    `file_keys` are the tensor keys as the file wrote them (what an unmatched report lists)."""
 
     key: str
     target: Target | None
     tensors: dict[str, torch.Tensor] = field(repr=False)
+    file_keys: tuple[str, ...] = ()
+    spelling: str = ""
+    style: str = ""
+
+
+def _legacy_spellings(path: str) -> list[str]:
+    """diffusers' attention-processor names of a module path (empty for other modules)."""
+    if match := _ATTENTION_PROJ.match(path):
+        parent, proj = match.groups()
+        proj = proj.removesuffix(".0")
+        names = [f"{parent}.processor.{proj}"]
+        return names + [f"{parent}.{proj}"] if proj == "to_out" else names
+    if match := _TEXT_ATTENTION_PROJ.match(path):
+        return [f"{match[1]}.to_{match[2]}"]
+    return []
 
 
 class KeyTable:
@@ -64,58 +139,66 @@ class KeyTable:
 
     def __init__(self, pipe, arch: str) -> None:
         self.arch = arch
-        self._table: dict[str, Target] = {}
+        self.components = frozenset(c for c in ("unet", "text_encoder", "text_encoder_2")
+                                    if getattr(pipe, c, None) is not None)
+        self._table: dict[str, tuple[Target, str]] = {}
         ambiguous: set[str] = set()
-        for alias, target in self._aliases(pipe, arch):
-            if alias in self._table and self._table[alias] != target:
+        for alias, target, spelling in self._aliases(pipe):
+            if alias in self._table and self._table[alias][0] != target:
                 ambiguous.add(alias)
-            self._table[alias] = target
+            self._table.setdefault(alias, (target, spelling))
         for alias in ambiguous:  # two modules spelled alike: refuse to guess between them
             del self._table[alias]
             log.debug("key alias %s is ambiguous; dropped", alias)
 
-    @staticmethod
-    def _aliases(pipe, arch: str):
-        unet = pipe.unet
-        ldm_names = unet_module_map(unet)
-        for path, module in unet.named_modules():
+    def _aliases(self, pipe):
+        ldm_names = unet_module_map(pipe.unet)
+        for path, module in pipe.unet.named_modules():
             if not path or getattr(module, "weight", None) is None:
                 continue
-            yield from ((f"{p}{path.replace('.', '_')}", ("unet", path)) for p in ("lora_unet_", "lycoris_"))
-            yield f"unet.{path}", ("unet", path)
-            yield path, ("unet", path)
-            ldm = ldm_names.get(path)
-            if ldm is not None:
-                yield from ((f"{p}{ldm.replace('.', '_')}", ("unet", path)) for p in ("lora_unet_", "lycoris_"))
-        for comp, prefix in _te_prefixes(arch).items():
-            for path, module in getattr(pipe, comp).named_modules():
-                if not path or getattr(module, "weight", None) is None:
-                    continue
-                # transformers >= 5.6 dropped CLIPTextModel's `text_model.` level; trainers still write it.
-                for spelled in {path, path if path.startswith("text_model.") else f"text_model.{path}"}:
-                    yield f"{prefix}{spelled.replace('.', '_')}", (comp, path)
-                    yield f"{comp}.{spelled}", (comp, path)
+            target = ("unet", path)
+            yield f"lora_unet_{path.replace('.', '_')}", target, KOHYA
+            yield f"lycoris_{path.replace('.', '_')}", target, LYCORIS
+            yield f"unet.{path}", target, DIFFUSERS
+            yield path, target, PEFT_BARE
+            if (ldm := ldm_names.get(path)) is not None:
+                yield f"lora_unet_{ldm.replace('.', '_')}", target, KOHYA_LDM
+                yield f"lycoris_{ldm.replace('.', '_')}", target, LYCORIS
+            for legacy in _legacy_spellings(path):
+                yield from ((f"{p}{legacy}", target, LEGACY) for p in ("unet.", ""))
+        for comp in self.components - {"unet"}:
+            yield from self._text_encoder_aliases(comp, getattr(pipe, comp))
+
+    @staticmethod
+    def _text_encoder_aliases(comp: str, encoder: torch.nn.Module):
+        for path, module in encoder.named_modules():
+            if not path or getattr(module, "weight", None) is None:
+                continue
+            target = (comp, path)
+            for spelled in {path, path if path.startswith("text_model.") else f"text_model.{path}"}:
+                for prefix in _KOHYA_TE_PREFIXES[comp]:
+                    yield f"{prefix}{spelled.replace('.', '_')}", target, KOHYA
+                yield f"lycoris_{spelled.replace('.', '_')}", target, LYCORIS  # LyCORIS's own wrapper
+                yield f"{comp}.{spelled}", target, DIFFUSERS
+                yield spelled, target, PEFT_BARE
+                for legacy in _legacy_spellings(spelled):
+                    yield from ((f"{p}{legacy}", target, LEGACY) for p in (f"{comp}.", ""))
 
     def group(self, tensors: dict[str, torch.Tensor]) -> list[LayerGroup]:
         """Group an adapter file's tensors by layer and resolve each layer to a module."""
         layers: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        keys: dict[str, list[str]] = defaultdict(list)
+        styles: dict[str, str] = {}
         for key, tensor in tensors.items():
-            layer, suffix = split_key(key)
-            layers[layer][suffix] = tensor
-        return [LayerGroup(layer, self._table.get(layer), parts) for layer, parts in layers.items()]
-
-
-def architecture_hint(keys, metadata: dict[str, str]) -> str | None:
-    """What an adapter was trained for, from its metadata or tell-tale keys (for error messages)."""
-    text = (metadata.get("modelspec.architecture", "") + " " + metadata.get("ss_base_model_version", "")).lower()
-    if "xl" in text:
-        return "sdxl"
-    if "v1" in text or "sd_v1" in text or "stable-diffusion-v1" in text:
-        return "sd15"
-    keys = list(keys)
-    if any(k.startswith(("lora_te2_", "lora_te1_", "text_encoder_2.")) or "input_blocks_7_1_transformer_blocks_9" in k
-           for k in keys):
-        return "sdxl"
-    if any(k.startswith("lora_te_") for k in keys):
-        return "sd15"
-    return None
+            split = split_key(key)
+            # PEFT's magnitude is per output row whatever its shape ((1, out, 1, 1) on a conv):
+            # flat, it cannot be read as LyCORIS's legacy per-input-column (1, in, …) layout.
+            flat = split.style == _PEFT_MAGNITUDE and tensor.dim() > 1
+            layers[split.layer][split.suffix] = tensor.reshape(-1) if flat else tensor
+            keys[split.layer].append(key)
+            styles[split.layer] = styles.get(split.layer) or split.style
+        groups = []
+        for layer, parts in layers.items():
+            target, spelling = self._table.get(layer, (None, ""))
+            groups.append(LayerGroup(layer, target, parts, tuple(keys[layer]), spelling, styles[layer]))
+        return groups

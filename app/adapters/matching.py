@@ -1,33 +1,72 @@
-"""Match one adapter file against a loaded model: which layer each key targets, whether every
-layer fits, and what is left over, before anything is written.
+"""Match one adapter file against a loaded model: which layer each key targets, at what scale,
+whether every layer fits, and what is left over, before anything is written.
 
 Why apart from the patcher: deciding *what* a file means for a model (layout, scale, fit) is
-read-only work the UI also asks for (`inspect_lora`), while the patcher only writes. A file is
-refused whole when any layer has the wrong shape or when it is plainly made for another
-architecture: half a foreign LoRA is no LoRA.
+read-only work the UI also asks for (`inspect_lora`), while the patcher only writes.
+
+The architecture is decided from what fits, not from a key prefix (`lora_te1_` is what diffusers
+writes for SD1.5 too). A file is refused whole, never half-applied, when
+
+* any layer that resolves has the wrong shape for its module;
+* it has layers for a component this model lacks (a second text encoder on SD1.5, a transformer);
+* its metadata names another architecture and part of it matches nothing here;
+* it matches nothing at all.
+
+Tensors that match nothing beside layers that fit are not fatal (trainers add layers other
+checkpoints lack): they are counted, and the report names the first few.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from app.adapters.algos import Adapter, parse_layer
-from app.adapters.errors import AdapterError, IncompatibleAdapterError, LoraApplyError
+from app.adapters.errors import AdapterFormatError, IncompatibleAdapterError, LoraApplyError
 from app.adapters.files import AdapterFile
-from app.adapters.keys import KeyTable, Target, architecture_hint
+from app.adapters.keys import DOTTED_SPELLINGS, KeyTable, LayerGroup, Target, component_named
+from app.adapters.peft_scale import PeftScales
 
 log = logging.getLogger(__name__)
+UNMATCHED_EXAMPLES = 3
+_SCALE_SOURCES = {"alpha tensor": "alpha tensors", "metadata": "PEFT metadata (lora_adapter_metadata)",
+                  "adapter_config.json": "PEFT adapter_config.json", "absent": "absent (scale 1)"}
+# A component only other families have, and the model such a file is made for.
+_FOREIGN_COMPONENTS = {"transformer": "a DiT model (Flux, SD3, …)", "text_encoder_3": "SD3", "text_encoder_2": "SDXL"}
+# LyCORIS algorithms that cannot be read unambiguously from their tensors, by their `algo` name.
+_UNSUPPORTED_ALGOS = {
+    "tlora": "a LyCORIS T-LoRA: it was trained with a rank mask that depends on the timestep and that the "
+             "sampler must apply at every step; fused as a plain LoRA every rank fires at every step",
+    "boft": "a LyCORIS BOFT (butterfly OFT, 4-D oft_blocks): LyCORIS changed how BOFT rotates a weight "
+            "between releases (2024-06, 2025-05, 3.3.0), so the file alone does not say which transform "
+            "it was trained with",
+    "glokr": "a LyCORIS GLoKr: LyCORIS never released it in a stable format (its unfinished version was removed)",
+}
 
 
 @dataclass(frozen=True)
 class MatchReport:
+    """What one file means for one model: the LoRA card, `inspect_lora` and the counters show it.
+
+    `unmatched_keys` counts the file's tensors (safetensors keys) that reached no module — a
+    count in layers hid how much was dropped, since a layer holds two to five tensors.
+    `scale_source` says where the layers' scale came from (alpha tensors, PEFT metadata or
+    `adapter_config.json`, absent), `fits` the architecture the file fits, `declared` the one its
+    metadata names (None when it names none)."""
+
     matched_layers: int
     unmatched_keys: int
     message: str = ""
+    layout: str = ""
+    scale_source: str = ""
+    unmatched_examples: tuple[str, ...] = ()
+    fits: str = ""
+    declared: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,43 +83,146 @@ class PreparedAdapter:
         return PreparedAdapter(self.file, layers, self.report)
 
 
+@dataclass
+class _Parsed:
+    """What parsing the matched layers found: the adapters, and per layer how it was written."""
+
+    layers: dict[Target, Adapter]
+    mismatched: list[str]
+    spellings: Counter
+    scale_sources: Counter
+
+
 def match_adapter(name: str, file: AdapterFile, table: KeyTable,
                   module_for: Callable[[Target], torch.nn.Module]) -> PreparedAdapter:
     """Parse and shape-check every layer of `file` against the model `table` was built from;
     raise `LoraApplyError` (naming the LoRA) when it does not fit, before any write."""
-    layers: dict[Target, Adapter] = {}
-    unmatched: list[str] = []
-    mismatched: list[str] = []
-    for group in table.group(file.tensors):
+    groups = table.group(file.tensors)
+    try:
+        _refuse_unsupported(file)
+        parsed = _parse(groups, PeftScales.read(file), module_for)
+    except AdapterFormatError as exc:
+        raise LoraApplyError(name, str(exc)) from exc
+    unmatched = [g for g in groups if g.target is None]
+    declared = declared_architecture(file.metadata)
+    _check_fit(name, table, parsed, unmatched, declared)
+    keys = sorted(k for g in unmatched for k in g.file_keys)
+    if keys:
+        log.debug("LoRA %s: %d unmatched tensors: %s", name, len(keys), ", ".join(keys))
+    report = MatchReport(len(parsed.layers), len(keys), _message(table.arch, keys, len(unmatched), declared),
+                         _layout(parsed.spellings), _scale_source(parsed.scale_sources),
+                         tuple(keys[:UNMATCHED_EXAMPLES]), table.arch.upper(), declared)
+    return PreparedAdapter(file, parsed.layers, report)
+
+
+def _parse(groups: list[LayerGroup], scales: PeftScales,
+           module_for: Callable[[Target], torch.nn.Module]) -> _Parsed:
+    """Parse every layer that resolved; a malformed layer raises, a misfit is collected."""
+    parsed = _Parsed({}, [], Counter(), Counter())
+    owners: dict[Target, str] = {}
+    for group in groups:
         if group.target is None:
-            unmatched.append(group.key)
             continue
+        if group.target in owners:
+            raise AdapterFormatError(f"layers {owners[group.target]} and {group.key} both target "
+                                     f"{group.target[0]}.{group.target[1]}; the file is ambiguous")
+        owners[group.target] = group.key
+        if group.spelling in DOTTED_SPELLINGS and "weight" in group.tensors:
+            raise AdapterFormatError(f"{group.key}: a whole module weight (PEFT modules_to_save?) is not an "
+                                     "adapter; not supported, nothing applied")
+        tensors, source = scales.with_alpha(group)
         try:
-            adapter = parse_layer(group.key, group.tensors)
+            adapter = parse_layer(group.key, tensors)
             adapter.validate_against(tuple(module_for(group.target).weight.shape))
         except IncompatibleAdapterError as exc:
-            mismatched.append(str(exc))
+            parsed.mismatched.append(str(exc))
             continue
-        except AdapterError as exc:
-            raise LoraApplyError(name, str(exc)) from exc
-        layers[group.target] = adapter
-    _check_fit(name, file, table.arch, layers, unmatched, mismatched)
-    if unmatched:
-        log.debug("LoRA %s: %d unmatched layer keys: %s", name, len(unmatched), ", ".join(sorted(unmatched)))
-    message = f"{len(unmatched)} layer keys matched nothing in the model" if unmatched else ""
-    return PreparedAdapter(file, layers, MatchReport(len(layers), len(unmatched), message))
+        parsed.layers[group.target] = adapter
+        parsed.spellings[(group.spelling, group.style)] += 1
+        if source != "absent" or adapter.rank is not None:
+            parsed.scale_sources[source] += 1
+    return parsed
 
 
-def _check_fit(name: str, file: AdapterFile, arch: str, layers, unmatched, mismatched) -> None:
-    hint = architecture_hint(file.tensors, file.metadata)
-    made_for = f" (it looks made for {hint.upper()})" if hint and hint != arch else ""
-    if made_for:  # refused even where some shapes happen to fit: half a foreign LoRA is no LoRA
-        raise LoraApplyError(name, f"does not fit this {arch.upper()} model{made_for}, even though "
-                                   f"{len(layers)} of its layers fit by shape; nothing applied")
-    if mismatched:
-        verb = "has" if len(mismatched) == 1 else "have"
-        raise LoraApplyError(name, f"does not fit this {arch.upper()} model{made_for}: "
-                                   f"{len(mismatched)} of its layers {verb} the wrong shape, e.g. {mismatched[0]}")
-    if not layers:
-        raise LoraApplyError(name, f"matched zero of its {len(unmatched)} layers in this {arch.upper()} "
+def _refuse_unsupported(file: AdapterFile) -> None:
+    """Refuse by name the LyCORIS algorithms whose files cannot be fused correctly."""
+    algos = _trainer_algos(file.metadata)
+    if any(k.endswith(".oft_blocks") and t.dim() == 4 for k, t in file.tensors.items()):
+        algos.add("boft")
+    unsupported = sorted(algos & _UNSUPPORTED_ALGOS.keys())
+    if unsupported:
+        raise AdapterFormatError(f"is {_UNSUPPORTED_ALGOS[unsupported[0]]}; not supported, nothing applied")
+
+
+def _trainer_algos(metadata: Mapping[str, str]) -> set[str]:
+    """The `algo`s a kohya (`ss_network_args`) or SimpleTuner (`lycoris_config`) run recorded."""
+    algos = set()
+    for key in ("ss_network_args", "lycoris_config"):
+        try:
+            args = json.loads(metadata.get(key) or "{}")
+        except json.JSONDecodeError:
+            continue
+        if isinstance(args, dict) and args.get("algo"):
+            algos.add(str(args["algo"]).lower().replace("-", "").replace("_", ""))
+    return algos
+
+
+def declared_architecture(metadata: Mapping[str, str]) -> str | None:
+    """The architecture a file's training metadata names (modelspec / kohya), or None."""
+    text = f"{metadata.get('modelspec.architecture', '')} {metadata.get('ss_base_model_version', '')}".lower()
+    for needles, arch in ((("xl",), "sdxl"), (("flux",), "flux"), (("sd3", "stable-diffusion-3"), "sd3"),
+                          (("v2",), "sd2"), (("v1", "sd1", "sd_1", "sd 1"), "sd15")):
+        if any(n in text for n in needles):
+            return arch
+    return None
+
+
+def _check_fit(name: str, table: KeyTable, parsed: _Parsed, unmatched: list[LayerGroup],
+               declared: str | None) -> None:
+    arch, fit = table.arch.upper(), len(parsed.layers)
+    foreign = [c for c in _FOREIGN_COMPONENTS if c not in table.components
+               and any(component_named(g.key) == c for g in unmatched)]
+    hint = declared.upper() if declared and declared != table.arch else _FOREIGN_COMPONENTS.get(next(iter(foreign), ""))
+    made_for = f" (it looks made for {hint})" if hint else ""
+    if parsed.mismatched:
+        verb = "has" if len(parsed.mismatched) == 1 else "have"
+        raise LoraApplyError(name, f"does not fit this {arch} model{made_for}: {len(parsed.mismatched)} of its "
+                                   f"layers {verb} the wrong shape, e.g. {parsed.mismatched[0]}")
+    if foreign:
+        raise LoraApplyError(name, f"does not fit this {arch} model{made_for}: it has layers for "
+                                   f"{', '.join(foreign)}, which this model lacks, even though {fit} of its "
+                                   "layers fit by shape; nothing applied")
+    if declared and declared != table.arch and unmatched:
+        raise LoraApplyError(name, f"does not fit this {arch} model{made_for}: its metadata names "
+                                   f"{declared.upper()} and {len(unmatched)} of its layers match nothing here, "
+                                   f"even though {fit} fit by shape; nothing applied")
+    if not fit:
+        raise LoraApplyError(name, f"matched zero of its {len(unmatched)} layers in this {arch} "
                                    f"model{made_for}; nothing applied")
+
+
+def _message(arch: str, keys: list[str], layers: int, declared: str | None) -> str:
+    parts = []
+    if keys:
+        parts.append(f"{_count(len(keys), 'tensor')} ({_count(layers, 'layer')}) matched nothing in the model, "
+                     "e.g. " + ", ".join(keys[:UNMATCHED_EXAMPLES]))
+    if declared and declared != arch:
+        parts.append(f"its metadata names {declared.upper()}, but every layer fits this {arch.upper()} model")
+    return "; ".join(parts)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _layout(spellings: Counter) -> str:
+    """The key spellings of the matched layers, most used first ("kohya", "diffusers/PEFT, lora_A/lora_B")."""
+    return " + ".join(", ".join(p for p in spelling if p) for spelling, _ in spellings.most_common())
+
+
+def _scale_source(sources: Counter) -> str:
+    if not sources:
+        return "not used by these algorithms"
+    if len(sources) == 1:
+        return _SCALE_SOURCES[next(iter(sources))]
+    return ", ".join(f"{_SCALE_SOURCES[s]} ({n} layers)" for s, n in sources.most_common())

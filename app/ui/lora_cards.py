@@ -18,12 +18,15 @@ from pathlib import Path
 from safetensors import safe_open
 
 from app.adapters.errors import AdapterError, AdapterFormatError
+from app.adapters.matching import MatchReport
 from app.safetensors_files import SafetensorsFileError, file_sha256, read_header
 
 # Suffix -> algorithm name, checked in order (LoRA last: LoCon/DoRA files also carry lora_down).
 _ALGO_MARKERS = (("hada_w1", "LoHa"), ("lokr_w", "LoKr"), ("oft_blocks", "OFT"), ("a1.weight", "GLoRA"),
                  ("dora_scale", "DoRA"), ("lora_mid", "LoCon (Tucker)"), ("lora_down", "LoRA"),
-                 ("lora_A", "LoRA (PEFT)"), (".diff", "Full"), ("on_input", "IA3"))
+                 ("lora_A", "LoRA (PEFT)"), ("_lora.down", "LoRA (diffusers attention processors)"),
+                 (".lora.down", "LoRA (diffusers)"), ("lora_linear_layer", "LoRA (diffusers)"), (".diff", "Full"),
+                 ("on_input", "IA3"))
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,36 @@ class CardInfo:
 
 @dataclass(frozen=True)
 class Fit:
-    """Outcome of the fit check: level "ok", "warn" (some keys unmatched) or "error" (refused)."""
+    """Outcome of the fit check: level "ok", "warn" (some tensors unmatched) or "error" (refused),
+    with the per-file report of an accepted file (`MatchReport`: layout, scale source, the first
+    unmatched tensor names, the architecture it fits)."""
 
     level: str
     message: str
     matched_layers: int = 0
     unmatched_keys: int = 0
+    layout: str = ""
+    scale_source: str = ""
+    unmatched_examples: tuple[str, ...] = ()
+    fits: str = ""
+
+    @classmethod
+    def from_report(cls, report: MatchReport) -> Fit:
+        level = "error" if report.matched_layers == 0 else "warn" if report.unmatched_keys else "ok"
+        return cls(level, report.message or ("matched zero layers" if level == "error" else ""),
+                   report.matched_layers, report.unmatched_keys, report.layout, report.scale_source,
+                   report.unmatched_examples, report.fits)
+
+    def report_line(self) -> str:
+        """layout · scale source · what was left over, for an accepted file ("" before a check)."""
+        if not self.layout:
+            return ""
+        facts = [f"layout: {self.layout}", f"scale: {self.scale_source}"]
+        if self.unmatched_keys:
+            more = "…" if self.unmatched_keys > len(self.unmatched_examples) else ""
+            names = ", ".join(f"`{html.escape(k)}`" for k in self.unmatched_examples)
+            facts.append(f"{self.unmatched_keys} tensors unmatched: {names}{more}")
+        return " · ".join(facts)
 
 
 def _trigger_words(meta: dict[str, str]) -> tuple[str, ...]:
@@ -83,7 +110,7 @@ def _rank(meta: dict[str, str], path: Path, keys: list[str]) -> int | None:
     """`ss_network_dim`, else the first down-projection's row count (its shape only, no data read)."""
     if str(meta.get("ss_network_dim", "")).isdigit():
         return int(meta["ss_network_dim"])
-    down = next((k for k in sorted(keys) if k.endswith(("lora_down.weight", "lora_A.weight"))), None)
+    down = next((k for k in sorted(keys) if k.endswith(("lora_down.weight", "lora_A.weight", ".down.weight"))), None)
     if down is None:
         return None
     with safe_open(str(path), framework="pt") as handle:
@@ -116,13 +143,17 @@ def card_markdown(card: CardInfo | None, fit: Fit | None, name: str, problem: st
     if fit is None:
         lines.append("<span class='sd-badge'>checking fit…</span>")
     elif fit.level == "ok":
-        lines.append(f"<span class='sd-badge sd-badge-ok'>✓ fits: {fit.matched_layers} layers</span>")
+        lines.append(f"<span class='sd-badge sd-badge-ok'>✓ fits {fit.fits}: {fit.matched_layers} layers</span>"
+                     + (f" {html.escape(fit.message)}" if fit.message else ""))
     elif fit.level == "warn":
-        lines.append(f"<span class='sd-badge sd-badge-warn'>⚠ {fit.unmatched_keys} keys matched nothing</span> "
-                     f"{fit.matched_layers} layers patched; {html.escape(fit.message)}")
+        lines.append(f"<span class='sd-badge sd-badge-warn'>⚠ {fit.unmatched_keys} tensors matched nothing</span> "
+                     f"{fit.matched_layers} layers patched{' (' + fit.fits + ')' if fit.fits else ''}; "
+                     f"{html.escape(fit.message)}")
     else:
         lines.append(f"<span class='sd-badge sd-badge-error'>✗ does not fit — not applied</span> "
                      f"{html.escape(fit.message)}")
+    if fit is not None and fit.report_line():
+        lines.append(fit.report_line())
     if card is not None:
         rank = f"rank: {card.rank if card.rank is not None else '?'}" + (f" (alpha {card.alpha})" if card.alpha else "")
         facts = [f"base model: {html.escape(card.base_model or 'not recorded')}",
@@ -172,9 +203,7 @@ class CardCache:
         except Exception as exc:  # engine busy in ERROR, file vanished …: show it, but ask again next time
             return Fit("warn", f"fit not checked: {exc}")
         else:
-            level = "error" if report.matched_layers == 0 else "warn" if report.unmatched_keys else "ok"
-            fit = Fit(level, report.message or ("matched zero layers" if level == "error" else ""),
-                      report.matched_layers, report.unmatched_keys)
+            fit = Fit.from_report(report)
         with self._lock:
             self._fits[key] = fit
         return fit

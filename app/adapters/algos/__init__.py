@@ -70,6 +70,7 @@ __all__ = [
     "LoKr",
     "LoRA",
     "Norm",
+    "SUFFIXES",
     "parse_layer",
 ]
 
@@ -78,6 +79,8 @@ __all__ = [
 # Marker sets are disjoint, so at most one algorithm can claim a key set; DoRA is not listed
 # because it is a modifier: `parse_layer` peels it off and parses what it wraps.
 _ALGORITHMS: tuple[type[Adapter], ...] = (LoRA, LoHa, LoKr, GLoRA, Full, Norm, IA3, OFT)
+# Every per-layer suffix some algorithm reads: what `app.adapters.keys` may cut off a tensor key.
+SUFFIXES: frozenset[str] = frozenset().union(DoRA.keys, *(algo.keys for algo in _ALGORITHMS))
 
 
 def parse_layer(layer: str, tensors: Mapping[str, Tensor]) -> Adapter:

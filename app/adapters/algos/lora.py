@@ -18,6 +18,7 @@ from app.adapters.algos.base import (
     _read_scalar,
     _require,
 )
+from app.adapters.errors import AdapterFormatError
 from app.adapters.layer_ops import LayerOp
 
 
@@ -26,15 +27,17 @@ class LoRA(_Factored):
     """LoRA / LoCon: ΔW = s · up · down, or s · up ×₁ mid ×₂ down with a Tucker `mid`.
 
     down (r, in[, kh, kw]), up (out, r[, 1, 1]); Tucker: mid (r, r, kh, kw) and a 1×1 down.
+    `up_bias` (out,) is PEFT's `lora_bias=True` (a bias on lora_B): Δb = s · up_bias.
     """
 
     down: Tensor
     up: Tensor
     mid: Tensor | None = None
     alpha: float | None = None
+    up_bias: Tensor | None = None
 
     algo = "LoRA"
-    keys = frozenset({"lora_down.weight", "lora_up.weight", "lora_mid.weight", "alpha"})
+    keys = frozenset({"lora_down.weight", "lora_up.weight", "lora_mid.weight", "lora_up.bias", "alpha"})
     markers = frozenset({"lora_down.weight", "lora_up.weight", "lora_mid.weight"})
     accepts_dora = True
 
@@ -46,11 +49,16 @@ class LoRA(_Factored):
             tensors["lora_up.weight"],
             tensors.get("lora_mid.weight"),
             _read_scalar(layer, "alpha", tensors),
+            tensors.get("lora_up.bias"),
             layer=layer,
         )
 
     def __post_init__(self) -> None:
-        self._dims()
+        rows, _ = self._dims()
+        if self.up_bias is not None and tuple(self.up_bias.shape) != (rows,):
+            raise AdapterFormatError(
+                f"{self._where}: lora_up.bias must be ({rows},) like lora_up's rows, got {tuple(self.up_bias.shape)}"
+            )
 
     def _dims(self) -> tuple[int, Shape]:
         mid = None if self.mid is None else ("lora_mid", tuple(self.mid.shape))
@@ -64,8 +72,9 @@ class LoRA(_Factored):
 
     def accumulate(self, acc: Tensor, base_weight: Tensor, base_bias: Tensor | None, strength: float) -> Tensor | None:
         """One fused multiply-add, acc += (m·s)·up·down, instead of building ΔW, scaling it and
-        adding it: a third of the memory passes a re-weight of a large layer costs."""
-        if self.mid is not None or not acc.is_contiguous():
+        adding it: a third of the memory passes a re-weight of a large layer costs. A bias on lora_B
+        takes the general path, which checks it against the layer's bias."""
+        if self.mid is not None or self.up_bias is not None or not acc.is_contiguous():
             return super().accumulate(acc, base_weight, base_bias, strength)
         self.validate_against(base_weight.shape)
         dev = acc.device
@@ -76,15 +85,23 @@ class LoRA(_Factored):
 
     def bypass(self, module: torch.nn.Module, x: Tensor, op: LayerOp, strength: float, output: Tensor) -> Tensor | None:
         """up(mid(down(x))) on x itself where the layer has a low-rank path (linear, conv): no
-        weight-sized tensor per forward; the scale and strength ride on the small `up` factor."""
+        weight-sized tensor per forward; the scale and strength ride on the small `up` factor
+        (and PEFT's `lora_bias` adds onto the output like the layer's own bias)."""
         dtype, dev = output.dtype, x.device
         if op.low_rank is not None:
-            up = (self.up.to(dev, torch.float32) * (strength * _low_rank_scale(self.alpha, self.rank))).to(dtype)
+            scale = strength * _low_rank_scale(self.alpha, self.rank)
+            up = (self.up.to(dev, torch.float32) * scale).to(dtype)
             mid = None if self.mid is None else self.mid.to(dev, dtype)
             out = op.low_rank(module, x, self.down.to(dev, dtype), mid, up)
             if out is not None:
-                return out
+                bias = None if self.up_bias is None else (self.up_bias.to(dev, torch.float32) * scale).to(dtype)
+                return out if bias is None else op(module, x, None, bias, out) + out
         return super().bypass(module, x, op, strength, output)
+
+    def _bias_delta(self, device: torch.device) -> Tensor | None:
+        if self.up_bias is None:
+            return None
+        return _f32(self.up_bias, device) * _low_rank_scale(self.alpha, self.rank)
 
     def _weight_delta(self, w0: Tensor) -> Tensor:
         dev = w0.device
