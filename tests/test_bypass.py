@@ -19,6 +19,7 @@ import torch
 
 from app.adapters.algos import LoRA
 from app.adapters.files import read_adapter
+from app.adapters.layer_ops import op_for
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import ALGORITHMS, adapter_state_digests, write_adapter
@@ -228,3 +229,23 @@ def test_a_failed_switch_to_a_streamed_mode_rolls_back_to_the_fused_weights(data
         assert not any(row.hooks for row in snap.placement)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_lora_with_a_peft_bias_adds_it_in_the_bypass(kind):
+    """PEFT's `lora_bias` (a bias on lora_B): the factor path adds s·m·bias like the layer's own
+    bias, so the bypassed output equals W0+ΔW and b0+Δb applied together."""
+    g = torch.Generator().manual_seed(4)
+    layer = torch.nn.Linear(6, 5) if kind == "linear" else torch.nn.Conv2d(6, 5, 3, padding=1)
+    down = torch.randn(2, *layer.weight.shape[1:], generator=g)
+    up, bias = torch.randn(5, 2, *([1, 1] if kind == "conv" else []), generator=g), torch.randn(5, generator=g)
+    adapter = LoRA(down, up, alpha=1.0, up_bias=bias)
+    x = torch.randn(3, 6, *([4, 4] if kind == "conv" else []), generator=g)
+    op = op_for(layer)
+    with torch.no_grad():
+        base = layer(x)
+        got = base + adapter.bypass(layer, x, op, 0.7, base)
+        delta = adapter.delta(layer.weight, layer.bias)
+        fused = op.apply_weight(layer, x, layer.weight + 0.7 * delta.weight)
+        want = fused + (layer.bias + 0.7 * delta.bias).reshape(-1, *([1, 1] if kind == "conv" else []))
+    assert torch.allclose(got, want, atol=1e-5)
