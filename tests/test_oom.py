@@ -9,10 +9,6 @@ is bit-identical, every tensor is where the plan says, and the next generation w
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 import tiny
 import torch
@@ -20,42 +16,22 @@ from weight_digest import weights_digest
 
 from app.adapters.algos.lora import LoRA
 from app.adapters.specs import LoraSpec
-from app.adapters.synthetic import write_adapter
-from app.demo import build_tiny_pipeline
 from app.engine import models, placement
 from app.engine.engine import Engine, EngineState
 from app.engine.generate import GenerateParams
-from app.settings import Settings
 
 FAST = dict(tiny.FAST, seed=11)
 SD15, SDXL = tiny.CHECKPOINTS["sd15"], tiny.CHECKPOINTS["sdxl"]
-TARGETS = {"oom-a": ("unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q",
-                     "unet.mid_block.resnets.0.conv1"),
-           "oom-b": ("unet.up_blocks.1.attentions.0.proj_in", "text_encoder.text_model.encoder.layers.0.mlp.fc1")}
-A, B = LoraSpec("oom-a", 0.8), LoraSpec("oom-b", 0.6)
+A, B = LoraSpec("demo-style-sd15", 0.8), LoraSpec("demo-detail-sd15", 0.6)  # the demo LoRAs
 OOM = "CUDA out of memory. Tried to allocate 20.00 GiB (injected by the test)"
 
 
-@pytest.fixture(scope="module")
-def data(demo_dir, tmp_path_factory) -> Path:
-    target = tmp_path_factory.mktemp("oom")
-    for sub in ("models/Stable-diffusion", "embeddings"):
-        shutil.copytree(demo_dir / sub, target / sub, copy_function=os.link)
-    pipe = build_tiny_pipeline("sd15")
-    for i, (name, targets) in enumerate(TARGETS.items()):
-        write_adapter(target / "models" / "Lora" / f"{name}.safetensors", pipe, "sd15", "lora", "kohya",
-                      targets=targets, seed=i, alpha=4.0)
-    return target
-
-
 @pytest.fixture
-def engine(data):
-    """Tiny SD1.5 in fp32 with LoRA A applied."""
-    eng = Engine(Settings(data_dir=data, device="cpu"))
-    eng.load_model(SD15, dtype="fp32")
-    eng.set_loras([A])
-    yield eng
-    eng.close()
+def engine(engine):
+    """The shared CPU engine with tiny SD1.5 in fp32 and LoRA A applied."""
+    engine.load_model(SD15, dtype="fp32")
+    engine.set_loras([A])
+    return engine
 
 
 def _raise_oom(*_args, **_kwargs):
