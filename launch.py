@@ -21,11 +21,19 @@ from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings  # noqa: E402
 log = logging.getLogger("steady_diffusion")
 
 
-def parse_auth(pairs: list[str], auth_file: str | None) -> tuple[tuple[str, str], ...]:
-    """`user:pass` pairs from the command line and/or a file with one pair per line."""
+def parse_auth(pairs: list[str], auth_file: str | None, auth_env: str | None = None) -> tuple[tuple[str, str], ...]:
+    """`user:pass` pairs from the command line, a file and/or an environment variable, one pair per line.
+
+    The variable is removed from the environment once read: processes started later (Gradio's
+    share tunnel) do not inherit it, and unlike `--auth` it never shows in `ps`.
+    """
     lines = list(pairs)
-    if auth_file:
-        text = Path(auth_file).read_text()
+    texts = [Path(auth_file).read_text()] if auth_file else []
+    if auth_env:
+        if not os.environ.get(auth_env):
+            raise SystemExit(f"--auth-env {auth_env}: that environment variable is not set or empty")
+        texts.append(os.environ.pop(auth_env))
+    for text in texts:
         lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     out = []
     for line in lines:
@@ -65,8 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share", action="store_true", help="create a public Gradio share link")
     p.add_argument("--auth", action="append", default=[], metavar="USER:PASS", help="require a login (repeatable)")
     p.add_argument("--auth-file", default=None, help="file with one user:password per line")
+    p.add_argument("--auth-env", default=None, metavar="VAR",
+                   help="environment variable holding user:password (one per line); unlike --auth not shown by ps")
     p.add_argument("--no-auth", action="store_true",
                    help="allow --share/--listen without a password (otherwise one is generated)")
+    p.add_argument("--queue-size", type=int, default=Settings.queue_size,
+                   help="requests that may wait in the queue, all users together")
+    p.add_argument("--session-queue-size", type=int, default=Settings.session_queue_size,
+                   help="requests one browser tab or API client may have pending")
+    p.add_argument("--max-upload-mib", type=int, default=Settings.max_upload_mib, help="largest upload accepted")
+    p.add_argument("--lora-cache-mib", type=int, default=Settings.lora_cache_mib,
+                   help="LoRA files kept in RAM after reading (0 = read from disk every time)")
     p.add_argument("--bug-report", nargs="?", const="bug-report.zip", default=None, metavar="ZIP",
                    help="write a bug-report bundle and exit (works when the UI cannot start)")
     return p
@@ -80,8 +97,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         strict=args.strict,
         lora_debug=args.lora_debug or Settings().lora_debug, move_debug=args.move_debug or Settings().move_debug,
         slider_min=min(args.slider_range), slider_max=max(args.slider_range),
-        listen=args.listen, port=args.port, share=args.share, auth=parse_auth(args.auth, args.auth_file),
-        no_auth=args.no_auth,
+        listen=args.listen, port=args.port, share=args.share,
+        auth=parse_auth(args.auth, args.auth_file, args.auth_env), no_auth=args.no_auth,
+        queue_size=args.queue_size, session_queue_size=args.session_queue_size,
+        max_upload_mib=args.max_upload_mib, lora_cache_mib=args.lora_cache_mib,
     )
 
 

@@ -9,7 +9,11 @@ check is on the name, which is what an untrusted caller controls.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class UnsafePathError(ValueError):
@@ -26,3 +30,23 @@ def resolve_under(root: Path, name: str, what: str) -> Path:
             f"{what} {name!r} is not a plain name: absolute paths and '..' are refused; "
             f"put the file under {root} and use its name")
     return root / candidate
+
+
+def utf8_names(root: Path, paths: Iterable[Path], what: str) -> list[Path]:
+    """`paths` whose names under `root` are valid UTF-8; each other one is logged and left out.
+
+    On Linux a file name is bytes, and Python hands back undecodable ones with surrogate escapes:
+    such a name cannot be sent to the browser (JSON needs UTF-8), so one badly named file would
+    break every listing that contains it, and the app's start-up with it.
+    """
+    kept = []
+    for path in paths:
+        relative = path.relative_to(root).as_posix()
+        try:
+            relative.encode("utf-8")
+        except UnicodeEncodeError:
+            log.warning("%s file %s in %s skipped: its name is not valid UTF-8; rename it to use it", what,
+                        ascii(relative), root)
+            continue
+        kept.append(path)
+    return kept

@@ -5,9 +5,10 @@ errors with tracebacks, recent log lines) for whoever debugs; the PNG card is wh
 pastes into an issue tracker, so a maintainer sees at a glance where every component lives,
 which tensors violate the plan and which LoRAs misbehave, without opening anything.
 
-Everything goes through `redact()` before it is written: the home folder becomes `~`, share
-links and known secrets (passwords from `--auth` or the generated one) are removed wherever
-they appear, and keys that name secrets are blanked. The card is drawn from the redacted
+Everything goes through `redact()` before it is written: paths inside the data folder become
+relative to it (the folder itself `.`), the home folder becomes `~`, share links and known
+secrets (passwords from `--auth` or the generated one) are removed wherever they appear, and
+keys that name secrets are blanked. The card is drawn from the redacted
 dict, so it cannot show more than the JSON.
 """
 
@@ -66,12 +67,13 @@ def jsonable(value: Any) -> Any:
     return str(value)  # Path, torch.dtype, torch.device, anything else: its readable form
 
 
-def redact(value: Any, secrets: Iterable[str] = (), home: str | None = None) -> Any:
+def redact(value: Any, secrets: Iterable[str] = (), home: str | None = None, data_dir: str | None = None) -> Any:
     """Return a copy of a JSON-able value that is safe to publish.
 
-    Home-folder paths become `~`, share URLs are removed, every occurrence of a known secret is
-    replaced, and the values of keys that name a secret (`password`, `token`, `share_url` …)
-    are blanked whatever they hold.
+    Paths under `data_dir` become relative to it (`models/Lora/x.safetensors`; the folder itself
+    `.`), other home-folder paths start with `~`, share URLs are removed, every occurrence of a
+    known secret is replaced, and the values of keys that name a secret (`password`, `token`,
+    `share_url` …) are blanked whatever they hold.
     """
     home = str(Path.home()) if home is None else home
     secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
@@ -86,6 +88,9 @@ def redact(value: Any, secrets: Iterable[str] = (), home: str | None = None) -> 
         for secret in secrets:
             v = v.replace(secret, REDACTED)
         v = _SHARE_URL.sub("[share link removed]", v)
+        if data_dir and data_dir != "/":
+            v = re.sub(re.escape(data_dir) + r"[/\\]", "", v)
+            v = re.sub(re.escape(data_dir) + r"(?![\w.-])", ".", v)
         if home and home != "/":
             v = re.sub(re.escape(home) + r"(?=[/\\]|$|\W)", "~", v)
         return v
@@ -151,7 +156,7 @@ def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), se
         "log": list(log_lines),
     }
     all_secrets = [pw for _user, pw in settings.auth] + list(secrets)
-    return redact(report, all_secrets)
+    return redact(report, all_secrets, data_dir=str(settings.data_dir))
 
 
 def build_bug_report(engine, settings: Settings, log_lines: Iterable[str] = (),

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.adapters.specs import MAX_STRENGTH
 from app.engine.offload import MODES
 
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
@@ -38,6 +39,7 @@ class Settings:
     vram_budget_gib: float | None = None
     balanced_watermark: float = 0.85
     history_size: int = 200
+    lora_cache_mib: int = 1024  # LoRA files kept in RAM after reading (a few typical ones; 0 = none)
     lora_debug: bool = field(default_factory=lambda: _env_flag("SD_LORA_DEBUG"))
     move_debug: bool = field(default_factory=lambda: _env_flag("SD_MOVE_DEBUG"))
     strict: bool = False
@@ -56,6 +58,9 @@ class Settings:
     share: bool = False
     auth: tuple[tuple[str, str], ...] = ()
     no_auth: bool = False
+    queue_size: int = 64  # requests waiting in the app's queue, all sessions together
+    session_queue_size: int = 8  # requests one browser tab or client may have pending
+    max_upload_mib: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -69,6 +74,13 @@ class Settings:
         if not 0 < self.balanced_watermark <= 1:
             raise ValueError(f"the VRAM watermark is a fraction of the GPU's memory in (0, 1], "
                              f"got {self.balanced_watermark}")
+        if not -MAX_STRENGTH <= self.slider_min <= self.slider_max <= MAX_STRENGTH:
+            raise ValueError(f"the slider range must lie within ±{MAX_STRENGTH:g} (the largest LoRA strength), "
+                             f"got {self.slider_min}..{self.slider_max}")
+        for name, minimum in (("lora_cache_mib", 0), ("queue_size", 1), ("session_queue_size", 1),
+                              ("max_upload_mib", 1)):
+            if getattr(self, name) < minimum:
+                raise ValueError(f"{name} must be at least {minimum}, got {getattr(self, name)}")
         if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
             raise ValueError(f"the VRAM budget must be a positive number of GiB, got {self.vram_budget_gib}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())

@@ -340,7 +340,7 @@ def test_non_finite_strength_is_refused(env, ready, field, value):
         LoraSpec("sd15-good", **{field: value})
     forced = LoraSpec("sd15-good")
     object.__setattr__(forced, field, value)
-    with pytest.raises(ValueError, match="LoRA 'sd15-good': strengths must be finite"):
+    with pytest.raises(ValueError, match="LoRA 'sd15-good': (UNet|text-encoder) strength must be a finite number"):
         env.engine.set_loras([forced])
     assert_intact(env, ready)
 

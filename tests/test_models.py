@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from app.demo import build_tiny_pipeline, write_single_file
 from app.engine import models
+from app.engine.checkpoint_shapes import meta_components
 from app.engine.models import (
     CheckpointNotFoundError,
     ModelLoadError,
@@ -33,7 +34,7 @@ CONFIGS = {arch: family(arch).config_dir for arch in ('sd15', 'sdxl')}
 @pytest.fixture(scope="module")
 def meta_pipes() -> dict[str, SimpleNamespace]:
     """Full-size components on the meta device: real names and shapes, no memory."""
-    return {arch: models.meta_components(arch, CONFIGS[arch]) for arch in ("sd15", "sdxl")}
+    return {arch: meta_components(arch, CONFIGS[arch]) for arch in ("sd15", "sdxl")}
 
 
 def _millions(module: torch.nn.Module) -> float:

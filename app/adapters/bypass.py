@@ -49,6 +49,8 @@ class BypassLayer:
         for name, strength, adapter in self.contributions:
             try:
                 part = adapter.bypass(module, x, self.op, strength, output)
+            except torch.OutOfMemoryError:
+                raise  # the run's size, not this LoRA's fault: the engine reports it as memory
             except Exception as exc:
                 raise LoraApplyError(name, f"failed in the bypass forward of {self.where}: {exc}") from exc
             if part is not None:

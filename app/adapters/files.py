@@ -2,14 +2,15 @@
 
 Only `.safetensors` is ever read (a pickle renamed `.safetensors` fails the header check and
 is reported, never unpickled). Files are cached by (path, mtime, size) so a slider move does
-not re-read the disk, and a file replaced on disk is picked up on the next apply.
+not re-read the disk, and a file replaced on disk is picked up on the next apply. The cache is
+bounded in bytes, not entries: eight 1 GiB LoRAs would otherwise stay resident after use, and
+the engine calls `forget` for a file it refused, so a refusal leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +20,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from app.adapters.errors import AdapterFormatError
-from app.adapters.specs import LoraSpec
-from app.paths import resolve_under
-from app.safetensors_files import SafetensorsFileError, file_sha256, read_header
+from app.adapters.specs import LoraSpec, check_strength
+from app.paths import resolve_under, utf8_names
+from app.safetensors_files import SafetensorsFileError, file_sha256, read_header, refuse_bad_values
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
+DEFAULT_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,15 @@ class AdapterFile:
     size_bytes: int
     sidecar_config: str | None = None  # PEFT's adapter_config.json beside the file, as text
 
+    @property
+    def resident_bytes(self) -> int:
+        """Memory its tensors hold (what the cache bound counts)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
 
 def read_adapter(name: str, path: Path) -> AdapterFile:
-    """Read every tensor of an adapter file after the header check; NaN/Inf tensors are refused
-    (a LoRA with them would silently turn every image black)."""
+    """Read every tensor of an adapter file after the header check; NaN/Inf tensors and absurd
+    values are refused (a LoRA with them would silently turn every image black)."""
     try:
         _keys, metadata = read_header(path)
         tensors = load_file(str(path), device="cpu")
@@ -48,9 +55,7 @@ def read_adapter(name: str, path: Path) -> AdapterFile:
         raise AdapterFormatError(str(exc)) from None
     if not tensors:
         raise AdapterFormatError(f"{path.name}: contains no tensors")
-    for key, tensor in tensors.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise AdapterFormatError(f"{path.name}: tensor {key} contains NaN or Inf values; refused")
+    refuse_bad_values(path, tensors, AdapterFormatError)
     return AdapterFile(name, path, tensors, metadata, file_sha256(path)[:12], path.stat().st_size,
                        _peft_sidecar(path))
 
@@ -81,18 +86,23 @@ def _peft_sidecar(path: Path) -> str | None:
 class LoraLibrary:
     """LoRA files under one folder, addressed by their relative name without `.safetensors`."""
 
-    def __init__(self, root: Path, cache_size: int = 8) -> None:
+    def __init__(self, root: Path, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.root = root
         self._cache: collections.OrderedDict[tuple, AdapterFile] = collections.OrderedDict()
-        self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
 
     def names(self) -> list[str]:
+        """Every LoRA's name; files whose names are not valid UTF-8 are logged and left out."""
         if not self.root.is_dir():
             return []
-        return sorted(p.relative_to(self.root).with_suffix("").as_posix() for p in self.root.rglob(f"*{SUFFIX}"))
+        paths = utf8_names(self.root, self.root.rglob(f"*{SUFFIX}"), "LoRA")
+        return sorted(p.relative_to(self.root).with_suffix("").as_posix() for p in paths)
+
+    def _path(self, name: str) -> Path:
+        return resolve_under(self.root, name if name.endswith(SUFFIX) else name + SUFFIX, "LoRA")
 
     def path_for(self, name: str) -> Path:
-        path = resolve_under(self.root, name if name.endswith(SUFFIX) else name + SUFFIX, "LoRA")
+        path = self._path(name)
         if not path.is_file():
             raise FileNotFoundError(f"LoRA {name!r} not found in {self.root} (was it moved or deleted?)")
         return path
@@ -113,8 +123,8 @@ class LoraLibrary:
             raise ValueError(f"LoRA listed more than once: {', '.join(dupes)}; give each LoRA once")
         for spec in specs:
             resolve_under(self.root, spec.name, "LoRA")  # the bare name: empty, NUL, `..`, absolute
-            if not all(math.isfinite(v) for v in (spec.unet_strength, spec.te_strength)):
-                raise ValueError(f"LoRA {spec.name!r}: strengths must be finite")
+            check_strength(spec.name, "UNet strength", spec.unet_strength)  # again: a spec can be forced
+            check_strength(spec.name, "text-encoder strength", spec.te_strength)
 
     def open(self, name: str) -> AdapterFile:
         path = self.path_for(name)
@@ -125,9 +135,21 @@ class LoraLibrary:
             return self._cache[key]
         adapter = read_adapter(name, path)
         self._cache[key] = adapter
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        total = self.cached_bytes
+        while total > self._cache_bytes:  # oldest first; a file larger than the bound is not kept at all
+            total -= self._cache.popitem(last=False)[1].resident_bytes
         return adapter
+
+    def forget(self, name: str) -> None:
+        """Drop every cached read of `name`'s file: the engine calls this when it refuses the LoRA,
+        so a refused file leaves nothing resident."""
+        path = str(self._path(name))
+        for key in [k for k in self._cache if k[0] == path]:
+            del self._cache[key]
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(a.resident_bytes for a in self._cache.values())
 
     def short_hash(self, name: str) -> str:
         return self.open(name).short_hash

@@ -64,6 +64,8 @@ def _combine(target: Target, contributions: Contributions, weight: torch.Tensor,
     for name, strength, adapter in contributions:
         try:
             bias_delta = adapter.accumulate(new_w, w0.detach(), None if b0 is None else b0.detach(), strength)
+        except torch.OutOfMemoryError:
+            raise  # memory, not this LoRA: reported as such, never counted against it
         except Exception as exc:
             raise LoraApplyError(name, f"failed while patching {target[0]}.{target[1]}: {exc}") from exc
         if bias_delta is not None:

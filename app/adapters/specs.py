@@ -3,12 +3,27 @@
 The engine is declarative: callers send the *full* desired list and the patcher reconciles.
 A spec is frozen so a list of them can serve as the exact record of what was applied (the
 undo state), which SD.Next's shallow-copied "previous networks" list failed to be.
+
+Strengths are bounded by `MAX_STRENGTH`: A1111 prompts and our API take any number, but past a
+few units a LoRA's delta already dwarfs the weights it is added to, and a strength like -1e30
+overflows the fused weights to Inf (a black image and no error). ±100 is fifty times the
+sliders' default range: room for any deliberate use, none for a typo or an attack.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+MAX_STRENGTH = 100.0
+
+
+def check_strength(name: str, label: str, value: float) -> None:
+    """Refuse a NaN/Inf strength or one beyond ±MAX_STRENGTH, naming the LoRA and the field."""
+    if not math.isfinite(value):
+        raise ValueError(f"LoRA {name!r}: {label} must be a finite number, got {value!r}")
+    if abs(value) > MAX_STRENGTH:
+        raise ValueError(f"LoRA {name!r}: {label} {value:g} is beyond ±{MAX_STRENGTH:g}, the largest strength accepted")
 
 
 @dataclass(frozen=True)
@@ -23,8 +38,8 @@ class LoraSpec:
     def __post_init__(self) -> None:
         for label, value in (("weight", self.weight), ("unet_weight", self.unet_weight),
                              ("te_weight", self.te_weight)):
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"LoRA {self.name!r}: {label} must be a finite number, got {value!r}")
+            if value is not None:
+                check_strength(self.name, label, value)
 
     @property
     def unet_strength(self) -> float:

@@ -5,7 +5,8 @@ encoder and `clip_g` (n, 1280) for the second. A file named `foo` adds tokens `f
 and the diffusers pipelines expand `foo` in a prompt to all of them. Vectors are cast to the
 encoder's own weight dtype and device before being written — the inference side of the
 OneTrainer `expected scalar type Float but found Half` report, where an fp32 vector met an
-fp16 encoder. Files that do not fit the loaded architecture are skipped with a log line.
+fp16 encoder. Files that do not fit the loaded architecture, hold NaN/Inf or absurd values, or
+whose names are not valid UTF-8 are skipped with a log line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from app.families import family
-from app.safetensors_files import read_header
+from app.paths import utf8_names
+from app.safetensors_files import read_header, refuse_bad_values
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ def load_embedding(pipe, arch: str, path: Path) -> str:
     read_header(path)
     tensors = load_file(str(path), device="cpu")
     _check_fits(pipe, arch, path, tensors)
+    refuse_bad_values(path, {key: tensors[key] for key, _tok, _enc in _layout(arch)}, EmbeddingError)
     for key, tok_attr, enc_attr in _layout(arch):
         vectors = tensors[key].reshape(-1, tensors[key].shape[-1])
         tokens = _token_names(path.stem, vectors.shape[0])
@@ -78,7 +81,7 @@ def load_all(pipe, arch: str, folder: Path) -> tuple[str, ...]:
     if not folder.is_dir():
         return ()
     loaded = []
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in sorted(utf8_names(folder, folder.glob("*.safetensors"), "embedding")):
         try:
             loaded.append(load_embedding(pipe, arch, path))
         except (EmbeddingError, ValueError) as exc:

@@ -38,6 +38,13 @@ SCHEDULERS: dict[str, tuple[type, dict]] = {
     "UniPC": (UniPCMultistepScheduler, {}),
 }
 MAX_SEED = 2**32 - 1
+# Per-request bounds, so one request from a share link cannot hold the worker or the memory for
+# long. CLIP reads 75 tokens per chunk and A1111 users rarely go past a few chunks; 16,000
+# characters is about 4,000 tokens (the tokenizer averages ~4 characters per token). 10^9
+# pixel-steps (batch x width x height x steps: 4 x 1024² x 238, or 16 x 512² x 238) is two to three
+# minutes on an H100; the per-field limits alone allowed 16 x 2048² x 150, ten times that.
+MAX_PROMPT_CHARS = 16_000
+MAX_PIXEL_STEPS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,10 @@ class GenerateParams:
     n_iter: int = 1  # runs one after another, seeds continuing (A1111 "batch count"); Skip ends one
 
     def __post_init__(self) -> None:
+        for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
+            if len(text) > MAX_PROMPT_CHARS:
+                raise ValueError(f"the {label} is {len(text):,} characters long; the limit is "
+                                 f"{MAX_PROMPT_CHARS:,} characters (about 4,000 tokens)")
         if self.sampler not in SCHEDULERS:
             raise ValueError(f"unknown sampler {self.sampler!r}; choose one of {sorted(SCHEDULERS)}")
         if not 1 <= self.steps <= 150:
@@ -67,6 +78,43 @@ class GenerateParams:
                 raise ValueError(f"width and height must be multiples of 8 in 64..2048, got {side}")
         if not -1 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be -1 (random) or 0..{MAX_SEED}, got {self.seed}")
+        work = self.batch * self.width * self.height * self.steps
+        if work > MAX_PIXEL_STEPS:
+            raise ValueError(f"batch x width x height x steps = {self.batch} x {self.width} x {self.height} x "
+                             f"{self.steps} = {work:,} is over the per-request cap of {MAX_PIXEL_STEPS:,}; "
+                             "use fewer images, steps or pixels")
+
+
+class NonFiniteLatentsError(RuntimeError):
+    """The latents held NaN or Inf after denoising step `step` (1-based) of `total`."""
+
+    def __init__(self, step: int, total: int) -> None:
+        super().__init__(f"the latents became NaN or Inf at step {step} of {total}: the model or a LoRA "
+                         "produced values out of range, and the image would come out black")
+        self.step = step
+        self.total = total
+
+
+class _FiniteWatch:
+    """Checks the latents after every step, one step behind: step k's flag is computed on the
+    device and read at step k+1, when step k+1's work is already queued behind it, so the check
+    never leaves a GPU idle waiting for the CPU. `settle()` reads the last flag."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._pending: tuple[int, torch.Tensor] | None = None
+
+    def observe(self, step: int, latents: torch.Tensor) -> None:
+        flag = torch.isfinite(latents).all()
+        self.settle()
+        self._pending = (step, flag)
+
+    def settle(self) -> None:
+        if self._pending is not None:
+            step, flag = self._pending
+            self._pending = None
+            if not bool(flag):
+                raise NonFiniteLatentsError(step, self.total)
 
 
 @dataclass(frozen=True)
@@ -150,12 +198,15 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
 
     `on_step(step, total, latents)` runs after each step; when it returns True the remaining steps
     are skipped (diffusers' own interrupt flag) and the latents reached so far are decoded: an
-    Interrupt or Skip lands between two steps, never inside a forward.
+    Interrupt or Skip lands between two steps, never inside a forward. Raises
+    `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
     pipe.scheduler = _scheduler_for(pipe, params.sampler)
     generators = [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(params.batch)]
+    watch = _FiniteWatch(params.steps)
 
     def step_end(_pipe, step, _timestep, kwargs):
+        watch.observe(step + 1, kwargs["latents"])
         if on_step is not None and on_step(step + 1, params.steps, kwargs["latents"]):
             _pipe._interrupt = True
         return kwargs
@@ -175,6 +226,7 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
             output_type="latent",
             callback_on_step_end=step_end,
         ).images
+    watch.settle()
     return _decode(pipe, latents)
 
 

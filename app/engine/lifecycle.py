@@ -330,7 +330,7 @@ class ModelLifecycle:
         t0 = time.perf_counter()
         try:
             return generate.run(loaded.model.pipe, params, seed, on_step)
-        except torch.cuda.OutOfMemoryError as exc:
+        except torch.OutOfMemoryError as exc:
             release_memory()
             raise MemoryError(
                 f"out of GPU memory generating {params.batch}x{params.width}x{params.height}: "

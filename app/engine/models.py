@@ -27,22 +27,15 @@ import tempfile  # noqa: E402
 from collections.abc import Callable, Iterable, Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from diffusers import (  # noqa: E402
-    AutoencoderKL,
-    UNet2DConditionModel,
-)
-from transformers import (  # noqa: E402
-    CLIPTextConfig,
-)
 
+from app.engine.checkpoint_shapes import CheckpointShapeError, check_header_shapes  # noqa: E402
 from app.families import FAMILIES, family, family_of_pipeline  # noqa: E402
-from app.families.ldm_layout import UNET_PREFIX, ldm_plan  # noqa: E402
-from app.paths import UnsafePathError, resolve_under  # noqa: E402
-from app.safetensors_files import SafetensorsFileError, file_sha256, read_header  # noqa: E402
+from app.families.ldm_layout import UNET_PREFIX  # noqa: E402
+from app.paths import UnsafePathError, resolve_under, utf8_names  # noqa: E402
+from app.safetensors_files import SafetensorsFileError, file_sha256, read_header, read_shapes  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -150,12 +143,13 @@ def detect_architecture(keys: Iterable[str]) -> str:
 
 def discover_checkpoints(root: Path) -> list[CheckpointInfo]:
     """`*.safetensors` files and diffusers folders in `root` and its direct subfolders, sorted by name.
-    Symlinks the user placed there are followed (model folders often live on another drive)."""
+    Symlinks the user placed there are followed (model folders often live on another drive); names
+    that are not valid UTF-8 are logged and left out."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = []
-    for entry in _candidates(root):
+    for entry in utf8_names(root, _candidates(root), "checkpoint"):
         if _is_diffusers_folder(entry):
             found.append(_info(root, entry, "folder"))
         elif entry.is_file() and entry.suffix == ".safetensors":
@@ -301,36 +295,22 @@ def _load_folder(info: CheckpointInfo, arch: str, dtype: torch.dtype):
     return family(arch).pipeline_class.from_pretrained(info.path, use_safetensors=True, **kwargs)
 
 
-def meta_components(arch: str, config_dir: Path) -> SimpleNamespace:
-    """UNet, VAE and text encoder(s) built from `config_dir` on the meta device: names and shapes of
-    the full pipeline at no memory cost (enough for `ldm_plan`)."""
-    with torch.device("meta"):
-        parts = {
-            "unet": UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(config_dir / "unet")),
-            "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(config_dir / "vae")),
-        }
-        for te in family(arch).text_encoders:
-            parts[te.component] = te.model_class(CLIPTextConfig.from_pretrained(config_dir / te.component))
-    return SimpleNamespace(**parts)
-
-
 def _single_file_loader(keys: frozenset[str], metadata: dict[str, str]):
-    """Loader for one file that first checks the file holds every tensor the pipeline will have.
+    """Loader for one file that first checks the file holds every tensor the pipeline will have, each
+    in the shape its config (embedded or bundled) asks for, so nothing is built from a lying config.
 
     diffusers loads single files non-strictly: without accelerate a missing tensor silently keeps its
     random initial value, with accelerate it stays on `meta` and fails later with an unrelated error.
     """
 
     def load(info: CheckpointInfo, arch: str, dtype: torch.dtype):
+        source = "its embedded config" if CONFIGS_METADATA_KEY in metadata else f"the {arch.upper()} architecture"
         with _config_folder(arch, metadata, info.name) as config_dir:
             fam = family(arch)
-            plan = ldm_plan(meta_components(arch, config_dir), fam)
-            missing = sorted({entry.key for entry in plan} - keys)
-            if missing:
-                raise ModelLoadError(
-                    f"{info.name}: {len(missing)} tensors of the {arch} pipeline are missing from the file "
-                    f"(e.g. {', '.join(missing[:3])})"
-                )
+            try:
+                check_header_shapes(arch, config_dir, read_shapes(info.path), source)
+            except CheckpointShapeError as exc:
+                raise ModelLoadError(f"{info.name}: {exc}") from exc
             return fam.pipeline_class.from_single_file(
                 str(info.path),
                 config=str(config_dir),

@@ -75,7 +75,7 @@ class Engine:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.device = placement.resolve_device(settings.device)
-        self.library = LoraLibrary(settings.lora_dir)
+        self.library = LoraLibrary(settings.lora_dir, cache_bytes=settings.lora_cache_mib * 2**20)
         self._queue: collections.deque[_Command | None] = collections.deque()
         self._wake = threading.Condition()
         self._state = EngineState.EMPTY
@@ -235,9 +235,11 @@ class Engine:
                                                          retry_set_aside=retry_set_aside)
         except LoraApplyError as exc:
             self._counters.apply_failed(exc.lora_name, str(exc))
+            self.library.forget(exc.lora_name)  # a refused file leaves nothing resident
             raise
         for name, reason in set_aside.items():
             self._counters.apply_failed(name, reason)
+            self.library.forget(name)
         self._counters.matched(reports)
 
     def _serve(self) -> None:
@@ -404,16 +406,36 @@ class Engine:
         self._set_progress(phase, 0, params.steps)
         try:
             images = self._lifecycle.denoise(params, seed, on_step)
+        except generate.NonFiniteLatentsError as exc:
+            self._attribute_non_finite(exc)
+            raise
+        except MemoryError:
+            raise  # out of memory is the run's size, not a LoRA's fault: counted against none
         except Exception as exc:
             self._attribute_runtime_error(exc)
             raise
         return images, None if reached == params.steps else reached
+
+    def _attribute_non_finite(self, exc: generate.NonFiniteLatentsError) -> None:
+        """NaN/Inf latents name no layer: they count against every LoRA applied to this run (the
+        usual cause), and the message says which step and which LoRAs; with none applied the
+        checkpoint or the dtype is to blame, and the message says so."""
+        applied = tuple(s.name for s in self._lifecycle.facts().loras)
+        if applied:
+            exc.args = (f"{exc.args[0]}; LoRAs applied: {', '.join(applied)}",)
+            self._attribute(applied, exc)
+        else:
+            exc.args = (f"{exc.args[0]}; no LoRA applied, so the checkpoint or the dtype is the cause "
+                        "(try bf16 or fp32)",)
 
     def _attribute_runtime_error(self, exc: Exception) -> None:
         """Count an error raised inside a patched layer against the LoRAs patched into it; past
         `max_lora_errors` (outside strict mode) the LoRA is taken off the model and marked
         disabled, so one bad adapter cannot break every generation; an explicit set_loras or a
         model load re-enables it."""
-        disabled = self._counters.runtime_error(self._lifecycle.culprits(exc), exc, strict=self.settings.strict)
+        self._attribute(self._lifecycle.culprits(exc), exc)
+
+    def _attribute(self, names: tuple[str, ...], exc: Exception) -> None:
+        disabled = self._counters.runtime_error(names, exc, strict=self.settings.strict)
         if disabled:
             self._realise(self._desired, self._desired.loras)

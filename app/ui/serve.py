@@ -6,7 +6,10 @@ generated and printed once on the console (stdout, never the log, so it cannot e
 report). Offline, Gradio cannot create a share link; we say so plainly and keep serving locally.
 
 Only the outputs folder is added to Gradio's `allowed_paths`: generated images are served from
-there; models and LoRAs are only ever addressed by name through the engine.
+there; models and LoRAs are only ever addressed by name through the engine. The queue is bounded
+(`--queue-size` for the app, `--session-queue-size` per session), REST routes cannot bypass it
+(`api_open=False`), uploads are capped (`--max-upload-mib`), and `guard.py` adds what Gradio
+lacks: the Host check in localhost mode, login backoff, body caps, UI-only handlers kept to the UI.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from app.engine.worker import Engine
 from app.settings import Settings
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names
+from app.ui.guard import GuardPolicy, install, loopback_hosts
 
 log = logging.getLogger(__name__)
 GENERATED_USER = "steady"
@@ -76,14 +80,16 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
     """Build and launch the app without blocking; raises `OSError` when the port is taken."""
     settings = ctx.settings
     demo = build_app(ctx)
-    demo.queue(default_concurrency_limit=1)
+    demo.queue(default_concurrency_limit=1, max_size=settings.queue_size, api_open=False)
     settings.outputs_dir.mkdir(parents=True, exist_ok=True)
-    _app, local_url, share_url = demo.launch(
+    app, local_url, share_url = demo.launch(
         server_name=host_for(settings), server_port=settings.port, share=settings.share,
         auth=list(policy.credentials) or None, auth_message="Steady Diffusion: log in to continue",
         allowed_paths=[str(settings.outputs_dir)], prevent_thread_lock=True, quiet=True, show_error=True,
         inbrowser=False, footer_links=["api", "settings"], ssr_mode=False, mcp_server=False, pwa=False,
-        **launch_kwargs())
+        max_file_size=settings.max_upload_mib * 2**20, **launch_kwargs())
+    exposed = settings.listen or settings.share
+    install(app, demo, GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size))
     return Server(demo, local_url, share_url, policy)
 
 

@@ -1,0 +1,100 @@
+"""A single-file checkpoint's config checked against the tensor shapes in its header, before building.
+
+A config decides how much memory the model takes; the file only says what its tensors hold. When
+the two disagree diffusers first builds the model the config describes (random weights, full
+size) and only then finds the mismatch: a 12 MB file whose embedded config asked for
+`block_out_channels=[4096, 8192, …]` drove the process past 10 GiB before failing. So the config
+is built on the meta device (names and shapes, no memory), laid out as the LDM file would be, and
+compared with the header's shapes; a real checkpoint is compared with the bundled full-size
+config, which refuses files that are not SD1.5/SDXL-sized.
+
+Even a meta build costs Python objects per layer, and a config can ask for any number of layers
+(`layers_per_block=100000`). A model needs one file tensor per parameter (OpenCLIP keeps q, k
+and v in one), so building stops as soon as it registers more than three parameters per tensor
+the file holds: the check costs at most what the file's header already describes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from transformers import CLIPTextConfig
+
+from app.families import family
+from app.families.ldm_layout import to_ldm_state_dict
+
+PARAMETERS_PER_TENSOR = 3  # OpenCLIP stores q, k, v as one in_proj tensor
+_SHOWN = 3
+
+
+class CheckpointShapeError(ValueError):
+    """The config and the file's tensors disagree; the message says where and how."""
+
+
+def meta_components(arch: str, config_dir: Path, max_parameters: int | None = None) -> SimpleNamespace:
+    """UNet, VAE and text encoder(s) built from `config_dir` on the meta device: names and shapes of
+    the full pipeline at no memory cost. With `max_parameters`, building stops past that many."""
+    with torch.device("meta"), _parameter_budget(max_parameters):
+        parts = {
+            "unet": UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(config_dir / "unet")),
+            "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(config_dir / "vae")),
+        }
+        for te in family(arch).text_encoders:
+            parts[te.component] = te.model_class(CLIPTextConfig.from_pretrained(config_dir / te.component))
+    return SimpleNamespace(**parts)
+
+
+@contextlib.contextmanager
+def _parameter_budget(limit: int | None) -> Iterator[None]:
+    """Raise once this thread registers more than `limit` parameters (other threads are not counted)."""
+    if limit is None:
+        yield
+        return
+    thread, count = threading.get_ident(), 0
+
+    def count_one(_module, _name, _param) -> None:
+        nonlocal count
+        if threading.get_ident() == thread:
+            count += 1
+            if count > limit:
+                raise CheckpointShapeError(f"the config describes more than {limit} parameters, more than "
+                                           "the file's tensors can fill")
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(count_one)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def expected_shapes(arch: str, config_dir: Path, max_parameters: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor an LDM single file of this config must hold, with its shape."""
+    try:
+        meta = meta_components(arch, config_dir, max_parameters)
+    except CheckpointShapeError:
+        raise
+    except Exception as exc:  # the config is untrusted input to third-party constructors: any error is its fault
+        raise CheckpointShapeError(f"the config does not build a {arch} model ({type(exc).__name__}: {exc})") from exc
+    return {key: tuple(tensor.shape) for key, tensor in to_ldm_state_dict(meta, family(arch)).items()}
+
+
+def check_header_shapes(arch: str, config_dir: Path, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """Refuse unless the file (`shapes`, from its header) holds every tensor `source` (the config's
+    description, for messages) asks for, each with the shape it asks for."""
+    expected = expected_shapes(arch, config_dir, PARAMETERS_PER_TENSOR * len(shapes))
+    missing = sorted(expected.keys() - shapes.keys())
+    if missing:
+        raise CheckpointShapeError(f"{len(missing)} tensors of the {arch} pipeline are missing from the file "
+                                   f"(e.g. {', '.join(missing[:_SHOWN])})")
+    wrong = sorted(key for key, shape in expected.items() if shapes[key] != shape)
+    if wrong:
+        examples = "; ".join(f"{key}: the file holds {list(shapes[key])}, {source} expects {list(expected[key])}"
+                             for key in wrong[:_SHOWN])
+        raise CheckpointShapeError(f"{len(wrong)} tensors do not have the shapes {source} asks for ({examples}); "
+                                   "refused before building anything")
