@@ -29,7 +29,8 @@ from served_app import ATTN, MID, MODEL, free_port, make_ui_data, running_app
 from app.settings import Settings
 from app.ui import views
 from app.ui.common import specs_from_json
-from app.ui.generate_tab import fitting_specs, native_size_updates, slot_weights
+from app.ui.generate_tab import native_size_updates
+from app.ui.lora_panel import fitting_specs, slot_weights
 from app.ui.serve import auth_policy, wait_until_ready
 
 gradio_client = pytest.importorskip("gradio_client")

@@ -10,6 +10,7 @@ VAE's own dtype is both correct and mutation-free.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from diffusers import (
 )
 from PIL import Image, PngImagePlugin
 
+from app.infotext import LoraUse, format_infotext
+
 log = logging.getLogger(__name__)
 
 SCHEDULERS: dict[str, tuple[type, dict]] = {
@@ -37,7 +40,53 @@ SCHEDULERS: dict[str, tuple[type, dict]] = {
     "DDIM": (DDIMScheduler, {}),
     "UniPC": (UniPCMultistepScheduler, {}),
 }
+def _number(value: float) -> str:
+    """Whole numbers in full (a seed range reads 4294967295, not 4.29497e+09), others as typed."""
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed range one generation setting must lie in: the one rule set the UI, the API and
+    `GenerateParams` share. A value outside it, a fraction where a whole number is due, or a
+    non-finite number is refused with the range in the message; nothing is clamped or rounded
+    behind the user's back."""
+
+    low: float
+    high: float
+    whole: bool = True
+    hint: str = ""
+
+    def __str__(self) -> str:
+        span = f"{_number(self.low)}…{_number(self.high)}"
+        return f"{span} ({self.hint})" if self.hint else span
+
+    def check(self, field: str, value: object) -> int | float:
+        """`value` as an int (whole ranges) or float; ValueError naming the field and the range."""
+        kind = "a whole number" if self.whole else "a number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{field} must be {kind} in {self}, got {value!r}")
+        if self.whole and value != int(value):
+            raise ValueError(f"{field} must be {kind} in {self}, got {value!r}")
+        if not self.low <= value <= self.high:
+            raise ValueError(f"{field} must be {kind} in {self}, got {_number(value)}")
+        return int(value) if self.whole else float(value)
+
+
 MAX_SEED = 2**32 - 1
+LIMITS: dict[str, Range] = {
+    "steps": Range(1, 150),
+    "cfg": Range(1, 30, whole=False),
+    "seed": Range(-1, MAX_SEED, hint="-1 = random"),
+    "width": Range(64, 2048),
+    "height": Range(64, 2048),
+    "batch": Range(1, 16),
+}
+# Latent pixels per image pixel side: sizes must be multiples of it (the VAE downsamples by 8 in
+# both SD1.5 and SDXL). A family with another factor adds its entry here.
+SIZE_MULTIPLE: dict[str, int] = {"sd15": 8, "sdxl": 8}
+DEFAULT_SIZE_MULTIPLE = 8
+_FAMILY_NAMES = {"sd15": "SD1.5", "sdxl": "SDXL"}
 
 
 @dataclass(frozen=True)
@@ -55,15 +104,45 @@ class GenerateParams:
     def __post_init__(self) -> None:
         if self.sampler not in SCHEDULERS:
             raise ValueError(f"unknown sampler {self.sampler!r}; choose one of {sorted(SCHEDULERS)}")
-        if not 1 <= self.steps <= 150:
-            raise ValueError(f"steps must be 1..150, got {self.steps}")
-        if not 1 <= self.batch <= 16:
-            raise ValueError(f"batch must be 1..16, got {self.batch}")
+        for field, rule in LIMITS.items():
+            rule.check(field, getattr(self, field))
         for side in (self.width, self.height):
-            if side % 8 or not 64 <= side <= 2048:
-                raise ValueError(f"width and height must be multiples of 8 in 64..2048, got {side}")
-        if not -1 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be -1 (random) or 0..{MAX_SEED}, got {self.seed}")
+            if side % DEFAULT_SIZE_MULTIPLE:
+                raise ValueError(f"width and height must be multiples of {DEFAULT_SIZE_MULTIPLE}, got {side}")
+
+
+def round_size(field: str, value: int, arch: str | None) -> tuple[int, str]:
+    """Round a side down to the family's multiple, as A1111 does (its latents are `side // 8`), and
+    say so: (rounded, note), the note empty when nothing changed."""
+    multiple = SIZE_MULTIPLE.get(arch or "", DEFAULT_SIZE_MULTIPLE)
+    rounded = value - value % multiple
+    if rounded == value:
+        return value, ""
+    family = _FAMILY_NAMES.get(arch or "", "this model")
+    return rounded, (f"{field} {value} → {rounded}: {family} sizes are multiples of {multiple} "
+                     "(rounded down, as A1111 does)")
+
+
+def params_from_form(values: dict[str, object], arch: str | None) -> tuple[GenerateParams, tuple[str, ...]]:
+    """Raw form or API values -> (parameters, notes about what was rounded).
+
+    Every field is checked against `LIMITS` first and all refusals are reported in one message;
+    then width and height are rounded to the family's multiple, each with a note to show."""
+    problems, checked = [], {}
+    for field, rule in LIMITS.items():
+        try:
+            checked[field] = rule.check(field, values.get(field))
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError("; ".join(problems))
+    notes = []
+    for field in ("width", "height"):
+        checked[field], note = round_size(field, checked[field], arch)
+        notes.append(note)
+    params = GenerateParams(str(values.get("prompt") or ""), str(values.get("negative_prompt") or ""),
+                            sampler=str(values.get("sampler")), **checked)
+    return params, tuple(n for n in notes if n)
 
 
 @dataclass(frozen=True)
@@ -76,11 +155,12 @@ class GeneratedImage:
 
 @dataclass(frozen=True)
 class RunContext:
-    """What the engine knows about the model and adapters a generation runs with."""
+    """What the engine knows about the model and adapters a generation runs with. `loras` holds
+    `LoraUse(name, unet, short_hash, te)` entries (plain tuples in that order work too)."""
 
     model_name: str
     model_hash: str
-    loras: tuple[tuple[str, float, str], ...] = ()  # (name, weight, short hash)
+    loras: tuple[tuple, ...] = ()
 
 
 def resolve_seed(seed: int) -> int:
@@ -88,25 +168,12 @@ def resolve_seed(seed: int) -> int:
 
 
 def infotext(params: GenerateParams, seed: int, ctx: RunContext) -> str:
-    """A1111-style `parameters` text, so other tools can read our PNGs back."""
-    parts = [
-        f"Steps: {params.steps}",
-        f"Sampler: {params.sampler}",
-        f"CFG scale: {params.cfg:g}",
-        f"Seed: {seed}",
-        f"Size: {params.width}x{params.height}",
-        f"Model hash: {ctx.model_hash}",
-        f"Model: {ctx.model_name}",
-    ]
-    if ctx.loras:
-        parts.append('Lora hashes: "' + ", ".join(f"{n}: {h}" for n, _w, h in ctx.loras) + '"')
-        parts.append('Lora weights: "' + ", ".join(f"{n}: {w:g}" for n, w, _h in ctx.loras) + '"')
-    parts.append("Version: steady-diffusion")
-    lines = [params.prompt]
-    if params.negative_prompt:
-        lines.append(f"Negative prompt: {params.negative_prompt}")
-    lines.append(", ".join(parts))
-    return "\n".join(lines)
+    """A1111-style `parameters` text (see `app.infotext`), so other tools and our PNG Info read it back."""
+    settings = [("Steps", params.steps), ("Sampler", params.sampler), ("CFG scale", f"{params.cfg:g}"),
+                ("Seed", seed), ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash),
+                ("Model", ctx.model_name)]
+    loras = tuple(LoraUse(*entry) for entry in ctx.loras)
+    return format_infotext(params.prompt, params.negative_prompt, settings, loras)
 
 
 def _scheduler_for(pipe, sampler: str):
