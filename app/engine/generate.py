@@ -135,7 +135,7 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
         except ValueError as exc:
             problems.append(str(exc))
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError(";\n".join(problems))
     notes = []
     for field in ("width", "height"):
         checked[field], note = round_size(field, checked[field], arch)
@@ -199,15 +199,22 @@ def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
 
 
-def run(pipe, params: GenerateParams, seed: int,
-        on_step: Callable[[int, int], None] | None = None) -> list[Image.Image]:
-    """Denoise and decode `params.batch` images; image i uses seed `seed + i`."""
+def run(pipe, params: GenerateParams, seed: int, on_step: Callable[[int, int], None] | None = None,
+        on_latents: Callable[[int, torch.Tensor], None] | None = None, latents_every: int = 0) -> list[Image.Image]:
+    """Denoise and decode `params.batch` images; image i uses seed `seed + i`.
+
+    `on_step(step, total)` follows every step; `on_latents(step, latents)` gets the latents being
+    denoised every `latents_every` steps (not after the last: the decoded image follows), for a live
+    preview (`app.preview.latent_preview`). Callbacks must only read the latents."""
     pipe.scheduler = _scheduler_for(pipe, params.sampler)
     generators = [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(params.batch)]
 
     def step_end(_pipe, step, _timestep, kwargs):
+        done = step + 1
         if on_step is not None:
-            on_step(step + 1, params.steps)
+            on_step(done, params.steps)
+        if on_latents is not None and latents_every > 0 and done % latents_every == 0 and done < params.steps:
+            on_latents(done, kwargs["latents"])
         return kwargs
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
