@@ -97,7 +97,7 @@ def test_out_of_range_values_are_refused_with_the_range(field, value, message):
 
 
 def test_every_refusal_is_reported_at_once_and_sizes_round_down_with_a_note():
-    with pytest.raises(ValueError, match=r"steps .* got 0; width .* got 7"):
+    with pytest.raises(ValueError, match=r"steps .* got 0;\nwidth .* got 7"):
         params_from_form(dict(FORM, steps=0, width=7), "sd15")
     params, notes = params_from_form(dict(FORM, width=100, height=1023.0, seed=5.0), "sdxl")
     assert (params.width, params.height, params.seed) == (96, 1016, 5)

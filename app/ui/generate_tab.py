@@ -174,9 +174,12 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
         return f"offload now **{snap.offload}**"
 
     private = dict(api_visibility="private", concurrency_id=LORA_QUEUE)
-    # Whatever happened (loaded, refused, no-op), the dropdown then shows the model the engine holds.
-    tab.model.input(lambda name, progress=PROGRESS: load_checkpoint(ctx, name, progress), tab.model,
-                    [tab.model_status, tab.width, tab.height], **private).then(
+    # `select`, not `input`: Gradio's dropdown also sends `input` when it merely loses focus, which reloaded
+    # the model (or repeated a failure and its toast). After a refusal the dropdown shows the model the
+    # engine still holds (`.failure`: a `.then` after an error never runs in Gradio 6.31).
+    tab.model.select(lambda name, progress=PROGRESS: load_checkpoint(ctx, name, progress), tab.model,
+                     [tab.model_status, tab.width, tab.height], show_progress_on=[tab.model_status],
+                     **private).failure(
         lambda: gr.Dropdown(value=engine.snapshot().model), None, tab.model, api_visibility="private")
     tab.dtype.input(ui_set_dtype, tab.dtype, tab.model_status, **private)
     tab.offload.input(ui_set_offload, tab.offload, tab.model_status, **private)

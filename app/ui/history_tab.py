@@ -35,8 +35,8 @@ def build_history_tab(ctx: UiContext, tab: GenerateTab, tabs: gr.Tabs) -> dict:
         scope = gr.Radio(list(SCOPES), value=SCOPES[0], show_label=False, scale=3, elem_id="sd-history-scope")
         refresh = gr.Button("↻ refresh", scale=0, min_width=100, elem_id="sd-history-refresh")
     count = gr.Markdown(elem_id="sd-history-count")
-    gallery = gr.Gallery(show_label=False, columns=6, height=420, object_fit="contain", allow_preview=False,
-                         elem_id="sd-history-gallery")
+    gallery = gr.Gallery(show_label=False, columns=6, height=420, object_fit="contain", elem_id="sd-history-gallery",
+                         buttons=["download", "fullscreen"])
     with gr.Row():
         text = gr.Textbox(label="Infotext of the selected image", lines=5, buttons=["copy"], scale=4,
                           elem_id="sd-history-infotext")
@@ -64,5 +64,5 @@ def build_history_tab(ctx: UiContext, tab: GenerateTab, tabs: gr.Tabs) -> dict:
     scope.input(**refresh_args)
     refresh.click(**refresh_args)
     gallery.select(pick, paths, text, api_visibility="private")
-    wire_send(ctx, send, text, tab, tabs)
+    wire_send(ctx, send, text, tab, tabs, count)
     return refresh_args

@@ -59,7 +59,7 @@ def list_entries(ctx: UiContext) -> list[Entry]:
             path = ctx.engine.library.path_for(name)
             card = ctx.cards.card(name, path, hashed=False)
         except Exception as exc:  # unreadable or vanished: listed with the reason, not hidden
-            out.append(Entry(name, "?", (), 0.0, None, str(exc)))
+            out.append(Entry(name, base_badge(None), (), 0.0, None, str(exc)))
             continue
         out.append(Entry(name, base_badge(card.base_model), card.trigger_words, card.modified, preview_path(path)))
     return out
@@ -135,7 +135,7 @@ def _layout() -> tuple[gr.Accordion, _Browser]:
             search = gr.Textbox(placeholder="search names, base models, trigger words", show_label=False, scale=3,
                                 elem_id="sd-lora-search")
             sort = gr.Dropdown(list(SORTS), value=SORTS[0], show_label=False, scale=1, elem_id="sd-lora-sort")
-        gallery = gr.Gallery(show_label=False, columns=4, height=300, allow_preview=False, object_fit="cover",
+        gallery = gr.Gallery(show_label=False, columns=5, height="fit-content", allow_preview=False, object_fit="cover",
                              elem_id="sd-lora-browser", format="png")
         details = gr.Markdown("Click a thumbnail to add that LoRA to the panel above.", elem_id="sd-lora-details")
         triggers = gr.Dataset(components=[gr.Textbox(visible=False)], samples=[], type="values",

@@ -114,9 +114,9 @@ _FAMILY_MARKERS = (("sdxl", "SDXL"), ("stable-diffusion-xl", "SDXL"), ("sd_v1", 
 
 
 def base_badge(base_model: str | None) -> str:
-    """The short family name a badge shows for a recorded base model; "?" when none is recorded."""
+    """The short family name a badge shows for a recorded base model; "unknown" when none is recorded."""
     if not base_model:
-        return "?"
+        return "unknown"
     lowered = base_model.lower()
     return next((badge for marker, badge in _FAMILY_MARKERS if marker in lowered), base_model[:16])
 

@@ -66,4 +66,4 @@ def build_pnginfo_tab(ctx: UiContext, tab: GenerateTab, tabs: gr.Tabs) -> None:
     image.change(on_image, image, [text, summary], api_visibility="private")
     text.input(read_text, text, summary, api_visibility="private", trigger_mode="always_last",
                show_progress="hidden")
-    wire_send(ctx, send, text, tab, tabs)
+    wire_send(ctx, send, text, tab, tabs, summary)

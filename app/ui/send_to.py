@@ -99,8 +99,10 @@ def plan_send(ctx: UiContext, info: Infotext) -> SendPlan:
     return SendPlan(fields, keep, loras, tuple(n for n in notes if n))
 
 
-def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, tab: GenerateTab, tabs: gr.Tabs) -> None:
-    """Clicking `button` sends the infotext in `text` to the Generate tab and switches to it."""
+def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, tab: GenerateTab, tabs: gr.Tabs,
+              progress_on: gr.components.Component) -> None:
+    """Clicking `button` sends the infotext in `text` to the Generate tab and switches to it. Progress
+    (a model load) and a failure's mark show on `progress_on`, beside the button, not on the fields."""
     slots, engine = tab.loras, ctx.engine
 
     def send(infotext, progress=PROGRESS):
@@ -116,5 +118,6 @@ def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, tab: Generate
 
     outputs = [tab.prompt, tab.negative, tab.sampler, tab.steps, tab.cfg, tab.seed, tab.width, tab.height, tab.note,
                tab.model, tab.model_status, slots.select, *slots.layout, tabs]
-    button.click(send, text, outputs, api_visibility="private", concurrency_id=LORA_QUEUE).success(
+    button.click(send, text, outputs, api_visibility="private", concurrency_id=LORA_QUEUE,
+                 show_progress_on=[progress_on]).success(
         **fit_check(ctx, slots))
