@@ -26,11 +26,14 @@ import torch
 from PIL import Image
 from served_app import ATTN, MID, MODEL, free_port, make_ui_data, running_app
 
+from app.infotext import parse_infotext
+from app.safetensors_files import file_sha256
 from app.settings import Settings
 from app.ui import views
-from app.ui.common import specs_from_json
+from app.ui.common import UiContext, specs_from_json
 from app.ui.generate_tab import native_size_updates
 from app.ui.lora_panel import fitting_specs, slot_weights
+from app.ui.send_to import plan_send
 from app.ui.serve import auth_policy, wait_until_ready
 
 gradio_client = pytest.importorskip("gradio_client")
@@ -128,6 +131,30 @@ def test_an_engine_failure_is_whole_once_and_one_traceback_in_the_log(client, ca
     tracebacks = printed.count("Traceback (most recent call last)") + sum(
         "Traceback (most recent call last)" in r.getMessage() or r.exc_info is not None for r in caplog.records)
     assert tracebacks == 1
+
+
+def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_cannot_match(app):
+    """What "send to Generate" will do with another tool's text: A1111 sampler + schedule names, the
+    checkpoint by `Model hash` although its name differs, LoRA weights in A1111's order (TE first),
+    and a note for each thing it cannot match instead of a guess."""
+    _server, engine, settings = app
+    ctx = UiContext(engine, settings)
+    sdxl_hash = file_sha256(settings.checkpoints_dir / "tiny-sdxl.safetensors")[:10]
+    text = ("a fox <lora:style:0.5:1.5> <lora:missing:1>\nNegative prompt: blurry\nSteps: 28, Sampler: DPM++ 2M, "
+            f"Schedule type: Karras, CFG scale: 6.5, Seed: 99, Size: 832x1216, Model hash: {sdxl_hash}, "
+            "Model: renamed_elsewhere, Version: v1.10.1")
+    plan = plan_send(ctx, parse_infotext(text))
+    assert plan.fields == {"prompt": "a fox", "negative": "blurry", "steps": 28, "cfg": 6.5, "seed": 99, "width": 832,
+                           "height": 1216, "sampler": "DPM++ 2M Karras"}
+    assert plan.checkpoint == "tiny-sdxl.safetensors"
+    assert [(s.name, s.unet_strength, s.te_strength) for s in plan.loras] == [("style", 1.5, 0.5)]
+    assert plan.notes == (f"LoRA missing is not in {settings.lora_dir}",)
+    loaded = engine.snapshot()
+    plan = plan_send(ctx, parse_infotext(f"a\nSteps: 2, Sampler: LCM, Seed: 1, Model hash: {loaded.model_hash}"))
+    assert plan.checkpoint is None and len(plan.notes) == 1 and plan.notes[0].startswith("sampler 'LCM' is not")
+    plan = plan_send(ctx, parse_infotext("a\nSteps: 2, Seed: 1, Model hash: 0123456789, Model: nowhere"))
+    assert plan.checkpoint is None
+    assert plan.notes == (f"checkpoint nowhere (hash 0123456789) is not among yours; kept {loaded.model}",)
 
 
 def test_set_loras_changes_output_reweights_live_and_removal_restores(client):
