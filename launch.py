@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may ask a model hub, eve
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("NO_PROXY", "localhost,127.0.0.1")
 
+from app.console import quiet_third_party  # noqa: E402
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings  # noqa: E402
 
 log = logging.getLogger("steady_diffusion")
@@ -44,11 +45,22 @@ def parse_auth(pairs: list[str], auth_file: str | None, auth_env: str | None = N
     return tuple(out)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" only where the default says something (not None, False or an empty
+    list) and the help text does not state its default already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="launch.py", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--data-dir", default=".", help="folder with models/Stable-diffusion, models/Lora, "
-                   "embeddings and outputs (an A1111 install folder works as is)")
+                   "embeddings and outputs (an A1111 install folder works as is); must exist")
+    p.add_argument("--create-data-dir", action="store_true", help="create --data-dir when it does not exist")
     p.add_argument("--model", default=None, help="checkpoint name to load at start (default: the first found)")
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 …")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
@@ -66,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-debug", action="store_true", help="log LoRA key matching (also SD_LORA_DEBUG=1)")
     p.add_argument("--move-debug", action="store_true", help="log every tensor move (also SD_MOVE_DEBUG=1)")
     p.add_argument("--slider-range", nargs=2, type=float, default=(-2.0, 2.0), metavar=("MIN", "MAX"),
-                   help="range of the LoRA weight sliders (the API accepts any finite weight)")
+                   help="range of the LoRA weight sliders; the API accepts any finite weight (default: -2 2)")
     p.add_argument("--no-demo", action="store_true", help="do not create demo models when none are found")
     p.add_argument("--listen", action="store_true", help="serve on 0.0.0.0 instead of 127.0.0.1")
     p.add_argument("--port", type=int, default=7860, help="HTTP port")
@@ -104,9 +116,25 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
 
 
+def check_data_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A mistyped --data-dir must not silently become a new, empty install (with demo models in it)."""
+    folder = Path(args.data_dir).expanduser()
+    if folder.is_dir():
+        return
+    if folder.exists():
+        parser.error(f"--data-dir {folder} is a file, not a folder")
+    if not args.create_data_dir:
+        parser.error(f"--data-dir {folder} does not exist; check the path, or add --create-data-dir to start "
+                     "a new data folder there")
+    folder.mkdir(parents=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_data_dir(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_third_party()
     settings = settings_from_args(args)
     if args.bug_report:
         from app.report import write_bug_report_offline

@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import torch
+from PIL import Image
 from safetensors.torch import save_file
 
 from app.engine.worker import Engine
@@ -32,6 +33,7 @@ LORAS = {
 }
 STYLE_METADATA = {"ss_base_model_version": "sd_v1", "ss_network_dim": "4", "ss_network_alpha": "4",
                   "ss_tag_frequency": json.dumps({"set": {"watercolor": 5, "fox": 3}})}
+STYLE_PREVIEW_RGB = (46, 110, 180)  # the colour of `style.preview.png`, the one LoRA with a thumbnail
 
 
 def free_port() -> int:
@@ -63,6 +65,7 @@ def make_ui_data(root: Path, demo_dir: Path) -> Path:
     for seed, (name, layers) in enumerate(LORAS.items()):
         write_kohya_lora(lora_dir / f"{name}.safetensors", layers, seed, metadata=STYLE_METADATA if name == "style"
                          else None)
+    Image.new("RGB", (320, 480), STYLE_PREVIEW_RGB).save(lora_dir / "style.preview.png")  # A1111's naming
     return root
 
 

@@ -26,10 +26,14 @@ import torch
 from PIL import Image
 from served_app import ATTN, MID, MODEL, free_port, make_ui_data, running_app
 
+from app.infotext import parse_infotext
+from app.safetensors_files import file_sha256
 from app.settings import Settings
 from app.ui import views
-from app.ui.common import specs_from_json
-from app.ui.generate_tab import fitting_specs, native_size_updates, slot_weights
+from app.ui.common import UiContext, specs_from_json
+from app.ui.generate_tab import native_size_updates
+from app.ui.lora_panel import fitting_specs, slot_weights
+from app.ui.send_to import plan_send
 from app.ui.serve import auth_policy, wait_until_ready
 
 gradio_client = pytest.importorskip("gradio_client")
@@ -68,6 +72,89 @@ def test_generate_returns_image_and_infotext(client):
     assert pixels.shape == (64, 64, 3)
     assert "Seed: 7" in infotext and "Steps: 2" in infotext and f"Model: {MODEL}" in infotext
     assert details[0]["seed"] == 7 and details[0]["file"].endswith(".png")
+
+
+GOOD = dict(prompt="a fox", sampler="Euler", steps=2, cfg=5.0, seed=5, width=64, height=64)
+
+
+def _generations(client) -> int:
+    return sum(row["command"] == "generate" for row in client.predict(api_name="/snapshot")["history"])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("steps", 0, "steps must be a whole number in 1…150, got 0"),
+    ("steps", 100000, "steps must be a whole number in 1…150, got 100000"),
+    ("width", 7, "width must be a whole number in 64…2048, got 7"),
+    ("seed", 1.5, "seed must be a whole number in -1…4294967295 (-1 = random), got 1.5"),
+    ("cfg", "inf", "cfg must be a number in 1…30, got 'inf'"),
+    ("batch", 17, "batch must be a whole number in 1…16, got 17"),
+])
+def test_out_of_range_settings_are_refused_with_their_range(client, field, value, message):
+    """The API and the page share one rule set: nothing is clamped or rounded into range quietly,
+    the refusal names the range, and nothing is generated."""
+    before = _generations(client)
+    with pytest.raises(gradio_client.exceptions.AppError) as refused:
+        client.predict(**dict(GOOD, **{field: value}), api_name="/generate")
+    assert str(refused.value) == f"generate failed: {message}"
+    assert _generations(client) == before
+
+
+def test_nan_cfg_in_raw_json_is_refused(app):
+    """JSON clients can send NaN (Python's json does); it is refused like any other bad number."""
+    url = app[0].local_url + "gradio_api/call/generate"
+    body = json.dumps({"data": ["a fox", "", "Euler", 2, float("nan"), 5, 64, 64, 1]}).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        event = json.loads(answer.read())["event_id"]
+    with urllib.request.urlopen(f"{url}/{event}", timeout=60) as stream:
+        text = stream.read().decode()
+    assert "event: error" in text and "cfg must be a number in 1\\u202630, got nan" in text
+
+
+def test_sizes_round_down_to_the_model_multiple_with_a_note(client):
+    _images, infotext, details = client.predict(**dict(GOOD, width=100, height=71), api_name="/generate")
+    assert "Size: 96x64" in infotext
+    assert details[0]["notes"] == ["width 100 → 96: SD1.5 sizes are multiples of 8 (rounded down, as A1111 does)",
+                                   "height 71 → 64: SD1.5 sizes are multiples of 8 (rounded down, as A1111 does)"]
+    assert _generate(client, seed=5)[2][0]["notes"] == []
+
+
+def test_an_engine_failure_is_whole_once_and_one_traceback_in_the_log(client, caplog, capfd):
+    """A refusal inside the engine reaches the client whole (the `<lora:…>` tag included) and the
+    console/log gets exactly one traceback (the engine's), not Gradio's second copy."""
+    caplog.set_level(logging.INFO)
+    capfd.readouterr()
+    with pytest.raises(gradio_client.exceptions.AppError) as refused:
+        client.predict(**dict(GOOD, prompt="a fox <lora:style:x>"), api_name="/generate")
+    assert str(refused.value) == "generate failed: prompt tag '<lora:style:x>': 'x' is not a number"
+    printed = capfd.readouterr().err
+    tracebacks = printed.count("Traceback (most recent call last)") + sum(
+        "Traceback (most recent call last)" in r.getMessage() or r.exc_info is not None for r in caplog.records)
+    assert tracebacks == 1
+
+
+def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_cannot_match(app):
+    """What "send to Generate" will do with another tool's text: A1111 sampler + schedule names, the
+    checkpoint by `Model hash` although its name differs, LoRA weights in A1111's order (TE first),
+    and a note for each thing it cannot match instead of a guess."""
+    _server, engine, settings = app
+    ctx = UiContext(engine, settings)
+    sdxl_hash = file_sha256(settings.checkpoints_dir / "tiny-sdxl.safetensors")[:10]
+    text = ("a fox <lora:style:0.5:1.5> <lora:missing:1>\nNegative prompt: blurry\nSteps: 28, Sampler: DPM++ 2M, "
+            f"Schedule type: Karras, CFG scale: 6.5, Seed: 99, Size: 832x1216, Model hash: {sdxl_hash}, "
+            "Model: renamed_elsewhere, Version: v1.10.1")
+    plan = plan_send(ctx, parse_infotext(text))
+    assert plan.fields == {"prompt": "a fox", "negative": "blurry", "steps": 28, "cfg": 6.5, "seed": 99, "width": 832,
+                           "height": 1216, "sampler": "DPM++ 2M Karras"}
+    assert plan.checkpoint == "tiny-sdxl.safetensors"
+    assert [(s.name, s.unet_strength, s.te_strength) for s in plan.loras] == [("style", 1.5, 0.5)]
+    assert plan.notes == (f"LoRA missing is not in {settings.lora_dir}",)
+    loaded = engine.snapshot()
+    plan = plan_send(ctx, parse_infotext(f"a\nSteps: 2, Sampler: LCM, Seed: 1, Model hash: {loaded.model_hash}"))
+    assert plan.checkpoint is None and len(plan.notes) == 1 and plan.notes[0].startswith("sampler 'LCM' is not")
+    plan = plan_send(ctx, parse_infotext("a\nSteps: 2, Seed: 1, Model hash: 0123456789, Model: nowhere"))
+    assert plan.checkpoint is None
+    assert plan.notes == (f"checkpoint nowhere (hash 0123456789) is not among yours; kept {loaded.model}",)
 
 
 def test_set_loras_changes_output_reweights_live_and_removal_restores(client):
@@ -178,13 +265,15 @@ def test_debug_toggles_take_effect_at_once(client):
 
 
 def test_only_generated_images_are_served(app, client):
-    """Gradio's file route must serve outputs, and never models, LoRAs or the app's own files."""
+    """Gradio's file route must serve outputs, and never models, LoRAs (their thumbnails included: the
+    LoRA browser hands Gradio copies) or the app's own files."""
     settings = app[2]
     _generate(client, seed=1)
     output = next(settings.outputs_dir.rglob("*.png"))
     base = app[0].local_url + "gradio_api/file="
     assert urllib.request.urlopen(base + str(output), timeout=10).status == 200
-    for private in (settings.lora_dir / "style.safetensors", settings.checkpoints_dir / MODEL, ROOT / "launch.py"):
+    for private in (settings.lora_dir / "style.safetensors", settings.lora_dir / "style.preview.png",
+                    settings.checkpoints_dir / MODEL, ROOT / "launch.py"):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(base + str(private), timeout=10)
         assert refused.value.code == 403, private

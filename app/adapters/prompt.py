@@ -1,4 +1,8 @@
-"""`<lora:name:weight>` and `<lora:name:unet_w:te_w>` prompt tags, as A1111 writes them.
+"""`<lora:name:weight>` and `<lora:name:te_w:unet_w>` prompt tags, in A1111's order.
+
+A1111 and Forge read a second number as the UNet's weight and the first as the text encoder's
+(its networks extension: `te_multiplier`, then `unet_multiplier`); we read and write the same, so
+a prompt moves between the tools with the same meaning.
 
 Tags are parsed into the same declarative list `Engine.set_loras` takes and stripped from the
 prompt, so a prompt-only user gets exactly the same patching path as a slider user.
@@ -28,9 +32,9 @@ def parse_prompt_loras(prompt: str) -> tuple[str, tuple[LoraSpec, ...]]:
         name = match.group(1).strip()
         numbers = [n for n in match.group(2).split(":")[1:] if n.strip()]
         values = [_number(n.strip(), match.group(0)) for n in numbers]
-        weight = values[0] if values else 1.0
-        te = values[1] if len(values) > 1 else None
-        found[name] = LoraSpec(name, weight=weight, unet_weight=weight if te is not None else None, te_weight=te)
+        first = values[0] if values else 1.0
+        unet = values[1] if len(values) > 1 else None
+        found[name] = LoraSpec(name, weight=first, unet_weight=unet, te_weight=first if unet is not None else None)
     stripped = re.sub(r"\s{2,}", " ", _TAG.sub("", prompt)).strip(" ,")
     return stripped, tuple(found.values())
 

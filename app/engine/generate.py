@@ -10,6 +10,7 @@ VAE's own dtype is both correct and mutation-free.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from collections.abc import Callable
@@ -27,6 +28,9 @@ from diffusers import (
 )
 from PIL import Image, PngImagePlugin
 
+from app.families import family
+from app.infotext import LoraUse, format_infotext
+
 log = logging.getLogger(__name__)
 
 SCHEDULERS: dict[str, tuple[type, dict]] = {
@@ -37,6 +41,39 @@ SCHEDULERS: dict[str, tuple[type, dict]] = {
     "DDIM": (DDIMScheduler, {}),
     "UniPC": (UniPCMultistepScheduler, {}),
 }
+def _number(value: float) -> str:
+    """Whole numbers in full (a seed range reads 4294967295, not 4.29497e+09), others as typed."""
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed range one generation setting must lie in: the one rule set the UI, the API and
+    `GenerateParams` share. A value outside it, a fraction where a whole number is due, or a
+    non-finite number is refused with the range in the message; nothing is clamped or rounded
+    behind the user's back."""
+
+    low: float
+    high: float
+    whole: bool = True
+    hint: str = ""
+
+    def __str__(self) -> str:
+        span = f"{_number(self.low)}…{_number(self.high)}"
+        return f"{span} ({self.hint})" if self.hint else span
+
+    def check(self, field: str, value: object) -> int | float:
+        """`value` as an int (whole ranges) or float; ValueError naming the field and the range."""
+        kind = "a whole number" if self.whole else "a number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{field} must be {kind} in {self}, got {value!r}")
+        if self.whole and value != int(value):
+            raise ValueError(f"{field} must be {kind} in {self}, got {value!r}")
+        if not self.low <= value <= self.high:
+            raise ValueError(f"{field} must be {kind} in {self}, got {_number(value)}")
+        return int(value) if self.whole else float(value)
+
+
 MAX_SEED = 2**32 - 1
 # Per-request bounds, so one request from a share link cannot hold the worker or the memory for
 # long. CLIP reads 75 tokens per chunk and A1111 users rarely go past a few chunks; 16,000
@@ -45,6 +82,16 @@ MAX_SEED = 2**32 - 1
 # minutes on an H100; the per-field limits alone allowed 16 x 2048² x 150, ten times that.
 MAX_PROMPT_CHARS = 16_000
 MAX_PIXEL_STEPS = 1_000_000_000
+LIMITS: dict[str, Range] = {
+    "steps": Range(1, 150),
+    "cfg": Range(1, 30, whole=False),
+    "seed": Range(-1, MAX_SEED, hint="-1 = random"),
+    "width": Range(64, 2048),
+    "height": Range(64, 2048),
+    "batch": Range(1, 16),
+    "n_iter": Range(1, 100, hint="batch count"),
+}
+DEFAULT_SIZE_MULTIPLE = 8  # sizes with no model loaded; a family states its own (`Family.size_multiple`)
 
 
 @dataclass(frozen=True)
@@ -67,22 +114,51 @@ class GenerateParams:
                                  f"{MAX_PROMPT_CHARS:,} characters (about 4,000 tokens)")
         if self.sampler not in SCHEDULERS:
             raise ValueError(f"unknown sampler {self.sampler!r}; choose one of {sorted(SCHEDULERS)}")
-        if not 1 <= self.steps <= 150:
-            raise ValueError(f"steps must be 1..150, got {self.steps}")
-        if not 1 <= self.batch <= 16:
-            raise ValueError(f"batch must be 1..16, got {self.batch}")
-        if not 1 <= self.n_iter <= 100:
-            raise ValueError(f"batch count must be 1..100, got {self.n_iter}")
+        for field, rule in LIMITS.items():
+            rule.check(field, getattr(self, field))
         for side in (self.width, self.height):
-            if side % 8 or not 64 <= side <= 2048:
-                raise ValueError(f"width and height must be multiples of 8 in 64..2048, got {side}")
-        if not -1 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be -1 (random) or 0..{MAX_SEED}, got {self.seed}")
+            if side % DEFAULT_SIZE_MULTIPLE:
+                raise ValueError(f"width and height must be multiples of {DEFAULT_SIZE_MULTIPLE}, got {side}")
         work = self.batch * self.width * self.height * self.steps
         if work > MAX_PIXEL_STEPS:
             raise ValueError(f"batch x width x height x steps = {self.batch} x {self.width} x {self.height} x "
                              f"{self.steps} = {work:,} is over the per-request cap of {MAX_PIXEL_STEPS:,}; "
                              "use fewer images, steps or pixels")
+
+
+def round_size(field: str, value: int, arch: str | None) -> tuple[int, str]:
+    """Round a side down to the family's multiple, as A1111 does (its latents are `side // 8`), and
+    say so: (rounded, note), the note empty when nothing changed."""
+    fam = None if arch is None else family(arch)
+    multiple = DEFAULT_SIZE_MULTIPLE if fam is None else fam.size_multiple
+    rounded = value - value % multiple
+    if rounded == value:
+        return value, ""
+    label = "this model's" if fam is None else fam.label
+    return rounded, (f"{field} {value} → {rounded}: {label} sizes are multiples of {multiple} "
+                     "(rounded down, as A1111 does)")
+
+
+def params_from_form(values: dict[str, object], arch: str | None) -> tuple[GenerateParams, tuple[str, ...]]:
+    """Raw form or API values -> (parameters, notes about what was rounded).
+
+    Every field is checked against `LIMITS` first and all refusals are reported in one message;
+    then width and height are rounded to the family's multiple, each with a note to show."""
+    problems, checked = [], {}
+    for field, rule in LIMITS.items():
+        try:
+            checked[field] = rule.check(field, values.get(field, 1 if field == "n_iter" else None))
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError(";\n".join(problems))
+    notes = []
+    for field in ("width", "height"):
+        checked[field], note = round_size(field, checked[field], arch)
+        notes.append(note)
+    params = GenerateParams(str(values.get("prompt") or ""), str(values.get("negative_prompt") or ""),
+                            sampler=str(values.get("sampler")), **checked)
+    return params, tuple(n for n in notes if n)
 
 
 class NonFiniteLatentsError(RuntimeError):
@@ -132,11 +208,12 @@ class GeneratedImage:
 
 @dataclass(frozen=True)
 class RunContext:
-    """What the engine knows about the model and adapters a generation runs with."""
+    """What the engine knows about the model and adapters a generation runs with. `loras` holds
+    `LoraUse(name, unet, short_hash, te)` entries (plain tuples in that order work too)."""
 
     model_name: str
     model_hash: str
-    loras: tuple[tuple[str, float, str], ...] = ()  # (name, weight, short hash)
+    loras: tuple[tuple, ...] = ()
 
 
 def resolve_seed(seed: int) -> int:
@@ -144,25 +221,12 @@ def resolve_seed(seed: int) -> int:
 
 
 def infotext(params: GenerateParams, seed: int, ctx: RunContext) -> str:
-    """A1111-style `parameters` text, so other tools can read our PNGs back."""
-    parts = [
-        f"Steps: {params.steps}",
-        f"Sampler: {params.sampler}",
-        f"CFG scale: {params.cfg:g}",
-        f"Seed: {seed}",
-        f"Size: {params.width}x{params.height}",
-        f"Model hash: {ctx.model_hash}",
-        f"Model: {ctx.model_name}",
-    ]
-    if ctx.loras:
-        parts.append('Lora hashes: "' + ", ".join(f"{n}: {h}" for n, _w, h in ctx.loras) + '"')
-        parts.append('Lora weights: "' + ", ".join(f"{n}: {w:g}" for n, w, _h in ctx.loras) + '"')
-    parts.append("Version: steady-diffusion")
-    lines = [params.prompt]
-    if params.negative_prompt:
-        lines.append(f"Negative prompt: {params.negative_prompt}")
-    lines.append(", ".join(parts))
-    return "\n".join(lines)
+    """A1111-style `parameters` text (see `app.infotext`), so other tools and our PNG Info read it back."""
+    settings = [("Steps", params.steps), ("Sampler", params.sampler), ("CFG scale", f"{params.cfg:g}"),
+                ("Seed", seed), ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash),
+                ("Model", ctx.model_name)]
+    loras = tuple(LoraUse(*entry) for entry in ctx.loras)
+    return format_infotext(params.prompt, params.negative_prompt, settings, loras)
 
 
 def _scheduler_for(pipe, sampler: str):
@@ -196,9 +260,10 @@ StepCallback = Callable[[int, int, torch.Tensor], bool]
 def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None) -> list[Image.Image]:
     """Denoise and decode `params.batch` images; image i uses seed `seed + i`.
 
-    `on_step(step, total, latents)` runs after each step; when it returns True the remaining steps
-    are skipped (diffusers' own interrupt flag) and the latents reached so far are decoded: an
-    Interrupt or Skip lands between two steps, never inside a forward. Raises
+    `on_step(step, total, latents)` runs after each step (it must only read the latents: the live
+    preview projects them with `app.preview.latent_preview`); when it returns True the remaining
+    steps are skipped (diffusers' own interrupt flag) and the latents reached so far are decoded:
+    an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
     pipe.scheduler = _scheduler_for(pipe, params.sampler)

@@ -224,17 +224,22 @@ def read_safetensors_header(path: Path) -> tuple[frozenset[str], dict[str, str]]
 # ----------------------------------------------------------------------------------------- loading
 
 
+def weights_file(info: CheckpointInfo) -> Path:
+    """The file whose sha256 names a checkpoint ("Model hash" in infotext): the file itself, or a
+    diffusers folder's UNet weights."""
+    return info.path / "unet" / "diffusion_pytorch_model.safetensors" if info.kind == "folder" else info.path
+
+
 def load_pipeline(info: CheckpointInfo, dtype: torch.dtype) -> LoadedModel:
     """Load a checkpoint on CPU in `dtype`, offline, with the safety checker off."""
+    weights = weights_file(info)
     if info.kind == "folder":
-        weights = info.path / "unet" / "diffusion_pytorch_model.safetensors"
         if not weights.is_file():
             raise ModelLoadError(f"{info.name}: no unet/diffusion_pytorch_model.safetensors in the folder")
         arch = _folder_arch(info)
         _validate_folder_weights(info)
         load = _load_folder
     else:
-        weights = info.path
         keys, metadata = read_safetensors_header(info.path)
         try:
             arch = detect_architecture(keys)

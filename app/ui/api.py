@@ -33,43 +33,40 @@ from app.ui.common import (
 )
 
 
+def _change(ctx: UiContext, action: str, call) -> dict:
+    """Run one engine change for a script: the error text goes back unescaped (no browser shows it)."""
+    with user_errors(action, browser=False):
+        run_with_progress(ctx.engine, call, None)
+    return snapshot_summary(ctx)
+
+
 def _state_endpoints(ctx: UiContext) -> None:
     engine = ctx.engine
 
     @gr.api(api_name="set_loras", concurrency_id="loras")
     def set_loras(loras: list[dict]) -> dict:
         """Apply exactly this list: [{"name", "weight", "unet_weight"?, "te_weight"?}]; [] removes all."""
-        with user_errors("set_loras"):
-            engine.set_loras(specs_from_json(loras))
-        return snapshot_summary(ctx)
+        return _change(ctx, "set_loras", lambda: engine.set_loras(specs_from_json(loras)))
 
     @gr.api(api_name="set_offload", concurrency_id="loras")
     def set_offload(mode: str) -> dict:
         """Offload mode: none, model, sequential, balanced or group."""
-        with user_errors("set_offload"):
-            engine.set_offload(mode)
-        return snapshot_summary(ctx)
+        return _change(ctx, "set_offload", lambda: engine.set_offload(mode))
 
     @gr.api(api_name="set_dtype", concurrency_id="loras")
     def set_dtype(dtype: str) -> dict:
         """Weights dtype: auto, fp16, bf16 or fp32 (reloads the checkpoint)."""
-        with user_errors("set_dtype"):
-            engine.set_dtype(dtype)
-        return snapshot_summary(ctx)
+        return _change(ctx, "set_dtype", lambda: engine.set_dtype(dtype))
 
     @gr.api(api_name="load_model", concurrency_id="loras")
     def load_model(name: str) -> dict:
         """Load a checkpoint by the name `list_models` returns."""
-        with user_errors("load_model"):
-            engine.load_model(checked_checkpoint(ctx.settings, name))
-        return snapshot_summary(ctx)
+        return _change(ctx, "load_model", lambda: engine.load_model(checked_checkpoint(ctx.settings, name)))
 
     @gr.api(api_name="unload", concurrency_id="loras")
     def unload() -> dict:
         """Drop the model and return its RAM/VRAM."""
-        with user_errors("unload"):
-            engine.unload()
-        return snapshot_summary(ctx)
+        return _change(ctx, "unload", engine.unload)
 
 
 def _debug_endpoint(ctx: UiContext) -> None:
@@ -99,7 +96,7 @@ def _read_endpoints(ctx: UiContext) -> None:
     @gr.api(api_name="inspect_lora")
     def inspect_lora(name: str) -> dict:
         """Card metadata and the fit check of one LoRA against the loaded model."""
-        with user_errors("inspect_lora"):
+        with user_errors("inspect_lora", browser=False):
             path = ctx.engine.library.path_for(name)
             card = ctx.cards.card(name, path)
             fit = ctx.cards.fit(ctx.engine, name, path, ctx.engine.snapshot().model_hash)
@@ -107,30 +104,32 @@ def _read_endpoints(ctx: UiContext) -> None:
 
 
 def _generate_endpoint(ctx: UiContext) -> None:
-    """Generate needs file outputs, so it is an event on hidden components rather than `gr.api`."""
+    """Generate needs file outputs, so it is an event on hidden components rather than `gr.api`.
+
+    Numbers are taken as sent (no `precision` rounding) so the shared rules can refuse 1.5 as a
+    seed instead of Gradio quietly making it 2."""
     defaults = GenerateParams("")
     with gr.Column(visible=False):
         inputs = [gr.Textbox(label="prompt"), gr.Textbox("", label="negative_prompt"),
                   gr.Dropdown(list(SCHEDULERS), value=defaults.sampler, label="sampler"),
-                  gr.Number(defaults.steps, precision=0, label="steps"), gr.Number(defaults.cfg, label="cfg"),
-                  gr.Number(defaults.seed, precision=0, label="seed"),
-                  gr.Number(defaults.width, precision=0, label="width"),
-                  gr.Number(defaults.height, precision=0, label="height"),
-                  gr.Number(defaults.batch, precision=0, label="batch")]
+                  *(gr.Number(getattr(defaults, name), label=name)
+                    for name in ("steps", "cfg", "seed", "width", "height", "batch"))]
         outputs = [gr.Gallery(label="images", format="png"), gr.Textbox(label="infotext"), gr.JSON(label="details")]
         trigger = gr.Button("generate")
 
     def generate(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, progress=PROGRESS):
-        with user_errors("generate"):
-            params = generate_params(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch)
+        with user_errors("generate", browser=False):
+            params, notes = generate_params(ctx, prompt, negative_prompt, sampler, steps, cfg, seed, width, height,
+                                            batch)
             images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params), progress)
-        details = [{"seed": im.seed, "infotext": im.infotext, "file": im.path.name if im.path else None}
-                   for im in images]
+        details = [{"seed": im.seed, "infotext": im.infotext, "file": im.path.name if im.path else None,
+                    "notes": list(notes)} for im in images]
         return gallery_items(images), images[0].infotext, details
 
     trigger.click(generate, inputs, outputs, api_name="generate", concurrency_id="loras",
                   api_description="Generate with the engine's current LoRAs plus any <lora:name:w> prompt tags. "
-                                  "Returns (images, infotext of the first image, [{seed, infotext, file}]).")
+                                  "Returns (images, infotext of the first image, [{seed, infotext, file, notes}]); "
+                                  "notes say what was rounded (sizes go down to the model's multiple of 8).")
 
 
 def register_api(ctx: UiContext) -> None:

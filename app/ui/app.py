@@ -16,6 +16,8 @@ from app.ui.api import register_api
 from app.ui.common import UiContext
 from app.ui.diagnostics_tab import build_diagnostics_tab, refresh
 from app.ui.generate_tab import build_generate_tab, wire_page_load
+from app.ui.history_tab import build_history_tab
+from app.ui.pnginfo_tab import build_pnginfo_tab
 
 CSS_PATH = Path(__file__).resolve().parents[2] / "assets" / "ui.css"
 STATUS_REFRESH_S = 1.0
@@ -39,9 +41,13 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         with gr.Row(elem_classes="sd-header"):
             gr.Markdown("## Steady Diffusion")
             status = gr.HTML(elem_id="sd-status-line")
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             with gr.Tab("Generate", id="generate") as generate_tab:
                 tab = build_generate_tab(ctx)
+            with gr.Tab("PNG Info", id="pnginfo") as pnginfo_tab:
+                build_pnginfo_tab(ctx, tab, tabs)
+            with gr.Tab("History", id="history") as history_tab:
+                refresh_history = build_history_tab(ctx, tab, tabs)
             with gr.Tab("Diagnostics", id="diagnostics") as diagnostics_tab:
                 diag = build_diagnostics_tab(ctx)
         ticker = gr.Timer(STATUS_REFRESH_S)
@@ -51,7 +57,9 @@ def build_app(ctx: UiContext) -> gr.Blocks:
                                    outputs=diag.refresh_outputs, api_visibility="private", show_progress="hidden")
         diagnostics_tab.select(lambda: gr.Timer(active=True), None, diag.timer, api_visibility="private")
         diagnostics_tab.select(**refresh_diagnostics)
-        generate_tab.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
+        history_tab.select(**refresh_history)
+        for other in (generate_tab, pnginfo_tab, history_tab):
+            other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)
         demo.load(lambda: views.status_html(ctx.engine.snapshot()), None, status, api_visibility="private")
     return demo

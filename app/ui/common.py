@@ -8,6 +8,7 @@ poll `engine.snapshot().progress` meanwhile, so a Gradio progress bar follows th
 from __future__ import annotations
 
 import contextlib
+import html
 import logging
 import math
 import threading
@@ -15,15 +16,17 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
 from app.adapters.specs import LoraSpec
 from app.engine import models
-from app.engine.generate import GeneratedImage, GenerateParams
+from app.engine.generate import GeneratedImage, GenerateParams, params_from_form
 from app.engine.worker import Engine
 from app.paths import UnsafePathError, resolve_under
+from app.safetensors_files import file_sha256
 from app.settings import Settings
 from app.ui.lora_cards import CardCache
 
@@ -35,27 +38,65 @@ MAX_LORAS = 8  # slots on the Generate tab; the API takes any number
 PROGRESS = gr.Progress()
 
 
+class FileHashes:
+    """Short sha256 prefixes by file identity (path, mtime, size), so a checkpoint of several GB is
+    hashed once per change of the file, not on every "send to Generate"."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+
+    def short(self, path: Path, length: int = 10) -> str:
+        stat = path.stat()
+        key = (str(path), stat.st_mtime_ns, stat.st_size)
+        with self._lock:
+            known = self._known.get(key)
+        if known is None:
+            known = file_sha256(path)
+            with self._lock:
+                self._known[key] = known
+        return known[:length]
+
+
 @dataclass
 class UiContext:
-    """The engine plus what the UI keeps beside it (log capture for reports, secrets to redact)."""
+    """The engine plus what the UI keeps beside it: log capture for reports, secrets to redact, file
+    caches, when the session started (the History tab's "this session") and start-up notes (why the
+    first checkpoint was not the one loaded)."""
 
     engine: Engine
     settings: Settings
     log_lines: Callable[[], list[str]] = list
     secrets: tuple[str, ...] = ()
     cards: CardCache = field(default_factory=CardCache)
+    hashes: FileHashes = field(default_factory=FileHashes)
+    started: float = field(default_factory=time.time)
+    startup_notes: list[str] = field(default_factory=list)
+
+
+class EngineCallError(Exception):
+    """An engine call failed; the engine has logged it (with its traceback, for failed transitions)."""
 
 
 @contextlib.contextmanager
-def user_errors(action: str) -> Iterator[None]:
-    """Turn any failure into a `gr.Error` with its message (the engine log keeps the traceback)."""
+def user_errors(action: str, browser: bool = True) -> Iterator[None]:
+    """Turn a failure into one `gr.Error` carrying the whole message, and one log entry.
+
+    Refused input and engine failures get a one-line log entry (the engine already logged a
+    failed transition's traceback); anything else is a bug in the UI and gets its traceback here.
+    Gradio's own traceback print is off, so each error is in the log once. Toasts render HTML, so
+    for the browser the message is escaped: a `<lora:…>` in it would otherwise cut it short."""
     try:
         yield
     except gr.Error:
         raise
     except Exception as exc:
-        log.info("%s refused: %s", action, str(exc))
-        raise gr.Error(f"{action} failed: {exc}", duration=None) from exc
+        if isinstance(exc, (ValueError, OSError, EngineCallError)):
+            log.info("%s refused: %s", action, str(exc))
+        else:
+            log.exception("%s failed", action)
+        message = f"{action} failed: {exc}"
+        raise gr.Error(html.escape(message) if browser else message, duration=None, print_exception=False) from exc
 
 
 def run_with_progress(engine: Engine, call: Callable[[], Any], progress: gr.Progress | None) -> Any:
@@ -77,7 +118,10 @@ def run_with_progress(engine: Engine, call: Callable[[], Any], progress: gr.Prog
             else:
                 progress(None, desc=f"engine {snap.state}")
         time.sleep(POLL_S)
-    return future.result()
+    try:
+        return future.result()
+    except Exception as exc:
+        raise EngineCallError(str(exc)) from exc
 
 
 def checkpoint_names(settings: Settings) -> list[str]:
@@ -121,10 +165,13 @@ def specs_from_json(items: Any) -> list[LoraSpec]:
     return specs
 
 
-def generate_params(prompt, negative, sampler, steps, cfg, seed, width, height, batch) -> GenerateParams:
-    """Form/API values (numbers may arrive as floats from sliders and JSON) -> validated parameters."""
-    return GenerateParams(prompt or "", negative or "", steps=int(steps), cfg=float(cfg), seed=int(seed),
-                          width=int(width), height=int(height), batch=int(batch), sampler=sampler)
+def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed, width, height,
+                    batch) -> tuple[GenerateParams, tuple[str, ...]]:
+    """Form/API values -> (parameters, rounding notes) by the one rule set in `generate.LIMITS`;
+    sizes round to the loaded model family's multiple."""
+    values = dict(prompt=prompt, negative_prompt=negative, sampler=sampler, steps=steps, cfg=cfg, seed=seed,
+                  width=width, height=height, batch=batch)
+    return params_from_form(values, ctx.engine.snapshot().arch)
 
 
 def gallery_items(images: list[GeneratedImage]) -> list[tuple]:

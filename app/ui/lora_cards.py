@@ -39,8 +39,9 @@ class CardInfo:
     rank: int | None
     alpha: str | None
     algorithm: str
-    short_hash: str
+    short_hash: str | None  # None until hashed: the LoRA browser lists files without reading them whole
     size_bytes: int
+    modified: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def _rank(meta: dict[str, str], path: Path, keys: list[str]) -> int | None:
         return int(handle.get_slice(down).get_shape()[0])
 
 
-def read_card(name: str, path: Path, short_hash: str) -> CardInfo:
+def read_card(name: str, path: Path, short_hash: str | None) -> CardInfo:
     """Build a card from the safetensors header of `path` (raises `AdapterFormatError` if it is not one)."""
     try:
         key_set, meta = read_header(path)
@@ -125,40 +126,65 @@ def read_card(name: str, path: Path, short_hash: str) -> CardInfo:
         raise AdapterFormatError(str(exc)) from None
     keys = sorted(key_set)
     base = meta.get("ss_base_model_version") or meta.get("modelspec.architecture") or meta.get("ss_sd_model_name")
+    stat = path.stat()
     return CardInfo(name=name, base_model=base, trigger_words=_trigger_words(meta), rank=_rank(meta, path, keys),
                     alpha=meta.get("ss_network_alpha"), algorithm=_algorithm(meta, keys), short_hash=short_hash,
-                    size_bytes=path.stat().st_size)
+                    size_bytes=stat.st_size, modified=stat.st_mtime)
+
+
+# (marker in the recorded base model, badge): kohya writes `ss_base_model_version` ("sd_v1",
+# "sdxl_base_v1-0", "sd_v2_768_v", "flux1"), the model spec `modelspec.architecture`
+# ("stable-diffusion-v1/lora", "stable-diffusion-xl-v1-base/lora"); first match wins.
+_FAMILY_MARKERS = (("sdxl", "SDXL"), ("stable-diffusion-xl", "SDXL"), ("sd_v1", "SD1.5"),
+                   ("stable-diffusion-v1", "SD1.5"), ("sd_v2", "SD2"), ("stable-diffusion-v2", "SD2"),
+                   ("sd3", "SD3"), ("flux", "Flux"))
+
+
+def base_badge(base_model: str | None) -> str:
+    """The short family name a badge shows for a recorded base model; "unknown" when none is recorded."""
+    if not base_model:
+        return "unknown"
+    lowered = base_model.lower()
+    return next((badge for marker, badge in _FAMILY_MARKERS if marker in lowered), base_model[:16])
 
 
 def _size(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
-def card_markdown(card: CardInfo | None, fit: Fit | None, name: str, problem: str = "") -> str:
-    """Card body: a fit badge first (never hidden), then the metadata the file carries."""
+def _fit_badge(fit: Fit | None) -> str:
+    """The fit badge and, when the file was matched, its per-file report (layout, scale, leftovers)."""
+    if fit is None:
+        return "<span class='sd-badge'>checking fit…</span>"
+    if fit.level == "ok":
+        badge = (f"<span class='sd-badge sd-badge-ok'>✓ fits {fit.fits}: {fit.matched_layers} layers</span>"
+                 + (f" {html.escape(fit.message)}" if fit.message else ""))
+    elif fit.level == "warn":
+        badge = (f"<span class='sd-badge sd-badge-warn'>⚠ {fit.unmatched_keys} tensors matched nothing</span> "
+                 f"{fit.matched_layers} layers patched{' (' + fit.fits + ')' if fit.fits else ''}; "
+                 f"{html.escape(fit.message)}")
+    else:
+        badge = f"<span class='sd-badge sd-badge-error'>✗ does not fit — not applied</span> {html.escape(fit.message)}"
+    report = fit.report_line()
+    return f"{badge}\n\n{report}" if report else badge
+
+
+def card_markdown(card: CardInfo | None, fit: Fit | None, name: str, problem: str = "",
+                  show_fit: bool = True) -> str:
+    """Card body: a fit badge first (never hidden where fit is shown), then the metadata the file carries.
+    The LoRA browser leaves the fit out (`show_fit=False`): the panel's card shows it once selected."""
     lines = [f"**{html.escape(name)}**"]
     if problem:
         lines.append(f"<span class='sd-badge sd-badge-error'>⚠ unreadable</span> {html.escape(problem)}")
         return "\n\n".join(lines)
-    if fit is None:
-        lines.append("<span class='sd-badge'>checking fit…</span>")
-    elif fit.level == "ok":
-        lines.append(f"<span class='sd-badge sd-badge-ok'>✓ fits {fit.fits}: {fit.matched_layers} layers</span>"
-                     + (f" {html.escape(fit.message)}" if fit.message else ""))
-    elif fit.level == "warn":
-        lines.append(f"<span class='sd-badge sd-badge-warn'>⚠ {fit.unmatched_keys} tensors matched nothing</span> "
-                     f"{fit.matched_layers} layers patched{' (' + fit.fits + ')' if fit.fits else ''}; "
-                     f"{html.escape(fit.message)}")
-    else:
-        lines.append(f"<span class='sd-badge sd-badge-error'>✗ does not fit — not applied</span> "
-                     f"{html.escape(fit.message)}")
-    if fit is not None and fit.report_line():
-        lines.append(fit.report_line())
+    if show_fit:
+        lines.append(_fit_badge(fit))
     if card is not None:
         rank = f"rank: {card.rank if card.rank is not None else '?'}" + (f" (alpha {card.alpha})" if card.alpha else "")
-        facts = [f"base model: {html.escape(card.base_model or 'not recorded')}",
+        facts = [f"base model: <span class='sd-badge'>{html.escape(base_badge(card.base_model))}</span> "
+                 f"{html.escape(card.base_model or 'not recorded')}",
                  f"algorithm: {html.escape(card.algorithm)}", rank,
-                 f"hash: `{card.short_hash}` · {_size(card.size_bytes)}"]
+                 (f"hash: `{card.short_hash}` · " if card.short_hash else "") + _size(card.size_bytes)]
         if card.trigger_words:
             facts.append("trigger words: " + ", ".join(f"`{html.escape(w)}`" for w in card.trigger_words))
         lines.append(" · ".join(facts))
@@ -178,12 +204,14 @@ class CardCache:
         stat = path.stat()
         return str(path), stat.st_mtime_ns, stat.st_size
 
-    def card(self, name: str, path: Path) -> CardInfo:
+    def card(self, name: str, path: Path, hashed: bool = True) -> CardInfo:
+        """The card of `path`; `hashed=False` skips hashing the whole file (listing a folder of LoRAs)."""
         key = self._identity(path)
         with self._lock:
-            if key in self._cards:
-                return self._cards[key]
-        card = read_card(name, path, file_sha256(path)[:12])
+            card = self._cards.get(key)
+        if card is not None and (card.short_hash or not hashed):
+            return card
+        card = read_card(name, path, file_sha256(path)[:12] if hashed else None)
         with self._lock:
             self._cards[key] = card
         return card

@@ -14,8 +14,10 @@ lacks: the Host check in localhost mode, login backoff, body caps, UI-only handl
 
 from __future__ import annotations
 
+import html
 import logging
 import secrets
+import socket
 import threading
 import time
 import urllib.error
@@ -130,16 +132,44 @@ def _ensure_demo(settings: Settings) -> None:
     write_demo(settings.data_dir, lora_writer=write_demo_loras)
 
 
-def _load_in_background(engine: Engine, name: str) -> None:
-    """The UI opens at once; the status line shows LOADING until the model is in."""
+def port_problem(settings: Settings) -> str | None:
+    """Why the port cannot be served on, or None. Checked before the model loads, so a busy port
+    fails in a second instead of after a minute of loading. SO_REUSEADDR as uvicorn sets it, so a
+    port left in TIME_WAIT by the last run does not count as busy."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host_for(settings), settings.port))
+        except OSError as exc:
+            return f"port {settings.port} on {host_for(settings)} is not free ({exc.strerror or exc})"
+    return None
 
-    def load() -> None:
+
+def load_first_working(engine: Engine, names: list[str], notes: list[str]) -> str | None:
+    """Load the first of `names` that loads; each failure is logged in one line (the engine has
+    logged its traceback) and the reasons go to `notes` for the page. Returns the loaded name."""
+    failed = []
+    for name in names:
         try:
             engine.load_model(name)
-        except Exception as exc:  # recorded by the engine (history, last error); the UI shows it
-            log.error("initial model %s could not be loaded: %s", name, str(exc))
+        except Exception as exc:  # recorded by the engine (history, last error); try the next one
+            log.warning("checkpoint %s could not be loaded: %s", name, str(exc))
+            reason = str(exc) if name in str(exc) else f"{name}: {exc}"
+            failed.append(html.escape(reason))
+            continue
+        if failed:
+            notes.append(f"⚠ At start {len(failed)} checkpoint(s) would not load, so **{html.escape(name)}** was "
+                         "loaded instead:\n\n" + "\n\n".join(f"- {reason}" for reason in failed))
+        return name
+    if failed:
+        notes.append("⚠ No checkpoint could be loaded at start:\n\n" + "\n\n".join(f"- {r}" for r in failed))
+    return None
 
-    threading.Thread(target=load, name="initial-load", daemon=True).start()
+
+def _load_in_background(ctx: UiContext, names: list[str]) -> None:
+    """The UI opens at once; the status line shows LOADING until a model is in."""
+    threading.Thread(target=load_first_working, args=(ctx.engine, names, ctx.startup_notes), name="initial-load",
+                     daemon=True).start()
 
 
 def _announce(settings: Settings, server: Server) -> None:
@@ -162,18 +192,22 @@ def _announce(settings: Settings, server: Server) -> None:
 
 def serve(settings: Settings, initial_model: str | None = None, create_demo: bool = True) -> int:
     """Run the app until Ctrl+C; returns the process exit code."""
+    problem = port_problem(settings)
+    if problem:
+        print(f"Cannot serve: {problem}. Choose another with --port, or stop what uses it.", flush=True)
+        return 1
     log_capture = install_log_capture()
     if create_demo:
         _ensure_demo(settings)
     engine = Engine(settings)
     names = checkpoint_names(settings)
-    model = initial_model or (names[0] if names else None)
-    if model:
-        _load_in_background(engine, model)
-    else:
-        print(f"No checkpoint found in {settings.checkpoints_dir}; add one and press ↻ in the UI.", flush=True)
     policy = auth_policy(settings)
     ctx = UiContext(engine, settings, log_capture.lines, tuple(p for _u, p in policy.credentials))
+    if names:  # the asked-for checkpoint first, then the others in order
+        asked = [initial_model] if initial_model else []
+        _load_in_background(ctx, asked + [n for n in names if n != initial_model])
+    else:
+        print(f"No checkpoint found in {settings.checkpoints_dir}; add one and press ↻ in the UI.", flush=True)
     try:
         server = start_server(ctx, policy)
     except OSError as exc:

@@ -36,7 +36,7 @@ def loras_text(snap: Snapshot) -> str:
 def status_html(snap: Snapshot) -> str:
     """The always-visible engine line: state pill, progress, model, placement policy, LoRAs, violations."""
     state = snap.state
-    css = "busy" if state in _BUSY_STATES else "error" if state == "ERROR" else "idle"
+    css = {"ERROR": "error", "EMPTY": "empty"}.get(state, "busy" if state in _BUSY_STATES else "idle")
     progress = ""
     if snap.progress is not None:
         progress = f" — {html.escape(snap.progress.phase)} {snap.progress.step}/{snap.progress.total}"
@@ -50,8 +50,11 @@ def status_html(snap: Snapshot) -> str:
     if snap.violations_found_total:
         parts.append(f"<span class='sd-bad'>violations found {snap.violations_found_total}, "
                      f"repaired {snap.violations_repaired_total}</span>")
-    if snap.state == "ERROR" and snap.last_error is not None:
-        parts.append(f"<span class='sd-bad'>{html.escape(snap.last_error.message)}</span>")
+    # In ERROR, and when EMPTY because the last command failed (a checkpoint that would not load), say why.
+    failed_last = bool(snap.history) and snap.history[-1].outcome != "ok"
+    if snap.last_error is not None and (snap.state == "ERROR" or (snap.state == "EMPTY" and failed_last)):
+        parts.append(f"<span class='sd-bad'>{html.escape(snap.last_error.command)}: "
+                     f"{html.escape(snap.last_error.message)}</span>")
     return "<div class='sd-status' id='sd-status'>" + " · ".join(parts) + "</div>"
 
 

@@ -1,0 +1,134 @@
+"""A1111-style infotext: the `parameters` text of a PNG, written and read in one place.
+
+The format A1111, Forge and Civitai share: the prompt (any number of lines), then optional
+lines starting `Negative prompt: `, then one line of `Key: value` pairs joined by ", ", where a
+value holding a comma, colon or newline is written as a JSON string. LoRAs travel as
+`<lora:name:weight>` tags in the prompt plus a `Lora hashes: "name: hash, …"` pair, which is
+what those tools read back.
+
+The generation writer (`app.engine.generate.infotext`) and the PNG Info reader both use this
+module, so a PNG we write is a PNG we can read. Tag syntax is the prompt parser's
+(`app.adapters.prompt`): `<lora:name:unet:te>` when the two weights differ. A1111 and Forge put
+the two numbers the other way round (`<lora:name:te:unet>`), so two-number tags in infotext
+written by another tool are read in their order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from PIL import Image
+
+from app.adapters.prompt import parse_prompt_loras
+from app.adapters.specs import LoraSpec
+
+OUR_VERSION = "steady-diffusion"
+NEGATIVE = "Negative prompt:"
+# `Key: value` where value is a JSON string or runs to the next comma; keys are words with spaces,
+# dashes or slashes ("CFG scale", "Schedule type", "Hires upscale"). A1111 uses the same shape.
+_PAIR = re.compile(r'\s*(\w[\w \-/]*):\s*("(?:\\.|[^\\"])*"|[^,]*)(?:,|$)')
+_MIN_PAIRS = 3  # a last line with fewer `Key: value` pairs is part of the prompt (A1111's rule too)
+
+
+class LoraUse(NamedTuple):
+    """A LoRA a generation ran with; `te` None means the text-encoder weight equals `unet`."""
+
+    name: str
+    unet: float
+    short_hash: str = ""
+    te: float | None = None
+
+
+@dataclass(frozen=True)
+class Infotext:
+    """What a `parameters` text says: prompts without LoRA tags, the settings, the LoRAs."""
+
+    prompt: str
+    negative_prompt: str
+    settings: dict[str, str]
+    loras: tuple[LoraSpec, ...]
+
+    @property
+    def ours(self) -> bool:
+        return self.settings.get("Version", "") == OUR_VERSION
+
+
+def quote(value: object) -> str:
+    """A value as A1111 writes it: plain unless a comma, colon or newline would break the line."""
+    text = str(value)
+    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ',:\n"') else text
+
+
+def lora_tag(name: str, unet: float, te: float | None = None) -> str:
+    """`<lora:name:w>`, or `<lora:name:te:unet>` (A1111's order) when the text-encoder weight differs."""
+    if te is None or te == unet:
+        return f"<lora:{name}:{unet:g}>"
+    return f"<lora:{name}:{te:g}:{unet:g}>"
+
+
+def prompt_with_tags(prompt: str, loras: tuple[LoraUse, ...]) -> str:
+    """The prompt plus a tag for every LoRA it does not already carry, so other tools see them all."""
+    _stripped, tagged = parse_prompt_loras(prompt)
+    present = {spec.name for spec in tagged}
+    tags = [lora_tag(u.name, u.unet, u.te) for u in loras if u.name not in present]
+    return " ".join([prompt.strip(), *tags]).strip()
+
+
+def format_infotext(prompt: str, negative_prompt: str, settings: list[tuple[str, object]],
+                    loras: tuple[LoraUse, ...] = ()) -> str:
+    """The full text: prompt with LoRA tags, negative prompt, then the settings line."""
+    pairs = [*settings]
+    if loras:
+        pairs.append(("Lora hashes", ", ".join(f"{u.name}: {u.short_hash}" for u in loras)))
+        pairs.append(("Lora weights", ", ".join(f"{u.name}: {u.unet:g}" for u in loras)))
+    pairs.append(("Version", OUR_VERSION))
+    lines = [prompt_with_tags(prompt, loras)]
+    if negative_prompt:
+        lines.append(f"{NEGATIVE} {negative_prompt}")
+    lines.append(", ".join(f"{key}: {quote(value)}" for key, value in pairs))
+    return "\n".join(lines)
+
+
+def _settings_line(line: str) -> dict[str, str] | None:
+    pairs = _PAIR.findall(line)
+    if len(pairs) < _MIN_PAIRS:
+        return None
+    return {key.strip(): json.loads(value) if value.startswith('"') else value.strip() for key, value in pairs}
+
+
+def _weights_field(text: str) -> tuple[LoraSpec, ...]:
+    """`name: w, name: w` from our own `Lora weights` pair (older PNGs of ours carried no tags)."""
+    specs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, weight = item.rpartition(":")
+        specs.append(LoraSpec(name.strip(), float(weight)))
+    return tuple(specs)
+
+
+def parse_infotext(text: str) -> Infotext:
+    """Read a `parameters` text from us, A1111 or Forge; raises ValueError when it has no settings line."""
+    lines = text.strip().replace("\r\n", "\n").split("\n")
+    settings = _settings_line(lines[-1]) if lines else None
+    if settings is None:
+        raise ValueError("no generation settings found (expected a last line like 'Steps: 20, Sampler: …')")
+    prompt_lines, negative_lines, target = [], [], None
+    for line in lines[:-1]:
+        if line.startswith(NEGATIVE):
+            target, line = negative_lines, line[len(NEGATIVE):].strip()
+        (prompt_lines if target is None else negative_lines).append(line)
+    prompt, loras = parse_prompt_loras("\n".join(prompt_lines))
+    if not loras and settings.get("Lora weights"):
+        loras = _weights_field(settings["Lora weights"])
+    return Infotext(prompt, "\n".join(negative_lines).strip(), settings, loras)
+
+
+def read_parameters(path: Path) -> str | None:
+    """The `parameters` text chunk of a PNG (where A1111, Forge and we write infotext), or None.
+    Only the header chunks are read; the pixels are never decoded."""
+    with Image.open(path) as image:
+        text = image.info.get("parameters")
+    return text if isinstance(text, str) else None

@@ -1,0 +1,58 @@
+"""Live preview: the latent -> RGB projection, and the latents `generate.run` hands out while denoising."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from app.engine import generate
+from app.engine.generate import GenerateParams
+from app.preview import LATENT_RGB, latent_preview
+
+
+def test_zero_latents_give_the_family_bias_as_grey():
+    """A zero latent is "no signal": mid-grey for SD1.5, the bias for SDXL (its fit has one)."""
+    sd15, sdxl = latent_preview(torch.zeros(1, 4, 3, 5), "sd15")[0], latent_preview(torch.zeros(1, 4, 3, 5), "sdxl")[0]
+    assert sd15.size == (5, 3) and sd15.mode == "RGB"
+    assert np.asarray(sd15)[0, 0].tolist() == [128, 128, 128]
+    assert np.asarray(sdxl)[0, 0].tolist() == [141, 125, 127]  # ((0.1084, -0.0175, -0.0011) + 1) / 2 * 255
+
+
+@pytest.mark.parametrize("arch", sorted(LATENT_RGB))
+def test_each_channel_moves_the_colour_by_its_factors(arch):
+    """Pixel (0, c) has latent channel c at 1.0, the rest 0: its colour is bias + that row, scaled
+    from [-1, 1] to [0, 255]; batch items come out separately and bf16 input gives the same."""
+    factors, bias = LATENT_RGB[arch]
+    latents = torch.zeros(2, 4, 1, 4)
+    for channel in range(4):
+        latents[0, channel, 0, channel] = 1.0
+    first, second = latent_preview(latents.to(torch.bfloat16), arch)
+    expected = [[round((min(max(b + f, -1), 1) + 1) / 2 * 255) for f, b in zip(row, bias, strict=True)]
+                for row in factors]
+    assert np.abs(np.asarray(first)[0].astype(int) - np.array(expected)).max() <= 1
+    flat = np.asarray(second)
+    assert (flat == flat[0, 0]).all()  # the all-zero second latent is one flat colour
+
+
+def test_wrong_shapes_and_families_are_refused():
+    with pytest.raises(ValueError, match="expected latents shaped"):
+        latent_preview(torch.zeros(1, 16, 8, 8), "sd15")
+    with pytest.raises(ValueError, match="no preview factors for 'flux'"):
+        latent_preview(torch.zeros(1, 4, 8, 8), "flux")
+
+
+def test_run_hands_out_latents_every_n_steps_without_changing_the_image(engine):
+    """`on_latents` sees the (batch, 4, h/8, w/8) latents at steps 2 and 4 of 5 (not after the last,
+    when the real image follows), and reading them leaves the result bit-identical."""
+    engine.load_model("tiny-sd15.safetensors")
+    params = GenerateParams("a red cube", steps=5, width=64, height=64, cfg=5.0, sampler="Euler", seed=3)
+    plain = generate.run(engine.pipeline, params, 3)
+    seen = []
+
+    def collect(step, latents):
+        seen.append((step, tuple(latents.shape), latent_preview(latents, "sd15")[0].size))
+
+    watched = generate.run(engine.pipeline, params, 3, on_latents=collect, latents_every=2)
+    assert seen == [(2, (1, 4, 8, 8), (8, 8)), (4, (1, 4, 8, 8), (8, 8))]
+    assert np.array_equal(np.asarray(plain[0]), np.asarray(watched[0]))
