@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-from app.engine.engine import Engine
 
 from app.console import quiet_third_party
+from app.engine.worker import Engine
 from app.settings import Settings
 from app.ui import views
 from app.ui.serve import load_first_working

@@ -519,24 +519,16 @@ def write_demo_loras(lora_dir: Path, pipe, arch: str) -> list[Path]:
     return paths
 
 
-def adapter_state_digests(pipe, stack=None) -> dict[str, str]:
+def adapter_state_digests(pipe) -> dict[str, str]:
     """sha256 of every UNet and text-encoder tensor (all an adapter may change), by component.key.
 
     Tests compare these before and after a refused or undone adapter: equal digests mean
-    bit-identical weights, whatever the dtype or device. With a `LoraStack`, each layer it patches
-    counts with the weight and bias its forward computes with (on-the-fly layers included).
+    bit-identical weights, whatever the dtype or device.
     """
-    forward = {}
-    for component, path in () if stack is None else stack.patched_modules():
-        weight, bias = stack.forward_weights((component, path))
-        forward[f"{component}.{path}.weight"] = weight
-        if bias is not None:
-            forward[f"{component}.{path}.bias"] = bias
     digests = {}
     for component in ("unet", "text_encoder", "text_encoder_2"):
         module = getattr(pipe, component, None)
         for key, tensor in ({} if module is None else module.state_dict()).items():
-            tensor = forward.get(f"{component}.{key}", tensor)
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
             digests[f"{component}.{key}"] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
     return digests
