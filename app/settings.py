@@ -52,6 +52,7 @@ class Settings:
     # dtype (fp32 rest, bf16 compute) makes every offload mode really move and cast tensors on a
     # CPU-only machine: how CI runs the moving code without a GPU.
     rest_dtype: str | None = None
+    preview_every: int = 4  # steps between live previews of the latents while denoising (0: none)
     # serving
     listen: bool = False
     port: int = 7860

@@ -149,13 +149,14 @@ class ModelLifecycle:
         return found, placement.sync(pipe, plan, reason=when) if found else 0
 
     # ------------------------------------------------------------------ realising a Desired
-    def realise(self, want: Desired, loras: tuple[LoraSpec, ...], *, retry_set_aside: bool = False
-                ) -> tuple[dict[str, MatchReport], dict[str, str]]:
+    def realise(self, want: Desired, loras: tuple[LoraSpec, ...], *, retry_set_aside: bool = False,
+                set_aside_unfit: bool = False) -> tuple[dict[str, MatchReport], dict[str, str]]:
         """Make the loaded model match `want` with `loras` (the wanted list minus disabled ones)
         applied, running only the steps that differ. A (re)load applies them leniently: one that
-        does not fit this model is set aside with its reason. Otherwise LoRAs set aside stay aside,
-        unless `retry_set_aside` (an explicit LoRA list): then every one must fit or the step
-        fails. Returns the match report of each LoRA applied and the LoRAs newly set aside."""
+        does not fit this model is set aside with its reason (so does `set_aside_unfit`, the UI's
+        way: a LoRA that does not fit is shown set aside, never blocks the others). Otherwise LoRAs
+        set aside stay aside, unless `retry_set_aside` (an explicit LoRA list): then every one must
+        fit or the step fails. Returns the match report of each LoRA applied and the LoRAs set aside."""
         if want.model is None:
             self.unload()
             return {}, {}
@@ -166,6 +167,8 @@ class ModelLifecycle:
             return self._apply_fitting(loras)
         if loaded.plan.offload != want.offload:
             self._set_offload(want.offload)
+        if set_aside_unfit:
+            return self._apply_fitting(loras)
         wanted = loras if retry_set_aside else tuple(s for s in loras if s.name not in loaded.set_aside)
         reports = self.apply_loras(wanted) if wanted != loaded.stack.applied else {}
         if retry_set_aside:
@@ -192,18 +195,22 @@ class ModelLifecycle:
         self._progress("patching LoRA layers", done, total)
 
     def _apply_fitting(self, specs: tuple[LoraSpec, ...]) -> tuple[dict[str, MatchReport], dict[str, str]]:
-        """After a load: apply each LoRA that fits, one more at a time; set the others aside."""
+        """Apply every LoRA that fits and set the others aside with the reason: each is first
+        matched against the model (no write), then the fitting ones are applied in one step."""
         loaded = self._loaded
-        fitting: list[LoraSpec] = []
-        reports: dict[str, MatchReport] = {}
+        set_aside: dict[str, str] = {}
+        applied = {s.name for s in loaded.stack.applied}  # fit already (a re-weight checks nothing again)
         for spec in specs:
+            if spec.name in applied:
+                continue
             try:
-                reports = self.apply_loras((*fitting, spec))
-                fitting.append(spec)
+                loaded.stack.prepare(spec.name, self._open_lora(spec.name), upload=False)
             except LoraApplyError as exc:
-                loaded.set_aside[spec.name] = str(exc)
+                set_aside[spec.name] = str(exc)
                 log.warning("LoRA %s set aside for %s: %s", spec.name, loaded.model.info.name, str(exc))
-        return reports, dict(loaded.set_aside)
+        reports = self.apply_loras(tuple(s for s in specs if s.name not in set_aside))
+        loaded.set_aside = set_aside
+        return reports, dict(set_aside)
 
     # ------------------------------------------------------------------ load / swap / unload
     def _load(self, name: str, dtype: torch.dtype, mode: str) -> None:

@@ -46,6 +46,7 @@ class Progress:
     phase: str
     step: int
     total: int
+    preview: tuple | None = None  # live preview pictures (PIL images) of the latents, while denoising
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class Snapshot:
     progress: Progress | None = None
     embeddings: tuple[str, ...] = ()
     compile: compiled.CompileStatus | None = None
+    queued: int = 0  # commands waiting behind the one running
+    generating: bool = False  # a generation is running (Interrupt and Skip apply)
     taken_at: float = 0.0
 
 

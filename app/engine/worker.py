@@ -36,6 +36,8 @@ from app.engine.lifecycle import ModelLifecycle, RollbackFailed
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
 from app.engine.snapshot import ErrorRecord, Progress, Snapshot, Transition, build_snapshot
+from app.infotext import LoraUse
+from app.preview import latent_preview
 from app.settings import DTYPE_CHOICES, Settings
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,10 @@ class EngineState(str, enum.Enum):
     MOVING = "MOVING"
     GENERATING = "GENERATING"
     ERROR = "ERROR"
+
+
+class EngineBusy(RuntimeError):
+    """The command queue is full (`Settings.queue_size`): nothing was queued."""
 
 
 @dataclass
@@ -114,13 +120,16 @@ class Engine:
         self._check_choice("offload", mode, tuple(MODES))
         return self._change("set_offload", mode, EngineState.MOVING, lambda d: d.replace(offload=mode))
 
-    def set_loras(self, specs: Sequence[LoraSpec]) -> Snapshot:
-        """The full wanted list; applied all or nothing (a LoRA that fails leaves the previous list)."""
+    def set_loras(self, specs: Sequence[LoraSpec], *, set_aside_unfit: bool = False) -> Snapshot:
+        """The full wanted list. By default applied all or nothing: a LoRA that does not fit fails the
+        command and leaves the previous list. With `set_aside_unfit` (the UI's way) the list becomes
+        the wanted one and a LoRA that does not fit is set aside, its reason in the snapshot's
+        `lora_states`; the others apply."""
         specs = tuple(specs)
         self.library.validate_specs(specs)
         detail = ", ".join(f"{s.name}:{s.unet_strength:g}/{s.te_strength:g}" for s in specs) or "none"
         return self._change("set_loras", capped(detail), EngineState.PATCHING, lambda d: d.replace(loras=specs),
-                            enable_loras=True, retry_set_aside=True)
+                            enable_loras=True, retry_set_aside=True, set_aside_unfit=set_aside_unfit)
 
     def unload(self) -> Snapshot:
         return self._change("unload", "", EngineState.MOVING, lambda d: d.replace(model=None))
@@ -171,15 +180,19 @@ class Engine:
         return self.settings
 
     def snapshot(self) -> Snapshot:
-        """The last published snapshot with the live state and progress laid over it."""
+        """The last published snapshot with the live state, progress and queue length laid over it."""
         return dataclasses.replace(self._snapshot, state=self._state.value, progress=self._progress,
-                                   compile=self._lifecycle.compile_status())
+                                   compile=self._lifecycle.compile_status(), queued=len(self._queue),
+                                   generating=self._job is not None)
 
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
                record: bool = True) -> Future:
         """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine."""
         future: Future = Future()
         with self._wake:
+            if len(self._queue) >= self.settings.queue_size:
+                raise EngineBusy(f"the engine already has {len(self._queue)} commands waiting; try again when "
+                                 "they are done")
             self._queue.append(_Command(name, detail, state, body, future, record))
             self._wake.notify()
         return future
@@ -216,23 +229,23 @@ class Engine:
         return value if result else self.snapshot()
 
     def _change(self, name: str, detail: str, state: EngineState, change: Callable[[Desired], Desired], *,
-                enable_loras: bool = False, retry_set_aside: bool = False) -> Snapshot:
+                enable_loras: bool = False, **realise_options: bool) -> Snapshot:
         """A mutation: realise the next `Desired` and commit it only if that succeeded."""
         def body() -> None:
             want = change(self._desired)
             if enable_loras:
                 self._counters.enable_all()
-            self._realise(want, want.loras, retry_set_aside=retry_set_aside)
+            self._realise(want, want.loras, **realise_options)
             self._desired = want
         return self._call(name, detail, state, body)
 
-    def _realise(self, want: Desired, loras: tuple[LoraSpec, ...], *, retry_set_aside: bool = False) -> None:
+    def _realise(self, want: Desired, loras: tuple[LoraSpec, ...], **options: bool) -> None:
         """Realise `want` with `loras` (minus disabled ones); counters record what was matched,
         set aside or refused."""
         disabled = self._counters.disabled()
         try:
             reports, set_aside = self._lifecycle.realise(want, tuple(s for s in loras if s.name not in disabled),
-                                                         retry_set_aside=retry_set_aside)
+                                                         **options)
         except LoraApplyError as exc:
             self._counters.apply_failed(exc.lora_name, str(exc))
             self.library.forget(exc.lora_name)  # a refused file leaves nothing resident
@@ -340,8 +353,11 @@ class Engine:
             last_error=self._last_error)
 
     # ------------------------------------------------------------------ command bodies (worker only)
-    def _set_progress(self, phase: str, step: int, total: int) -> None:
-        self._progress = Progress(phase, step, total)
+    def _set_progress(self, phase: str, step: int, total: int, preview=None) -> None:
+        """Publish progress; a step without a new preview keeps showing the last one."""
+        if preview is None and self._progress is not None and self._progress.phase == phase:
+            preview = self._progress.preview
+        self._progress = Progress(phase, step, total, preview)
 
     def _open_lora(self, name: str):
         """Read a LoRA file; a read failure is that LoRA's apply error (counted under its name)."""
@@ -375,7 +391,8 @@ class Engine:
     def _generate_images(self, params: GenerateParams, saved_prompt: str, job: _Job) -> list[GeneratedImage]:
         facts = self._lifecycle.facts()
         seed = generate.resolve_seed(params.seed)
-        applied = tuple((s.name, s.unet_strength, self.library.short_hash(s.name)) for s in facts.loras)
+        applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
+                        for s in facts.loras)
         ctx = RunContext(facts.model, facts.model_hash, applied)
         saved = dataclasses.replace(params, prompt=saved_prompt)
         out = []
@@ -394,13 +411,16 @@ class Engine:
         return out
 
     def _denoise_run(self, params: GenerateParams, seed: int, job: _Job, phase: str) -> tuple[list, int | None]:
-        """One run of the batch; returns its images and the step it was stopped at (None: all ran)."""
-        reached = 0
+        """One run of the batch; returns its images and the step it was stopped at (None: all ran).
+        Every `preview_every` steps the progress carries a cheap preview of the latents."""
+        reached, arch = 0, self._lifecycle.facts().arch
 
-        def on_step(step: int, total: int, _latents) -> bool:
+        def on_step(step: int, total: int, latents) -> bool:
             nonlocal reached
             reached = step
-            self._set_progress(phase, step, total)
+            every = self.settings.preview_every
+            shown = every and step % every == 0 and step < total
+            self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
             return job.stop is not None
 
         self._set_progress(phase, 0, params.steps)
