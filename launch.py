@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weights dtype; auto = bf16 on GPUs that support it, else fp16 on CUDA, fp32 on CPU")
     p.add_argument("--offload", default="none", choices=OFFLOAD_CHOICES, help="offload mode at start")
+    p.add_argument("--weights", default="full", choices=("full", "fp8"),
+                   help="fp8: store the large weights in 8 bits (about half the memory), computed in --dtype; "
+                        "LoRAs then apply as exact bypass forwards")
     p.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
                    help="cap on GPU memory for balanced offload (simulate a smaller GPU)")
     p.add_argument("--vram-watermark", type=float, default=Settings.balanced_watermark, metavar="FRACTION",
@@ -103,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
-        data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype, offload=args.offload,
+        data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype, offload=args.offload, weights=args.weights,
         vram_budget_gib=args.vram_budget, balanced_watermark=args.vram_watermark,
         compile=args.compile, compile_mode=args.compile_mode,
         strict=args.strict,

@@ -52,6 +52,7 @@ class Settings:
     # dtype (fp32 rest, bf16 compute) makes every offload mode really move and cast tensors on a
     # CPU-only machine: how CI runs the moving code without a GPU.
     rest_dtype: str | None = None
+    weights: str = "full"  # "fp8": large weights rest in 8 bits, computed in the compute dtype
     preview_every: int = 4  # steps between live previews of the latents while denoising (0: none)
     # serving
     listen: bool = False
@@ -70,6 +71,8 @@ class Settings:
             raise ValueError(f"compile_mode must be reduce-overhead or default, got {self.compile_mode!r}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}")
+        if self.weights not in ("full", "fp8"):
+            raise ValueError(f"weights must be full or fp8, got {self.weights!r}")
         if self.rest_dtype not in (None, "fp16", "bf16", "fp32"):
             raise ValueError(f"rest_dtype must be fp16, bf16 or fp32, got {self.rest_dtype!r}")
         if not 0 < self.balanced_watermark <= 1:

@@ -23,6 +23,7 @@ class Desired:
     model: str | None = None  # checkpoint name relative to the checkpoint folder
     dtype: str = "auto"  # the request ("auto", "fp16", …), resolved per device by placement
     offload: str = "none"
+    weights: str = "full"  # "full", or "fp8": the large weights rest in 8 bits (app/engine/storage.py)
     loras: tuple[LoraSpec, ...] = ()
 
     def replace(self, **changes) -> Desired:

@@ -26,9 +26,10 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.engine import compiled, embeddings, generate, models, offload, placement
+from app.engine import compiled, embeddings, generate, models, offload, placement, storage
 from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
+from app.families import family
 from app.hooks import HookRegistry
 from app.settings import Settings
 
@@ -52,6 +53,8 @@ class _Loaded:
     stack: LoraStack
     embeddings: tuple[str, ...]
     strategy: offload.OffloadStrategy
+    weights: str = "full"  # "full", or the storage dtype of the large weights ("fp8")
+    stored: storage.Stored = field(default_factory=dict)  # layers whose weight rests in that dtype
     set_aside: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
     compile: compiled.CompileState | None = None
 
@@ -70,6 +73,9 @@ class LoadedFacts:
     lora_mode: str  # "fused", "bypass" or "fused + bypass"
     embeddings: tuple[str, ...]
     set_aside: Mapping[str, str]
+    weights: str  # "full" or the storage dtype of the large weights
+    stored_layers: int  # layers whose weight rests in that dtype
+    bytes_saved: int  # against holding them in the compute dtype
 
 
 def release_memory() -> None:
@@ -118,7 +124,8 @@ class ModelLifecycle:
         return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.model.short_hash,
                            pipe.unet.config.sample_size * pipe.vae_scale_factor, loaded.plan.dtype,
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
-                           dict(loaded.set_aside))
+                           dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
+                           storage.bytes_saved(pipe, loaded.stored, pipe.compute_dtypes))
 
     def rows(self, violations) -> tuple[diagnostics.ModuleRow, ...]:
         loaded = self._loaded
@@ -162,8 +169,8 @@ class ModelLifecycle:
             return {}, {}
         dtype = placement.resolve_dtype(want.dtype, self._device)
         loaded = self._loaded
-        if loaded is None or self._stale(loaded, want.model, dtype):
-            self._load(want.model, dtype, want.offload)
+        if loaded is None or self._stale(loaded, want, dtype):
+            self._load(want, dtype)
             return self._apply_fitting(loras)
         if loaded.plan.offload != want.offload:
             self._set_offload(want.offload)
@@ -175,9 +182,9 @@ class ModelLifecycle:
             loaded.set_aside.clear()
         return reports, {}
 
-    def _stale(self, loaded: _Loaded, name: str, dtype: torch.dtype) -> bool:
-        """Another checkpoint, another dtype, or the same file changed on disk since it was loaded."""
-        if loaded.model.info.name != name or loaded.plan.dtype != dtype:
+    def _stale(self, loaded: _Loaded, want: Desired, dtype: torch.dtype) -> bool:
+        """Another checkpoint, dtype or weight storage, or the same file changed on disk since."""
+        if (loaded.model.info.name, loaded.plan.dtype, loaded.weights) != (want.model, dtype, want.weights):
             return True
         return loaded.signature != _signature(loaded.model.info.path)
 
@@ -213,19 +220,22 @@ class ModelLifecycle:
         return reports, dict(set_aside)
 
     # ------------------------------------------------------------------ load / swap / unload
-    def _load(self, name: str, dtype: torch.dtype, mode: str) -> None:
-        info = models.resolve_checkpoint(name, self._settings.checkpoints_dir)
+    def _load(self, want: Desired, dtype: torch.dtype) -> None:
+        info = models.resolve_checkpoint(want.model, self._settings.checkpoints_dir)
         self._progress(f"loading {info.name}", 0, 3)
         t0 = time.perf_counter()
         fresh = models.load_pipeline(info, dtype)
+        stored = storage.layers_to_store(fresh.pipe, family(fresh.arch), want.weights)
+        storage.store(fresh.pipe, stored)
         self._timers.record("load", time.perf_counter() - t0)
         self._progress(f"placing {info.name}", 1, 3)
-        self._swap_in(fresh, dtype, mode)
+        self._swap_in(fresh, dtype, want.offload, want.weights, stored)
         self._progress("applying LoRAs", 2, 3)
 
-    def _plan(self, pipe, dtype: torch.dtype, mode: str) -> placement.PlacementPlan:
+    def _plan(self, pipe, dtype: torch.dtype, mode: str, stored: storage.Stored) -> placement.PlacementPlan:
         rest = self._settings.rest_dtype
-        return offload.plan_for(pipe, dtype, self._device, mode, None if rest is None else placement.DTYPES[rest])
+        return offload.plan_for(pipe, dtype, self._device, mode, None if rest is None else placement.DTYPES[rest],
+                                stored)
 
     def _place(self, pipe, plan: placement.PlacementPlan, hooks: HookRegistry, reason: str) -> offload.OffloadStrategy:
         """Apply a plan and install its offload strategy; on failure no hook of it stays behind."""
@@ -243,14 +253,15 @@ class ModelLifecycle:
         self._timers.record("move", time.perf_counter() - t0)
         return strategy
 
-    def _swap_in(self, fresh: models.LoadedModel, dtype: torch.dtype, mode: str) -> None:
+    def _swap_in(self, fresh: models.LoadedModel, dtype: torch.dtype, mode: str, weights: str,
+                 stored: storage.Stored) -> None:
         """Place a freshly loaded model and make it current; the old one stays usable until then.
 
         The old pipeline is parked on the CPU (hooks removed) so a large new model can fit on the
         GPU; if placing the new one fails, the old one is put back with its offload mode.
         """
         old = self._loaded
-        plan, hooks = self._plan(fresh.pipe, dtype, mode), HookRegistry()
+        plan, hooks = self._plan(fresh.pipe, dtype, mode, stored), HookRegistry()
         parked = False
         try:
             if old is not None and self._device.type != "cpu":
@@ -260,6 +271,7 @@ class ModelLifecycle:
                 placement.apply_plan(old.model.pipe, cpu_plan, reason="park previous model")
             embedded = embeddings.load_all(fresh.pipe, fresh.arch, self._settings.embeddings_dir)
             strategy = self._place(fresh.pipe, plan, hooks, reason="load")
+            storage.install_dequant(hooks, fresh.pipe, stored, fresh.pipe.compute_dtypes)
         except BaseException:
             del fresh
             if parked:
@@ -271,7 +283,8 @@ class ModelLifecycle:
             old.stack.release()
         fresh.pipe.set_progress_bar_config(disable=True)
         stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan))
-        self._loaded = _Loaded(fresh, _signature(fresh.info.path), plan, hooks, stack, embedded, strategy)
+        self._loaded = _Loaded(fresh, _signature(fresh.info.path), plan, hooks, stack, embedded, strategy, weights,
+                               stored)
         self._sync_compile(self._loaded)
         del old
         release_memory()
@@ -293,7 +306,7 @@ class ModelLifecycle:
         fused weights are written in place, so compiled graphs stay valid without a recompile."""
         compiled.disable(loaded.model.pipe)
         loaded.compile = None
-        if self._settings.compile:
+        if self._settings.compile and not loaded.stored:  # 8-bit weights widen in hooks: eager only
             loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self._device,
                                              mode=self._settings.compile_mode,
                                              cache_dir=self._settings.compile_cache_dir,
@@ -312,7 +325,7 @@ class ModelLifecycle:
     def _set_offload(self, mode: str) -> None:
         """Remove the old mode's hooks completely, apply the new plan, install the new hooks."""
         loaded = self._loaded
-        new_plan = self._plan(loaded.model.pipe, loaded.plan.dtype, mode)
+        new_plan = self._plan(loaded.model.pipe, loaded.plan.dtype, mode, loaded.stored)
         compiled.disable(loaded.model.pipe)
         loaded.strategy.remove()
         strategy = None

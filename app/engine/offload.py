@@ -314,19 +314,20 @@ def make_strategy(pipe, plan: PlacementPlan, hooks: HookRegistry, vram_budget_gi
 
 
 def plan_for(pipe, dtype: torch.dtype, device: torch.device, mode: str,
-             rest_dtype: torch.dtype | None = None) -> PlacementPlan:
+             rest_dtype: torch.dtype | None = None, stored=None) -> PlacementPlan:
     """The placement plan of `pipe` under offload `mode` (see `placement.plan_placement`)."""
     return placement.plan_placement(pipe, dtype, device, mode, moves_weights=MODES[mode].moves_weights,
-                                    rest_dtype=rest_dtype)
+                                    rest_dtype=rest_dtype, stored=stored)
 
 
 def bypass_components(plan: PlacementPlan) -> frozenset[str]:
     """Components whose LoRAs are added as bypass forwards instead of fused into the weights: all
     of them when weights are streamed in per forward (re-fusing the resting copies would cost a
-    round trip per layer per change), and any that rests in another dtype than it computes in
-    (fusing would round the delta into the storage dtype)."""
+    round trip per layer per change), and any that rests in another dtype than it computes in or
+    stores weights in 8 bits (fusing would round the delta into the storage dtype)."""
     streamed = MODES[plan.offload].streams_weights
-    return frozenset(name for name, c in plan.components.items() if streamed or c.rest.dtype != c.compute.dtype)
+    return frozenset(name for name, c in plan.components.items()
+                     if streamed or c.rest.dtype != c.compute.dtype or c.stored)
 
 
 def balanced_budget_bytes(device: torch.device, vram_budget_gib: float | None, watermark: float) -> int:

@@ -21,7 +21,10 @@ import torch
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Storage-only dtypes: weights rest and move in them and are widened to the compute dtype for
+# their forward (a `quant.dequant` hook); a move never widens or narrows them.
+STORAGE_DTYPES = {"fp8": torch.float8_e4m3fn}
+DTYPE_NAMES = {v: k for k, v in {**DTYPES, **STORAGE_DTYPES}.items()}
 
 
 class PlacementError(RuntimeError):
@@ -72,10 +75,12 @@ class Placement:
 
 @dataclass(frozen=True)
 class ComponentPlan:
-    """Where one component's tensors live at rest and while its forward runs."""
+    """Where one component's tensors live at rest and while its forward runs. `stored` names the
+    layers whose weight rests in a storage dtype (fp8) instead, whatever the placement's dtype."""
 
     rest: Placement
     compute: Placement
+    stored: Mapping[str, torch.dtype] = dataclasses.field(default_factory=dict)
 
     @property
     def offloaded(self) -> bool:
@@ -97,9 +102,15 @@ class PlacementPlan:
     resident: frozenset[str] = frozenset()
 
     def expected(self, component: str) -> Placement:
-        """Placement every tensor of `component` must have at rest."""
+        """Placement every tensor of `component` must have at rest (8-bit weights aside)."""
         plan = self.components[component]
         return plan.compute if component in self.resident else plan.rest
+
+    def expected_for(self, component: str, module: str, tensor: str) -> Placement:
+        """Placement one tensor must have at rest: a stored-in-8-bit weight keeps its storage dtype."""
+        want = self.expected(component)
+        stored = self.components[component].stored.get(module) if tensor == "weight" else None
+        return want if stored is None else Placement(want.device, stored)
 
     def with_resident(self, names: frozenset[str]) -> PlacementPlan:
         return dataclasses.replace(self, resident=frozenset(names))
@@ -136,11 +147,22 @@ def iter_tensors(pipe) -> Iterator[tuple[str, str, torch.nn.Module, str, torch.T
                     yield comp_name, path, module, name, buf, False
 
 
+def _target_dtype(tensor: torch.Tensor, want: Placement) -> torch.dtype:
+    """The dtype a move gives `tensor`: integer buffers (position ids, step counters) and weights
+    stored in 8 bits keep theirs by design; other floating tensors take the placement's."""
+    if not tensor.is_floating_point() or tensor.dtype in STORAGE_DTYPES.values():
+        return tensor.dtype
+    return want.dtype
+
+
 def _matches(tensor: torch.Tensor, want: Placement) -> bool:
-    if tensor.device != want.device:
-        return False
-    # Integer buffers (position ids, step counters) keep their own dtype by design.
-    return not tensor.is_floating_point() or tensor.dtype == want.dtype
+    """Whether a move to `want` would leave `tensor` as it is."""
+    return tensor.device == want.device and tensor.dtype == _target_dtype(tensor, want)
+
+
+def _conforms(tensor: torch.Tensor, want: Placement) -> bool:
+    """Whether `tensor` is exactly where one tensor's plan (`expected_for`) puts it."""
+    return tensor.device == want.device and (not tensor.is_floating_point() or tensor.dtype == want.dtype)
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -148,16 +170,18 @@ def _describe(tensor: torch.Tensor) -> str:
 
 
 def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str, *, moves_weights: bool,
-                   rest_dtype: torch.dtype | None = None) -> PlacementPlan:
+                   rest_dtype: torch.dtype | None = None,
+                   stored: Mapping[str, Mapping[str, torch.dtype]] | None = None) -> PlacementPlan:
     """Build the plan for `pipe` at `dtype` on `device` under offload mode `offload` (named for
     diagnostics; `offload.plan_for` fills in what the mode does).
 
     A mode that `moves_weights` rests components on the CPU between forwards, in `rest_dtype`
     (default: the compute dtype). A rest dtype wider than the compute dtype makes every move a
     real cast even on a CPU-only machine: that is how CI runs the moving code (fp32 rest, bf16
-    compute) without a GPU. Policy beyond the plain request: the SDXL VAE is kept in fp32 when its
-    config asks for upcasting (`force_upcast`), because its fp16 decode overflows to NaN; on the
-    CPU nothing runs in fp16 (see `resolve_dtype`).
+    compute) without a GPU. `stored` names, per component, the layers whose weight rests in a
+    storage dtype (fp8) and is widened per forward. Policy beyond the plain request: the SDXL VAE
+    is kept in fp32 when its config asks for upcasting (`force_upcast`), because its fp16 decode
+    overflows to NaN; on the CPU nothing runs in fp16 (see `resolve_dtype`).
     """
     if device.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32
@@ -169,7 +193,7 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
             comp_dtype = torch.float32
         compute = Placement(device, comp_dtype)
         rest = Placement(cpu, rest_dtype or comp_dtype) if moves_weights else compute
-        plans[name] = ComponentPlan(rest=rest, compute=compute)
+        plans[name] = ComponentPlan(rest=rest, compute=compute, stored=dict((stored or {}).get(name, {})))
     return PlacementPlan(device=device, dtype=dtype, offload=offload, components=plans)
 
 
@@ -180,8 +204,8 @@ def verify(pipe, plan: PlacementPlan) -> list[Violation]:
         if comp not in plan.components:
             found.append(Violation(comp, path, name, "component absent from plan", _describe(tensor)))
             continue
-        want = plan.expected(comp)
-        if not _matches(tensor, want):
+        want = plan.expected_for(comp, path, name)
+        if not _conforms(tensor, want):
             found.append(Violation(comp, path, name, str(want), _describe(tensor)))
     return found
 
@@ -190,22 +214,23 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _moved(tensor: torch.Tensor, want: Placement) -> torch.Tensor:
-    """A copy of `tensor` at `want` (integer tensors keep their dtype). Never an inference-mode
-    tensor, so later in-place LoRA writes outside inference mode stay legal."""
-    dtype = want.dtype if tensor.is_floating_point() else tensor.dtype
+def _moved(tensor: torch.Tensor, want: Placement, exact: bool = False) -> torch.Tensor:
+    """A copy of `tensor` at `want` (see `_target_dtype`; `exact` takes `want.dtype` as is, for a
+    repair). Never an inference-mode tensor, so later in-place LoRA writes outside inference mode
+    stay legal."""
+    dtype = want.dtype if exact and tensor.is_floating_point() else _target_dtype(tensor, want)
     with torch.inference_mode(False), torch.no_grad():
         return tensor.to(device=want.device, dtype=dtype)
 
 
-def _move_tensor(module: torch.nn.Module, name: str, is_param: bool, want: Placement) -> None:
+def _move_tensor(module: torch.nn.Module, name: str, is_param: bool, want: Placement, exact: bool = False) -> None:
     """Move one tensor in place of itself: a parameter keeps its identity (only `.data` changes),
     a buffer is re-registered under the same name."""
     if is_param:
         param = module._parameters[name]
-        param.data = _moved(param.data, want)
+        param.data = _moved(param.data, want, exact)
     else:
-        module._buffers[name] = _moved(module._buffers[name], want)
+        module._buffers[name] = _moved(module._buffers[name], want, exact)
 
 
 def component_bytes(component: torch.nn.Module) -> int:
@@ -262,10 +287,10 @@ def sync(pipe, plan: PlacementPlan, *, reason: str = "sync") -> int:
             raise PlacementError(f"{v.component} has no placement plan; cannot repair {v}")
         module = components[v.component].get_submodule(v.module) if v.module else components[v.component]
         is_param = v.tensor in module._parameters
-        want = plan.expected(v.component)
+        want = plan.expected_for(v.component, v.module, v.tensor)
         started = time.perf_counter()
         size = _bytes([module._parameters[v.tensor] if is_param else module._buffers[v.tensor]])
-        _move_tensor(module, v.tensor, is_param, want)
+        _move_tensor(module, v.tensor, is_param, want, exact=True)
         repaired += 1
         log.debug("move %s: %s -> %s, %d bytes in %.2f ms (%s)", f"{v.component}.{v.module}.{v.tensor}",
                   v.actual, want, size, (time.perf_counter() - started) * 1e3, reason)

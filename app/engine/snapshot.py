@@ -73,6 +73,9 @@ class Snapshot:
     dtype: str | None = None
     requested_dtype: str = "auto"
     offload: str = "none"
+    weights: str = "full"  # as asked; "fp8": the large weights rest in 8 bits
+    stored_layers: int = 0  # layers whose weight rests in 8 bits
+    bytes_saved: int = 0  # by them, against the compute dtype
     loras: tuple[LoraSpec, ...] = ()  # applied to the model now
     lora_states: tuple[LoraState, ...] = ()  # every wanted LoRA: applied, set aside or disabled, and why
     lora_mode: str = "fused"  # "fused", "bypass" or "fused + bypass"
@@ -115,6 +118,7 @@ def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFa
                    found_total: int, repaired_total: int, counters: MappingProxyType, timers: dict,
                    history: tuple[Transition, ...], last_error: ErrorRecord | None) -> Snapshot:
     common = dict(state=state, device=device, requested_dtype=desired.dtype, offload=desired.offload,
+                  weights=desired.weights,
                   violations=violations, violations_found_total=found_total, violations_repaired_total=repaired_total,
                   lora_counters=counters, timers=MappingProxyType(timers), history=history, last_error=last_error,
                   lora_states=lora_states(desired.loras, facts, counters), taken_at=time.time())
@@ -122,4 +126,5 @@ def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFa
         return Snapshot(**common)
     return Snapshot(model=facts.model, arch=facts.arch, model_hash=facts.model_hash, native_size=facts.native_size,
                     dtype=placement.dtype_name(facts.dtype), loras=facts.loras, placement=rows,
-                    lora_mode=facts.lora_mode, embeddings=facts.embeddings, **common)
+                    lora_mode=facts.lora_mode, embeddings=facts.embeddings, stored_layers=facts.stored_layers,
+                    bytes_saved=facts.bytes_saved, **common)

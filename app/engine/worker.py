@@ -36,6 +36,7 @@ from app.engine.lifecycle import ModelLifecycle, RollbackFailed
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
 from app.engine.snapshot import ErrorRecord, Progress, Snapshot, Transition, build_snapshot
+from app.engine.storage import WEIGHTS_CHOICES
 from app.infotext import LoraUse
 from app.preview import latent_preview
 from app.settings import DTYPE_CHOICES, Settings
@@ -85,7 +86,7 @@ class Engine:
         self._queue: collections.deque[_Command | None] = collections.deque()
         self._wake = threading.Condition()
         self._state = EngineState.EMPTY
-        self._desired = Desired(dtype=settings.dtype, offload=settings.offload)
+        self._desired = Desired(dtype=settings.dtype, offload=settings.offload, weights=settings.weights)
         self._counters = LoraCounterBook(self.library.exists, settings.max_lora_errors)
         self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
         self._timers = diagnostics.Timers()
@@ -115,6 +116,11 @@ class Engine:
         """Reload in the new dtype (casting back and forth would lose bits)."""
         self._check_choice("dtype", dtype, DTYPE_CHOICES)
         return self._change("set_dtype", dtype, EngineState.LOADING, lambda d: d.replace(dtype=dtype))
+
+    def set_weights(self, weights: str) -> Snapshot:
+        """Reload with the large weights stored in `weights` ("fp8") or all in the compute dtype ("full")."""
+        self._check_choice("weights", weights, WEIGHTS_CHOICES)
+        return self._change("set_weights", weights, EngineState.LOADING, lambda d: d.replace(weights=weights))
 
     def set_offload(self, mode: str) -> Snapshot:
         self._check_choice("offload", mode, tuple(MODES))

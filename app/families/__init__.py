@@ -49,6 +49,9 @@ class Family:
     checkpoint_markers: tuple[str, ...]  # keys a single file must hold to be this family
     config_dir: Path  # bundled offline configs (model_index.json, component configs, scheduler)
     pipeline_kwargs: Mapping[str, object] = field(default_factory=dict)  # passed when a pipeline is built
+    # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
+    # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
+    high_precision: tuple[str, ...] = ()
     default_sampler: str = "Euler a"
     size_multiple: int = 8  # width and height are rounded to this (the VAE's downscale factor)
 

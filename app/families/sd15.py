@@ -21,6 +21,7 @@ SD15 = Family(
     text_encoders=(_CLIP,),
     checkpoint_markers=(UNET_PREFIX + "input_blocks.0.0.weight",
                         _CLIP.single_file_prefix + "embeddings.token_embedding.weight"),
+    high_precision=("conv_in", "conv_out", "time_embedding"),
     config_dir=ASSETS_DIR / "configs" / "sd15",
     # The safety checker is never loaded (nothing to download, nothing to run).
     pipeline_kwargs=MappingProxyType({"safety_checker": None, "feature_extractor": None,

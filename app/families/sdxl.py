@@ -23,5 +23,6 @@ SDXL = Family(
     checkpoint_markers=(UNET_PREFIX + "label_emb.0.0.weight",
                         _CLIP_L.single_file_prefix + "embeddings.token_embedding.weight",
                         _CLIP_G.single_file_prefix + "token_embedding.weight"),
+    high_precision=("conv_in", "conv_out", "time_embedding", "add_embedding", "text_projection"),
     config_dir=ASSETS_DIR / "configs" / "sdxl",
 )

@@ -1,0 +1,156 @@
+"""8-bit weight storage: fp8 at rest, the compute dtype in every forward, LoRAs as exact bypasses.
+
+What it protects (issue: peers re-quantise fused LoRAs into fp8 and lose the delta, or hit dtype
+errors): a model stored in fp8 draws exactly what the same fp8 weights widened by hand draw, in
+every offload mode; the stored bytes never change (generation, LoRA add, re-weight, removal);
+with a LoRA each patched layer outputs what the widened weight plus ΔW does, within bf16
+rounding, for every algorithm; verify checks the (storage, compute) pair of every tensor, and a
+weight found widened at rest is a violation that the next transition repairs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from tiny import CHECKPOINTS, FAST
+
+from app.adapters.specs import LoraSpec
+from app.adapters.synthetic import ALGORITHMS, write_adapter
+from app.demo import build_tiny_pipeline
+from app.engine import placement, storage
+from app.engine.generate import GenerateParams
+from app.engine.worker import Engine
+from app.families import family
+from app.settings import OFFLOAD_CHOICES, Settings
+
+FP8 = placement.STORAGE_DTYPES["fp8"]
+PARAMS = GenerateParams("a cat", seed=21, **FAST)
+
+
+@pytest.fixture(scope="module")
+def engines(demo_dir, tmp_path_factory):
+    """(engine storing fp8, engine with every weight in bf16), both computing in bf16 on the CPU."""
+    import shutil
+
+    data = tmp_path_factory.mktemp("fp8")
+    shutil.copytree(demo_dir / "models", data / "models")
+    fp8 = Engine(Settings(data_dir=data, device="cpu", dtype="bf16", weights="fp8"))
+    full = Engine(Settings(data_dir=data, device="cpu", dtype="bf16"))
+    yield fp8, full
+    fp8.close()
+    full.close()
+
+
+def _stored_digest(engine) -> str:
+    """sha256 of every weight stored in 8 bits, in a stable order."""
+    h = hashlib.sha256()
+    for c, p, _m, n, t, _is_param in placement.iter_tensors(engine.pipeline):
+        if t.dtype == FP8:
+            h.update(f"{c}.{p}.{n}".encode())
+            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _widen_by_hand(engine, arch: str) -> None:
+    """What fp8 storage means, done by hand on a full-precision engine: each stored weight cast to
+    fp8 and back (outside the engine's knowledge: only the values change, not the dtypes)."""
+    for component, paths in storage.layers_to_store(engine.pipeline, family(arch), "fp8").items():
+        root = getattr(engine.pipeline, component)
+        for path in paths:
+            weight = root.get_submodule(path).weight
+            weight.data.copy_(weight.data.to(FP8).to(weight.dtype))
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+def test_fp8_storage_draws_what_the_widened_weights_draw_in_every_offload_mode(engines, arch):
+    fp8, full = engines
+    full.load_model(CHECKPOINTS[arch])
+    _widen_by_hand(full, arch)
+    reference = np.asarray(full.generate(PARAMS)[0].image)
+    full.unload()
+    snap = fp8.load_model(CHECKPOINTS[arch])
+    stored = _stored_digest(fp8)
+    layers = storage.layers_to_store(fp8.pipeline, family(arch), "fp8")
+    assert snap.stored_layers == sum(map(len, layers.values())) > 0
+    assert snap.bytes_saved == sum(getattr(fp8.pipeline, c).get_submodule(p).weight.numel()
+                                   for c, paths in layers.items() for p in paths)  # 2 bytes -> 1
+    for mode in OFFLOAD_CHOICES:
+        fp8.set_offload(mode)
+        image = np.asarray(fp8.generate(PARAMS)[0].image)
+        assert np.array_equal(image, reference), mode
+        assert _stored_digest(fp8) == stored, f"{mode}: stored fp8 bytes changed"
+        assert fp8.snapshot().violations_found_total == 0
+    fp8.set_offload("none")
+
+
+@pytest.mark.parametrize("algo", sorted(ALGORITHMS))
+def test_a_lora_on_fp8_layers_is_the_widened_weight_plus_its_delta(engines, tmp_path, algo):
+    """Every algorithm: the bypassed fp8 layer equals a bf16 copy of the widened weight with the
+    LoRA fused (fp32 math, rounded once), within bf16 rounding; the stored bytes never change and
+    removing the LoRA leaves them identical."""
+    fp8, full = engines
+    fp8.load_model(CHECKPOINTS["sd15"])
+    stored = _stored_digest(fp8)
+    pipe = build_tiny_pipeline("sd15")
+    layout = "kohya" if algo in ("lora", "dora") else "lycoris"
+    name = f"fp8-{algo}"
+    write_adapter(fp8.library.root / f"{name}.safetensors", pipe, "sd15", algo, layout, seed=5, alpha=2.0)
+    snap = fp8.set_loras([LoraSpec(name, 0.8)])
+    assert snap.lora_mode == "bypass" and fp8.lora_stack._backups == {}
+    assert _stored_digest(fp8) == stored
+    full.load_model(CHECKPOINTS["sd15"])  # the reference: the widened weights with the LoRA fused
+    _widen_by_hand(full, "sd15")
+    assert full.set_loras([LoraSpec(name, 0.8)]).lora_mode == "fused"
+    for component, path in fp8.lora_stack.bypassed():
+        mine = getattr(fp8.pipeline, component).get_submodule(path)
+        want = getattr(full.pipeline, component).get_submodule(path)
+        x = _input_for(want)
+        with torch.no_grad():
+            got, expected = mine(x).float(), want(x).float()
+        assert float((got - expected).abs().max()) <= 4e-2 * float(expected.abs().max()), (component, path)
+    full.set_loras([])  # the wanted list outlives an unload: the next load must start without it
+    full.unload()
+    fp8.set_loras([])
+    assert _stored_digest(fp8) == stored and fp8.lora_stack.bypassed() == {}
+
+
+def _input_for(module: torch.nn.Module) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    if isinstance(module, torch.nn.Conv2d):
+        shape = (1, module.in_channels, 8, 8)
+    elif isinstance(module, torch.nn.GroupNorm):
+        shape = (1, module.num_channels, 4, 4)
+    elif isinstance(module, torch.nn.LayerNorm):
+        shape = (2, *module.normalized_shape)
+    else:
+        shape = (2, module.weight.shape[1])
+    return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+
+def test_a_weight_found_widened_at_rest_is_a_violation_and_is_repaired(engines):
+    fp8, _full = engines
+    fp8.load_model(CHECKPOINTS["sd15"])
+    stored = _stored_digest(fp8)
+    layer = fp8.pipeline.unet.down_blocks[0].resnets[0].conv1
+    assert layer.weight.dtype == FP8
+    layer.weight.data = layer.weight.data.to(torch.bfloat16)  # what a careless LoRA write-back would do
+    snap = fp8.set_offload("none")
+    row = snap.history[-1]
+    assert (row.violations_found, row.violations_repaired) == (1, 1)
+    assert "fp8" in str(snap.violations[0]) and layer.weight.dtype == FP8
+    assert _stored_digest(fp8) == stored  # fp8 -> bf16 -> fp8 is exact
+
+
+def test_switching_weight_storage_reloads_and_keeps_the_loras(engines):
+    fp8, _full = engines
+    fp8.load_model(CHECKPOINTS["sd15"])
+    fp8.set_loras([LoraSpec("demo-style-sd15", 0.7)])
+    snap = fp8.set_weights("full")
+    assert (snap.weights, snap.stored_layers, snap.lora_mode) == ("full", 0, "fused")
+    assert [s.name for s in snap.loras] == ["demo-style-sd15"]
+    snap = fp8.set_weights("fp8")
+    assert snap.stored_layers > 0 and snap.lora_mode == "bypass"
+    fp8.set_loras([])
