@@ -54,9 +54,10 @@ from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, write_adapter
 from app.demo import build_tiny_pipeline
 from app.diagnostics import set_debug_logging
-from app.engine import offload, placement
+from app.engine import offload, placement, storage
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine, EngineState
+from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
 
 ARCHS = ("sd15", "sdxl")
@@ -81,7 +82,8 @@ MAX_LORAS = 4  # appends beyond this remove one instead, so lists stay varied ra
 # CPU, so they are rarer; every action still occurs dozens of times across the budget.
 ACTION_WEIGHTS = {
     "set_loras": 5, "append_lora": 6, "remove_lora": 4, "reweight_lora": 6, "set_offload": 5,
-    "set_debug": 3, "generate": 3, "set_dtype": 1, "load_model": 1, "unload": 1, "refused_set_loras": 1,
+    "set_debug": 3, "generate": 3, "set_dtype": 1, "set_weights": 1, "load_model": 1, "unload": 1,
+    "refused_set_loras": 1,
 }
 WEIGHTED_ACTIONS = tuple(a for a, n in ACTION_WEIGHTS.items() for _ in range(n))
 
@@ -154,10 +156,10 @@ class References:
         self._probes: dict[tuple, dict[tuple[str, str], torch.Tensor]] = {}
         self.fuses = 0
 
-    def engine(self, model: str, dtype: str) -> Engine:
-        key = (model, dtype)
+    def engine(self, model: str, dtype: str, weights: str = "full") -> Engine:
+        key = (model, dtype, weights)
         if key not in self._engines:
-            eng = Engine(Settings(data_dir=self.data_dir, device=self.device))
+            eng = Engine(Settings(data_dir=self.data_dir, device=self.device, weights=weights))
             eng.load_model(model, dtype=dtype)
             self._engines[key] = eng
             self._pristine[key] = {}
@@ -165,26 +167,28 @@ class References:
                                      for c, p, _m, n, t, _ in placement.iter_tensors(eng.pipeline)]
         return self._engines[key]
 
-    def checkpoint(self, model: str, dtype: str) -> list:
+    def checkpoint(self, model: str, dtype: str, weights: str = "full") -> list:
         """[(component, module, tensor name), dtype, shape, bits] of a fresh load, in iteration order."""
-        self.engine(model, dtype)
-        return self._checkpoint[(model, dtype)]
+        self.engine(model, dtype, weights)
+        return self._checkpoint[(model, dtype, weights)]
 
-    def fused_digests(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...]):
-        """{(component, module): digest of weight+bias} of a fresh fuse of `specs`."""
-        key = (model, dtype, specs)
+    def fused_digests(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...], weights: str = "full"):
+        """{(component, module): digest of weight+bias} of a fresh fuse of `specs` (with fp8 weights, a
+        fresh bypass: fusing into 8-bit weights is never done; the digests are then the checkpoint's)."""
+        key = (model, dtype, specs, weights)
         if key in self._fused:
             return self._fused[key]
-        eng = self.engine(model, dtype)
-        pipe, pristine = eng.pipeline, self._pristine[(model, dtype)]
-        stack = LoraStack(pipe, arch, eng.device)  # fusion math on the compute device, as the engine does
+        eng = self.engine(model, dtype, weights)
+        pipe, pristine = eng.pipeline, self._pristine[(model, dtype, weights)]
+        # fusion math on the compute device, as the engine does
+        stack = LoraStack(pipe, arch, eng.device, bypass=offload.bypass_components(eng.placement_plan))
         files = {s.name: eng.library.open(s.name) for s in specs}
         for spec in specs:
             for target in stack.prepare(spec.name, files[spec.name]).layers:
                 pristine.setdefault(target, _module_digest(_module(pipe, target)))
         stack.reconcile(specs, files)
         digests = {t: _module_digest(_module(pipe, t)) for t in stack.patched_modules()}
-        self._probes[key] = {t: probe(_module(pipe, t)) for t in digests}
+        self._probes[key] = {t: probe(_module(pipe, t), pipe.compute_dtypes[t[0]]) for t in digests}
         stack.reconcile((), {})
         assert all(_module_digest(_module(pipe, t)) == pristine[t] for t in digests), \
             "reference LoraStack did not restore exactly"
@@ -192,17 +196,17 @@ class References:
         self._fused[key] = digests
         return digests
 
-    def probes(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...]):
+    def probes(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...], weights: str = "full"):
         """{(component, module): output of the freshly fused layer on its probe input}."""
-        self.fused_digests(model, dtype, arch, specs)
-        return self._probes[(model, dtype, specs)]
+        self.fused_digests(model, dtype, arch, specs, weights)
+        return self._probes[(model, dtype, specs, weights)]
 
     def close(self) -> None:
         for eng in self._engines.values():
             eng.close()
 
 
-def probe(module: torch.nn.Module) -> torch.Tensor:
+def probe(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The layer's output on a fixed input of its width (what a bypass must reproduce)."""
     g = torch.Generator().manual_seed(11)
     weight = module.weight
@@ -215,21 +219,21 @@ def probe(module: torch.nn.Module) -> torch.Tensor:
     else:
         shape = (2, weight.shape[1])
     with torch.no_grad():
-        return module(torch.randn(shape, generator=g).to(weight.device, weight.dtype)).float().cpu()
+        return module(torch.randn(shape, generator=g).to(weight.device, dtype)).float().cpu()
 
 
 def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arch: str,
-                   specs: tuple[LoraSpec, ...]) -> None:
+                   specs: tuple[LoraSpec, ...], weights: str) -> None:
     """Every tensor of the engine's pipeline equals the checkpoint's bit for bit, except the
     weight and bias of modules a fresh fuse of `specs` patches, which equal that fuse bit for bit
     (fusion runs on the compute device in every offload mode, so on a GPU too the bits cannot
     depend on where a weight rested when it was fused). Under a streamed offload mode LoRAs are
     bypass forwards: then every stored tensor is the checkpoint's, the bypassed layers are the
     fresh fuse's, and their outputs on a probe input equal the fresh fuse's within rounding."""
-    fused = refs.fused_digests(model, dtype, arch, specs) if specs else {}
+    fused = refs.fused_digests(model, dtype, arch, specs, weights) if specs else {}
     stack = engine.lora_stack
     bypass = bool(stack.bypass_components)
-    checkpoint = refs.checkpoint(model, dtype)
+    checkpoint = refs.checkpoint(model, dtype, weights)
     mine = [((c, p, n), t) for c, p, _m, n, t, _ in placement.iter_tensors(engine.pipeline)]
     assert [(k, t.dtype, t.shape) for k, t in mine] == [(k, d, s) for k, d, s, _ in checkpoint], \
         "pipeline structure differs from a fresh load"
@@ -244,8 +248,8 @@ def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arc
         return
     assert set(stack.bypassed()) == set(fused), "bypassed layers differ from a fresh fuse's patched layers"
     tolerance = {torch.float32: 2e-5}.get(placement.DTYPES[dtype], 4e-2)
-    for target, want in (refs.probes(model, dtype, arch, specs) if specs else {}).items():
-        got = probe(_module(engine.pipeline, target))
+    for target, want in (refs.probes(model, dtype, arch, specs, weights) if specs else {}).items():
+        got = probe(_module(engine.pipeline, target), engine.pipeline.compute_dtypes[target[0]])
         assert float((got - want).abs().max()) <= tolerance * float(want.abs().max()), f"{target}: bypass != fuse"
 
 
@@ -290,6 +294,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.arch = "sd15"  # the architecture LoRA choices are made for (kept across unload)
         self.requested = "auto"
         self.offload = "none"
+        self.weights = "full"
         self.desired: tuple[LoraSpec, ...] = ()
         # What must be fused: desired (plus the last generation's prompt tags), minus what cannot fit.
         self.applied: tuple[LoraSpec, ...] = ()
@@ -398,6 +403,13 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.set_offload(mode)
         self.offload = mode
 
+    def _do_set_weights(self, data) -> None:
+        weights = data.draw(st.sampled_from(("full", "fp8")), label="weights")
+        self._count("set_weights")
+        self.engine.set_weights(weights)
+        self.weights = weights
+        self.applied = self._fitting(self.desired, self.arch) if self.model else ()
+
     def _do_set_dtype(self, data) -> None:
         dtype = data.draw(st.sampled_from(self.config.dtypes), label="dtype")
         self._count("set_dtype")
@@ -451,6 +463,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert (row.command, row.outcome) == (self.last_command, want), row
         assert snap.violations == () and snap.violations_found_total == 0, snap.violations
         assert snap.requested_dtype == self.requested and snap.offload == self.offload
+        assert snap.weights == self.weights
         assert {k: getattr(self.engine.settings, k) for k in self.debug} == self.debug
         if self.model is None:
             assert snap.state == EngineState.EMPTY.value and snap.model is None and self.engine.pipeline is None
@@ -468,8 +481,9 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             return
         snap = self.engine.snapshot()
+        stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
         plan = offload.plan_for(self.engine.pipeline, placement.DTYPES[snap.dtype], self.engine.device,
-                                        snap.offload)
+                                snap.offload, stored=stored)
         # Which components an offload strategy keeps on the GPU between commands is its own call
         # (balanced mode); everything else about the plan is recomputed here from the snapshot.
         resident = self.engine.placement_plan.resident
@@ -481,11 +495,11 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             return
         dtype = placement.dtype_name(placement.resolve_dtype(self.requested, self.engine.device))
-        assert_weights(self.engine, self.config.refs, self.model, dtype, self.arch, self.applied)
+        assert_weights(self.engine, self.config.refs, self.model, dtype, self.arch, self.applied, self.weights)
         stack = self.engine.lora_stack
-        streamed = offload.MODES[self.offload].streams_weights
-        assert bool(stack.bypass_components) == streamed, (stack.bypass_components, self.offload)
-        if not self.applied or streamed:
+        bypass = offload.MODES[self.offload].streams_weights or self.weights != "full"
+        assert bool(stack.bypass_components) == bypass, (stack.bypass_components, self.offload, self.weights)
+        if not self.applied or bypass:
             assert stack._backups == {}, "backups kept after every LoRA was removed or while bypassed"
         if not self.applied:
             assert stack.bypassed() == {}, "bypass hooks kept after every LoRA was removed"
@@ -495,9 +509,12 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             return
         snap = self.engine.snapshot()
-        fused = self.config.refs.fused_digests(self.model, snap.dtype, self.arch, self.applied) if self.applied else {}
-        bypassed = set(fused) if offload.MODES[self.offload].streams_weights else set()
-        assert actual_hooks(snap) == expected_hooks(self.engine.pipeline, self.offload, bypassed)
+        refs, specs = self.config.refs, self.applied
+        fused = refs.fused_digests(self.model, snap.dtype, self.arch, specs, self.weights) if specs else {}
+        bypass = offload.MODES[self.offload].streams_weights or self.weights != "full"
+        stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
+        assert actual_hooks(snap) == expected_hooks(self.engine.pipeline, self.offload, set(fused) if bypass else set(),
+                                                    {(c, p) for c, paths in stored.items() for p in paths})
 
 
 def run_fuzz(config: FuzzConfig, examples: int, steps: int) -> None:
@@ -533,7 +550,8 @@ def test_fuzz_engine_api_cpu(fuzz_data, record_property):
     record_property("fuzz_stats", dict(config.stats))
     print(f"fuzz cpu: {dict(config.stats)}, reference fuses {refs.fuses}")
     assert config.stats["transitions"] >= CPU_MIN_TRANSITIONS, dict(config.stats)
-    for action in ("set_loras", "set_offload", "set_dtype", "load_model", "unload", "generate", "set_debug", "refused"):
+    for action in ("set_loras", "set_offload", "set_dtype", "set_weights", "load_model", "unload", "generate",
+                   "set_debug", "refused"):
         assert config.stats[action] >= 20, (action, dict(config.stats))
     assert config.stats["set_aside"] >= 5, dict(config.stats)  # loads that set foreign LoRAs aside
 
