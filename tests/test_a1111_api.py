@@ -111,6 +111,15 @@ def test_options_report_the_checkpoint_and_our_engine_settings(api, app):
     assert requests.post(f"{app[0]}/sdapi/v1/options", json=options).status_code == 200  # Open WebUI posts it back
 
 
+@pytest.mark.gpu
+def test_memory_reports_a1111s_cuda_counters_on_a_gpu():
+    from app.a1111.listings import memory
+
+    cuda = memory("cuda")["cuda"]
+    assert set(cuda) == {"system", "active", "allocated", "reserved", "inactive", "events"}
+    assert cuda["system"]["total"] > cuda["system"]["free"] > 0 and set(cuda["events"]) == {"retries", "oom"}
+
+
 # ------------------------------------------------------------------------------ txt2img and png-info
 def test_txt2img_with_a_lora_tag_applies_it_for_that_request_only(api, app):
     plain = api.txt2img(prompt="a fox", seed=11, **SMALL)

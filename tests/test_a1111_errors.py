@@ -148,6 +148,15 @@ def test_the_api_is_off_only_where_others_could_reach_it_without_a_login(tmp_pat
     assert ("is off" in line) is not served
 
 
+def test_launch_flags_for_the_api():
+    from launch import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["--api", "--api-auth", "bot:pw1,cli:pw2", "--api-auth", "ci:pw3"])
+    settings = settings_from_args(args)
+    assert settings.api and settings.api_auth == (("bot", "pw1"), ("cli", "pw2"), ("ci", "pw3"))
+    assert "pw1" not in str(settings.public_dict()) and settings.public_dict()["api_auth_users"] == 3
+
+
 def test_a_backlog_of_api_requests_is_refused_not_queued(tmp_path):
     state = ApiState(UiContext(engine=None, settings=Settings(data_dir=tmp_path)), max_waiting=0)
     with pytest.raises(ApiError) as caught:

@@ -66,7 +66,7 @@ def _generation(router: APIRouter, state: ApiState) -> None:
 
 def _model_control(router: APIRouter, state: ApiState) -> None:
     @router.get("/options")
-    async def get_options() -> dict:
+    def get_options() -> dict:  # not async: with no model loaded it lists the checkpoint folder
         return options.current(state)
 
     @router.post("/options")
