@@ -60,6 +60,8 @@ class Settings:
     share: bool = False
     auth: tuple[tuple[str, str], ...] = ()
     no_auth: bool = False
+    api: bool = False  # serve the A1111 API even when the app is reachable without a login
+    api_auth: tuple[tuple[str, str], ...] = ()  # logins for the A1111 API only (else the UI's)
     queue_size: int = 64  # requests waiting in the app's queue, all sessions together
     session_queue_size: int = 8  # requests one browser tab or client may have pending
     max_upload_mib: int = 16
@@ -115,7 +117,8 @@ class Settings:
 
     def public_dict(self) -> dict:
         """Settings safe to publish in a bug report: credentials are reduced to a count."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "auth"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("auth", "api_auth")}
         out["data_dir"] = str(self.data_dir)
         out["auth_users"] = len(self.auth)
+        out["api_auth_users"] = len(self.api_auth)
         return out
