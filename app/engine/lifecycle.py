@@ -26,7 +26,7 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.engine import compiled, embeddings, generate, models, offload, placement
+from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement
 from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
 from app.hooks import HookRegistry
@@ -116,7 +116,7 @@ class ModelLifecycle:
         patched = {component for component, _ in loaded.stack.patched_modules()}
         modes = sorted({"bypass" if c in bypass else "fused" for c in patched}) or ["fused"]
         return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.model.short_hash,
-                           pipe.unet.config.sample_size * pipe.vae_scale_factor, loaded.plan.dtype,
+                           pipe.family.native_size(pipe), loaded.plan.dtype,
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
                            dict(loaded.set_aside))
 
@@ -179,6 +179,8 @@ class ModelLifecycle:
         """Another checkpoint, another dtype, or the same file changed on disk since it was loaded."""
         if loaded.model.info.name != name or loaded.plan.dtype != dtype:
             return True
+        if loaded.model.parts != part_choices.part_files(self._settings, name):
+            return True  # other text-encoder/VAE files chosen for it
         return loaded.signature != _signature(loaded.model.info.path)
 
     def apply_loras(self, specs: tuple[LoraSpec, ...]) -> dict[str, MatchReport]:
@@ -217,7 +219,7 @@ class ModelLifecycle:
         info = models.resolve_checkpoint(name, self._settings.checkpoints_dir)
         self._progress(f"loading {info.name}", 0, 3)
         t0 = time.perf_counter()
-        fresh = models.load_pipeline(info, dtype)
+        fresh = models.load_pipeline(info, dtype, part_choices.part_files(self._settings, info.name))
         self._timers.record("load", time.perf_counter() - t0)
         self._progress(f"placing {info.name}", 1, 3)
         self._swap_in(fresh, dtype, mode)
