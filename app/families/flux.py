@@ -55,11 +55,15 @@ _PARTS = (
     ComponentFile("vae", "VAE (ae.safetensors)", AutoencoderKL, ("vae.", "first_stage_model.", ""),
                   "decoder.conv_in.weight", vae_layout, folder="vae_dir"),
 )
+# Flow-match Euler with each sigma schedule diffusers offers for Flux (the pipeline passes its own
+# sigmas and time shift, which only this scheduler family takes). Every entry states all three
+# switches: a sampler is built from the previous one's config, which would carry its switch over.
+_PLAIN = {"use_karras_sigmas": False, "use_exponential_sigmas": False, "use_beta_sigmas": False}
 SAMPLERS = MappingProxyType({
-    "Euler": (FlowMatchEulerDiscreteScheduler, {}),
-    "Euler Karras": (FlowMatchEulerDiscreteScheduler, {"use_karras_sigmas": True}),
-    "Euler exponential": (FlowMatchEulerDiscreteScheduler, {"use_exponential_sigmas": True}),
-    "Euler beta": (FlowMatchEulerDiscreteScheduler, {"use_beta_sigmas": True}),
+    "Euler": (FlowMatchEulerDiscreteScheduler, _PLAIN),
+    "Euler Karras": (FlowMatchEulerDiscreteScheduler, {**_PLAIN, "use_karras_sigmas": True}),
+    "Euler exponential": (FlowMatchEulerDiscreteScheduler, {**_PLAIN, "use_exponential_sigmas": True}),
+    "Euler beta": (FlowMatchEulerDiscreteScheduler, {**_PLAIN, "use_beta_sigmas": True}),
 })
 
 
