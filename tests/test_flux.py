@@ -44,7 +44,8 @@ def split_all_in_one(all_in_one: Path, data: Path, t5_dtype: torch.dtype = torch
     pieces = {
         settings.checkpoints_dir / "flux1-tiny.safetensors": ("model.diffusion_model.", "transformer", None),
         settings.text_encoder_dir / "clip_l.safetensors": ("text_encoders.clip_l.transformer.", "text_encoder", None),
-        settings.text_encoder_dir / "t5xxl.safetensors": ("text_encoders.t5xxl.transformer.", "text_encoder_2", t5_dtype),
+        settings.text_encoder_dir / "t5xxl.safetensors": ("text_encoders.t5xxl.transformer.", "text_encoder_2",
+                                                          t5_dtype),
         settings.vae_dir / "ae.safetensors": ("vae.", "vae", None),
     }
     for path, (prefix, component, dtype) in pieces.items():
@@ -145,7 +146,8 @@ def test_bundled_configs_describe_the_published_models():
     with torch.device("meta"):
         for name in (DEV, SCHNELL):
             folder = family(name).config_dir
-            counts[name] = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(folder / "transformer"))
+            config = FluxTransformer2DModel.load_config(folder / "transformer")
+            counts[name] = FluxTransformer2DModel.from_config(config)
         folder = family(DEV).config_dir
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(folder / "vae"))
         clip = CLIPTextModel(CLIPTextConfig.from_pretrained(folder / "text_encoder"))
