@@ -104,6 +104,21 @@ class Settings:
         return self.data_dir / "embeddings"
 
     @property
+    def text_encoder_dir(self) -> Path:
+        """Separate text-encoder files (Flux: `clip_l.safetensors`, `t5xxl_fp16.safetensors`), Forge's folder."""
+        return self.data_dir / "models" / "text_encoder"
+
+    @property
+    def vae_dir(self) -> Path:
+        """Separate VAE files (Flux: `ae.safetensors`), A1111's and Forge's folder."""
+        return self.data_dir / "models" / "VAE"
+
+    @property
+    def part_choices_file(self) -> Path:
+        """Which text-encoder/VAE file each checkpoint uses, remembered per checkpoint."""
+        return self.data_dir / "part-choices.json"
+
+    @property
     def outputs_dir(self) -> Path:
         return self.data_dir / "outputs"
 

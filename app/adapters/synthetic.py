@@ -70,6 +70,20 @@ DEFAULT_TARGETS = (
     "text_encoder*.layers.0.mlp.fc1",
     "text_encoder*.layers.0.layer_norm1",
 )
+# The same spread on Flux's transformer (diffusers names): attention q and output, the single
+# blocks' MLP input and output projection, a modulation and an embedder, and CLIP-L.
+FLUX_TARGETS = (
+    "transformer.transformer_blocks.0.attn.to_q",
+    "transformer.transformer_blocks.*.attn.to_out.0",
+    "transformer.transformer_blocks.1.ff.net.2",
+    "transformer.single_transformer_blocks.0.proj_mlp",
+    "transformer.single_transformer_blocks.*.proj_out",
+    "transformer.transformer_blocks.0.norm1.linear",
+    "transformer.context_embedder",
+    "text_encoder.*layers.0.self_attn.q_proj",
+    "text_encoder.*layers.0.mlp.fc1",
+    "text_encoder.*layers.0.layer_norm1",
+)
 _KINDS = ((torch.nn.Linear, "linear"), (torch.nn.Conv2d, "conv"), ((torch.nn.GroupNorm, torch.nn.LayerNorm), "norm"))
 _COMPONENTS = {name: fam.components for name, fam in FAMILIES.items()}
 
@@ -343,7 +357,9 @@ class Layout:
         return self.unet_names == "ldm" or (self.unet_names == "arch" and arch == "sdxl")
 
     def layer_key(self, component: str, name: str, arch: str) -> str:
-        prefix = self.unet_prefix if component == "unet" else self.te_prefixes[arch][component]
+        denoiser = FAMILIES[arch].denoiser
+        own = self.unet_prefix.format(denoiser=denoiser)
+        prefix = own if component == denoiser else self.te_prefixes[arch][component]
         return prefix + (name if self.peft else name.replace(".", "_"))
 
     def stored(self, tensors: Tensors) -> Tensors:
@@ -373,7 +389,7 @@ LAYOUTS: dict[str, Layout] = {
         Layout("kohya_ldm", "lora_unet_", _KOHYA_TE, unet_names="ldm"),
         Layout("kohya_diffusers", "lora_unet_", _KOHYA_TE),
         Layout("lycoris", "lycoris_", _KOHYA_TE),
-        Layout("peft", "unet.", _PEFT_TE, peft=True),
+        Layout("peft", "{denoiser}.", _PEFT_TE, peft=True),
     )
 }
 
@@ -438,7 +454,8 @@ def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] = DEFAULT
     return layers
 
 
-_BASE_MODELS = {"sd15": ("sd_v1", "stable-diffusion-v1"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base")}
+_BASE_MODELS = {"sd15": ("sd_v1", "stable-diffusion-v1"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base"),
+                "flux-dev": ("flux1", "flux-1-dev"), "flux-schnell": ("flux1", "flux-1-schnell")}
 
 
 def adapter_metadata(arch: str, algo: str, rank: int, alpha: float | None) -> dict[str, str]:
@@ -479,7 +496,7 @@ def write_adapter(path: Path, pipe, arch: str, algo: str = "lora", layout: str =
     built = build_layers(pipe, arch, algo, targets=targets, rank=rank, seed=seed, alpha=alpha, strength=strength)
     for (component, module_path), raw in built.items():
         stored = {k: v.to(dtype) if v.is_floating_point() else v for k, v in spelling.stored(raw).items()}
-        if component == "unet":
+        if component == FAMILIES[arch].denoiser:
             name = ldm_names[module_path] if ldm_names is not None else module_path
         else:
             name = _trainer_path(getattr(pipe, component), module_path)
@@ -494,8 +511,10 @@ def write_adapter(path: Path, pipe, arch: str, algo: str = "lora", layout: str =
 
 # ------------------------------------------------------------------------------------- demo LoRAs
 _STYLE_TARGETS = ("unet.*attn[12].to_[qkv]", "unet.*attn[12].to_out.0", "unet.*attentions.*.proj_[io]*",
+                  "transformer.*attn.to_[qkv]", "transformer.*attn.to_out.0", "transformer.*attn.add_[qkv]_proj",
                   "text_encoder*.self_attn.*_proj", "text_encoder*.mlp.fc[12]")
-_DETAIL_TARGETS = ("unet.*resnets.*.conv[12]", "unet.*resnets.*.time_emb_proj", "unet.*samplers.0.conv")
+_DETAIL_TARGETS = ("unet.*resnets.*.conv[12]", "unet.*resnets.*.time_emb_proj", "unet.*samplers.0.conv",
+                   "transformer.*ff.net.*", "transformer.*ff_context.net.*", "transformer.*proj_mlp")
 # (name suffix, trigger word, targets, strength, seed)
 _DEMO_LORAS = (
     ("demo-style", "steadystyle", _STYLE_TARGETS, 1.0, 11),
@@ -526,7 +545,7 @@ def adapter_state_digests(pipe) -> dict[str, str]:
     bit-identical weights, whatever the dtype or device.
     """
     digests = {}
-    for component in ("unet", "text_encoder", "text_encoder_2"):
+    for component in dict.fromkeys(c for fam in FAMILIES.values() for c in fam.components):
         module = getattr(pipe, component, None)
         for key, tensor in ({} if module is None else module.state_dict()).items():
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

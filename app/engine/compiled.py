@@ -415,7 +415,8 @@ def installed_state(unet: torch.nn.Module) -> CompileState | None:
 
 def enable(pipe, *, offload: str = "none", mode: str = "reduce-overhead", backend="inductor",
            background: bool = True, cache_dir: Path | None = None, device: torch.device | None = None) -> CompileState:
-    """Compile `pipe.unet` (replacing a previous compiled state), or explain why it stays eager.
+    """Compile the pipeline's denoiser (`pipe.unet`, a DiT's `pipe.transformer`), replacing a previous
+    compiled state, or explain why it stays eager.
 
     `backend` is `inductor` on the GPU path; tests pass `eager`/`aot_eager` (or a callable) to run
     the same dispatch and counting on the CPU in seconds. `cache_dir` keeps compiled artifacts
@@ -428,12 +429,16 @@ def enable(pipe, *, offload: str = "none", mode: str = "reduce-overhead", backen
     if allowed and cache_dir is not None:
         mega_cache = configure_cache(cache_dir)
         load_mega_cache(mega_cache)
-    return CompileState(pipe.unet, mode=mode, backend=backend, background=background, mega_cache=mega_cache,
+    return CompileState(_denoiser(pipe), mode=mode, backend=backend, background=background, mega_cache=mega_cache,
                         blocked_note=note)
 
 
+def _denoiser(pipe) -> torch.nn.Module:
+    return getattr(pipe, pipe.family.denoiser) if pipe.family is not None else pipe.unet
+
+
 def disable(pipe) -> None:
-    """Remove the compiled path from `pipe.unet` (no-op when none is installed)."""
-    state = installed_state(pipe.unet)
+    """Remove the compiled path from the denoiser (no-op when none is installed)."""
+    state = installed_state(_denoiser(pipe))
     if state is not None:
         state.close()

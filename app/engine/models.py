@@ -1,4 +1,4 @@
-"""Find and load SD1.5 / SDXL checkpoints (single `.safetensors` files and diffusers folders) offline.
+"""Find and load SD1.5 / SDXL / FLUX.1 checkpoints (single `.safetensors` files and diffusers folders) offline.
 
 Everything here runs without network: configs and tokenizers come from `assets/`, and
 `HF_HUB_OFFLINE=1` is set before the Hugging Face libraries are imported so that an accidental hub
@@ -31,7 +31,10 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from app.engine import component_files  # noqa: E402
 from app.engine.checkpoint_shapes import CheckpointShapeError, check_header_shapes  # noqa: E402
+from app.engine.component_files import CONFIGS_METADATA_KEY  # noqa: E402
+from app.engine.part_choices import PartFiles  # noqa: E402
 from app.families import FAMILIES, family, family_of_pipeline  # noqa: E402
 from app.families.ldm_layout import UNET_PREFIX  # noqa: E402
 from app.paths import UnsafePathError, resolve_under, utf8_names  # noqa: E402
@@ -40,9 +43,8 @@ from app.safetensors_files import SafetensorsFileError, file_sha256, read_header
 logger = logging.getLogger(__name__)
 
 # Tiny checkpoints (demo, tests) are not a standard architecture, and single files carry no config,
-# so they embed their component configs as JSON under this safetensors metadata key; real
-# checkpoints do not have it and get the bundled full-size configs.
-CONFIGS_METADATA_KEY = "steady_diffusion.configs"
+# so they embed their component configs as JSON under CONFIGS_METADATA_KEY; real checkpoints do
+# not have it and get the bundled full-size configs.
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 _CONFIG_FILES = {
     "unet": "unet/config.json",
@@ -64,7 +66,6 @@ _OTHER_FORMATS: tuple[tuple[str, Callable[[str], bool]], ...] = (
         lambda k: k in ("emb_params", "clip_l", "clip_g") or k.startswith("string_to_param"),
     ),
     ("SD3/SD3.5 (not supported)", lambda k: "joint_blocks." in k or k.startswith("text_encoders.")),
-    ("Flux (not supported)", lambda k: "double_blocks." in k),
     ("an SDXL refiner (not supported)", lambda k: k.startswith("conditioner.embedders.0.model.")),
     ("SD2.x, OpenCLIP ViT-H text encoder (not supported)", lambda k: k.startswith("cond_stage_model.model.")),
     ("a UNet without its text encoder (a full checkpoint is needed)", lambda k: k.startswith(UNET_PREFIX)),
@@ -111,6 +112,7 @@ class LoadedModel:
     arch: str
     info: CheckpointInfo
     short_hash: str
+    parts: PartFiles = PartFiles()  # the separate component files it was loaded with
 
 
 # ------------------------------------------------------------------------------------ architecture
@@ -124,7 +126,7 @@ def detect_architecture(keys: Iterable[str]) -> str:
     """
     keys = set(keys)
     for fam in FAMILIES.values():
-        if all(m in keys for m in fam.checkpoint_markers):
+        if fam.matches(keys):
             return fam.name
     for description, matches in _OTHER_FORMATS:
         example = next((k for k in sorted(keys) if matches(k)), None)
@@ -226,16 +228,24 @@ def read_safetensors_header(path: Path) -> tuple[frozenset[str], dict[str, str]]
 
 def weights_file(info: CheckpointInfo) -> Path:
     """The file whose sha256 names a checkpoint ("Model hash" in infotext): the file itself, or a
-    diffusers folder's UNet weights."""
-    return info.path / "unet" / "diffusion_pytorch_model.safetensors" if info.kind == "folder" else info.path
+    diffusers folder's denoiser weights (the first shard where they are sharded)."""
+    if info.kind != "folder":
+        return info.path
+    for denoiser in dict.fromkeys(f.denoiser for f in FAMILIES.values()):
+        shards = sorted((info.path / denoiser).glob("diffusion_pytorch_model*.safetensors"))
+        if shards:
+            return shards[0]
+    return info.path / "unet" / "diffusion_pytorch_model.safetensors"
 
 
-def load_pipeline(info: CheckpointInfo, dtype: torch.dtype) -> LoadedModel:
-    """Load a checkpoint on CPU in `dtype`, offline, with the safety checker off."""
+def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | None = None) -> LoadedModel:
+    """Load a checkpoint on CPU in `dtype`, offline, with the safety checker off. `parts` names the
+    separate text-encoder/VAE files and folders a family that assembles single files reads."""
     weights = weights_file(info)
     if info.kind == "folder":
         if not weights.is_file():
-            raise ModelLoadError(f"{info.name}: no unet/diffusion_pytorch_model.safetensors in the folder")
+            raise ModelLoadError(f"{info.name}: no denoiser weights (unet/ or transformer/ "
+                                 "diffusion_pytorch_model.safetensors) in the folder")
         arch = _folder_arch(info)
         _validate_folder_weights(info)
         load = _load_folder
@@ -245,18 +255,21 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype) -> LoadedModel:
             arch = detect_architecture(keys)
         except UnknownArchitectureError as exc:
             raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
-        load = _single_file_loader(keys, metadata)
+        load = _parts_loader(parts or PartFiles()) if family(arch).parts else _single_file_loader(keys, metadata)
     short_hash = file_sha256(weights)[:10]
     try:
         pipe = load(info, arch, dtype)
     except ModelLoadError:
         raise
+    except (component_files.MissingPartError, CheckpointShapeError, SafetensorsFileError) as exc:
+        raise ModelLoadError(f"{info.name}: {exc}") from exc
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"{info.name}: diffusers failed to load it as {arch}: {exc}") from exc
+    pipe.family = family(arch)
     _check_loaded(pipe, dtype, info.name)
     check_finite_weights(pipe, dtype, info.name)
     logger.info("loaded %s (%s, %s, %s)", info.name, arch, dtype, short_hash)
-    return LoadedModel(pipe=pipe, arch=arch, info=info, short_hash=short_hash)
+    return LoadedModel(pipe=pipe, arch=arch, info=info, short_hash=short_hash, parts=parts or PartFiles())
 
 
 def _pipeline_kwargs(arch: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -268,7 +281,7 @@ def _folder_arch(info: CheckpointInfo) -> str:
         class_name = json.loads((info.path / "model_index.json").read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"{info.name}: unreadable model_index.json ({exc})") from exc
-    fam = family_of_pipeline(class_name)
+    fam = family_of_pipeline(class_name, info.path)
     if fam is None:
         raise UnknownArchitectureError(
             f"{info.name}: model_index.json names {class_name!r}; "
@@ -322,6 +335,15 @@ def _single_file_loader(keys: frozenset[str], metadata: dict[str, str]):
                 **fam.tokenizers(),
                 **_pipeline_kwargs(arch, dtype),
             )
+
+    return load
+
+
+def _parts_loader(parts: PartFiles):
+    """Loader for families that assemble a single file component by component (see component_files)."""
+
+    def load(info: CheckpointInfo, arch: str, dtype: torch.dtype):
+        return component_files.assemble(family(arch), info.path, dtype, parts.choices, parts.folders)
 
     return load
 

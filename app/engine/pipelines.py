@@ -1,10 +1,13 @@
-"""Our pipeline classes: diffusers' SD1.5/SDXL pipelines with an execution device the engine states.
+"""Our pipeline classes: diffusers' SD1.5/SDXL/Flux pipelines with an execution device the engine states.
 
 diffusers infers where to create latents and prompt embeddings from accelerate hooks or from
 the first component's device. Under our own offload hooks every component rests on the CPU
 between forwards, so that inference would say "cpu" and the first CUDA forward would meet CPU
 inputs. The engine sets `execution_device` from the placement plan instead, and `compute_dtypes`
 (what each component computes in, which a resting dtype need not be).
+
+`spatial_latents` gives the denoised latents as (batch, channels, h, w), the shape the VAE and
+the live preview read: Flux denoises 2×2 patches packed into a sequence.
 """
 
 from __future__ import annotations
@@ -13,19 +16,24 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 
 
 class _StatedExecutionDevice:
     execution_device: torch.device | None = None
     # The dtype each component computes in, by name; may differ from the dtype its weights rest in.
     compute_dtypes: Mapping[str, torch.dtype] = MappingProxyType({})
+    family = None  # the `app.families.Family` it was loaded as (set by `models.load_pipeline`)
 
     @property
     def _execution_device(self) -> torch.device:
         if self.execution_device is not None:
             return self.execution_device
         return super()._execution_device
+
+    def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """SD pipelines denoise spatial latents already."""
+        return latents
 
 
 class SteadySDPipeline(_StatedExecutionDevice, StableDiffusionPipeline):
@@ -35,3 +43,11 @@ class SteadySDPipeline(_StatedExecutionDevice, StableDiffusionPipeline):
 class SteadySDXLPipeline(_StatedExecutionDevice, StableDiffusionXLPipeline):
     """SDXL pipeline whose execution device is set by the engine."""
 
+
+
+class SteadyFluxPipeline(_StatedExecutionDevice, FluxPipeline):
+    """FLUX.1 pipeline whose execution device is set by the engine."""
+
+    def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Unpack the (batch, h/2·w/2, 4·channels) sequence of 2×2 patches (FluxPipeline's own rule)."""
+        return self._unpack_latents(latents, height, width, self.vae_scale_factor)

@@ -38,7 +38,7 @@ from app.engine.offload import MODES
 from app.engine.snapshot import ErrorRecord, Progress, Snapshot, Transition, build_snapshot
 from app.engine.storage import WEIGHTS_CHOICES
 from app.infotext import LoraUse
-from app.preview import latent_preview
+from app.preview import LATENT_RGB, latent_preview
 from app.settings import DTYPE_CHOICES, Settings
 
 log = logging.getLogger(__name__)
@@ -399,7 +399,7 @@ class Engine:
         seed = generate.resolve_seed(params.seed)
         applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
                         for s in facts.loras)
-        ctx = RunContext(facts.model, facts.model_hash, applied)
+        ctx = RunContext(facts.model, facts.model_hash, applied, facts.arch)
         saved = dataclasses.replace(params, prompt=saved_prompt)
         out = []
         for run in range(params.n_iter):
@@ -425,7 +425,7 @@ class Engine:
             nonlocal reached
             reached = step
             every = self.settings.preview_every
-            shown = every and step % every == 0 and step < total
+            shown = every and step % every == 0 and step < total and arch in LATENT_RGB  # no factors: no preview
             self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
             return job.stop is not None
 
