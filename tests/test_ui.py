@@ -32,7 +32,7 @@ from app.settings import Settings
 from app.ui import views
 from app.ui.common import UiContext, specs_from_json
 from app.ui.generate_tab import native_size_updates
-from app.ui.lora_panel import fitting_specs, slot_weights
+from app.ui.lora_panel import selected_specs, slot_weights
 from app.ui.send_to import plan_send
 from app.ui.serve import auth_policy, wait_until_ready
 
@@ -102,7 +102,7 @@ def test_out_of_range_settings_are_refused_with_their_range(client, field, value
 def test_nan_cfg_in_raw_json_is_refused(app):
     """JSON clients can send NaN (Python's json does); it is refused like any other bad number."""
     url = app[0].local_url + "gradio_api/call/generate"
-    body = json.dumps({"data": ["a fox", "", "Euler", 2, float("nan"), 5, 64, 64, 1]}).encode()
+    body = json.dumps({"data": ["a fox", "", "Euler", 2, float("nan"), 5, 64, 64, 1, 1]}).encode()
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as answer:
         event = json.loads(answer.read())["event_id"]
@@ -375,11 +375,12 @@ def test_size_sliders_follow_the_native_size_only_when_it_changes(app):
         assert all("value" not in u for u in native_size_updates(previous, current)), (previous, current)
 
 
-def test_slider_values_map_to_specs_and_refused_loras_are_left_out():
+def test_slider_values_map_to_specs_and_every_selected_lora_is_kept():
+    """No LoRA is left out by the page: what does not fit is the engine's to set aside."""
     values = (0.5, 1.0, *[1.0] * 6, 0.25, -1.0, *[1.0] * 6)
     assert slot_weights(["a", "b"], values) == {"a": (0.5, 0.25), "b": (1.0, -1.0)}
-    specs = fitting_specs(["a", "b"], {"b": "error"}, values)
-    assert [(s.name, s.unet_strength, s.te_strength) for s in specs] == [("a", 0.5, 0.25)]
+    specs = selected_specs(["a", "b"], values)
+    assert [(s.name, s.unet_strength, s.te_strength) for s in specs] == [("a", 0.5, 0.25), ("b", 1.0, -1.0)]
 
 
 def test_module_table_filters(app):

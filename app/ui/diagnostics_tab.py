@@ -127,8 +127,8 @@ def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
                      ["9%", "11%", "31%", "11%", "9%", "17%", "12%"])
     summary = _table(views.SUMMARY_HEADERS, "sd-components", "Components", 200)
     with gr.Row():
-        loras = _table(views.LORA_HEADERS, "sd-lora-counters", "LoRA counters", 220,
-                       ["16%", "17%", "11%", "11%", "10%", "10%", "25%"], scale=3)
+        loras = _table(views.LORA_HEADERS, "sd-lora-counters", "LoRAs: the engine's status and counters", 220,
+                       ["14%", "9%", "10%", "8%", "9%", "7%", "7%", "36%"], scale=3)
         timers = _table(views.TIMER_HEADERS, "sd-timers", "Timers", 220, scale=2)
     with gr.Row():
         component = gr.Dropdown(["all"], value="all", label="Component", scale=1)
@@ -136,8 +136,8 @@ def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
         only_bad = gr.Checkbox(False, label="only violations", scale=1)
         only_patched = gr.Checkbox(False, label="only LoRA-patched", scale=1)
     modules_note = gr.Markdown(elem_id="sd-modules-note")
-    modules = _table(views.MODULE_HEADERS, "sd-modules", "Modules (every parameter and buffer checked)", 420,
-                     ["9%", "31%", "12%", "7%", "6%", "8%", "6%", "9%", "6%", "6%"])
+    modules = _table(views.MODULE_HEADERS, "sd-modules", "Modules (every parameter and buffer checked; hooks in "
+                     "the order they run)", 420, ["8%", "27%", "11%", "6%", "6%", "7%", "5%", "8%", "10%", "6%", "6%"])
     gpu_note = gr.Markdown()
     gpu = _table(views.GPU_HEADERS, "sd-gpu", "GPU (NVML)", 160)
     timeline = gr.HTML(label="Memory timeline")
