@@ -177,7 +177,8 @@ def test_a_failed_load_puts_the_dropdown_back_and_reselecting_does_not_reload(pa
 # ------------------------------------------------------------------------------- LoRA browser
 def test_lora_browser_shows_thumbnails_badges_and_trigger_words(page, served):
     """`style.preview.png` is shown (not a placeholder), clicking it selects the LoRA in the panel and
-    lists its trigger words; a word click goes into the prompt; search narrows the list."""
+    lists its trigger words; a word click goes into the prompt; search narrows the list, and so does
+    "fits this model" (what the engine accepts for the loaded model)."""
     url, engine = served
     page.click("#sd-lora-browser-panel > button")
     page.wait_for_selector("#sd-lora-browser .thumbnail-item img", timeout=TIMEOUT_MS)
@@ -199,6 +200,11 @@ def test_lora_browser_shows_thumbnails_badges_and_trigger_words(page, served):
     page.locator("#sd-lora-search textarea").type("sd1.5", delay=30)
     page.wait_for_function("document.querySelectorAll('#sd-lora-browser .thumbnail-item').length === 1",
                            timeout=TIMEOUT_MS)
+    page.fill("#sd-lora-search textarea", "")
+    page.get_by_label("fits this model").check()  # the engine's inspect_lora: 'wrong' and 'nomatch' go
+    page.wait_for_selector("#sd-lora-browser-note >> text=3 LoRA(s) fit", timeout=TIMEOUT_MS)
+    captions = [c.inner_text() for c in page.locator("#sd-lora-browser .thumbnail-item .caption-label").all()]
+    assert captions == ["detail", "partial", "style"]
 
 
 # ------------------------------------------------------------------------------ PNG Info, History

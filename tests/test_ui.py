@@ -62,8 +62,8 @@ def _generate(client, seed: int, prompt: str = "a fox") -> tuple[np.ndarray, str
 def test_endpoints_have_their_documented_names(client):
     """Scripts depend on these names: a UI handler must never take one (Gradio would rename ours `_1`)."""
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
-    assert {"/generate", "/set_loras", "/set_offload", "/set_dtype", "/load_model", "/unload", "/set_debug",
-            "/snapshot", "/list_models", "/list_loras", "/inspect_lora", "/bug_report"} <= names
+    assert {"/generate", "/interrupt", "/skip", "/set_loras", "/set_offload", "/set_dtype", "/load_model", "/unload",
+            "/set_debug", "/snapshot", "/list_models", "/list_loras", "/inspect_lora", "/bug_report"} <= names
     assert not [n for n in names if re.search(r"_\d+$", n)]
 
 
@@ -383,10 +383,19 @@ def test_slider_values_map_to_specs_and_every_selected_lora_is_kept():
     assert [(s.name, s.unet_strength, s.te_strength) for s in specs] == [("a", 0.5, 0.25), ("b", 1.0, -1.0)]
 
 
-def test_module_table_filters(app):
-    snap = app[1].snapshot()
+def test_module_table_filters_and_names_hooks(app):
+    engine = app[1]
+    snap = engine.snapshot()
     all_rows, total = views.module_rows(snap)
     assert total == len(snap.placement) and len(all_rows) == min(total, views.MAX_MODULE_ROWS)
     unet_rows, _ = views.module_rows(snap, component="unet", text="to_q")
     assert unet_rows and all(r[0] == "unet" and "to_q" in r[1] for r in unet_rows)
     assert views.module_rows(snap, only_violations=True)[1] == len([r for r in snap.placement if r.violation])
+    hooks = views.MODULE_HEADERS.index("hooks")
+    assert {r[hooks] for r in all_rows} == {""}  # nothing hooked without offload on a CPU
+    engine.set_offload("sequential")
+    try:
+        (conv_in,), _ = views.module_rows(engine.snapshot(), component="unet", text="conv_in")
+        assert conv_in[hooks] == "offload.stream"
+    finally:
+        engine.set_offload("none")

@@ -42,6 +42,7 @@ from app.ui.common import (
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, panel_unchanged, panel_view, selected_specs, sync_selection
 
 log = logging.getLogger(__name__)
+GALLERY_LABEL = "Images"
 STOP_QUEUE = "stop"  # Interrupt and Skip never wait behind the generation they stop
 
 
@@ -121,11 +122,13 @@ def _buttons(snap: Snapshot | None) -> list:
             gr.Button(interactive=True)]
 
 
-def _preview_items(snap: Snapshot, params: GenerateParams) -> list[tuple]:
-    """The latent preview, one picture per image of the batch, scaled to the image size."""
+def _preview(snap: Snapshot, params: GenerateParams) -> gr.Gallery:
+    """The latent preview, one picture per image of the batch, scaled to the image size and labelled as
+    a preview (the gallery's label goes back to "Images" with the result)."""
     caption = f"preview · step {snap.progress.step}/{snap.progress.total}"
-    return [(picture.resize((params.width, params.height), Image.Resampling.BILINEAR), caption)
-            for picture in snap.progress.preview]
+    items = [(picture.resize((params.width, params.height), Image.Resampling.BILINEAR), caption)
+             for picture in snap.progress.preview]
+    return gr.Gallery(items, label=f"Live preview (latents) · step {snap.progress.step}/{snap.progress.total}")
 
 
 def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
@@ -147,24 +150,27 @@ def _generate(ctx: UiContext, request: gr.Request, progress=PROGRESS, *args):
         params, notes = generate_params(ctx, *settings)
         sync_selection(ctx, selected_specs(list(slot_names), values), progress)
     job, shown, keep = Generation(ctx.engine, params, owner_of(request)), None, gr.skip()
-    with contextlib.closing(job.follow(progress)) as snapshots:
+    # No progress bar while denoising: Gradio draws it over the gallery, which would hide the previews;
+    # the step shows on the Generate button and in the status line instead.
+    with contextlib.closing(job.follow(None)) as snapshots:
         for snap in snapshots:
             preview = snap.progress.preview if snap.progress else None
             fresh = preview is not None and preview is not shown
             shown = preview if fresh else shown
-            yield [_preview_items(snap, params) if fresh else keep, *[keep] * 6, *_buttons(snap),
+            yield [_preview(snap, params) if fresh else keep, *[keep] * 6, *_buttons(snap),
                    *panel_unchanged()]
     try:
         with user_errors("Generation"):
             images = job.images()
     except gr.Error:
-        yield [[], *[keep] * 6, *_buttons(None), *panel_view(ctx, list(slot_names))]
+        yield [gr.Gallery([], label=GALLERY_LABEL), *[keep] * 6, *_buttons(None), *panel_view(ctx, list(slot_names))]
         raise
     infos = [{"seed": im.seed, "infotext": im.infotext} for im in images]
     note = "\n\n".join(filter(None, [*(f"ℹ️ {n}" for n in notes), _stop_note(images, params)]))
     first = infos[0] if infos else {"seed": None, "infotext": ""}
-    yield [gallery_items(images), first["infotext"], infos, first["seed"], params.width, params.height, note,
-           *_buttons(None), *panel_view(ctx, list(slot_names))]
+    gallery = gr.Gallery(gallery_items(images), label=GALLERY_LABEL)
+    yield [gallery, first["infotext"], infos, first["seed"], params.width, params.height, note, *_buttons(None),
+           *panel_view(ctx, list(slot_names))]
 
 
 def wire_generate(ctx: UiContext, controls: RunControls, settings: list, slots: LoraSlots, results: list) -> None:

@@ -16,7 +16,7 @@ from app.adapters.specs import LoraSpec
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES
 from app.ui.common import PROGRESS, UiContext, checked_checkpoint, checkpoint_names, run_with_progress, user_errors
-from app.ui.generate_run import build_run_controls, wire_generate
+from app.ui.generate_run import GALLERY_LABEL, build_run_controls, wire_generate
 from app.ui.lora_browser import build_lora_browser
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection_updates, sync_panel, wire_loras
 
@@ -107,7 +107,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
             build_lora_browser(ctx, prompt, loras)
         with gr.Column(scale=2):
             controls = build_run_controls()
-            gallery = gr.Gallery(label="Images", columns=2, height=420, elem_id="sd-gallery", format="png",
+            gallery = gr.Gallery(label=GALLERY_LABEL, columns=2, height=420, elem_id="sd-gallery", format="png",
                                  object_fit="contain", buttons=["download", "download_all", "fullscreen"])
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
