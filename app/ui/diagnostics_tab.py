@@ -61,10 +61,10 @@ def refresh(ctx: UiContext, component: str, text: str, only_violations: bool, on
     ]
 
 
-def _table(headers: list[str], elem_id: str, label: str, max_height: int = 320, widths: list[str] | None = None,
-           scale: int | None = None) -> gr.Dataframe:
+def _table(headers: list[str], elem_id: str, label: str, max_height: int = 320,
+           widths: list[str] | None = None) -> gr.Dataframe:
     return gr.Dataframe(headers=headers, column_count=len(headers), label=label, interactive=False, wrap=True,
-                        max_height=max_height, elem_id=elem_id, column_widths=widths, scale=scale)
+                        max_height=max_height, elem_id=elem_id, column_widths=widths)
 
 
 def _debug_toggles(ctx: UiContext) -> None:
@@ -126,10 +126,9 @@ def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
     history = _table(views.HISTORY_HEADERS, "sd-history", "Engine history (newest first)", 260,
                      ["9%", "11%", "31%", "11%", "9%", "17%", "12%"])
     summary = _table(views.SUMMARY_HEADERS, "sd-components", "Components", 200)
-    with gr.Row():
-        loras = _table(views.LORA_HEADERS, "sd-lora-counters", "LoRAs: the engine's status and counters", 220,
-                       ["14%", "9%", "10%", "8%", "9%", "7%", "7%", "36%"], scale=3)
-        timers = _table(views.TIMER_HEADERS, "sd-timers", "Timers", 220, scale=2)
+    loras = _table(views.LORA_HEADERS, "sd-lora-counters", "LoRAs: the engine's status and counters", 260,
+                   ["13%", "8%", "10%", "8%", "9%", "7%", "8%", "37%"])
+    timers = _table(views.TIMER_HEADERS, "sd-timers", "Timers", 220)
     with gr.Row():
         component = gr.Dropdown(["all"], value="all", label="Component", scale=1)
         text = gr.Textbox(label="Module or class contains", scale=2)

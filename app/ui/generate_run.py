@@ -168,7 +168,9 @@ def _generate(ctx: UiContext, request: gr.Request, progress=PROGRESS, *args):
     infos = [{"seed": im.seed, "infotext": im.infotext} for im in images]
     note = "\n\n".join(filter(None, [*(f"ℹ️ {n}" for n in notes), _stop_note(images, params)]))
     first = infos[0] if infos else {"seed": None, "infotext": ""}
-    gallery = gr.Gallery(gallery_items(images), label=GALLERY_LABEL)
+    cut = sorted({im.stopped_at for im in images if not im.complete})
+    label = GALLERY_LABEL + (f" — stopped early at step {', '.join(map(str, cut))} of {params.steps}" if cut else "")
+    gallery = gr.Gallery(gallery_items(images), label=label)
     yield [gallery, first["infotext"], infos, first["seed"], params.width, params.height, note, *_buttons(None),
            *panel_view(ctx, list(slot_names))]
 
