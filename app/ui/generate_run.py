@@ -181,22 +181,23 @@ def wire_generate(ctx: UiContext, controls: RunControls, settings: list, slots: 
     infos, the chosen seed, width, height and the settings note."""
     engine = ctx.engine
 
-    def run(request: gr.Request, progress=PROGRESS, *args):
+    def ui_generate(request: gr.Request, progress=PROGRESS, *args):
         yield from _generate(ctx, request, progress, *args)
 
-    def interrupt(drop: bool, request: gr.Request) -> None:
+    def ui_interrupt(drop: bool, request: gr.Request) -> None:
         if not engine.interrupt(keep_partial=not drop, owner=owner_of(request)):
             gr.Info("Nothing of this page is running: nothing to interrupt.")
 
-    def skip(request: gr.Request) -> None:
+    def ui_skip(request: gr.Request) -> None:
         if not engine.skip(owner=owner_of(request)):
             gr.Info("Nothing of this page is running: nothing to skip.")
 
-    controls.go.click(run, [*settings, slots.slot_names, *slots.sliders], [*results, *controls.buttons, *slots.view],
-                      api_visibility="private", concurrency_id=LORA_QUEUE, show_progress_on=[results[0]])
+    controls.go.click(ui_generate, [*settings, slots.slot_names, *slots.sliders],
+                      [*results, *controls.buttons, *slots.view], api_visibility="private", concurrency_id=LORA_QUEUE,
+                      show_progress_on=[results[0]])
     stop = dict(api_visibility="private", concurrency_id=STOP_QUEUE, concurrency_limit=None, show_progress="hidden")
-    controls.interrupt.click(interrupt, controls.drop, None, **stop)
-    controls.skip.click(skip, None, None, **stop)
+    controls.interrupt.click(ui_interrupt, controls.drop, None, **stop)
+    controls.skip.click(ui_skip, None, None, **stop)
 
 
 def wire_cancel_on_leave(ctx: UiContext, demo: gr.Blocks) -> None:
