@@ -66,6 +66,10 @@ class _Job:
     stop: str | None = None  # "interrupt" (keep what is there) | "drop" | "skip" (this run only)
 
 
+class GenerationCancelled(RuntimeError):
+    """A queued generation was cancelled by its owner before it started; nothing ran."""
+
+
 @dataclass
 class _Command:
     name: str
@@ -74,6 +78,7 @@ class _Command:
     body: Callable[[], Any]
     future: Future
     record: bool = True
+    owner: str | None = None  # who may cancel it while it waits (generations)
 
 
 class Engine:
@@ -143,8 +148,19 @@ class Engine:
     def generate(self, params: GenerateParams, *, owner: str | None = None) -> list[GeneratedImage]:
         """Generate `params.n_iter` × `params.batch` images; `owner` names who may interrupt it."""
         detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
-        return self._call("generate", detail, EngineState.GENERATING,
-                          lambda: self._do_generate(params, owner), result=True)
+        future = self.submit("generate", detail, EngineState.GENERATING, lambda: self._do_generate(params), owner=owner)
+        return future.result()
+
+    def cancel_queued(self, owner: str) -> int:
+        """Take `owner`'s generations that still wait in the queue off it (their callers get
+        `GenerationCancelled`); a closed tab or client leaves no work behind. Returns how many."""
+        with self._wake:
+            mine = [c for c in self._queue if c is not None and c.owner == owner and c.name == "generate"]
+            for command in mine:
+                self._queue.remove(command)
+        for command in mine:
+            command.future.set_exception(GenerationCancelled(f"generation cancelled by {owner} before it started"))
+        return len(mine)
 
     def interrupt(self, *, keep_partial: bool = True, owner: str | None = None) -> bool:
         """Stop the running generation between two steps; the engine is READY within a step.
@@ -192,14 +208,14 @@ class Engine:
                                    generating=self._job is not None)
 
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
-               record: bool = True) -> Future:
+               record: bool = True, owner: str | None = None) -> Future:
         """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine."""
         future: Future = Future()
         with self._wake:
             if len(self._queue) >= self.settings.queue_size:
                 raise EngineBusy(f"the engine already has {len(self._queue)} commands waiting; try again when "
                                  "they are done")
-            self._queue.append(_Command(name, detail, state, body, future, record))
+            self._queue.append(_Command(name, detail, state, body, future, record, owner))
             self._wake.notify()
         return future
 
@@ -267,6 +283,9 @@ class Engine:
                 while not self._queue:
                     self._wake.wait()
                 command = self._queue.popleft()
+                if command is not None and command.name == "generate":
+                    # Interrupt can reach it from the moment it leaves the queue (cancel_queued before).
+                    self._job = _Job(command.owner)
             if command is None:
                 return
             if command.record:
@@ -299,6 +318,7 @@ class Engine:
             outcome = self._fail(command, exc, before)
         finally:
             self._progress = None
+            self._job = None  # set when a generation left the queue
         if outcome != "failed, engine in ERROR":
             self._state = EngineState.READY if self._lifecycle.pipeline is not None else EngineState.EMPTY
         duration = time.perf_counter() - t0
@@ -372,7 +392,7 @@ class Engine:
         except (AdapterError, OSError) as exc:
             raise LoraApplyError(name, str(exc)) from exc
 
-    def _do_generate(self, params: GenerateParams, owner: str | None) -> list[GeneratedImage]:
+    def _do_generate(self, params: GenerateParams) -> list[GeneratedImage]:
         """Prompt tags apply to this generation only (A1111): the LoRAs are patched to the desired
         list plus the tags for the run and back to the desired list afterwards."""
         if self._lifecycle.pipeline is None:
@@ -381,7 +401,7 @@ class Engine:
         params, wanted = merge_prompt_loras(params, self._desired.loras)
         self.library.validate_specs(wanted)
         tagged = wanted != self._desired.loras
-        job = self._job = _Job(owner)
+        job = self._job
         try:
             if tagged:
                 self._state = EngineState.PATCHING
@@ -390,7 +410,6 @@ class Engine:
                 self._state = EngineState.GENERATING
             return self._generate_images(params, saved_prompt, job)
         finally:
-            self._job = None
             if tagged:
                 self._realise(self._desired, self._desired.loras)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,15 +73,9 @@ class Generation:
                 self._abandon()
 
     def _abandon(self) -> None:
-        """Drop this owner's job now, or as soon as it starts if it still waits in the engine's queue.
-        A helper thread keeps asking: the close that brings us here runs on Gradio's event loop."""
-        def keep_asking() -> None:
-            while not self._call.wait(POLL_S):
-                if self.engine.interrupt(keep_partial=False, owner=self.owner):
-                    log.info("generation of session %s dropped: its page or client went away", self.owner)
-                    return
-
-        threading.Thread(target=keep_asking, name="ui-abandon", daemon=True).start()
+        """Drop this owner's job: off the engine's queue if it still waits, stopped if it runs."""
+        if self.engine.cancel_queued(self.owner) or self.engine.interrupt(keep_partial=False, owner=self.owner):
+            log.info("generation of session %s dropped: its page or client went away", self.owner)
 
     def images(self) -> list[GeneratedImage]:
         return self._call.result()
@@ -203,7 +196,8 @@ def wire_generate(ctx: UiContext, controls: RunControls, settings: list, slots: 
 def wire_cancel_on_leave(ctx: UiContext, demo: gr.Blocks) -> None:
     """A page that closes or reloads stops (and drops) what it was generating."""
     def leave(request: gr.Request) -> None:
-        if ctx.engine.interrupt(keep_partial=False, owner=owner_of(request)):
-            log.info("generation of session %s dropped: its page closed", owner_of(request))
+        owner = owner_of(request)
+        if ctx.engine.cancel_queued(owner) or ctx.engine.interrupt(keep_partial=False, owner=owner):
+            log.info("generation of session %s dropped: its page closed", owner)
 
     demo.unload(leave)
