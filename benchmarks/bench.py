@@ -77,6 +77,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 from app.adapters.specs import LoraSpec  # noqa: E402
 from app.demo import DIFFUSERS_CLASSES, build_tiny_pipeline  # noqa: E402
 from app.engine import compiled  # noqa: E402
+from app.engine.compile_cache import configure_cache  # noqa: E402
 from app.engine.generate import GenerateParams  # noqa: E402
 from app.engine.placement import DTYPES  # noqa: E402
 from app.engine.worker import Engine  # noqa: E402
@@ -1194,7 +1195,7 @@ def run(config: BenchConfig, compile_cache: Path | None = None, peak_override: f
         with tempfile.TemporaryDirectory(prefix="sd-bench-") as tmp:
             cache = compile_cache or Path(tmp) / "compile-cache"
             if "compile" in config.sections and config.compile_backend == "inductor":
-                compiled.configure_cache(cache, override=True)  # before anything compiles
+                configure_cache(cache, override=True)  # before anything compiles
             bench = Bench(config, device, Path(tmp), cache, nvml, env)
             for arch in config.archs:
                 bench_arch(arch, bench, results)

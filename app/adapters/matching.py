@@ -207,14 +207,14 @@ def _check_fit(name: str, table: KeyTable, parsed: _Parsed, unmatched: list[Laye
         verb = "has" if len(parsed.mismatched) == 1 else "have"
         raise LoraApplyError(name, f"does not fit this {arch} model{made_for}: {len(parsed.mismatched)} of its "
                                    f"layers {verb} the wrong shape, e.g. {parsed.mismatched[0]}")
+    also = f", even though {fit} of its layers fit by shape" if fit else ""
     if foreign:
         raise LoraApplyError(name, f"does not fit this {arch} model{made_for}: it has layers for "
-                                   f"{', '.join(foreign)}, which this model lacks, even though {fit} of its "
-                                   "layers fit by shape; nothing applied")
+                                   f"{', '.join(foreign)}, which this model lacks{also}; nothing applied")
     if declared and declared != table.arch and unmatched:
         raise LoraApplyError(name, f"does not fit this {arch} model{made_for}: its metadata names "
-                                   f"{declared.upper()} and {len(unmatched)} of its layers match nothing here, "
-                                   f"even though {fit} fit by shape; nothing applied")
+                                   f"{declared.upper()} and {len(unmatched)} of its layers match nothing "
+                                   f"here{also}; nothing applied")
     if not fit:
         raise LoraApplyError(name, f"matched zero of its {len(unmatched)} layers in this {arch} "
                                    f"model{made_for}; nothing applied")
