@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from app.adapters.specs import LoraSpec
 from app.engine import models, part_choices
 from app.engine.checkpoint_shapes import CheckpointShapeError
 from app.engine.component_files import CONFIGS_METADATA_KEY
@@ -242,3 +243,36 @@ def test_every_offload_mode_on_flux(demo_dir, tmp_path):
                 assert bypassed and eng.lora_stack._backups == {}, mode
     finally:
         eng.close()
+
+
+def test_fp16_is_refused_for_flux_with_the_reason(demo_paths):
+    """Flux's activations overflow fp16: a load in fp16 (a GPU's request) is refused naming why and
+    what to use, before anything is built."""
+    info = models.resolve_checkpoint(f"tiny-{DEV}.safetensors", demo_paths["checkpoints_dir"])
+    with pytest.raises(models.ModelLoadError, match=r"overflows in fp16 .*use bf16"):
+        models.load_pipeline(info, torch.float16)
+
+
+def test_flux_with_fp8_weights_and_a_lora_generates_in_every_offload_mode(flux_engine):
+    """fp8 storage on Flux: the transformer's and T5's large weights rest in fp8 (T5's `wo`, the
+    embedders and final layers stay bf16), a LoRA applies as a bypass, every offload mode draws the
+    same image, and the stored bytes never change."""
+    from app.engine import placement
+
+    flux_engine.load_model(f"tiny-{DEV}.safetensors", dtype="bf16")
+    snap = flux_engine.set_weights("fp8")
+    stored = {f"{c}.{p}" for c, p, _m, n, t, _ in placement.iter_tensors(flux_engine.pipeline)
+              if t.dtype == placement.STORAGE_DTYPES["fp8"]}
+    assert snap.stored_layers == len(stored) > 0
+    assert not any(".wo." in name or "x_embedder" in name or "proj_out" in name for name in stored)
+    lora = next(n for n in flux_engine.library.names() if DEV in n)
+    assert flux_engine.set_loras([LoraSpec(lora, 0.8)]).lora_mode == "bypass"
+    images = {}
+    for mode in ("none", "model", "sequential", "group"):
+        flux_engine.set_offload(mode)
+        images[mode] = _pixels(flux_engine.generate(GenerateParams("a red cube", seed=3, **FAST_FLUX)))
+        assert flux_engine.snapshot().violations_found_total == 0
+    assert all(np.array_equal(images["none"], image) for image in images.values())
+    flux_engine.set_offload("none")
+    flux_engine.set_loras([])
+    flux_engine.set_weights("full")

@@ -256,6 +256,9 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | N
         except UnknownArchitectureError as exc:
             raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
         load = _parts_loader(parts or PartFiles()) if family(arch).parts else _single_file_loader(keys, metadata)
+    if dtype == torch.float16 and not family(arch).fp16_ok:
+        raise ModelLoadError(f"{info.name}: {family(arch).label} overflows in fp16 (activations beyond ±65504 "
+                             "become Inf and the image black); use bf16, or fp32 on the CPU")
     short_hash = file_sha256(weights)[:10]
     try:
         pipe = load(info, arch, dtype)

@@ -111,6 +111,7 @@ class Family:
     default_steps: int = 20
     default_guidance: float = 7.0
     distilled_guidance: bool = False  # guidance is an input of the model (Flux dev), not CFG
+    fp16_ok: bool = True  # False: activations overflow fp16 (Flux); an fp16 request is refused with why
     negative_prompt: bool = True  # False: the pipeline has no unconditional pass to use one in
     max_sequence_length: int | None = None  # T5 tokens per prompt, where the family has T5
     adapter_arch: str = ""  # what LoRA metadata calls the architecture ("flux" for dev and schnell)

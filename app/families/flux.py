@@ -106,6 +106,10 @@ def _family(name: str, label: str, dev: bool) -> Family:
         default_steps=28 if dev else 4,
         default_guidance=3.5 if dev else 1.0,
         distilled_guidance=dev,
+        fp16_ok=False,
+        # fp8 storage keeps the embedders, the final layers and T5's `wo` (which the T5 code casts
+        # its input to) in the compute dtype, as peers do.
+        high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo"),
         negative_prompt=False,
         max_sequence_length=512 if dev else 256,
         adapter_arch="flux",
