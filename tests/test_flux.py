@@ -276,3 +276,33 @@ def test_flux_with_fp8_weights_and_a_lora_generates_in_every_offload_mode(flux_e
     flux_engine.set_offload("none")
     flux_engine.set_loras([])
     flux_engine.set_weights("full")
+
+
+def test_choosing_model_parts_through_the_engine_reloads_and_a_bad_choice_is_undone(demo_paths, tmp_path):
+    """`Engine.set_model_parts` on a loaded BFL transformer: choosing the bf16 T5 of two reloads with
+    it (remembered for that checkpoint), and a choice that cannot load (CLIP-L as T5) fails the
+    command, keeps the model as it was and forgets that choice."""
+    transformer = split_all_in_one(demo_paths[f"{DEV}_file"], tmp_path)
+    settings = Settings(data_dir=tmp_path, device="cpu")
+    t5 = settings.text_encoder_dir / "t5xxl.safetensors"
+    tensors, metadata = _read(t5)
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(t5.with_name("t5xxl_bf16.safetensors")),
+              metadata=metadata)
+    engine = Engine(settings)
+    try:
+        part_choices.choose(settings, DEV, transformer.name, {"text_encoder_2": "t5xxl.safetensors"})
+        engine.load_model(transformer.name)
+        snap = engine.set_model_parts({"text_encoder_2": "t5xxl_bf16.safetensors"})
+        assert snap.history[-1].outcome == "ok" and snap.history[-1].command == "set_model_parts"
+        weight = engine.pipeline.text_encoder_2.shared.weight
+        assert torch.equal(weight, next(v for k, v in tensors.items() if k.endswith("shared.weight")).to(
+            torch.bfloat16).float())
+        assert part_choices.chosen(settings, transformer.name) == {"text_encoder_2": "t5xxl_bf16.safetensors"}
+        with pytest.raises(models.ModelLoadError, match="holds no T5-XXL"):
+            engine.set_model_parts({"text_encoder_2": "clip_l.safetensors"})
+        assert engine.pipeline.text_encoder_2.shared.weight is weight
+        assert part_choices.chosen(settings, transformer.name) == {"text_encoder_2": "t5xxl_bf16.safetensors"}
+        assert part_choices.available(settings, DEV)["text_encoder_2"] == ["clip_l.safetensors", "t5xxl.safetensors",
+                                                                            "t5xxl_bf16.safetensors"]
+    finally:
+        engine.close()

@@ -71,3 +71,19 @@ def choose(settings: Settings, arch: str, checkpoint: str, parts: Mapping[str, s
         mine[component] = [folder, name]
     stored[checkpoint] = mine
     settings.part_choices_file.write_text(json.dumps(stored, indent=2, sort_keys=True))
+
+
+def chosen(settings: Settings, checkpoint: str) -> dict[str, str]:
+    """component -> chosen file name for `checkpoint` (what `choose` stored)."""
+    return {component: name for component, (_folder, name) in _stored(settings).get(checkpoint, {}).items()}
+
+
+def available(settings: Settings, arch: str) -> dict[str, list[str]]:
+    """component -> the `.safetensors` file names its folder offers (for the UI's pickers)."""
+    folders = _folders(settings)
+    out = {}
+    for part in family(arch).parts:
+        if part.folder is not None:
+            folder = folders[part.folder]
+            out[part.component] = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+    return out

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +29,7 @@ from app.adapters.errors import AdapterError, LoraApplyError
 from app.adapters.files import LoraLibrary
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import generate, placement
+from app.engine import generate, part_choices, placement
 from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.lifecycle import ModelLifecycle, RollbackFailed
@@ -126,6 +126,25 @@ class Engine:
         """Reload with the large weights stored in `weights` ("fp8") or all in the compute dtype ("full")."""
         self._check_choice("weights", weights, WEIGHTS_CHOICES)
         return self._change("set_weights", weights, EngineState.LOADING, lambda d: d.replace(weights=weights))
+
+    def set_model_parts(self, parts: Mapping[str, str | None]) -> Snapshot:
+        """Choose the separate text-encoder/VAE files (names in `models/text_encoder`, `models/VAE`;
+        None forgets a choice) the loaded checkpoint is assembled from; remembered per checkpoint,
+        and the model reloads with them. A choice that fails to load is forgotten again."""
+        def body() -> None:
+            facts = self._lifecycle.facts()
+            if facts is None:
+                raise RuntimeError("no model loaded: load the checkpoint whose parts you choose first")
+            before = part_choices.chosen(self.settings, facts.model)
+            part_choices.choose(self.settings, facts.arch, facts.model, parts)
+            try:
+                self._realise(self._desired, self._desired.loras)
+            except BaseException:
+                part_choices.choose(self.settings, facts.arch, facts.model,
+                                    {c: before.get(c) for c in {*before, *parts}})
+                raise
+        detail = ", ".join(f"{c}={n}" for c, n in parts.items())
+        return self._call("set_model_parts", capped(detail), EngineState.LOADING, body)
 
     def set_offload(self, mode: str) -> Snapshot:
         self._check_choice("offload", mode, tuple(MODES))
