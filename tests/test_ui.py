@@ -62,8 +62,9 @@ def _generate(client, seed: int, prompt: str = "a fox") -> tuple[np.ndarray, str
 def test_endpoints_have_their_documented_names(client):
     """Scripts depend on these names: a UI handler must never take one (Gradio would rename ours `_1`)."""
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
-    assert {"/generate", "/interrupt", "/skip", "/set_loras", "/set_offload", "/set_dtype", "/load_model", "/unload",
-            "/set_debug", "/snapshot", "/list_models", "/list_loras", "/inspect_lora", "/bug_report"} <= names
+    assert {"/generate", "/interrupt", "/skip", "/set_loras", "/set_offload", "/set_dtype", "/set_weights",
+            "/set_model_parts", "/load_model", "/unload", "/set_debug", "/snapshot", "/list_models", "/list_loras",
+            "/inspect_lora", "/bug_report"} <= names
     assert not [n for n in names if re.search(r"_\d+$", n)]
 
 
@@ -399,3 +400,18 @@ def test_module_table_filters_and_names_hooks(app):
         assert conv_in[hooks] == "offload.stream"
     finally:
         engine.set_offload("none")
+
+
+def test_weight_storage_switches_through_the_api_and_back(client):
+    """`/set_weights fp8` stores the large weights in 8 bits (the snapshot counts layers and bytes
+    saved), generation still works, `/set_weights full` brings every weight back to the compute
+    dtype; an unknown storage is refused with the choices."""
+    summary = client.predict("fp8", api_name="/set_weights")
+    snap = client.predict(api_name="/snapshot")
+    assert summary["state"] == "READY" and snap["weights"] == "fp8" and snap["stored_layers"] > 0
+    assert snap["bytes_saved"] > 0
+    assert _generate(client, seed=3)[0].shape == (64, 64, 3)
+    client.predict("full", api_name="/set_weights")
+    assert client.predict(api_name="/snapshot")["stored_layers"] == 0
+    with pytest.raises(Exception, match="weights must be one of full, fp8"):
+        client.predict("int4", api_name="/set_weights")

@@ -72,6 +72,20 @@ def _state_endpoints(ctx: UiContext) -> None:
         """Weights dtype: auto, fp16, bf16 or fp32 (reloads the checkpoint)."""
         return _change(ctx, "set_dtype", lambda: engine.set_dtype(dtype))
 
+    @gr.api(api_name="set_weights", concurrency_id="loras")
+    def set_weights(weights: str) -> dict:
+        """Weight storage: full, or fp8 (large weights rest in 8 bits; reloads the checkpoint)."""
+        return _change(ctx, "set_weights", lambda: engine.set_weights(weights))
+
+    @gr.api(api_name="set_model_parts", concurrency_id="loras")
+    def set_model_parts(parts: dict) -> dict:
+        """Separate files for the loaded checkpoint's parts (Flux): {"text_encoder_2": "t5xxl_fp16.safetensors",
+        "vae": null, …}, names in models/text_encoder and models/VAE; null forgets a choice. Reloads."""
+        if not isinstance(parts, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
+                                                  for k, v in parts.items()):
+            raise gr.Error("parts must map component names to file names (or null)")
+        return _change(ctx, "set_model_parts", lambda: engine.set_model_parts(parts))
+
     @gr.api(api_name="load_model", concurrency_id="loras")
     def load_model(name: str) -> dict:
         """Load a checkpoint by the name `list_models` returns."""

@@ -19,6 +19,7 @@ from app.ui.common import PROGRESS, UiContext, checked_checkpoint, checkpoint_na
 from app.ui.generate_run import GALLERY_LABEL, build_run_controls, wire_generate
 from app.ui.lora_browser import build_lora_browser
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection_updates, sync_panel, wire_loras
+from app.ui.model_options import ModelOptions, build_model_options, option_updates, wire_model_options
 
 
 @dataclass
@@ -41,6 +42,7 @@ class GenerateTab:
     batch: gr.Number
     n_iter: gr.Number
     note: gr.Markdown
+    options: ModelOptions
 
     @property
     def settings(self) -> list:
@@ -96,6 +98,7 @@ def _settings_fields() -> list:
 def build_generate_tab(ctx: UiContext) -> GenerateTab:
     """Lay out the tab and wire its events; engine-mutating events share the `LORA_QUEUE` lane, in order."""
     model, refresh, dtype, offload, model_status = _model_row(ctx)
+    options = build_model_options(ctx)
     with gr.Row():
         with gr.Column(scale=3):
             prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, note = _settings_fields()
@@ -112,7 +115,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
-                      height, batch, n_iter, note)
+                      height, batch, n_iter, note, options)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
@@ -165,7 +168,8 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
                               [tab.model_status, tab.width, tab.height], show_progress_on=[tab.model_status],
                               **private)
     loaded.failure(lambda: gr.Dropdown(value=engine.snapshot().model), None, tab.model, api_visibility="private")
-    loaded.success(**redraw)
+    loaded.success(**redraw).then(lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
+    wire_model_options(ctx, tab.options, tab.model_status, **private)
     tab.dtype.input(ui_set_dtype, tab.dtype, tab.model_status, **private).success(**redraw)
     tab.offload.input(ui_set_offload, tab.offload, tab.model_status, **private).success(**redraw)
     refresh.click(lambda: gr.Dropdown(choices=checkpoint_names(ctx.settings)), None, tab.model,
@@ -187,7 +191,8 @@ def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
 
     demo.load(on_load, None, [tab.model, tab.dtype, tab.offload, tab.model_status, tab.width, tab.height,
                               slots.select, *slots.layout],
-              api_visibility="private").then(**sync_panel(ctx, slots))
+              api_visibility="private").then(**sync_panel(ctx, slots)).then(
+        lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
 
 
 def _select_image(infos, evt: gr.SelectData):
