@@ -47,18 +47,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 from app.engine.compile_cache import configure_cache, load_mega_cache, save_mega_cache
+from app.engine.offload import MODES
 
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("reduce-overhead", "default")
-# Offload modes under which UNet weights never change device between generations.
-STATIC_OFFLOAD_MODES = frozenset({"none"})
 FIRST_COMPILE_HINT = "the first compile takes ~1 min for SD1.5 and ~2-3 min for SDXL; seconds when cached"
 
 
 def is_compiled_path_allowed(offload: str, device: torch.device, backend: str = "inductor") -> tuple[bool, str]:
     """Whether the compiled path may run; when not, the note the UI shows instead."""
-    if offload not in STATIC_OFFLOAD_MODES:
+    if MODES[offload].moves_weights:  # weights change device between generations: graphs would go stale
         return False, (f"offload '{offload}' moves UNet weights between devices, which invalidates compiled "
                        "graphs; running eager (use offload 'none' for the compiled path)")
     if backend == "inductor" and torch.device(device).type != "cuda":
