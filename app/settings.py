@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
+# "inductor" is the real compiled path (CUDA); "eager"/"aot_eager" run the same dispatch and counting
+# on the CPU in seconds (the benchmark's smoke mode and tests).
+COMPILE_BACKENDS = ("inductor", "eager", "aot_eager")
 OFFLOAD_CHOICES = ("none", "model", "sequential", "balanced", "group")
 
 
@@ -44,6 +47,7 @@ class Settings:
     slider_max: float = 2.0
     compile: bool = False
     compile_mode: str = "reduce-overhead"  # or "default" (no CUDA graphs)
+    compile_backend: str = "inductor"
     # serving
     listen: bool = False
     port: int = 7860
@@ -56,6 +60,8 @@ class Settings:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.compile_mode not in ("reduce-overhead", "default"):
             raise ValueError(f"compile_mode must be reduce-overhead or default, got {self.compile_mode!r}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS}, got {self.compile_backend!r}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}")
         if not 0 < self.balanced_watermark <= 1:
