@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from app.demo import DIFFUSERS_CLASSES
+from app.engine import models
 from app.engine.engine import Engine
 from app.engine.models import CONFIG_DIRS, load_tokenizers
 from app.engine.placement import DTYPES
@@ -43,6 +44,13 @@ def _load_ours(spec: dict[str, Any]):
     return engine
 
 
+def _load_models_layer(spec: dict[str, Any]):
+    """Our `models.load_pipeline` alone, without the engine around it (placement, verify, snapshot):
+    splits our load time between the loader and the engine's transition."""
+    info = models.resolve_checkpoint(spec["name"], Settings(data_dir=Path(spec["data_dir"])).checkpoints_dir)
+    return models.load_pipeline(info, DTYPES[spec["dtype"]])
+
+
 def _load_diffusers(spec: dict[str, Any]):
     """The offline way to call `from_single_file` (NOTES.md): `config=` a local folder, our tokenizers."""
     arch = spec["arch"]
@@ -58,7 +66,8 @@ def run_load_probe(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
     before = _memory()
     cpu0, wall0 = _cpu_s(), time.perf_counter()
-    loaded = _load_ours(spec) if spec["side"] == "ours" else _load_diffusers(spec)
+    loader = {"ours": _load_ours, "ours-models": _load_models_layer, "diffusers": _load_diffusers}[spec["side"]]
+    loaded = loader(spec)
     result = {"load_s": time.perf_counter() - wall0, "cpu_s": _cpu_s() - cpu0,
               "rss_before_gib": before["peak_rss_gib"], **_memory()}
     if spec["side"] == "ours":
