@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,8 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
 
 
 def free_memory() -> None:
@@ -100,12 +103,16 @@ class StepTimer:
         self._capture = capture
         self._marks: list = []
         self._cpu: list[float] = []
+        self._usage: list[tuple[float, int]] = []  # (user seconds, minor page faults) of the thread
         self.last_output: torch.Tensor | None = None
         self._handles = [unet.register_forward_pre_hook(self._before, prepend=True),
                          unet.register_forward_hook(self._after)]
 
     def _stamp(self):
         self._cpu.append(time.thread_time())
+        if _RUSAGE_THREAD is not None:
+            usage = resource.getrusage(_RUSAGE_THREAD)
+            self._usage.append((usage.ru_utime, usage.ru_minflt))
         if not self._cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
@@ -124,6 +131,7 @@ class StepTimer:
     def reset(self) -> None:
         self._marks.clear()
         self._cpu.clear()
+        self._usage.clear()
 
     def _calls(self) -> int:
         calls = len(self._marks) // 2
@@ -144,6 +152,17 @@ class StepTimer:
     def cpu_ms_per_step(self) -> float:
         """Thread CPU time over the same span, per UNet call, in milliseconds."""
         return (self._cpu[-1] - self._cpu[0]) * 1e3 / self._calls()
+
+    def user_ms_and_faults_per_step(self) -> tuple[float | None, float | None]:
+        """The user part of that CPU time and the minor page faults, per UNet call (None where the OS
+        has no per-thread usage). Why both: the kernel time is mostly page faults, whose count depends
+        on the allocator's history (glibc maps a fresh buffer for every oneDNN weight reorder above its
+        mmap threshold unless a freed chunk fits), not on the work a variant does."""
+        if not self._usage:
+            return None, None
+        (user0, faults0), (user1, faults1) = self._usage[0], self._usage[-1]
+        calls = self._calls()
+        return (user1 - user0) * 1e3 / calls, (faults1 - faults0) / calls
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -208,6 +227,8 @@ class Measurement:
 
     its_runs: list[float] = field(default_factory=list)
     cpu_ms_runs: list[float] = field(default_factory=list)  # thread CPU ms per step
+    user_ms_runs: list[float | None] = field(default_factory=list)  # its user part
+    faults_runs: list[float | None] = field(default_factory=list)  # minor page faults per step
     gen_s_runs: list[float] = field(default_factory=list)
     transient_gib_runs: list[float | None] = field(default_factory=list)
 
@@ -242,6 +263,9 @@ def measure_interleaved(variants: dict[Any, Variant], device: torch.device, repe
                     run.gen_s_runs.append(timed_ms(variant.generate, device) / 1e3)
                 run.its_runs.append(timer.its())
                 run.cpu_ms_runs.append(timer.cpu_ms_per_step())
+                user_ms, faults = timer.user_ms_and_faults_per_step()
+                run.user_ms_runs.append(user_ms)
+                run.faults_runs.append(faults)
                 run.transient_gib_runs.append(peak.transient_gib)
     finally:
         for timer in timers.values():

@@ -103,7 +103,8 @@ def step_section(model, config) -> dict[str, Any]:
         free_memory()
     return {"arch": model.arch, "resolution": config.resolution, "steps": config.steps, "dtype": config.step_dtype,
             "baseline_note": baseline_note, "ops": _ops_summary(ops),
-            "runs": {" / ".join(map(str, k)): {"its": r.its_runs, "cpu_ms": r.cpu_ms_runs} for k, r in runs.items()},
+            "runs": {" / ".join(map(str, k)): {"its": r.its_runs, "cpu_ms": r.cpu_ms_runs, "user_ms": r.user_ms_runs,
+                                                "faults": r.faults_runs} for k, r in runs.items()},
             "comparisons": _step_comparisons(runs)}
 
 
@@ -123,7 +124,9 @@ def _step_comparisons(runs) -> list[dict[str, Any]]:
         if base_key not in runs:
             continue
         mine, base = runs[mine_key], runs[base_key]
-        for figure, series, higher in (("it/s (wall)", "its_runs", True), ("CPU ms per step", "cpu_ms_runs", False)):
+        for figure, series, higher in (("it/s (wall)", "its_runs", True), ("CPU ms per step", "cpu_ms_runs", False),
+                                       ("user CPU ms per step", "user_ms_runs", False),
+                                       ("page faults per step", "faults_runs", False)):
             control = stats.paired_ratios(getattr(runs[NONE], series), getattr(control_runs, series), higher)
             rows.append({"ours": " / ".join(map(str, mine_key)), "baseline": " / ".join(map(str, base_key)),
                          "figure": figure, "ours_median": stats.median_interval(getattr(mine, series)).as_dict(),
