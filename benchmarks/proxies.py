@@ -5,7 +5,8 @@ full-size SD1.5 and SDXL architectures with random weights, ours against diffuse
   folder), each load in a fresh process (time, process CPU time, peak RSS), in ABBA order with a
   same-vs-same control; our first load of a file (no cached hash) is a variant of its own;
 * step: aten ops per UNet call (a dispatch mode inside the UNet's hooks) and thread CPU time per
-  step, without and with three fused rank-64 LoRAs, at a small latent so two cores can afford it;
+  step (with its user part and the minor page faults), without and with three fused rank-64 LoRAs
+  and against diffusers, at a small latent so two cores can afford it;
 * reweight: one LoRA's strength changed with three applied (the engine's whole transition, and the
   patching alone from the engine's timer).
 
