@@ -132,8 +132,7 @@ def build_tiny_pipeline(arch: str, seed: int = 0):
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
     components["scheduler"] = scheduler_cls.from_pretrained(fam.config_dir, subfolder="scheduler")
     # Plain diffusers classes, so the written folders load in any diffusers-based tool.
-    pipeline_cls = getattr(diffusers, fam.diffusers_pipeline)
-    pipe = pipeline_cls(**components, **fam.tokenizers(), **fam.pipeline_kwargs)
+    pipe = fam.plain_pipeline_class(**components, **fam.tokenizers(), **fam.pipeline_kwargs)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.eval()

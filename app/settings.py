@@ -16,6 +16,9 @@ from app.adapters.specs import MAX_STRENGTH
 from app.engine.offload import MODES
 
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
+# "inductor" is the real compiled path (CUDA); "eager"/"aot_eager" run the same dispatch and counting
+# on the CPU in seconds (the benchmark's smoke mode and tests).
+COMPILE_BACKENDS = ("inductor", "eager", "aot_eager")
 OFFLOAD_CHOICES = tuple(MODES)  # the one table of offload modes lives beside their strategies
 
 
@@ -54,6 +57,7 @@ class Settings:
     rest_dtype: str | None = None
     weights: str = "full"  # "fp8": large weights rest in 8 bits, computed in the compute dtype
     preview_every: int = 4  # steps between live previews of the latents while denoising (0: none)
+    compile_backend: str = "inductor"
     # serving
     listen: bool = False
     port: int = 7860
@@ -71,6 +75,8 @@ class Settings:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.compile_mode not in ("reduce-overhead", "default"):
             raise ValueError(f"compile_mode must be reduce-overhead or default, got {self.compile_mode!r}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS}, got {self.compile_backend!r}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}")
         if self.weights not in ("full", "fp8"):

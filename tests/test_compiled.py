@@ -22,6 +22,7 @@ from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.demo import build_tiny_pipeline
 from app.engine import compile_cache, compiled
+from app.families import family
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +117,7 @@ def _linear_pipe() -> SimpleNamespace:
     module, and dynamo traces this one in milliseconds."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return SimpleNamespace(unet=torch.nn.Linear(8, 8), _execution_device=torch.device("cpu"))
+        return SimpleNamespace(unet=torch.nn.Linear(8, 8), _execution_device=torch.device("cpu"), family=family("sd15"))
 
 
 def _linear_out(pipe) -> torch.Tensor:

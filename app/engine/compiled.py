@@ -48,6 +48,7 @@ from torch.utils import _pytree as pytree
 
 from app.engine.compile_cache import configure_cache, load_mega_cache, save_mega_cache
 from app.engine.offload import MODES
+from app.families import family_of
 
 log = logging.getLogger(__name__)
 
@@ -382,9 +383,8 @@ def enable(pipe, *, offload: str = "none", mode: str = "reduce-overhead", backen
 
 
 def _denoiser(pipe) -> torch.nn.Module:
-    """The denoising component: the family's (our pipelines state it), else a plain diffusers UNet."""
-    fam = getattr(pipe, "family", None)
-    return getattr(pipe, fam.denoiser) if fam is not None else pipe.unet
+    """The denoising component of the pipeline's family (`unet`, or `transformer` for DiTs)."""
+    return getattr(pipe, family_of(pipe).denoiser)
 
 
 def disable(pipe) -> None:

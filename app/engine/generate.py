@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from PIL import Image, PngImagePlugin
 
-from app.families import FAMILIES, family
+from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext) -> str:
 
 
 def _scheduler_for(pipe, sampler: str):
-    fam = pipe.family
+    fam = family_of(pipe)
     if sampler not in fam.samplers:
         raise ValueError(f"{fam.label} has no sampler {sampler!r}; choose one of {', '.join(fam.samplers)}")
     cls, overrides = fam.samplers[sampler]
@@ -269,7 +269,7 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
-    fam = pipe.family
+    fam = family_of(pipe)
     _check_size(fam, params)
     pipe.scheduler = _scheduler_for(pipe, params.sampler)
     generators = [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(params.batch)]

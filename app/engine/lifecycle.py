@@ -310,7 +310,7 @@ class ModelLifecycle:
         loaded.compile = None
         if self._settings.compile and not loaded.stored:  # 8-bit weights widen in hooks: eager only
             loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self._device,
-                                             mode=self._settings.compile_mode,
+                                             mode=self._settings.compile_mode, backend=self._settings.compile_backend,
                                              cache_dir=self._settings.compile_cache_dir,
                                              # CUDA-graph trees are per thread: record them on the worker.
                                              background=self._settings.compile_mode == "default")

@@ -25,6 +25,7 @@ import logging  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable, Iterable, Iterator  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -38,13 +39,22 @@ from app.engine.part_choices import PartFiles  # noqa: E402
 from app.families import FAMILIES, family, family_of_pipeline  # noqa: E402
 from app.families.ldm_layout import UNET_PREFIX  # noqa: E402
 from app.paths import UnsafePathError, resolve_under, utf8_names  # noqa: E402
-from app.safetensors_files import SafetensorsFileError, file_sha256, read_header, read_shapes  # noqa: E402
+from app.safetensors_files import (  # noqa: E402
+    FileFacts,
+    FileIdentity,
+    SafetensorsFileError,
+    read_header,
+    read_shapes,
+)
 
 logger = logging.getLogger(__name__)
 
 # Tiny checkpoints (demo, tests) are not a standard architecture, and single files carry no config,
 # so they embed their component configs as JSON under CONFIGS_METADATA_KEY; real checkpoints do
 # not have it and get the bundled full-size configs.
+# Hashes and finite-weight verdicts of the checkpoints in a folder, kept beside them (a dot file, so
+# discovery skips it) and valid while a file's size and mtime are unchanged: see `FileFacts`.
+FACTS_FILE = ".steady-diffusion-facts.json"
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 _CONFIG_FILES = {
     "unet": "unet/config.json",
@@ -65,7 +75,8 @@ _OTHER_FORMATS: tuple[tuple[str, Callable[[str], bool]], ...] = (
         "a textual-inversion embedding (put it in embeddings/)",
         lambda k: k in ("emb_params", "clip_l", "clip_g") or k.startswith("string_to_param"),
     ),
-    ("SD3/SD3.5 (not supported)", lambda k: "joint_blocks." in k or k.startswith("text_encoders.")),
+    ("SD3/SD3.5 (not supported)", lambda k: "joint_blocks." in k),
+    ("part of a Flux transformer, missing the blocks a whole one has", lambda k: "double_blocks." in k),
     ("an SDXL refiner (not supported)", lambda k: k.startswith("conditioner.embedders.0.model.")),
     ("SD2.x, OpenCLIP ViT-H text encoder (not supported)", lambda k: k.startswith("cond_stage_model.model.")),
     ("a UNet without its text encoder (a full checkpoint is needed)", lambda k: k.startswith(UNET_PREFIX)),
@@ -74,12 +85,15 @@ _OTHER_FORMATS: tuple[tuple[str, Callable[[str], bool]], ...] = (
 )
 
 
+_SUPPORTED = "/".join(f.label for f in FAMILIES.values())
+
+
 class ModelLoadError(ValueError):
     """A checkpoint could not be found, was refused, or failed to load; the message names the file."""
 
 
 class UnknownArchitectureError(ModelLoadError):
-    """The file is valid but is not an SD1.5 or SDXL checkpoint."""
+    """The file is valid but is not a checkpoint of a supported family (app/families)."""
 
 
 class CheckpointNotFoundError(ModelLoadError):
@@ -119,7 +133,7 @@ class LoadedModel:
 
 
 def detect_architecture(keys: Iterable[str]) -> str:
-    """Return "sd15" or "sdxl" for single-file (LDM layout) keys; otherwise say what the file looks like.
+    """The family of a single file's keys ("sd15", "sdxl", "flux-dev", …); otherwise say what it looks like.
 
     Each architecture needs one marker key per component (UNet, every text encoder), so a partial
     file is not mistaken for a loadable one; foreign files are described for the user.
@@ -132,11 +146,11 @@ def detect_architecture(keys: Iterable[str]) -> str:
         example = next((k for k in sorted(keys) if matches(k)), None)
         if example is not None:
             raise UnknownArchitectureError(
-                f"not an SD1.5/SDXL checkpoint: looks like {description} ({example!r})"
+                f"not a {_SUPPORTED} checkpoint: looks like {description} ({example!r})"
             )
     samples = ", ".join(sorted(keys)[:5])
     raise UnknownArchitectureError(
-        f"not an SD1.5/SDXL checkpoint: unrecognised layout with {len(keys)} tensors (e.g. {samples})"
+        f"not a {_SUPPORTED} checkpoint: unrecognised layout with {len(keys)} tensors (e.g. {samples})"
     )
 
 
@@ -240,7 +254,13 @@ def weights_file(info: CheckpointInfo) -> Path:
 
 def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | None = None) -> LoadedModel:
     """Load a checkpoint on CPU in `dtype`, offline, with the safety checker off. `parts` names the
-    separate text-encoder/VAE files and folders a family that assembles single files reads."""
+    separate text-encoder/VAE files and folders a family that assembles single files reads.
+
+    Why loading is not slower than diffusers' own: the file's sha256 is computed on a helper thread
+    while diffusers builds the pipeline (hashlib and file reads release the GIL), and both the hash
+    and the finite-weights verdict are kept in the folder's `FACTS_FILE`, so only the first load of
+    a file reads it end to end; later loads leave the memory-mapped weights untouched, as diffusers does.
+    """
     weights = weights_file(info)
     if info.kind == "folder":
         if not weights.is_file():
@@ -259,20 +279,44 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | N
     if dtype == torch.float16 and not family(arch).fp16_ok:
         raise ModelLoadError(f"{info.name}: {family(arch).label} overflows in fp16 (activations beyond ±65504 "
                              "become Inf and the image black); use bf16, or fp32 on the CPU")
-    short_hash = file_sha256(weights)[:10]
+    facts = FileFacts(info.path.parent / FACTS_FILE)
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="sha256")
     try:
-        pipe = load(info, arch, dtype)
+        digest = hashing.submit(facts.sha256, weights)
+        pipe = _run_loader(load, info, arch, dtype)
+        pipe.family = family(arch)
+        _check_loaded(pipe, dtype, info.name)
+        _check_finite_once(facts, info, pipe, dtype)
+        short_hash = digest.result()[:10]
+    finally:
+        hashing.shutdown(wait=False, cancel_futures=True)  # a failed load does not wait for the hash
+    logger.info("loaded %s (%s, %s, %s)", info.name, arch, dtype, short_hash)
+    return LoadedModel(pipe=pipe, arch=arch, info=info, short_hash=short_hash, parts=parts or PartFiles())
+
+
+def _run_loader(load, info: CheckpointInfo, arch: str, dtype: torch.dtype):
+    try:
+        return load(info, arch, dtype)
     except ModelLoadError:
         raise
     except (component_files.MissingPartError, CheckpointShapeError, SafetensorsFileError) as exc:
         raise ModelLoadError(f"{info.name}: {exc}") from exc
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"{info.name}: diffusers failed to load it as {arch}: {exc}") from exc
-    pipe.family = family(arch)
-    _check_loaded(pipe, dtype, info.name)
+
+
+def _check_finite_once(facts: FileFacts, info: CheckpointInfo, pipe, dtype: torch.dtype) -> None:
+    """`check_finite_weights`, skipped for a checkpoint already verified in this dtype: the verdict
+    depends only on the weight files' contents (a folder's identity covers all its weight files)."""
+    if info.kind == "file":
+        identity = FileIdentity.of(info.path)
+    else:
+        identity = FileIdentity.of_folder(info.path, sorted(info.path.glob("*/*.safetensors")))
+    verified = facts.get(identity, "finite_dtypes") or []
+    if str(dtype) in verified:
+        return
     check_finite_weights(pipe, dtype, info.name)
-    logger.info("loaded %s (%s, %s, %s)", info.name, arch, dtype, short_hash)
-    return LoadedModel(pipe=pipe, arch=arch, info=info, short_hash=short_hash, parts=parts or PartFiles())
+    facts.put(identity, "finite_dtypes", sorted({*verified, str(dtype)}))
 
 
 def _pipeline_kwargs(arch: str, dtype: torch.dtype) -> dict[str, Any]:

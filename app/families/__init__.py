@@ -120,6 +120,13 @@ class Family:
     native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
 
     @property
+    def plain_pipeline_class(self) -> type:
+        """diffusers' own pipeline class for this family (files written with it load in any tool)."""
+        import diffusers
+
+        return getattr(diffusers, self.diffusers_pipeline)
+
+    @property
     def components(self) -> tuple[str, ...]:
         """The pipeline's `nn.Module` components an adapter may touch, the denoiser first."""
         return (self.denoiser, *(te.component for te in self.text_encoders))
@@ -189,6 +196,17 @@ def _folder_fits(fam: Family, folder: Path) -> bool:
         if any(found.get(k) != v for k, v in values.items()):
             return False
     return True
+
+
+def family_of(pipe) -> Family:
+    """The family of a pipeline: ours state it (`pipe.family`, set at load); a plain diffusers
+    pipeline (tests, benchmarks) is known by its class."""
+    stated = getattr(pipe, "family", None)
+    found = stated or next((family_of_pipeline(cls.__name__) for cls in type(pipe).__mro__
+                            if family_of_pipeline(cls.__name__) is not None), None)
+    if found is None:
+        raise ValueError(f"{type(pipe).__name__} is not a pipeline of a known family ({', '.join(FAMILIES)})")
+    return found
 
 
 def family(name: str) -> Family:
