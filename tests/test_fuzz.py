@@ -51,7 +51,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from app.adapters.errors import LoraApplyError
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, write_adapter
+from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, FLUX_TARGETS, write_adapter
 from app.demo import build_tiny_pipeline
 from app.diagnostics import set_debug_logging
 from app.engine import offload, placement, storage
@@ -60,8 +60,9 @@ from app.engine.worker import Engine, EngineState
 from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
 
-ARCHS = ("sd15", "sdxl")
-MODELS = {"sd15": "tiny-sd15.safetensors", "sdxl": "tiny-sdxl.safetensors"}
+ARCHS = ("sd15", "sdxl", "flux-dev")
+MODELS = {arch: f"tiny-{arch}.safetensors" for arch in ARCHS}
+TARGETS = {"sd15": DEFAULT_TARGETS, "sdxl": DEFAULT_TARGETS, "flux-dev": FLUX_TARGETS}
 # Strengths a slider or the API can send: zero, negative, above one, beyond the slider range.
 STRENGTHS = (0.0, 1.0, 0.5, -1.0, 1.1, 2.5, -0.3, 4.0)
 # (file stem suffix, algorithm, key layout, stored dtype): every algorithm once, plain LoRA in
@@ -88,29 +89,35 @@ ACTION_WEIGHTS = {
 WEIGHTED_ACTIONS = tuple(a for a, n in ACTION_WEIGHTS.items() for _ in range(n))
 
 
-def lora_names(arch: str) -> tuple[str, ...]:
-    return tuple(f"{arch}-{stem}" for stem, *_ in ADAPTERS)
-
-
 def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
     """A data folder with the demo checkpoints (hard links) and one adapter file per entry of
-    `ADAPTERS` and architecture, written against the same tiny pipelines the checkpoints hold."""
+    `ADAPTERS` and architecture, written against the same tiny pipelines the checkpoints hold
+    (Flux has no convolutions and no LDM names: the Tucker and LDM-named entries are left out)."""
     for sub in ("models/Stable-diffusion", "embeddings"):
         shutil.copytree(demo_dir / sub, target / sub, copy_function=os.link)
     lora_dir = target / "models" / "Lora"
     for arch in ARCHS:
         pipe = build_tiny_pipeline(arch)  # seed 0, like the demo checkpoints
+        targets = TARGETS[arch]
         for i, (stem, algo, layout, dtype) in enumerate(ADAPTERS):
+            if arch.startswith("flux") and ("tucker" in algo or layout == "kohya_ldm"):
+                continue
             # A cyclic window of the default targets: adapters overlap partly, as real ones do,
             # and each touches ~10 layers (re-fusing cost grows with layers × stacked adapters).
-            window = tuple(DEFAULT_TARGETS[(2 * i + k) % len(DEFAULT_TARGETS)] for k in range(5))
+            window = tuple(targets[(2 * i + k) % len(targets)] for k in range(5))
             kwargs = dict(seed=100 + i, alpha=2.0 if i % 2 else None, strength=0.5)
             path = lora_dir / f"{arch}-{stem}.safetensors"
             try:
                 write_adapter(path, pipe, arch, algo, layout, dtype, targets=window, **kwargs)
             except ValueError:  # the algorithm applies to no layer of that window (norm, Tucker)
-                write_adapter(path, pipe, arch, algo, layout, dtype, **kwargs)
+                write_adapter(path, pipe, arch, algo, layout, dtype, targets=targets, **kwargs)
     return target
+
+
+def lora_names(data_dir: Path, arch: str | None = None) -> tuple[str, ...]:
+    """The adapter files of the fuzz's data folder (those written for `arch`, or all)."""
+    names = sorted(p.stem for p in (data_dir / "models" / "Lora").glob("*.safetensors"))
+    return tuple(n for n in names if arch is None or n.startswith(f"{arch}-"))
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -271,13 +278,13 @@ class FuzzConfig:
             dtype = placement.dtype_name(placement.resolve_dtype(self.dtypes[0], torch.device(self.device)))
             eng = self.refs.engine(MODELS[arch], dtype)
             usable, refused = [], []
-            for name in lora_names("sd15") + lora_names("sdxl"):
+            for name in lora_names(self.data_dir):
                 try:
                     eng.inspect_lora(name)
                     usable.append(name)
                 except LoraApplyError:
                     refused.append(name)
-            assert set(lora_names(arch)) <= set(usable), refused
+            assert set(lora_names(self.data_dir, arch)) <= set(usable), refused
             self.usable[arch], self.refused[arch] = tuple(usable), tuple(refused)
 
 
@@ -437,8 +444,9 @@ class EngineMachine(RuleBasedStateMachine):
         tagged = data.draw(st.lists(st.sampled_from(self._usable()), unique=True, max_size=2), label="tags")
         tags = tuple(LoraSpec(n, weight=data.draw(st.sampled_from(STRENGTHS), label="tag weight")) for n in tagged)
         prompt = "a cat " + " ".join(f"<lora:{s.name}:{s.weight!r}>" for s in tags)
+        samplers = [s for s in SAMPLERS if s in family(self.arch).samplers]  # Flux: flow-match Euler only
         params = GenerateParams(prompt, steps=FUZZ_STEPS, width=64, height=64, cfg=5.0,
-                                sampler=data.draw(st.sampled_from(SAMPLERS), label="sampler"),
+                                sampler=data.draw(st.sampled_from(samplers), label="sampler"),
                                 seed=data.draw(st.integers(0, 2**32 - 1), label="seed"))
         if self.model is None:
             self._count("generate", expect_failure=True)
