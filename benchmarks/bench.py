@@ -57,7 +57,7 @@ from benchmarks.theirs import DiffusersSide
 from benchmarks.workload import prepare_model
 
 log = logging.getLogger("bench")
-PROXY_SECTIONS = ("load", "step", "reweight")
+PROXY_SECTIONS = ("load", "step", "reweight", "fp8")
 DEFAULT_PROXY_CACHE = Path.home() / ".cache" / "steady-diffusion-bench"
 
 

@@ -33,6 +33,7 @@ from benchmarks import stats
 from benchmarks.config import PROMPT, SEED
 from benchmarks.measure import abba, control_key
 from benchmarks.probe import spawn_load_probe
+from benchmarks.proxy_fp8 import fp8_section
 from benchmarks.proxy_steps import reweight_section, step_section
 from benchmarks.workload import lora_targets, single_file_numel, write_loras, write_random_single_file
 
@@ -50,7 +51,7 @@ class ProxyConfig:
 
     cache_dir: Path
     archs: tuple[str, ...] = ("sd15", "sdxl")
-    sections: tuple[str, ...] = ("load", "step", "reweight")
+    sections: tuple[str, ...] = ("load", "step", "reweight", "fp8")
     storage_dtype: str = "bf16"
     step_dtype: str = "fp32"
     resolution: int = 128
@@ -138,7 +139,7 @@ def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
     """Every section for every architecture, one model in memory at a time."""
     results = {"schema": SCHEMA, "config": {k: str(v) if isinstance(v, Path) else v
                                             for k, v in asdict(config).items()},
-               "env": env, "method": stats.METHOD, "models": {}, "load": [], "step": [], "reweight": []}
+               "env": env, "method": stats.METHOD, "models": {}, "load": [], "step": [], "reweight": [], "fp8": []}
     torch.set_num_threads(config.threads)
     for arch in config.archs:
         model = prepare(arch, config)
@@ -150,4 +151,6 @@ def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
             results["step"].append(step_section(model, config))
         if "reweight" in config.sections:
             results["reweight"].append(reweight_section(model, config))
+        if "fp8" in config.sections:
+            results["fp8"].append(fp8_section(model, config))
     return results

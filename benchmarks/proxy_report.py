@@ -56,8 +56,16 @@ def render(results: dict[str, Any]) -> str:
     lines += table(["arch", "dtype", "add 3 LoRAs ms", "re-weight ms (whole transition)", "of which patching ms"],
                     [[r["arch"], r["dtype"], f"{r['add_ms']:.0f}", _estimate(r["reweight_ms"], 0),
                       _estimate(r["patch_ms"], 0)] for r in results["reweight"] if "skipped" not in r])
+    lines += [f"## fp8 weight storage ({cfg['step_dtype']} compute, {cfg['resolution']}² px, three LoRAs as bypasses)",
+              ""]
+    lines += table(["arch", "resting GiB, all weights in the compute dtype", "resting GiB, fp8", "ratio",
+                    "layers in fp8"],
+                    [[s["arch"], f"{s['resting_gib']['full']:.2f}", f"{s['resting_gib']['fp8']:.2f}",
+                      f"{s['resting_ratio']:.2f}×", s["stored_layers"]] for s in results.get("fp8", [])
+                     if "skipped" not in s])
+    lines += table(header, _comparison_rows(results.get("fp8", [])))
     notes = _skipped(results["load"], "load") + _skipped(results["step"], "step")
-    notes += _skipped(results["reweight"], "re-weight")
+    notes += _skipped(results["reweight"], "re-weight") + _skipped(results.get("fp8", []), "fp8")
     notes += [f"- step {s['arch']}: no diffusers baseline, {s['baseline_note']}" for s in results["step"]
               if "skipped" not in s and s["baseline_note"]]
     return "\n".join(lines + (["## Not measured", "", *notes, ""] if notes else []))

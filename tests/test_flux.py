@@ -212,12 +212,13 @@ def test_flux_samplers_sizes_and_sequence_length(flux_engine):
         flux_engine.generate(GenerateParams("a cat", seed=1, **{**FAST_FLUX, "sampler": "Euler a"}))
 
 
-def test_every_offload_mode_on_flux(demo_dir, tmp_path):
+@pytest.mark.parametrize("rest_dtype", [None, "fp32"])
+def test_every_offload_mode_on_flux(demo_dir, tmp_path, rest_dtype):
     """All five modes with a LoRA on the transformer and CLIP-L: same image as `none` (fused vs
     bypass within rounding), no placement violation, each module carrying exactly its mode's hooks
-    (`group`: one per transformer block, T5's encoder stack whole). bf16 on the CPU. (Resting in
-    fp32 while computing in bf16 is not supported under `sequential` for T5 yet: its gated FFN casts
-    activations to `wo.weight`'s dtype before `wo`'s own stream-in hook runs.)"""
+    (`group`: one per transformer block, T5's encoder stack whole). bf16 on the CPU; with weights
+    resting in fp32 every move really casts (T5's gated FFN casts its activations to `wo.weight`'s
+    resting dtype before `wo` runs: `sequential` brings a streamed module's inputs to bf16)."""
     from hook_plan import actual_hooks, expected_hooks
 
     from app.adapters.specs import LoraSpec
@@ -225,7 +226,7 @@ def test_every_offload_mode_on_flux(demo_dir, tmp_path):
 
     for sub in ("models/Stable-diffusion", "models/Lora"):
         shutil.copytree(demo_dir / sub, tmp_path / sub, copy_function=os.link)
-    eng = Engine(Settings(data_dir=tmp_path, device="cpu"))
+    eng = Engine(Settings(data_dir=tmp_path, device="cpu", rest_dtype=rest_dtype))
     try:
         eng.load_model(f"tiny-{DEV}.safetensors", dtype="bf16")
         eng.set_loras([LoraSpec(f"demo-style-{DEV}", 1.0)])
@@ -239,7 +240,7 @@ def test_every_offload_mode_on_flux(demo_dir, tmp_path):
             assert np.abs(images - reference).mean() < 2.0, mode
             bypassed = set(eng.lora_stack.bypassed())
             assert actual_hooks(snap) == expected_hooks(eng.pipeline, mode, bypassed), mode
-            if offload.MODES[mode].streams_weights:
+            if offload.MODES[mode].streams_weights or (rest_dtype and offload.MODES[mode].moves_weights):
                 assert bypassed and eng.lora_stack._backups == {}, mode
     finally:
         eng.close()

@@ -163,15 +163,20 @@ class SequentialOffload(OffloadStrategy):
     def install(self) -> None:
         self._move_inputs_at_entry()
         for name, component in placement.torch_components(self.pipe).items():
-            compute = self.plan.components[name].compute
+            plan = self.plan.components[name]
+            # Resting in another dtype, a module's neighbours are still in it while it runs, and code
+            # that casts activations to a neighbour's dtype (T5's `.to(self.wo.weight.dtype)`) hands
+            # this module the resting dtype: its floating inputs are brought to the compute dtype.
+            cast = _inputs_to(plan.compute, True) if plan.rest.dtype != plan.compute.dtype else None
             for module in component.modules():
                 if module._parameters or module._buffers:
-                    self.hooks.add(module, ModelHook("offload.stream", pre=self._onload(compute),
+                    self.hooks.add(module, ModelHook("offload.stream", pre=self._onload(plan.compute, cast),
                                                      after=self._offload))
 
-    def _onload(self, compute: placement.Placement):
-        def pre_hook(module, _args, _kwargs):
+    def _onload(self, compute: placement.Placement, cast):
+        def pre_hook(module, args, kwargs):
             self._stashes[id(module)] = placement.stream_in(module, compute)
+            return None if cast is None else cast(module, args, kwargs)
         return pre_hook
 
     def _offload(self, module) -> None:
