@@ -220,11 +220,13 @@ def resolve_seed(seed: int) -> int:
     return random.randint(0, MAX_SEED) if seed == -1 else seed
 
 
-def infotext(params: GenerateParams, seed: int, ctx: RunContext) -> str:
-    """A1111-style `parameters` text (see `app.infotext`), so other tools and our PNG Info read it back."""
+def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tuple[str, object], ...] = ()) -> str:
+    """A1111-style `parameters` text (see `app.infotext`), so other tools and our PNG Info read it back.
+    `extra` holds a workflow's own pairs (`Denoising strength`, `Hires upscale`, …), written after
+    `Model` as A1111 writes them."""
     settings = [("Steps", params.steps), ("Sampler", params.sampler), ("CFG scale", f"{params.cfg:g}"),
                 ("Seed", seed), ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash),
-                ("Model", ctx.model_name)]
+                ("Model", ctx.model_name), *extra]
     loras = tuple(LoraUse(*entry) for entry in ctx.loras)
     return format_infotext(params.prompt, params.negative_prompt, settings, loras)
 
@@ -234,7 +236,8 @@ def _scheduler_for(pipe, sampler: str):
     return cls.from_config(pipe.scheduler.config, **overrides)
 
 
-def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
+def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
+    """Latents -> PIL images through the VAE on the execution device, in the VAE's compute dtype."""
     vae = pipe.vae
     # The execution device and the VAE's compute dtype, not its resting ones: under offload the
     # VAE rests on the CPU (maybe in a wider dtype) until its hooks bring it over. fp32 when it
@@ -257,6 +260,12 @@ def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
 StepCallback = Callable[[int, int, torch.Tensor], bool]
 
 
+def seed_generators(seed: int, count: int) -> list[torch.Generator]:
+    """One CPU generator per image, image i seeded with `seed + i`: the same seed gives the same image
+    whatever the batch position, device or offload mode."""
+    return [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(count)]
+
+
 def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None) -> list[Image.Image]:
     """Denoise and decode `params.batch` images; image i uses seed `seed + i`.
 
@@ -266,13 +275,21 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
+    return decode(pipe, denoise(pipe, params, seed, on_step, width=params.width, height=params.height))
+
+
+def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, total: int | None = None,
+            **inputs) -> torch.Tensor:
+    """The denoising loop of any of our pipelines (txt2img, or a stage pipeline given its `inputs`:
+    init latents, strength, mask); returns the latents. `total` is the number of steps the loop
+    really runs (an img2img pass runs `steps × strength`), for `on_step` and the NaN check."""
     pipe.scheduler = _scheduler_for(pipe, params.sampler)
-    generators = [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(params.batch)]
-    watch = _FiniteWatch(params.steps)
+    total = params.steps if total is None else total
+    watch = _FiniteWatch(total)
 
     def step_end(_pipe, step, _timestep, kwargs):
         watch.observe(step + 1, kwargs["latents"])
-        if on_step is not None and on_step(step + 1, params.steps, kwargs["latents"]):
+        if on_step is not None and on_step(step + 1, total, kwargs["latents"]):
             _pipe._interrupt = True
         return kwargs
 
@@ -284,15 +301,14 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
             negative_prompt=params.negative_prompt or None,
             num_inference_steps=params.steps,
             guidance_scale=params.cfg,
-            width=params.width,
-            height=params.height,
             num_images_per_prompt=params.batch,
-            generator=generators,
+            generator=seed_generators(seed, params.batch),
             output_type="latent",
             callback_on_step_end=step_end,
+            **inputs,
         ).images
     watch.settle()
-    return _decode(pipe, latents)
+    return latents
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

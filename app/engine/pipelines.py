@@ -5,6 +5,10 @@ the first component's device. Under our own offload hooks every component rests 
 between forwards, so that inference would say "cpu" and the first CUDA forward would meet CPU
 inputs. The engine sets `execution_device` from the placement plan instead, and `compute_dtypes`
 (what each component computes in, which a resting dtype need not be).
+
+The img2img and inpaint classes are the stage pipelines of `app/engine/stages.py`: built on the
+loaded pipeline's own component objects (never a copy, never a cast), handed the latents the
+engine encoded itself, so diffusers' own VAE encode (which casts the SDXL VAE in place) never runs.
 """
 
 from __future__ import annotations
@@ -13,7 +17,14 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    StableDiffusionImg2ImgPipeline,
+    StableDiffusionInpaintPipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLPipeline,
+)
 
 
 class _StatedExecutionDevice:
@@ -35,3 +46,19 @@ class SteadySDPipeline(_StatedExecutionDevice, StableDiffusionPipeline):
 class SteadySDXLPipeline(_StatedExecutionDevice, StableDiffusionXLPipeline):
     """SDXL pipeline whose execution device is set by the engine."""
 
+
+
+class SteadySDImg2ImgPipeline(_StatedExecutionDevice, StableDiffusionImg2ImgPipeline):
+    """SD1.5 img2img (and hires fix second pass) stage pipeline."""
+
+
+class SteadySDInpaintPipeline(_StatedExecutionDevice, StableDiffusionInpaintPipeline):
+    """SD1.5 inpaint stage pipeline (4- or 9-channel UNet)."""
+
+
+class SteadySDXLImg2ImgPipeline(_StatedExecutionDevice, StableDiffusionXLImg2ImgPipeline):
+    """SDXL img2img (and hires fix second pass) stage pipeline."""
+
+
+class SteadySDXLInpaintPipeline(_StatedExecutionDevice, StableDiffusionXLInpaintPipeline):
+    """SDXL inpaint stage pipeline (4- or 9-channel UNet)."""
