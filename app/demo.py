@@ -107,8 +107,9 @@ EMBEDDING_VECTORS = 2
 LoraWriter = Callable[[Path, object, str], None]
 
 
-def build_tiny_pipeline(arch: str, seed: int = 0):
+def build_tiny_pipeline(arch: str, seed: int = 0, unet_in_channels: int = 4):
     """A random-weight tiny pipeline on CPU in float32; the same seed gives the same weights.
+    `unet_in_channels=9` makes an inpainting checkpoint's UNet (latents + mask + masked-image latents).
 
     The global RNG is forked so building a pipeline does not disturb the caller's random state.
     """
@@ -118,7 +119,7 @@ def build_tiny_pipeline(arch: str, seed: int = 0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         components = {
-            "unet": UNet2DConditionModel(**configs["unet"]),
+            "unet": UNet2DConditionModel(**configs["unet"], in_channels=unet_in_channels),
             "vae": AutoencoderKL(**configs["vae"]),
         }
         for te in family(arch).text_encoders:
@@ -170,7 +171,8 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
     LoRA files are not written here: `app/adapters` owns their formats, so a caller passes
     `lora_writer(lora_dir, pipe, arch)`, called once per architecture with that tiny pipeline.
     Returns the written paths by name (`sd15_file`, `sd15_folder`, `sd15_embedding`, ... plus
-    `checkpoints_dir`, `lora_dir`, `embeddings_dir`).
+    `sd15_inpainting_file`, an inpainting checkpoint with a 9-channel UNet, and `checkpoints_dir`,
+    `lora_dir`, `embeddings_dir`).
     """
     settings = Settings(data_dir=Path(data_dir))
     paths = {
@@ -190,6 +192,8 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
         save_file(embedding_tensors(pipe, arch, seed), str(paths[f"{arch}_embedding"]))
         if lora_writer is not None:
             lora_writer(settings.lora_dir, pipe, arch)
+    paths["sd15_inpainting_file"] = settings.checkpoints_dir / "tiny-sd15-inpainting.safetensors"
+    write_single_file(build_tiny_pipeline("sd15", seed, unet_in_channels=9), "sd15", paths["sd15_inpainting_file"])
     return paths
 
 

@@ -72,11 +72,13 @@ def test_tiny_sdxl_keeps_the_real_structure_that_loaders_and_adapters_rely_on():
 
 
 def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
-    """The demo folder has both archs as single files and diffusers folders, and one embedding per arch."""
+    """The demo folder has both archs as single files and diffusers folders, an SD1.5 inpainting
+    checkpoint, and one embedding per arch."""
     checkpoints = demo_dir / "models" / "Stable-diffusion"
     names = [info.name for info in models.discover_checkpoints(checkpoints)]
     assert names == [
         "tiny-sd15-diffusers",
+        "tiny-sd15-inpainting.safetensors",
         "tiny-sd15.safetensors",
         "tiny-sdxl-diffusers",
         "tiny-sdxl.safetensors",

@@ -116,6 +116,11 @@ class ModelLifecycle:
     def plan(self) -> placement.PlacementPlan | None:
         return None if self._loaded is None else self._loaded.plan
 
+    @property
+    def stage_pipelines(self) -> dict[str, object]:
+        """The img2img/inpaint pipelines built on the loaded components so far."""
+        return {} if self._loaded is None else dict(self._loaded.stage_pipes)
+
     def facts(self) -> LoadedFacts | None:
         loaded = self._loaded
         if loaded is None:

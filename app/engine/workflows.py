@@ -81,6 +81,11 @@ class Workflows:
             raise ValueError("inpaint needs a mask: paint the area to repaint, or upload a mask")
         return self.img2img(params, [init_image], mask=mask, **options)
 
+    @property
+    def stage_pipelines(self) -> dict[str, object]:
+        """The stage pipelines on the loaded model, for tests (their weights must be the model's own)."""
+        return self._lifecycle.stage_pipelines
+
     # ------------------------------------------------------------------ the command (worker side)
     def _size_multiple(self) -> int:
         arch = self.snapshot().arch
