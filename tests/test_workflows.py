@@ -100,7 +100,7 @@ def test_the_workflow_sequence_is_clean_in_every_offload_mode(dtype_engine, arch
         snap = engine.snapshot()
         rows = snap.history[start:]
         assert all(row.outcome == "ok" and row.violations_found == 0 for row in rows), (mode, rows)
-        assert [r.command for r in rows if r.command in STAGES] == ["txt2img", *STAGES], mode
+        assert [r.command for r in rows if r.command in STAGES] == ["set_loras", *STAGES], mode
         assert snap.violations_found_total == 0 and placement.verify(engine.pipeline, engine.placement_plan) == []
         assert_shared_weights(engine)
     engine.set_offload("none")

@@ -6,7 +6,8 @@
               api_name="/set_loras")
     images, infotext, details = c.predict("a fox", "", "Euler a", 20, 7.0, 42, 512, 512, 1, api_name="/generate")
 
-Endpoints: generate, set_loras, set_offload, set_dtype, load_model, unload, set_debug,
+Endpoints: generate, img2img, inpaint, txt2img_hires (app/ui/workflow_api.py), set_loras, set_offload,
+set_dtype, load_model, unload, set_debug,
 list_models, list_loras, inspect_lora, snapshot, bug_report (the last one is the Diagnostics tab's button).
 These are independent of the UI layout (which can change freely) and never take `gr.State`,
 which `gradio_client` cannot send. Every name is validated against its folder; every failure
@@ -31,6 +32,7 @@ from app.ui.common import (
     specs_from_json,
     user_errors,
 )
+from app.ui.workflow_api import register_workflow_api
 
 
 def _change(ctx: UiContext, action: str, call) -> dict:
@@ -138,3 +140,4 @@ def register_api(ctx: UiContext) -> None:
     _debug_endpoint(ctx)
     _read_endpoints(ctx)
     _generate_endpoint(ctx)
+    register_workflow_api(ctx)
