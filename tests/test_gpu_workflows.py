@@ -13,13 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from PIL import Image
-from test_gpu_sequences import LORA, full_model  # noqa: F401 - the module-scoped model fixture
+from test_gpu_sequences import LORA, full_model, in_every_mode  # noqa: F401 - full_model: the fixture
 
 from app.adapters.specs import LoraSpec
 from app.engine.generate import GenerateParams
 from app.engine.stage_params import HiresParams
 from app.engine.worker import Engine
-from app.settings import OFFLOAD_CHOICES, Settings
 
 pytestmark = pytest.mark.gpu
 
@@ -50,23 +49,19 @@ def _sequence(engine: Engine, offloads: tuple[str, str, str]) -> list[np.ndarray
     return [np.asarray(im, dtype=np.int16) for im in images]
 
 
+def _shares_weights(engine: Engine) -> bool:
+    """Every stage pipeline's UNet holds the loaded UNet's tensors (data pointers), no copy."""
+    pointers = {p.data_ptr() for p in engine.pipeline.unet.parameters()}
+    return all({p.data_ptr() for p in stage.unet.parameters()} == pointers for stage in engine.stage_pipelines.values())
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_workflow_sequence_in_every_offload_mode(full_model, dtype):  # noqa: F811 - the fixture
     """Strict mode on CUDA: zero violations, all rows ok, stage pipelines on the loaded weights, and
     the same images in every mode (fp16 0.3, bf16 1.5 grey levels mean, as for txt2img)."""
     arch, data_dir = full_model
-    engine = Engine(Settings(data_dir=data_dir, device="cuda", dtype=dtype, strict=True))
-    try:
-        engine.load_model(f"full-{arch}")
-        runs = {mode: _sequence(engine, (mode, mode, mode)) for mode in OFFLOAD_CHOICES}
-        runs["switching"] = _sequence(engine, ("sequential", "group", "balanced"))
-        pointers = {p.data_ptr() for p in engine.pipeline.unet.parameters()}
-        shared = all({p.data_ptr() for p in stage.unet.parameters()} == pointers
-                     for stage in engine.stage_pipelines.values())
-        snap = engine.snapshot()
-    finally:
-        engine.unload()
-        engine.close()
+    runs, snap, shared = in_every_mode(data_dir, arch, dtype, _sequence,
+                                       {"switching": ("sequential", "group", "balanced")}, _shares_weights)
     assert snap.last_error is None and snap.violations_found_total == 0
     assert all(row.outcome == "ok" for row in snap.history)
     assert shared and {"hires upscale", "img2img encode", "inpaint encode"} <= {r.command for r in snap.history}
