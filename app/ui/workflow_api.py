@@ -98,7 +98,6 @@ def _outputs() -> list:
 
 def register_workflow_api(ctx: UiContext) -> None:
     """`/img2img`, `/inpaint`, `/txt2img_hires` on hidden components (see the module docstring)."""
-    n = len(BASE_FIELDS)
     with gr.Column(visible=False):
         base = _base_inputs()
         image = gr.Image(type="pil", label="init_image")
@@ -116,16 +115,27 @@ def register_workflow_api(ctx: UiContext) -> None:
         buttons = [gr.Button(name) for name in ("img2img", "inpaint", "txt2img_hires")]
         outputs = _outputs()
 
-    def img2img(*values, progress=PROGRESS):
-        return run_img2img(ctx, list(values[:n]), *values[n:], progress=progress, browser=False)
+    # Named parameters (not *values): gradio_client takes keyword arguments by these names.
+    def img2img(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
+                denoising_strength, resize_mode, progress=PROGRESS):
+        base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
+        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, progress=progress, browser=False)
 
-    def inpaint(*values, progress=PROGRESS):
-        if values[n + 3] is None:
+    def inpaint(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
+                denoising_strength, resize_mode, mask, mask_blur, inpainting_fill, inpainting_mask_invert,
+                progress=PROGRESS):
+        if mask is None:
             raise gr.Error("inpaint failed: a mask is required (white repaints)", print_exception=False)
-        return run_img2img(ctx, list(values[:n]), *values[n:], progress=progress, browser=False)
+        base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
+        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
+                           inpainting_mask_invert, progress=progress, browser=False)
 
-    def txt2img_hires(*values, progress=PROGRESS):
-        return run_hires(ctx, list(values[:n]), *values[n:], progress=progress, browser=False)
+    def txt2img_hires(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, hires_scale,
+                      hires_upscaler, hires_steps, denoising_strength, hires_sampler, hires_prompt,
+                      hires_negative_prompt, progress=PROGRESS):
+        base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
+        return run_hires(ctx, base, hires_scale, hires_upscaler, hires_steps, denoising_strength, hires_sampler,
+                         hires_prompt, hires_negative_prompt, progress=progress, browser=False)
 
     common = dict(concurrency_id="loras")
     buttons[0].click(img2img, [*base, image, strength, resize], outputs, api_name="img2img", **common,
