@@ -194,7 +194,7 @@ def test_a_misplaced_carried_tensor_is_found_and_repaired(engine):
 def test_an_inpainting_checkpoint_inpaints_and_runs_img2img_as_a_full_mask(engine):
     """The 9-channel demo checkpoint: inpaint feeds it the mask and the masked-image latents;
     img2img runs as inpaint with the whole picture masked (A1111's way). Outside the mask the
-    pixels are the original's exactly (the overlay)."""
+    pixels are the original's exactly (the overlay). txt2img and hires fix refuse it by name."""
     snap = engine.load_model("tiny-sd15-inpainting.safetensors")
     assert engine.pipeline.unet.config.in_channels == 9 and snap.arch == "sd15"
     image = Image.new("RGB", (64, 64), (40, 120, 200))
@@ -202,3 +202,20 @@ def test_an_inpainting_checkpoint_inpaints_and_runs_img2img_as_a_full_mask(engin
     assert (painted[:8] == np.asarray(image)[:8]).all() and (painted[24:40, 24:40] != (40, 120, 200)).any()
     assert engine.img2img(PARAMS, [image], denoising_strength=0.8)[0].image.size == (64, 64)
     assert all(row.outcome == "ok" for row in engine.snapshot().history)
+    for call in (lambda: engine.generate(PARAMS), lambda: engine.generate(PARAMS, hires=HIRES)):
+        with pytest.raises(ValueError, match="this is an inpainting checkpoint"):
+            call()
+    assert engine.snapshot().state == "READY"
+
+
+def test_a_real_inpainting_single_file_gets_a_nine_channel_unet_config():
+    """A full-size SD1.5 inpainting file carries no config: its first UNet conv's 9 input channels
+    (read from the header) replace the bundled 4, and a regular file keeps the bundled config."""
+    from app.engine.models import unet_channel_override
+    from app.families import family
+    from app.families.ldm_layout import UNET_PREFIX
+
+    key, config_dir = UNET_PREFIX + "input_blocks.0.0.weight", family("sd15").config_dir
+    override = unet_channel_override(config_dir, {key: (320, 9, 3, 3)})
+    assert override["unet"]["in_channels"] == 9 and override["unet"]["out_channels"] == 4
+    assert unet_channel_override(config_dir, {key: (320, 4, 3, 3)}) == {}

@@ -352,8 +352,10 @@ class ModelLifecycle:
     # ------------------------------------------------------------------ generation
     def denoise(self, params: GenerateParams, seed: int, on_step: Callable[[int, int], None]) -> list:
         """Run one generation; afterwards every component is back at its resting placement."""
-        return self.run_on_model(lambda pipe: generate.run(pipe, params, seed, on_step),
-                                 f"{params.batch}x{params.width}x{params.height}")
+        def txt2img(pipe):
+            stages.check_txt2img(pipe)
+            return generate.run(pipe, params, seed, on_step)
+        return self.run_on_model(txt2img, f"{params.batch}x{params.width}x{params.height}")
 
     def run_on_model(self, work: Callable[[object], object], size: str, stage: str | None = None):
         """`work(pipeline)` (the loaded pipeline, or the `stage` pipeline on its components); afterwards

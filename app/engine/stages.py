@@ -69,6 +69,14 @@ class Carry:
         return len(found)
 
 
+def check_txt2img(pipe) -> None:
+    """txt2img denoises bare latents: an inpainting checkpoint's UNet (9 input channels) would be fed
+    9-channel noise and fail deep in the scheduler. Refused by name instead."""
+    if pipe.unet.config.in_channels != pipe.vae.config.latent_channels:
+        raise ValueError(f"this is an inpainting checkpoint (its UNet takes {pipe.unet.config.in_channels} channels): "
+                         "use it on the img2img tab (img2img or inpaint), or load a regular checkpoint for txt2img")
+
+
 def stage_pipeline(pipe, fam, kind: str):
     """The family's `kind` pipeline on `pipe`'s components (the same objects: no weight is copied or
     cast). The scheduler is a fresh copy, because pipeline constructors may rewrite an old

@@ -141,6 +141,7 @@ class Workflows:
         second = hires.second_pass(params, self._size_multiple())
 
         def first_pass():
+            stages.check_txt2img(self._lifecycle.pipeline)
             stripped = self._with_loras(params, passes)
             latents, stopped = self._denoise_run(params.steps, job, f"first pass, {phase}", lambda on_step: (
                 self._lifecycle.run_on_model(lambda pipe: generate.denoise(
