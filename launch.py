@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="environment variable holding user:password (one per line); unlike --auth not shown by ps")
     p.add_argument("--no-auth", action="store_true",
                    help="allow --share/--listen without a password (otherwise one is generated)")
+    p.add_argument("--api", action="store_true",
+                   help="serve the A1111 API (/sdapi/v1) even when the app is reachable without a login; it is on "
+                        "by default on 127.0.0.1 and behind a login")
+    p.add_argument("--api-auth", action="append", default=[], metavar="USER:PASS[,USER:PASS]",
+                   help="separate logins (HTTP basic) for the A1111 API, as A1111's --api-auth; default: the UI's")
     p.add_argument("--queue-size", type=int, default=Settings.queue_size,
                    help="requests that may wait in the queue, all users together")
     p.add_argument("--session-queue-size", type=int, default=Settings.session_queue_size,
@@ -114,6 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         slider_min=min(args.slider_range), slider_max=max(args.slider_range),
         listen=args.listen, port=args.port, share=args.share,
         auth=parse_auth(args.auth, args.auth_file, args.auth_env), no_auth=args.no_auth,
+        api=args.api, api_auth=parse_auth([pair for arg in args.api_auth for pair in arg.split(",")], None),
         queue_size=args.queue_size, session_queue_size=args.session_queue_size,
         max_upload_mib=args.max_upload_mib, lora_cache_mib=args.lora_cache_mib,
     )

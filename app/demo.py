@@ -1,9 +1,11 @@
-"""Tiny random-weight SD1.5 / SDXL pipelines and a demo data folder in the A1111 layout.
+"""Tiny random-weight SD1.5 / SDXL / FLUX.1 pipelines and a demo data folder in the A1111 layout.
 
 Used by tests (session fixtures) and by `launch.py` so a fresh install shows a working app without
 downloading anything. The tiny models keep the real architectures' structure (LDM naming, SDXL's
-two text encoders and text_time embedding, the real VAE scaling factors and upcast flag) so every
-loader path — single file and diffusers folder — is exercised, at a size that runs on two CPU cores.
+two text encoders and text_time embedding, the real VAE scaling factors and upcast flag; Flux's
+double and single blocks, CLIP-L + T5 with the real T5 vocabulary, the 16-channel VAE with its
+shift) so every loader path — single file and diffusers folder — is exercised, at a size that runs
+on two CPU cores. A Flux single file is written in the ComfyUI/Forge all-in-one layout.
 PyTorch's default initialisation already gives structured, prompt-dependent images at this size
 (tests check it), so no weight rescaling is applied.
 
@@ -23,22 +25,12 @@ from pathlib import Path  # noqa: E402
 
 import diffusers  # noqa: E402
 import torch  # noqa: E402
-from diffusers import (  # noqa: E402
-    AutoencoderKL,
-    StableDiffusionPipeline,
-    StableDiffusionXLPipeline,
-    UNet2DConditionModel,
-)
+from diffusers import AutoencoderKL  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from transformers import CLIPTextConfig  # noqa: E402
 
 from app.engine.models import CONFIGS_METADATA_KEY  # noqa: E402
 from app.families import FAMILIES, family  # noqa: E402
-from app.families.ldm_layout import to_ldm_state_dict  # noqa: E402
 from app.settings import Settings  # noqa: E402
-
-# Plain diffusers classes, so the written folders load in any diffusers-based tool.
-DIFFUSERS_CLASSES = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 
 ARCHS = tuple(FAMILIES)
 _TIME_EMBED_DIM = 8
@@ -102,33 +94,47 @@ TINY_CONFIGS = {
         "text_encoder_2": _TEXT_G,
     },
 }
+# Flux: two double and two single blocks (so block numbering and `group` offload see lists), heads
+# 2 x 8 with rope axes summing to 8, the real 16 latent channels (in_channels = 16 x 2 x 2 patches).
+_T5 = dict(vocab_size=32128, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+           relative_attention_num_buckets=32, relative_attention_max_distance=128, is_encoder_decoder=False,
+           use_cache=False, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+_FLUX = dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=8,
+             num_attention_heads=2, joint_attention_dim=_T5["d_model"], pooled_projection_dim=_TEXT_L["hidden_size"],
+             axes_dims_rope=(2, 2, 4))
+_FLUX_VAE = dict(_VAE, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                 use_post_quant_conv=False, force_upcast=True)
+for _name, _dev in (("flux-dev", True), ("flux-schnell", False)):
+    TINY_CONFIGS[_name] = {"transformer": dict(_FLUX, guidance_embeds=_dev), "vae": _FLUX_VAE,
+                           "text_encoder": _TEXT_L, "text_encoder_2": _T5}
 EMBEDDING_VECTORS = 2
 
 LoraWriter = Callable[[Path, object, str], None]
 
 
-def build_tiny_pipeline(arch: str, seed: int = 0, unet_in_channels: int = 4):
+def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None):
     """A random-weight tiny pipeline on CPU in float32; the same seed gives the same weights.
-    `unet_in_channels=9` makes an inpainting checkpoint's UNet (latents + mask + masked-image latents).
+    `in_channels=9` makes an inpainting checkpoint's UNet (latents + mask + masked-image latents).
 
     The global RNG is forked so building a pipeline does not disturb the caller's random state.
     """
     if arch not in TINY_CONFIGS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    configs = TINY_CONFIGS[arch]
+    configs, fam = TINY_CONFIGS[arch], family(arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         components = {
-            "unet": UNet2DConditionModel(**configs["unet"], in_channels=unet_in_channels),
+            fam.denoiser: fam.denoiser_class(**configs[fam.denoiser],
+                                              **({} if in_channels is None else {"in_channels": in_channels})),
             "vae": AutoencoderKL(**configs["vae"]),
         }
-        for te in family(arch).text_encoders:
-            components[te.component] = te.model_class(CLIPTextConfig(**configs[te.component]))
-    fam = family(arch)
+        for te in fam.text_encoders:
+            components[te.component] = te.model_class(te.config_class(**configs[te.component]))
     index = json.loads((fam.config_dir / "model_index.json").read_text())
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
     components["scheduler"] = scheduler_cls.from_pretrained(fam.config_dir, subfolder="scheduler")
-    pipe = DIFFUSERS_CLASSES[arch](**components, **fam.tokenizers(), **fam.pipeline_kwargs)
+    # Plain diffusers classes, so the written folders load in any diffusers-based tool.
+    pipe = fam.plain_pipeline_class(**components, **fam.tokenizers(), **fam.pipeline_kwargs)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.eval()
@@ -137,7 +143,7 @@ def build_tiny_pipeline(arch: str, seed: int = 0, unet_in_channels: int = 4):
 
 def component_configs(pipe, arch: str) -> dict[str, dict]:
     """The model components' configs as JSON objects (what a tiny single file embeds)."""
-    names = ["unet", "vae", *(te.component for te in family(arch).text_encoders)]
+    names = [*family(arch).components, "vae"]
     configs = {}
     for name in names:
         module = getattr(pipe, name)
@@ -148,9 +154,10 @@ def component_configs(pipe, arch: str) -> dict[str, dict]:
 
 
 def write_single_file(pipe, arch: str, path: Path) -> None:
-    """Save in the LDM single-file layout with the component configs embedded in the metadata."""
+    """Save in the family's single-file layout (LDM for SD, the all-in-one for Flux) with the
+    component configs embedded in the metadata."""
     metadata = {"format": "pt", CONFIGS_METADATA_KEY: json.dumps(component_configs(pipe, arch))}
-    save_file(to_ldm_state_dict(pipe, family(arch)), str(path), metadata=metadata)
+    save_file(family(arch).single_file_state(pipe), str(path), metadata=metadata)
 
 
 def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -193,7 +200,7 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
         if lora_writer is not None:
             lora_writer(settings.lora_dir, pipe, arch)
     paths["sd15_inpainting_file"] = settings.checkpoints_dir / "tiny-sd15-inpainting.safetensors"
-    write_single_file(build_tiny_pipeline("sd15", seed, unet_in_channels=9), "sd15", paths["sd15_inpainting_file"])
+    write_single_file(build_tiny_pipeline("sd15", seed, in_channels=9), "sd15", paths["sd15_inpainting_file"])
     return paths
 
 

@@ -155,7 +155,7 @@ def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), se
         "memory_timeline": engine.timeline.snapshot() if engine is not None else [],
         "log": list(log_lines),
     }
-    all_secrets = [pw for _user, pw in settings.auth] + list(secrets)
+    all_secrets = [pw for _user, pw in (*settings.auth, *settings.api_auth)] + list(secrets)
     return redact(report, all_secrets, data_dir=str(settings.data_dir))
 
 

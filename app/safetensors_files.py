@@ -3,15 +3,25 @@
 Every file the app opens goes through `read_header` first, so a zero-byte, truncated, lying or
 renamed-pickle file is refused with a message that says which of those it is — before any
 loader sees it, and without ever unpickling anything.
+
+Reading a multi-GB checkpoint end to end (its sha256, a check of every weight) costs seconds on
+every load, more than loading it: `FileFacts` keeps such results per file while its size and
+modification time stay the same — the rule A1111 applies to its hash cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import logging
 import math
+import os
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,6 +33,8 @@ from safetensors import SafetensorError, safe_open
 # and black images with no error. What can still overflow an fp16 weight when fused is caught
 # during sampling (`NonFiniteLatentsError`).
 MAX_ABS_VALUE = float(torch.finfo(torch.float16).max)
+
+logger = logging.getLogger(__name__)
 
 
 class SafetensorsFileError(ValueError):
@@ -87,3 +99,94 @@ def file_sha256(path: Path) -> str:
         while chunk := handle.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What says a file's contents are unchanged without reading them: resolved path, size, mtime."""
+
+    path: str
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileIdentity:
+        resolved = Path(path).resolve()
+        stat = resolved.stat()
+        return cls(str(resolved), stat.st_size, stat.st_mtime_ns)
+
+    @classmethod
+    def of_folder(cls, folder: Path, files: list[Path]) -> FileIdentity:
+        """A folder of weight files (a diffusers model) as one: total size, newest mtime, so changing
+        any of its files changes the identity."""
+        stats = [f.stat() for f in files]
+        return cls(str(Path(folder).resolve()), sum(s.st_size for s in stats),
+                   max((s.st_mtime_ns for s in stats), default=0))
+
+
+class FileFacts:
+    """Facts about files' contents (a sha256, the dtypes their weights were verified finite in), valid
+    while a file's `FileIdentity` holds; a changed size or mtime drops all of that file's facts.
+
+    Kept in `store`, a small JSON file rewritten atomically after each new fact, so they survive a
+    restart; None keeps them in memory only. The store is only a cache: an unreadable one is started
+    afresh and one that cannot be written is reported once, and in both cases the fact is computed
+    again next time. Thread-safe: a background hash and the loader may record facts concurrently.
+    """
+
+    VERSION = 1
+
+    def __init__(self, store: Path | None) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._files: dict[str, dict[str, Any]] = self._read()
+        self._write_failed = False
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        if self._store is None or not self._store.is_file():
+            return {}
+        try:
+            data = json.loads(self._store.read_text())
+        except (OSError, ValueError) as exc:
+            logger.warning("file facts cache %s unreadable (%s); starting a new one", self._store, exc)
+            return {}
+        files = data.get("files") if isinstance(data, dict) and data.get("version") == self.VERSION else None
+        return files if isinstance(files, dict) else {}
+
+    def _entry(self, identity: FileIdentity) -> dict[str, Any] | None:
+        entry = self._files.get(identity.path)
+        valid = isinstance(entry, dict) and (entry.get("size"), entry.get("mtime_ns")) == (identity.size,
+                                                                                          identity.mtime_ns)
+        return entry if valid else None
+
+    def get(self, identity: FileIdentity, fact: str) -> Any:
+        entry = self._entry(identity)
+        return None if entry is None else entry.get(fact)
+
+    def put(self, identity: FileIdentity, fact: str, value: Any) -> None:
+        with self._lock:
+            entry = self._entry(identity)
+            if entry is None:
+                entry = self._files[identity.path] = {"size": identity.size, "mtime_ns": identity.mtime_ns}
+            entry[fact] = value
+            self._write()
+
+    def _write(self) -> None:
+        if self._store is None or self._write_failed:
+            return
+        tmp = self._store.with_name(f"{self._store.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"version": self.VERSION, "files": self._files}, indent=1))
+            tmp.replace(self._store)
+        except OSError as exc:  # a read-only model folder: the facts are recomputed on the next load
+            self._write_failed = True
+            logger.warning("cannot write the file facts cache %s (%s); hashes will be recomputed", self._store, exc)
+
+    def sha256(self, path: Path) -> str:
+        """The file's sha256: from the facts when its identity is unchanged, else read and recorded."""
+        identity = FileIdentity.of(path)
+        digest = self.get(identity, "sha256")
+        if digest is None:
+            digest = file_sha256(path)
+            self.put(identity, "sha256", digest)
+        return digest

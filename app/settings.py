@@ -16,6 +16,9 @@ from app.adapters.specs import MAX_STRENGTH
 from app.engine.offload import MODES
 
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
+# "inductor" is the real compiled path (CUDA); "eager"/"aot_eager" run the same dispatch and counting
+# on the CPU in seconds (the benchmark's smoke mode and tests).
+COMPILE_BACKENDS = ("inductor", "eager", "aot_eager")
 OFFLOAD_CHOICES = tuple(MODES)  # the one table of offload modes lives beside their strategies
 
 
@@ -54,12 +57,15 @@ class Settings:
     rest_dtype: str | None = None
     weights: str = "full"  # "fp8": large weights rest in 8 bits, computed in the compute dtype
     preview_every: int = 4  # steps between live previews of the latents while denoising (0: none)
+    compile_backend: str = "inductor"
     # serving
     listen: bool = False
     port: int = 7860
     share: bool = False
     auth: tuple[tuple[str, str], ...] = ()
     no_auth: bool = False
+    api: bool = False  # serve the A1111 API even when the app is reachable without a login
+    api_auth: tuple[tuple[str, str], ...] = ()  # logins for the A1111 API only (else the UI's)
     queue_size: int = 64  # requests waiting in the app's queue, all sessions together
     session_queue_size: int = 8  # requests one browser tab or client may have pending
     max_upload_mib: int = 16
@@ -69,6 +75,8 @@ class Settings:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.compile_mode not in ("reduce-overhead", "default"):
             raise ValueError(f"compile_mode must be reduce-overhead or default, got {self.compile_mode!r}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS}, got {self.compile_backend!r}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}")
         if self.weights not in ("full", "fp8"):
@@ -102,6 +110,21 @@ class Settings:
         return self.data_dir / "embeddings"
 
     @property
+    def text_encoder_dir(self) -> Path:
+        """Separate text-encoder files (Flux: `clip_l.safetensors`, `t5xxl_fp16.safetensors`), Forge's folder."""
+        return self.data_dir / "models" / "text_encoder"
+
+    @property
+    def vae_dir(self) -> Path:
+        """Separate VAE files (Flux: `ae.safetensors`), A1111's and Forge's folder."""
+        return self.data_dir / "models" / "VAE"
+
+    @property
+    def part_choices_file(self) -> Path:
+        """Which text-encoder/VAE file each checkpoint uses, remembered per checkpoint."""
+        return self.data_dir / "part-choices.json"
+
+    @property
     def outputs_dir(self) -> Path:
         return self.data_dir / "outputs"
 
@@ -115,7 +138,8 @@ class Settings:
 
     def public_dict(self) -> dict:
         """Settings safe to publish in a bug report: credentials are reduced to a count."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "auth"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("auth", "api_auth")}
         out["data_dir"] = str(self.data_dir)
         out["auth_users"] = len(self.auth)
+        out["api_auth_users"] = len(self.api_auth)
         return out

@@ -21,8 +21,10 @@ def _blocks(component: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def expected_hooks(pipe, mode: str, bypassed: set[Where] = frozenset()) -> dict[Where, tuple[str, ...]]:
-    """{(component, module): hook names in run order} for `mode`, with LoRA bypasses on `bypassed`."""
+def expected_hooks(pipe, mode: str, bypassed: set[Where] = frozenset(),
+                   stored: set[Where] = frozenset()) -> dict[Where, tuple[str, ...]]:
+    """{(component, module): hook names in run order} for `mode`, with LoRA bypasses on `bypassed`
+    and 8-bit weights widened (`quant.dequant`) on `stored`."""
     want: dict[Where, list[str]] = {}
     for comp, component in torch_components(pipe).items():
         if mode != "none":
@@ -38,6 +40,8 @@ def expected_hooks(pipe, mode: str, bypassed: set[Where] = frozenset()) -> dict[
         elif mode == "group":
             for path, _block in _blocks(component):
                 want.setdefault((comp, path), []).append("offload.stream")
+    for where in stored:
+        want.setdefault(where, []).append("quant.dequant")
     for where in bypassed:
         want.setdefault(where, []).append("lora.bypass")
     return {where: tuple(names) for where, names in want.items()}

@@ -1,8 +1,9 @@
-"""The benchmark (`python -m app.bench`, implemented in `benchmarks/bench.py`).
+"""The benchmark (`python -m app.bench`, implemented in the `benchmarks` package).
 
 A GPU run takes minutes on an H100 and cannot run here, so the CPU smoke mode runs the very same
 code on tiny models and these tests check what a GPU run will write: the JSON schema (medians,
-ratios, per-row peak VRAM fields, TFLOP per step, acceptance), the Markdown table and the PNG chart.
+ratios with intervals, control spreads and verdicts, thread CPU time, TFLOP per step, acceptance),
+the Markdown table and the PNG chart; and the measuring pieces the CPU proxies share with it.
 """
 
 from __future__ import annotations
@@ -15,22 +16,19 @@ import torch
 from PIL import Image
 
 from app import bench as app_bench
+from benchmarks import config, measure, probe, stats
 
 ROW_KEYS = {
     "id", "section", "arch", "resolution", "batch", "steps", "offload", "loras", "ours", "baseline",
-    "tflop_per_step", "ratio", "note",
+    "tflop_per_step", "ratio", "ratio_interval", "control_spread", "verdict", "cpu_ratio", "cpu_verdict", "note",
     *(f"{side}_{field}" for side in ("ours", "baseline")
-      for field in ("its", "its_runs", "gen_s", "peak_vram_torch_gib", "peak_vram_nvml_gib", "peak_fraction")),
+      for field in ("its", "its_runs", "cpu_ms", "cpu_ms_runs", "gen_s", "vram_transient_gib", "peak_fraction")),
 }
+VERDICTS = {"no difference", "ours better", "ours worse", "not measured"}
 
 
 @pytest.fixture(scope="module")
-def bench():
-    return app_bench.load()
-
-
-@pytest.fixture(scope="module")
-def smoke(bench, tmp_path_factory):
+def smoke(tmp_path_factory):
     """One smoke run (SD1.5 only, to keep the test short; SDXL takes the same code paths)."""
     out = tmp_path_factory.mktemp("bench")
     assert app_bench.main(["--smoke", "--archs", "sd15", "--out", str(out)]) == 0
@@ -38,18 +36,21 @@ def smoke(bench, tmp_path_factory):
 
 
 def test_smoke_run_writes_json_markdown_and_chart(smoke):
-    """One run writes <stem>.json, a Markdown table with the ratio column and a PNG bar chart."""
+    """One run writes <stem>.json, a Markdown table with ratio, control and verdict columns and a PNG."""
     out, results = smoke
-    assert results["schema"] == "steady-diffusion-bench/1" and results["mode"] == "smoke"
+    assert results["schema"] == "steady-diffusion-bench/2" and results["mode"] == "smoke"
+    assert "order statistics" in results["method"]
     markdown = (out / "smoke-sd15.md").read_text()
-    assert "| ratio |" in markdown and "## Acceptance" in markdown and "Smoke run" in markdown
+    assert "| ratio |" in markdown and "| control spread |" in markdown and "## Acceptance" in markdown
+    assert "Smoke run" in markdown
     with Image.open(out / "smoke-sd15.png") as chart:
         assert chart.format == "PNG" and chart.width > 400 and chart.height > 100
 
 
-def test_every_section_has_rows_with_medians_and_ratios(smoke):
-    """Rows pair ours with a baseline: median it/s of the repeats, ratio = ours/baseline, or no ratio
-    and a reason when the baseline cannot run (no peft / no CUDA here)."""
+def test_every_section_has_rows_with_paired_ratios_and_a_control(smoke):
+    """Rows pair ours with a baseline measured in the same ABBA rounds: medians of the rounds, the
+    ratio as the median of per-round ratios with its interval, the pool's control spread and a
+    verdict; or no ratio and a reason when the baseline cannot run (no CUDA here)."""
     _out, results = smoke
     rows = results["rows"]
     assert {r["section"] for r in rows} == {"throughput", "offload", "compile"}
@@ -58,68 +59,132 @@ def test_every_section_has_rows_with_medians_and_ratios(smoke):
     repeats = results["config"]["repeats"]
     for row in rows:
         assert ROW_KEYS <= row.keys(), row["id"]
-        assert len(row["ours_its_runs"]) == repeats and row["ours_its"] > 0
+        assert len(row["ours_its_runs"]) == len(row["ours_cpu_ms_runs"]) == repeats and row["ours_its"] > 0
         assert row["ours_its"] == pytest.approx(statistics.median(row["ours_its_runs"]))
+        assert row["verdict"] in VERDICTS and row["control_spread"][0] <= 1 <= row["control_spread"][1]
         if row["baseline_its"] is None:
-            assert row["ratio"] is None and row["note"], row["id"]
-        else:
-            assert row["ratio"] == pytest.approx(row["ours_its"] / row["baseline_its"])
+            assert row["ratio"] is None and row["note"] and row["verdict"] == "not measured", row["id"]
+            continue
+        pairs = [o / b for o, b in zip(row["ours_its_runs"], row["baseline_its_runs"], strict=True)]
+        assert row["ratio"] == pytest.approx(statistics.median(pairs))
+        assert row["ratio_interval"][0] <= row["ratio"] <= row["ratio_interval"][1]
+        assert row["cpu_ratio"] > 0 and row["cpu_verdict"] in VERDICTS
     assert any(r["ratio"] is not None and r["baseline"] == "diffusers" for r in rows)
-    # Ratios between our own configurations come from round-robin repeats, so both sides exist.
-    for row in rows:
-        if row["baseline"] in ("ours no LoRA", "ours offload none"):
-            assert len(row["baseline_its_runs"]) == repeats, row["id"]
 
 
-def test_rows_record_peak_vram_fields_and_the_physical_limit(smoke):
-    """Every row carries torch and NVML peak VRAM (None on the CPU) and UNet TFLOP per step; the
-    fraction of the bf16 peak is None without a known GPU peak."""
+def test_rows_record_vram_and_the_physical_limit(smoke):
+    """VRAM fields exist and are None on the CPU (transient per row, isolated per side in the load
+    row); UNet TFLOP per step is counted; the fraction of the bf16 peak needs a known GPU peak."""
     _out, results = smoke
     assert results["models"]["sd15"]["tflop_per_step"]["1"] > 0
     for row in results["rows"]:
-        assert row["tflop_per_step"] > 0
-        assert row["ours_peak_vram_torch_gib"] is None and row["ours_peak_vram_nvml_gib"] is None
+        assert row["tflop_per_step"] > 0 and row["ours_vram_transient_gib"] is None
         assert row["ours_peak_fraction"] is None
+    (load,) = results["load"]
+    assert set(load["memory"]) == {"ours", "diffusers"}
+    assert all(v is None for side in load["memory"].values() for v in side.values())
     assert results["env"]["peak_bf16_tflops"] is None and results["env"]["gpu_slug"] == "cpu"
 
 
 def test_latency_load_compile_and_acceptance(smoke):
-    """LoRA add/re-weight/remove latency and load time are medians in ms/s; the compiled path reports
-    zero recompiles across LoRA changes that all reached the output; acceptance lists each target."""
+    """LoRA add/re-weight/remove latency and load time are medians with a control; the compiled
+    engine's rows exist; acceptance lists each target, passing a ratio inside the control's spread."""
     _out, results = smoke
     assert {r["op"] for r in results["latency"]} == {"add", "reweight", "remove"}
-    assert all(r["ours_ms"] > 0 for r in results["latency"])
-    assert all(0 < r["ours_patch_ms"] < r["ours_ms"] for r in results["latency"])
+    assert all(r["ours_ms"] > 0 and 0 < r["ours_patch_ms"] < r["ours_ms"] for r in results["latency"])
+    assert all(r["control_spread"] and r["verdict"] in VERDICTS for r in results["latency"])
     (load,) = results["load"]
-    assert load["ours_s"] > 0 and load["baseline_s"] > 0 and load["ratio"] > 0
+    assert load["ours_s"] > 0 and load["baseline_s"] > 0 and load["ratio"] > 0 and load["ours_first_s"] > 0
+    assert len(load["ours_s_runs"]) == results["config"]["load_repeats"]
     (info,) = results["compile"]
-    assert info["compiles_after_warm"] >= 1 and info["recompiles_during_lora_ops"] == 0
-    assert info["lora_changes_reached_output"] is True and info["first_compile_s"] > 0
-    checks = {c["check"] for c in results["acceptance"]}
+    assert info["recompiles_during_lora_ops"] == 0 and info["lora_changes_reached_output"] is True
+    checks = {c["check"]: c for c in results["acceptance"]}
     assert {"ours no LoRA vs diffusers", "compiled vs diffusers eager", "ours LoRA re-weight latency (ms)",
-            "recompiles + CUDA-graph re-records across LoRA changes"} <= checks
-    assert all(c["passed"] in (True, False, None) for c in results["acceptance"])
+            "ours load time vs diffusers", "recompiles + CUDA-graph re-records across LoRA changes"} <= checks.keys()
+    for check in results["acceptance"]:
+        assert check["passed"] in (True, False, None)
+        if check["verdict"] == "no difference":
+            assert check["passed"] is True
 
 
-def test_unet_flops_match_the_full_size_architecture(bench):
+def test_compiled_engine_runs_the_configured_backend(smoke):
+    """The compiled rows come from an engine built with the compile settings: with the eager dynamo
+    backend on the CPU it compiles at least one graph and no LoRA change recompiles it."""
+    _out, results = smoke
+    (info,) = results["compile"]
+    assert info["backend"] == "eager" and info["compiles_after_warm"] >= 1 and info["first_compile_s"] > 0
+
+
+def test_order_statistic_interval_and_verdicts():
+    """Five values give the min-max range (93.75% coverage); twenty give ranks 6..15 (95.9%); a ratio
+    inside the control's band (mirrored about 1) is "no difference"."""
+    five = stats.median_interval([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (five.median, five.low, five.high, round(five.coverage, 4)) == (3.0, 1.0, 5.0, 0.9375)
+    twenty = stats.median_interval([float(v) for v in range(20)])
+    assert (twenty.low, twenty.high) == (5.0, 14.0) and twenty.coverage >= 0.95
+    band = stats.control_band([0.98, 0.99, 1.0, 0.97])
+    assert band == pytest.approx((0.97, 1 / 0.97))
+    assert stats.verdict(1.02, band) == "no difference"
+    assert stats.verdict(1.2, band) == "ours better" and stats.verdict(0.9, band) == "ours worse"
+    assert stats.paired_ratios([2.0, 4.0], [1.0, 2.0], higher_is_better=False) == [0.5, 0.5]
+
+
+def test_abba_order_alternates_so_every_variant_has_the_same_mean_position():
+    keys = ["a", "b", "c"]
+    rounds = [measure.abba(keys, r) for r in range(4)]
+    assert rounds[0] == keys and rounds[1] == keys[::-1]
+    assert len({sum(order.index(k) for order in rounds) for k in keys}) == 1
+
+
+def test_op_counter_sees_the_unet_ops_only():
+    """The dispatch mode is entered and left by the UNet's own hooks: ops outside a call are not
+    counted, and two identical calls give identical per-call counts."""
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, sample_size=8,
+                                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32)
+    counter = measure.OpCounter(unet)
+    args = (torch.randn(1, 4, 8, 8), torch.tensor(10), torch.randn(1, 7, 32))
+    with torch.no_grad():
+        unet(*args)
+        first = counter.per_call()
+        torch.ones(3).add_(1)  # outside the UNet: not counted
+        assert counter.per_call() == first
+        unet(*args)
+    counter.remove()
+    assert counter.calls == 2 and counter.per_call() == first and first["aten.convolution"] >= 1
+
+
+def test_load_probe_reports_time_cpu_and_memory(data_dir):
+    """The child side of a load probe, run in-process on the tiny demo file: our engine's load with its
+    wall time, process CPU time and RSS figures."""
+    spec = {"side": "ours", "arch": "sd15", "data_dir": str(data_dir), "name": "tiny-sd15.safetensors",
+            "dtype": "fp32"}
+    result = probe.run_load_probe(spec)
+    assert result["load_s"] > 0 and result["cpu_s"] > 0
+    assert result["peak_rss_gib"] >= result["rss_before_gib"] > 0 and result["rss_anon_gib"] > 0
+
+
+def test_unet_flops_match_the_full_size_architecture():
     """FLOPs are counted on a meta-device copy, so the full SD1.5 UNet costs no memory here: ~1.6
     TFLOP per CFG step at 512², four times that at batch 4."""
     from diffusers import UNet2DConditionModel
 
     from app.families import family
 
-    config = UNet2DConditionModel.load_config(family("sd15").config_dir / "unet")
-    one = bench.unet_tflop_per_step(config, 1, 64)
+    unet_config = UNet2DConditionModel.load_config(family("sd15").config_dir / "unet")
+    one = measure.unet_tflop_per_step(unet_config, 1, 64)
     assert 1.3 < one < 1.9
-    assert bench.unet_tflop_per_step(config, 4, 64) == pytest.approx(4 * one, rel=0.01)
+    assert measure.unet_tflop_per_step(unet_config, 4, 64) == pytest.approx(4 * one, rel=0.01)
 
 
-def test_gpu_names_map_to_result_folders_and_peaks(bench):
+def test_gpu_names_map_to_result_folders_and_peaks():
     """Results go to benchmarks/results/<gpu slug>/; the specific H100 variants win over the generic one."""
-    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
-    assert bench.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
-    assert bench.peak_tflops("NVIDIA H100 PCIe") == 756.5
-    assert bench.peak_tflops("Some Unknown GPU") is None
+    assert config.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert config.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert config.peak_tflops("NVIDIA H100 PCIe") == 756.5
+    assert config.peak_tflops("Some Unknown GPU") is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown without a GPU")
@@ -129,8 +194,12 @@ def test_full_and_quick_modes_need_cuda(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_app_bench_runs_the_one_implementation(bench):
-    """`python -m app.bench` is a thin loader of benchmarks/bench.py, not a copy."""
-    assert bench.__file__ == str(app_bench.BENCH_PATH) and app_bench.load() is bench
+def test_app_bench_runs_the_one_implementation():
+    """`python -m app.bench` is a thin entry point to the benchmarks package, not a copy."""
+    from benchmarks import bench
+
+    assert app_bench.bench is bench
     with pytest.raises(SystemExit, match="sd15, sdxl"):
         bench.config_from_args(bench.parse_args(["--archs", "sd3"]))
+    with pytest.raises(SystemExit, match="load, step, reweight"):
+        bench.proxy_config_from_args(bench.parse_args(["--cpu-proxies", "--sections", "throughput"]))

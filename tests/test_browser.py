@@ -3,9 +3,7 @@ live Diagnostics, refused and rounded settings, a failed model load, the LoRA br
 round trip and History.
 
 Needs Playwright (a test extra) and Debian's `chromium` (`apt-get install chromium`; `.ci/run`
-installs it); skips cleanly without them. Screenshots go to `test-output/screenshots/`; with
-`SD_UPDATE_SCREENSHOTS=1` they are also copied to `assets/screenshots/` (the README's pictures),
-so a normal run never dirties the checkout.
+installs it); skips cleanly without them (see `browser_kit`, which also says where screenshots go).
 """
 
 from __future__ import annotations
@@ -13,38 +11,35 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import time
-from pathlib import Path
 from urllib.parse import urljoin
 
 import pytest
+from browser_kit import (
+    TIMEOUT_MS,
+    choose,
+    chromium,
+    close_toasts,
+    drag_slider,
+    generate_and_wait,
+    open_page,
+    outputs,
+    pick_loras,
+    save,
+    set_number,
+    toasts,
+)
 from PIL import Image
 from served_app import MODEL, STYLE_PREVIEW_RGB, free_port, make_ui_data, running_app
 
 from app.settings import Settings
 
 pytestmark = pytest.mark.browser
-sync_api = pytest.importorskip("playwright.sync_api")
-CHROMIUM = Path("/usr/bin/chromium")
-ROOT = Path(__file__).resolve().parents[1]
-SHOTS = ROOT / "test-output" / "screenshots"
-ASSETS = ROOT / "assets" / "screenshots"
-TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if not CHROMIUM.is_file():
-        pytest.skip("no /usr/bin/chromium (apt-get install chromium)")
-    with sync_api.sync_playwright() as playwright:
-        try:
-            chromium = playwright.chromium.launch(
-                executable_path=str(CHROMIUM),
-                args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        except sync_api.Error as exc:
-            pytest.skip(f"chromium does not start here: {exc}")
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 BROKEN = "zz-broken.safetensors"  # listed in the dropdown, fails to load
@@ -61,68 +56,28 @@ def served(tmp_path_factory, demo_dir):
 @pytest.fixture
 def page(browser, served):
     """A fresh page on the served app with no LoRA applied (tests share one engine)."""
-    url, engine = served
-    engine.set_loras([])
-    page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    page.goto(url)
-    page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
-    page.wait_for_selector("#sd-lora-status >> text=Applied", timeout=TIMEOUT_MS)
+    page = open_page(browser, *served)
     yield page
     page.close()
-
-
-def _pick_loras(page, names: list[str]) -> None:
-    """Type to filter, then click the option (Enter could pick the previous filter's first item)."""
-    for name in names:
-        page.click("#sd-loras input")
-        page.keyboard.type(name)
-        page.click(f"#sd-loras li[role=option][aria-label='{name}']")
-        page.wait_for_selector(f"#sd-loras .token:has-text('{name}')")
-    page.keyboard.press("Escape")
-
-
-def _drag_slider(page, elem_id: str, to_fraction: float) -> None:
-    """Drag the range thumb like a user (pointer down, move, up): the `release` event re-weights."""
-    slider = page.locator(f"#{elem_id} input[type=range]")
-    slider.scroll_into_view_if_needed()
-    box = slider.bounding_box()
-    y = box["y"] + box["height"] / 2
-    page.mouse.move(box["x"] + box["width"] * 0.75, y)  # the thumb sits at 1.0 on a -2…2 slider
-    page.mouse.down()
-    page.mouse.move(box["x"] + box["width"] * to_fraction, y, steps=8)
-    page.mouse.up()
-
-
-def _set_number(page, elem_id: str, value: str) -> None:
-    page.fill(f"#{elem_id} input[type=number]", value)
-    page.keyboard.press("Tab")
-
-
-def _save(page, name: str) -> None:
-    page.wait_for_timeout(700)  # let toasts and previews finish fading in
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / name), full_page=True)
-    if os.environ.get("SD_UPDATE_SCREENSHOTS") == "1":
-        ASSETS.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(SHOTS / name, ASSETS / name)
 
 
 def _generate_tab(page, engine) -> None:
     page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
     page.wait_for_selector("#sd-lora-status >> text=Applied", timeout=TIMEOUT_MS)  # page-load sync is done
     assert page.input_value("#sd-width input[type=number]") == "64"  # the tiny model's native size
-    _pick_loras(page, ["style", "detail", "wrong"])
-    page.wait_for_selector("#sd-lora-card-1 >> text=fits", timeout=TIMEOUT_MS)
-    page.wait_for_selector("#sd-lora-card-2 >> text=does not fit", timeout=TIMEOUT_MS)
-    page.wait_for_selector("#sd-lora-status >> text=not applied", timeout=TIMEOUT_MS)
-    _drag_slider(page, "sd-lora-unet-0", 0.6)
+    pick_loras(page, ["style", "detail", "wrong"])
+    page.wait_for_selector("#sd-lora-card-1 >> text=applied: 3 layers", timeout=TIMEOUT_MS)
+    page.wait_for_selector("#sd-lora-card-2 >> text=set aside", timeout=TIMEOUT_MS)
+    assert "does not fit this SD15 model" in page.inner_text("#sd-lora-card-2")
+    page.wait_for_selector("#sd-lora-status >> text=Set aside", timeout=TIMEOUT_MS)
+    drag_slider(page, "sd-lora-unet-0", 0.6)
     page.wait_for_function("document.querySelector('#sd-lora-status').innerText.includes('style UNet 0.')",
                            timeout=TIMEOUT_MS)
     applied = {s.name: s.unet_strength for s in engine.snapshot().loras}
     assert set(applied) == {"style", "detail"} and 0 < applied["style"] < 1 and applied["detail"] == 1
     page.fill("#sd-prompt textarea", "a watercolour fox in the snow")
     for elem_id, value in (("sd-steps", "2"), ("sd-width", "128"), ("sd-height", "128")):
-        _set_number(page, elem_id, value)
+        set_number(page, elem_id, value)
     page.fill("#sd-seed input", "42")
     page.click("#sd-generate")
     page.wait_for_selector("#sd-gallery img", timeout=TIMEOUT_MS)
@@ -139,7 +94,7 @@ def _diagnostics_tab(page) -> None:
     first = page.inner_text("#sd-diag-updated")
     page.wait_for_function(f"document.querySelector('#sd-diag-updated').innerText !== {first!r}", timeout=15_000)
     counters = page.inner_text("#sd-lora-counters")
-    assert "style" in counters and "detail" in counters
+    assert "style" in counters and "detail" in counters and "set aside" in counters
     page.get_by_label("only LoRA-patched").check()
     page.wait_for_function("document.querySelector('#sd-modules-note').innerText.startsWith('showing 5 of 5')",
                            timeout=15_000)
@@ -157,9 +112,9 @@ def test_select_loras_drag_generate_and_watch_diagnostics(browser, served):
     page.on("request", lambda r: outside.append(r.url) if not r.url.startswith((url, "data:", "blob:")) else None)
     page.goto(url)
     _generate_tab(page, engine)
-    _save(page, "generate.png")
+    save(page, "generate.png")
     _diagnostics_tab(page)
-    _save(page, "diagnostics.png")
+    save(page, "diagnostics.png")
     page.get_by_role("tab", name="Generate").click()
     page.wait_for_timeout(3000)  # let the stop event and any tick already in flight land
     stopped_at = page.text_content("#sd-diag-updated")
@@ -169,92 +124,61 @@ def test_select_loras_drag_generate_and_watch_diagnostics(browser, served):
     page.close()
 
 
-# ------------------------------------------------------------------------------------ helpers
-def _toasts(page) -> list[str]:
-    return [t.inner_text() for t in page.locator("[data-testid=toast-text]").all()]
-
-
-def _close_toasts(page) -> None:
-    for button in page.locator("[data-testid=toast-close]").all():
-        button.click()
-    page.wait_for_selector("[data-testid=toast-text]", state="detached", timeout=TIMEOUT_MS)
-
-
-def _outputs(engine) -> list[Path]:
-    return sorted(engine.settings.outputs_dir.rglob("*.png"), key=lambda p: p.stat().st_mtime_ns)
-
-
-def _generate_and_wait(page, engine) -> Path:
-    """Click Generate and return the PNG it wrote."""
-    before = len(_outputs(engine))
-    page.click("#sd-generate")
-    deadline = time.monotonic() + TIMEOUT_MS / 1000
-    while len(_outputs(engine)) == before:
-        assert time.monotonic() < deadline, "no image written"
-        page.wait_for_timeout(200)
-    page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
-    return _outputs(engine)[-1]
-
-
-def _choose(page, elem_id: str, option: str) -> None:
-    page.click(f"#{elem_id} input")
-    page.click(f"#{elem_id} li[role=option][aria-label='{option}']")
-
-
 # ------------------------------------------------------------------------------- honest inputs
 def test_refused_settings_keep_their_fields_and_sizes_round_with_a_note(page, served):
     """Out-of-range values are refused in one whole toast naming each range, the fields keep what the
     user typed; a message holding a `<lora:…>` tag arrives whole; width 100 becomes 96 with a note."""
     _url, engine = served
     for elem_id, value in (("sd-steps", "0"), ("sd-width", "7"), ("sd-seed", "1.5")):
-        _set_number(page, elem_id, value)
+        set_number(page, elem_id, value)
     page.click("#sd-generate")
     page.wait_for_selector("[data-testid=toast-text]", timeout=TIMEOUT_MS)
-    assert _toasts(page) == ["Generation failed: steps must be a whole number in 1…150, got 0;\nseed must be a whole "
+    assert toasts(page) == ["Generation failed: steps must be a whole number in 1…150, got 0;\nseed must be a whole "
                              "number in -1…4294967295 (-1 = random), got 1.5;\nwidth must be a whole number in "
                              "64…2048, got 7"]
     assert [page.input_value(f"#{e} input") for e in ("sd-steps", "sd-width", "sd-seed")] == ["0", "7", "1.5"]
-    _save(page, "refused.png")
-    _close_toasts(page)
+    save(page, "refused.png")
+    close_toasts(page)
     page.fill("#sd-prompt textarea", "a fox <lora:style:x>")
     for elem_id, value in (("sd-steps", "2"), ("sd-width", "100"), ("sd-seed", "42")):
-        _set_number(page, elem_id, value)
+        set_number(page, elem_id, value)
     page.click("#sd-generate")
     page.wait_for_selector("[data-testid=toast-text]", timeout=TIMEOUT_MS)
-    assert _toasts(page) == ["Generation failed: prompt tag '<lora:style:x>': 'x' is not a number"]
-    _close_toasts(page)
+    assert toasts(page) == ["Generation failed: prompt tag '<lora:style:x>': 'x' is not a number"]
+    close_toasts(page)
     page.fill("#sd-prompt textarea", "a fox in the snow")
-    with Image.open(_generate_and_wait(page, engine)) as image:
+    with Image.open(generate_and_wait(page, engine)) as image:
         assert image.size == (96, 64)
     page.wait_for_selector("#sd-settings-note >> text=width 100 → 96", timeout=TIMEOUT_MS)
-    assert page.input_value("#sd-width input") == "96" and _toasts(page) == []
-    _save(page, "rounding.png")
+    assert page.input_value("#sd-width input") == "96" and toasts(page) == []
+    save(page, "rounding.png")
 
 
 def test_a_failed_load_puts_the_dropdown_back_and_reselecting_does_not_reload(page, served):
     _url, engine = served
     loads = sum(h.command == "load_model" for h in engine.snapshot().history)
-    _choose(page, "sd-model", BROKEN)
+    choose(page, "sd-model", BROKEN)
     page.wait_for_selector("[data-testid=toast-text]", timeout=TIMEOUT_MS)
-    (toast,) = _toasts(page)
+    (toast,) = toasts(page)
     assert toast.startswith(f"Loading the model failed: {BROKEN}: not a valid safetensors file (it is a pickled")
     page.wait_for_function(f"document.querySelector('#sd-model input').value === {MODEL!r}", timeout=TIMEOUT_MS)
     assert engine.snapshot().model == MODEL and engine.snapshot().state == "READY"
-    _save(page, "load-refused.png")
-    _close_toasts(page)
-    _choose(page, "sd-model", MODEL)  # the loaded one: nothing to do
+    save(page, "load-refused.png")
+    close_toasts(page)
+    choose(page, "sd-model", MODEL)  # the loaded one: nothing to do
     page.click("#sd-model input")  # open and close without choosing
     page.keyboard.press("Escape")
     page.click("#sd-prompt textarea")
     page.wait_for_timeout(1500)
     assert sum(h.command == "load_model" for h in engine.snapshot().history) == loads + 1  # only the refused one
-    assert _toasts(page) == []
+    assert toasts(page) == []
 
 
 # ------------------------------------------------------------------------------- LoRA browser
 def test_lora_browser_shows_thumbnails_badges_and_trigger_words(page, served):
     """`style.preview.png` is shown (not a placeholder), clicking it selects the LoRA in the panel and
-    lists its trigger words; a word click goes into the prompt; search narrows the list."""
+    lists its trigger words; a word click goes into the prompt; search narrows the list, and so does
+    "fits this model" (what the engine accepts for the loaded model)."""
     url, engine = served
     page.click("#sd-lora-browser-panel > button")
     page.wait_for_selector("#sd-lora-browser .thumbnail-item img", timeout=TIMEOUT_MS)
@@ -272,24 +196,29 @@ def test_lora_browser_shows_thumbnails_badges_and_trigger_words(page, served):
     page.locator("#sd-trigger-words button.gallery-item", has_text="watercolor").click()
     page.wait_for_function("document.querySelector('#sd-prompt textarea').value === 'a fox, watercolor'",
                            timeout=TIMEOUT_MS)
-    _save(page, "lora-browser.png")
+    save(page, "lora-browser.png")
     page.locator("#sd-lora-search textarea").type("sd1.5", delay=30)
     page.wait_for_function("document.querySelectorAll('#sd-lora-browser .thumbnail-item').length === 1",
                            timeout=TIMEOUT_MS)
+    page.fill("#sd-lora-search textarea", "")
+    page.get_by_label("fits this model").check()  # the engine's inspect_lora: 'wrong' and 'nomatch' go
+    page.wait_for_selector("#sd-lora-browser-note >> text=3 LoRA(s) fit", timeout=TIMEOUT_MS)
+    captions = [c.inner_text() for c in page.locator("#sd-lora-browser .thumbnail-item .caption-label").all()]
+    assert captions == ["detail", "partial", "style"]
 
 
 # ------------------------------------------------------------------------------ PNG Info, History
 def _settings_of_a_first_image(page) -> None:
     page.fill("#sd-prompt textarea", "a lighthouse at dusk")
     page.fill("#sd-negative textarea", "blurry, lowres")
-    _choose(page, "sd-sampler", "DPM++ 2M Karras")
+    choose(page, "sd-sampler", "DPM++ 2M Karras")
     for elem_id, value in (("sd-steps", "3"), ("sd-cfg", "6.5"), ("sd-width", "72"), ("sd-seed", "1234")):
-        _set_number(page, elem_id, value)
-    _pick_loras(page, ["style"])
-    page.wait_for_selector("#sd-lora-card-0 >> text=fits", timeout=TIMEOUT_MS)
+        set_number(page, elem_id, value)
+    pick_loras(page, ["style"])
+    page.wait_for_selector("#sd-lora-card-0 >> text=applied", timeout=TIMEOUT_MS)
     page.locator(".sd-lora-card").first.get_by_text("Text-encoder weight", exact=True).click()
     for slider in ("sd-lora-unet-0", "sd-lora-te-0"):  # equal weights: the engine's infotext has no TE weight yet
-        _set_number(page, slider, "0.6")
+        set_number(page, slider, "0.6")
 
 
 def test_png_info_round_trip_gives_the_same_image_bytes(page, served):
@@ -297,7 +226,7 @@ def test_png_info_round_trip_gives_the_same_image_bytes(page, served):
     seed, size and the LoRA with both weights come back), generate again: the same file, byte for byte."""
     url, engine = served
     _settings_of_a_first_image(page)
-    first = _generate_and_wait(page, engine)
+    first = generate_and_wait(page, engine)
     engine.set_loras([])
     page.goto(url)  # a fresh page: default settings, no LoRA
     page.wait_for_selector("#sd-lora-status >> text=Applied: none", timeout=TIMEOUT_MS)
@@ -306,13 +235,13 @@ def test_png_info_round_trip_gives_the_same_image_bytes(page, served):
     page.wait_for_selector("#sd-pnginfo-summary table", timeout=TIMEOUT_MS)
     summary = page.inner_text("#sd-pnginfo-summary")
     assert "style (UNet 0.6 / TE 0.6)" in summary and "DPM++ 2M Karras" in summary and "Written by this app" in summary
-    _save(page, "pnginfo.png")
+    save(page, "pnginfo.png")
     page.click("#sd-pnginfo-send")
     page.wait_for_selector("#sd-lora-status >> text=style", timeout=TIMEOUT_MS)
     assert [(s.name, s.unet_strength, s.te_strength) for s in engine.snapshot().loras] == [("style", 0.6, 0.6)]
     assert page.input_value("#sd-seed input") == "1234" and page.input_value("#sd-width input") == "72"
-    second = _generate_and_wait(page, engine)
-    _save(page, "pnginfo-sent.png")
+    second = generate_and_wait(page, engine)
+    save(page, "pnginfo-sent.png")
     assert second != first and second.read_bytes() == first.read_bytes()
 
 
@@ -320,18 +249,18 @@ def test_history_lists_this_session_and_the_outputs_folder(page, served):
     """Images written before this session show under "all outputs" only; selecting one shows its infotext."""
     _url, engine = served
     page.fill("#sd-prompt textarea", "a red lighthouse on a cliff")
-    _generate_and_wait(page, engine)
+    generate_and_wait(page, engine)
     old = engine.settings.outputs_dir / "2020-01-01" / "00000-7.png"
     old.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(_outputs(engine)[-1], old)
+    shutil.copy2(outputs(engine)[-1], old)
     os.utime(old, (0, 1_577_836_800))  # 2020-01-01, before the app started
-    session = len(_outputs(engine)) - 1
+    session = len(outputs(engine)) - 1
     page.get_by_role("tab", name="History").click()
     page.wait_for_selector(f"#sd-history-count >> text={session} image(s) since the app started", timeout=TIMEOUT_MS)
     assert page.locator("#sd-history-gallery .thumbnail-item").count() == session
     page.locator("#sd-history-gallery .thumbnail-item").first.click()
     page.wait_for_function("document.querySelector('#sd-history-infotext textarea').value.startsWith("
                            "'a red lighthouse on a cliff')", timeout=TIMEOUT_MS)
-    _save(page, "history.png")
+    save(page, "history.png")
     page.get_by_label("all outputs").check()
     page.wait_for_selector(f"#sd-history-count >> text={session + 1} image(s) in", timeout=TIMEOUT_MS)

@@ -21,7 +21,8 @@ from app.adapters.files import read_adapter
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.demo import build_tiny_pipeline
-from app.engine import compiled
+from app.engine import compile_cache, compiled
+from app.families import family
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +117,7 @@ def _linear_pipe() -> SimpleNamespace:
     module, and dynamo traces this one in milliseconds."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return SimpleNamespace(unet=torch.nn.Linear(8, 8), _execution_device=torch.device("cpu"))
+        return SimpleNamespace(unet=torch.nn.Linear(8, 8), _execution_device=torch.device("cpu"), family=family("sd15"))
 
 
 def _linear_out(pipe) -> torch.Tensor:
@@ -218,12 +219,12 @@ def test_enable_replaces_and_disable_restores_the_plain_forward(pipe):
 def test_cache_dir_and_unreadable_mega_cache(tmp_path, monkeypatch):
     """configure_cache points inductor's caches at our folder; a corrupt mega-cache is skipped, not fatal."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-by-test")  # restored after the test
-    mega = compiled.configure_cache(tmp_path / "cache", override=True)
+    mega = compile_cache.configure_cache(tmp_path / "cache", override=True)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
     assert torch._inductor.config.fx_graph_cache
     mega.write_bytes(b"not a cache")
-    assert compiled.load_mega_cache(mega) is False
-    assert compiled.load_mega_cache(tmp_path / "missing.bin") is False
+    assert compile_cache.load_mega_cache(mega) is False
+    assert compile_cache.load_mega_cache(tmp_path / "missing.bin") is False
 
 
 # ----------------------------------------------------------------------------------------------- GPU

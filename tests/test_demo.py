@@ -72,11 +72,15 @@ def test_tiny_sdxl_keeps_the_real_structure_that_loaders_and_adapters_rely_on():
 
 
 def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
-    """The demo folder has both archs as single files and diffusers folders, an SD1.5 inpainting
-    checkpoint, and one embedding per arch."""
+    """The demo folder has every family as a single file and a diffusers folder (Flux as the
+    ComfyUI/Forge all-in-one file), an SD1.5 inpainting checkpoint, and one embedding per family."""
     checkpoints = demo_dir / "models" / "Stable-diffusion"
     names = [info.name for info in models.discover_checkpoints(checkpoints)]
     assert names == [
+        "tiny-flux-dev-diffusers",
+        "tiny-flux-dev.safetensors",
+        "tiny-flux-schnell-diffusers",
+        "tiny-flux-schnell.safetensors",
         "tiny-sd15-diffusers",
         "tiny-sd15-inpainting.safetensors",
         "tiny-sd15.safetensors",
@@ -86,6 +90,8 @@ def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
     assert (demo_dir / "models" / "Lora").is_dir()
     assert demo_paths["lora_dir"] == demo_dir / "models" / "Lora"
     assert sorted(p.name for p in (demo_dir / "embeddings").iterdir()) == [
+        "tiny-flux-dev-embedding.safetensors",
+        "tiny-flux-schnell-embedding.safetensors",
         "tiny-sd15-embedding.safetensors",
         "tiny-sdxl-embedding.safetensors",
     ]
@@ -111,7 +117,7 @@ def test_demo_embeddings_use_the_a1111_layouts(demo_paths):
     assert {k: tuple(v.shape) for k, v in sdxl.items()} == {"clip_l": (2, 32), "clip_g": (2, 64)}
 
 
-def test_write_demo_calls_the_lora_writer_once_per_arch(tmp_path):
+def test_write_demo_calls_the_lora_writer_once_per_family(tmp_path):
     """LoRA files come from app/adapters through this hook, given the Lora folder and each tiny pipeline."""
     calls = []
     demo.write_demo(
@@ -121,6 +127,8 @@ def test_write_demo_calls_the_lora_writer_once_per_arch(tmp_path):
     assert calls == [
         (lora_dir, "StableDiffusionPipeline", "sd15"),
         (lora_dir, "StableDiffusionXLPipeline", "sdxl"),
+        (lora_dir, "FluxPipeline", "flux-dev"),
+        (lora_dir, "FluxPipeline", "flux-schnell"),
     ]
 
 

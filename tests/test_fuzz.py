@@ -54,17 +54,19 @@ from PIL import Image
 from app.adapters.errors import LoraApplyError
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, write_adapter
+from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, FLUX_TARGETS, write_adapter
 from app.demo import build_tiny_pipeline
 from app.diagnostics import set_debug_logging
-from app.engine import offload, placement
+from app.engine import offload, placement, storage
 from app.engine.generate import GenerateParams
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, HiresParams
 from app.engine.worker import Engine, EngineState
+from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
 
-ARCHS = ("sd15", "sdxl")
-MODELS = {"sd15": "tiny-sd15.safetensors", "sdxl": "tiny-sdxl.safetensors"}
+ARCHS = ("sd15", "sdxl", "flux-dev")
+MODELS = {arch: f"tiny-{arch}.safetensors" for arch in ARCHS}
+TARGETS = {"sd15": DEFAULT_TARGETS, "sdxl": DEFAULT_TARGETS, "flux-dev": FLUX_TARGETS}
 # Strengths a slider or the API can send: zero, negative, above one, beyond the slider range.
 STRENGTHS = (0.0, 1.0, 0.5, -1.0, 1.1, 2.5, -0.3, 4.0)
 # (file stem suffix, algorithm, key layout, stored dtype): every algorithm once, plain LoRA in
@@ -86,37 +88,43 @@ MAX_LORAS = 4  # appends beyond this remove one instead, so lists stay varied ra
 # The stage workflows run two or three passes each, so generate gives them part of its share.
 ACTION_WEIGHTS = {
     "set_loras": 5, "append_lora": 6, "remove_lora": 4, "reweight_lora": 6, "set_offload": 5,
-    "set_debug": 3, "generate": 2, "set_dtype": 1, "load_model": 1, "unload": 1, "refused_set_loras": 1,
-    "hires": 1, "img2img": 1, "inpaint": 1,
+    "set_debug": 3, "generate": 2, "set_dtype": 1, "set_weights": 1, "load_model": 1, "unload": 1,
+    "refused_set_loras": 1, "hires": 1, "img2img": 1, "inpaint": 1,
 }
 WORKFLOW_ROWS = {"hires": ("txt2img_hires", "hires fix"), "img2img": ("img2img", "img2img"),
                  "inpaint": ("inpaint", "inpaint")}  # (command name, last stage's row)
 WEIGHTED_ACTIONS = tuple(a for a, n in ACTION_WEIGHTS.items() for _ in range(n))
 
 
-def lora_names(arch: str) -> tuple[str, ...]:
-    return tuple(f"{arch}-{stem}" for stem, *_ in ADAPTERS)
-
-
 def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
     """A data folder with the demo checkpoints (hard links) and one adapter file per entry of
-    `ADAPTERS` and architecture, written against the same tiny pipelines the checkpoints hold."""
+    `ADAPTERS` and architecture, written against the same tiny pipelines the checkpoints hold
+    (Flux has no convolutions and no LDM names: the Tucker and LDM-named entries are left out)."""
     for sub in ("models/Stable-diffusion", "embeddings"):
         shutil.copytree(demo_dir / sub, target / sub, copy_function=os.link)
     lora_dir = target / "models" / "Lora"
     for arch in ARCHS:
         pipe = build_tiny_pipeline(arch)  # seed 0, like the demo checkpoints
+        targets = TARGETS[arch]
         for i, (stem, algo, layout, dtype) in enumerate(ADAPTERS):
+            if arch.startswith("flux") and ("tucker" in algo or layout == "kohya_ldm"):
+                continue
             # A cyclic window of the default targets: adapters overlap partly, as real ones do,
             # and each touches ~10 layers (re-fusing cost grows with layers × stacked adapters).
-            window = tuple(DEFAULT_TARGETS[(2 * i + k) % len(DEFAULT_TARGETS)] for k in range(5))
+            window = tuple(targets[(2 * i + k) % len(targets)] for k in range(5))
             kwargs = dict(seed=100 + i, alpha=2.0 if i % 2 else None, strength=0.5)
             path = lora_dir / f"{arch}-{stem}.safetensors"
             try:
                 write_adapter(path, pipe, arch, algo, layout, dtype, targets=window, **kwargs)
             except ValueError:  # the algorithm applies to no layer of that window (norm, Tucker)
-                write_adapter(path, pipe, arch, algo, layout, dtype, **kwargs)
+                write_adapter(path, pipe, arch, algo, layout, dtype, targets=targets, **kwargs)
     return target
+
+
+def lora_names(data_dir: Path, arch: str | None = None) -> tuple[str, ...]:
+    """The adapter files of the fuzz's data folder (those written for `arch`, or all)."""
+    names = sorted(p.stem for p in (data_dir / "models" / "Lora").glob("*.safetensors"))
+    return tuple(n for n in names if arch is None or n.startswith(f"{arch}-"))
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -162,10 +170,10 @@ class References:
         self._probes: dict[tuple, dict[tuple[str, str], torch.Tensor]] = {}
         self.fuses = 0
 
-    def engine(self, model: str, dtype: str) -> Engine:
-        key = (model, dtype)
+    def engine(self, model: str, dtype: str, weights: str = "full") -> Engine:
+        key = (model, dtype, weights)
         if key not in self._engines:
-            eng = Engine(Settings(data_dir=self.data_dir, device=self.device))
+            eng = Engine(Settings(data_dir=self.data_dir, device=self.device, weights=weights))
             eng.load_model(model, dtype=dtype)
             self._engines[key] = eng
             self._pristine[key] = {}
@@ -173,26 +181,28 @@ class References:
                                      for c, p, _m, n, t, _ in placement.iter_tensors(eng.pipeline)]
         return self._engines[key]
 
-    def checkpoint(self, model: str, dtype: str) -> list:
+    def checkpoint(self, model: str, dtype: str, weights: str = "full") -> list:
         """[(component, module, tensor name), dtype, shape, bits] of a fresh load, in iteration order."""
-        self.engine(model, dtype)
-        return self._checkpoint[(model, dtype)]
+        self.engine(model, dtype, weights)
+        return self._checkpoint[(model, dtype, weights)]
 
-    def fused_digests(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...]):
-        """{(component, module): digest of weight+bias} of a fresh fuse of `specs`."""
-        key = (model, dtype, specs)
+    def fused_digests(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...], weights: str = "full"):
+        """{(component, module): digest of weight+bias} of a fresh fuse of `specs` (with fp8 weights, a
+        fresh bypass: fusing into 8-bit weights is never done; the digests are then the checkpoint's)."""
+        key = (model, dtype, specs, weights)
         if key in self._fused:
             return self._fused[key]
-        eng = self.engine(model, dtype)
-        pipe, pristine = eng.pipeline, self._pristine[(model, dtype)]
-        stack = LoraStack(pipe, arch, eng.device)  # fusion math on the compute device, as the engine does
+        eng = self.engine(model, dtype, weights)
+        pipe, pristine = eng.pipeline, self._pristine[(model, dtype, weights)]
+        # fusion math on the compute device, as the engine does
+        stack = LoraStack(pipe, arch, eng.device, bypass=offload.bypass_components(eng.placement_plan))
         files = {s.name: eng.library.open(s.name) for s in specs}
         for spec in specs:
             for target in stack.prepare(spec.name, files[spec.name]).layers:
                 pristine.setdefault(target, _module_digest(_module(pipe, target)))
         stack.reconcile(specs, files)
         digests = {t: _module_digest(_module(pipe, t)) for t in stack.patched_modules()}
-        self._probes[key] = {t: probe(_module(pipe, t)) for t in digests}
+        self._probes[key] = {t: probe(_module(pipe, t), pipe.compute_dtypes[t[0]]) for t in digests}
         stack.reconcile((), {})
         assert all(_module_digest(_module(pipe, t)) == pristine[t] for t in digests), \
             "reference LoraStack did not restore exactly"
@@ -200,17 +210,17 @@ class References:
         self._fused[key] = digests
         return digests
 
-    def probes(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...]):
+    def probes(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...], weights: str = "full"):
         """{(component, module): output of the freshly fused layer on its probe input}."""
-        self.fused_digests(model, dtype, arch, specs)
-        return self._probes[(model, dtype, specs)]
+        self.fused_digests(model, dtype, arch, specs, weights)
+        return self._probes[(model, dtype, specs, weights)]
 
     def close(self) -> None:
         for eng in self._engines.values():
             eng.close()
 
 
-def probe(module: torch.nn.Module) -> torch.Tensor:
+def probe(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The layer's output on a fixed input of its width (what a bypass must reproduce)."""
     g = torch.Generator().manual_seed(11)
     weight = module.weight
@@ -223,21 +233,21 @@ def probe(module: torch.nn.Module) -> torch.Tensor:
     else:
         shape = (2, weight.shape[1])
     with torch.no_grad():
-        return module(torch.randn(shape, generator=g).to(weight.device, weight.dtype)).float().cpu()
+        return module(torch.randn(shape, generator=g).to(weight.device, dtype)).float().cpu()
 
 
 def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arch: str,
-                   specs: tuple[LoraSpec, ...]) -> None:
+                   specs: tuple[LoraSpec, ...], weights: str) -> None:
     """Every tensor of the engine's pipeline equals the checkpoint's bit for bit, except the
     weight and bias of modules a fresh fuse of `specs` patches, which equal that fuse bit for bit
     (fusion runs on the compute device in every offload mode, so on a GPU too the bits cannot
     depend on where a weight rested when it was fused). Under a streamed offload mode LoRAs are
     bypass forwards: then every stored tensor is the checkpoint's, the bypassed layers are the
     fresh fuse's, and their outputs on a probe input equal the fresh fuse's within rounding."""
-    fused = refs.fused_digests(model, dtype, arch, specs) if specs else {}
+    fused = refs.fused_digests(model, dtype, arch, specs, weights) if specs else {}
     stack = engine.lora_stack
     bypass = bool(stack.bypass_components)
-    checkpoint = refs.checkpoint(model, dtype)
+    checkpoint = refs.checkpoint(model, dtype, weights)
     mine = [((c, p, n), t) for c, p, _m, n, t, _ in placement.iter_tensors(engine.pipeline)]
     assert [(k, t.dtype, t.shape) for k, t in mine] == [(k, d, s) for k, d, s, _ in checkpoint], \
         "pipeline structure differs from a fresh load"
@@ -252,8 +262,8 @@ def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arc
         return
     assert set(stack.bypassed()) == set(fused), "bypassed layers differ from a fresh fuse's patched layers"
     tolerance = {torch.float32: 2e-5}.get(placement.DTYPES[dtype], 4e-2)
-    for target, want in (refs.probes(model, dtype, arch, specs) if specs else {}).items():
-        got = probe(_module(engine.pipeline, target))
+    for target, want in (refs.probes(model, dtype, arch, specs, weights) if specs else {}).items():
+        got = probe(_module(engine.pipeline, target), engine.pipeline.compute_dtypes[target[0]])
         assert float((got - want).abs().max()) <= tolerance * float(want.abs().max()), f"{target}: bypass != fuse"
 
 
@@ -275,13 +285,13 @@ class FuzzConfig:
             dtype = placement.dtype_name(placement.resolve_dtype(self.dtypes[0], torch.device(self.device)))
             eng = self.refs.engine(MODELS[arch], dtype)
             usable, refused = [], []
-            for name in lora_names("sd15") + lora_names("sdxl"):
+            for name in lora_names(self.data_dir):
                 try:
                     eng.inspect_lora(name)
                     usable.append(name)
                 except LoraApplyError:
                     refused.append(name)
-            assert set(lora_names(arch)) <= set(usable), refused
+            assert set(lora_names(self.data_dir, arch)) <= set(usable), refused
             self.usable[arch], self.refused[arch] = tuple(usable), tuple(refused)
 
 
@@ -298,6 +308,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.arch = "sd15"  # the architecture LoRA choices are made for (kept across unload)
         self.requested = "auto"
         self.offload = "none"
+        self.weights = "full"
         self.desired: tuple[LoraSpec, ...] = ()
         # What must be fused: desired (plus the last generation's prompt tags), minus what cannot fit.
         self.applied: tuple[LoraSpec, ...] = ()
@@ -407,6 +418,13 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.set_offload(mode)
         self.offload = mode
 
+    def _do_set_weights(self, data) -> None:
+        weights = data.draw(st.sampled_from(("full", "fp8")), label="weights")
+        self._count("set_weights")
+        self.engine.set_weights(weights)
+        self.weights = weights
+        self.applied = self._fitting(self.desired, self.arch) if self.model else ()
+
     def _do_set_dtype(self, data) -> None:
         dtype = data.draw(st.sampled_from(self.config.dtypes), label="dtype")
         self._count("set_dtype")
@@ -434,8 +452,9 @@ class EngineMachine(RuleBasedStateMachine):
         tagged = data.draw(st.lists(st.sampled_from(self._usable()), unique=True, max_size=2), label="tags")
         tags = tuple(LoraSpec(n, weight=data.draw(st.sampled_from(STRENGTHS), label="tag weight")) for n in tagged)
         prompt = "a cat " + " ".join(f"<lora:{s.name}:{s.weight!r}>" for s in tags)
+        samplers = [s for s in SAMPLERS if s in family(self.arch).samplers]  # Flux: flow-match Euler only
         params = GenerateParams(prompt, steps=FUZZ_STEPS, width=64, height=64, cfg=5.0,
-                                sampler=data.draw(st.sampled_from(SAMPLERS), label="sampler"),
+                                sampler=data.draw(st.sampled_from(samplers), label="sampler"),
                                 seed=data.draw(st.integers(0, 2**32 - 1), label="seed"))
         if self.model is None:
             self._count("generate", expect_failure=True)
@@ -464,6 +483,11 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             self._count(action, expect_failure=True, row=command)
             with pytest.raises(RuntimeError, match="no model loaded"):
+                run(params, tags)
+            return
+        if ("inpaint" if action == "inpaint" else "img2img") not in family(self.arch).stage_pipelines:
+            self.config.stats["refused_workflow"] += 1  # refused before queueing: no transition
+            with pytest.raises(ValueError, match="is not available for"):
                 run(params, tags)
             return
         merged = {s.name: s for s in self.desired}
@@ -502,6 +526,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert (row.command, row.outcome) == (self.last_command, want), row
         assert snap.violations == () and snap.violations_found_total == 0, snap.violations
         assert snap.requested_dtype == self.requested and snap.offload == self.offload
+        assert snap.weights == self.weights
         assert {k: getattr(self.engine.settings, k) for k in self.debug} == self.debug
         if self.model is None:
             assert snap.state == EngineState.EMPTY.value and snap.model is None and self.engine.pipeline is None
@@ -519,8 +544,9 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             return
         snap = self.engine.snapshot()
+        stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
         plan = offload.plan_for(self.engine.pipeline, placement.DTYPES[snap.dtype], self.engine.device,
-                                        snap.offload)
+                                snap.offload, stored=stored)
         # Which components an offload strategy keeps on the GPU between commands is its own call
         # (balanced mode); everything else about the plan is recomputed here from the snapshot.
         resident = self.engine.placement_plan.resident
@@ -532,11 +558,11 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             return
         dtype = placement.dtype_name(placement.resolve_dtype(self.requested, self.engine.device))
-        assert_weights(self.engine, self.config.refs, self.model, dtype, self.arch, self.applied)
+        assert_weights(self.engine, self.config.refs, self.model, dtype, self.arch, self.applied, self.weights)
         stack = self.engine.lora_stack
-        streamed = offload.MODES[self.offload].streams_weights
-        assert bool(stack.bypass_components) == streamed, (stack.bypass_components, self.offload)
-        if not self.applied or streamed:
+        bypass = offload.MODES[self.offload].streams_weights or self.weights != "full"
+        assert bool(stack.bypass_components) == bypass, (stack.bypass_components, self.offload, self.weights)
+        if not self.applied or bypass:
             assert stack._backups == {}, "backups kept after every LoRA was removed or while bypassed"
         if not self.applied:
             assert stack.bypassed() == {}, "bypass hooks kept after every LoRA was removed"
@@ -546,9 +572,12 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             return
         snap = self.engine.snapshot()
-        fused = self.config.refs.fused_digests(self.model, snap.dtype, self.arch, self.applied) if self.applied else {}
-        bypassed = set(fused) if offload.MODES[self.offload].streams_weights else set()
-        assert actual_hooks(snap) == expected_hooks(self.engine.pipeline, self.offload, bypassed)
+        refs, specs = self.config.refs, self.applied
+        fused = refs.fused_digests(self.model, snap.dtype, self.arch, specs, self.weights) if specs else {}
+        bypass = offload.MODES[self.offload].streams_weights or self.weights != "full"
+        stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
+        assert actual_hooks(snap) == expected_hooks(self.engine.pipeline, self.offload, set(fused) if bypass else set(),
+                                                    {(c, p) for c, paths in stored.items() for p in paths})
 
 
 INIT_IMAGE = Image.new("RGB", (80, 48), (40, 140, 90))
@@ -595,8 +624,8 @@ def test_fuzz_engine_api_cpu(fuzz_data, record_property):
     record_property("fuzz_stats", dict(config.stats))
     print(f"fuzz cpu: {dict(config.stats)}, reference fuses {refs.fuses}")
     assert config.stats["transitions"] >= CPU_MIN_TRANSITIONS, dict(config.stats)
-    for action in ("set_loras", "set_offload", "set_dtype", "load_model", "unload", "generate", "set_debug", "refused",
-                   "hires", "img2img", "inpaint"):
+    for action in ("set_loras", "set_offload", "set_dtype", "set_weights", "load_model", "unload", "generate",
+                   "set_debug", "refused", "hires", "img2img", "inpaint"):
         assert config.stats[action] >= 20, (action, dict(config.stats))
     assert config.stats["set_aside"] >= 5, dict(config.stats)  # loads that set foreign LoRAs aside
 

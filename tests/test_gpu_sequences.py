@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from app import bench as app_bench
 from app.adapters.specs import LoraSpec
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
 from app.settings import OFFLOAD_CHOICES, Settings
+from benchmarks.workload import lora_targets, random_pipeline, write_lora
 
 pytestmark = pytest.mark.gpu
 
@@ -34,12 +34,11 @@ LORA = "locon"
 def full_model(request, tmp_path_factory):
     """(arch, data dir) holding `full-<arch>` (a diffusers folder, fp16) and `locon.safetensors`."""
     arch = request.param
-    bench = app_bench.load()
     settings = Settings(data_dir=tmp_path_factory.mktemp(f"full-{arch}"))
-    pipe = bench.random_pipeline(arch, torch.device("cuda"), torch.float16)
+    pipe = random_pipeline(arch, torch.device("cuda"), torch.float16)
     pipe.save_pretrained(settings.checkpoints_dir / f"full-{arch}", safe_serialization=True)
     settings.lora_dir.mkdir(parents=True)
-    bench.write_lora(settings.lora_dir / f"{LORA}.safetensors", bench.lora_targets(pipe.unet, convs=True), 16, 0)
+    write_lora(settings.lora_dir / f"{LORA}.safetensors", lora_targets(pipe.unet, convs=True), 16, 0)
     del pipe
     gc.collect()
     torch.cuda.empty_cache()

@@ -48,7 +48,7 @@ def test_our_text_round_trips_with_both_weights():
     text = format_infotext("a fox, in snow", "blurry", [("Steps", 2), ("Sampler", "Euler"), ("Seed", 7),
                                                         ("Model", "tiny: sd15, v2")], loras)
     first_line = text.split("\n")[0]
-    assert first_line == "a fox, in snow <lora:style:0.6:1.4> <lora:detail:-1>"
+    assert first_line == "a fox, in snow <lora:style:1.4:0.6> <lora:detail:-1>"  # A1111's order: te, then unet
     assert 'Model: "tiny: sd15, v2"' in text and "Version: steady-diffusion" in text
     info = parse_infotext(text)
     assert info.ours and info.prompt == "a fox, in snow" and info.negative_prompt == "blurry"
@@ -62,7 +62,7 @@ def test_writer_keeps_tags_the_prompt_already_carries_and_adds_only_the_missing_
     ctx = RunContext("m.safetensors", "0123456789", (("style", 0.5, "h1"), ("detail", 1.0, "h2")))
     text = infotext(params, 1, ctx)
     assert text.split("\n")[0] == "a cat <lora:style:0.5> <lora:detail:1>"
-    assert lora_tag("x", 1.0, 1.0) == "<lora:x:1>" and lora_tag("x", 0.25, 2.0) == "<lora:x:0.25:2>"
+    assert lora_tag("x", 1.0, 1.0) == "<lora:x:1>" and lora_tag("x", 0.25, 2.0) == "<lora:x:2:0.25>"
 
 
 def test_older_text_of_ours_with_weights_but_no_tags():

@@ -94,3 +94,21 @@ def test_a_stop_from_another_owner_leaves_the_job_alone(loaded):
     job.join()
     assert job.result[0].complete
     assert not loaded.interrupt(owner="tab-1")  # nothing running any more
+
+
+def test_a_queued_generation_can_be_cancelled_by_its_owner_before_it_starts(loaded):
+    """A closed tab's generation that still waits behind another job is taken off the queue
+    (its caller gets GenerationCancelled) and never runs; another owner's cannot be cancelled."""
+    from app.engine.worker import GenerationCancelled
+
+    first = Running(loaded, GenerateParams("a cat", **dict(LONG, steps=60)), owner="tab-1")
+    first.wait_for_step(1)
+    queued = Running(loaded, GenerateParams("a dog", **dict(LONG, steps=5)), owner="tab-2")
+    while loaded.snapshot().queued < 1:
+        time.sleep(0.01)
+    assert loaded.cancel_queued("tab-1") == 0
+    assert loaded.cancel_queued("tab-2") == 1
+    queued.thread.join(30)
+    assert isinstance(queued.error, GenerationCancelled) and queued.result is None
+    first.join()
+    assert [h.command for h in loaded.snapshot().history].count("generate") == 1

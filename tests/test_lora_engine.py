@@ -211,7 +211,7 @@ def test_generate_twice_unchanged_then_a_batch_of_three_all_carry_the_lora(engin
 
 # ------------------------------------------------------------------------------- prompt tags
 @pytest.mark.parametrize(("tag", "spec"), [("<lora:style:0.6>", LoraSpec("style", 0.6)),
-                                           ("<lora:style:0.6:1.4>", LoraSpec("style", unet_weight=0.6, te_weight=1.4))])
+                                           ("<lora:style:1.4:0.6>", LoraSpec("style", unet_weight=0.6, te_weight=1.4))])
 def test_prompt_tags_apply_to_one_generation_and_stay_in_the_saved_prompt(engine, tiny, tag, spec):
     """`<lora:name:w>` and `<lora:name:unet_w:te_w>` take the same patching path as set_loras, for
     that generation only (A1111): identical image, and afterwards the weights are the checkpoint's

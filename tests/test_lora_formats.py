@@ -238,7 +238,8 @@ def test_report_says_layout_scale_source_leftovers_and_architecture(model, tool_
     """The per-file report names the layout the keys were written in, where the scale came from,
     the first tensors that matched nothing and the architecture the file fits; the LoRA card
     shows all of it."""
-    from app.ui.lora_cards import Fit, card_markdown
+    from app.engine.snapshot import LoraState
+    from app.ui.lora_cards import Fit, card_markdown, state_badge
 
     pipe, _ = model("sd15")
     _, reports = _fuse(pipe, "sd15", [("a", tool_files("sd15")[fmt], 1.0)])
@@ -254,7 +255,7 @@ def test_report_says_layout_scale_source_leftovers_and_architecture(model, tool_
     else:
         assert (report.layout, report.scale_source) == REPORTS[fmt]
         assert (report.unmatched_examples, report.message) == ((), "")
-    card = card_markdown(None, Fit.from_report(report), "a")
+    card = card_markdown(None, "a", state_badge(LoraState("a", 1.0, 1.0, "applied"), None, Fit.from_report(report)))
     assert f"layout: {report.layout}" in card and f"scale: {report.scale_source}" in card
     assert ("4 tensors unmatched: `text_encoder." in card) == (fmt == "legacy")
 

@@ -42,17 +42,18 @@ def test_wrong_shapes_and_families_are_refused():
         latent_preview(torch.zeros(1, 4, 8, 8), "flux")
 
 
-def test_run_hands_out_latents_every_n_steps_without_changing_the_image(engine):
-    """`on_latents` sees the (batch, 4, h/8, w/8) latents at steps 2 and 4 of 5 (not after the last,
-    when the real image follows), and reading them leaves the result bit-identical."""
+def test_the_step_callback_sees_the_latents_without_changing_the_image(engine):
+    """`on_step` sees the (batch, 4, h/8, w/8) latents after every step (the live preview projects
+    them), and reading them leaves the result bit-identical."""
     engine.load_model("tiny-sd15.safetensors")
     params = GenerateParams("a red cube", steps=5, width=64, height=64, cfg=5.0, sampler="Euler", seed=3)
     plain = generate.run(engine.pipeline, params, 3)
     seen = []
 
-    def collect(step, latents):
-        seen.append((step, tuple(latents.shape), latent_preview(latents, "sd15")[0].size))
+    def collect(step, total, latents):
+        seen.append((step, total, tuple(latents.shape), latent_preview(latents, "sd15")[0].size))
+        return False
 
-    watched = generate.run(engine.pipeline, params, 3, on_latents=collect, latents_every=2)
-    assert seen == [(2, (1, 4, 8, 8), (8, 8)), (4, (1, 4, 8, 8), (8, 8))]
+    watched = generate.run(engine.pipeline, params, 3, on_step=collect)
+    assert seen == [(step, 5, (1, 4, 8, 8), (8, 8)) for step in range(1, 6)]
     assert np.array_equal(np.asarray(plain[0]), np.asarray(watched[0]))

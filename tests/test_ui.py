@@ -32,7 +32,7 @@ from app.settings import Settings
 from app.ui import views
 from app.ui.common import UiContext, specs_from_json
 from app.ui.generate_tab import native_size_updates
-from app.ui.lora_panel import fitting_specs, slot_weights
+from app.ui.lora_panel import selected_specs, slot_weights
 from app.ui.send_to import plan_send
 from app.ui.serve import auth_policy, wait_until_ready
 
@@ -62,8 +62,9 @@ def _generate(client, seed: int, prompt: str = "a fox") -> tuple[np.ndarray, str
 def test_endpoints_have_their_documented_names(client):
     """Scripts depend on these names: a UI handler must never take one (Gradio would rename ours `_1`)."""
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
-    assert {"/generate", "/set_loras", "/set_offload", "/set_dtype", "/load_model", "/unload", "/set_debug",
-            "/snapshot", "/list_models", "/list_loras", "/inspect_lora", "/bug_report"} <= names
+    assert {"/generate", "/interrupt", "/skip", "/set_loras", "/set_offload", "/set_dtype", "/set_weights",
+            "/set_model_parts", "/load_model", "/unload", "/set_debug", "/snapshot", "/list_models", "/list_loras",
+            "/inspect_lora", "/bug_report"} <= names
     assert not [n for n in names if re.search(r"_\d+$", n)]
 
 
@@ -102,7 +103,7 @@ def test_out_of_range_settings_are_refused_with_their_range(client, field, value
 def test_nan_cfg_in_raw_json_is_refused(app):
     """JSON clients can send NaN (Python's json does); it is refused like any other bad number."""
     url = app[0].local_url + "gradio_api/call/generate"
-    body = json.dumps({"data": ["a fox", "", "Euler", 2, float("nan"), 5, 64, 64, 1]}).encode()
+    body = json.dumps({"data": ["a fox", "", "Euler", 2, float("nan"), 5, 64, 64, 1, 1]}).encode()
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as answer:
         event = json.loads(answer.read())["event_id"]
@@ -375,17 +376,42 @@ def test_size_sliders_follow_the_native_size_only_when_it_changes(app):
         assert all("value" not in u for u in native_size_updates(previous, current)), (previous, current)
 
 
-def test_slider_values_map_to_specs_and_refused_loras_are_left_out():
+def test_slider_values_map_to_specs_and_every_selected_lora_is_kept():
+    """No LoRA is left out by the page: what does not fit is the engine's to set aside."""
     values = (0.5, 1.0, *[1.0] * 6, 0.25, -1.0, *[1.0] * 6)
     assert slot_weights(["a", "b"], values) == {"a": (0.5, 0.25), "b": (1.0, -1.0)}
-    specs = fitting_specs(["a", "b"], {"b": "error"}, values)
-    assert [(s.name, s.unet_strength, s.te_strength) for s in specs] == [("a", 0.5, 0.25)]
+    specs = selected_specs(["a", "b"], values)
+    assert [(s.name, s.unet_strength, s.te_strength) for s in specs] == [("a", 0.5, 0.25), ("b", 1.0, -1.0)]
 
 
-def test_module_table_filters(app):
-    snap = app[1].snapshot()
+def test_module_table_filters_and_names_hooks(app):
+    engine = app[1]
+    snap = engine.snapshot()
     all_rows, total = views.module_rows(snap)
     assert total == len(snap.placement) and len(all_rows) == min(total, views.MAX_MODULE_ROWS)
     unet_rows, _ = views.module_rows(snap, component="unet", text="to_q")
     assert unet_rows and all(r[0] == "unet" and "to_q" in r[1] for r in unet_rows)
     assert views.module_rows(snap, only_violations=True)[1] == len([r for r in snap.placement if r.violation])
+    hooks = views.MODULE_HEADERS.index("hooks")
+    assert {r[hooks] for r in all_rows} == {""}  # nothing hooked without offload on a CPU
+    engine.set_offload("sequential")
+    try:
+        (conv_in,), _ = views.module_rows(engine.snapshot(), component="unet", text="conv_in")
+        assert conv_in[hooks] == "offload.stream"
+    finally:
+        engine.set_offload("none")
+
+
+def test_weight_storage_switches_through_the_api_and_back(client):
+    """`/set_weights fp8` stores the large weights in 8 bits (the snapshot counts layers and bytes
+    saved), generation still works, `/set_weights full` brings every weight back to the compute
+    dtype; an unknown storage is refused with the choices."""
+    summary = client.predict("fp8", api_name="/set_weights")
+    snap = client.predict(api_name="/snapshot")
+    assert summary["state"] == "READY" and snap["weights"] == "fp8" and snap["stored_layers"] > 0
+    assert snap["bytes_saved"] > 0
+    assert _generate(client, seed=3)[0].shape == (64, 64, 3)
+    client.predict("full", api_name="/set_weights")
+    assert client.predict(api_name="/snapshot")["stored_layers"] == 0
+    with pytest.raises(Exception, match="weights must be one of full, fp8"):
+        client.predict("int4", api_name="/set_weights")

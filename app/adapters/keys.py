@@ -5,9 +5,11 @@ Why a table: kohya names replace every `.` of a module path with `_`, and module
 Instead we enumerate the model's own module paths, spell each one every way a tool writes it and
 look keys up exactly. The spellings (each tagged, so a report can say which layout a file uses):
 
-* kohya / sd-scripts: `lora_unet_` + the path with `_` (diffusers names, or LDM block names as
-  sd-scripts writes them for SDXL), `lora_te_`/`lora_te1_` for the first text encoder (diffusers'
-  `convert_state_dict_to_kohya` writes `lora_te1_` even for SD1.5), `lora_te2_` for the second;
+* kohya / sd-scripts: `lora_unet_` + the path with `_` (diffusers names, or the family's native
+  names: LDM block names as sd-scripts writes them for SDXL, BFL names for Flux), `lora_te_`/
+  `lora_te1_` for the first text encoder (diffusers' `convert_state_dict_to_kohya` writes
+  `lora_te1_` even for SD1.5), then the family's prefix for each encoder (`lora_te2_`, Flux's
+  T5 `lora_te3_`); OneTrainer's `lora_transformer_` for a DiT's diffusers names;
 * LyCORIS: `lycoris_` + the UNet path with `_`;
 * diffusers / PEFT: dotted paths behind `unet.`/`text_encoder.`/`text_encoder_2.`, or bare
   (PEFT's own `save_pretrained`, after `base_model.model.`); a bare text-encoder path is the same
@@ -18,6 +20,11 @@ look keys up exactly. The spellings (each tagged, so a report can say which layo
 
 Text-encoder paths are spelled with and without transformers' `text_model.` level (transformers
 >= 5.6 dropped it from `CLIPTextModel`; trainers and older files still write it).
+
+Native names come from the family (`Family.native_modules`): each is a key with its *parts*, the
+model modules it covers and, for a fused file module (Flux's `img_attn.qkv` = `to_q`, `to_k`,
+`to_v`), the rows of the fused weight each one is. A key whose parts are several modules is split
+by `app.adapters.matching` into one adapter per module, each holding exactly its rows.
 """
 
 from __future__ import annotations
@@ -30,16 +37,17 @@ from dataclasses import dataclass, field
 import torch
 
 from app.adapters.algos import SUFFIXES
-from app.families.ldm_layout import unet_module_map
+from app.families import family
+from app.families.file_layout import Rows
+from app.families.ldm_layout import LYCORIS
 
 log = logging.getLogger(__name__)
 
 Target = tuple[str, str]  # (component, module path)
+Parts = tuple[tuple[Target, Rows | None], ...]  # the modules one adapter layer covers, with their rows
 
 # Spelling tags, as the per-file report names them.
 KOHYA = "kohya"
-KOHYA_LDM = "kohya (LDM block names)"
-LYCORIS = "LyCORIS"
 DIFFUSERS = "diffusers/PEFT"
 PEFT_BARE = "PEFT (bare module names)"
 LEGACY = "diffusers legacy attention processors"
@@ -55,7 +63,7 @@ COMPONENT_PREFIXES: dict[str, tuple[str, ...]] = {
     "transformer": ("lora_transformer_", "transformer.", "diffusion_model.", "lora_unet_double_blocks_",
                     "lora_unet_single_blocks_"),
 }
-_KOHYA_TE_PREFIXES = {"text_encoder": ("lora_te_", "lora_te1_"), "text_encoder_2": ("lora_te2_",)}
+_FIRST_TE_PREFIXES = ("lora_te_", "lora_te1_")  # every trainer's spelling of the first text encoder
 
 _PEFT_MAGNITUDE = "lora_magnitude_vector"
 # File suffixes other tools write -> the kohya/LyCORIS suffix the algorithms read, with the style
@@ -72,6 +80,9 @@ _SUFFIX_SPELLINGS: dict[str, tuple[str, str]] = {
     "_lora.up.weight": ("lora_up.weight", "to_q_lora.down"),
     ".lora_magnitude_vector": ("dora_scale", _PEFT_MAGNITUDE),
     ".lora_magnitude_vector.weight": ("dora_scale", _PEFT_MAGNITUDE),
+    # xlabs' Flux LoRAs: `double_blocks.0.processor.qkv_lora1.down.weight`
+    ".down.weight": ("lora_down.weight", "down/up"),
+    ".up.weight": ("lora_up.weight", "down/up"),
     # IA3's bare `weight` is left out: after a dotted module path it is a full weight.
     **{f".{s}": (s, "") for s in SUFFIXES - {"weight"}},
 }
@@ -120,6 +131,7 @@ class LayerGroup:
     file_keys: tuple[str, ...] = ()
     spelling: str = ""
     style: str = ""
+    parts: Parts = ()  # the modules it covers (one, with rows None, unless the layer is fused)
 
 
 def _legacy_spellings(path: str) -> list[str]:
@@ -135,54 +147,57 @@ def _legacy_spellings(path: str) -> list[str]:
 
 
 class KeyTable:
-    """Every spelling of every weight-bearing module of a pipeline's UNet and text encoders."""
+    """Every spelling of every weight-bearing module of a pipeline's denoiser and text encoders."""
 
     def __init__(self, pipe, arch: str) -> None:
-        self.arch = arch
-        self.components = frozenset(c for c in ("unet", "text_encoder", "text_encoder_2")
-                                    if getattr(pipe, c, None) is not None)
-        self._table: dict[str, tuple[Target, str]] = {}
+        fam = family(arch)
+        self.arch = fam.lora_arch
+        self.components = frozenset(c for c in fam.components if getattr(pipe, c, None) is not None)
+        self._table: dict[str, tuple[Parts, str]] = {}
         ambiguous: set[str] = set()
-        for alias, target, spelling in self._aliases(pipe):
-            if alias in self._table and self._table[alias][0] != target:
+        for alias, parts, spelling in self._aliases(pipe, fam):
+            if alias in self._table and self._table[alias][0] != parts:
                 ambiguous.add(alias)
-            self._table.setdefault(alias, (target, spelling))
+            self._table.setdefault(alias, (parts, spelling))
         for alias in ambiguous:  # two modules spelled alike: refuse to guess between them
             del self._table[alias]
             log.debug("key alias %s is ambiguous; dropped", alias)
 
-    def _aliases(self, pipe):
-        ldm_names = unet_module_map(pipe.unet)
-        for path, module in pipe.unet.named_modules():
+    def _aliases(self, pipe, fam):
+        denoiser = getattr(pipe, fam.denoiser)
+        for path, module in denoiser.named_modules():
             if not path or getattr(module, "weight", None) is None:
                 continue
-            target = ("unet", path)
-            yield f"lora_unet_{path.replace('.', '_')}", target, KOHYA
-            yield f"lycoris_{path.replace('.', '_')}", target, LYCORIS
-            yield f"unet.{path}", target, DIFFUSERS
-            yield path, target, PEFT_BARE
-            if (ldm := ldm_names.get(path)) is not None:
-                yield f"lora_unet_{ldm.replace('.', '_')}", target, KOHYA_LDM
-                yield f"lycoris_{ldm.replace('.', '_')}", target, LYCORIS
+            parts = (((fam.denoiser, path), None),)
+            flat = path.replace(".", "_")
+            yield f"lora_unet_{flat}", parts, KOHYA
+            yield f"lora_{fam.denoiser}_{flat}", parts, KOHYA
+            yield f"lycoris_{flat}", parts, LYCORIS
+            yield f"{fam.denoiser}.{path}", parts, DIFFUSERS
+            yield path, parts, PEFT_BARE
             for legacy in _legacy_spellings(path):
-                yield from ((f"{p}{legacy}", target, LEGACY) for p in ("unet.", ""))
-        for comp in self.components - {"unet"}:
-            yield from self._text_encoder_aliases(comp, getattr(pipe, comp))
+                yield from ((f"{p}{legacy}", parts, LEGACY) for p in (f"{fam.denoiser}.", ""))
+        yield from fam.native_modules(denoiser)
+        for te in fam.text_encoders:
+            if te.component in self.components:
+                prefixes = tuple(dict.fromkeys((*_FIRST_TE_PREFIXES, te.lora_prefix) if te is fam.text_encoders[0]
+                                               else (te.lora_prefix,)))
+                yield from self._text_encoder_aliases(te.component, getattr(pipe, te.component), prefixes)
 
     @staticmethod
-    def _text_encoder_aliases(comp: str, encoder: torch.nn.Module):
+    def _text_encoder_aliases(comp: str, encoder: torch.nn.Module, kohya_prefixes: tuple[str, ...]):
         for path, module in encoder.named_modules():
             if not path or getattr(module, "weight", None) is None:
                 continue
-            target = (comp, path)
+            parts = (((comp, path), None),)
             for spelled in {path, path if path.startswith("text_model.") else f"text_model.{path}"}:
-                for prefix in _KOHYA_TE_PREFIXES[comp]:
-                    yield f"{prefix}{spelled.replace('.', '_')}", target, KOHYA
-                yield f"lycoris_{spelled.replace('.', '_')}", target, LYCORIS  # LyCORIS's own wrapper
-                yield f"{comp}.{spelled}", target, DIFFUSERS
-                yield spelled, target, PEFT_BARE
+                for prefix in kohya_prefixes:
+                    yield f"{prefix}{spelled.replace('.', '_')}", parts, KOHYA
+                yield f"lycoris_{spelled.replace('.', '_')}", parts, LYCORIS  # LyCORIS's own wrapper
+                yield f"{comp}.{spelled}", parts, DIFFUSERS
+                yield spelled, parts, PEFT_BARE
                 for legacy in _legacy_spellings(spelled):
-                    yield from ((f"{p}{legacy}", target, LEGACY) for p in (f"{comp}.", ""))
+                    yield from ((f"{p}{legacy}", parts, LEGACY) for p in (f"{comp}.", ""))
 
     def group(self, tensors: dict[str, torch.Tensor]) -> list[LayerGroup]:
         """Group an adapter file's tensors by layer and resolve each layer to a module."""
@@ -198,7 +213,9 @@ class KeyTable:
             keys[split.layer].append(key)
             styles[split.layer] = styles.get(split.layer) or split.style
         groups = []
-        for layer, parts in layers.items():
-            target, spelling = self._table.get(layer, (None, ""))
-            groups.append(LayerGroup(layer, target, parts, tuple(keys[layer]), spelling, styles[layer]))
+        for layer, tensors_of_layer in layers.items():
+            parts, spelling = self._table.get(layer, ((), ""))
+            target = parts[0][0] if parts else None
+            groups.append(LayerGroup(layer, target, tensors_of_layer, tuple(keys[layer]), spelling, styles[layer],
+                                     parts))
         return groups

@@ -29,8 +29,9 @@ import torch
 from app.adapters.algos import Adapter, parse_layer
 from app.adapters.errors import AdapterFormatError, IncompatibleAdapterError, LoraApplyError
 from app.adapters.files import AdapterFile
-from app.adapters.keys import DOTTED_SPELLINGS, KeyTable, LayerGroup, Target, component_named
+from app.adapters.keys import DOTTED_SPELLINGS, KeyTable, LayerGroup, Parts, Target, component_named
 from app.adapters.peft_scale import PeftScales
+from app.families.file_layout import row_index
 
 log = logging.getLogger(__name__)
 UNMATCHED_EXAMPLES = 3
@@ -123,25 +124,43 @@ def _parse(groups: list[LayerGroup], scales: PeftScales,
     for group in groups:
         if group.target is None:
             continue
-        if group.target in owners:
-            raise AdapterFormatError(f"layers {owners[group.target]} and {group.key} both target "
-                                     f"{group.target[0]}.{group.target[1]}; the file is ambiguous")
-        owners[group.target] = group.key
+        for target, _rows in group.parts:
+            if target in owners:
+                raise AdapterFormatError(f"layers {owners[target]} and {group.key} both target "
+                                         f"{target[0]}.{target[1]}; the file is ambiguous")
+            owners[target] = group.key
         if group.spelling in DOTTED_SPELLINGS and "weight" in group.tensors:
             raise AdapterFormatError(f"{group.key}: a whole module weight (PEFT modules_to_save?) is not an "
                                      "adapter; not supported, nothing applied")
         tensors, source = scales.with_alpha(group)
         try:
             adapter = parse_layer(group.key, tensors)
-            adapter.validate_against(tuple(module_for(group.target).weight.shape))
+            layers = _split(adapter, group.parts, module_for)
         except IncompatibleAdapterError as exc:
             parsed.mismatched.append(str(exc))
             continue
-        parsed.layers[group.target] = adapter
+        parsed.layers.update(layers)
         parsed.spellings[(group.spelling, group.style)] += 1
         if source != "absent" or adapter.rank is not None:
             parsed.scale_sources[source] += 1
     return parsed
+
+
+def _split(adapter: Adapter, parts: Parts, module_for: Callable[[Target], torch.nn.Module]) -> dict[Target, Adapter]:
+    """One adapter per target module. A layer spelled with a fused file module (Flux's `img_attn.qkv`)
+    is checked against the fused weight, (Σ part rows, in…), then cut into each part's rows."""
+    weights = [module_for(target).weight.shape for target, _rows in parts]
+    if len(parts) == 1 and parts[0][1] is None:
+        adapter.validate_against(tuple(weights[0]))
+        return {parts[0][0]: adapter}
+    fused_rows = max(stop for _target, rows in parts for _start, stop in rows)
+    adapter.validate_against((fused_rows, *weights[0][1:]))
+    split = {}
+    for (target, rows), shape in zip(parts, weights, strict=True):
+        part = adapter.rows(row_index(rows))
+        part.validate_against(tuple(shape))
+        split[target] = part
+    return split
 
 
 def _refuse_unsupported(file: AdapterFile) -> None:
@@ -188,14 +207,14 @@ def _check_fit(name: str, table: KeyTable, parsed: _Parsed, unmatched: list[Laye
         verb = "has" if len(parsed.mismatched) == 1 else "have"
         raise LoraApplyError(name, f"does not fit this {arch} model{made_for}: {len(parsed.mismatched)} of its "
                                    f"layers {verb} the wrong shape, e.g. {parsed.mismatched[0]}")
+    also = f", even though {fit} of its layers fit by shape" if fit else ""
     if foreign:
         raise LoraApplyError(name, f"does not fit this {arch} model{made_for}: it has layers for "
-                                   f"{', '.join(foreign)}, which this model lacks, even though {fit} of its "
-                                   "layers fit by shape; nothing applied")
+                                   f"{', '.join(foreign)}, which this model lacks{also}; nothing applied")
     if declared and declared != table.arch and unmatched:
         raise LoraApplyError(name, f"does not fit this {arch} model{made_for}: its metadata names "
-                                   f"{declared.upper()} and {len(unmatched)} of its layers match nothing here, "
-                                   f"even though {fit} fit by shape; nothing applied")
+                                   f"{declared.upper()} and {len(unmatched)} of its layers match nothing "
+                                   f"here{also}; nothing applied")
     if not fit:
         raise LoraApplyError(name, f"matched zero of its {len(unmatched)} layers in this {arch} "
                                    f"model{made_for}; nothing applied")

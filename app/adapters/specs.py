@@ -50,5 +50,6 @@ class LoraSpec:
         return self.weight if self.te_weight is None else self.te_weight
 
     def strength_for(self, component: str) -> float:
-        """UNet strength for the UNet, text-encoder strength for either text encoder."""
-        return self.unet_strength if component == "unet" else self.te_strength
+        """Text-encoder strength for every text encoder, the UNet strength for the denoiser (a UNet
+        or a DiT's transformer)."""
+        return self.te_strength if component.startswith("text_encoder") else self.unet_strength

@@ -2,18 +2,9 @@
 
 Tests need adapter files whose every tensor they know, in the spellings real trainers write
 (kohya, LyCORIS, PEFT/diffusers), for the tiny pipelines of `app.demo`; the demo needs a few
-LoRAs that visibly change its images. Both come from one table-driven generator:
-
-* an *algorithm* is one small function that, given a target layer (its kind and float32 weight),
-  a rank and a random source, returns that layer's tensors under their kohya/LyCORIS suffixes
-  (`lora_down.weight`, `hada_w1_a`, `oft_blocks`, …), or None where it does not apply (a Tucker
-  core on a linear layer, a norm adapter on a conv);
-* a *layout* (`Layout`) spells layer keys and suffixes the way one trainer does.
-
-Sizes are chosen so that at strength 1 every algorithm changes a layer by about `strength`
-times the weight's RMS, which is enough for a bf16 model to see every delta (a delta far below
-one bf16 ulp would fuse to the unchanged weight and prove nothing) and for the tiny model's
-image to change visibly. Text-encoder keys are spelled as trainers write them, from the
+LoRAs that visibly change its images. Both come from one table-driven generator: an *algorithm*
+(app/adapters/synthetic_algos.py) builds one layer's tensors, a *layout* (`Layout`) spells layer
+keys and suffixes the way one trainer does. Text-encoder keys are spelled as trainers write them, from the
 transformers 4.x module tree (`text_model.encoder.…`), whatever the installed transformers calls
 the module.
 """
@@ -23,8 +14,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from app.adapters.synthetic_algos import ALGORITHMS, LAYER_KINDS, Layer, Tensors
 from app.families import FAMILIES
 from app.families.ldm_layout import unet_module_map
 
@@ -51,8 +42,6 @@ __all__ = [
 ]
 
 Target = tuple[str, str]  # (component, module path), as `app.adapters.keys` resolves keys
-Draw = Callable[..., Tensor]  # draw(*shape) -> standard-normal float32 tensor
-Tensors = dict[str, Tensor]
 
 # A spread of layer kinds: linear with and without bias, 1×1 and 3×3 convs with bias, the
 # cross-attention key (its input width is what tells SD1.5 from SDXL), norms, and text encoders.
@@ -70,250 +59,21 @@ DEFAULT_TARGETS = (
     "text_encoder*.layers.0.mlp.fc1",
     "text_encoder*.layers.0.layer_norm1",
 )
-_KINDS = ((torch.nn.Linear, "linear"), (torch.nn.Conv2d, "conv"), ((torch.nn.GroupNorm, torch.nn.LayerNorm), "norm"))
+# The same spread on Flux's transformer (diffusers names): attention q and output, the single
+# blocks' MLP input and output projection, a modulation and an embedder, and CLIP-L.
+FLUX_TARGETS = (
+    "transformer.transformer_blocks.0.attn.to_q",
+    "transformer.transformer_blocks.*.attn.to_out.0",
+    "transformer.transformer_blocks.1.ff.net.2",
+    "transformer.single_transformer_blocks.0.proj_mlp",
+    "transformer.single_transformer_blocks.*.proj_out",
+    "transformer.transformer_blocks.0.norm1.linear",
+    "transformer.context_embedder",
+    "text_encoder.*layers.0.self_attn.q_proj",
+    "text_encoder.*layers.0.mlp.fc1",
+    "text_encoder.*layers.0.layer_norm1",
+)
 _COMPONENTS = {name: fam.components for name, fam in FAMILIES.items()}
-
-
-@dataclass(frozen=True, eq=False)
-class Layer:
-    """What an algorithm function sees of its target: kind, float32 weight (and bias) copies."""
-
-    kind: str  # "linear" | "conv" | "norm"
-    weight: Tensor
-    bias: Tensor | None
-
-    @property
-    def out_dim(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def in_dim(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def kernel(self) -> tuple[int, ...]:
-        return tuple(self.weight.shape[2:])
-
-    @property
-    def ones(self) -> tuple[int, ...]:
-        """Trailing 1s that give a factor the weight's number of dimensions."""
-        return (1,) * len(self.kernel)
-
-    def amp(self, strength: float) -> float:
-        """Target RMS of ΔW: `strength` times the weight's RMS."""
-        return strength * float(self.weight.pow(2).mean().sqrt())
-
-
-# ----------------------------------------------------------------------------- algorithm helpers
-def _chain_scale(rank: int, factors: int) -> float:
-    """Per-factor scale that makes a product of `factors` normal factors over rank r have RMS 1."""
-    return rank ** (-(factors - 1) / (2 * factors))
-
-
-def _split(n: int) -> tuple[int, int]:
-    """n = a·b with a the largest divisor not above √n (LyCORIS puts the small factor first)."""
-    a = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
-    return a, n // a
-
-
-def _weighty(layer: Layer) -> bool:
-    return layer.kind in ("linear", "conv")
-
-
-def _has_kernel(layer: Layer) -> bool:
-    return layer.kind == "conv" and math.prod(layer.kernel) > 1
-
-
-# ----------------------------------------------------------------------------------- algorithms
-def _lora(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    """LoRA / LoCon: down carries the conv kernel (3×3 down, 1×1 up)."""
-    if not _weighty(layer):
-        return None
-    k = _chain_scale(rank, 2)
-    return {
-        "lora_down.weight": draw(rank, layer.in_dim, *layer.kernel) * k,
-        "lora_up.weight": draw(layer.out_dim, rank, *layer.ones) * k * layer.amp(strength),
-    }
-
-
-def _lora_tucker(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    if not _has_kernel(layer):
-        return None
-    k = _chain_scale(rank, 3)
-    return {
-        "lora_down.weight": draw(rank, layer.in_dim, 1, 1) * k,
-        "lora_mid.weight": draw(rank, rank, *layer.kernel) * k,
-        "lora_up.weight": draw(layer.out_dim, rank, 1, 1) * k * layer.amp(strength),
-    }
-
-
-def _loha(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    """LoHa with conv factors flattened to (r, in·kh·kw), as LyCORIS stores them."""
-    if not _weighty(layer):
-        return None
-    k, cols = _chain_scale(rank, 2), layer.in_dim * math.prod(layer.kernel)
-    return {
-        "hada_w1_a": draw(layer.out_dim, rank) * k * layer.amp(strength),
-        "hada_w1_b": draw(rank, cols) * k,
-        "hada_w2_a": draw(layer.out_dim, rank) * k,
-        "hada_w2_b": draw(rank, cols) * k,
-    }
-
-
-def _loha_tucker(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    if not _has_kernel(layer):
-        return None
-    k = _chain_scale(rank, 3)
-    out = {}
-    for i, amp in ((1, layer.amp(strength)), (2, 1.0)):
-        out[f"hada_t{i}"] = draw(rank, rank, *layer.kernel) * k * amp
-        out[f"hada_w{i}_a"] = draw(rank, layer.out_dim) * k
-        out[f"hada_w{i}_b"] = draw(rank, layer.in_dim) * k
-    return out
-
-
-def _lokr(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    """LoKr with both Kronecker factors stored whole."""
-    if not _weighty(layer):
-        return None
-    (a, b), (c, d) = _split(layer.out_dim), _split(layer.in_dim)
-    return {"lokr_w1": draw(a, c) * layer.amp(strength), "lokr_w2": draw(b, d, *layer.kernel)}
-
-
-def _lokr_factorised(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    if not _weighty(layer):
-        return None
-    (a, b), (c, d), k = _split(layer.out_dim), _split(layer.in_dim), _chain_scale(rank, 2)
-    return {
-        "lokr_w1_a": draw(a, rank) * k * layer.amp(strength),
-        "lokr_w1_b": draw(rank, c) * k,
-        "lokr_w2_a": draw(b, rank) * k,
-        "lokr_w2_b": draw(rank, d, *layer.kernel) * k,
-    }
-
-
-def _lokr_tucker(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    if not _has_kernel(layer):
-        return None
-    (a, b), (c, d), k = _split(layer.out_dim), _split(layer.in_dim), _chain_scale(rank, 3)
-    return {
-        "lokr_w1": draw(a, c) * layer.amp(strength),
-        "lokr_t2": draw(rank, rank, *layer.kernel) * k,
-        "lokr_w2_a": draw(rank, b) * k,
-        "lokr_w2_b": draw(rank, d) * k,
-    }
-
-
-def _glora(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    """GLoRA, LyCORIS 4.x layout; W·a1·a2 sums over the input channels, hence the 1/√in."""
-    if not _weighty(layer):
-        return None
-    k, amp = _chain_scale(rank, 2), layer.amp(strength)
-    a_scale = amp / (math.sqrt(layer.in_dim) * max(layer.amp(1.0), 1e-12))
-    return {
-        "a1.weight": draw(layer.in_dim, rank, *layer.ones) * k * a_scale,
-        "a2.weight": draw(rank, layer.in_dim, *layer.ones) * k,
-        "b1.weight": draw(layer.out_dim, rank, *layer.ones) * k * amp,
-        "b2.weight": draw(rank, layer.in_dim, *layer.kernel) * k,
-    }
-
-
-def _glora_old(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    """GLoRA as LyCORIS ≤ 2.x stored it (transposed factors, linear layers only)."""
-    if layer.kind != "linear":
-        return None
-    new = _glora(layer, rank, draw, strength)
-    return {
-        "a1.weight": new["a2.weight"],
-        "a2.weight": new["a1.weight"],
-        "b1.weight": new["b2.weight"],
-        "b2.weight": new["b1.weight"],
-    }
-
-
-def _dora(axis: str) -> Callable[[Layer, int, Draw, float], Tensors | None]:
-    """LoRA plus a `dora_scale` per output row (`out`) or per input column (legacy `in`)."""
-
-    def build(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-        tensors = _lora(layer, rank, draw, strength)
-        if tensors is None:
-            return None
-        dims = tuple(d for d in range(layer.weight.dim()) if d != (0 if axis == "out" else 1))
-        norm = torch.linalg.vector_norm(layer.weight, dim=dims, keepdim=True)
-        tensors["dora_scale"] = norm * (1 + 0.5 * strength * torch.tanh(draw(*norm.shape)))
-        return tensors
-
-    return build
-
-
-def _full(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    out = {"diff": draw(*layer.weight.shape) * layer.amp(strength)}
-    if layer.bias is not None:
-        out["diff_b"] = draw(*layer.bias.shape) * _bias_amp(layer, strength)
-    return out
-
-
-def _bias_amp(layer: Layer, strength: float) -> float:
-    rms = float(layer.bias.pow(2).mean().sqrt())
-    return strength * (rms if rms > 0 else float(layer.weight.pow(2).mean().sqrt()))
-
-
-def _norm(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    if layer.kind != "norm":
-        return None
-    out = {"w_norm": draw(*layer.weight.shape) * layer.amp(strength)}
-    if layer.bias is not None:
-        out["b_norm"] = draw(*layer.bias.shape) * _bias_amp(layer, strength)
-    return out
-
-
-def _ia3(on_input: bool) -> Callable[[Layer, int, Draw, float], Tensors | None]:
-    def build(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-        if not _weighty(layer):
-            return None
-        shape = (1, layer.in_dim) if on_input else (layer.out_dim, 1)
-        return {"weight": draw(*shape, *layer.ones) * strength, "on_input": torch.tensor(int(on_input))}
-
-    return build
-
-
-def _oft(layer: Layer, rank: int, draw: Draw, strength: float) -> Tensors | None:
-    """Diagonal OFT with blocks of up to 2·rank rows; R ≈ I + 2Q for small blocks."""
-    if not _weighty(layer):
-        return None
-    size = max(d for d in range(1, 2 * rank + 1) if layer.out_dim % d == 0)
-    if size == 1:
-        return None  # a 1×1 skew block is zero: nothing to rotate
-    sigma = strength / (2 * math.sqrt(2 * size))
-    return {"oft_blocks": draw(layer.out_dim // size, size, size) * sigma}
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """One entry of the table: its per-layer builder and whether files of it carry `alpha`."""
-
-    build: Callable[[Layer, int, Draw, float], Tensors | None]
-    alpha: bool = True
-
-
-ALGORITHMS: dict[str, Algorithm] = {
-    "lora": Algorithm(_lora),
-    "lora_tucker": Algorithm(_lora_tucker),
-    "loha": Algorithm(_loha),
-    "loha_tucker": Algorithm(_loha_tucker),
-    "lokr": Algorithm(_lokr),
-    "lokr_factorised": Algorithm(_lokr_factorised),
-    "lokr_tucker": Algorithm(_lokr_tucker),
-    "glora": Algorithm(_glora),
-    "glora_old": Algorithm(_glora_old),
-    "dora": Algorithm(_dora("out")),
-    "dora_in": Algorithm(_dora("in")),
-    "full": Algorithm(_full, alpha=False),
-    "norm": Algorithm(_norm, alpha=False),
-    "ia3": Algorithm(_ia3(False), alpha=False),
-    "ia3_in": Algorithm(_ia3(True), alpha=False),
-    "oft": Algorithm(_oft, alpha=False),
-}
 
 
 # --------------------------------------------------------------------------------------- layouts
@@ -343,7 +103,9 @@ class Layout:
         return self.unet_names == "ldm" or (self.unet_names == "arch" and arch == "sdxl")
 
     def layer_key(self, component: str, name: str, arch: str) -> str:
-        prefix = self.unet_prefix if component == "unet" else self.te_prefixes[arch][component]
+        denoiser = FAMILIES[arch].denoiser
+        own = self.unet_prefix.format(denoiser=denoiser)
+        prefix = own if component == denoiser else self.te_prefixes[arch][component]
         return prefix + (name if self.peft else name.replace(".", "_"))
 
     def stored(self, tensors: Tensors) -> Tensors:
@@ -373,7 +135,7 @@ LAYOUTS: dict[str, Layout] = {
         Layout("kohya_ldm", "lora_unet_", _KOHYA_TE, unet_names="ldm"),
         Layout("kohya_diffusers", "lora_unet_", _KOHYA_TE),
         Layout("lycoris", "lycoris_", _KOHYA_TE),
-        Layout("peft", "unet.", _PEFT_TE, peft=True),
+        Layout("peft", "{denoiser}.", _PEFT_TE, peft=True),
     )
 }
 
@@ -391,7 +153,7 @@ class SyntheticAdapter:
 
 
 def _kind(module: torch.nn.Module) -> str | None:
-    return next((kind for cls, kind in _KINDS if isinstance(module, cls)), None)
+    return next((kind for cls, kind in LAYER_KINDS if isinstance(module, cls)), None)
 
 
 def _trainer_path(component: torch.nn.Module, path: str) -> str:
@@ -438,7 +200,8 @@ def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] = DEFAULT
     return layers
 
 
-_BASE_MODELS = {"sd15": ("sd_v1", "stable-diffusion-v1"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base")}
+_BASE_MODELS = {"sd15": ("sd_v1", "stable-diffusion-v1"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base"),
+                "flux-dev": ("flux1", "flux-1-dev"), "flux-schnell": ("flux1", "flux-1-schnell")}
 
 
 def adapter_metadata(arch: str, algo: str, rank: int, alpha: float | None) -> dict[str, str]:
@@ -479,7 +242,7 @@ def write_adapter(path: Path, pipe, arch: str, algo: str = "lora", layout: str =
     built = build_layers(pipe, arch, algo, targets=targets, rank=rank, seed=seed, alpha=alpha, strength=strength)
     for (component, module_path), raw in built.items():
         stored = {k: v.to(dtype) if v.is_floating_point() else v for k, v in spelling.stored(raw).items()}
-        if component == "unet":
+        if component == FAMILIES[arch].denoiser:
             name = ldm_names[module_path] if ldm_names is not None else module_path
         else:
             name = _trainer_path(getattr(pipe, component), module_path)
@@ -494,8 +257,10 @@ def write_adapter(path: Path, pipe, arch: str, algo: str = "lora", layout: str =
 
 # ------------------------------------------------------------------------------------- demo LoRAs
 _STYLE_TARGETS = ("unet.*attn[12].to_[qkv]", "unet.*attn[12].to_out.0", "unet.*attentions.*.proj_[io]*",
+                  "transformer.*attn.to_[qkv]", "transformer.*attn.to_out.0", "transformer.*attn.add_[qkv]_proj",
                   "text_encoder*.self_attn.*_proj", "text_encoder*.mlp.fc[12]")
-_DETAIL_TARGETS = ("unet.*resnets.*.conv[12]", "unet.*resnets.*.time_emb_proj", "unet.*samplers.0.conv")
+_DETAIL_TARGETS = ("unet.*resnets.*.conv[12]", "unet.*resnets.*.time_emb_proj", "unet.*samplers.0.conv",
+                   "transformer.*ff.net.*", "transformer.*ff_context.net.*", "transformer.*proj_mlp")
 # (name suffix, trigger word, targets, strength, seed)
 _DEMO_LORAS = (
     ("demo-style", "steadystyle", _STYLE_TARGETS, 1.0, 11),
@@ -526,7 +291,7 @@ def adapter_state_digests(pipe) -> dict[str, str]:
     bit-identical weights, whatever the dtype or device.
     """
     digests = {}
-    for component in ("unet", "text_encoder", "text_encoder_2"):
+    for component in dict.fromkeys(c for fam in FAMILIES.values() for c in fam.components):
         module = getattr(pipe, component, None)
         for key, tensor in ({} if module is None else module.state_dict()).items():
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

@@ -40,7 +40,7 @@ class CheckpointShapeError(ValueError):
 def meta_components(arch: str, config_dir: Path, max_parameters: int | None = None) -> SimpleNamespace:
     """UNet, VAE and text encoder(s) built from `config_dir` on the meta device: names and shapes of
     the full pipeline at no memory cost. With `max_parameters`, building stops past that many."""
-    with torch.device("meta"), _parameter_budget(max_parameters):
+    with torch.device("meta"), parameter_budget(max_parameters):
         parts = {
             "unet": UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(config_dir / "unet")),
             "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(config_dir / "vae")),
@@ -51,7 +51,7 @@ def meta_components(arch: str, config_dir: Path, max_parameters: int | None = No
 
 
 @contextlib.contextmanager
-def _parameter_budget(limit: int | None) -> Iterator[None]:
+def parameter_budget(limit: int | None) -> Iterator[None]:
     """Raise once this thread registers more than `limit` parameters (other threads are not counted)."""
     if limit is None:
         yield

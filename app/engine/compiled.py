@@ -23,10 +23,7 @@ graph, more if it graph-breaks). CUDA-graph recordings are counted from dynamo's
 (trigger `CUDAGRAPH_RECORDING`) where the installed torch has them; otherwise that count is None.
 A LoRA change must leave both counts unchanged; tests and the benchmark assert it.
 
-Compiled artifacts survive restarts through torch's own caches: `configure_cache` points the
-inductor cache (`TORCHINDUCTOR_CACHE_DIR`, which holds the FX-graph, AOTAutograd and Triton caches)
-at a folder of ours, and `torch.compiler`'s portable "mega-cache" is saved there after each compile
-and loaded back on the next `enable`, where the torch version provides it.
+Compiled artifacts survive restarts through torch's own caches (app/engine/compile_cache.py).
 
 Each distinct signature (image size, batch) compiles once, up to torch's recompile limit (8); later
 sizes stay eager and the status says so. A background compile runs one extra UNet forward beside the
@@ -41,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -50,71 +46,24 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
+from app.engine.compile_cache import configure_cache, load_mega_cache, save_mega_cache
+from app.engine.offload import MODES
+from app.families import family_of
+
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("reduce-overhead", "default")
-# Offload modes under which UNet weights never change device between generations.
-STATIC_OFFLOAD_MODES = frozenset({"none"})
 FIRST_COMPILE_HINT = "the first compile takes ~1 min for SD1.5 and ~2-3 min for SDXL; seconds when cached"
-MEGA_CACHE_FILE = "mega-cache.bin"
 
 
 def is_compiled_path_allowed(offload: str, device: torch.device, backend: str = "inductor") -> tuple[bool, str]:
     """Whether the compiled path may run; when not, the note the UI shows instead."""
-    if offload not in STATIC_OFFLOAD_MODES:
+    if MODES[offload].moves_weights:  # weights change device between generations: graphs would go stale
         return False, (f"offload '{offload}' moves UNet weights between devices, which invalidates compiled "
                        "graphs; running eager (use offload 'none' for the compiled path)")
     if backend == "inductor" and torch.device(device).type != "cuda":
         return False, "the compiled path needs a CUDA device; running eager"
     return True, ""
-
-
-def configure_cache(cache_dir: Path, *, override: bool = False) -> Path:
-    """Point torch's compile caches at `cache_dir` so a restart reuses compiled kernels.
-
-    Must run before the first compile in the process: inductor fixes its cache folder then. An
-    explicit `TORCHINDUCTOR_CACHE_DIR` from the environment wins unless `override` (the benchmark
-    overrides to measure a cold first compile). Returns the mega-cache file path.
-    """
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    inductor_dir = str(cache_dir / "inductor")
-    if override:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
-    else:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_dir)
-    torch._inductor.config.fx_graph_cache = True
-    torch._functorch.config.enable_autograd_cache = True
-    return cache_dir / MEGA_CACHE_FILE
-
-
-def load_mega_cache(path: Path) -> bool:
-    """Hot-load a saved mega-cache; an unreadable one (another torch version) is reported and skipped,
-    because it only saves time: the compile then simply runs from scratch."""
-    if not path.is_file() or not hasattr(torch.compiler, "load_cache_artifacts"):
-        return False
-    try:
-        info = torch.compiler.load_cache_artifacts(path.read_bytes())
-    except Exception as exc:  # noqa: BLE001 - a stale cache must not block compiling
-        log.warning("compile cache %s unreadable (%s); compiling from scratch", path, str(exc))
-        return False
-    if info is None:  # torch logs why (corrupt, other version) and loads nothing
-        log.warning("compile cache %s not loaded; compiling from scratch", path)
-        return False
-    return True
-
-
-def save_mega_cache(path: Path) -> bool:
-    """Write every compile artifact of this process to `path` (atomically); False where unsupported."""
-    if not hasattr(torch.compiler, "save_cache_artifacts"):
-        return False
-    artifacts = torch.compiler.save_cache_artifacts()
-    if not artifacts:
-        return False
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(artifacts[0])
-    tmp.replace(path)
-    return True
 
 
 def _leaf_key(value) -> object:
@@ -415,11 +364,12 @@ def installed_state(unet: torch.nn.Module) -> CompileState | None:
 
 def enable(pipe, *, offload: str = "none", mode: str = "reduce-overhead", backend="inductor",
            background: bool = True, cache_dir: Path | None = None, device: torch.device | None = None) -> CompileState:
-    """Compile `pipe.unet` (replacing a previous compiled state), or explain why it stays eager.
+    """Compile the pipeline's denoiser (`pipe.unet`, a DiT's `pipe.transformer`), replacing a previous
+    compiled state, or explain why it stays eager.
 
     `backend` is `inductor` on the GPU path; tests pass `eager`/`aot_eager` (or a callable) to run
     the same dispatch and counting on the CPU in seconds. `cache_dir` keeps compiled artifacts
-    across restarts (see `configure_cache`).
+    across restarts (see `compile_cache.configure_cache`).
     """
     disable(pipe)
     device = torch.device(device if device is not None else pipe._execution_device)
@@ -428,12 +378,17 @@ def enable(pipe, *, offload: str = "none", mode: str = "reduce-overhead", backen
     if allowed and cache_dir is not None:
         mega_cache = configure_cache(cache_dir)
         load_mega_cache(mega_cache)
-    return CompileState(pipe.unet, mode=mode, backend=backend, background=background, mega_cache=mega_cache,
+    return CompileState(_denoiser(pipe), mode=mode, backend=backend, background=background, mega_cache=mega_cache,
                         blocked_note=note)
 
 
+def _denoiser(pipe) -> torch.nn.Module:
+    """The denoising component of the pipeline's family (`unet`, or `transformer` for DiTs)."""
+    return getattr(pipe, family_of(pipe).denoiser)
+
+
 def disable(pipe) -> None:
-    """Remove the compiled path from `pipe.unet` (no-op when none is installed)."""
-    state = installed_state(pipe.unet)
+    """Remove the compiled path from the denoiser (no-op when none is installed)."""
+    state = installed_state(_denoiser(pipe))
     if state is not None:
         state.close()

@@ -19,28 +19,16 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
-from diffusers import (
-    DDIMScheduler,
-    DPMSolverMultistepScheduler,
-    EulerAncestralDiscreteScheduler,
-    EulerDiscreteScheduler,
-    UniPCMultistepScheduler,
-)
 from PIL import Image, PngImagePlugin
 
-from app.families import family
+from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
 
 log = logging.getLogger(__name__)
 
-SCHEDULERS: dict[str, tuple[type, dict]] = {
-    "Euler": (EulerDiscreteScheduler, {}),
-    "Euler a": (EulerAncestralDiscreteScheduler, {}),
-    "DPM++ 2M": (DPMSolverMultistepScheduler, {"use_karras_sigmas": False}),
-    "DPM++ 2M Karras": (DPMSolverMultistepScheduler, {"use_karras_sigmas": True}),
-    "DDIM": (DDIMScheduler, {}),
-    "UniPC": (UniPCMultistepScheduler, {}),
-}
+# Every sampler name some family offers (each family's own table says what a name means for it:
+# "Euler" is Euler discrete on SD and flow-match Euler on Flux); a family refuses names it lacks.
+SCHEDULERS: dict[str, None] = dict.fromkeys(name for fam in FAMILIES.values() for name in fam.samplers)
 def _number(value: float) -> str:
     """Whole numbers in full (a seed range reads 4294967295, not 4.29497e+09), others as typed."""
     return str(int(value)) if value == int(value) else f"{value:g}"
@@ -214,6 +202,7 @@ class RunContext:
     model_name: str
     model_hash: str
     loras: tuple[tuple, ...] = ()
+    arch: str | None = None  # the family, for how guidance is written
 
 
 def resolve_seed(seed: int) -> int:
@@ -222,18 +211,32 @@ def resolve_seed(seed: int) -> int:
 
 def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tuple[str, object], ...] = ()) -> str:
     """A1111-style `parameters` text (see `app.infotext`), so other tools and our PNG Info read it back.
-    `extra` holds a workflow's own pairs (`Denoising strength`, `Hires upscale`, …), written after
-    `Model` as A1111 writes them."""
-    settings = [("Steps", params.steps), ("Sampler", params.sampler), ("CFG scale", f"{params.cfg:g}"),
-                ("Seed", seed), ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash),
-                ("Model", ctx.model_name), *extra]
+    A guidance-distilled family (Flux dev) writes what Forge writes: `CFG scale: 1` (no CFG runs) and
+    the guidance as `Distilled CFG Scale`. `extra` holds a workflow's own pairs (`Denoising
+    strength`, `Hires upscale`, …), written after `Model` as A1111 writes them."""
+    distilled = ctx.arch is not None and family(ctx.arch).distilled_guidance
+    guidance = [("CFG scale", "1"), ("Distilled CFG Scale", f"{params.cfg:g}")] if distilled \
+        else [("CFG scale", f"{params.cfg:g}")]
+    settings = [("Steps", params.steps), ("Sampler", params.sampler), *guidance, ("Seed", seed),
+                ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name),
+                *extra]
     loras = tuple(LoraUse(*entry) for entry in ctx.loras)
     return format_infotext(params.prompt, params.negative_prompt, settings, loras)
 
 
 def _scheduler_for(pipe, sampler: str):
-    cls, overrides = SCHEDULERS[sampler]
+    fam = family_of(pipe)
+    if sampler not in fam.samplers:
+        raise ValueError(f"{fam.label} has no sampler {sampler!r}; choose one of {', '.join(fam.samplers)}")
+    cls, overrides = fam.samplers[sampler]
     return cls.from_config(pipe.scheduler.config, **overrides)
+
+
+def _check_size(fam, params: GenerateParams) -> None:
+    for side in (params.width, params.height):
+        if side % fam.size_multiple:
+            raise ValueError(f"{fam.label} sizes must be multiples of {fam.size_multiple}, got "
+                             f"{params.width}x{params.height}")
 
 
 def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
@@ -250,8 +253,8 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
         mean_t = torch.tensor(mean, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1)
         std_t = torch.tensor(std, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1)
         latents = latents * std_t / config.scaling_factor + mean_t
-    else:
-        latents = latents / config.scaling_factor
+    else:  # the Flux VAE also shifts its latents
+        latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
     with torch.no_grad():
         decoded = vae.decode(latents, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
@@ -275,21 +278,26 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
-    return decode(pipe, denoise(pipe, params, seed, on_step, width=params.width, height=params.height))
+    latents = denoise(pipe, params, seed, on_step, width=params.width, height=params.height)
+    return decode(pipe, pipe.spatial_latents(latents, params.height, params.width))
 
 
 def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, total: int | None = None,
             **inputs) -> torch.Tensor:
     """The denoising loop of any of our pipelines (txt2img, or a stage pipeline given its `inputs`:
-    init latents, strength, mask); returns the latents. `total` is the number of steps the loop
-    really runs (an img2img pass runs `steps × strength`), for `on_step` and the NaN check."""
+    init latents, strength, mask); returns the latents as the pipeline packs them. `total` is the
+    number of steps the loop really runs (an img2img pass runs `steps × strength`), for `on_step`
+    and the NaN check."""
+    fam = family_of(pipe)
+    _check_size(fam, params)
     pipe.scheduler = _scheduler_for(pipe, params.sampler)
     total = params.steps if total is None else total
     watch = _FiniteWatch(total)
 
     def step_end(_pipe, step, _timestep, kwargs):
         watch.observe(step + 1, kwargs["latents"])
-        if on_step is not None and on_step(step + 1, total, kwargs["latents"]):
+        if on_step is not None and on_step(step + 1, total, pipe.spatial_latents(kwargs["latents"], params.height,
+                                                                                  params.width)):
             _pipe._interrupt = True
         return kwargs
 
@@ -298,13 +306,12 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     with torch.no_grad():
         latents = pipe(
             prompt=params.prompt,
-            negative_prompt=params.negative_prompt or None,
             num_inference_steps=params.steps,
-            guidance_scale=params.cfg,
             num_images_per_prompt=params.batch,
             generator=seed_generators(seed, params.batch),
             output_type="latent",
             callback_on_step_end=step_end,
+            **fam.call_arguments(params.cfg, params.negative_prompt),
             **inputs,
         ).images
     watch.settle()

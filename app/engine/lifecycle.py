@@ -26,7 +26,7 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.engine import compiled, embeddings, generate, models, offload, placement, stages, storage
+from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage
 from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
 from app.families import family
@@ -129,7 +129,7 @@ class ModelLifecycle:
         patched = {component for component, _ in loaded.stack.patched_modules()}
         modes = sorted({"bypass" if c in bypass else "fused" for c in patched}) or ["fused"]
         return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.model.short_hash,
-                           pipe.unet.config.sample_size * pipe.vae_scale_factor, loaded.plan.dtype,
+                           pipe.family.native_size(pipe), loaded.plan.dtype,
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
                            dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
                            storage.bytes_saved(pipe, loaded.stored, pipe.compute_dtypes))
@@ -194,6 +194,8 @@ class ModelLifecycle:
         """Another checkpoint, dtype or weight storage, or the same file changed on disk since."""
         if (loaded.model.info.name, loaded.plan.dtype, loaded.weights) != (want.model, dtype, want.weights):
             return True
+        if loaded.model.parts != part_choices.part_files(self._settings, want.model):
+            return True  # other text-encoder/VAE files chosen for it
         return loaded.signature != _signature(loaded.model.info.path)
 
     def apply_loras(self, specs: tuple[LoraSpec, ...]) -> dict[str, MatchReport]:
@@ -232,7 +234,7 @@ class ModelLifecycle:
         info = models.resolve_checkpoint(want.model, self._settings.checkpoints_dir)
         self._progress(f"loading {info.name}", 0, 3)
         t0 = time.perf_counter()
-        fresh = models.load_pipeline(info, dtype)
+        fresh = models.load_pipeline(info, dtype, part_choices.part_files(self._settings, info.name))
         stored = storage.layers_to_store(fresh.pipe, family(fresh.arch), want.weights)
         storage.store(fresh.pipe, stored)
         self._timers.record("load", time.perf_counter() - t0)
@@ -316,7 +318,7 @@ class ModelLifecycle:
         loaded.compile = None
         if self._settings.compile and not loaded.stored:  # 8-bit weights widen in hooks: eager only
             loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self._device,
-                                             mode=self._settings.compile_mode,
+                                             mode=self._settings.compile_mode, backend=self._settings.compile_backend,
                                              cache_dir=self._settings.compile_cache_dir,
                                              # CUDA-graph trees are per thread: record them on the worker.
                                              background=self._settings.compile_mode == "default")

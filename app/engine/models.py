@@ -1,4 +1,4 @@
-"""Find and load SD1.5 / SDXL checkpoints (single `.safetensors` files and diffusers folders) offline.
+"""Find and load SD1.5 / SDXL / FLUX.1 checkpoints (single `.safetensors` files and diffusers folders) offline.
 
 Everything here runs without network: configs and tokenizers come from `assets/`, and
 `HF_HUB_OFFLINE=1` is set before the Hugging Face libraries are imported so that an accidental hub
@@ -25,24 +25,36 @@ import logging  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable, Iterable, Iterator  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from app.engine import component_files  # noqa: E402
 from app.engine.checkpoint_shapes import CheckpointShapeError, check_header_shapes  # noqa: E402
+from app.engine.component_files import CONFIGS_METADATA_KEY  # noqa: E402
+from app.engine.part_choices import PartFiles  # noqa: E402
 from app.families import FAMILIES, family, family_of_pipeline  # noqa: E402
 from app.families.ldm_layout import UNET_PREFIX  # noqa: E402
 from app.paths import UnsafePathError, resolve_under, utf8_names  # noqa: E402
-from app.safetensors_files import SafetensorsFileError, file_sha256, read_header, read_shapes  # noqa: E402
+from app.safetensors_files import (  # noqa: E402
+    FileFacts,
+    FileIdentity,
+    SafetensorsFileError,
+    read_header,
+    read_shapes,
+)
 
 logger = logging.getLogger(__name__)
 
 # Tiny checkpoints (demo, tests) are not a standard architecture, and single files carry no config,
-# so they embed their component configs as JSON under this safetensors metadata key; real
-# checkpoints do not have it and get the bundled full-size configs.
-CONFIGS_METADATA_KEY = "steady_diffusion.configs"
+# so they embed their component configs as JSON under CONFIGS_METADATA_KEY; real checkpoints do
+# not have it and get the bundled full-size configs.
+# Hashes and finite-weight verdicts of the checkpoints in a folder, kept beside them (a dot file, so
+# discovery skips it) and valid while a file's size and mtime are unchanged: see `FileFacts`.
+FACTS_FILE = ".steady-diffusion-facts.json"
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 _CONFIG_FILES = {
     "unet": "unet/config.json",
@@ -63,8 +75,8 @@ _OTHER_FORMATS: tuple[tuple[str, Callable[[str], bool]], ...] = (
         "a textual-inversion embedding (put it in embeddings/)",
         lambda k: k in ("emb_params", "clip_l", "clip_g") or k.startswith("string_to_param"),
     ),
-    ("SD3/SD3.5 (not supported)", lambda k: "joint_blocks." in k or k.startswith("text_encoders.")),
-    ("Flux (not supported)", lambda k: "double_blocks." in k),
+    ("SD3/SD3.5 (not supported)", lambda k: "joint_blocks." in k),
+    ("part of a Flux transformer, missing the blocks a whole one has", lambda k: "double_blocks." in k),
     ("an SDXL refiner (not supported)", lambda k: k.startswith("conditioner.embedders.0.model.")),
     ("SD2.x, OpenCLIP ViT-H text encoder (not supported)", lambda k: k.startswith("cond_stage_model.model.")),
     ("a UNet without its text encoder (a full checkpoint is needed)", lambda k: k.startswith(UNET_PREFIX)),
@@ -73,12 +85,15 @@ _OTHER_FORMATS: tuple[tuple[str, Callable[[str], bool]], ...] = (
 )
 
 
+_SUPPORTED = "/".join(f.label for f in FAMILIES.values())
+
+
 class ModelLoadError(ValueError):
     """A checkpoint could not be found, was refused, or failed to load; the message names the file."""
 
 
 class UnknownArchitectureError(ModelLoadError):
-    """The file is valid but is not an SD1.5 or SDXL checkpoint."""
+    """The file is valid but is not a checkpoint of a supported family (app/families)."""
 
 
 class CheckpointNotFoundError(ModelLoadError):
@@ -111,30 +126,31 @@ class LoadedModel:
     arch: str
     info: CheckpointInfo
     short_hash: str
+    parts: PartFiles = PartFiles()  # the separate component files it was loaded with
 
 
 # ------------------------------------------------------------------------------------ architecture
 
 
 def detect_architecture(keys: Iterable[str]) -> str:
-    """Return "sd15" or "sdxl" for single-file (LDM layout) keys; otherwise say what the file looks like.
+    """The family of a single file's keys ("sd15", "sdxl", "flux-dev", …); otherwise say what it looks like.
 
     Each architecture needs one marker key per component (UNet, every text encoder), so a partial
     file is not mistaken for a loadable one; foreign files are described for the user.
     """
     keys = set(keys)
     for fam in FAMILIES.values():
-        if all(m in keys for m in fam.checkpoint_markers):
+        if fam.matches(keys):
             return fam.name
     for description, matches in _OTHER_FORMATS:
         example = next((k for k in sorted(keys) if matches(k)), None)
         if example is not None:
             raise UnknownArchitectureError(
-                f"not an SD1.5/SDXL checkpoint: looks like {description} ({example!r})"
+                f"not a {_SUPPORTED} checkpoint: looks like {description} ({example!r})"
             )
     samples = ", ".join(sorted(keys)[:5])
     raise UnknownArchitectureError(
-        f"not an SD1.5/SDXL checkpoint: unrecognised layout with {len(keys)} tensors (e.g. {samples})"
+        f"not a {_SUPPORTED} checkpoint: unrecognised layout with {len(keys)} tensors (e.g. {samples})"
     )
 
 
@@ -226,16 +242,30 @@ def read_safetensors_header(path: Path) -> tuple[frozenset[str], dict[str, str]]
 
 def weights_file(info: CheckpointInfo) -> Path:
     """The file whose sha256 names a checkpoint ("Model hash" in infotext): the file itself, or a
-    diffusers folder's UNet weights."""
-    return info.path / "unet" / "diffusion_pytorch_model.safetensors" if info.kind == "folder" else info.path
+    diffusers folder's denoiser weights (the first shard where they are sharded)."""
+    if info.kind != "folder":
+        return info.path
+    for denoiser in dict.fromkeys(f.denoiser for f in FAMILIES.values()):
+        shards = sorted((info.path / denoiser).glob("diffusion_pytorch_model*.safetensors"))
+        if shards:
+            return shards[0]
+    return info.path / "unet" / "diffusion_pytorch_model.safetensors"
 
 
-def load_pipeline(info: CheckpointInfo, dtype: torch.dtype) -> LoadedModel:
-    """Load a checkpoint on CPU in `dtype`, offline, with the safety checker off."""
+def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | None = None) -> LoadedModel:
+    """Load a checkpoint on CPU in `dtype`, offline, with the safety checker off. `parts` names the
+    separate text-encoder/VAE files and folders a family that assembles single files reads.
+
+    Why loading is not slower than diffusers' own: the file's sha256 is computed on a helper thread
+    while diffusers builds the pipeline (hashlib and file reads release the GIL), and both the hash
+    and the finite-weights verdict are kept in the folder's `FACTS_FILE`, so only the first load of
+    a file reads it end to end; later loads leave the memory-mapped weights untouched, as diffusers does.
+    """
     weights = weights_file(info)
     if info.kind == "folder":
         if not weights.is_file():
-            raise ModelLoadError(f"{info.name}: no unet/diffusion_pytorch_model.safetensors in the folder")
+            raise ModelLoadError(f"{info.name}: no denoiser weights (unet/ or transformer/ "
+                                 "diffusion_pytorch_model.safetensors) in the folder")
         arch = _folder_arch(info)
         _validate_folder_weights(info)
         load = _load_folder
@@ -245,18 +275,48 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype) -> LoadedModel:
             arch = detect_architecture(keys)
         except UnknownArchitectureError as exc:
             raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
-        load = _single_file_loader(keys, metadata)
-    short_hash = file_sha256(weights)[:10]
+        load = _parts_loader(parts or PartFiles()) if family(arch).parts else _single_file_loader(keys, metadata)
+    if dtype == torch.float16 and not family(arch).fp16_ok:
+        raise ModelLoadError(f"{info.name}: {family(arch).label} overflows in fp16 (activations beyond ±65504 "
+                             "become Inf and the image black); use bf16, or fp32 on the CPU")
+    facts = FileFacts(info.path.parent / FACTS_FILE)
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="sha256")
     try:
-        pipe = load(info, arch, dtype)
+        digest = hashing.submit(facts.sha256, weights)
+        pipe = _run_loader(load, info, arch, dtype)
+        pipe.family = family(arch)
+        _check_loaded(pipe, dtype, info.name)
+        _check_finite_once(facts, info, pipe, dtype)
+        short_hash = digest.result()[:10]
+    finally:
+        hashing.shutdown(wait=False, cancel_futures=True)  # a failed load does not wait for the hash
+    logger.info("loaded %s (%s, %s, %s)", info.name, arch, dtype, short_hash)
+    return LoadedModel(pipe=pipe, arch=arch, info=info, short_hash=short_hash, parts=parts or PartFiles())
+
+
+def _run_loader(load, info: CheckpointInfo, arch: str, dtype: torch.dtype):
+    try:
+        return load(info, arch, dtype)
     except ModelLoadError:
         raise
+    except (component_files.MissingPartError, CheckpointShapeError, SafetensorsFileError) as exc:
+        raise ModelLoadError(f"{info.name}: {exc}") from exc
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"{info.name}: diffusers failed to load it as {arch}: {exc}") from exc
-    _check_loaded(pipe, dtype, info.name)
+
+
+def _check_finite_once(facts: FileFacts, info: CheckpointInfo, pipe, dtype: torch.dtype) -> None:
+    """`check_finite_weights`, skipped for a checkpoint already verified in this dtype: the verdict
+    depends only on the weight files' contents (a folder's identity covers all its weight files)."""
+    if info.kind == "file":
+        identity = FileIdentity.of(info.path)
+    else:
+        identity = FileIdentity.of_folder(info.path, sorted(info.path.glob("*/*.safetensors")))
+    verified = facts.get(identity, "finite_dtypes") or []
+    if str(dtype) in verified:
+        return
     check_finite_weights(pipe, dtype, info.name)
-    logger.info("loaded %s (%s, %s, %s)", info.name, arch, dtype, short_hash)
-    return LoadedModel(pipe=pipe, arch=arch, info=info, short_hash=short_hash)
+    facts.put(identity, "finite_dtypes", sorted({*verified, str(dtype)}))
 
 
 def _pipeline_kwargs(arch: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -268,7 +328,7 @@ def _folder_arch(info: CheckpointInfo) -> str:
         class_name = json.loads((info.path / "model_index.json").read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"{info.name}: unreadable model_index.json ({exc})") from exc
-    fam = family_of_pipeline(class_name)
+    fam = family_of_pipeline(class_name, info.path)
     if fam is None:
         raise UnknownArchitectureError(
             f"{info.name}: model_index.json names {class_name!r}; "
@@ -323,6 +383,15 @@ def _single_file_loader(keys: frozenset[str], metadata: dict[str, str]):
                 **fam.tokenizers(),
                 **_pipeline_kwargs(arch, dtype),
             )
+
+    return load
+
+
+def _parts_loader(parts: PartFiles):
+    """Loader for families that assemble a single file component by component (see component_files)."""
+
+    def load(info: CheckpointInfo, arch: str, dtype: torch.dtype):
+        return component_files.assemble(family(arch), info.path, dtype, parts.choices, parts.folders)
 
     return load
 

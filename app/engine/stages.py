@@ -72,8 +72,9 @@ class Carry:
 def check_txt2img(pipe) -> None:
     """txt2img denoises bare latents: an inpainting checkpoint's UNet (9 input channels) would be fed
     9-channel noise and fail deep in the scheduler. Refused by name instead."""
-    if pipe.unet.config.in_channels != pipe.vae.config.latent_channels:
-        raise ValueError(f"this is an inpainting checkpoint (its UNet takes {pipe.unet.config.in_channels} channels): "
+    unet = getattr(pipe, "unet", None)  # a transformer family (Flux) has no 9-channel variant here
+    if unet is not None and unet.config.in_channels != pipe.vae.config.latent_channels:
+        raise ValueError(f"this is an inpainting checkpoint (its UNet takes {unet.config.in_channels} channels): "
                          "use it on the img2img tab (img2img or inpaint), or load a regular checkpoint for txt2img")
 
 
@@ -89,6 +90,7 @@ def stage_pipeline(pipe, fam, kind: str):
     components["scheduler"] = type(pipe.scheduler).from_config(pipe.scheduler.config)
     options = {name: pipe.config[name] for name in optional if name in pipe.config}
     stage = cls(**components, **options)
+    stage.family = fam
     stage.set_progress_bar_config(disable=True)
     return stage
 

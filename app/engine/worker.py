@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +29,7 @@ from app.adapters.errors import AdapterError, LoraApplyError
 from app.adapters.files import LoraLibrary
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import generate, placement
+from app.engine import generate, part_choices, placement
 from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.lifecycle import ModelLifecycle, RollbackFailed
@@ -40,7 +40,7 @@ from app.engine.stage_params import HiresParams
 from app.engine.storage import WEIGHTS_CHOICES
 from app.engine.workflows import Workflows
 from app.infotext import LoraUse
-from app.preview import latent_preview
+from app.preview import LATENT_RGB, latent_preview
 from app.settings import DTYPE_CHOICES, Settings
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,10 @@ class _Job:
     stop: str | None = None  # "interrupt" (keep what is there) | "drop" | "skip" (this run only)
 
 
+class GenerationCancelled(RuntimeError):
+    """A queued generation was cancelled by its owner before it started; nothing ran."""
+
+
 @dataclass
 class _Command:
     name: str
@@ -76,6 +80,7 @@ class _Command:
     body: Callable[[], Any]
     future: Future
     record: bool = True
+    owner: str | None = None  # who may cancel it while it waits (generations)
 
 
 class Engine(Workflows):
@@ -125,6 +130,25 @@ class Engine(Workflows):
         self._check_choice("weights", weights, WEIGHTS_CHOICES)
         return self._change("set_weights", weights, EngineState.LOADING, lambda d: d.replace(weights=weights))
 
+    def set_model_parts(self, parts: Mapping[str, str | None]) -> Snapshot:
+        """Choose the separate text-encoder/VAE files (names in `models/text_encoder`, `models/VAE`;
+        None forgets a choice) the loaded checkpoint is assembled from; remembered per checkpoint,
+        and the model reloads with them. A choice that fails to load is forgotten again."""
+        def body() -> None:
+            facts = self._lifecycle.facts()
+            if facts is None:
+                raise RuntimeError("no model loaded: load the checkpoint whose parts you choose first")
+            before = part_choices.chosen(self.settings, facts.model)
+            part_choices.choose(self.settings, facts.arch, facts.model, parts)
+            try:
+                self._realise(self._desired, self._desired.loras)
+            except BaseException:
+                part_choices.choose(self.settings, facts.arch, facts.model,
+                                    {c: before.get(c) for c in {*before, *parts}})
+                raise
+        detail = ", ".join(f"{c}={n}" for c, n in parts.items())
+        return self._call("set_model_parts", capped(detail), EngineState.LOADING, body)
+
     def set_offload(self, mode: str) -> Snapshot:
         self._check_choice("offload", mode, tuple(MODES))
         return self._change("set_offload", mode, EngineState.MOVING, lambda d: d.replace(offload=mode))
@@ -150,8 +174,19 @@ class Engine(Workflows):
         if hires is not None:
             return self.txt2img_hires(params, hires, owner=owner)
         detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
-        return self._call("generate", detail, EngineState.GENERATING,
-                          lambda: self._do_generate(params, owner), result=True)
+        future = self.submit("generate", detail, EngineState.GENERATING, lambda: self._do_generate(params), owner=owner)
+        return future.result()
+
+    def cancel_queued(self, owner: str) -> int:
+        """Take `owner`'s generations that still wait in the queue off it (their callers get
+        `GenerationCancelled`); a closed tab or client leaves no work behind. Returns how many."""
+        with self._wake:
+            mine = [c for c in self._queue if c is not None and c.owner == owner and c.name == "generate"]
+            for command in mine:
+                self._queue.remove(command)
+        for command in mine:
+            command.future.set_exception(GenerationCancelled(f"generation cancelled by {owner} before it started"))
+        return len(mine)
 
     def interrupt(self, *, keep_partial: bool = True, owner: str | None = None) -> bool:
         """Stop the running generation between two steps; the engine is READY within a step.
@@ -199,14 +234,14 @@ class Engine(Workflows):
                                    generating=self._job is not None)
 
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
-               record: bool = True) -> Future:
+               record: bool = True, owner: str | None = None) -> Future:
         """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine."""
         future: Future = Future()
         with self._wake:
             if len(self._queue) >= self.settings.queue_size:
                 raise EngineBusy(f"the engine already has {len(self._queue)} commands waiting; try again when "
                                  "they are done")
-            self._queue.append(_Command(name, detail, state, body, future, record))
+            self._queue.append(_Command(name, detail, state, body, future, record, owner))
             self._wake.notify()
         return future
 
@@ -281,6 +316,9 @@ class Engine(Workflows):
                 while not self._queue:
                     self._wake.wait()
                 command = self._queue.popleft()
+                if command is not None and command.name == "generate":
+                    # Interrupt can reach it from the moment it leaves the queue (cancel_queued before).
+                    self._job = _Job(command.owner)
             if command is None:
                 return
             if command.record:
@@ -313,6 +351,7 @@ class Engine(Workflows):
             outcome = self._fail(command, exc, before)
         finally:
             self._progress = None
+            self._job = None  # set when a generation left the queue
         if outcome != "failed, engine in ERROR":
             self._state = EngineState.READY if self._lifecycle.pipeline is not None else EngineState.EMPTY
         duration = time.perf_counter() - t0
@@ -386,7 +425,7 @@ class Engine(Workflows):
         except (AdapterError, OSError) as exc:
             raise LoraApplyError(name, str(exc)) from exc
 
-    def _do_generate(self, params: GenerateParams, owner: str | None) -> list[GeneratedImage]:
+    def _do_generate(self, params: GenerateParams) -> list[GeneratedImage]:
         """Prompt tags apply to this generation only (A1111): the LoRAs are patched to the desired
         list plus the tags for the run and back to the desired list afterwards."""
         if self._lifecycle.pipeline is None:
@@ -395,7 +434,7 @@ class Engine(Workflows):
         params, wanted = merge_prompt_loras(params, self._desired.loras)
         self.library.validate_specs(wanted)
         tagged = wanted != self._desired.loras
-        job = self._job = _Job(owner)
+        job = self._job
         try:
             if tagged:
                 self._state = EngineState.PATCHING
@@ -404,7 +443,6 @@ class Engine(Workflows):
                 self._state = EngineState.GENERATING
             return self._generate_images(params, saved_prompt, job)
         finally:
-            self._job = None
             if tagged:
                 self._realise(self._desired, self._desired.loras)
 
@@ -416,7 +454,7 @@ class Engine(Workflows):
         seed = generate.resolve_seed(params.seed)
         applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
                         for s in facts.loras)
-        ctx = RunContext(facts.model, facts.model_hash, applied)
+        ctx = RunContext(facts.model, facts.model_hash, applied, facts.arch)
         saved = dataclasses.replace(params, prompt=saved_prompt)
         batch_run = batch_run or (lambda first, phase: self._denoise_run(
             params.steps, job, phase, lambda on_step: self._lifecycle.denoise(params, first, on_step)))
@@ -445,7 +483,7 @@ class Engine(Workflows):
             nonlocal reached
             reached = step
             every = self.settings.preview_every
-            shown = every and step % every == 0 and step < total
+            shown = every and step % every == 0 and step < total and arch in LATENT_RGB  # no factors: no preview
             self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
             return job.stop is not None
 

@@ -48,8 +48,8 @@ class Workflows:
                       owner: str | None = None) -> list[GeneratedImage]:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass. Sizes and steps are checked before anything is queued."""
-        multiple = self._size_multiple()
-        hires.second_pass(params, multiple)
+        self._require_stage("img2img", "hires fix")
+        hires.second_pass(params, self._size_multiple())
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
@@ -68,6 +68,7 @@ class Workflows:
         source = InitImages(tuple(init_images), denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
                             inpainting_mask_invert)
         source.steps_run(params)
+        self._require_stage(source.workflow, source.workflow)
         detail = (f"{params.steps} steps at {source.denoising_strength:g} {params.width}x{params.height} "
                   f"{source.resize_mode} x{params.batch}x{params.n_iter}")
         return self._workflow(source.workflow, detail, params, owner, source.infotext_pairs(),
@@ -87,6 +88,12 @@ class Workflows:
         return self._lifecycle.stage_pipelines
 
     # ------------------------------------------------------------------ the command (worker side)
+    def _require_stage(self, kind: str, what: str) -> None:
+        """Refuse, before queueing, a workflow the loaded family has no stage pipeline for (Flux)."""
+        arch = self.snapshot().arch
+        if arch is not None and kind not in family(arch).stage_pipelines:
+            raise ValueError(f"{what} is not available for {family(arch).label} models yet")
+
     def _size_multiple(self) -> int:
         arch = self.snapshot().arch
         return generate.DEFAULT_SIZE_MULTIPLE if arch is None else family(arch).size_multiple

@@ -9,18 +9,48 @@ LoRA key table, the embedding loader, the demo and the tests read it from here, 
 Block grouping for `group` offload needs no family entry yet: the generic rule in
 `app/engine/offload.py` (each element of a ModuleList child, other children whole) is right for
 every family here.
+
+What varies by family beyond names: the denoiser component (`unet`, or `transformer` for DiTs),
+how a single file is read (diffusers' own single-file loader for SD, or `parts`: components the
+engine assembles from an all-in-one file or from separate files, as Flux ships), the samplers,
+guidance (CFG, or Flux-dev's distilled guidance: no negative prompt), the T5 sequence length,
+defaults (steps, guidance, size) and the size multiple.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
-from transformers import CLIPTokenizer, PreTrainedModel
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    UNet2DConditionModel,
+    UniPCMultistepScheduler,
+)
+from transformers import CLIPTextConfig, CLIPTokenizer, PretrainedConfig, PreTrainedModel
+
+from app.families.file_layout import Layout, all_in_one_state
+from app.families.ldm_layout import to_ldm_state_dict
 
 ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
 CLIP_TOKENIZER_DIR = ASSETS_DIR / "clip_tokenizer"
+# sampler name -> (scheduler class, overrides of the model's scheduler config)
+Samplers = Mapping[str, tuple[type, Mapping[str, object]]]
+SD_SAMPLERS: Samplers = MappingProxyType({
+    "Euler": (EulerDiscreteScheduler, {}),
+    "Euler a": (EulerAncestralDiscreteScheduler, {}),
+    "DPM++ 2M": (DPMSolverMultistepScheduler, {"use_karras_sigmas": False}),
+    "DPM++ 2M Karras": (DPMSolverMultistepScheduler, {"use_karras_sigmas": True}),
+    "DDIM": (DDIMScheduler, {}),
+    "UniPC": (UniPCMultistepScheduler, {}),
+})
 
 
 @dataclass(frozen=True)
@@ -35,6 +65,25 @@ class TextEncoder:
     lora_prefix: str  # kohya LoRA key prefix ("lora_te_", "lora_te1_", …)
     embedding_key: str  # its vectors' key in a textual-inversion file ("emb_params", "clip_l", …)
     pad_token: str | None = None  # the bundled CLIP tokenizer pads with this instead of its own
+    config_class: type[PretrainedConfig] = CLIPTextConfig
+    tokenizer_class: type = CLIPTokenizer
+    tokenizer_dir: Path = CLIP_TOKENIZER_DIR  # bundled in assets/
+
+
+@dataclass(frozen=True)
+class ComponentFile:
+    """One component a family assembles from single files itself (`app/engine/component_files.py`),
+    and how to find and read it: in an all-in-one file under one of `prefixes`, or in a file of
+    its own (prefix "") in the Settings folder `folder`, recognised by `marker`."""
+
+    component: str  # pipeline attribute
+    label: str  # what an error names: "T5-XXL text encoder"
+    model_class: type
+    prefixes: tuple[str, ...]  # where it sits in an all-in-one file, tried in order
+    marker: str  # a key (after the prefix) that only this component holds
+    layout: Callable[[Any], Layout]  # model -> {model key: FileTensor (no prefix)}
+    folder: str | None = None  # Settings property of the folder holding separate files
+    config_class: type[PretrainedConfig] | None = None  # None: a diffusers model (`load_config`)
 
 
 @dataclass(frozen=True)
@@ -57,37 +106,110 @@ class Family:
     stage_pipelines: Mapping[str, type] = field(default_factory=dict)
     default_sampler: str = "Euler a"
     size_multiple: int = 8  # width and height are rounded to this (the VAE's downscale factor)
+    denoiser: str = "unet"  # the denoising component: "unet", or "transformer" for DiTs
+    denoiser_class: type = UNet2DConditionModel
+    marker_prefixes: tuple[str, ...] = ("",)  # checkpoint_markers may sit under any of these
+    parts: tuple[ComponentFile, ...] = ()  # empty: diffusers' single-file loader reads the file
+    samplers: Samplers = field(default_factory=lambda: SD_SAMPLERS)
+    default_steps: int = 20
+    default_guidance: float = 7.0
+    distilled_guidance: bool = False  # guidance is an input of the model (Flux dev), not CFG
+    fp16_ok: bool = True  # False: activations overflow fp16 (Flux); an fp16 request is refused with why
+    negative_prompt: bool = True  # False: the pipeline has no unconditional pass to use one in
+    max_sequence_length: int | None = None  # T5 tokens per prompt, where the family has T5
+    adapter_arch: str = ""  # what LoRA metadata calls the architecture ("flux" for dev and schnell)
+    folder_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # tells variants' folders apart
+    native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
+    native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
+
+    @property
+    def plain_pipeline_class(self) -> type:
+        """diffusers' own pipeline class for this family (files written with it load in any tool)."""
+        import diffusers
+
+        return getattr(diffusers, self.diffusers_pipeline)
 
     @property
     def components(self) -> tuple[str, ...]:
-        """The pipeline's `nn.Module` components an adapter may touch, UNet first."""
-        return ("unet", *(te.component for te in self.text_encoders))
+        """The pipeline's `nn.Module` components an adapter may touch, the denoiser first."""
+        return (self.denoiser, *(te.component for te in self.text_encoders))
+
+    @property
+    def lora_arch(self) -> str:
+        return self.adapter_arch or self.name
+
+    def matches(self, keys: frozenset[str] | set[str]) -> bool:
+        """Does a single file with these tensor names hold this family's markers?"""
+        return any(all(p + m in keys for m in self.checkpoint_markers) for p in self.marker_prefixes)
+
+    def single_file_state(self, pipe) -> dict:
+        """The pipeline's weights as one single file of this family (the demo's and the tests' writer):
+        the LDM layout for SD, the all-in-one layout of `parts` otherwise."""
+        return all_in_one_state(pipe, self.parts) if self.parts else to_ldm_state_dict(pipe, self)
+
+    def call_arguments(self, guidance: float, negative_prompt: str) -> dict[str, object]:
+        """The pipeline-call arguments that differ by family."""
+        out: dict[str, object] = {"guidance_scale": guidance}
+        if self.negative_prompt:
+            out["negative_prompt"] = negative_prompt or None
+        if self.max_sequence_length is not None:
+            out["max_sequence_length"] = self.max_sequence_length
+        return out
 
     def text_encoder(self, component: str) -> TextEncoder:
         return next(te for te in self.text_encoders if te.component == component)
 
-    def tokenizers(self) -> dict[str, CLIPTokenizer]:
+    def tokenizers(self) -> dict[str, object]:
         """The bundled tokenizer(s) as pipeline keyword arguments (no download, ever)."""
         out = {}
         for te in self.text_encoders:
             extra = {} if te.pad_token is None else {"pad_token": te.pad_token}
-            out[te.tokenizer] = CLIPTokenizer.from_pretrained(CLIP_TOKENIZER_DIR, **extra)
+            out[te.tokenizer] = te.tokenizer_class.from_pretrained(te.tokenizer_dir, **extra)
         return out
 
 
 def _registry() -> Mapping[str, Family]:
+    from app.families.flux import FLUX_DEV, FLUX_SCHNELL
     from app.families.sd15 import SD15
     from app.families.sdxl import SDXL
 
-    return {f.name: f for f in (SD15, SDXL)}
+    # Flux dev before schnell: dev's markers are schnell's plus the guidance embedder.
+    return {f.name: f for f in (SD15, SDXL, FLUX_DEV, FLUX_SCHNELL)}
 
 
 FAMILIES: Mapping[str, Family] = _registry()
 
 
-def family_of_pipeline(class_name: str) -> Family | None:
-    """The family whose diffusers pipeline class is `class_name` (from a folder's model_index.json)."""
-    return next((f for f in FAMILIES.values() if f.diffusers_pipeline == class_name), None)
+def family_of_pipeline(class_name: str, folder: Path | None = None) -> Family | None:
+    """The family whose diffusers pipeline class is `class_name` (from a folder's model_index.json);
+    where variants share a class (Flux dev and schnell), the one whose `folder_config` values the
+    folder's component configs hold."""
+    for fam in FAMILIES.values():
+        if fam.diffusers_pipeline == class_name and (folder is None or _folder_fits(fam, folder)):
+            return fam
+    return None
+
+
+def _folder_fits(fam: Family, folder: Path) -> bool:
+    for config, values in fam.folder_config.items():
+        try:
+            found = json.loads((folder / config).read_text())
+        except (OSError, ValueError):
+            return False
+        if any(found.get(k) != v for k, v in values.items()):
+            return False
+    return True
+
+
+def family_of(pipe) -> Family:
+    """The family of a pipeline: ours state it (`pipe.family`, set at load); a plain diffusers
+    pipeline (tests, benchmarks) is known by its class."""
+    stated = getattr(pipe, "family", None)
+    found = stated or next((family_of_pipeline(cls.__name__) for cls in type(pipe).__mro__
+                            if family_of_pipeline(cls.__name__) is not None), None)
+    if found is None:
+        raise ValueError(f"{type(pipe).__name__} is not a pipeline of a known family ({', '.join(FAMILIES)})")
+    return found
 
 
 def family(name: str) -> Family:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from app.families.file_layout import FileTensor
+
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
 
@@ -328,3 +330,33 @@ def _open_clip_plan(keys: Iterable[str], prefix: str) -> list[LdmTensor]:
             layout = "transposed" if key == "text_projection.weight" else "same"
             plan.append(LdmTensor(prefix + _open_clip_key_to_ldm(key), "text_encoder_2", (key,), layout))
     return plan
+
+
+# ------------------------------------------------------------------- per-component file layouts
+def vae_layout(vae: torch.nn.Module, prefix: str = "") -> dict[str, FileTensor]:
+    """The VAE's tensors in the LDM layout (BFL's `ae.safetensors` too, with no prefix)."""
+    return {entry.sources[0]: FileTensor(entry.key.replace(VAE_PREFIX, prefix, 1),
+                                         unit_dims=2 if entry.layout == "conv1x1" else 0)
+            for entry in _vae_plan(vae)}
+
+
+def clip_layout(encoder: torch.nn.Module, prefix: str = "") -> dict[str, FileTensor]:
+    """A CLIP text encoder's tensors as a standalone file (`clip_l.safetensors`) names them: the
+    transformers names with their `text_model.` level, whichever spelling the installed model uses."""
+    return {key: FileTensor(f"{prefix}text_model.{_clip_key_to_ldm(key)}") for key in encoder.state_dict()}
+
+
+KOHYA_LDM = "kohya (LDM block names)"
+LYCORIS = "LyCORIS"
+
+
+def lora_aliases(unet: torch.nn.Module):
+    """(key, parts, spelling) for every UNet module under its LDM name, as sd-scripts (SDXL) and
+    LyCORIS spell it; `parts` is `((("unet", path), None),)`: one whole module."""
+    for path, ldm in unet_module_map(unet).items():
+        if getattr(unet.get_submodule(path), "weight", None) is None:
+            continue
+        parts = ((("unet", path), None),)
+        flat = ldm.replace(".", "_")
+        yield f"lora_unet_{flat}", parts, KOHYA_LDM
+        yield f"lycoris_{flat}", parts, LYCORIS

@@ -8,7 +8,7 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from app.engine.pipelines import SteadySDXLImg2ImgPipeline, SteadySDXLInpaintPipeline, SteadySDXLPipeline
 from app.families import ASSETS_DIR, Family, TextEncoder
-from app.families.ldm_layout import UNET_PREFIX
+from app.families.ldm_layout import UNET_PREFIX, lora_aliases
 
 _CLIP_L = TextEncoder("text_encoder", "tokenizer", CLIPTextModel,
                       "conditioner.embedders.0.transformer.text_model.", open_clip=False,
@@ -28,4 +28,5 @@ SDXL = Family(
                         _CLIP_G.single_file_prefix + "token_embedding.weight"),
     high_precision=("conv_in", "conv_out", "time_embedding", "add_embedding", "text_projection"),
     config_dir=ASSETS_DIR / "configs" / "sdxl",
+    native_modules=lora_aliases,
 )

@@ -5,16 +5,24 @@
     c.predict([{"name": "style", "weight": 0.8}, {"name": "detail", "weight": 1.5, "te_weight": 0.5}],
               api_name="/set_loras")
     images, infotext, details = c.predict("a fox", "", "Euler a", 20, 7.0, 42, 512, 512, 1, api_name="/generate")
+    job = c.submit("a fox", "", "Euler a", 150, 7.0, 42, 1024, 1024, 1, 4, api_name="/generate")
+    c.predict(True, False, api_name="/interrupt")  # stops it between two steps; job.result() has the partial image
 
-Endpoints: generate, img2img, inpaint, txt2img_hires (app/ui/workflow_api.py), set_loras, set_offload,
-set_dtype, load_model, unload, set_debug,
+Endpoints: generate, interrupt, skip, img2img, inpaint, txt2img_hires (app/ui/workflow_api.py), set_loras,
+set_offload, set_dtype, load_model, unload, set_debug,
 list_models, list_loras, inspect_lora, snapshot, bug_report (the last one is the Diagnostics tab's button).
 These are independent of the UI layout (which can change freely) and never take `gr.State`,
 which `gradio_client` cannot send. Every name is validated against its folder; every failure
 comes back as an error message, never as a half-applied state.
+
+A generation belongs to the client that asked for it (its Gradio session): `/interrupt` and
+`/skip` stop that client's job unless `any_owner` is set, and a client that cancels its job
+(`job.cancel()`) or disconnects stops it in the engine too, dropping what it reached.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import gradio as gr
 
@@ -32,7 +40,10 @@ from app.ui.common import (
     specs_from_json,
     user_errors,
 )
+from app.ui.generate_run import STOP_QUEUE, Generation, owner_of
 from app.ui.workflow_api import register_workflow_api
+
+API_POLL_S = 0.5  # how often a running /generate looks for a cancelled client
 
 
 def _change(ctx: UiContext, action: str, call) -> dict:
@@ -46,9 +57,12 @@ def _state_endpoints(ctx: UiContext) -> None:
     engine = ctx.engine
 
     @gr.api(api_name="set_loras", concurrency_id="loras")
-    def set_loras(loras: list[dict]) -> dict:
-        """Apply exactly this list: [{"name", "weight", "unet_weight"?, "te_weight"?}]; [] removes all."""
-        return _change(ctx, "set_loras", lambda: engine.set_loras(specs_from_json(loras)))
+    def set_loras(loras: list[dict], set_aside_unfit: bool = False) -> dict:
+        """Apply exactly this list: [{"name", "weight", "unet_weight"?, "te_weight"?}]; [] removes all. A LoRA
+        that does not fit the loaded model refuses the whole list, or with `set_aside_unfit` (the page's
+        way) is set aside with its reason in `lora_states` while the others apply."""
+        return _change(ctx, "set_loras",
+                       lambda: engine.set_loras(specs_from_json(loras), set_aside_unfit=bool(set_aside_unfit)))
 
     @gr.api(api_name="set_offload", concurrency_id="loras")
     def set_offload(mode: str) -> dict:
@@ -59,6 +73,20 @@ def _state_endpoints(ctx: UiContext) -> None:
     def set_dtype(dtype: str) -> dict:
         """Weights dtype: auto, fp16, bf16 or fp32 (reloads the checkpoint)."""
         return _change(ctx, "set_dtype", lambda: engine.set_dtype(dtype))
+
+    @gr.api(api_name="set_weights", concurrency_id="loras")
+    def set_weights(weights: str) -> dict:
+        """Weight storage: full, or fp8 (large weights rest in 8 bits; reloads the checkpoint)."""
+        return _change(ctx, "set_weights", lambda: engine.set_weights(weights))
+
+    @gr.api(api_name="set_model_parts", concurrency_id="loras")
+    def set_model_parts(parts: dict) -> dict:
+        """Separate files for the loaded checkpoint's parts (Flux): {"text_encoder_2": "t5xxl_fp16.safetensors",
+        "vae": null, …}, names in models/text_encoder and models/VAE; null forgets a choice. Reloads."""
+        if not isinstance(parts, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
+                                                  for k, v in parts.items()):
+            raise gr.Error("parts must map component names to file names (or null)")
+        return _change(ctx, "set_model_parts", lambda: engine.set_model_parts(parts))
 
     @gr.api(api_name="load_model", concurrency_id="loras")
     def load_model(name: str) -> dict:
@@ -105,33 +133,62 @@ def _read_endpoints(ctx: UiContext) -> None:
         return {"card": jsonable(card), "fit": jsonable(fit)}
 
 
+def _stop_endpoints(ctx: UiContext) -> None:
+    """Interrupt and Skip run in a lane of their own, so they never wait behind the job they stop."""
+    engine = ctx.engine
+    lane = dict(concurrency_id=STOP_QUEUE, concurrency_limit=None)
+
+    @gr.api(api_name="interrupt", **lane)
+    def interrupt(keep_partial: bool = True, any_owner: bool = False, request: gr.Request = None) -> dict:
+        """Stop this client's running generation between two steps (`any_owner`: whoever started it); the
+        images reached so far are returned to its /generate and saved unless `keep_partial` is false."""
+        stopped = engine.interrupt(keep_partial=keep_partial, owner=None if any_owner else owner_of(request))
+        return {"stopped": stopped, "state": engine.snapshot().state}
+
+    @gr.api(api_name="skip", **lane)
+    def skip(any_owner: bool = False, request: gr.Request = None) -> dict:
+        """End the current run of this client's batch count (`any_owner`: whoever started it) and go on."""
+        stopped = engine.skip(owner=None if any_owner else owner_of(request))
+        return {"stopped": stopped, "state": engine.snapshot().state}
+
+
 def _generate_endpoint(ctx: UiContext) -> None:
     """Generate needs file outputs, so it is an event on hidden components rather than `gr.api`.
 
     Numbers are taken as sent (no `precision` rounding) so the shared rules can refuse 1.5 as a
-    seed instead of Gradio quietly making it 2."""
+    seed instead of Gradio quietly making it 2. The handler is a generator that yields nothing new
+    (`gr.skip()`) every `API_POLL_S` until the images are ready: Gradio closes a generator whose
+    client cancelled or went away, and that close stops the job in the engine."""
     defaults = GenerateParams("")
     with gr.Column(visible=False):
         inputs = [gr.Textbox(label="prompt"), gr.Textbox("", label="negative_prompt"),
                   gr.Dropdown(list(SCHEDULERS), value=defaults.sampler, label="sampler"),
                   *(gr.Number(getattr(defaults, name), label=name)
-                    for name in ("steps", "cfg", "seed", "width", "height", "batch"))]
+                    for name in ("steps", "cfg", "seed", "width", "height", "batch", "n_iter"))]
         outputs = [gr.Gallery(label="images", format="png"), gr.Textbox(label="infotext"), gr.JSON(label="details")]
         trigger = gr.Button("generate")
 
-    def generate(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, progress=PROGRESS):
+    def generate(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, n_iter,
+                 request: gr.Request, progress=PROGRESS):
         with user_errors("generate", browser=False):
             params, notes = generate_params(ctx, prompt, negative_prompt, sampler, steps, cfg, seed, width, height,
-                                            batch)
-            images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params), progress)
+                                            batch, n_iter)
+        job = Generation(ctx.engine, params, owner_of(request))
+        with contextlib.closing(job.follow(progress, API_POLL_S)) as snapshots:
+            for _snap in snapshots:
+                yield gr.skip(), gr.skip(), gr.skip()
+        with user_errors("generate", browser=False):
+            images = job.images()
         details = [{"seed": im.seed, "infotext": im.infotext, "file": im.path.name if im.path else None,
-                    "notes": list(notes)} for im in images]
-        return gallery_items(images), images[0].infotext, details
+                    "complete": im.complete, "stopped_at": im.stopped_at, "notes": list(notes)} for im in images]
+        yield gallery_items(images), images[0].infotext if images else "", details
 
     trigger.click(generate, inputs, outputs, api_name="generate", concurrency_id="loras",
-                  api_description="Generate with the engine's current LoRAs plus any <lora:name:w> prompt tags. "
-                                  "Returns (images, infotext of the first image, [{seed, infotext, file, notes}]); "
-                                  "notes say what was rounded (sizes go down to the model's multiple of 8).")
+                  api_description="Generate with the engine's current LoRAs plus any <lora:name:w> prompt tags; "
+                                  "n_iter runs (A1111's batch count) of `batch` images each. Returns (images, "
+                                  "infotext of the first image, [{seed, infotext, file, complete, stopped_at, "
+                                  "notes}]); notes say what was rounded (sizes go down to the model's multiple of "
+                                  "8); an interrupted image has complete false and the step it stopped at.")
 
 
 def register_api(ctx: UiContext) -> None:
@@ -139,5 +196,6 @@ def register_api(ctx: UiContext) -> None:
     _state_endpoints(ctx)
     _debug_endpoint(ctx)
     _read_endpoints(ctx)
+    _stop_endpoints(ctx)
     _generate_endpoint(ctx)
     register_workflow_api(ctx)

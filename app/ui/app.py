@@ -15,6 +15,7 @@ from app.ui import views
 from app.ui.api import register_api
 from app.ui.common import UiContext
 from app.ui.diagnostics_tab import build_diagnostics_tab, refresh
+from app.ui.generate_run import wire_cancel_on_leave
 from app.ui.generate_tab import build_generate_tab, wire_page_load
 from app.ui.history_tab import build_history_tab
 from app.ui.img2img_tab import build_img2img_tab
@@ -64,5 +65,6 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         for other in (generate_tab, img2img_tab, pnginfo_tab, history_tab):
             other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)
+        wire_cancel_on_leave(ctx, demo)
         demo.load(lambda: views.status_html(ctx.engine.snapshot()), None, status, api_visibility="private")
     return demo

@@ -1,8 +1,8 @@
 """What every tab and the API share: the context object, engine-call helpers, input validation.
 
-Engine calls block until the worker has run them. Handlers run them in a helper thread and
-poll `engine.snapshot().progress` meanwhile, so a Gradio progress bar follows the real phases
-(loading, placing, applying LoRAs, denoising steps) and the page stays responsive.
+Engine calls block until the worker has run them. Handlers run them in a helper thread
+(`EngineCall`) and poll `engine.snapshot().progress` meanwhile, so a Gradio progress bar follows
+the real phases (loading, placing, applying LoRAs, denoising steps) and the page stays responsive.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import gradio as gr
 from app.adapters.specs import LoraSpec
 from app.engine import models
 from app.engine.generate import GeneratedImage, GenerateParams, params_from_form
+from app.engine.snapshot import Snapshot
 from app.engine.worker import Engine
 from app.paths import UnsafePathError, resolve_under
 from app.safetensors_files import file_sha256
@@ -99,29 +100,48 @@ def user_errors(action: str, browser: bool = True) -> Iterator[None]:
         raise gr.Error(html.escape(message) if browser else message, duration=None, print_exception=False) from exc
 
 
+class EngineCall:
+    """A blocking engine call on a helper thread, so the handler that asked can report progress, yield
+    live previews and notice that its client went away while the worker runs it."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self._future: Future = Future()
+        threading.Thread(target=self._run, args=(call,), name="ui-engine-call", daemon=True).start()
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        try:
+            self._future.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting handler
+            self._future.set_exception(exc)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the call has returned (or failed), waiting at most `timeout` seconds."""
+        return bool(wait([self._future], timeout).done)
+
+    def result(self) -> Any:
+        """The call's value; its failure as an `EngineCallError` (the engine logged it already)."""
+        try:
+            return self._future.result()
+        except Exception as exc:
+            raise EngineCallError(str(exc)) from exc
+
+
+def report_progress(snap: Snapshot, progress: gr.Progress | None) -> None:
+    """The engine's phase and step on a Gradio progress bar (its state while no step is counted)."""
+    if progress is None:
+        return
+    if snap.progress is not None and snap.progress.total:
+        progress((snap.progress.step, snap.progress.total), desc=snap.progress.phase, unit="steps")
+    else:
+        progress(None, desc=f"engine {snap.state}")
+
+
 def run_with_progress(engine: Engine, call: Callable[[], Any], progress: gr.Progress | None) -> Any:
     """Run a blocking engine call in a helper thread; report the engine's phase/step until it returns."""
-    future: Future = Future()
-
-    def target() -> None:
-        try:
-            future.set_result(call())
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting handler
-            future.set_exception(exc)
-
-    threading.Thread(target=target, name="ui-engine-call", daemon=True).start()
-    while not future.done():
-        snap = engine.snapshot()
-        if progress is not None:
-            if snap.progress is not None and snap.progress.total:
-                progress((snap.progress.step, snap.progress.total), desc=snap.progress.phase, unit="steps")
-            else:
-                progress(None, desc=f"engine {snap.state}")
-        time.sleep(POLL_S)
-    try:
-        return future.result()
-    except Exception as exc:
-        raise EngineCallError(str(exc)) from exc
+    running = EngineCall(call)
+    while not running.wait(POLL_S):
+        report_progress(engine.snapshot(), progress)
+    return running.result()
 
 
 def checkpoint_names(settings: Settings) -> list[str]:
@@ -165,27 +185,32 @@ def specs_from_json(items: Any) -> list[LoraSpec]:
     return specs
 
 
-def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed, width, height,
-                    batch) -> tuple[GenerateParams, tuple[str, ...]]:
+def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed, width, height, batch,
+                    n_iter=1) -> tuple[GenerateParams, tuple[str, ...]]:
     """Form/API values -> (parameters, rounding notes) by the one rule set in `generate.LIMITS`;
     sizes round to the loaded model family's multiple."""
     values = dict(prompt=prompt, negative_prompt=negative, sampler=sampler, steps=steps, cfg=cfg, seed=seed,
-                  width=width, height=height, batch=batch)
+                  width=width, height=height, batch=batch, n_iter=n_iter)
     return params_from_form(values, ctx.engine.snapshot().arch)
 
 
 def gallery_items(images: list[GeneratedImage]) -> list[tuple]:
-    """The saved PNGs (infotext inside, so a download keeps it), captioned with their seeds."""
-    return [(str(im.path) if im.path else im.image, f"seed {im.seed}") for im in images]
+    """The saved PNGs (infotext inside, so a download keeps it), captioned with their seeds and, for
+    an image an Interrupt or Skip cut short, the step it stopped at."""
+    return [(str(im.path) if im.path else im.image,
+             f"seed {im.seed}" + ("" if im.complete else f" · stopped at step {im.stopped_at}")) for im in images]
 
 
 def snapshot_summary(ctx: UiContext) -> dict:
-    """A short JSON answer for mutating endpoints: state, model, placement policy, LoRAs and counters."""
+    """A short JSON answer for mutating endpoints: state, model, placement policy, LoRAs (applied, and every
+    wanted one with its status and the reason it was set aside) and counters."""
     snap = ctx.engine.snapshot()
     return {
         "state": snap.state, "model": snap.model, "arch": snap.arch, "device": snap.device, "dtype": snap.dtype,
         "offload": snap.offload,
         "loras": [{"name": s.name, "unet_weight": s.unet_strength, "te_weight": s.te_strength} for s in snap.loras],
+        "lora_states": [{"name": s.name, "unet_weight": s.unet_strength, "te_weight": s.te_strength,
+                         "status": s.status, "reason": s.reason} for s in snap.lora_states],
         "lora_counters": {k: {"matched_layers": v.matched_layers, "unmatched_keys": v.unmatched_keys,
                               "apply_errors": v.apply_errors, "runtime_errors": v.runtime_errors,
                               "message": v.message} for k, v in snap.lora_counters.items()},

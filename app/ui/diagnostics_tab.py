@@ -61,10 +61,10 @@ def refresh(ctx: UiContext, component: str, text: str, only_violations: bool, on
     ]
 
 
-def _table(headers: list[str], elem_id: str, label: str, max_height: int = 320, widths: list[str] | None = None,
-           scale: int | None = None) -> gr.Dataframe:
+def _table(headers: list[str], elem_id: str, label: str, max_height: int = 320,
+           widths: list[str] | None = None) -> gr.Dataframe:
     return gr.Dataframe(headers=headers, column_count=len(headers), label=label, interactive=False, wrap=True,
-                        max_height=max_height, elem_id=elem_id, column_widths=widths, scale=scale)
+                        max_height=max_height, elem_id=elem_id, column_widths=widths)
 
 
 def _debug_toggles(ctx: UiContext) -> None:
@@ -126,18 +126,17 @@ def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
     history = _table(views.HISTORY_HEADERS, "sd-history", "Engine history (newest first)", 260,
                      ["9%", "11%", "31%", "11%", "9%", "17%", "12%"])
     summary = _table(views.SUMMARY_HEADERS, "sd-components", "Components", 200)
-    with gr.Row():
-        loras = _table(views.LORA_HEADERS, "sd-lora-counters", "LoRA counters", 220,
-                       ["16%", "17%", "11%", "11%", "10%", "10%", "25%"], scale=3)
-        timers = _table(views.TIMER_HEADERS, "sd-timers", "Timers", 220, scale=2)
+    loras = _table(views.LORA_HEADERS, "sd-lora-counters", "LoRAs: the engine's status and counters", 260,
+                   ["13%", "8%", "10%", "8%", "9%", "7%", "8%", "37%"])
+    timers = _table(views.TIMER_HEADERS, "sd-timers", "Timers", 220)
     with gr.Row():
         component = gr.Dropdown(["all"], value="all", label="Component", scale=1)
         text = gr.Textbox(label="Module or class contains", scale=2)
         only_bad = gr.Checkbox(False, label="only violations", scale=1)
         only_patched = gr.Checkbox(False, label="only LoRA-patched", scale=1)
     modules_note = gr.Markdown(elem_id="sd-modules-note")
-    modules = _table(views.MODULE_HEADERS, "sd-modules", "Modules (every parameter and buffer checked)", 420,
-                     ["9%", "31%", "12%", "7%", "6%", "8%", "6%", "9%", "6%", "6%"])
+    modules = _table(views.MODULE_HEADERS, "sd-modules", "Modules (every parameter and buffer checked; hooks in "
+                     "the order they run)", 420, ["8%", "27%", "11%", "6%", "6%", "7%", "5%", "8%", "10%", "6%", "6%"])
     gpu_note = gr.Markdown()
     gpu = _table(views.GPU_HEADERS, "sd-gpu", "GPU (NVML)", 160)
     timeline = gr.HTML(label="Memory timeline")

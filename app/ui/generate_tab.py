@@ -15,26 +15,11 @@ import gradio as gr
 from app.adapters.specs import LoraSpec
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES
-from app.ui.common import (
-    PROGRESS,
-    UiContext,
-    checked_checkpoint,
-    checkpoint_names,
-    gallery_items,
-    generate_params,
-    run_with_progress,
-    user_errors,
-)
+from app.ui.common import PROGRESS, UiContext, checked_checkpoint, checkpoint_names, run_with_progress, user_errors
+from app.ui.generate_run import GALLERY_LABEL, build_run_controls, wire_generate
 from app.ui.lora_browser import build_lora_browser
-from app.ui.lora_panel import (
-    LORA_QUEUE,
-    LoraSlots,
-    build_lora_panel,
-    fit_check,
-    fitting_specs,
-    selection_updates,
-    wire_loras,
-)
+from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection_updates, sync_panel, wire_loras
+from app.ui.model_options import ModelOptions, build_model_options, option_updates, wire_model_options
 
 
 @dataclass
@@ -55,13 +40,15 @@ class GenerateTab:
     width: gr.Number
     height: gr.Number
     batch: gr.Number
+    n_iter: gr.Number
     note: gr.Markdown
+    options: ModelOptions
 
     @property
     def settings(self) -> list:
         """The fields a generation reads, in `generate_params` order."""
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
-                self.batch]
+                self.batch, self.n_iter]
 
 
 def native_size_updates(previous: int | None, current: int | None) -> list:
@@ -102,17 +89,19 @@ def _settings_fields() -> list:
     with gr.Row():
         width = _number("width", "Width", defaults.width, 8)
         height = _number("height", "Height", defaults.height, 8)
-        batch = _number("batch", "Batch", defaults.batch, 1)
-    note = gr.Markdown(elem_id="sd-settings-note")  # rounding and "sent from an infotext" notes
-    return [prompt, negative, sampler, steps, cfg, width, height, batch, note]
+        batch = _number("batch", "Batch size", defaults.batch, 1)
+        n_iter = _number("n_iter", "Batch count", defaults.n_iter, 1)
+    note = gr.Markdown(elem_id="sd-settings-note")  # rounding, "stopped early" and "sent from an infotext" notes
+    return [prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, note]
 
 
 def build_generate_tab(ctx: UiContext) -> GenerateTab:
     """Lay out the tab and wire its events; engine-mutating events share the `LORA_QUEUE` lane, in order."""
     model, refresh, dtype, offload, model_status = _model_row(ctx)
+    options = build_model_options(ctx)
     with gr.Row():
         with gr.Column(scale=3):
-            prompt, negative, sampler, steps, cfg, width, height, batch, note = _settings_fields()
+            prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, note = _settings_fields()
             with gr.Row(equal_height=True):
                 seed = _number("seed", "Seed", -1, 1, scale=4)
                 random_seed = gr.Button("⚄ random", scale=0, min_width=80)
@@ -120,21 +109,18 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
             loras = build_lora_panel(ctx)
             build_lora_browser(ctx, prompt, loras)
         with gr.Column(scale=2):
-            go = gr.Button("Generate", variant="primary", elem_id="sd-generate")
-            gallery = gr.Gallery(label="Images", columns=2, height=420, elem_id="sd-gallery", format="png",
+            controls = build_run_controls()
+            gallery = gr.Gallery(label=GALLERY_LABEL, columns=2, height=420, elem_id="sd-gallery", format="png",
                                  object_fit="contain", buttons=["download", "download_all", "fullscreen"])
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
-                      height, batch, note)
+                      height, batch, n_iter, note, options)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
     # Progress and a failure's "Error" mark go on the gallery only; the message itself is one toast.
-    go.click(lambda progress=PROGRESS, *args: _generate(ctx, progress, *args),
-             [*tab.settings, loras.slot_names, loras.fits, *loras.sliders],
-             [gallery, infotext, infos, chosen_seed, width, height, note], api_visibility="private",
-             concurrency_id=LORA_QUEUE, show_progress_on=[gallery])
+    wire_generate(ctx, controls, tab.settings, loras, [gallery, infotext, infos, chosen_seed, width, height, note])
     gallery.select(_select_image, [infos], [infotext, chosen_seed], api_visibility="private")
     random_seed.click(lambda: -1, None, seed, api_visibility="private")
     reuse_seed.click(lambda s, current: current if s is None else s, [chosen_seed, seed], seed,
@@ -174,50 +160,39 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
         return f"offload now **{snap.offload}**"
 
     private = dict(api_visibility="private", concurrency_id=LORA_QUEUE)
+    redraw = sync_panel(ctx, tab.loras)  # a load re-applies what fits the new model and sets the rest aside
     # `select`, not `input`: Gradio's dropdown also sends `input` when it merely loses focus, which reloaded
     # the model (or repeated a failure and its toast). After a refusal the dropdown shows the model the
     # engine still holds (`.failure`: a `.then` after an error never runs in Gradio 6.31).
-    tab.model.select(lambda name, progress=PROGRESS: load_checkpoint(ctx, name, progress), tab.model,
-                     [tab.model_status, tab.width, tab.height], show_progress_on=[tab.model_status],
-                     **private).failure(
-        lambda: gr.Dropdown(value=engine.snapshot().model), None, tab.model, api_visibility="private")
-    tab.dtype.input(ui_set_dtype, tab.dtype, tab.model_status, **private)
-    tab.offload.input(ui_set_offload, tab.offload, tab.model_status, **private)
+    loaded = tab.model.select(lambda name, progress=PROGRESS: load_checkpoint(ctx, name, progress), tab.model,
+                              [tab.model_status, tab.width, tab.height], show_progress_on=[tab.model_status],
+                              **private)
+    loaded.failure(lambda: gr.Dropdown(value=engine.snapshot().model), None, tab.model, api_visibility="private")
+    loaded.success(**redraw).then(lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
+    wire_model_options(ctx, tab.options, tab.model_status, **private)
+    tab.dtype.input(ui_set_dtype, tab.dtype, tab.model_status, **private).success(**redraw)
+    tab.offload.input(ui_set_offload, tab.offload, tab.model_status, **private).success(**redraw)
     refresh.click(lambda: gr.Dropdown(choices=checkpoint_names(ctx.settings)), None, tab.model,
                   api_visibility="private")
 
 
 def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
-    """On (re)load show what the engine really holds (another tab or an API client may have changed it)
-    and why the start-up model is not the first checkpoint, if it is not."""
+    """On (re)load show what the engine really holds (another tab or an API client may have changed it):
+    the selector lists the engine's wanted LoRAs, set aside ones included, and the cards their state;
+    the notes say why the start-up model is not the first checkpoint, if it is not."""
     slots = tab.loras
 
     def on_load():
         snap = ctx.engine.snapshot()
-        specs = [LoraSpec(s.name, s.unet_strength, te_weight=s.te_strength) for s in snap.loras]
+        specs = [LoraSpec(s.name, s.unet_strength, te_weight=s.te_strength) for s in snap.lora_states]
         return [gr.Dropdown(choices=checkpoint_names(ctx.settings), value=snap.model), snap.requested_dtype,
                 snap.offload, "\n\n".join(ctx.startup_notes), *native_size_updates(None, snap.native_size),
                 *selection_updates(ctx, specs)]
 
     demo.load(on_load, None, [tab.model, tab.dtype, tab.offload, tab.model_status, tab.width, tab.height,
                               slots.select, *slots.layout],
-              api_visibility="private").then(**fit_check(ctx, slots))
-
-
-def _generate(ctx: UiContext, progress, prompt, negative, sampler, steps, cfg, seed, width, height, batch,
-              slot_names, fits, *values):
-    """Check the settings, sync the engine's LoRAs with the sliders if they differ, then generate with a
-    live progress bar; the size fields then show the size used, with a note when it was rounded."""
-    engine = ctx.engine
-    with user_errors("Generation"):
-        params, notes = generate_params(ctx, prompt, negative, sampler, steps, cfg, seed, width, height, batch)
-        specs = tuple(fitting_specs(slot_names, fits, values))
-        if specs != engine.snapshot().loras:
-            run_with_progress(engine, lambda: engine.set_loras(specs), progress)
-        images = run_with_progress(engine, lambda: engine.generate(params), progress)
-    infos = [{"seed": im.seed, "infotext": im.infotext} for im in images]
-    note = "\n\n".join(f"ℹ️ {n}" for n in notes)
-    return gallery_items(images), infos[0]["infotext"], infos, infos[0]["seed"], params.width, params.height, note
+              api_visibility="private").then(**sync_panel(ctx, slots)).then(
+        lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
 
 
 def _select_image(infos, evt: gr.SelectData):

@@ -51,6 +51,10 @@ class GuardPolicy:
 
     allowed_hosts: frozenset[str] | None
     session_queue_size: int
+    # REST routes outside Gradio that take images in JSON (the A1111 API's png-info): their bodies
+    # may reach `large_body_bytes`, and they name no Gradio handler, so only the size is checked.
+    large_body_prefixes: tuple[str, ...] = ()
+    large_body_bytes: int = MAX_BODY_BYTES
 
 
 def loopback_hosts(port: int) -> frozenset[str]:
@@ -106,11 +110,13 @@ class RequestGuard:
             log.warning("failed login from %s", client)
 
     async def _call(self, scope: Scope, receive: Receive, send: Send, headers: Headers) -> None:
-        body = await _read_body(receive, MAX_BODY_BYTES)
+        large = scope["path"].startswith(self.policy.large_body_prefixes)
+        limit = self.policy.large_body_bytes if large else MAX_BODY_BYTES
+        body = await _read_body(receive, limit)
         if body is None:
-            await _refuse(send, 413, f"request body over {MAX_BODY_BYTES:,} bytes")
+            await _refuse(send, 413, f"request body over {limit:,} bytes")
             return
-        refusal = self._refusal(scope["path"], headers, body)
+        refusal = None if large else self._refusal(scope["path"], headers, body)
         if refusal is not None:
             await _refuse(send, *refusal)
             return

@@ -9,6 +9,9 @@ files too), and only names the library lists are looked up, so no request can na
 Clicking a thumbnail selects that LoRA in the LoRA panel (as picking it in the selector does)
 and lists its trigger words; clicking a word adds it to the prompt. Badges and words come from
 the file's own metadata (`ss_base_model_version`, `modelspec.architecture`, `ss_tag_frequency`…).
+"fits this model" keeps the LoRAs the engine's `inspect_lora` accepts for the loaded model (the
+answer cached per model hash and file); while the engine is busy only answers already known are
+used, so the filter never waits behind a long generation.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 
 from app.ui.common import MAX_LORAS, UiContext
 from app.ui.lora_cards import base_badge, card_markdown
-from app.ui.lora_panel import LORA_QUEUE, LoraSlots, fit_check, slot_updates, slot_weights
+from app.ui.lora_panel import LORA_QUEUE, LoraSlots, slot_updates, slot_weights, sync_panel
 
 PREVIEW_SUFFIXES = ("png", "jpg", "jpeg", "webp", "gif")
 THUMB_PX = 192
@@ -76,6 +79,27 @@ def filtered(entries: list[Entry], query: str, sort: str) -> list[Entry]:
     return sorted(hits, key=lambda e: e.name.lower())
 
 
+def fitting(ctx: UiContext, entries: list[Entry]) -> tuple[list[Entry], str]:
+    """The entries the engine accepts for the loaded model, and a note on what could not be decided."""
+    snap = ctx.engine.snapshot()
+    if snap.model_hash is None:
+        return entries, "No model is loaded: every LoRA is listed."
+    kept, unknown = [], 0
+    for entry in entries:
+        if entry.problem:
+            continue
+        try:
+            path = ctx.engine.library.path_for(entry.name)
+            fit = ctx.cards.fit(ctx.engine, entry.name, path, snap.model_hash, ask=snap.state == "READY")
+        except OSError:  # gone since the listing
+            continue
+        unknown += fit is None
+        if fit is None or fit.level != "error":
+            kept.append(entry)
+    note = f"{len(kept) - unknown} LoRA(s) fit {snap.model}"
+    return kept, note + (f"; {unknown} not checked yet (the engine is busy), listed anyway" if unknown else "")
+
+
 class Thumbnails:
     """Square thumbnails with the base-model badge drawn on, cached by the preview file's identity."""
 
@@ -122,6 +146,8 @@ def _wrap(text: str, width: int = 18) -> str:
 class _Browser:
     search: gr.Textbox
     sort: gr.Dropdown
+    only_fitting: gr.Checkbox
+    note: gr.Markdown
     gallery: gr.Gallery
     details: gr.Markdown
     triggers: gr.Dataset
@@ -135,12 +161,14 @@ def _layout() -> tuple[gr.Accordion, _Browser]:
             search = gr.Textbox(placeholder="search names, base models, trigger words", show_label=False, scale=3,
                                 elem_id="sd-lora-search")
             sort = gr.Dropdown(list(SORTS), value=SORTS[0], show_label=False, scale=1, elem_id="sd-lora-sort")
+            only_fitting = gr.Checkbox(False, label="fits this model", scale=1, elem_id="sd-lora-fits")
+        note = gr.Markdown(elem_id="sd-lora-browser-note")
         gallery = gr.Gallery(show_label=False, columns=5, height="fit-content", allow_preview=False, object_fit="cover",
                              elem_id="sd-lora-browser", format="png")
         details = gr.Markdown("Click a thumbnail to add that LoRA to the panel above.", elem_id="sd-lora-details")
         triggers = gr.Dataset(components=[gr.Textbox(visible=False)], samples=[], type="values",
                               label="Trigger words — click one to add it to the prompt", elem_id="sd-trigger-words")
-    return panel, _Browser(search, sort, gallery, details, triggers, gr.State([]))
+    return panel, _Browser(search, sort, only_fitting, note, gallery, details, triggers, gr.State([]))
 
 
 def build_lora_browser(ctx: UiContext, prompt: gr.Textbox, slots: LoraSlots) -> None:
@@ -148,10 +176,12 @@ def build_lora_browser(ctx: UiContext, prompt: gr.Textbox, slots: LoraSlots) -> 
     panel, ui = _layout()
     thumbs = Thumbnails()
 
-    def fill(query, sort):
-        entries = filtered(list_entries(ctx), query, sort)
+    def fill(query, sort, only_fitting):
+        entries, note = filtered(list_entries(ctx), query, sort), ""
+        if only_fitting:
+            entries, note = fitting(ctx, entries)
         items = [(thumbs.get(e), e.name + (f" — {e.problem}" if e.problem else "")) for e in entries]
-        return items, [e.name for e in entries]
+        return items, [e.name for e in entries], note
 
     def pick(evt: gr.SelectData, shown, current, slot_names, *values):  # Gradio injects `evt` by position
         name = shown[evt.index]
@@ -167,23 +197,24 @@ def build_lora_browser(ctx: UiContext, prompt: gr.Textbox, slots: LoraSlots) -> 
         return [card, gr.Dataset(samples=samples), gr.Dropdown(value=names),
                 *slot_updates(ctx, names, slot_weights(slot_names, values))]
 
-    refresh = dict(fn=fill, inputs=[ui.search, ui.sort], outputs=[ui.gallery, ui.shown], api_visibility="private",
-                   show_progress="hidden")
+    refresh = dict(fn=fill, inputs=[ui.search, ui.sort, ui.only_fitting], outputs=[ui.gallery, ui.shown, ui.note],
+                   api_visibility="private", show_progress="hidden")
     panel.expand(**refresh)
     ui.search.input(trigger_mode="always_last", **refresh)
     ui.sort.input(**refresh)
+    ui.only_fitting.input(**refresh)
     ui.gallery.select(pick, [ui.shown, slots.select, slots.slot_names, *slots.sliders],
                       [ui.details, ui.triggers, slots.select, *slots.layout], api_visibility="private",
-                      concurrency_id=LORA_QUEUE).then(**fit_check(ctx, slots))
+                      concurrency_id=LORA_QUEUE).then(**sync_panel(ctx, slots))
     ui.triggers.click(_add_word, [prompt, ui.triggers], prompt, api_visibility="private")
 
 
 def _details(ctx: UiContext, name: str) -> str:
     try:
         card = ctx.cards.card(name, ctx.engine.library.path_for(name), hashed=False)
-        return card_markdown(card, None, name, show_fit=False)
+        return card_markdown(card, name)
     except Exception as exc:  # the file went away or is unreadable: say so in the details
-        return card_markdown(None, None, name, problem=str(exc))
+        return card_markdown(None, name, problem=str(exc))
 
 
 def _add_word(prompt: str, sample: list) -> str:

@@ -1,10 +1,11 @@
-"""LoRA cards: what a file says about itself (safetensors metadata) and whether it fits the model.
+"""LoRA cards: what a file says about itself (safetensors metadata) and what the engine says about it.
 
 Metadata comes from the file header only (no tensor data is read), so listing a folder of large
-LoRAs stays cheap and never touches the engine's LoRA cache, which belongs to the worker. The
-fit check asks the engine (`inspect_lora`), which parses the file against the loaded model on
-its worker thread; results are cached per (model hash, file identity) because a LoRA's fit
-only changes when either side changes.
+LoRAs stays cheap and never touches the engine's LoRA cache, which belongs to the worker. Whether
+a LoRA is applied, set aside or disabled is the engine's word (`Snapshot.lora_states`); a card
+only draws it. For information (and the LoRA browser's "fits this model" filter) a card also
+shows the engine's own match report from `inspect_lora`, cached per (model hash, file identity)
+because that report only changes when either side changes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from safetensors import safe_open
 
 from app.adapters.errors import AdapterError, AdapterFormatError
 from app.adapters.matching import MatchReport
+from app.engine.lora_counters import LoraCounters
+from app.engine.snapshot import LoraState
 from app.safetensors_files import SafetensorsFileError, file_sha256, read_header
 
 # Suffix -> algorithm name, checked in order (LoRA last: LoCon/DoRA files also carry lora_down).
@@ -46,9 +49,11 @@ class CardInfo:
 
 @dataclass(frozen=True)
 class Fit:
-    """Outcome of the fit check: level "ok", "warn" (some tensors unmatched) or "error" (refused),
-    with the per-file report of an accepted file (`MatchReport`: layout, scale source, the first
-    unmatched tensor names, the architecture it fits)."""
+    """What `inspect_lora` answered for one file on the loaded model: level "ok", "warn" (applies, but
+    some tensors match nothing, or the check could not run) or "error" (the engine refuses it), with
+    the report of an accepted file (`MatchReport`: layout, scale source, the first unmatched tensor
+    names, the architecture it fits). Shown for information and used to filter the LoRA browser;
+    what is applied is decided by the engine alone."""
 
     level: str
     message: str
@@ -61,13 +66,11 @@ class Fit:
 
     @classmethod
     def from_report(cls, report: MatchReport) -> Fit:
-        level = "error" if report.matched_layers == 0 else "warn" if report.unmatched_keys else "ok"
-        return cls(level, report.message or ("matched zero layers" if level == "error" else ""),
-                   report.matched_layers, report.unmatched_keys, report.layout, report.scale_source,
-                   report.unmatched_examples, report.fits)
+        return cls("warn" if report.unmatched_keys else "ok", report.message, report.matched_layers,
+                   report.unmatched_keys, report.layout, report.scale_source, report.unmatched_examples, report.fits)
 
     def report_line(self) -> str:
-        """layout · scale source · what was left over, for an accepted file ("" before a check)."""
+        """layout · scale source · what was left over, for an accepted file ("" otherwise)."""
         if not self.layout:
             return ""
         facts = [f"layout: {self.layout}", f"scale: {self.scale_source}"]
@@ -152,33 +155,36 @@ def _size(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
-def _fit_badge(fit: Fit | None) -> str:
-    """The fit badge and, when the file was matched, its per-file report (layout, scale, leftovers)."""
-    if fit is None:
-        return "<span class='sd-badge'>checking fit…</span>"
-    if fit.level == "ok":
-        badge = (f"<span class='sd-badge sd-badge-ok'>✓ fits {fit.fits}: {fit.matched_layers} layers</span>"
-                 + (f" {html.escape(fit.message)}" if fit.message else ""))
-    elif fit.level == "warn":
-        badge = (f"<span class='sd-badge sd-badge-warn'>⚠ {fit.unmatched_keys} tensors matched nothing</span> "
-                 f"{fit.matched_layers} layers patched{' (' + fit.fits + ')' if fit.fits else ''}; "
-                 f"{html.escape(fit.message)}")
+def state_badge(state: LoraState | None, counters: LoraCounters | None, fit: Fit | None) -> str:
+    """The engine's word on one selected LoRA — applied (with what it matched), set aside or disabled
+    (with the engine's reason) — and, under it, the inspect report of an applied file."""
+    if state is None:
+        badge = "<span class='sd-badge sd-badge-error'>✗ not applied</span> the engine refused the list (see below)"
+    elif state.status == "applied":
+        layers = f": {counters.matched_layers} layers" if counters is not None else ""
+        badge = (f"<span class='sd-badge sd-badge-ok'>✓ applied{layers}</span> UNet {state.unet_strength:g} / "
+                 f"TE {state.te_strength:g}")
+        if counters is not None and counters.unmatched_keys:
+            badge += f" <span class='sd-badge sd-badge-warn'>⚠ {counters.unmatched_keys} tensors matched nothing</span>"
+    elif state.status == "set aside":
+        badge = f"<span class='sd-badge sd-badge-warn'>⊘ set aside</span> {html.escape(state.reason)}"
+    elif state.status == "disabled":
+        badge = f"<span class='sd-badge sd-badge-error'>✗ disabled</span> {html.escape(state.reason)}"
     else:
-        badge = f"<span class='sd-badge sd-badge-error'>✗ does not fit — not applied</span> {html.escape(fit.message)}"
-    report = fit.report_line()
+        badge = f"<span class='sd-badge'>{html.escape(state.status)}</span>"
+    report = fit.report_line() if fit is not None and state is not None and state.status == "applied" else ""
     return f"{badge}\n\n{report}" if report else badge
 
 
-def card_markdown(card: CardInfo | None, fit: Fit | None, name: str, problem: str = "",
-                  show_fit: bool = True) -> str:
-    """Card body: a fit badge first (never hidden where fit is shown), then the metadata the file carries.
-    The LoRA browser leaves the fit out (`show_fit=False`): the panel's card shows it once selected."""
+def card_markdown(card: CardInfo | None, name: str, badge: str = "", problem: str = "") -> str:
+    """Card body: the engine's badge first (the panel's cards; the LoRA browser has none), then the
+    metadata the file carries."""
     lines = [f"**{html.escape(name)}**"]
     if problem:
         lines.append(f"<span class='sd-badge sd-badge-error'>⚠ unreadable</span> {html.escape(problem)}")
         return "\n\n".join(lines)
-    if show_fit:
-        lines.append(_fit_badge(fit))
+    if badge:
+        lines.append(badge)
     if card is not None:
         rank = f"rank: {card.rank if card.rank is not None else '?'}" + (f" (alpha {card.alpha})" if card.alpha else "")
         facts = [f"base model: <span class='sd-badge'>{html.escape(base_badge(card.base_model))}</span> "
@@ -216,14 +222,16 @@ class CardCache:
             self._cards[key] = card
         return card
 
-    def fit(self, engine, name: str, path: Path, model_hash: str | None) -> Fit:
-        """Ask the engine whether `name` fits the loaded model; a refusal becomes an "error" fit."""
+    def fit(self, engine, name: str, path: Path, model_hash: str | None, ask: bool = True) -> Fit | None:
+        """What the engine's `inspect_lora` says about `name` on the loaded model; a refusal becomes an
+        "error" fit. With `ask=False` only a known answer is given (None when there is none), so a
+        caller never waits behind a running generation for it."""
         if model_hash is None:
             return Fit("warn", "no model loaded yet: fit not checked")
         key = (model_hash, *self._identity(path))
         with self._lock:
-            if key in self._fits:
-                return self._fits[key]
+            if key in self._fits or not ask:
+                return self._fits.get(key)
         try:
             report = engine.inspect_lora(name)
         except AdapterError as exc:  # the file does not fit this model: a result to show, and to cache

@@ -5,21 +5,28 @@ instead of components created in `gr.render`: every slider then exists from the 
 event can read *all* weights at once (no per-session race between two quick moves), and the
 browser test can address each slot by a stable element id. Which LoRA sits in which slot is
 kept in `slot_names`; all LoRA events share one concurrency group so they run in order.
-Other parts of the page (the LoRA browser, "send to Generate") select LoRAs through
-`selection_updates` followed by `fit_check`, the same path as a pick in the selector.
+
+The panel keeps no policy of its own: every selected LoRA goes to the engine
+(`set_loras(..., set_aside_unfit=True)`), which applies what fits the loaded model and sets the
+rest aside with its reason; the cards then draw the engine's `lora_states` and counters. Other
+parts of the page (the LoRA browser, "send to Generate", a model load) select LoRAs through
+`selection_updates` followed by `sync_panel`, the same path as a pick in the selector.
 """
 
 from __future__ import annotations
 
 import html
+import logging
 from dataclasses import dataclass
 
 import gradio as gr
 
 from app.adapters.specs import LoraSpec
-from app.ui.common import MAX_LORAS, PROGRESS, UiContext, run_with_progress
-from app.ui.lora_cards import Fit, card_markdown
+from app.engine.snapshot import Snapshot
+from app.ui.common import MAX_LORAS, PROGRESS, EngineCallError, UiContext, run_with_progress
+from app.ui.lora_cards import card_markdown, state_badge
 
+log = logging.getLogger(__name__)
 LORA_QUEUE = "loras"  # one ordered lane for selection changes, slider moves and generate's LoRA sync
 
 
@@ -35,7 +42,6 @@ class LoraSlots:
     unet: list[gr.Slider]
     te: list[gr.Slider]
     slot_names: gr.State
-    fits: gr.State
 
     @property
     def sliders(self) -> list[gr.Slider]:
@@ -46,31 +52,35 @@ class LoraSlots:
         """What `slot_updates` writes, in its order."""
         return [*self.groups, *self.cards, *self.sliders, self.slot_names]
 
+    @property
+    def view(self) -> list:
+        """What `panel_view` writes: every card and the status line."""
+        return [*self.cards, self.status]
+
 
 def slot_weights(slot_names: list[str], values: tuple) -> dict[str, tuple[float, float]]:
     """{name: (unet, te)} from the slider values (the first MAX_LORAS are UNet, the rest TE)."""
     return {name: (float(values[i]), float(values[MAX_LORAS + i])) for i, name in enumerate(slot_names)}
 
 
-def fitting_specs(slot_names: list[str], fits: dict, values: tuple) -> list[LoraSpec]:
-    """The LoRAs to apply: every selected one except those the fit check refused."""
+def selected_specs(slot_names: list[str], values: tuple) -> tuple[LoraSpec, ...]:
+    """Every selected LoRA with its two slider weights, in the selector's order."""
     weights = slot_weights(slot_names, values)
-    return [LoraSpec(name, weight=weights[name][0], te_weight=weights[name][1]) for name in slot_names
-            if fits.get(name, "ok") != "error"]
+    return tuple(LoraSpec(name, weight=weights[name][0], te_weight=weights[name][1]) for name in slot_names)
 
 
-def _lora_status(specs: list[LoraSpec], fits: dict, counters) -> str:
-    parts = []
-    for spec in specs:
-        c = counters.get(spec.name)
-        matched = f", {c.matched_layers} layers" if c is not None else ""
-        warn = f" — ⚠ **{c.unmatched_keys} keys matched nothing**" if c is not None and c.unmatched_keys else ""
-        parts.append(f"`{spec.name}` UNet {spec.unet_strength:g} / TE {spec.te_strength:g}{matched}{warn}")
-    refused = [name for name, level in fits.items() if level == "error"]
-    text = "Applied: " + ("; ".join(parts) if parts else "none")
-    if refused:
-        text += "\n\n<span class='sd-bad'>✗ not applied (does not fit this model): " + ", ".join(refused) + "</span>"
-    return text
+def wanted_differs(specs: tuple[LoraSpec, ...], snap: Snapshot) -> bool:
+    """Whether the page's selection differs from the engine's wanted list (applied or set aside)."""
+    wanted = [(s.name, s.unet_strength, s.te_strength) for s in snap.lora_states]
+    return [(s.name, s.unet_strength, s.te_strength) for s in specs] != wanted
+
+
+def sync_selection(ctx: UiContext, specs: tuple[LoraSpec, ...], progress) -> None:
+    """Hand the engine the whole selection when it differs from its wanted list; it applies what fits
+    the loaded model and sets the rest aside with the reason."""
+    engine = ctx.engine
+    if wanted_differs(specs, engine.snapshot()):
+        run_with_progress(engine, lambda: engine.set_loras(specs, set_aside_unfit=True), progress)
 
 
 def build_lora_panel(ctx: UiContext) -> LoraSlots:
@@ -92,14 +102,13 @@ def build_lora_panel(ctx: UiContext) -> LoraSlots:
                     te.append(gr.Slider(lo, hi, value=1.0, step=0.05, label="Text-encoder weight",
                                         interactive=True, elem_id=f"sd-lora-te-{i}"))
             groups.append(group)
-    return LoraSlots(select, refresh, status, groups, cards, unet, te, gr.State([]), gr.State({}))
+    return LoraSlots(select, refresh, status, groups, cards, unet, te, gr.State([]))
 
 
 def slot_updates(ctx: UiContext, names: list[str], weights: dict[str, tuple[float, float]]) -> list:
     """Show one card per selected name (in order), hide the rest; keep each LoRA's weights.
 
-    Cards show "checking fit…" until the follow-up fit check (which needs the engine) fills the badges.
-    """
+    Cards say "asking the engine…" until the follow-up `sync_panel` draws the engine's answer."""
     names = list(names or [])[:MAX_LORAS]
     groups, cards, unet, te = [], [], [], []
     for i in range(MAX_LORAS):
@@ -111,7 +120,7 @@ def slot_updates(ctx: UiContext, names: list[str], weights: dict[str, tuple[floa
             continue
         name = names[i]
         groups.append(gr.Group(visible=True))
-        cards.append(gr.Markdown(_card_text(ctx, name, None)))
+        cards.append(gr.Markdown(_card_text(ctx, name, "<span class='sd-badge'>asking the engine…</span>")))
         u, t = weights.get(name, (1.0, 1.0))
         unet.append(gr.Slider(value=u, label=f"{name} — UNet weight"))
         te.append(gr.Slider(value=t, label=f"{name} — text-encoder weight"))
@@ -125,49 +134,73 @@ def selection_updates(ctx: UiContext, specs: list[LoraSpec]) -> list:
     return [gr.Dropdown(choices=ctx.engine.library.names(), value=names), *slot_updates(ctx, names, weights)]
 
 
-def _card_text(ctx: UiContext, name: str, fit: Fit | None) -> str:
+def _card_text(ctx: UiContext, name: str, badge: str) -> str:
     try:
         card = ctx.cards.card(name, ctx.engine.library.path_for(name))
     except Exception as exc:  # unreadable or vanished file: the card says so instead of disappearing
-        return card_markdown(None, None, name, problem=str(exc))
-    return card_markdown(card, fit, name)
+        return card_markdown(None, name, problem=str(exc))
+    return card_markdown(card, name, badge)
 
 
-def _check_and_apply(ctx: UiContext, slot_names: list[str], values: tuple, progress) -> list:
-    """Fit-check every selected LoRA (engine worker), redraw the cards with badges, apply the fitting ones."""
-    model_hash = ctx.engine.snapshot().model_hash
-    fit_objs = {}
-    for name in slot_names:
+def _badge(ctx: UiContext, name: str, snap: Snapshot) -> str:
+    """The engine's state for `name`, with the engine's match report of an applied file (asked only of
+    an idle engine: the report is information, not worth waiting behind a generation for)."""
+    state = next((s for s in snap.lora_states if s.name == name), None)
+    fit = None
+    if state is not None and state.status == "applied":
         try:
-            fit_objs[name] = ctx.cards.fit(ctx.engine, name, ctx.engine.library.path_for(name), model_hash)
-        except Exception as exc:  # name vanished from disk between selection and check
-            fit_objs[name] = Fit("error", str(exc))
-    fits = {name: fit.level for name, fit in fit_objs.items()}
-    cards = [gr.Markdown(_card_text(ctx, name, fit_objs[name])) for name in slot_names]
-    cards += [gr.Markdown() for _ in range(MAX_LORAS - len(cards))]
-    return [*cards, fits, _apply(ctx, slot_names, fits, values, progress)]
+            fit = ctx.cards.fit(ctx.engine, name, ctx.engine.library.path_for(name), snap.model_hash,
+                                ask=snap.state == "READY")
+        except OSError:  # the file went away after it was applied: the badge alone still holds
+            fit = None
+    return state_badge(state, snap.lora_counters.get(name), fit)
 
 
-def _apply(ctx: UiContext, slot_names: list[str], fits: dict, values: tuple, progress) -> str:
-    """Apply the fitting LoRAs; a refusal is shown in the panel only (one place, not also a toast)."""
-    specs = fitting_specs(slot_names, fits, values)
+_STATUS_LABELS = {"set aside": "Set aside (its card says why)", "disabled": "Disabled (its card says why)",
+                  "no model loaded": "Waiting for a model"}
+
+
+def panel_status(snap: Snapshot, problem: str = "") -> str:
+    """One line per status as the engine reports it (each card says why), and why a change was refused."""
+    by_status: dict[str, list[str]] = {}
+    for s in snap.lora_states:
+        by_status.setdefault(s.status, []).append(f"`{s.name}` UNet {s.unet_strength:g} / TE {s.te_strength:g}")
+    lines = ["Applied: " + ("; ".join(by_status.pop("applied", [])) or "none")]
+    lines += [f"{_STATUS_LABELS.get(status, status)}: " + "; ".join(items) for status, items in by_status.items()]
+    if problem:
+        lines.append(f"<span class='sd-bad'>✗ LoRAs not changed: {html.escape(problem)}</span>")
+    return "\n\n".join(lines)
+
+
+def panel_view(ctx: UiContext, slot_names: list[str], problem: str = "") -> list:
+    """Every card and the status line from one snapshot (outputs: `slots.view`)."""
     snap = ctx.engine.snapshot()
-    try:
-        if tuple(specs) != snap.loras:  # e.g. a page reload showing what is applied: nothing to do
-            snap = run_with_progress(ctx.engine, lambda: ctx.engine.set_loras(specs), progress)
-    except Exception as exc:  # the engine kept the previous stack
-        return f"<span class='sd-bad'>✗ LoRAs not applied: {html.escape(str(exc))}</span>"
-    return _lora_status(specs, fits, snap.lora_counters)
+    cards = [gr.Markdown(_card_text(ctx, name, _badge(ctx, name, snap))) for name in slot_names]
+    cards += [gr.Markdown() for _ in range(MAX_LORAS - len(cards))]
+    return [*cards, panel_status(snap, problem)]
 
 
-def fit_check(ctx: UiContext, slots: LoraSlots) -> dict:
-    """Event arguments for "check fit, redraw cards, apply": after any selection change and on page load."""
+def panel_unchanged() -> list:
+    """`slots.view` left as it is (while a generation streams its previews)."""
+    return [gr.skip()] * (MAX_LORAS + 1)
 
-    def check(progress=PROGRESS, slot_names=(), *values):
-        return _check_and_apply(ctx, list(slot_names), values, progress)
 
-    return dict(fn=check, inputs=[slots.slot_names, *slots.sliders], outputs=[*slots.cards, slots.fits, slots.status],
-                api_visibility="private", concurrency_id=LORA_QUEUE)
+def sync_panel(ctx: UiContext, slots: LoraSlots) -> dict:
+    """Event arguments for "hand the selection to the engine, then draw its answer": after a selection
+    change, a slider release, a page load or anything else that selects LoRAs. A refusal (the engine
+    kept its previous list) is shown in the panel only: one place, not also a toast."""
+
+    def sync(progress=PROGRESS, slot_names=(), *values):
+        problem = ""
+        try:
+            sync_selection(ctx, selected_specs(list(slot_names), values), progress)
+        except (EngineCallError, ValueError) as exc:  # a vanished file, a full queue: the previous list stays
+            log.info("LoRA change refused: %s", exc)
+            problem = str(exc)
+        return panel_view(ctx, list(slot_names), problem)
+
+    return dict(fn=sync, inputs=[slots.slot_names, *slots.sliders], outputs=slots.view, api_visibility="private",
+                concurrency_id=LORA_QUEUE, show_progress_on=[slots.status])
 
 
 def wire_loras(ctx: UiContext, slots: LoraSlots) -> None:
@@ -176,12 +209,9 @@ def wire_loras(ctx: UiContext, slots: LoraSlots) -> None:
     def on_select(names, slot_names, *values):
         return slot_updates(ctx, names, slot_weights(slot_names, values))
 
-    def on_release(progress=PROGRESS, slot_names=(), fits=None, *values):
-        return _apply(ctx, list(slot_names), fits or {}, values, progress)
-
     slots.select.input(on_select, [slots.select, slots.slot_names, *slots.sliders], slots.layout,
-                       **private).then(**fit_check(ctx, slots))
+                       **private).then(**sync_panel(ctx, slots))
     for slider in slots.sliders:
-        slider.release(on_release, [slots.slot_names, slots.fits, *slots.sliders], slots.status, **private)
+        slider.release(**sync_panel(ctx, slots))
     slots.refresh.click(lambda: gr.Dropdown(choices=ctx.engine.library.names()), None, slots.select,
                         api_visibility="private")

@@ -2,7 +2,7 @@
 
 Prompt, negative prompt, sampler, steps, CFG, seed and size are put in as written: a value our
 rules refuse (say 200 steps from another tool) is refused by Generate with the range, never
-clamped here. LoRAs are selected with both weights, through the same fit check and apply as a
+clamped here. LoRAs are selected with both weights and handed to the engine the same way as a
 pick in the selector. The checkpoint is found by the infotext's "Model hash" (sha256[:10] of
 the file, as A1111 writes it), else by its "Model" name, and loaded before the LoRAs are
 applied. Whatever cannot be matched is listed in the Generate tab's note.
@@ -21,7 +21,7 @@ from app.engine.generate import SCHEDULERS
 from app.infotext import Infotext, parse_infotext
 from app.ui.common import MAX_LORAS, PROGRESS, UiContext, run_with_progress, user_errors
 from app.ui.generate_tab import GenerateTab, loaded_text
-from app.ui.lora_panel import LORA_QUEUE, fit_check, selection_updates
+from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
 
 # Generate-tab field -> infotext key; numbers are parsed, the rest taken as text.
 _NUMBERS = {"steps": "Steps", "cfg": "CFG scale", "seed": "Seed"}
@@ -120,4 +120,4 @@ def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, tab: Generate
                tab.model, tab.model_status, slots.select, *slots.layout, tabs]
     button.click(send, text, outputs, api_visibility="private", concurrency_id=LORA_QUEUE,
                  show_progress_on=[progress_on]).success(
-        **fit_check(ctx, slots))
+        **sync_panel(ctx, slots))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import gradio as gr
 import psutil
 
+from app.a1111 import API_PREFIX, api_body_bytes, install_api
 from app.diagnostics import RecentLogHandler
 from app.engine.worker import Engine
 from app.settings import Settings
@@ -91,7 +92,9 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
         inbrowser=False, footer_links=["api", "settings"], ssr_mode=False, mcp_server=False, pwa=False,
         max_file_size=settings.max_upload_mib * 2**20, **launch_kwargs())
     exposed = settings.listen or settings.share
-    install(app, demo, GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size))
+    print(install_api(app, ctx, policy.credentials), flush=True)
+    install(app, demo, GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
+                                   large_body_prefixes=(API_PREFIX,), large_body_bytes=api_body_bytes(settings)))
     return Server(demo, local_url, share_url, policy)
 
 

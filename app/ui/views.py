@@ -15,14 +15,15 @@ from app.engine.snapshot import Snapshot
 HISTORY_HEADERS = ["time", "command", "detail", "state", "duration s", "outcome", "violations found/repaired"]
 SUMMARY_HEADERS = ["component", "modules", "params", "MiB", "devices", "dtypes", "LoRA-patched", "offload",
                    "violations"]
-MODULE_HEADERS = ["component", "module", "class", "device", "dtype", "params", "MiB", "LoRAs", "offload",
+MODULE_HEADERS = ["component", "module", "class", "device", "dtype", "params", "MiB", "LoRAs", "hooks", "offload",
                   "violation"]
-LORA_HEADERS = ["LoRA", "applied weight (UNet / TE)", "matched layers", "unmatched keys", "apply errors",
-                "runtime errors", "note"]
+LORA_HEADERS = ["LoRA", "status", "weight (UNet / TE)", "matched layers", "unmatched tensors", "apply errors",
+                "runtime errors", "reason / note"]
 TIMER_HEADERS = ["timer", "count", "last s", "total s", "mean s"]
 GPU_HEADERS = ["GPU", "name", "memory used MiB", "memory total MiB", "utilisation %", "temperature °C"]
 MAX_MODULE_ROWS = 400
 _BUSY_STATES = {"LOADING", "PATCHING", "MOVING", "GENERATING"}
+REASON_CHARS = 90  # a set-aside reason in the status line; the full text is its tooltip and in Diagnostics
 
 
 def _clock(t: float) -> str:
@@ -33,19 +34,36 @@ def loras_text(snap: Snapshot) -> str:
     return ", ".join(f"{s.name} {s.unet_strength:g}/{s.te_strength:g}" for s in snap.loras) or "none"
 
 
+def not_applied_html(snap: Snapshot) -> list[str]:
+    """Each wanted LoRA the engine did not apply (set aside or disabled), with its reason, shortened;
+    the whole reason is the tooltip."""
+    out = []
+    for s in snap.lora_states:
+        if s.status in ("applied", "no model loaded"):
+            continue
+        short = s.reason if len(s.reason) <= REASON_CHARS else s.reason[:REASON_CHARS - 1] + "…"
+        out.append(f"<span class='sd-aside' title='{html.escape(s.reason, quote=True)}'>⊘ {html.escape(s.name)} "
+                   f"{html.escape(s.status)}: {html.escape(short)}</span>")
+    return out
+
+
 def status_html(snap: Snapshot) -> str:
-    """The always-visible engine line: state pill, progress, model, placement policy, LoRAs, violations."""
+    """The always-visible engine line: state pill, progress and queue, model, placement policy, LoRAs
+    (applied, then those set aside or disabled with the reason), violations."""
     state = snap.state
     css = {"ERROR": "error", "EMPTY": "empty"}.get(state, "busy" if state in _BUSY_STATES else "idle")
     progress = ""
     if snap.progress is not None:
         progress = f" — {html.escape(snap.progress.phase)} {snap.progress.step}/{snap.progress.total}"
+    if snap.queued:
+        progress += f" · {snap.queued} waiting"
     model = html.escape(snap.model or "no model loaded")
     parts = [
         f"<span class='sd-state sd-{css}'>{state}</span>{progress}",
         f"model <b>{model}</b>" + (f" ({snap.arch})" if snap.arch else ""),
         f"{snap.device} · {snap.dtype or snap.requested_dtype} · offload {snap.offload}",
         f"LoRAs {html.escape(loras_text(snap))}" + (f" ({snap.lora_mode})" if snap.loras else ""),
+        *not_applied_html(snap),
     ]
     if snap.violations_found_total:
         parts.append(f"<span class='sd-bad'>violations found {snap.violations_found_total}, "
@@ -95,24 +113,22 @@ def module_rows(snap: Snapshot, component: str = "all", text: str = "", only_vio
         and (not only_patched or r.loras)
     ]
     rows = [[r.component, r.module or "(root)", r.cls, r.device, r.dtype, r.params, r.mib, ", ".join(r.loras),
-             r.offload, "✗ VIOLATION" if r.violation else ""] for r in matching[:limit]]
+             " → ".join(r.hooks), r.offload, "✗ VIOLATION" if r.violation else ""] for r in matching[:limit]]
     return rows, len(matching)
 
 
 def lora_rows(snap: Snapshot) -> list[list]:
-    """Counters for every LoRA the engine has seen this session, applied or not."""
-    applied = {s.name: s for s in snap.loras}
-    names = list(dict.fromkeys([*applied, *snap.lora_counters]))
+    """Every wanted LoRA with the engine's status (applied, set aside, disabled) and reason, then the
+    counters of any other LoRA the engine has seen this session."""
+    states = {s.name: s for s in snap.lora_states}
     rows = []
-    for name in names:
-        c = snap.lora_counters.get(name)
-        spec = applied.get(name)
-        weight = f"{spec.unet_strength:g} / {spec.te_strength:g}" if spec else "not applied"
-        if c is None:
-            rows.append([name, weight, "", "", "", "", ""])
-            continue
-        note = ("DISABLED " if c.disabled else "") + c.message
-        rows.append([name, weight, c.matched_layers, c.unmatched_keys, c.apply_errors, c.runtime_errors, note])
+    for name in dict.fromkeys([*states, *snap.lora_counters]):
+        state, c = states.get(name), snap.lora_counters.get(name)
+        status = state.status if state is not None else "not wanted"
+        weight = f"{state.unet_strength:g} / {state.te_strength:g}" if state is not None else ""
+        note = (state.reason if state is not None and state.reason else "") or (c.message if c is not None else "")
+        counts = [c.matched_layers, c.unmatched_keys, c.apply_errors, c.runtime_errors] if c else ["", "", "", ""]
+        rows.append([name, status, weight, *counts, note])
     return rows
 
 

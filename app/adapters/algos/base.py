@@ -247,6 +247,25 @@ class Adapter(ABC):
 
         return op(module, x, scaled(delta.weight), scaled(delta.bias), output)
 
+    def rows(self, index: Tensor) -> Adapter:
+        """This adapter restricted to output rows `index` of its ΔW: a fused file module (Flux's
+        `img_attn.qkv`) split into the model's modules (`to_q`, `to_k`, `to_v`). Algorithms whose
+        output rows each come from their own factor rows select those (`_row_axes`); the others
+        whose ΔW does not read W0 compute the fused ΔW and keep the rows (`RowsOf`); the rest refuse."""
+        axes = self._row_axes()
+        if axes is not None:
+            cut = {name: t.index_select(axis, index.to(t.device))
+                   for name, axis in axes.items() if (t := getattr(self, name)) is not None}
+            return dataclasses.replace(self, **cut)
+        if not self.reads_base:
+            return RowsOf(self, index, layer=self.layer)
+        raise AdapterFormatError(f"{self._where}: this {self.algo} adapter targets a fused layer and cannot be "
+                                 "split onto its parts exactly; not supported, nothing applied")
+
+    def _row_axes(self) -> Mapping[str, int] | None:
+        """Tensor field -> the axis holding ΔW's output rows, where each row depends on its own only."""
+        return None
+
     def accumulate(self, acc: Tensor, base_weight: Tensor, base_bias: Tensor | None, strength: float) -> Tensor | None:
         """acc += strength·ΔW in place (acc: float32, shaped like the weight); returns Δb at
         strength 1 (or None). The patcher sums every adapter of a layer this way; algorithms that
@@ -269,3 +288,36 @@ class _Factored(Adapter):
     def validate_against(self, base_weight_shape: Sequence[int]) -> None:
         _check_fits(self._where, self.algo, *self._dims(), base_weight_shape)
 
+
+
+@_algorithm
+class RowsOf(Adapter):
+    """Rows `index` of another adapter's ΔW, computed whole and then cut (for algorithms whose
+    factors do not map rows one to one, such as LoKr's Kronecker product); exact, at the cost of
+    the fused ΔW at calculation time."""
+
+    inner: Adapter
+    index: Tensor
+
+    algo = "rows of a fused layer"
+    keys = frozenset()
+    markers = frozenset()
+
+    @classmethod
+    def from_tensors(cls, layer: str, tensors: Mapping[str, Tensor]) -> RowsOf:
+        raise AdapterFormatError(f"{layer}: RowsOf is built by Adapter.rows, not read from a file")
+
+    @property
+    def rank(self) -> int | None:
+        return self.inner.rank
+
+    def _fused_rows(self) -> tuple[int, Shape]:
+        return self.inner._dims()  # every algorithm without `_row_axes` is a `_Factored` one
+
+    def validate_against(self, base_weight_shape: Sequence[int]) -> None:
+        _check_fits(self._where, self.inner.algo, len(self.index), self._fused_rows()[1], base_weight_shape)
+
+    def _weight_delta(self, w0: Tensor) -> Tensor:
+        rows, per_row = self._fused_rows()
+        full = self.inner._weight_delta(w0.new_empty(0)).reshape(rows, -1)
+        return full.index_select(0, self.index.to(full.device))

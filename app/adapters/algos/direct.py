@@ -38,6 +38,9 @@ class Full(Adapter):
     def validate_against(self, base_weight_shape: Sequence[int]) -> None:
         _check_fits(self._where, self.algo, self.diff.shape[0], tuple(self.diff.shape[1:]), base_weight_shape)
 
+    def _row_axes(self) -> dict[str, int]:
+        return {"diff": 0, "diff_b": 0}
+
     def _weight_delta(self, w0: Tensor) -> Tensor:
         return _f32(self.diff, w0.device)
 
@@ -70,6 +73,9 @@ class Norm(Adapter):
                 f"{self._where}: w_norm does not fit the target weight: "
                 f"expected {tuple(base_weight_shape)}, got {tuple(self.w_norm.shape)}"
             )
+
+    def _row_axes(self) -> dict[str, int]:
+        return {"w_norm": 0, "b_norm": 0}
 
     def _weight_delta(self, w0: Tensor) -> Tensor | None:
         return None if self.w_norm is None else _f32(self.w_norm, w0.device)

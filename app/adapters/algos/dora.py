@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -77,6 +78,15 @@ class DoRA(Adapter):
                 f"{self._where}: dora_scale does not fit the target weight {base}: expected "
                 f"{(base[0], 1)} or {(1, base[1])}, got {tuple(self.dora_scale.shape)}"
             )
+
+    def rows(self, index: Tensor) -> DoRA:
+        """Per-row magnitudes (out, 1) split with their rows; a per-column one normalises across
+        every part of a fused layer at once and cannot be split."""
+        if self._axes()[1] != 1:
+            raise AdapterFormatError(f"{self._where}: a per-input-column dora_scale on a fused layer cannot be split "
+                                     "onto its parts; not supported, nothing applied")
+        scale = self.dora_scale.reshape(self.dora_scale.shape[0], -1).index_select(0, index.to(self.dora_scale.device))
+        return dataclasses.replace(self, inner=self.inner.rows(index), dora_scale=scale)
 
     def _weight_delta(self, w0: Tensor) -> Tensor:
         w = w0.to(torch.float32)

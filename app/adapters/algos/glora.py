@@ -104,6 +104,9 @@ class GLoRA(_Factored):
                 f"is {tuple(base_weight_shape)}"
             )
 
+    def _row_axes(self) -> dict[str, int]:
+        return {"b2": 0} if self.old_layout else {"b1": 0}  # W's own rows come with the module
+
     def _weight_delta(self, w0: Tensor) -> Tensor:
         dev, w = w0.device, w0.to(torch.float32)
         a1, a2 = _f32(self.a1, dev).flatten(1), _f32(self.a2, dev).flatten(1)

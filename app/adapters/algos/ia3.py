@@ -47,6 +47,9 @@ class IA3(Adapter):
                 f"{tuple(base_weight_shape)}"
             )
 
+    def _row_axes(self) -> dict[str, int]:
+        return {} if self.on_input else {"weight": 0}  # W ⊙ w: a column scale keeps every row's own
+
     def _weight_delta(self, w0: Tensor) -> Tensor:
         view = [1] * w0.dim()
         view[self._axis()] = -1

@@ -81,6 +81,10 @@ class LoHa(_Factored):
     def rank(self) -> int:
         return self.w1b.shape[0]
 
+    def _row_axes(self) -> dict[str, int]:
+        axis = 1 if self.t1 is not None else 0  # Tucker factors are (r, out)
+        return {"w1a": axis, "w2a": axis}
+
     def _weight_delta(self, w0: Tensor) -> Tensor:
         dev, tucker = w0.device, self.t1 is not None
         cores = [None if t is None else _f32(t, dev) for t in (self.t1, self.t2)]

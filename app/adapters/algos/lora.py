@@ -103,6 +103,9 @@ class LoRA(_Factored):
             return None
         return _f32(self.up_bias, device) * _low_rank_scale(self.alpha, self.rank)
 
+    def _row_axes(self) -> dict[str, int]:
+        return {"up": 0, "up_bias": 0}
+
     def _weight_delta(self, w0: Tensor) -> Tensor:
         dev = w0.device
         mid = None if self.mid is None else _f32(self.mid, dev)

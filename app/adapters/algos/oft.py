@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
@@ -76,6 +77,20 @@ class OFT(Adapter):
         eye = torch.eye(q.shape[-1], device=q.device, dtype=q.dtype)
         # (I + Q) and (I − Q)⁻¹ commute, so R = solve(I − Q, I + Q): no explicit inverse.
         return torch.linalg.solve(eye - q, eye + q)
+
+    def rows(self, index: Tensor) -> OFT:
+        """Whole rotation blocks only: each block rotates its own rows (a fused layer split at block
+        boundaries); a split through a block would need the other part's rows."""
+        size = self.blocks.shape[1]
+        grid = index.reshape(-1, size) if index.numel() % size == 0 else None
+        aligned = grid is not None and bool((grid == grid[:, :1] + torch.arange(size)).all()) \
+            and bool((grid[:, 0] % size == 0).all())
+        if not aligned:
+            raise AdapterFormatError(f"{self._where}: OFT blocks of {size} rows do not align with the parts of this "
+                                     "fused layer; not supported, nothing applied")
+        rescale = None if self.rescale is None else self.rescale.index_select(0, index.to(self.rescale.device))
+        block_index = (grid[:, 0] // size).to(self.blocks.device)
+        return dataclasses.replace(self, blocks=self.blocks.index_select(0, block_index), rescale=rescale)
 
     def _weight_delta(self, w0: Tensor) -> Tensor:
         w = w0.to(torch.float32)

@@ -1,0 +1,92 @@
+"""Errors as A1111 answers them: an HTTP status and `{"error", "detail", "body", "errors"}`, never a traceback.
+
+A1111 turns every exception of its API into that JSON shape (`error` is the exception's class
+name, `detail` the message a client shows). Clients (Open WebUI, SillyTavern, `webuiapi`) read
+the status and show `detail` or the whole text, so the shape matters more than the class names.
+
+Gradio builds its exception handlers into the middleware stack when it launches, before our
+routes exist, so the handling lives in the route class instead: every route of this API is an
+`A1111Route`, whose handler turns refusals (`ApiError`, FastAPI's request validation) and engine
+failures into that JSON. A refusal gets one log line; an unexpected failure gets its traceback in
+the server log only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fastapi import HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from app.adapters.errors import AdapterError
+from app.engine.models import CheckpointNotFoundError, ModelLoadError
+from app.engine.worker import EngineBusy
+
+log = logging.getLogger(__name__)
+
+# The first entry whose type matches decides the status; `ValueError` is refused input (limits,
+# names), anything unlisted is a server-side failure. A broken checkpoint is a ValueError subclass
+# but the request was fine, so it comes before ValueError.
+STATUS_BY_TYPE: tuple[tuple[type[BaseException], int], ...] = (
+    (EngineBusy, 503),
+    (CheckpointNotFoundError, 404),
+    (ModelLoadError, 500),
+    (AdapterError, 422),
+    (ValueError, 422),
+)
+
+
+class ApiError(HTTPException):
+    """A deliberate refusal with its status and a message that says what to change."""
+
+    def __init__(self, status_code: int, detail: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(status_code=status_code, detail=detail, headers=dict(headers) if headers else None)
+
+
+def error_response(status: int, error: str, detail: Any, errors: str, headers: Mapping[str, str] | None = None,
+                   body: Any = "") -> JSONResponse:
+    """The JSON body A1111's API middleware returns for any failure."""
+    content = {"error": error, "detail": detail, "body": body, "errors": errors}
+    return JSONResponse(jsonable_encoder(content), status_code=status, headers=dict(headers) if headers else None)
+
+
+def status_for(exc: BaseException) -> int:
+    return next((status for kind, status in STATUS_BY_TYPE if isinstance(exc, kind)), 500)
+
+
+def _answer(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, RequestValidationError):
+        log.info("A1111 API %s %s refused: %s", request.method, request.url.path, exc.errors())
+        summary = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return error_response(422, "RequestValidationError", exc.errors(), summary, body=exc.body)
+    if isinstance(exc, HTTPException):
+        if exc.status_code != 401:  # a missing login is routine for clients that wait for the challenge
+            log.info("A1111 API %s %s refused (%d): %s", request.method, request.url.path, exc.status_code, exc.detail)
+        return error_response(exc.status_code, "HTTPException", exc.detail, f"{exc.status_code}: {exc.detail}",
+                              exc.headers)
+    status = status_for(exc)
+    if status == 500:
+        log.exception("A1111 API %s %s failed", request.method, request.url.path)
+    else:
+        log.info("A1111 API %s %s refused (%d): %s", request.method, request.url.path, status, exc)
+    return error_response(status, type(exc).__name__, str(exc), str(exc))
+
+
+class A1111Route(APIRoute):
+    """An `APIRoute` whose failures come back in A1111's error shape (see the module docstring)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def answer_errors(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON answer; 500s are logged
+                return _answer(request, exc)
+
+        return answer_errors

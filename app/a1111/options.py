@@ -1,0 +1,72 @@
+"""`GET/POST /sdapi/v1/options`: the settings A1111 clients read and write, in A1111's names.
+
+A1111 has hundreds of options; this app has a handful. GET answers the checkpoint
+(`sd_model_checkpoint`, what every client reads), the A1111 options whose value here is fixed
+(clip skip 1, automatic VAE, PNG samples, the live-preview interval) and our own engine settings
+under `steady_` keys: `steady_dtype` (auto, fp16, bf16, fp32) and `steady_offload` (the offload
+mode). POST accepts any of those keys: a new checkpoint, dtype or offload mode goes through the
+engine like the UI's choice; a fixed option sent back with its own value is fine (Open WebUI posts
+the whole dict back); anything else is refused before any change is made, with the keys named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from app.a1111 import checkpoints
+from app.a1111.errors import ApiError
+from app.a1111.state import ApiState
+from app.settings import Settings
+
+OVERRIDABLE = "sd_model_checkpoint"  # the one option `override_settings` can change for one request
+DTYPE, OFFLOAD = "steady_dtype", "steady_offload"
+
+
+def fixed_options(settings: Settings) -> dict[str, Any]:
+    """A1111 options whose value cannot change here, as A1111 names them."""
+    return {"CLIP_stop_at_last_layers": 1, "sd_vae": "Automatic", "samples_format": "png", "samples_save": True,
+            "live_previews_enable": settings.preview_every > 0,
+            "show_progress_every_n_steps": settings.preview_every or -1}
+
+
+def current(state: ApiState) -> dict[str, Any]:
+    snap = state.engine.snapshot()
+    return {OVERRIDABLE: checkpoints.current_title(state), **fixed_options(state.ctx.settings),
+            DTYPE: snap.requested_dtype, OFFLOAD: snap.offload}
+
+
+def unsupported_overrides(settings: Settings, overrides: Mapping[str, Any]) -> Iterator[str]:
+    """A note for each `override_settings` entry other than the checkpoint that asks for a change:
+    clients send their clip skip or VAE along with every request, and the picture is still made."""
+    fixed = fixed_options(settings)
+    for key, value in overrides.items():
+        if key != OVERRIDABLE and fixed.get(key, object()) != value:
+            yield f"override_settings {key}={value!r} ignored: this app cannot change it per request"
+
+
+def _refusals(state: ApiState, changes: Mapping[str, Any]) -> list[str]:
+    known = current(state)
+    fixed = fixed_options(state.ctx.settings)
+    problems = [f"{key} (unknown here)" for key in changes if key not in known]
+    problems += [f"{key}={changes[key]!r} (fixed at {value!r} in this app)" for key, value in fixed.items()
+                 if key in changes and changes[key] != value]
+    return problems
+
+
+def apply(state: ApiState, changes: Mapping[str, Any]) -> None:
+    """Blocking (run it in the API's lane): check every key, then change what differs through the engine."""
+    problems = _refusals(state, changes)
+    if problems:
+        raise ApiError(422, f"options not accepted, nothing changed: {'; '.join(problems)}. Settable here: "
+                            f"{OVERRIDABLE}, {DTYPE}, {OFFLOAD}")
+    engine, snap = state.engine, state.engine.snapshot()
+    name = checkpoints.resolve(state.ctx.settings, snap, changes[OVERRIDABLE]) if OVERRIDABLE in changes else None
+    dtype = changes.get(DTYPE)
+    if name is not None and name != snap.model:
+        engine.load_model(name, dtype=dtype)
+    elif dtype is not None and dtype != snap.requested_dtype:
+        engine.set_dtype(dtype)
+    offload = changes.get(OFFLOAD)
+    if offload is not None and offload != snap.offload:
+        engine.set_offload(offload)

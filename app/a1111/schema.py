@@ -1,0 +1,164 @@
+"""Request and response bodies with A1111's field names, types and defaults (its `modules/api/models.py`).
+
+A1111 builds its txt2img model from the processing class's constructor, so every field is
+optional and the defaults are the constructor's: `steps` 50, `cfg_scale` 7, 512×512,
+`sampler_index` "Euler". They are spelled out here instead of generated, so a reader sees them.
+Unknown fields are ignored as A1111 ignores them: SillyTavern, for one, sends its own keys along.
+Fields this app cannot honour are accepted and then checked by `app.a1111.txt2img`, which refuses
+the ones that would change the picture and ignores the rest (see the README).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Txt2ImgRequest(BaseModel):
+    """`POST /sdapi/v1/txt2img`."""
+
+    prompt: str | None = ""
+    negative_prompt: str | None = ""
+    styles: list[str] | None = None
+    seed: int | None = -1
+    subseed: int | None = -1
+    subseed_strength: float | None = 0
+    seed_resize_from_h: int | None = -1
+    seed_resize_from_w: int | None = -1
+    sampler_name: str | None = None
+    scheduler: str | None = None
+    batch_size: int | None = 1
+    n_iter: int | None = 1
+    steps: int | None = 50
+    cfg_scale: float | None = 7.0
+    width: int | None = 512
+    height: int | None = 512
+    restore_faces: bool | None = None
+    tiling: bool | None = None
+    do_not_save_samples: bool | None = False
+    do_not_save_grid: bool | None = False
+    eta: float | None = None
+    denoising_strength: float | None = 0.75
+    s_min_uncond: float | None = None
+    s_churn: float | None = None
+    s_tmax: float | None = None
+    s_tmin: float | None = None
+    s_noise: float | None = None
+    override_settings: dict[str, Any] | None = None
+    override_settings_restore_afterwards: bool | None = True
+    refiner_checkpoint: str | None = None
+    refiner_switch_at: float | None = None
+    disable_extra_networks: bool | None = False
+    firstpass_image: str | None = None
+    comments: dict | None = None
+    enable_hr: bool | None = False
+    firstphase_width: int | None = 0
+    firstphase_height: int | None = 0
+    hr_scale: float | None = 2.0
+    hr_upscaler: str | None = None
+    hr_second_pass_steps: int | None = 0
+    hr_resize_x: int | None = 0
+    hr_resize_y: int | None = 0
+    hr_checkpoint_name: str | None = None
+    hr_sampler_name: str | None = None
+    hr_scheduler: str | None = None
+    hr_prompt: str | None = ""
+    hr_negative_prompt: str | None = ""
+    force_task_id: str | None = None
+    sampler_index: str | None = "Euler"
+    script_name: str | None = None
+    script_args: list | None = Field(default_factory=list)
+    send_images: bool | None = True
+    save_images: bool | None = False
+    alwayson_scripts: dict | None = Field(default_factory=dict)
+    infotext: str | None = None
+
+
+class TextToImageResponse(BaseModel):
+    images: list[str] | None = Field(default=None, description="The generated images, base64 PNG with infotext")
+    parameters: dict
+    info: str
+
+
+class PNGInfoRequest(BaseModel):
+    image: str = Field(description="The base64 encoded PNG image (a data: URL works too)")
+
+
+class PNGInfoResponse(BaseModel):
+    info: str
+    items: dict
+    parameters: dict
+
+
+class ProgressResponse(BaseModel):
+    progress: float
+    eta_relative: float
+    state: dict
+    current_image: str | None = None
+    textinfo: str | None = None
+
+
+class SamplerItem(BaseModel):
+    name: str
+    aliases: list[str]
+    options: dict[str, Any]
+
+
+class SchedulerItem(BaseModel):
+    name: str
+    label: str
+    aliases: list[str] | None
+    default_rho: float | None
+    need_inner_model: bool | None
+
+
+class SDModelItem(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    title: str
+    model_name: str
+    hash: str | None
+    sha256: str | None
+    filename: str
+    config: str | None
+
+
+class LoraItem(BaseModel):
+    name: str
+    alias: str
+    path: str
+    metadata: dict[str, Any]
+
+
+class EmbeddingItem(BaseModel):
+    step: int | None
+    sd_checkpoint: str | None
+    sd_checkpoint_name: str | None
+    shape: int
+    vectors: int
+
+
+class EmbeddingsResponse(BaseModel):
+    loaded: dict[str, EmbeddingItem]
+    skipped: dict[str, EmbeddingItem]
+
+
+class MemoryResponse(BaseModel):
+    ram: dict
+    cuda: dict
+
+
+class UpscalerItem(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    name: str
+    model_name: str | None
+    model_path: str | None
+    model_url: str | None
+    scale: float | None
+
+
+class ScriptsList(BaseModel):
+    txt2img: list | None = None
+    img2img: list | None = None

@@ -1,0 +1,95 @@
+"""What the A1111 API keeps between requests: its one-at-a-time lane to the engine and its job record.
+
+Why a lane: a txt2img with `override_settings` is three engine calls (load the asked checkpoint,
+generate, load the previous one back), and two API requests interleaving those would generate
+with each other's checkpoint. A1111 holds one lock over the whole request; here one
+`CapacityLimiter` of size 1 does the same for the API's engine calls, while the engine's own
+queue keeps the UI's calls and ours in order. Waiting requests are coroutines, not threads, so a
+backlog of API calls cannot starve the thread pool the UI's handlers run in; past
+`Settings.session_queue_size` waiting requests, the next one is refused (429) rather than queued.
+
+The job record (`JobRecord`) is what `/progress` reports beside the engine's own progress: when
+the current API job started (for the ETA), what it was asked to do and whether an Interrupt or
+Skip was sent, the fields of A1111's `shared.state`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TypeVar
+
+import anyio
+
+from app.a1111.errors import ApiError
+from app.ui.common import UiContext
+
+T = TypeVar("T")
+
+
+@dataclass
+class JobRecord:
+    """One API job (A1111's `shared.state`): its name, start, and the stop requests sent to it."""
+
+    job: str = ""
+    started: float | None = None
+    timestamp: str = "0"
+    interrupted: bool = False
+    skipped: bool = False
+
+    def begin(self, job: str) -> None:
+        self.job, self.started = job, time.time()
+        self.timestamp = datetime.now().strftime("%Y%m%d%H%M%S")
+        self.interrupted = self.skipped = False
+
+    def end(self) -> None:
+        self.job, self.started = "", None
+
+
+@dataclass
+class ApiState:
+    """Shared by every route of one served app."""
+
+    ctx: UiContext
+    max_waiting: int
+    lane: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
+    job: JobRecord = field(default_factory=JobRecord)
+    last_model: str | None = None  # the checkpoint to load back after an unload (A1111 reloads on demand)
+    seen_since: float | None = None  # when `/progress` first saw the engine busy with a job not the API's
+    _waiting: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def engine(self):
+        return self.ctx.engine
+
+    async def run(self, job: str, call: Callable[[], T]) -> T:
+        """Run a blocking engine call in the API's lane, recorded as `job` while it runs."""
+        with self._lock:
+            if self._waiting >= self.max_waiting:
+                raise ApiError(429, f"{self._waiting} API requests are already waiting for the engine, the most "
+                                    "allowed (--session-queue-size); try again when they are done",
+                               {"Retry-After": "5"})
+            self._waiting += 1
+        try:
+            return await anyio.to_thread.run_sync(self._recorded, job, call, limiter=self.lane)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+    def _recorded(self, job: str, call: Callable[[], T]) -> T:
+        self.job.begin(job)
+        try:
+            return call()
+        finally:
+            self.job.end()
+            self.remember_model()
+
+    def remember_model(self) -> None:
+        """Note the loaded checkpoint, so `reload-checkpoint` and the next txt2img after an unload know it."""
+        model = self.engine.snapshot().model
+        if model is not None:
+            self.last_model = model

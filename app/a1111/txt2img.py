@@ -1,0 +1,151 @@
+"""`POST /sdapi/v1/txt2img`: an A1111 request -> the UI's `GenerateParams` -> the engine -> A1111's answer.
+
+The numbers go through `params_from_form`, the rule set the UI uses, so the API has the UI's
+limits (steps 1–150, sizes 64–2048 rounded down to the family's multiple, the prompt and
+pixel-step caps) and its messages. `<lora:…>` tags in the prompt apply to this request only, as
+the engine does for the UI. Features this app does not have (hires fix, face restoration,
+tiling, scripts, refiners, variation seeds, infotext-filled requests) are refused with a 422
+that names them instead of silently producing a different picture; sampler tuning (`eta`,
+`s_churn` …), styles and saving switches are ignored. Images always go to the outputs folder too,
+as the engine saves every image it makes.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image, PngImagePlugin
+
+from app.a1111 import checkpoints
+from app.a1111.errors import ApiError
+from app.a1111.options import OVERRIDABLE, unsupported_overrides
+from app.a1111.schema import Txt2ImgRequest
+from app.a1111.state import ApiState
+from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
+from app.infotext import parse_infotext
+from app.report import app_version
+
+API_OWNER = "a1111-api"  # the engine's job owner for API generations
+# A1111's names for the samplers we share with it (`/sdapi/v1/samplers` lists them as aliases).
+SAMPLER_ALIASES: dict[str, list[str]] = {
+    "Euler": ["k_euler"], "Euler a": ["k_euler_a", "k_euler_ancestral"], "DPM++ 2M": ["k_dpmpp_2m"],
+    "DPM++ 2M Karras": ["k_dpmpp_2m_ka"], "DDIM": ["ddim"], "UniPC": ["unipc"],
+}
+KARRAS = " Karras"
+SCHEDULES = ("automatic", "karras")  # A1111 schedule types this app can honour
+# (field, what it asks for): a request setting one of these to a true value is refused.
+UNSUPPORTED = (("enable_hr", "hires fix"), ("restore_faces", "face restoration"), ("tiling", "tiling"),
+               ("script_name", "scripts"), ("alwayson_scripts", "always-on scripts (extensions)"),
+               ("refiner_checkpoint", "a refiner"), ("firstpass_image", "a first-pass image"),
+               ("subseed_strength", "variation seeds (subseed_strength)"),
+               ("infotext", "filling the request from infotext (send the fields instead)"))
+
+
+def sampler_for(name: str | None, schedule: str | None) -> str:
+    """Our sampler for A1111's sampler (name or alias, any case) and schedule type; 400 if there is none."""
+    lookup = {n.lower(): n for n in SCHEDULERS}
+    lookup |= {alias: n for n, aliases in SAMPLER_ALIASES.items() if n in SCHEDULERS for alias in aliases}
+    base = lookup.get((name or "Euler").strip().lower())
+    if base is None:
+        raise ApiError(400, f"Sampler not found: {name!r}; choose one of {', '.join(SCHEDULERS)} "
+                            "(GET /sdapi/v1/samplers)")
+    kind = (schedule or "automatic").strip().lower()
+    if kind not in SCHEDULES:
+        raise ApiError(400, f"Scheduler not found: {schedule!r}; this app has {', '.join(SCHEDULES)}")
+    if kind == "automatic" or base.endswith(KARRAS):
+        return base
+    if base + KARRAS in SCHEDULERS:
+        return base + KARRAS
+    with_karras = [n.removesuffix(KARRAS) for n in SCHEDULERS if n.endswith(KARRAS)]
+    raise ApiError(400, f"sampler {base} has no Karras schedule here; Karras works with {', '.join(with_karras)}")
+
+
+def _value(req: Txt2ImgRequest, field: str) -> Any:
+    """The field as sent, or A1111's default where a client sent null."""
+    value = getattr(req, field)
+    return Txt2ImgRequest.model_fields[field].get_default(call_default_factory=True) if value is None else value
+
+
+def plan(req: Txt2ImgRequest, arch: str | None) -> tuple[GenerateParams, tuple[str, ...]]:
+    """The engine's parameters and rounding notes; refuses unsupported features and out-of-range values."""
+    asked = [what for field, what in UNSUPPORTED if getattr(req, field)]
+    if asked:
+        raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
+    values = {"prompt": _value(req, "prompt"), "negative_prompt": _value(req, "negative_prompt"),
+              "sampler": sampler_for(req.sampler_name or req.sampler_index, req.scheduler),
+              "steps": _value(req, "steps"), "cfg": _value(req, "cfg_scale"), "seed": _value(req, "seed"),
+              "width": _value(req, "width"), "height": _value(req, "height"), "batch": _value(req, "batch_size"),
+              "n_iter": _value(req, "n_iter")}
+    return params_from_form(values, arch)
+
+
+def asked_checkpoint(state: ApiState, req: Txt2ImgRequest) -> str | None:
+    asked = (req.override_settings or {}).get(OVERRIDABLE)
+    return None if asked is None else checkpoints.resolve(state.ctx.settings, state.engine.snapshot(), asked)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A generation and the checkpoint it ran on (read before any restore loads another one)."""
+
+    params: GenerateParams
+    images: list[GeneratedImage]
+    model: str | None
+    model_hash: str | None
+
+
+def run(state: ApiState, req: Txt2ImgRequest) -> dict:
+    """The whole request, blocking (run it in the API's lane): checkpoint, generation, restore, answer."""
+    wanted = asked_checkpoint(state, req)
+    notes = list(unsupported_overrides(state.ctx.settings, req.override_settings or {}))
+
+    def generate() -> Outcome:
+        params, rounding = plan(req, state.engine.snapshot().arch)
+        notes.extend(rounding)
+        images = state.engine.generate(params, owner=API_OWNER)
+        if wanted is not None and images and parse_infotext(images[0].infotext).settings.get("Model") != wanted:
+            raise ApiError(409, f"another client switched the checkpoint away from {wanted} during this request; "
+                                "send it again")
+        snap = state.engine.snapshot()
+        return Outcome(params, images, snap.model, snap.model_hash)
+
+    outcome, restore_notes = checkpoints.with_checkpoint(
+        state, wanted, _value(req, "override_settings_restore_afterwards"), generate)
+    images = [encode_png(im.image, im.infotext) for im in outcome.images] if _value(req, "send_images") else []
+    return {"images": images, "parameters": req.model_dump(),
+            "info": info_json(state, outcome, notes + restore_notes)}
+
+
+def encode_png(image: Image.Image, infotext: str) -> str:
+    """Base64 PNG carrying the infotext in its `parameters` chunk, as A1111 sends images."""
+    meta = PngImagePlugin.PngInfo()
+    meta.add_text("parameters", infotext)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=meta)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def info_json(state: ApiState, outcome: Outcome, notes: list[str]) -> str:
+    """A1111's `info`: the JSON of its `Processed` object, with the keys clients read."""
+    params, images = outcome.params, outcome.images
+    seeds = [im.seed for im in images]
+    count = len(images)
+    info = {
+        "prompt": params.prompt, "all_prompts": [params.prompt] * count,
+        "negative_prompt": params.negative_prompt, "all_negative_prompts": [params.negative_prompt] * count,
+        "seed": seeds[0] if seeds else params.seed, "all_seeds": seeds,
+        "subseed": -1, "all_subseeds": [-1] * count, "subseed_strength": 0,
+        "width": params.width, "height": params.height, "sampler_name": params.sampler, "cfg_scale": params.cfg,
+        "steps": params.steps, "batch_size": params.batch, "restore_faces": False, "face_restoration_model": None,
+        "sd_model_name": checkpoints.model_name(outcome.model or ""), "sd_model_hash": outcome.model_hash,
+        "sd_vae_name": None, "sd_vae_hash": None, "seed_resize_from_w": -1, "seed_resize_from_h": -1,
+        "denoising_strength": None, "extra_generation_params": {}, "index_of_first_image": 0,
+        "infotexts": [im.infotext for im in images], "styles": [], "job_timestamp": state.job.timestamp,
+        "clip_skip": 1, "is_using_inpainting_conditioning": False, "version": app_version(),
+        "comments": "\n".join(notes), "interrupted": any(not im.complete for im in images),
+    }
+    return json.dumps(info)

@@ -1,0 +1,105 @@
+"""FLUX.1 names: diffusers' `FluxTransformer2DModel` versus Black Forest Labs' original layout.
+
+BFL's files (and ComfyUI/Forge, which keep them) name blocks `double_blocks.N` / `single_blocks.N`
+and fuse projections diffusers keeps apart: a double block's `img_attn.qkv` is diffusers'
+`attn.to_q`, `to_k`, `to_v` stacked by rows (`txt_attn.qkv` the `add_*_proj` ones), a single
+block's `linear1` is `to_q`, `to_k`, `to_v` and `proj_mlp`; RMS norms store `scale` where diffusers
+says `weight`; the final modulation stores (shift, scale) where diffusers' AdaLayerNormContinuous
+reads (scale, shift). The table below is per module; row ranges come from the model's own module
+shapes, in the fused order, so the same code serves the 12B model and the tiny demo.
+
+xlabs LoRAs name the same fused projections after their attention processors
+(`double_blocks.N.processor.qkv_lora1` = `img_attn.qkv`, `…lora2` the text stream,
+`single_blocks.N.processor.qkv_lora` = the q/k/v rows of `linear1`): `xlabs_modules` spells them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.families.file_layout import FileTensor, Layout, Rows
+
+_TOP = {
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+    "context_embedder": "txt_in",
+    "x_embedder": "img_in",
+    "proj_out": "final_layer.linear",
+    "norm_out.linear": "final_layer.adaLN_modulation.1",
+}
+# diffusers module (inside a block) -> BFL module; fused ones list their parts in row order.
+_DOUBLE = {
+    "norm1.linear": "img_mod.lin",
+    "norm1_context.linear": "txt_mod.lin",
+    "attn.norm_q": "img_attn.norm.query_norm",
+    "attn.norm_k": "img_attn.norm.key_norm",
+    "attn.norm_added_q": "txt_attn.norm.query_norm",
+    "attn.norm_added_k": "txt_attn.norm.key_norm",
+    "attn.to_out.0": "img_attn.proj",
+    "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0",
+    "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0",
+    "ff_context.net.2": "txt_mlp.2",
+}
+_DOUBLE_FUSED = {
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+}
+_SINGLE = {
+    "norm.linear": "modulation.lin",
+    "attn.norm_q": "norm.query_norm",
+    "attn.norm_k": "norm.key_norm",
+    "proj_out": "linear2",
+}
+_SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
+_BLOCKS = (("transformer_blocks", "double_blocks", _DOUBLE, _DOUBLE_FUSED),
+           ("single_transformer_blocks", "single_blocks", _SINGLE, _SINGLE_FUSED))
+_XLABS_DOUBLE = {"processor.qkv_lora1": "img_attn.qkv", "processor.qkv_lora2": "txt_attn.qkv",
+                 "processor.proj_lora1": "img_attn.proj", "processor.proj_lora2": "txt_attn.proj"}
+
+
+def _module_rows(transformer: torch.nn.Module) -> dict[str, tuple[str, Rows | None]]:
+    """diffusers module path -> (BFL module path, its rows there, None for the whole tensor)."""
+    table: dict[str, tuple[str, Rows | None]] = dict((k, (v, None)) for k, v in _TOP.items())
+    half = transformer.norm_out.linear.out_features // 2
+    table["norm_out.linear"] = (_TOP["norm_out.linear"], ((half, 2 * half), (0, half)))
+    for ours, theirs, plain, fused in _BLOCKS:
+        for i, block in enumerate(getattr(transformer, ours)):
+            table.update({f"{ours}.{i}.{k}": (f"{theirs}.{i}.{v}", None) for k, v in plain.items()})
+            for bfl, parts in fused.items():
+                start = 0
+                for part in parts:
+                    stop = start + block.get_submodule(part).out_features
+                    table[f"{ours}.{i}.{part}"] = (f"{theirs}.{i}.{bfl}", ((start, stop),))
+                    start = stop
+    return table
+
+
+def transformer_layout(transformer: torch.nn.Module) -> Layout:
+    """Every tensor of a `FluxTransformer2DModel` -> its BFL key (and rows); refuses a module the
+    table does not know, so a changed diffusers layout fails loudly instead of dropping weights."""
+    rows = _module_rows(transformer)
+    layout = {}
+    for name, _tensor in transformer.state_dict().items():
+        module, _, param = name.rpartition(".")
+        if module not in rows:
+            raise ValueError(f"Flux transformer tensor {name!r} has no BFL name")
+        bfl, cut = rows[module]
+        file_param = "scale" if bfl.endswith(("query_norm", "key_norm")) else param
+        layout[name] = FileTensor(f"{bfl}.{file_param}", cut)
+    return layout
+
+
+def xlabs_modules(transformer: torch.nn.Module) -> dict[str, str]:
+    """xlabs LoRA layer names -> the BFL module (or, for single blocks, `linear1`) they patch."""
+    names = {}
+    for i in range(len(transformer.transformer_blocks)):
+        names.update({f"double_blocks.{i}.{k}": f"double_blocks.{i}.{v}" for k, v in _XLABS_DOUBLE.items()})
+    for i in range(len(transformer.single_transformer_blocks)):
+        names[f"single_blocks.{i}.processor.qkv_lora"] = f"single_blocks.{i}.linear1"
+    return names

@@ -1,0 +1,75 @@
+"""The model options beside the checkpoint: weight storage (full / fp8) and, for families that
+assemble a checkpoint from separate files (Flux), which text-encoder and VAE files it uses.
+
+The engine decides and remembers (`Engine.set_weights`, `Engine.set_model_parts`, the choices file
+per checkpoint); these controls only show the snapshot's truth and ask for changes, and they hide
+when the loaded family has no separate parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from app.engine import part_choices
+from app.engine.storage import WEIGHTS_CHOICES
+from app.families import family
+from app.ui.common import PROGRESS, UiContext, run_with_progress, user_errors
+
+_PART_LABELS = {"text_encoder": "CLIP-L text encoder", "text_encoder_2": "T5 text encoder", "vae": "VAE"}
+AUTO = "(the one file in its folder)"
+
+
+@dataclass
+class ModelOptions:
+    weights: gr.Radio
+    parts_box: gr.Accordion
+    parts: dict[str, gr.Dropdown]
+
+    @property
+    def outputs(self) -> list:
+        return [self.weights, self.parts_box, *self.parts.values()]
+
+
+def build_model_options(ctx: UiContext) -> ModelOptions:
+    weights = gr.Radio(list(WEIGHTS_CHOICES), value=ctx.settings.weights, label="Weights", elem_id="sd-weights",
+                       info="fp8: large weights rest in 8 bits (about half the memory); LoRAs stay exact")
+    with gr.Accordion("Model parts (text encoders, VAE)", open=False, visible=False) as box:
+        parts = {c: gr.Dropdown([], label=label, elem_id=f"sd-part-{c}", interactive=True)
+                 for c, label in _PART_LABELS.items()}
+    return ModelOptions(weights, box, parts)
+
+
+def option_updates(ctx: UiContext) -> list:
+    """The controls as the engine has them: storage asked for, and the part pickers of the loaded
+    family (hidden when it has none) with the files its folders offer and the one chosen."""
+    snap = ctx.engine.snapshot()
+    offered = part_choices.available(ctx.settings, snap.arch) if snap.arch and family(snap.arch).parts else {}
+    chosen = part_choices.chosen(ctx.settings, snap.model) if offered else {}
+    pickers = [gr.Dropdown(choices=[AUTO, *offered[c]], value=chosen.get(c, AUTO), visible=True) if c in offered
+               else gr.Dropdown(visible=False) for c in _PART_LABELS]
+    return [gr.Radio(value=snap.weights), gr.Accordion(visible=bool(offered)), *pickers]
+
+
+def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdown, **private) -> None:
+    engine = ctx.engine
+
+    def ui_set_weights(weights, progress=PROGRESS):
+        with user_errors("Changing the weight storage"):
+            snap = run_with_progress(engine, lambda: engine.set_weights(weights), progress)
+        saved = f"; {snap.stored_layers} layers in 8 bits save {snap.bytes_saved / 2**20:.0f} MiB"
+        return f"weights now **{snap.weights}**{saved if snap.stored_layers else ''}"
+
+    def picker(component: str):
+        def ui_choose(name, progress=PROGRESS):
+            with user_errors("Choosing the model parts"):
+                run_with_progress(engine, lambda: engine.set_model_parts({component: None if name == AUTO else name}),
+                                  progress)
+            return f"{_PART_LABELS[component]} now **{name}**"
+        return ui_choose
+
+    options.weights.input(ui_set_weights, options.weights, status, **private)
+    for component, dropdown in options.parts.items():
+        dropdown.select(picker(component), dropdown, status, **private).failure(
+            lambda: option_updates(ctx), None, options.outputs, api_visibility="private")

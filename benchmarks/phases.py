@@ -1,0 +1,271 @@
+"""One architecture's run, phase by phase, with our engine and a diffusers pipeline alive side by side
+so every comparison runs in ABBA order: loads (each side alone, which also gives the isolated VRAM
+figures), denoising speed, LoRA latency, the compiled path, offload modes, the VRAM budget."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.engine.worker import Engine
+from benchmarks import ours
+from benchmarks.config import Bench
+from benchmarks.measure import (
+    Measurement,
+    PeakMemory,
+    Variant,
+    abba,
+    free_memory,
+    measure_interleaved,
+    timed_ms,
+    with_control,
+)
+from benchmarks.theirs import DiffusersSide, generator
+from benchmarks.workload import PreparedModel
+
+log = logging.getLogger("bench")
+Key = tuple[str, int, str, int]  # (offload, LoRA count, variant, batch)
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """One comparison row: which measurement of ours against which baseline, in which pool (one
+    interleaved measurement), and the control twin whose spread says what "no difference" means."""
+
+    section: str
+    pool: str
+    ours_key: Key
+    ours_label: str
+    base_key: Key
+    base_label: str
+    control_of: Key
+    note_key: str = ""
+
+
+@dataclass
+class ArchRun:
+    """What one architecture's phases measured."""
+
+    model: PreparedModel
+    tflop: dict[int, float]
+    pools: dict[str, dict[Key, Measurement]] = field(default_factory=dict)
+    pairings: list[Pairing] = field(default_factory=list)
+    loads: dict[str, list[float]] = field(default_factory=dict)
+    memory: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    latency: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    compile_info: list[dict[str, Any]] = field(default_factory=list)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+def _measure(run: ArchRun, bench: Bench, pool: str, variants: dict[Key, Variant]) -> None:
+    log.info("[%s] %s: %d variants, %d ABBA rounds", run.model.arch, pool, len(variants), bench.config.repeats)
+    run.pools[pool] = measure_interleaved(variants, bench.device, bench.config.repeats, bench.config.warmup,
+                                          bench.nvml)
+
+
+# ------------------------------------------------------------------------------------ load and memory
+def _isolated_memory(generate, bench: Bench, load_peak: PeakMemory) -> dict[str, float | None]:
+    """VRAM of one side with nothing else resident: peak during its load and during a no-LoRA
+    generation (after one warm-up generation)."""
+    generate()
+    with PeakMemory(bench.device, bench.nvml) as peak:
+        generate()
+    return {"load_torch_gib": load_peak.torch_gib, "load_nvml_gib": load_peak.nvml_gib,
+            "generate_torch_gib": peak.torch_gib, "generate_nvml_gib": peak.nvml_gib}
+
+
+def _load_once(side: str, engine: Engine, theirs: DiffusersSide, bench: Bench) -> tuple[float, PeakMemory]:
+    """One timed load with the other side freed, so each load (and its VRAM peak) is alone."""
+    if side == "diffusers":
+        engine.unload()
+        free_memory()
+        with PeakMemory(bench.device, bench.nvml) as peak:
+            seconds = theirs.load()
+    else:
+        theirs.free()
+        engine.unload()
+        free_memory()
+        with PeakMemory(bench.device, bench.nvml) as peak:
+            seconds = timed_ms(functools.partial(ours.load, engine, theirs.model.name), bench.device) / 1e3
+    return seconds, peak
+
+
+def load_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+    """A warm-up load of each side (page cache, our hash facts; its VRAM figures kept), then timed loads
+    in ABBA order with a control; leaves both sides loaded."""
+    model = run.model
+    for side in ("ours", "diffusers"):
+        seconds, peak = _load_once(side, engine, theirs, bench)
+        run.loads[f"{side} (first)"] = [seconds]
+        generate = ours.generator(engine, model, bench, 1) if side == "ours" else theirs.generator(1)
+        run.memory[side] = _isolated_memory(generate, bench, peak)
+    keys = ["ours", "diffusers", "control:ours"]
+    for round_index in range(bench.config.load_repeats if bench.wants("load") else 0):
+        for key in abba(keys, round_index):
+            seconds, _peak = _load_once("diffusers" if key == "diffusers" else "ours", engine, theirs, bench)
+            run.loads.setdefault(key, []).append(seconds)
+    if theirs.pipe is None:
+        theirs.load()
+    if engine.snapshot().model is None:
+        ours.load(engine, model.name)
+
+
+# ------------------------------------------------------------------------------------ speed and latency
+def throughput_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+    """Per batch, one pool: ours with 0/1/3 fused LoRAs, diffusers plain and with PEFT adapters
+    unfused and fused, and the control (ours without LoRA, twice)."""
+    model, counts = run.model, bench.config.lora_counts
+    for batch in bench.config.batches:
+        pool, mine = f"throughput-b{batch}", ours.generator(engine, model, bench, batch)
+        none = ("none", 0, "fused", batch)
+        variants = with_control({("none", n, "fused", batch): Variant(ours.lora_setup(engine, model, n), mine,
+                                                                      engine.pipeline.unet) for n in counts}, none)
+        base = theirs.generator(batch)
+        variants[("none", 0, "eager", batch)] = Variant(theirs.state_setup(0, False), base, theirs.pipe.unet)
+        run.pairings.append(Pairing("throughput", pool, none, "ours", ("none", 0, "eager", batch), "diffusers", none))
+        for n in (c for c in counts if c and "lora" not in theirs.notes):
+            for fused, label in ((False, "diffusers PEFT unfused"), (True, "diffusers PEFT fused")):
+                key = ("none", n, "peft-fused" if fused else "peft-unfused", batch)
+                variants[key] = Variant(theirs.state_setup(n, fused), base, theirs.pipe.unet)
+                run.pairings.append(Pairing("throughput", pool, ("none", n, "fused", batch), "ours fused", key, label,
+                                            none, "lora"))
+        if 3 in counts:
+            run.pairings.append(Pairing("throughput", pool, ("none", 3, "fused", batch), "ours fused", none,
+                                        "ours no LoRA", none))
+        _measure(run, bench, pool, variants)
+    engine.set_loras([])
+    theirs.to_state(0, False)
+
+
+def latency_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+    """LoRA add / re-weight / remove, ours and diffusers (PEFT unfused, and fused: unfuse, change,
+    fuse), one round of each per repeat in ABBA order; re-weights in the first round only."""
+    mine = functools.partial(ours.latency_round, engine, run.model, bench)
+    sides = {"ours": mine, "control:ours": mine}
+    if "lora" not in theirs.notes:
+        sides["peft-unfused"] = functools.partial(theirs.latency_round, False)
+        sides["peft-fused"] = functools.partial(theirs.latency_round, True)
+    for round_index in range(bench.config.repeats):
+        for side in abba(list(sides), round_index):
+            times = sides[side](bench.config.reweights if round_index == 0 else 0)
+            for op, values in times.items():
+                run.latency.setdefault(side, {}).setdefault(op, []).extend(values)
+    engine.set_loras([])
+    theirs.to_state(0, False)
+
+
+# ------------------------------------------------------------------------------------ compiled path
+def _wait_compiled(engine: Engine, timeout_s: float = 900) -> None:
+    """`default` mode compiles on a helper thread: wait until the engine's snapshot says it is done."""
+    deadline = time.monotonic() + timeout_s
+    while engine.snapshot().compile.phase in ("compiling", "waiting") and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def compile_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+    """Per mode, a second engine built with the compile settings, against our eager engine and
+    diffusers eager (no LoRA), and with three LoRAs against diffusers PEFT fused."""
+    model = run.model
+    for mode in bench.config.compile_modes:
+        log.info("[%s] ours: compiled engine (%s, %s)", model.arch, mode, bench.config.compile_backend)
+        compiled = ours.loaded_engine(model, bench, **ours.compile_settings(bench, mode))
+        try:
+            fast = ours.generator(compiled, model, bench, 1)
+            first_s = timed_ms(fast, bench.device) / 1e3
+            _wait_compiled(compiled)
+            run.compile_info.append(_compile_info(run, compiled, bench, mode, first_s))
+            _compiled_pools(run, compiled, engine, theirs, bench, mode)
+        finally:
+            ours.close(compiled)
+
+
+def _compile_info(run: ArchRun, compiled: Engine, bench: Bench, mode: str, first_s: float) -> dict[str, Any]:
+    status = compiled.snapshot().compile
+    info = {"arch": run.model.arch, "mode": mode, "backend": status.backend, "phase": status.phase,
+            "first_generation_s": first_s, "first_compile_s": next((s for _l, s in status.compile_seconds), None),
+            "compiles_after_warm": status.compiles, "note": status.note}
+    info.update(ours.lora_ops_check(compiled, run.model, bench))
+    compiled.set_loras([])
+    return info
+
+
+def _compiled_pools(run: ArchRun, compiled: Engine, engine: Engine, theirs: DiffusersSide, bench: Bench,
+                    mode: str) -> None:
+    model, label, variant = run.model, f"ours compiled ({mode})", f"compiled-{mode}"
+    fast, key0, key3 = ours.generator(compiled, model, bench, 1), ("none", 0, variant, 1), ("none", 3, variant, 1)
+    variants = with_control({
+        key0: Variant(ours.lora_setup(compiled, model, 0), fast, compiled.pipeline.unet),
+        ("none", 0, "fused", 1): Variant(ours.lora_setup(engine, model, 0), ours.generator(engine, model, bench, 1),
+                                         engine.pipeline.unet),
+        ("none", 0, "eager", 1): Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.pipe.unet)}, key0)
+    _measure(run, bench, f"compile-{mode}", variants)
+    run.pairings += [Pairing("compile", f"compile-{mode}", key0, label, ("none", 0, "eager", 1), "diffusers", key0),
+                     Pairing("compile", f"compile-{mode}", key0, label, ("none", 0, "fused", 1), "ours eager", key0)]
+    if "lora" not in theirs.notes:
+        base = ("none", 3, "peft-fused", 1)
+        _measure(run, bench, f"compile-{mode}-lora", with_control({
+            key3: Variant(ours.lora_setup(compiled, model, 3), fast, compiled.pipeline.unet),
+            base: Variant(theirs.state_setup(3, True), theirs.generator(1), theirs.pipe.unet)}, key3))
+        run.pairings.append(Pairing("compile", f"compile-{mode}-lora", key3, label, base, "diffusers PEFT fused",
+                                    key3, "lora"))
+    if bench.config.restart_probe:
+        its = statistics.median(run.pools[f"compile-{mode}"][key0].its_runs)
+        run.compile_info[-1].update(ours.restart_probe(model, mode, its, bench))
+    theirs.to_state(0, False)
+
+
+# ------------------------------------------------------------------------------------ offload
+def offload_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+    """Each offload mode against its diffusers counterpart (a fresh diffusers pipeline per mode), and
+    balanced against our own `none`. The main diffusers pipeline is freed first: balanced offload
+    sizes itself by the VRAM it finds free."""
+    theirs.free()
+    model = run.model
+    generate, warm = ours.generator(engine, model, bench, 1), ours.generator(engine, model, bench, 1, steps=2)
+    for case in bench.config.offload_cases:
+        pool, mine = f"offload-{case}", (case, 0, "fused", 1)
+        if case == "balanced":
+            none = ("none", 0, "beside-balanced", 1)
+            _measure(run, bench, pool, with_control({
+                mine: Variant(ours.offload_setup(engine, case, warm), generate, engine.pipeline.unet),
+                none: Variant(ours.offload_setup(engine, "none", warm), generate, engine.pipeline.unet)}, none))
+            run.pairings.append(Pairing("offload", pool, mine, "ours", none, "ours offload none", none))
+        elif case != "balanced-3gib":  # a start-up setting: measured on its own engine by budget_phase
+            variants = {mine: Variant(ours.offload_setup(engine, case, warm), generate, engine.pipeline.unet)}
+            _offload_pool(run, bench, pool, theirs, case, variants, mine)
+    engine.set_offload("none")
+
+
+def _offload_pool(run: ArchRun, bench: Bench, pool: str, theirs: DiffusersSide, case: str,
+                  variants: dict[Key, Variant], mine: Key) -> None:
+    """Ours (`variants`) against diffusers' offload `case` on a fresh pipeline, or ours alone with the
+    reason diffusers' counterpart could not run."""
+    pipe = theirs.offload_pipeline(case)
+    base = (case, 0, "diffusers", 1)
+    try:
+        if pipe is not None:
+            variants[base] = Variant(lambda: None, generator(pipe, run.model, bench, 1), pipe.unet)
+        _measure(run, bench, pool, with_control(variants, mine))
+    finally:
+        del pipe
+        free_memory()
+    label = f"diffusers {case} offload"
+    run.pairings.append(Pairing("offload", pool, mine, "ours", base, label, mine, f"offload:{case}"))
+
+
+def budget_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+    """Balanced offload under a VRAM budget (a start-up setting, so its own engine) against diffusers'
+    model offload, with our main engine unloaded so the budget engine runs alone."""
+    model = run.model
+    engine.unload()
+    budget = ours.loaded_engine(model, bench, offload="balanced", vram_budget_gib=bench.config.budget_gib)
+    try:
+        mine = ("balanced-3gib", 0, "fused", 1)
+        variants = {mine: Variant(lambda: None, ours.generator(budget, model, bench, 1), budget.pipeline.unet)}
+        _offload_pool(run, bench, "offload-balanced-3gib", theirs, "model", variants, mine)
+    finally:
+        ours.close(budget)

@@ -1,0 +1,153 @@
+"""CPU proxies (`python -m app.bench --cpu-proxies`): what can be measured without a GPU, on the
+full-size SD1.5 and SDXL architectures with random weights, ours against diffusers in the same run.
+
+* load: `Engine.load_model` against diffusers' `from_single_file` (offline, `config=` the bundled
+  folder), each load in a fresh process (time, process CPU time, peak RSS), in ABBA order with a
+  same-vs-same control; our first load of a file (no cached hash) is a variant of its own;
+* step: aten ops per UNet call (a dispatch mode inside the UNet's hooks) and thread CPU time per
+  step (with its user part and the minor page faults), without and with three fused rank-64 LoRAs
+  and against diffusers, at a small latent so two cores can afford it;
+* reweight: one LoRA's strength changed with three applied (the engine's whole transition, and the
+  patching alone from the engine's timer).
+
+This CPU computes bf16 at about 1 GFLOP/s against 150 in fp32, so step rows run in fp32 while load and
+re-weight rows use bf16 storage (what a GPU user loads, without a dtype conversion). Sections that
+do not fit in the memory available are skipped with the reason, never shrunk to another model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.engine.checkpoint_shapes import meta_components
+from app.engine.models import FACTS_FILE
+from app.engine.placement import DTYPES
+from app.families import family
+from app.settings import Settings
+from benchmarks import stats
+from benchmarks.config import PROMPT, SEED
+from benchmarks.measure import abba, control_key
+from benchmarks.probe import spawn_load_probe
+from benchmarks.proxy_steps import reweight_section, step_section
+from benchmarks.workload import lora_targets, single_file_numel, write_loras, write_random_single_file
+
+SCHEMA = "steady-diffusion-cpu-proxies/1"
+# Variant -> probe side. "ours" is Engine.load_model with the file's facts cached (any load after the
+# first); the first load hashes and checks the file; the loader alone leaves out the engine's transition.
+LOAD_VARIANTS = {"ours": "ours", "diffusers": "diffusers", "ours, first load (no cached hash)": "ours",
+                 "ours, loader alone (models.load_pipeline)": "ours-models"}
+CONTROL = control_key(("none", 0, "ours"))[2]
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """What a proxy run varies; the defaults keep each architecture's run within minutes on 2 cores."""
+
+    cache_dir: Path
+    archs: tuple[str, ...] = ("sd15", "sdxl")
+    sections: tuple[str, ...] = ("load", "step", "reweight")
+    storage_dtype: str = "bf16"
+    step_dtype: str = "fp32"
+    resolution: int = 128
+    steps: int = 3
+    rounds: int = 4
+    reweights: int = 6
+    lora_rank: int = 64
+    threads: int = 1
+    prompt: str = PROMPT
+    seed: int = SEED
+
+
+@dataclass(frozen=True)
+class ProxyModel:
+    """A cached random-weight single file in an A1111-layout data dir, with three LoRAs."""
+
+    arch: str
+    data_dir: Path
+    name: str
+    path: Path
+    loras: tuple[str, ...]
+    numel: int  # every tensor in the file
+    lora_numel: int  # UNet weights the three LoRAs touch (what fused LoRAs back up)
+
+
+def prepare(arch: str, config: ProxyConfig) -> ProxyModel:
+    """The checkpoint and LoRAs, written once into the cache folder and reused by later runs."""
+    settings = Settings(data_dir=config.cache_dir / f"{arch}-{config.storage_dtype}")
+    path = settings.checkpoints_dir / f"random-{arch}.safetensors"
+    if not path.is_file():
+        write_random_single_file(arch, path, DTYPES[config.storage_dtype])
+    unet = meta_components(arch, family(arch).config_dir).unet
+    names = tuple(f"bench-{arch}-{kind}{i}" for i, kind in enumerate(("lora", "lora", "locon")))
+    if not all((settings.lora_dir / f"{n}.safetensors").is_file() for n in names):
+        write_loras(unet, settings.lora_dir, arch, config.lora_rank)
+    touched = sum(math.prod(shape) for _name, shape in lora_targets(unet, convs=True))
+    return ProxyModel(arch, settings.data_dir, path.name, path, names, single_file_numel(path), touched)
+
+
+# ------------------------------------------------------------------------------------ load
+def _load_spec(model: ProxyModel, side: str, config: ProxyConfig) -> dict[str, Any]:
+    return {"side": side, "arch": model.arch, "data_dir": str(model.data_dir), "name": model.name,
+            "path": str(model.path), "dtype": config.storage_dtype, "threads": 2}
+
+
+def load_section(model: ProxyModel, config: ProxyConfig) -> dict[str, Any]:
+    """Fresh-process loads of both sides in ABBA order after one warm-up each (page cache warm, our
+    facts written); the first-load variant deletes the facts file before its probe."""
+    facts = model.data_dir / "models" / "Stable-diffusion" / FACTS_FILE
+    keys = [*LOAD_VARIANTS, CONTROL]
+    specs = {key: _load_spec(model, LOAD_VARIANTS.get(key, "ours"), config) for key in keys}
+    for side in ("ours", "diffusers"):
+        spawn_load_probe(_load_spec(model, side, config))
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key in keys}
+    for round_index in range(config.rounds):
+        for key in abba(keys, round_index):
+            if key.startswith("ours, first load"):
+                facts.unlink(missing_ok=True)
+            runs[key].append(spawn_load_probe(specs[key]))
+    return {"arch": model.arch, "file_gib": model.path.stat().st_size / 2**30, "runs": runs,
+            "comparisons": _load_comparisons(runs)}
+
+
+def _series(runs: list[dict[str, Any]], field: str) -> list[float]:
+    return [run[field] for run in runs]
+
+
+def _load_comparisons(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each of our variants against diffusers: wall time, CPU time, peak RSS; lower is better for all
+    three, so each ratio is diffusers / ours. The control is our cached load measured twice."""
+    rows = []
+    for ours in (key for key in LOAD_VARIANTS if key != "diffusers"):
+        for field in ("load_s", "cpu_s", "peak_rss_gib"):
+            mine, base = _series(runs[ours], field), _series(runs["diffusers"], field)
+            control = stats.paired_ratios(_series(runs["ours"], field), _series(runs[CONTROL], field), False)
+            rows.append({"ours": ours, "baseline": "diffusers from_single_file", "figure": field,
+                         "ours_median": stats.median_interval(mine).as_dict(),
+                         "baseline_median": stats.median_interval(base).as_dict(),
+                         **stats.compare(mine, base, control, higher_is_better=False)})
+    return rows
+
+
+# ------------------------------------------------------------------------------------ run
+def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
+    """Every section for every architecture, one model in memory at a time."""
+    results = {"schema": SCHEMA, "config": {k: str(v) if isinstance(v, Path) else v
+                                            for k, v in asdict(config).items()},
+               "env": env, "method": stats.METHOD, "models": {}, "load": [], "step": [], "reweight": []}
+    torch.set_num_threads(config.threads)
+    for arch in config.archs:
+        model = prepare(arch, config)
+        results["models"][arch] = {"file": model.name, "numel": model.numel, "lora_numel": model.lora_numel,
+                                   "file_gib": model.path.stat().st_size / 2**30}
+        if "load" in config.sections:
+            results["load"].append(load_section(model, config))
+        if "step" in config.sections:
+            results["step"].append(step_section(model, config))
+        if "reweight" in config.sections:
+            results["reweight"].append(reweight_section(model, config))
+    return results

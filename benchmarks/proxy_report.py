@@ -1,0 +1,71 @@
+"""The CPU proxies' results as Markdown (the JSON is the results document itself)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import table
+
+
+def _estimate(value: dict[str, Any] | None, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    return f"{value['median']:.{digits}f} [{value['low']:.{digits}f}, {value['high']:.{digits}f}]"
+
+
+def _interval(pair: list[float] | None) -> str:
+    return "–" if pair is None else f"[{pair[0]:.3f}, {pair[1]:.3f}]"
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    return "–" if row["ratio"] is None else f"{row['ratio']:.3f}× {_interval(row['ratio_interval'])}"
+
+
+def _comparison_rows(sections: list[dict[str, Any]]) -> list[list[str]]:
+    return [[s["arch"], row["ours"], row["baseline"], row["figure"], _estimate(row["ours_median"]),
+             _estimate(row["baseline_median"]), _ratio(row), _interval(row["control_spread"]), row["verdict"]]
+            for s in sections if "skipped" not in s for row in s["comparisons"]]
+
+
+def _skipped(sections: list[dict[str, Any]], what: str) -> list[str]:
+    return [f"- {what} {s['arch']}: skipped, {s['skipped']}" for s in sections if "skipped" in s]
+
+
+def render(results: dict[str, Any]) -> str:
+    env, cfg = results["env"], results["config"]
+    header = ["arch", "ours", "baseline", "figure", "ours", "baseline", "ratio [95%]", "control spread", "verdict"]
+    lines = [f"# CPU proxies: Steady Diffusion vs diffusers ({env['created']})", "",
+             f"torch {env['torch']} · diffusers {env['diffusers']} · {env['cpu']} · {cfg['threads']} intra-op "
+             f"thread(s) in-process, 2 per load probe · full-size architectures, random weights", "",
+             f"Statistics: {results['method']}. Variants run in ABBA order over {cfg['rounds']} rounds; a ratio is "
+             "ours relative to the baseline, > 1 means ours is better (speed ours/baseline, time and memory "
+             "baseline/ours), from the per-round pairs. The control is the same configuration measured as a second "
+             "variant; a ratio inside the control's spread reads \"no difference\".", "",
+             f"## Load (a fresh process per load, {cfg['storage_dtype']} single file, page cache warm)", ""]
+    lines += table(header, _comparison_rows(results["load"]))
+    lines += [f"## Denoising step ({cfg['step_dtype']}, {cfg['resolution']}² px, {cfg['steps']} steps, CFG)", "",
+              "aten ops per UNet call, counted by a dispatch mode inside the UNet's hooks:", ""]
+    lines += table(["arch", "variant", "ops per call", "distinct ops", "same op list as ours no LoRA"],
+                    [[s["arch"], variant, f"{o['total_per_call']:.0f}", o["distinct"],
+                      "yes" if o["same_as_ours_no_lora"] else f"no: {json.dumps(o['differences'])[:200]}"]
+                     for s in results["step"] if "skipped" not in s for variant, o in s["ops"].items()])
+    lines += table(header, _comparison_rows(results["step"]))
+    lines += [f"## Re-weight (three rank-{cfg['lora_rank']} LoRAs applied, the last one's strength moved)", ""]
+    lines += table(["arch", "dtype", "add 3 LoRAs ms", "re-weight ms (whole transition)", "of which patching ms"],
+                    [[r["arch"], r["dtype"], f"{r['add_ms']:.0f}", _estimate(r["reweight_ms"], 0),
+                      _estimate(r["patch_ms"], 0)] for r in results["reweight"] if "skipped" not in r])
+    notes = _skipped(results["load"], "load") + _skipped(results["step"], "step")
+    notes += _skipped(results["reweight"], "re-weight")
+    notes += [f"- step {s['arch']}: no diffusers baseline, {s['baseline_note']}" for s in results["step"]
+              if "skipped" not in s and s["baseline_note"]]
+    return "\n".join(lines + (["## Not measured", "", *notes, ""] if notes else []))
+
+
+def write(results: dict[str, Any], out_dir: Path, stem: str) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md"}
+    paths["json"].write_text(json.dumps(results, indent=2) + "\n")
+    paths["md"].write_text(render(results) + "\n")
+    return paths

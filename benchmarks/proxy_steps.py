@@ -1,0 +1,156 @@
+"""The in-process CPU proxies: UNet ops and CPU time per step without and with fused LoRAs, and the
+re-weight time, on the full-size architectures (see `proxies.py` for the run around them)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from diffusers import EulerDiscreteScheduler
+
+from app.engine.generate import GenerateParams
+from app.engine.placement import DTYPES
+from app.engine.worker import Engine
+from app.families import family
+from app.settings import Settings
+from benchmarks import stats
+from benchmarks.config import CFG_SCALE
+from benchmarks.measure import (
+    OpCounter,
+    Variant,
+    control_key,
+    fits,
+    free_memory,
+    measure_interleaved,
+    timed_ms,
+    with_control,
+)
+from benchmarks.workload import lora_specs
+
+CPU = torch.device("cpu")
+NONE, FUSED, DIFFUSERS = ("none", 0, "ours", 1), ("none", 3, "ours fused", 1), ("none", 0, "diffusers", 1)
+
+
+def _engine(model, dtype: str) -> Engine:
+    engine = Engine(Settings(data_dir=model.data_dir, device="cpu", dtype=dtype))
+    engine.load_model(model.name)
+    engine.pipeline.set_progress_bar_config(disable=True)
+    return engine
+
+
+def _diffusers(model, config):
+    """diffusers' own pipeline from the same file, with the sampler ours uses."""
+    arch = model.arch
+    pipe = family(arch).plain_pipeline_class.from_single_file(
+        str(model.path), config=str(family(arch).config_dir), dtype=DTYPES[config.step_dtype], local_files_only=True,
+        **family(arch).tokenizers(), **family(arch).pipeline_kwargs)
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    side = config.resolution
+
+    def generate():
+        return pipe(prompt=config.prompt, num_inference_steps=config.steps, guidance_scale=CFG_SCALE, width=side,
+                    height=side, generator=torch.Generator("cpu").manual_seed(config.seed), output_type="pil")
+
+    return pipe, generate
+
+
+def count_ops(variant: Variant) -> dict[str, float]:
+    """aten ops per UNet call over one (untimed) generation in the variant's configuration."""
+    variant.setup()
+    counter = OpCounter(variant.unet)
+    try:
+        variant.generate()
+    finally:
+        counter.remove()
+    return counter.per_call()
+
+
+def _step_variants(engine: Engine, model, config) -> dict[tuple, Variant]:
+    side = config.resolution
+    params = GenerateParams(config.prompt, steps=config.steps, cfg=CFG_SCALE, seed=config.seed, width=side,
+                            height=side, sampler="Euler")
+    generate, unet = functools.partial(engine.generate, params), engine.pipeline.unet
+    return with_control({NONE: Variant(functools.partial(engine.set_loras, []), generate, unet),
+                         FUSED: Variant(functools.partial(engine.set_loras, lora_specs(model.loras, 3)), generate,
+                                        unet)}, NONE)
+
+
+def step_section(model, config) -> dict[str, Any]:
+    """Ours without and with three fused LoRAs (and diffusers when memory allows both pipelines):
+    ops per UNet call, thread CPU ms and wall it/s per step, ABBA rounds with a control."""
+    ours_bytes = (model.numel + model.lora_numel) * DTYPES[config.step_dtype].itemsize
+    ok, why = fits(ours_bytes)
+    if not ok:
+        return {"arch": model.arch, "skipped": why}
+    with_baseline, baseline_note = fits(ours_bytes + model.numel * DTYPES[config.step_dtype].itemsize)
+    engine = _engine(model, config.step_dtype)
+    pipe = None
+    try:
+        variants = _step_variants(engine, model, config)
+        if with_baseline:
+            pipe, generate = _diffusers(model, config)
+            variants[DIFFUSERS] = Variant(lambda: None, generate, pipe.unet)
+        ops = {key: count_ops(v) for key, v in variants.items() if key != control_key(NONE)}
+        runs = measure_interleaved(variants, CPU, config.rounds, warmup=1)
+    finally:
+        engine.unload()
+        engine.close()
+        del pipe
+        free_memory()
+    return {"arch": model.arch, "resolution": config.resolution, "steps": config.steps, "dtype": config.step_dtype,
+            "baseline_note": baseline_note, "ops": _ops_summary(ops),
+            "runs": {" / ".join(map(str, k)): {"its": r.its_runs, "cpu_ms": r.cpu_ms_runs, "user_ms": r.user_ms_runs,
+                                                "faults": r.faults_runs} for k, r in runs.items()},
+            "comparisons": _step_comparisons(runs)}
+
+
+def _ops_summary(ops: dict[tuple, dict[str, float]]) -> dict[str, Any]:
+    reference = ops[NONE]
+    return {" / ".join(map(str, key)): {"total_per_call": sum(counts.values()), "distinct": len(counts),
+                                         "same_as_ours_no_lora": counts == reference,
+                                         "differences": {op: [reference.get(op, 0), n] for op, n in counts.items()
+                                                         if reference.get(op, 0) != n}}
+            for key, counts in ops.items()}
+
+
+def _step_comparisons(runs) -> list[dict[str, Any]]:
+    control_runs = runs[control_key(NONE)]
+    rows = []
+    for mine_key, base_key in ((FUSED, NONE), (NONE, DIFFUSERS)):
+        if base_key not in runs:
+            continue
+        mine, base = runs[mine_key], runs[base_key]
+        for figure, series, higher in (("it/s (wall)", "its_runs", True), ("CPU ms per step", "cpu_ms_runs", False),
+                                       ("user CPU ms per step", "user_ms_runs", False),
+                                       ("page faults per step", "faults_runs", False)):
+            control = stats.paired_ratios(getattr(runs[NONE], series), getattr(control_runs, series), higher)
+            rows.append({"ours": " / ".join(map(str, mine_key)), "baseline": " / ".join(map(str, base_key)),
+                         "figure": figure, "ours_median": stats.median_interval(getattr(mine, series)).as_dict(),
+                         "baseline_median": stats.median_interval(getattr(base, series)).as_dict(),
+                         **stats.compare(getattr(mine, series), getattr(base, series), control, higher)})
+    return rows
+
+
+def reweight_section(model, config) -> dict[str, Any]:
+    """Three LoRAs applied, then the last one's strength moved between 1.1 and 1.0: the engine's whole
+    transition (wall ms) and the patching alone (the engine's `patch` timer), in storage dtype."""
+    ok, why = fits((model.numel + model.lora_numel) * DTYPES[config.storage_dtype].itemsize)
+    if not ok:
+        return {"arch": model.arch, "skipped": why}
+    engine = _engine(model, config.storage_dtype)
+    try:
+        add_ms = timed_ms(functools.partial(engine.set_loras, lora_specs(model.loras, 3)), CPU)
+        wall, patch = [], []
+        for i in range(config.reweights):
+            specs = lora_specs(model.loras, 3, 1.1 - i % 2 / 10)
+            wall.append(timed_ms(functools.partial(engine.set_loras, specs), CPU))
+            patch.append(engine.snapshot().timers["patch"].last_s * 1e3)
+    finally:
+        engine.unload()
+        engine.close()
+        free_memory()
+    return {"arch": model.arch, "dtype": config.storage_dtype, "loras": 3, "rank": config.lora_rank,
+            "add_ms": add_ms, "reweight_ms": stats.median_interval(wall).as_dict(), "reweight_ms_runs": wall,
+            "patch_ms": stats.median_interval(patch).as_dict(), "patch_ms_runs": patch}

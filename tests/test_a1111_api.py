@@ -1,0 +1,278 @@
+"""The A1111 web API of the served app, driven as its clients drive it: the `webuiapi` package and raw HTTP.
+
+One app per module on the tiny SD1.5 demo model with synthetic kohya LoRAs, on loopback without a
+login (where the API is on by default). The expected fields and defaults are A1111's own, from its
+`modules/api/models.py` and `api.py` (v1.10), written out here so a drift on our side fails a test.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+import zipfile
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+from served_app import MODEL, free_port, make_ui_data, running_app
+
+from app.a1111.schema import Txt2ImgRequest
+from app.settings import Settings
+
+webuiapi = pytest.importorskip("webuiapi")
+SDXL = "tiny-sdxl.safetensors"
+SMALL = dict(steps=2, width=64, height=64, cfg_scale=5.0, sampler_name="Euler")
+# A1111's txt2img request defaults (StableDiffusionProcessingTxt2Img + the API's additional fields).
+A1111_DEFAULTS = {
+    "prompt": "", "negative_prompt": "", "styles": None, "seed": -1, "subseed": -1, "subseed_strength": 0,
+    "seed_resize_from_h": -1, "seed_resize_from_w": -1, "sampler_name": None, "scheduler": None, "batch_size": 1,
+    "n_iter": 1, "steps": 50, "cfg_scale": 7.0, "width": 512, "height": 512, "restore_faces": None, "tiling": None,
+    "do_not_save_samples": False, "do_not_save_grid": False, "eta": None, "denoising_strength": 0.75,
+    "s_min_uncond": None, "s_churn": None, "s_tmax": None, "s_tmin": None, "s_noise": None, "override_settings": None,
+    "override_settings_restore_afterwards": True, "refiner_checkpoint": None, "refiner_switch_at": None,
+    "disable_extra_networks": False, "firstpass_image": None, "comments": None, "enable_hr": False,
+    "firstphase_width": 0, "firstphase_height": 0, "hr_scale": 2.0, "hr_upscaler": None, "hr_second_pass_steps": 0,
+    "hr_resize_x": 0, "hr_resize_y": 0, "hr_checkpoint_name": None, "hr_sampler_name": None, "hr_scheduler": None,
+    "hr_prompt": "", "hr_negative_prompt": "", "force_task_id": None, "sampler_index": "Euler", "script_name": None,
+    "script_args": [], "send_images": True, "save_images": False, "alwayson_scripts": {}, "infotext": None,
+}
+STATE_KEYS = {"skipped", "interrupted", "stopping_generation", "job", "job_count", "job_timestamp", "job_no",
+              "sampling_step", "sampling_steps"}
+EMBEDDING_KEYS = {"step", "sd_checkpoint", "sd_checkpoint_name", "shape", "vectors"}
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory, demo_dir):
+    data = make_ui_data(tmp_path_factory.mktemp("a1111"), demo_dir)
+    settings = Settings(data_dir=data, device="cpu", port=free_port(), max_upload_mib=2)
+    with running_app(settings) as (server, engine):
+        yield server.local_url.rstrip("/"), engine
+
+
+@pytest.fixture(scope="module")
+def api(app):
+    return webuiapi.WebUIApi(baseurl=f"{app[0]}/sdapi/v1", sampler="Euler", steps=2)
+
+
+def _pixels(image: Image.Image) -> np.ndarray:
+    return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+def _png(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+# ------------------------------------------------------------------------------ schema, field by field
+def test_txt2img_request_defaults_are_a1111s():
+    assert Txt2ImgRequest().model_dump() == A1111_DEFAULTS
+
+
+def test_list_endpoints_have_a1111s_fields(api):
+    models = api.get_sd_models()
+    titles = {m["title"] for m in models}
+    assert SDXL in titles and any(t.startswith(f"{MODEL} [") for t in titles)
+    for item in models:
+        assert set(item) == {"title", "model_name", "hash", "sha256", "filename", "config"}
+    loaded = next(m for m in models if m["title"].startswith(MODEL))
+    assert loaded["title"] == f"{MODEL} [{loaded['hash']}]" and len(loaded["hash"]) == 10
+    assert loaded["model_name"] == "tiny-sd15"
+    for item in api.get_samplers():
+        assert set(item) == {"name", "aliases", "options"} and isinstance(item["aliases"], list)
+    assert {"Euler", "Euler a", "DPM++ 2M"} <= {s["name"] for s in api.get_samplers()}
+    for item in api.get_schedulers():
+        assert set(item) == {"name", "label", "aliases", "default_rho", "need_inner_model"}
+    loras = {item["name"]: item for item in api.get_loras()}
+    assert set(loras["style"]) == {"name", "alias", "path", "metadata"}
+    assert loras["style"]["metadata"]["ss_tag_frequency"] == {"set": {"watercolor": 5, "fox": 3}}  # parsed JSON
+    assert loras["style"]["path"].endswith("style.safetensors")
+
+
+def test_embeddings_and_memory_have_a1111s_fields(api):
+    found = api.get_embeddings()
+    assert set(found) == {"loaded", "skipped"}
+    assert set(found["loaded"]) == {"tiny-sd15-embedding"} and "tiny-sdxl-embedding" in found["skipped"]
+    for item in [*found["loaded"].values(), *found["skipped"].values()]:
+        assert set(item) == EMBEDDING_KEYS and isinstance(item["shape"], int) and item["vectors"] >= 1
+    memory = api.get_memory()
+    assert set(memory) == {"ram", "cuda"} and set(memory["ram"]) == {"free", "used", "total"}
+    assert memory["ram"]["used"] > 0 and memory["cuda"] == {"error": "unavailable"}  # a CPU engine
+
+
+def test_options_report_the_checkpoint_and_our_engine_settings(api, app):
+    options = api.get_options()
+    assert options["sd_model_checkpoint"].startswith(f"{MODEL} [")
+    assert api.util_get_current_model() == options["sd_model_checkpoint"]
+    assert options["steady_dtype"] == app[1].snapshot().requested_dtype
+    assert options["steady_offload"] == app[1].snapshot().offload == "none"
+    assert requests.post(f"{app[0]}/sdapi/v1/options", json=options).status_code == 200  # Open WebUI posts it back
+
+
+@pytest.mark.gpu
+def test_memory_reports_a1111s_cuda_counters_on_a_gpu():
+    from app.a1111.listings import memory
+
+    cuda = memory("cuda")["cuda"]
+    assert set(cuda) == {"system", "active", "allocated", "reserved", "inactive", "events"}
+    assert cuda["system"]["total"] > cuda["system"]["free"] > 0 and set(cuda["events"]) == {"retries", "oom"}
+
+
+# ------------------------------------------------------------------------------ txt2img and png-info
+def test_txt2img_with_a_lora_tag_applies_it_for_that_request_only(api, app):
+    plain = api.txt2img(prompt="a fox", seed=11, **SMALL)
+    tagged = api.txt2img(prompt="a fox <lora:style:0.8>", seed=11, **SMALL)
+    assert len(tagged.images) == 1 and tagged.images[0].size == (64, 64)
+    assert np.abs(_pixels(tagged.image) - _pixels(plain.image)).max() > 0  # the LoRA changed the picture
+    assert app[1].snapshot().loras == ()  # and was taken off again
+    text = tagged.image.info["parameters"]
+    assert "<lora:style:0.8>" in text and "Lora hashes" in text and "Seed: 11" in text and f"Model: {MODEL}" in text
+    assert tagged.info["infotexts"] == [text] and tagged.info["all_seeds"] == [11]
+    assert tagged.info["sd_model_name"] == "tiny-sd15" and tagged.parameters["prompt"] == "a fox <lora:style:0.8>"
+    again = api.txt2img(prompt="a fox", seed=11, **SMALL)
+    assert np.array_equal(_pixels(again.image), _pixels(plain.image))
+
+
+def test_txt2img_echoes_a1111_parameters_and_rounds_sizes_with_a_note(app):
+    body = {"prompt": "a fox", "seed": 3, "steps": 2, "width": 100, "height": 64, "batch_size": 2, "n_iter": 1}
+    answer = requests.post(f"{app[0]}/sdapi/v1/txt2img", json=body).json()
+    assert set(answer) == {"images", "parameters", "info"} and len(answer["images"]) == 2
+    assert set(answer["parameters"]) == set(A1111_DEFAULTS) and answer["parameters"]["width"] == 100
+    info = json.loads(answer["info"])
+    assert info["width"] == 96 and "width 100 → 96" in info["comments"] and info["all_seeds"] == [3, 4]
+    assert _png(answer["images"][0]).size == (96, 64)
+
+
+def test_png_info_reads_our_own_output(api, app):
+    made = api.txt2img(prompt="a fox <lora:style:0.5>", negative_prompt="blur", seed=21, **SMALL)
+    read = api.png_info(made.image)
+    assert read.info == made.image.info["parameters"]
+    raw = requests.post(f"{app[0]}/sdapi/v1/png-info",
+                        json={"image": "data:image/png;base64," + webuiapi.raw_b64_img(made.image)}).json()
+    assert set(raw) == {"info", "items", "parameters"} and raw["info"] == read.info
+    params = raw["parameters"]
+    assert params["Prompt"] == "a fox <lora:style:0.5>" and params["Negative prompt"] == "blur"
+    assert (params["Steps"], params["Seed"], params["Size-1"], params["Size-2"]) == ("2", "21", "64", "64")
+
+
+def test_png_info_takes_images_over_the_json_cap_up_to_the_upload_cap(app):
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 255, (700, 700, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    noise.save(buffer, format="PNG")
+    encoded = base64.b64encode(buffer.getvalue()).decode()
+    assert 2**20 < len(encoded) < 2 * 2**20 * 4 // 3  # over the guard's 1 MiB, under 2 MiB of image
+    answer = requests.post(f"{app[0]}/sdapi/v1/png-info", json={"image": encoded})
+    assert answer.status_code == 200 and answer.json()["info"] == ""
+    too_big = requests.post(f"{app[0]}/sdapi/v1/png-info", json={"image": encoded * 2})
+    assert too_big.status_code == 413
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def test_options_switch_the_checkpoint_by_any_of_its_names(api, app):
+    try:
+        api.set_options({"sd_model_checkpoint": SDXL})
+        assert app[1].snapshot().model == SDXL and app[1].snapshot().arch == "sdxl"
+        assert api.get_options()["sd_model_checkpoint"].startswith(f"{SDXL} [")
+        api.set_options({"sd_model_checkpoint": "tiny-sd15"})  # A1111's model_name works too
+        assert app[1].snapshot().model == MODEL
+    finally:
+        app[1].load_model(MODEL)
+
+
+def test_override_settings_switch_for_one_request_and_restore(api, app):
+    made = api.txt2img(prompt="a fox", seed=1, override_settings={"sd_model_checkpoint": SDXL,
+                                                                    "CLIP_stop_at_last_layers": 2}, **SMALL)
+    assert f"Model: {SDXL}" in made.image.info["parameters"] and made.info["sd_model_name"] == "tiny-sdxl"
+    assert "CLIP_stop_at_last_layers=2 ignored" in made.info["comments"]
+    assert app[1].snapshot().model == MODEL  # restored afterwards, as A1111 does by default
+    try:
+        api.txt2img(prompt="a fox", override_settings={"sd_model_checkpoint": SDXL},
+                    override_settings_restore_afterwards=False, **SMALL)
+        assert app[1].snapshot().model == SDXL
+    finally:
+        app[1].load_model(MODEL)
+
+
+def test_unload_then_reload_or_generate_brings_the_checkpoint_back(api, app):
+    base = f"{app[0]}/sdapi/v1"
+    assert requests.post(f"{base}/unload-checkpoint").json() == {}
+    assert app[1].snapshot().model is None
+    assert api.get_options()["sd_model_checkpoint"] == MODEL  # what the next request loads
+    assert requests.post(f"{base}/reload-checkpoint").json() == {}
+    assert app[1].snapshot().model == MODEL
+    requests.post(f"{base}/unload-checkpoint")
+    assert len(api.txt2img(prompt="a fox", **SMALL).images) == 1  # loads on demand, as A1111
+    assert app[1].snapshot().model == MODEL
+    assert requests.post(f"{base}/refresh-checkpoints").status_code == 200
+    assert requests.post(f"{base}/refresh-loras").status_code == 200
+
+
+# ------------------------------------------------------------------------------ progress, interrupt, skip
+class Background:
+    """A txt2img running in a thread, its answer kept."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.answer = None
+        self.thread = threading.Thread(target=self._post, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _post(self, url: str, body: dict) -> None:
+        self.answer = requests.post(f"{url}/sdapi/v1/txt2img", json=body, timeout=300)
+
+    def progress_when(self, url: str, ready, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            seen = requests.get(f"{url}/sdapi/v1/progress").json()
+            if ready(seen):
+                return seen
+            time.sleep(0.05)
+        raise AssertionError(f"progress never got there; last: {seen}")
+
+
+def test_progress_while_a_job_runs_then_interrupt_keeps_the_partial_image(app):
+    url = app[0]
+    job = Background(url, {"prompt": "a fox", "steps": 150, "width": 64, "height": 64, "seed": 2})
+    seen = job.progress_when(url, lambda p: p["state"]["sampling_step"] >= 5 and p["current_image"])
+    assert set(seen) == {"progress", "eta_relative", "state", "current_image", "textinfo"}
+    assert set(seen["state"]) == STATE_KEYS and seen["state"]["sampling_steps"] == 150
+    assert seen["state"]["job_count"] == 1 and seen["state"]["job"] == "txt2img"
+    assert 0.01 < seen["progress"] < 1 and seen["eta_relative"] > 0
+    assert _png(seen["current_image"]).size == (8, 8)  # the live preview: one pixel per latent pixel
+    skipped = requests.get(f"{url}/sdapi/v1/progress", params={"skip_current_image": True}).json()
+    assert skipped["current_image"] is None
+    assert requests.post(f"{url}/sdapi/v1/interrupt").json() == {}
+    job.thread.join(120)
+    answer = job.answer.json()
+    info = json.loads(answer["info"])
+    assert job.answer.status_code == 200 and len(answer["images"]) == 1 and info["interrupted"] is True
+    idle = requests.get(f"{url}/sdapi/v1/progress").json()
+    assert idle["progress"] == 0 and idle["state"]["job_count"] == 0 and idle["current_image"] is None
+
+
+def test_skip_ends_one_run_and_the_next_runs(app):
+    url = app[0]
+    job = Background(url, {"prompt": "a fox", "steps": 40, "width": 64, "height": 64, "seed": 2, "n_iter": 2})
+    seen = job.progress_when(url, lambda p: p["state"]["sampling_step"] >= 2)
+    assert (seen["state"]["job_no"], seen["state"]["job_count"]) == (0, 2)
+    assert requests.post(f"{url}/sdapi/v1/skip").status_code == 200
+    job.progress_when(url, lambda p: p["state"]["job_no"] == 1 or p["state"]["job_count"] == 0)
+    job.thread.join(120)
+    info = json.loads(job.answer.json()["info"])
+    assert info["all_seeds"] == [2, 3] and info["interrupted"] is True  # run 1 cut short, run 2 whole
+
+
+# ------------------------------------------------------------------------------ /steady/v1 extras
+def test_steady_extras(api, app):
+    url = app[0]
+    api.txt2img(prompt="a fox <lora:style:1>", **SMALL)
+    snapshot = requests.get(f"{url}/steady/v1/snapshot").json()
+    assert snapshot["model"] == MODEL and snapshot["state"] == "READY" and snapshot["history"]
+    rows = requests.get(f"{url}/steady/v1/placement").json()
+    assert rows and {"component", "module", "device", "dtype", "violation"} <= set(rows[0])
+    counters = requests.get(f"{url}/steady/v1/lora-counters").json()
+    assert counters["style"]["matched_layers"] == 2
+    report = requests.get(f"{url}/steady/v1/bug-report")
+    assert report.headers["content-type"] == "application/zip"
+    assert {"report.json", "card.png"} <= set(zipfile.ZipFile(io.BytesIO(report.content)).namelist())
