@@ -1,12 +1,13 @@
 """A real headless Chromium runs the img2img tab's three workflows as a user would: upload an init
 image and run img2img, upload it into the image editor, paint a mask with the mouse and inpaint
-(then again with an uploaded mask), and run txt2img with hires fix. Screenshots as in
-tests/test_browser.py (`SD_UPDATE_SCREENSHOTS=1` copies them to assets/screenshots/)."""
+(then again with an uploaded mask), and run txt2img with hires fix. Screenshots as `browser_kit`
+says (`SD_UPDATE_SCREENSHOTS=1` copies them to assets/screenshots/)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from browser_kit import TIMEOUT_MS, chromium, outputs, save
 from PIL import Image, ImageDraw
 from served_app import free_port, make_ui_data, running_app
 
@@ -14,10 +15,14 @@ from app.infotext import read_parameters
 from app.settings import Settings
 
 pytestmark = pytest.mark.browser
-sync_api = pytest.importorskip("playwright.sync_api")
-from test_browser import TIMEOUT_MS, _save, browser  # noqa: E402, F401 - the Chromium fixture and screenshot helper
 
 STAGES = {"img2img encode", "img2img", "inpaint encode", "inpaint", "txt2img", "hires upscale", "hires fix"}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with chromium() as launched:
+        yield launched
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +47,7 @@ def pictures(tmp_path_factory):
 
 
 def _last_output(engine) -> tuple[Image.Image, str]:
-    path = max(engine.settings.outputs_dir.rglob("*.png"), key=lambda p: p.stat().st_mtime_ns)
+    path = outputs(engine)[-1]
     return Image.open(path).convert("RGB"), read_parameters(path)
 
 
@@ -66,7 +71,7 @@ def _paint(page) -> None:
     page.mouse.up()
 
 
-def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures):  # noqa: F811 - the fixture
+def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures):
     """Each workflow runs from the tab and writes a PNG whose infotext carries its settings: img2img
     at the request's size with the resize mode; inpaint from a painted mask (pixels far from the
     stroke are the init image's: the overlay) and from an uploaded one; hires fix at twice the size.
@@ -84,7 +89,7 @@ def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures)
     _run(page, "sd-i2i-run", "Resize mode: crop and resize")
     image, text = _last_output(engine)
     assert image.size == (64, 64) and "Denoising strength: 0.75" in text and "Seed: 42" in text
-    _save(page, "img2img.png")
+    save(page, "img2img.png")
 
     page.get_by_role("tab", name="Inpaint").click()
     page.locator("#sd-inpaint-editor input[type=file]").set_input_files(str(pictures / "init.png"))
@@ -98,7 +103,7 @@ def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures)
     result = np.asarray(painted, dtype=np.int16)
     assert (result[:, :8] == init[:, :8]).all(), "pixels far from the stroke changed"
     assert np.abs(result[:, 40:] - init[:, 40:]).max() > 20, "the painted area was not repainted"
-    _save(page, "inpaint.png")
+    save(page, "inpaint.png")
     page.locator("#sd-inpaint-mask input[type=file]").set_input_files(str(pictures / "mask.png"))
     page.wait_for_selector("#sd-inpaint-mask img", timeout=TIMEOUT_MS)
     page.get_by_label("fill", exact=True).check()
@@ -109,7 +114,7 @@ def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures)
     _run(page, "sd-hires-run", "Hires upscale: 2")
     image, text = _last_output(engine)
     assert image.size == (128, 128) and "Hires upscaler: Latent" in text and "Size: 64x64" in text
-    _save(page, "hires-fix.png")
+    save(page, "hires-fix.png")
     history = engine.snapshot().history
     assert STAGES <= {row.command for row in history}
     assert all(row.outcome == "ok" and row.violations_found == 0 for row in history)

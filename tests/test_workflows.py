@@ -219,3 +219,16 @@ def test_a_real_inpainting_single_file_gets_a_nine_channel_unet_config():
     override = unet_channel_override(config_dir, {key: (320, 9, 3, 3)})
     assert override["unet"]["in_channels"] == 9 and override["unet"]["out_channels"] == 4
     assert unet_channel_override(config_dir, {key: (320, 4, 3, 3)}) == {}
+
+
+def test_a_family_without_stage_pipelines_refuses_the_workflows_before_queueing(engine):
+    """Flux has no img2img/inpaint pipeline here yet: each workflow is refused by name, with no
+    transition run and the model untouched."""
+    engine.load_model("tiny-flux-dev.safetensors")
+    rows = len(engine.snapshot().history)
+    image = Image.new("RGB", (64, 64), (90, 30, 30))
+    for call in (lambda: engine.img2img(PARAMS, [image]), lambda: engine.inpaint(PARAMS, image, _mask()),
+                 lambda: engine.generate(PARAMS, hires=HIRES)):
+        with pytest.raises(ValueError, match="is not available for .* models yet"):
+            call()
+    assert len(engine.snapshot().history) == rows and engine.snapshot().state == "READY"

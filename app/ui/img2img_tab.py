@@ -64,7 +64,8 @@ def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
 def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
     editor = gr.ImageEditor(type="pil", label="Image and mask (paint the area to repaint)", elem_id="sd-inpaint-editor",
                             brush=gr.Brush(colors=["#ffffff"], color_mode="fixed", default_size=12),
-                            height=360, layers=False, transforms=())
+                            height=360, layers=False, transforms=(), format="png")  # lossless: the pixels outside
+    # the mask are pasted back as they arrive
     uploaded = gr.Image(type="pil", label="…or upload a mask (white repaints; overrides the painting)",
                         elem_id="sd-inpaint-mask", height=160)
     with gr.Row():
