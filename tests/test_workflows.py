@@ -232,3 +232,31 @@ def test_a_family_without_stage_pipelines_refuses_the_workflows_before_queueing(
         with pytest.raises(ValueError, match="is not available for .* models yet"):
             call()
     assert len(engine.snapshot().history) == rows and engine.snapshot().state == "READY"
+
+
+def test_interrupt_in_the_first_pass_keeps_its_image_and_skips_the_hires_pass(engine):
+    """Interrupt while the first pass denoises: the first pass's image comes back at the first
+    pass's size, marked with the step it stopped at, no upscale or hires pass runs, and the
+    engine is READY with nothing carried over."""
+    import threading
+    import time
+
+    engine.load_model(CHECKPOINTS["sd15"])
+    long = dataclasses.replace(PARAMS, steps=150)
+    done: dict = {}
+    worker = threading.Thread(target=lambda: done.setdefault("images", engine.generate(long, hires=HIRES)))
+    worker.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        progress = engine.snapshot().progress
+        if progress is not None and progress.phase.startswith("first pass") and progress.step >= 2:
+            break
+        time.sleep(0.01)
+    assert engine.interrupt()
+    worker.join(timeout=120)
+    (image,) = done["images"]
+    assert image.image.size == (64, 64) and image.stopped_at is not None and image.stopped_at < 150
+    snap = engine.snapshot()
+    assert snap.history[-1].command == "txt2img" and snap.history[-1].outcome == "ok"
+    assert "hires upscale" not in {row.command for row in snap.history} and snap.state == "READY"
+    assert "latents" not in engine._lifecycle.carry
