@@ -70,7 +70,9 @@ class HiresParams:
     """A1111's hires fix: the first pass at the request's size, an upscale by `scale` with `upscaler`
     (a latent mode, a pixel resampler or an ESRGAN file), then an img2img pass of `steps` (0: the
     first pass's) at `denoising_strength`, with its own `sampler` (`SAME`: the first pass's) and its
-    own prompts (empty: the first pass's), whose `<lora:…>` tags set that pass's LoRA strengths."""
+    own prompts (empty: the first pass's), whose `<lora:…>` tags set that pass's LoRA strengths.
+    A1111's request fields: `hr_scale`, `hr_upscaler`, `hr_second_pass_steps`, `denoising_strength`,
+    `hr_sampler_name`, `hr_prompt`, `hr_negative_prompt` (`hr_resize_x/y` are not supported)."""
 
     scale: float = 2.0
     upscaler: str = "Latent"
