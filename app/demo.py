@@ -112,8 +112,9 @@ EMBEDDING_VECTORS = 2
 LoraWriter = Callable[[Path, object, str], None]
 
 
-def build_tiny_pipeline(arch: str, seed: int = 0):
+def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None):
     """A random-weight tiny pipeline on CPU in float32; the same seed gives the same weights.
+    `in_channels=9` makes an inpainting checkpoint's UNet (latents + mask + masked-image latents).
 
     The global RNG is forked so building a pipeline does not disturb the caller's random state.
     """
@@ -123,7 +124,8 @@ def build_tiny_pipeline(arch: str, seed: int = 0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         components = {
-            fam.denoiser: fam.denoiser_class(**configs[fam.denoiser]),
+            fam.denoiser: fam.denoiser_class(**configs[fam.denoiser],
+                                              **({} if in_channels is None else {"in_channels": in_channels})),
             "vae": AutoencoderKL(**configs["vae"]),
         }
         for te in fam.text_encoders:
@@ -170,13 +172,16 @@ def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]
     return tensors
 
 
-def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int = 0) -> dict[str, Path]:
+def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int = 0,
+               inpainting: bool = False) -> dict[str, Path]:
     """Write tiny checkpoints (single file + diffusers folder) and embeddings for both archs.
 
     LoRA files are not written here: `app/adapters` owns their formats, so a caller passes
     `lora_writer(lora_dir, pipe, arch)`, called once per architecture with that tiny pipeline.
     Returns the written paths by name (`sd15_file`, `sd15_folder`, `sd15_embedding`, ... plus
-    `checkpoints_dir`, `lora_dir`, `embeddings_dir`).
+    `checkpoints_dir`, `lora_dir`, `embeddings_dir`). With `inpainting` also `sd15_inpainting_file`, an
+    SD1.5 inpainting checkpoint with a 9-channel UNet (the command line and the tests write it; the
+    first start of the app leaves it out, to start quickly).
     """
     settings = Settings(data_dir=Path(data_dir))
     paths = {
@@ -196,6 +201,9 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
         save_file(embedding_tensors(pipe, arch, seed), str(paths[f"{arch}_embedding"]))
         if lora_writer is not None:
             lora_writer(settings.lora_dir, pipe, arch)
+    if inpainting:
+        paths["sd15_inpainting_file"] = settings.checkpoints_dir / "tiny-sd15-inpainting.safetensors"
+        write_single_file(build_tiny_pipeline("sd15", seed, in_channels=9), "sd15", paths["sd15_inpainting_file"])
     return paths
 
 
@@ -205,7 +213,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Write tiny demo models and LoRAs in the A1111 folder layout.")
     parser.add_argument("data_dir", type=Path)
     args = parser.parse_args()
-    for name, path in write_demo(args.data_dir, lora_writer=write_demo_loras).items():
+    for name, path in write_demo(args.data_dir, lora_writer=write_demo_loras, inpainting=True).items():
         print(f"{name:16} {path}")
 
 

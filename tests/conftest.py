@@ -15,12 +15,13 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def demo_paths(tmp_path_factory) -> dict[str, Path]:
-    """Paths written once per session by `app.demo.write_demo` (tiny SD1.5/SDXL single files and
-    diffusers folders, one embedding per arch, the demo LoRAs). Shared: copy before modifying anything in it."""
+    """Paths written once per session by `app.demo.write_demo` (tiny single files and diffusers
+    folders per family, the SD1.5 inpainting checkpoint, one embedding per arch, the demo LoRAs).
+    Shared: copy before modifying anything in it."""
     from app.adapters.synthetic import write_demo_loras
     from app.demo import write_demo
 
-    return write_demo(tmp_path_factory.mktemp("demo"), lora_writer=write_demo_loras)
+    return write_demo(tmp_path_factory.mktemp("demo"), lora_writer=write_demo_loras, inpainting=True)
 
 
 @pytest.fixture(scope="session")

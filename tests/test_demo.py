@@ -73,7 +73,7 @@ def test_tiny_sdxl_keeps_the_real_structure_that_loaders_and_adapters_rely_on():
 
 def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
     """The demo folder has every family as a single file and a diffusers folder (Flux as the
-    ComfyUI/Forge all-in-one file), and one embedding per family."""
+    ComfyUI/Forge all-in-one file), an SD1.5 inpainting checkpoint, and one embedding per family."""
     checkpoints = demo_dir / "models" / "Stable-diffusion"
     names = [info.name for info in models.discover_checkpoints(checkpoints)]
     assert names == [
@@ -82,6 +82,7 @@ def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
         "tiny-flux-schnell-diffusers",
         "tiny-flux-schnell.safetensors",
         "tiny-sd15-diffusers",
+        "tiny-sd15-inpainting.safetensors",
         "tiny-sd15.safetensors",
         "tiny-sdxl-diffusers",
         "tiny-sdxl.safetensors",
@@ -132,17 +133,18 @@ def test_write_demo_calls_the_lora_writer_once_per_family(tmp_path):
 
 
 def test_cli_writes_into_the_given_folder(tmp_path, monkeypatch, capsys):
-    """`python -m app.demo DIR` passes DIR (and the demo LoRA writer) to write_demo and prints what it wrote."""
+    """`python -m app.demo DIR` passes DIR (the demo LoRA writer, the inpainting checkpoint) to write_demo and
+    prints what it wrote."""
     from app.adapters.synthetic import write_demo_loras
 
     seen = []
 
-    def fake_write_demo(path, lora_writer=None):
-        seen.append((path, lora_writer))
+    def fake_write_demo(path, lora_writer=None, inpainting=False):
+        seen.append((path, lora_writer, inpainting))
         return {"sd15_file": path / "x"}
 
     monkeypatch.setattr(demo, "write_demo", fake_write_demo)
     monkeypatch.setattr("sys.argv", ["app.demo", str(tmp_path)])
     demo.main()
-    assert seen == [(tmp_path, write_demo_loras)]
+    assert seen == [(tmp_path, write_demo_loras, True)]  # the command line writes the inpainting checkpoint too
     assert str(tmp_path / "x") in capsys.readouterr().out

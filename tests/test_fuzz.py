@@ -4,7 +4,9 @@ mismatch, leave a tensor out of place, or lose the model's weights.
 A Hypothesis state machine drives one `Engine` through random sequences of load_model,
 set_dtype, set_offload, set_loras (set / append / remove / re-weight, every adapter algorithm,
 strengths 0, negative and above 1, separate text-encoder strengths), prompt `<lora:…>` tags (for one generation only),
-set_debug toggles (strict included), generate and unload, while a plain model of the desired
+set_debug toggles (strict included), generate, the stage workflows (txt2img with hires fix whose hires
+prompt re-weights a LoRA for the second pass, img2img, inpaint; each stage its own transition)
+and unload, while a plain model of the desired
 state predicts what the engine must show. Some actions must be refused: a list holding a LoRA
 made for the other architecture or missing from the folder (refused whole, nothing changes), a
 generation with no model loaded. Switching architecture with LoRAs set loads the model without
@@ -47,6 +49,7 @@ from hook_plan import actual_hooks, expected_hooks
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from PIL import Image
 
 from app.adapters.errors import LoraApplyError
 from app.adapters.patcher import LoraStack
@@ -56,6 +59,7 @@ from app.demo import build_tiny_pipeline
 from app.diagnostics import set_debug_logging
 from app.engine import offload, placement, storage
 from app.engine.generate import GenerateParams
+from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, HiresParams
 from app.engine.worker import Engine, EngineState
 from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
@@ -81,11 +85,14 @@ MAX_LORAS = 4  # appends beyond this remove one instead, so lists stay varied ra
 
 # Relative frequency of each action. Reloads and generations cost ~10× a LoRA change on the
 # CPU, so they are rarer; every action still occurs dozens of times across the budget.
+# The stage workflows run two or three passes each, so generate gives them part of its share.
 ACTION_WEIGHTS = {
     "set_loras": 5, "append_lora": 6, "remove_lora": 4, "reweight_lora": 6, "set_offload": 5,
-    "set_debug": 3, "generate": 3, "set_dtype": 1, "set_weights": 1, "load_model": 1, "unload": 1,
-    "refused_set_loras": 1,
+    "set_debug": 3, "generate": 2, "set_dtype": 1, "set_weights": 1, "load_model": 1, "unload": 1,
+    "refused_set_loras": 1, "hires": 1, "img2img": 1, "inpaint": 1,
 }
+WORKFLOW_ROWS = {"hires": ("txt2img_hires", "hires fix"), "img2img": ("img2img", "img2img"),
+                 "inpaint": ("inpaint", "inpaint")}  # (command name, last stage's row)
 WEIGHTED_ACTIONS = tuple(a for a, n in ACTION_WEIGHTS.items() for _ in range(n))
 
 
@@ -317,10 +324,11 @@ class EngineMachine(RuleBasedStateMachine):
             set_debug_logging(False, False)
 
     # ------------------------------------------------------------------ helpers
-    def _count(self, command: str, expect_failure: bool = False) -> None:
+    def _count(self, command: str, expect_failure: bool = False, row: str | None = None) -> None:
+        """Count an action; `row` is the history row it must end with when that is not `command`."""
         self.config.stats[command] += 1
         self.config.stats["transitions"] += 1
-        self.last_command, self.expect_failure = command, expect_failure
+        self.last_command, self.expect_failure = row or command, expect_failure
 
     def _usable(self) -> tuple[str, ...]:
         return self.config.usable[self.arch]
@@ -461,6 +469,53 @@ class EngineMachine(RuleBasedStateMachine):
         for spec in self._fitting(tuple(merged.values()), self.arch):  # the run carried every fitting tag
             assert f"{spec.name}: {spec.unet_strength:g}" in images[0].infotext, (spec, images[0].infotext)
 
+    def _workflow(self, data, action: str, run) -> None:
+        """Run a stage workflow: refused without a model; otherwise its last row is its last stage's,
+        or `restore_loras` when prompt tags changed the LoRAs for a pass."""
+        command, last_stage = WORKFLOW_ROWS[action]
+        seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+        params = GenerateParams("a cat", steps=FUZZ_STEPS, width=64, height=64, cfg=5.0, seed=seed,
+                                sampler=data.draw(st.sampled_from(SAMPLERS), label="sampler"))
+        tags = ()
+        if self._usable() and data.draw(st.booleans(), label="tagged"):
+            name = data.draw(st.sampled_from(self._usable()), label="tag")
+            tags = (LoraSpec(name, weight=data.draw(st.sampled_from(STRENGTHS), label="tag weight")),)
+        if self.model is None:
+            self._count(action, expect_failure=True, row=command)
+            with pytest.raises(RuntimeError, match="no model loaded"):
+                run(params, tags)
+            return
+        if ("inpaint" if action == "inpaint" else "img2img") not in family(self.arch).stage_pipelines:
+            self.config.stats["refused_workflow"] += 1  # refused before queueing: no transition
+            with pytest.raises(ValueError, match="is not available for"):
+                run(params, tags)
+            return
+        merged = {s.name: s for s in self.desired}
+        merged.update({s.name: s for s in tags})
+        retagged = bool(tags) and tuple(merged.values()) != self.desired
+        self._count(action, row="restore_loras" if retagged else last_stage)
+        images = run(params, tags)
+        assert len(images) == 1 and images[0].image.size in ((64, 64), (80, 80)), images
+
+    def _do_hires(self, data) -> None:
+        """Hires fix; a tag in the hires prompt sets that LoRA's strength for the second pass only."""
+        upscaler = data.draw(st.sampled_from(("Latent", "Latent (nearest)", "Lanczos")), label="upscaler")
+
+        def run(params, tags):
+            prompt = _tagged(params, tags).prompt if tags else ""
+            return self.engine.generate(params, hires=HiresParams(1.25, upscaler, 0, 0.5, prompt=prompt))
+        self._workflow(data, "hires", run)
+
+    def _do_img2img(self, data) -> None:
+        mode = data.draw(st.sampled_from(RESIZE_MODES), label="resize mode")
+        self._workflow(data, "img2img", lambda params, tags: self.engine.img2img(
+            _tagged(params, tags), [INIT_IMAGE], denoising_strength=0.5, resize_mode=mode))
+
+    def _do_inpaint(self, data) -> None:
+        fill = data.draw(st.sampled_from(MASKED_CONTENT), label="masked content")
+        self._workflow(data, "inpaint", lambda params, tags: self.engine.inpaint(
+            _tagged(params, tags), INIT_IMAGE, MASK, denoising_strength=1.0, inpainting_fill=fill))
+
     # ------------------------------------------------------------------ invariants
     @invariant()
     def engine_matches_desired_state(self) -> None:
@@ -525,6 +580,17 @@ class EngineMachine(RuleBasedStateMachine):
                                                     {(c, p) for c, paths in stored.items() for p in paths})
 
 
+INIT_IMAGE = Image.new("RGB", (80, 48), (40, 140, 90))
+MASK = Image.new("L", (80, 48), 0)
+MASK.paste(255, (20, 8, 60, 40))
+
+
+def _tagged(params: GenerateParams, tags: tuple[LoraSpec, ...]) -> GenerateParams:
+    """`params` with a `<lora:name:w>` tag per spec in the prompt."""
+    tagged = " ".join([params.prompt, *(f"<lora:{t.name}:{t.weight!r}>" for t in tags)])
+    return dataclasses.replace(params, prompt=tagged)
+
+
 def run_fuzz(config: FuzzConfig, examples: int, steps: int) -> None:
     EngineMachine.config = config
     run_state_machine_as_test(EngineMachine, settings=settings(
@@ -559,7 +625,7 @@ def test_fuzz_engine_api_cpu(fuzz_data, record_property):
     print(f"fuzz cpu: {dict(config.stats)}, reference fuses {refs.fuses}")
     assert config.stats["transitions"] >= CPU_MIN_TRANSITIONS, dict(config.stats)
     for action in ("set_loras", "set_offload", "set_dtype", "set_weights", "load_model", "unload", "generate",
-                   "set_debug", "refused"):
+                   "set_debug", "refused", "hires", "img2img", "inpaint"):
         assert config.stats[action] >= 20, (action, dict(config.stats))
     assert config.stats["set_aside"] >= 5, dict(config.stats)  # loads that set foreign LoRAs aside
 

@@ -61,22 +61,32 @@ def _sequence(engine: Engine, offloads: tuple[str, str, str]) -> list[np.ndarray
     return images
 
 
+def in_every_mode(data_dir, arch: str, dtype: str, sequence, switches: dict[str, tuple[str, str, str]],
+                  inspect=None) -> tuple[dict[str, list[np.ndarray]], object, object]:
+    """Run `sequence(engine, offloads)` on `full-<arch>` in strict mode once per offload mode, then once
+    per entry of `switches` (modes switched between its parts). Returns (images by run name, the last
+    snapshot, what `inspect(engine)` found before the model was unloaded)."""
+    engine = Engine(Settings(data_dir=data_dir, device="cuda", dtype=dtype, strict=True))
+    try:
+        engine.load_model(f"full-{arch}")
+        runs = {mode: sequence(engine, (mode, mode, mode)) for mode in OFFLOAD_CHOICES}
+        runs.update({name: sequence(engine, offloads) for name, offloads in switches.items()})
+        found = None if inspect is None else inspect(engine)
+        snap = engine.snapshot()
+    finally:
+        engine.unload()
+        engine.close()
+    return runs, snap, found
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_sdnext_sequence_in_every_offload_mode(full_model, dtype):
     """Zero errors and zero placement violations in every mode and across mode switches; one seed gives
     the same images everywhere. The tolerance is half the change a 1.0 → 1.1 strength step makes, so a
     LoRA that one mode failed to apply (or restore) cannot hide in it."""
     arch, data_dir = full_model
-    engine = Engine(Settings(data_dir=data_dir, device="cuda", dtype=dtype, strict=True))
-    try:
-        engine.load_model(f"full-{arch}")
-        runs = {mode: _sequence(engine, (mode, mode, mode)) for mode in OFFLOAD_CHOICES}
-        runs["switching"] = _sequence(engine, ("sequential", "group", "balanced"))
-        runs["switching back"] = _sequence(engine, ("model", "none", "sequential"))
-        snap = engine.snapshot()
-    finally:
-        engine.unload()
-        engine.close()
+    runs, snap, _ = in_every_mode(data_dir, arch, dtype, _sequence, {
+        "switching": ("sequential", "group", "balanced"), "switching back": ("model", "none", "sequential")})
     assert snap.last_error is None and snap.violations_found_total == 0
     assert all(row.outcome == "ok" for row in snap.history)
     reference = runs["none"]

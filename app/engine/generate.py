@@ -209,15 +209,17 @@ def resolve_seed(seed: int) -> int:
     return random.randint(0, MAX_SEED) if seed == -1 else seed
 
 
-def infotext(params: GenerateParams, seed: int, ctx: RunContext) -> str:
+def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tuple[str, object], ...] = ()) -> str:
     """A1111-style `parameters` text (see `app.infotext`), so other tools and our PNG Info read it back.
     A guidance-distilled family (Flux dev) writes what Forge writes: `CFG scale: 1` (no CFG runs) and
-    the guidance as `Distilled CFG Scale`."""
+    the guidance as `Distilled CFG Scale`. `extra` holds a workflow's own pairs (`Denoising
+    strength`, `Hires upscale`, …), written after `Model` as A1111 writes them."""
     distilled = ctx.arch is not None and family(ctx.arch).distilled_guidance
     guidance = [("CFG scale", "1"), ("Distilled CFG Scale", f"{params.cfg:g}")] if distilled \
         else [("CFG scale", f"{params.cfg:g}")]
     settings = [("Steps", params.steps), ("Sampler", params.sampler), *guidance, ("Seed", seed),
-                ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name)]
+                ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name),
+                *extra]
     loras = tuple(LoraUse(*entry) for entry in ctx.loras)
     return format_infotext(params.prompt, params.negative_prompt, settings, loras)
 
@@ -237,7 +239,8 @@ def _check_size(fam, params: GenerateParams) -> None:
                              f"{params.width}x{params.height}")
 
 
-def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
+def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
+    """Latents -> PIL images through the VAE on the execution device, in the VAE's compute dtype."""
     vae = pipe.vae
     # The execution device and the VAE's compute dtype, not its resting ones: under offload the
     # VAE rests on the CPU (maybe in a wider dtype) until its hooks bring it over. fp32 when it
@@ -260,6 +263,12 @@ def _decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
 StepCallback = Callable[[int, int, torch.Tensor], bool]
 
 
+def seed_generators(seed: int, count: int) -> list[torch.Generator]:
+    """One CPU generator per image, image i seeded with `seed + i`: the same seed gives the same image
+    whatever the batch position, device or offload mode."""
+    return [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(count)]
+
+
 def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None) -> list[Image.Image]:
     """Denoise and decode `params.batch` images; image i uses seed `seed + i`.
 
@@ -269,20 +278,28 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
+    latents = denoise(pipe, params, seed, on_step, width=params.width, height=params.height)
+    return decode(pipe, pipe.spatial_latents(latents, params.height, params.width))
+
+
+def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, total: int | None = None,
+            **inputs) -> torch.Tensor:
+    """The denoising loop of any of our pipelines (txt2img, or a stage pipeline given its `inputs`:
+    init latents, strength, mask); returns the latents as the pipeline packs them. `total` is the
+    number of steps the loop really runs (an img2img pass runs `steps × strength`), for `on_step`
+    and the NaN check."""
     fam = family_of(pipe)
     _check_size(fam, params)
     pipe.scheduler = _scheduler_for(pipe, params.sampler)
-    generators = [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(params.batch)]
-    watch = _FiniteWatch(params.steps)
+    total = params.steps if total is None else total
+    watch = _FiniteWatch(total)
 
     def step_end(_pipe, step, _timestep, kwargs):
         watch.observe(step + 1, kwargs["latents"])
-        if on_step is not None and on_step(step + 1, params.steps, spatial(kwargs["latents"])):
+        if on_step is not None and on_step(step + 1, total, pipe.spatial_latents(kwargs["latents"], params.height,
+                                                                                  params.width)):
             _pipe._interrupt = True
         return kwargs
-
-    def spatial(latents: torch.Tensor) -> torch.Tensor:
-        return pipe.spatial_latents(latents, params.height, params.width)
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
     # tensors could not be patched in place afterwards.
@@ -290,16 +307,15 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
         latents = pipe(
             prompt=params.prompt,
             num_inference_steps=params.steps,
-            width=params.width,
-            height=params.height,
             num_images_per_prompt=params.batch,
-            generator=generators,
+            generator=seed_generators(seed, params.batch),
             output_type="latent",
             callback_on_step_end=step_end,
             **fam.call_arguments(params.cfg, params.negative_prompt),
+            **inputs,
         ).images
     watch.settle()
-    return _decode(pipe, spatial(latents))
+    return latents
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

@@ -26,7 +26,7 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, storage
+from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage
 from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
 from app.families import family
@@ -57,6 +57,7 @@ class _Loaded:
     stored: storage.Stored = field(default_factory=dict)  # layers whose weight rests in that dtype
     set_aside: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
     compile: compiled.CompileState | None = None
+    stage_pipes: dict[str, object] = field(default_factory=dict)  # img2img/inpaint pipelines on the same components
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class ModelLifecycle:
         self._open_lora = open_lora
         self._progress = progress
         self._loaded: _Loaded | None = None
+        self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
 
     # ------------------------------------------------------------------ reading
     @property
@@ -113,6 +115,11 @@ class ModelLifecycle:
     @property
     def plan(self) -> placement.PlacementPlan | None:
         return None if self._loaded is None else self._loaded.plan
+
+    @property
+    def stage_pipelines(self) -> dict[str, object]:
+        """The img2img/inpaint pipelines built on the loaded components so far."""
+        return {} if self._loaded is None else dict(self._loaded.stage_pipes)
 
     def facts(self) -> LoadedFacts | None:
         loaded = self._loaded
@@ -152,8 +159,9 @@ class ModelLifecycle:
         if self._loaded is None:
             return [], 0
         pipe, plan = self._loaded.model.pipe, self._loaded.plan
-        found = placement.verify(pipe, plan)
-        return found, placement.sync(pipe, plan, reason=when) if found else 0
+        model_found, carried = placement.verify(pipe, plan), self.carry.verify(plan)
+        repaired = placement.sync(pipe, plan, reason=when) if model_found else 0
+        return model_found + carried, repaired + (self.carry.sync(plan) if carried else 0)
 
     # ------------------------------------------------------------------ realising a Desired
     def realise(self, want: Desired, loras: tuple[LoraSpec, ...], *, retry_set_aside: bool = False,
@@ -346,21 +354,41 @@ class ModelLifecycle:
     # ------------------------------------------------------------------ generation
     def denoise(self, params: GenerateParams, seed: int, on_step: Callable[[int, int], None]) -> list:
         """Run one generation; afterwards every component is back at its resting placement."""
+        def txt2img(pipe):
+            stages.check_txt2img(pipe)
+            return generate.run(pipe, params, seed, on_step)
+        return self.run_on_model(txt2img, f"{params.batch}x{params.width}x{params.height}")
+
+    def run_on_model(self, work: Callable[[object], object], size: str, stage: str | None = None):
+        """`work(pipeline)` (the loaded pipeline, or the `stage` pipeline on its components); afterwards
+        every component is back at its resting placement, and out of GPU memory is a `MemoryError`
+        that names the `size` ("2x512x512") and what to try."""
         loaded = self._loaded
         if loaded is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
         t0 = time.perf_counter()
         try:
-            return generate.run(loaded.model.pipe, params, seed, on_step)
+            return work(loaded.model.pipe if stage is None else self._stage_pipeline(loaded, stage))
         except torch.OutOfMemoryError as exc:
             release_memory()
             raise MemoryError(
-                f"out of GPU memory generating {params.batch}x{params.width}x{params.height}: "
+                f"out of GPU memory generating {size}: "
                 "try a smaller batch or size, or an offload mode (model, balanced, sequential)") from exc
         finally:
-            self._timers.record("denoise+decode", time.perf_counter() - t0)
+            self._timers.record("denoise+decode" if stage is None else stage, time.perf_counter() - t0)
             loaded.strategy.settle()
             loaded.plan = loaded.plan.with_resident(loaded.strategy.resident())
+
+    @staticmethod
+    def _stage_pipeline(loaded: _Loaded, kind: str):
+        """The `kind` stage pipeline on the loaded components (built once per load), told the loaded
+        pipeline's current execution device and compute dtypes (an offload switch changes them)."""
+        pipe = loaded.model.pipe
+        stage = loaded.stage_pipes.get(kind)
+        if stage is None:
+            stage = loaded.stage_pipes[kind] = stages.stage_pipeline(pipe, family(loaded.model.arch), kind)
+        stage.execution_device, stage.compute_dtypes = pipe.execution_device, pipe.compute_dtypes
+        return stage
 
 
 def _signature(path) -> tuple[int, int]:

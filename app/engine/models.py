@@ -370,10 +370,11 @@ def _single_file_loader(keys: frozenset[str], metadata: dict[str, str]):
 
     def load(info: CheckpointInfo, arch: str, dtype: torch.dtype):
         source = "its embedded config" if CONFIGS_METADATA_KEY in metadata else f"the {arch.upper()} architecture"
-        with _config_folder(arch, metadata, info.name) as config_dir:
+        shapes = read_shapes(info.path)
+        with _config_folder(arch, metadata, info.name, shapes) as config_dir:
             fam = family(arch)
             try:
-                check_header_shapes(arch, config_dir, read_shapes(info.path), source)
+                check_header_shapes(arch, config_dir, shapes, source)
             except CheckpointShapeError as exc:
                 raise ModelLoadError(f"{info.name}: {exc}") from exc
             return fam.pipeline_class.from_single_file(
@@ -396,18 +397,33 @@ def _parts_loader(parts: PartFiles):
 
 
 @contextlib.contextmanager
-def _config_folder(arch: str, metadata: dict[str, str], name: str) -> Iterator[Path]:
-    """The bundled config folder, or a temporary copy with the file's embedded component configs."""
-    if CONFIGS_METADATA_KEY not in metadata:
+def _config_folder(arch: str, metadata: dict[str, str], name: str, shapes: dict[str, tuple[int, ...]]
+                   ) -> Iterator[Path]:
+    """The bundled config folder, or a temporary copy with the file's embedded component configs, or
+    with the UNet's input channels the file holds (an inpainting checkpoint's 9)."""
+    if CONFIGS_METADATA_KEY in metadata:
+        overrides = _embedded_configs(arch, metadata[CONFIGS_METADATA_KEY], name)
+    else:
+        overrides = unet_channel_override(family(arch).config_dir, shapes)
+    if not overrides:
         yield family(arch).config_dir
         return
-    overrides = _embedded_configs(arch, metadata[CONFIGS_METADATA_KEY], name)
     with tempfile.TemporaryDirectory(prefix="sd-config-") as tmp:
         folder = Path(tmp) / arch
         shutil.copytree(family(arch).config_dir, folder)
         for component, config in overrides.items():
             (folder / _CONFIG_FILES[component]).write_text(json.dumps(config))
         yield folder
+
+
+def unet_channel_override(config_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict]:
+    """{"unet": config} with `in_channels` as the file's first UNet conv has them, when that differs
+    from the bundled config: SD inpainting checkpoints take 9 (latents, mask, masked-image latents)."""
+    config = json.loads((config_dir / _CONFIG_FILES["unet"]).read_text())
+    conv_in = shapes.get(UNET_PREFIX + "input_blocks.0.0.weight")
+    if conv_in is None or len(conv_in) != 4 or conv_in[1] == config.get("in_channels"):
+        return {}
+    return {"unet": {**config, "in_channels": conv_in[1]}}
 
 
 def _embedded_configs(arch: str, text: str, name: str) -> dict[str, dict]:

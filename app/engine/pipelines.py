@@ -6,6 +6,10 @@ between forwards, so that inference would say "cpu" and the first CUDA forward w
 inputs. The engine sets `execution_device` from the placement plan instead, and `compute_dtypes`
 (what each component computes in, which a resting dtype need not be).
 
+The img2img and inpaint classes are the stage pipelines of `app/engine/stages.py`: built on the
+loaded pipeline's own component objects (never a copy, never a cast), handed the latents the
+engine encoded itself, so diffusers' own VAE encode (which casts the SDXL VAE in place) never runs.
+
 `spatial_latents` gives the denoised latents as (batch, channels, h, w), the shape the VAE and
 the live preview read: Flux denoises 2×2 patches packed into a sequence.
 """
@@ -16,7 +20,15 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
-from diffusers import FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    FluxPipeline,
+    StableDiffusionImg2ImgPipeline,
+    StableDiffusionInpaintPipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLPipeline,
+)
 
 
 class _StatedExecutionDevice:
@@ -43,6 +55,22 @@ class SteadySDPipeline(_StatedExecutionDevice, StableDiffusionPipeline):
 class SteadySDXLPipeline(_StatedExecutionDevice, StableDiffusionXLPipeline):
     """SDXL pipeline whose execution device is set by the engine."""
 
+
+
+class SteadySDImg2ImgPipeline(_StatedExecutionDevice, StableDiffusionImg2ImgPipeline):
+    """SD1.5 img2img (and hires fix second pass) stage pipeline."""
+
+
+class SteadySDInpaintPipeline(_StatedExecutionDevice, StableDiffusionInpaintPipeline):
+    """SD1.5 inpaint stage pipeline (4- or 9-channel UNet)."""
+
+
+class SteadySDXLImg2ImgPipeline(_StatedExecutionDevice, StableDiffusionXLImg2ImgPipeline):
+    """SDXL img2img (and hires fix second pass) stage pipeline."""
+
+
+class SteadySDXLInpaintPipeline(_StatedExecutionDevice, StableDiffusionXLInpaintPipeline):
+    """SDXL inpaint stage pipeline (4- or 9-channel UNet)."""
 
 
 class SteadyFluxPipeline(_StatedExecutionDevice, FluxPipeline):

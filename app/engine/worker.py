@@ -36,7 +36,9 @@ from app.engine.lifecycle import ModelLifecycle, RollbackFailed
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
 from app.engine.snapshot import ErrorRecord, Progress, Snapshot, Transition, build_snapshot
+from app.engine.stage_params import HiresParams
 from app.engine.storage import WEIGHTS_CHOICES
+from app.engine.workflows import Workflows
 from app.infotext import LoraUse
 from app.preview import LATENT_RGB, latent_preview
 from app.settings import DTYPE_CHOICES, Settings
@@ -81,8 +83,9 @@ class _Command:
     owner: str | None = None  # who may cancel it while it waits (generations)
 
 
-class Engine:
-    """Public, blocking API over the command queue. Thread-safe; every call waits for its result."""
+class Engine(Workflows):
+    """Public, blocking API over the command queue. Thread-safe; every call waits for its result.
+    img2img, inpaint and hires fix come from `Workflows` (app/engine/workflows.py)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -164,8 +167,12 @@ class Engine:
     def unload(self) -> Snapshot:
         return self._change("unload", "", EngineState.MOVING, lambda d: d.replace(model=None))
 
-    def generate(self, params: GenerateParams, *, owner: str | None = None) -> list[GeneratedImage]:
-        """Generate `params.n_iter` × `params.batch` images; `owner` names who may interrupt it."""
+    def generate(self, params: GenerateParams, *, owner: str | None = None,
+                 hires: HiresParams | None = None) -> list[GeneratedImage]:
+        """Generate `params.n_iter` × `params.batch` images; `owner` names who may interrupt it. With
+        `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`)."""
+        if hires is not None:
+            return self.txt2img_hires(params, hires, owner=owner)
         detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
         future = self.submit("generate", detail, EngineState.GENERATING, lambda: self._do_generate(params), owner=owner)
         return future.result()
@@ -264,6 +271,13 @@ class Engine:
     def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
         if value not in choices:
             raise ValueError(f"{what} must be one of {', '.join(choices)}; got {capped(repr(value), 80)}")
+
+    def _run_stage(self, name: str, detail: str, state: EngineState, body: Callable[[], Any]) -> Any:
+        """Run `body` now, on the worker, as a transition of its own: one stage of a workflow command
+        (verify/repair before and after, its history row, a published snapshot); raises its error."""
+        command = _Command(name, detail, state, body, Future())
+        self._run_transition(command)
+        return command.future.result()
 
     def _call(self, name: str, detail: str, state: EngineState, body: Callable[[], Any], result: bool = False):
         value = self.submit(name, detail, state, body).result()
@@ -432,21 +446,26 @@ class Engine:
             if tagged:
                 self._realise(self._desired, self._desired.loras)
 
-    def _generate_images(self, params: GenerateParams, saved_prompt: str, job: _Job) -> list[GeneratedImage]:
+    def _generate_images(self, params: GenerateParams, saved_prompt: str, job: _Job, batch_run=None,
+                         extra: tuple[tuple[str, object], ...] = ()) -> list[GeneratedImage]:
+        """`params.n_iter` runs of `batch_run(first_seed, phase)` -> (images, stopped_at) (default: one
+        txt2img denoising), each image saved with its infotext (`extra`: the workflow's own pairs)."""
         facts = self._lifecycle.facts()
         seed = generate.resolve_seed(params.seed)
         applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
                         for s in facts.loras)
         ctx = RunContext(facts.model, facts.model_hash, applied, facts.arch)
         saved = dataclasses.replace(params, prompt=saved_prompt)
+        batch_run = batch_run or (lambda first, phase: self._denoise_run(
+            params.steps, job, phase, lambda on_step: self._lifecycle.denoise(params, first, on_step)))
         out = []
         for run in range(params.n_iter):
             first = seed + run * params.batch
-            images, stopped_at = self._denoise_run(params, first, job, f"denoising, run {run + 1}/{params.n_iter}")
+            images, stopped_at = batch_run(first, f"denoising, run {run + 1}/{params.n_iter}")
             if job.stop == "drop":
                 return []
             for i, image in enumerate(images):
-                text = generate.infotext(saved, first + i, ctx)
+                text = generate.infotext(saved, first + i, ctx, extra)
                 path = generate.save_png(image, text, self.settings.outputs_dir, first + i)
                 out.append(GeneratedImage(image, first + i, text, path, stopped_at))
             if job.stop == "interrupt":
@@ -454,9 +473,10 @@ class Engine:
             job.stop = None  # a Skip ends this run only
         return out
 
-    def _denoise_run(self, params: GenerateParams, seed: int, job: _Job, phase: str) -> tuple[list, int | None]:
-        """One run of the batch; returns its images and the step it was stopped at (None: all ran).
-        Every `preview_every` steps the progress carries a cheap preview of the latents."""
+    def _denoise_run(self, total: int, job: _Job, phase: str, run) -> tuple[Any, int | None]:
+        """One denoising pass of `total` steps, `run(on_step)`; returns its result and the step it was
+        stopped at (None: all ran). Every `preview_every` steps the progress carries a cheap preview
+        of the latents."""
         reached, arch = 0, self._lifecycle.facts().arch
 
         def on_step(step: int, total: int, latents) -> bool:
@@ -467,9 +487,9 @@ class Engine:
             self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
             return job.stop is not None
 
-        self._set_progress(phase, 0, params.steps)
+        self._set_progress(phase, 0, total)
         try:
-            images = self._lifecycle.denoise(params, seed, on_step)
+            result = run(on_step)
         except generate.NonFiniteLatentsError as exc:
             self._attribute_non_finite(exc)
             raise
@@ -478,7 +498,7 @@ class Engine:
         except Exception as exc:
             self._attribute_runtime_error(exc)
             raise
-        return images, None if reached == params.steps else reached
+        return result, None if reached == total else reached
 
     def _attribute_non_finite(self, exc: generate.NonFiniteLatentsError) -> None:
         """NaN/Inf latents name no layer: they count against every LoRA applied to this run (the

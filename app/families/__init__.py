@@ -101,6 +101,9 @@ class Family:
     # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
     # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
     high_precision: tuple[str, ...] = ()
+    # Stage pipeline classes by workflow ("img2img", "inpaint"), built on the loaded pipeline's
+    # components (app/engine/stages.py); a family without one refuses that workflow by name.
+    stage_pipelines: Mapping[str, type] = field(default_factory=dict)
     default_sampler: str = "Euler a"
     size_multiple: int = 8  # width and height are rounded to this (the VAE's downscale factor)
     denoiser: str = "unet"  # the denoising component: "unet", or "transformer" for DiTs

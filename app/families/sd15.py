@@ -6,7 +6,7 @@ from types import MappingProxyType
 
 from transformers import CLIPTextModel
 
-from app.engine.pipelines import SteadySDPipeline
+from app.engine.pipelines import SteadySDImg2ImgPipeline, SteadySDInpaintPipeline, SteadySDPipeline
 from app.families import ASSETS_DIR, Family, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX, lora_aliases
 
@@ -17,6 +17,7 @@ SD15 = Family(
     name="sd15",
     label="SD1.5",
     pipeline_class=SteadySDPipeline,
+    stage_pipelines=MappingProxyType({"img2img": SteadySDImg2ImgPipeline, "inpaint": SteadySDInpaintPipeline}),
     diffusers_pipeline="StableDiffusionPipeline",
     text_encoders=(_CLIP,),
     checkpoint_markers=(UNET_PREFIX + "input_blocks.0.0.weight",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from app.engine.pipelines import SteadySDXLPipeline
+from app.engine.pipelines import SteadySDXLImg2ImgPipeline, SteadySDXLInpaintPipeline, SteadySDXLPipeline
 from app.families import ASSETS_DIR, Family, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX, lora_aliases
 
@@ -18,6 +20,7 @@ SDXL = Family(
     name="sdxl",
     label="SDXL",
     pipeline_class=SteadySDXLPipeline,
+    stage_pipelines=MappingProxyType({"img2img": SteadySDXLImg2ImgPipeline, "inpaint": SteadySDXLInpaintPipeline}),
     diffusers_pipeline="StableDiffusionXLPipeline",
     text_encoders=(_CLIP_L, _CLIP_G),
     checkpoint_markers=(UNET_PREFIX + "label_emb.0.0.weight",

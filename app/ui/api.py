@@ -8,7 +8,8 @@
     job = c.submit("a fox", "", "Euler a", 150, 7.0, 42, 1024, 1024, 1, 4, api_name="/generate")
     c.predict(True, False, api_name="/interrupt")  # stops it between two steps; job.result() has the partial image
 
-Endpoints: generate, interrupt, skip, set_loras, set_offload, set_dtype, load_model, unload, set_debug,
+Endpoints: generate, interrupt, skip, img2img, inpaint, txt2img_hires (app/ui/workflow_api.py), set_loras,
+set_offload, set_dtype, load_model, unload, set_debug,
 list_models, list_loras, inspect_lora, snapshot, bug_report (the last one is the Diagnostics tab's button).
 These are independent of the UI layout (which can change freely) and never take `gr.State`,
 which `gradio_client` cannot send. Every name is validated against its folder; every failure
@@ -40,6 +41,7 @@ from app.ui.common import (
     user_errors,
 )
 from app.ui.generate_run import STOP_QUEUE, Generation, owner_of
+from app.ui.workflow_api import register_workflow_api
 
 API_POLL_S = 0.5  # how often a running /generate looks for a cancelled client
 
@@ -196,3 +198,4 @@ def register_api(ctx: UiContext) -> None:
     _read_endpoints(ctx)
     _stop_endpoints(ctx)
     _generate_endpoint(ctx)
+    register_workflow_api(ctx)

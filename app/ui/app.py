@@ -18,6 +18,7 @@ from app.ui.diagnostics_tab import build_diagnostics_tab, refresh
 from app.ui.generate_run import wire_cancel_on_leave
 from app.ui.generate_tab import build_generate_tab, wire_page_load
 from app.ui.history_tab import build_history_tab
+from app.ui.img2img_tab import build_img2img_tab
 from app.ui.pnginfo_tab import build_pnginfo_tab
 
 CSS_PATH = Path(__file__).resolve().parents[2] / "assets" / "ui.css"
@@ -45,6 +46,8 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         with gr.Tabs() as tabs:
             with gr.Tab("Generate", id="generate") as generate_tab:
                 tab = build_generate_tab(ctx)
+            with gr.Tab("img2img", id="img2img") as img2img_tab:
+                build_img2img_tab(ctx)
             with gr.Tab("PNG Info", id="pnginfo") as pnginfo_tab:
                 build_pnginfo_tab(ctx, tab, tabs)
             with gr.Tab("History", id="history") as history_tab:
@@ -59,7 +62,7 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         diagnostics_tab.select(lambda: gr.Timer(active=True), None, diag.timer, api_visibility="private")
         diagnostics_tab.select(**refresh_diagnostics)
         history_tab.select(**refresh_history)
-        for other in (generate_tab, pnginfo_tab, history_tab):
+        for other in (generate_tab, img2img_tab, pnginfo_tab, history_tab):
             other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)
         wire_cancel_on_leave(ctx, demo)

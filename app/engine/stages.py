@@ -1,0 +1,176 @@
+"""The model-side work of each workflow stage: stage pipelines, VAE encode, upscale, the carry.
+
+Why: multi-stage workflows are where the SD.Next reports saw devices and dtypes drift — every
+stage built another pipeline, moved the VAE, re-encoded latents. Here:
+
+* a stage pipeline (img2img, inpaint) is built on the loaded pipeline's own component objects,
+  `from_pipe`-style but without diffusers' `from_pipe`, whose closing `.to(dtype)` would cast every
+  shared weight (to fp32 by default). No weight is copied: LoRAs patched into the model, offload
+  hooks and the placement plan apply to every stage as they are;
+* we encode images ourselves, on the execution device in the VAE's compute dtype, and hand the
+  pipelines latents, so diffusers' own encode path (which casts the SDXL VAE in place) never runs;
+* what one stage hands to the next (latents, the latent mask, masked-image latents) lives in the
+  `Carry`, whose placement the plan states (`carry_placement`) and which the engine verifies and
+  repairs with the model's tensors before and after every stage.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from app.engine import generate, image_ops, placement
+from app.engine.generate import GenerateParams, StepCallback
+from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS, HiresParams, InitImages
+
+log = logging.getLogger(__name__)
+
+
+def carry_placement(plan: placement.PlacementPlan) -> placement.Placement:
+    """Where carried tensors live between stages: on the execution device (the next stage feeds them
+    to the UNet there) in float32 (sampler state; rounding it to a 16-bit dtype between two passes
+    would lose what the first pass computed)."""
+    return placement.Placement(plan.device, torch.float32)
+
+
+class Carry:
+    """Named tensors handed from one stage to the next; verified against `carry_placement`."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def put(self, plan: placement.PlacementPlan, **tensors: torch.Tensor) -> None:
+        want = carry_placement(plan)
+        for name, tensor in tensors.items():
+            self._tensors[name] = tensor.detach().to(device=want.device, dtype=want.dtype)
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise RuntimeError(f"stage input {name!r} is missing: the stage before did not produce it") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def clear(self) -> None:
+        self._tensors.clear()
+
+    def verify(self, plan: placement.PlacementPlan) -> list[placement.Violation]:
+        want = carry_placement(plan)
+        return [placement.Violation("carried", "", name, str(want), f"{t.device}/{placement.dtype_name(t.dtype)}")
+                for name, t in self._tensors.items() if (t.device, t.dtype) != (want.device, want.dtype)]
+
+    def sync(self, plan: placement.PlacementPlan) -> int:
+        """Move every misplaced carried tensor back; returns how many moved."""
+        found = self.verify(plan)
+        self.put(plan, **{v.tensor: self._tensors[v.tensor] for v in found})
+        return len(found)
+
+
+def check_txt2img(pipe) -> None:
+    """txt2img denoises bare latents: an inpainting checkpoint's UNet (9 input channels) would be fed
+    9-channel noise and fail deep in the scheduler. Refused by name instead."""
+    unet = getattr(pipe, "unet", None)  # a transformer family (Flux) has no 9-channel variant here
+    if unet is not None and unet.config.in_channels != pipe.vae.config.latent_channels:
+        raise ValueError(f"this is an inpainting checkpoint (its UNet takes {unet.config.in_channels} channels): "
+                         "use it on the img2img tab (img2img or inpaint), or load a regular checkpoint for txt2img")
+
+
+def stage_pipeline(pipe, fam, kind: str):
+    """The family's `kind` pipeline on `pipe`'s components (the same objects: no weight is copied or
+    cast). The scheduler is a fresh copy, because pipeline constructors may rewrite an old
+    scheduler config in place."""
+    cls = fam.stage_pipelines.get(kind)
+    if cls is None:
+        raise ValueError(f"{kind} is not available for {fam.label} models yet")
+    expected, optional = cls._get_signature_keys(cls)
+    components = {name: c for name, c in pipe.components.items() if name in expected}
+    components["scheduler"] = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    options = {name: pipe.config[name] for name in optional if name in pipe.config}
+    stage = cls(**components, **options)
+    stage.family = fam
+    stage.set_progress_bar_config(disable=True)
+    return stage
+
+
+def encode(pipe, images: list, seed: int) -> torch.Tensor:
+    """Images -> scaled latents: on the execution device in the VAE's compute dtype (as `decode`),
+    one image at a time with its own generator (image i seeded `seed + i`, so an image does not
+    depend on its batch position). Under offload the VAE's hooks bring the encoder in."""
+    vae = pipe.vae
+    dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
+    pixels = image_ops.to_tensor(images).to(device=pipe._execution_device, dtype=dtype)
+    config = vae.config
+    latents = []
+    with torch.no_grad():
+        for i, generator in enumerate(generate.seed_generators(seed, len(images))):
+            latents.append(vae.encode(pixels[i:i + 1]).latent_dist.sample(generator).float())
+    out = torch.cat(latents)
+    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+    if mean is not None and std is not None:
+        mean_t = torch.tensor(mean, device=out.device).view(1, -1, 1, 1)
+        std_t = torch.tensor(std, device=out.device).view(1, -1, 1, 1)
+        return (out - mean_t) * config.scaling_factor / std_t
+    return out * config.scaling_factor
+
+
+def upscale_latents(latents: torch.Tensor, hires: HiresParams, size: tuple[int, int], factor: int) -> torch.Tensor:
+    """A1111's latent upscalers: interpolate the latents to the target size / `factor`."""
+    mode, antialias = LATENT_UPSCALERS[hires.upscaler]
+    target = (size[1] // factor, size[0] // factor)
+    align = {} if mode.startswith("nearest") else {"align_corners": False}
+    return torch.nn.functional.interpolate(latents, size=target, mode=mode, antialias=antialias, **align)
+
+
+def upscale_images(images: list, hires: HiresParams, size: tuple[int, int]) -> list:
+    """Pixel upscalers: a plain resampler to the target size."""
+    return [im.resize(size, PIXEL_UPSCALERS[hires.upscaler]) for im in images]
+
+
+def img2img_inputs(pipe, source: InitImages, params: GenerateParams, seed: int) -> dict[str, torch.Tensor]:
+    """Encode stage of img2img: the init images resized to the request's size, encoded (init latents)."""
+    images = [source.images[i % len(source.images)] for i in range(params.batch)]
+    resized = [image_ops.resize(im.convert("RGB"), params.width, params.height, source.resize_mode) for im in images]
+    return {"latents": encode(pipe, resized, seed)}
+
+
+def inpaint_inputs(pipe, source: InitImages, params: GenerateParams, seed: int,
+                   nine_channels: bool) -> tuple[dict[str, torch.Tensor], list, object]:
+    """Encode stage of inpaint: the init latents (with A1111's masked content applied), the latent
+    mask and, for a 9-channel UNet, the masked-image latents. Returns them, the resized originals
+    (for the overlay) and the prepared mask (blurred, at the request's size)."""
+    size = (params.width, params.height)
+    mask = image_ops.prepare_mask(source.mask, *size, source.resize_mode, source.mask_blur,
+                                  source.inpainting_mask_invert)
+    image_ops.check_mask(mask)
+    originals = [image_ops.resize(source.images[i % len(source.images)].convert("RGB"), *size, source.resize_mode)
+                 for i in range(params.batch)]
+    starts = [image_ops.fill(im, mask) for im in originals] if source.inpainting_fill == "fill" else originals
+    latents = encode(pipe, starts, seed)
+    small = image_ops.latent_mask(mask, tuple(latents.shape[-2:])).to(latents.device)
+    if source.inpainting_fill == "latent noise":
+        # A1111 draws this noise from the image's seed, as the first noise of the pass itself.
+        noise = torch.stack([torch.randn(latents.shape[1:], generator=g)
+                             for g in generate.seed_generators(seed, len(starts))])
+        latents = latents * (1 - small) + noise.to(latents.device) * small
+    elif source.inpainting_fill == "latent nothing":
+        latents = latents * (1 - small)
+    # The latent mask is also what the pipeline blends with: passed as `mask_image`, it is resized up
+    # and back down by nearest neighbour, so the pipeline's mask is this one exactly.
+    carried = {"latents": latents, "mask": small}
+    if nine_channels:  # the UNet also sees the image with the masked area blanked (grey), as A1111 feeds it
+        blank = [image_ops.overlay(im.point(lambda _: 127), im, mask.point(lambda v: 255 if v >= 128 else 0))
+                 for im in originals]
+        carried["masked"] = encode(pipe, blank, seed)
+    return carried, originals, mask
+
+
+def denoise_stage(pipe, params: GenerateParams, seed: int, on_step: StepCallback, total: int,
+                  strength: float, latents: torch.Tensor, **inputs) -> torch.Tensor:
+    """The img2img/inpaint pass: our `generate.denoise` on a stage pipeline, started from `latents`
+    (the pipeline casts them to its dtype and adds noise for `strength` from the seed's generators)."""
+    return generate.denoise(pipe, params, seed, on_step, total, image=latents, strength=strength,
+                            width=params.width, height=params.height, **inputs)
+

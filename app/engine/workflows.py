@@ -1,0 +1,249 @@
+"""img2img, inpaint and hires fix on the engine: every stage a transition of its own.
+
+`Workflows` is a part of `Engine` (its base class), kept here so the state machine in
+`worker.py` stays about queueing and transitions. A workflow is one queued command, so nothing
+else runs between its stages; on the worker it runs each stage through `Engine._run_stage`: the
+placement of every model tensor *and* of the tensors the stage hands on (`stages.Carry`) is
+verified and repaired before and after the stage, the stage gets its history row, and a failure
+rolls back like any transition's and ends the workflow. The stages:
+
+* txt2img with hires fix: `txt2img` (first pass, latents kept) → `hires upscale` (latent
+  interpolation, or decode → resample → encode) → `hires fix` (img2img pass, decoded);
+* img2img: `img2img encode` (init images resized and encoded) → `img2img`;
+* inpaint: `inpaint encode` (masked content applied, latent mask, masked-image latents for a
+  9-channel UNet) → `inpaint` (decoded and pasted over the original through the blurred mask).
+
+Prompt `<lora:…>` tags apply to their pass only, as in txt2img; the hires pass takes its own
+prompt's tags, so it can run the LoRAs at other strengths. After the workflow the desired LoRAs
+are restored by a `restore_loras` transition (visible in the history too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from PIL import Image
+
+from app.adapters.prompt import merge_prompt_loras
+from app.adapters.specs import LoraSpec
+from app.engine import generate, image_ops, stages
+from app.engine.generate import GeneratedImage, GenerateParams
+from app.engine.stage_params import HiresParams, InitImages
+from app.families import family
+
+
+@dataclasses.dataclass
+class _Passes:
+    """The LoRA list the model carries now (one realise per change, not per stage)."""
+
+    current: tuple[LoraSpec, ...]
+
+
+class Workflows:
+    """The multi-stage workflows of `Engine` (see the module docstring)."""
+
+    def txt2img_hires(self, params: GenerateParams, hires: HiresParams, *,
+                      owner: str | None = None) -> list[GeneratedImage]:
+        """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
+        second pass. Sizes and steps are checked before anything is queued."""
+        self._require_stage("img2img", "hires fix")
+        hires.second_pass(params, self._size_multiple())
+        detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
+                  f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
+        return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
+                              lambda first, phase, job, passes: self._hires_run(params, hires, first, phase, job,
+                                                                                passes))
+
+    def img2img(self, params: GenerateParams, init_images: Sequence[Image.Image], *, denoising_strength: float = 0.75,
+                resize_mode: str | int = "just resize", mask: Image.Image | None = None, mask_blur: int = 4,
+                inpainting_fill: str | int = "original", inpainting_mask_invert: bool = False,
+                owner: str | None = None) -> list[GeneratedImage]:
+        """A1111's `/sdapi/v1/img2img`: start from `init_images` (batch item i from image i mod their
+        number) resized to `params`' size by `resize_mode`, denoised by `denoising_strength`; with a
+        `mask` it is inpaint (white repaints; `inpainting_fill` is what the masked area starts from).
+        Modes and fills take A1111's names or its indices. An inpainting checkpoint (9-channel UNet)
+        runs img2img as inpaint with the whole picture masked, as A1111 does."""
+        source = InitImages(tuple(init_images), denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
+                            inpainting_mask_invert)
+        source.steps_run(params)
+        self._require_stage(source.workflow, source.workflow)
+        detail = (f"{params.steps} steps at {source.denoising_strength:g} {params.width}x{params.height} "
+                  f"{source.resize_mode} x{params.batch}x{params.n_iter}")
+        return self._workflow(source.workflow, detail, params, owner, source.infotext_pairs(),
+                              lambda first, phase, job, passes: self._init_image_run(params, source, first, phase, job,
+                                                                                     passes))
+
+    def inpaint(self, params: GenerateParams, init_image: Image.Image, mask: Image.Image, **options: Any
+                ) -> list[GeneratedImage]:
+        """img2img with a mask (required here); `options` as `img2img`'s."""
+        if mask is None:
+            raise ValueError("inpaint needs a mask: paint the area to repaint, or upload a mask")
+        return self.img2img(params, [init_image], mask=mask, **options)
+
+    @property
+    def stage_pipelines(self) -> dict[str, object]:
+        """The stage pipelines on the loaded model, for tests (their weights must be the model's own)."""
+        return self._lifecycle.stage_pipelines
+
+    # ------------------------------------------------------------------ the command (worker side)
+    def _require_stage(self, kind: str, what: str) -> None:
+        """Refuse, before queueing, a workflow the loaded family has no stage pipeline for (Flux)."""
+        arch = self.snapshot().arch
+        if arch is not None and kind not in family(arch).stage_pipelines:
+            raise ValueError(f"{what} is not available for {family(arch).label} models yet")
+
+    def _size_multiple(self) -> int:
+        arch = self.snapshot().arch
+        return generate.DEFAULT_SIZE_MULTIPLE if arch is None else family(arch).size_multiple
+
+    def _workflow(self, name: str, detail: str, params: GenerateParams, owner: str | None,
+                  extra: tuple[tuple[str, object], ...], batch_run) -> list[GeneratedImage]:
+        """Queue the workflow as one command; on the worker its stages run as transitions. The first
+        pass's prompt tags are applied first (`apply_loras`), so the infotext names their hashes."""
+        state = _worker().EngineState
+
+        def body() -> list[GeneratedImage]:
+            if self._lifecycle.pipeline is None:
+                self._run_stage(name, detail, state.GENERATING, _no_model)
+            passes = _Passes(self._desired.loras)
+            stripped, wanted = merge_prompt_loras(params, self._desired.loras)
+            if wanted != passes.current:
+                self._run_stage("apply_loras", f"prompt tags for {name}", state.PATCHING,
+                                lambda: self._with_loras(params, passes))
+            job = self._job = _worker()._Job(owner)
+            try:
+                return self._generate_images(stripped, params.prompt, job,
+                                             lambda first, phase: batch_run(first, phase, job, passes), extra)
+            finally:
+                self._job = None
+                self._lifecycle.carry.clear()
+                if passes.current != self._desired.loras:
+                    self._run_stage("restore_loras", f"after {name}", state.PATCHING,
+                                    lambda: self._realise(self._desired, self._desired.loras))
+        return self.submit(name, detail, state.GENERATING, body, record=False).result()
+
+    def _with_loras(self, prompt_params: GenerateParams, passes: _Passes) -> GenerateParams:
+        """Patch the model to the desired LoRAs plus `prompt_params`' tags (if that differs from what
+        it carries); returns the params with the tags stripped from the prompt."""
+        stripped, wanted = merge_prompt_loras(prompt_params, self._desired.loras)
+        if wanted != passes.current:
+            self.library.validate_specs(wanted)
+            previous, self._state = self._state, _worker().EngineState.PATCHING
+            self._realise(self._desired, wanted)
+            passes.current = wanted
+            self._verify_and_repair("before denoising")
+            self._state = previous
+        return stripped
+
+    def _stage(self, name: str, detail: str, body):
+        return self._run_stage(name, detail, _worker().EngineState.GENERATING, body)
+
+    # ------------------------------------------------------------------ hires fix
+    def _hires_run(self, params, hires: HiresParams, first: int, phase: str, job, passes: _Passes):
+        """One run of the hires fix: three stages. A first pass stopped by Interrupt or Skip is
+        decoded and returned as it is (no second pass), as A1111 does."""
+        carry, plan = self._lifecycle.carry, lambda: self._lifecycle.plan
+        second = hires.second_pass(params, self._size_multiple())
+
+        def first_pass():
+            stages.check_txt2img(self._lifecycle.pipeline)
+            stripped = self._with_loras(params, passes)
+            latents, stopped = self._denoise_run(params.steps, job, f"first pass, {phase}", lambda on_step: (
+                self._lifecycle.run_on_model(lambda pipe: generate.denoise(
+                    pipe, stripped, first, on_step, width=params.width, height=params.height), _size(params))))
+            carry.put(plan(), latents=latents)
+            return stopped
+
+        stopped = self._stage("txt2img", f"first pass {params.width}x{params.height}, seed {first}", first_pass)
+        if stopped is not None:
+            return self._decode_carried(params), stopped
+
+        def upscale():
+            size = (second.width, second.height)
+            if hires.latent:
+                factor = self._lifecycle.pipeline.vae_scale_factor
+                carry.put(plan(), latents=stages.upscale_latents(carry.get("latents"), hires, size, factor))
+                return
+            images = stages.upscale_images(self._decode_carried(params), hires, size)
+            carry.put(plan(), latents=self._lifecycle.run_on_model(lambda pipe: stages.encode(pipe, images, first),
+                                                                   _size(second)))
+
+        self._stage("hires upscale", f"{hires.upscaler} x{hires.scale:g} -> {second.width}x{second.height}", upscale)
+
+        def second_pass():
+            stripped = self._with_loras(second, passes)
+            return self._denoise_and_decode(stripped, "img2img", first, hires.steps_run(params),
+                                            hires.denoising_strength, job, f"hires pass, {phase}",
+                                            latents=carry.get("latents"))
+
+        return self._stage("hires fix", f"{second.steps} steps at {hires.denoising_strength:g} "
+                                        f"{second.width}x{second.height}", second_pass)
+
+    def _decode_carried(self, params: GenerateParams) -> list[Image.Image]:
+        latents = self._lifecycle.carry.get("latents")
+        return self._lifecycle.run_on_model(lambda pipe: generate.decode(pipe, latents), _size(params))
+
+    def _denoise_and_decode(self, params, kind: str, first: int, total: int, strength: float, job, phase: str,
+                            **inputs) -> tuple[list[Image.Image], int | None]:
+        """A stage pipeline's pass from the carried inputs, decoded on the loaded pipeline's VAE."""
+        def run(on_step):
+            return self._lifecycle.run_on_model(lambda pipe: stages.denoise_stage(
+                pipe, params, first, on_step, total, strength, **inputs), _size(params), stage=kind)
+
+        latents, stopped = self._denoise_run(total, job, phase, run)
+        return self._lifecycle.run_on_model(lambda pipe: generate.decode(pipe, latents), _size(params)), stopped
+
+    # ------------------------------------------------------------------ img2img and inpaint
+    def _init_image_run(self, params, source: InitImages, first: int, phase: str, job, passes: _Passes):
+        """One run of img2img or inpaint: an encode stage, then the denoising stage."""
+        carry, lifecycle = self._lifecycle.carry, self._lifecycle
+        nine = lifecycle.pipeline.unet.config.in_channels == 9
+        if nine and source.mask is None:  # an inpainting checkpoint: the whole picture is masked
+            source = dataclasses.replace(source, mask=Image.new("L", source.images[0].size, 255), mask_blur=0)
+        kept: dict[str, Any] = {}
+
+        def encode():
+            if source.mask is None:
+                carry.put(lifecycle.plan, **lifecycle.run_on_model(
+                    lambda pipe: stages.img2img_inputs(pipe, source, params, first), _size(params)))
+                return
+            tensors, kept["originals"], kept["mask"] = lifecycle.run_on_model(
+                lambda pipe: stages.inpaint_inputs(pipe, source, params, first, nine), _size(params))
+            carry.put(lifecycle.plan, **tensors)
+
+        kind = "img2img" if source.mask is None else "inpaint"
+        self._stage(f"{kind} encode", f"{len(source.images)} image(s) {source.resize_mode} -> "
+                                      f"{params.width}x{params.height}", encode)
+
+        def denoise():
+            stripped = self._with_loras(params, passes)
+            inputs = {"latents": carry.get("latents")}
+            if source.mask is not None:
+                # SD1.5's pipeline would mask pixels itself without masked-image latents; a 4-channel
+                # UNet never reads them, so there the init latents stand in.
+                masked = carry.get("masked") if nine else inputs["latents"]
+                inputs.update(mask_image=carry.get("mask"), masked_image_latents=masked)
+            images, stopped = self._denoise_and_decode(stripped, kind, first, source.steps_run(params),
+                                                       source.denoising_strength, job, f"{kind}, {phase}", **inputs)
+            if source.mask is not None:
+                images = [image_ops.overlay(im, kept["originals"][i], kept["mask"]) for i, im in enumerate(images)]
+            return images, stopped
+
+        return self._stage(kind, f"{source.steps_run(params)} steps at {source.denoising_strength:g}", denoise)
+
+
+def _worker():
+    """The worker module (`EngineState`, `_Job`): it imports this one, so it is looked up when used."""
+    from app.engine import worker
+
+    return worker
+
+
+def _size(params: GenerateParams) -> str:
+    return f"{params.batch}x{params.width}x{params.height}"
+
+
+def _no_model() -> None:
+    raise RuntimeError("no model loaded: load a checkpoint first")

@@ -1,0 +1,148 @@
+"""img2img, inpaint and hires fix for the UI tab and the named API: one handler each, shared.
+
+Numbers go through the one rule set (`generate.LIMITS` via `params_from_form`, the workflow
+fields via `stage_params.STAGE_LIMITS`), every refusal of one request in one message. The named
+endpoints (`/img2img`, `/inpaint`, `/txt2img_hires`) take plain values and images, as `/generate`
+does, so `gradio_client` scripts can call them; they are events on hidden components because
+they return files.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app.engine.generate import SCHEDULERS, GenerateParams, params_from_form
+from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, UPSCALERS, HiresParams, stage_values
+from app.ui.common import PROGRESS, UiContext, gallery_items, run_with_progress, user_errors
+
+# The request's own fields, in the order every handler and endpoint takes them.
+BASE_FIELDS = ("prompt", "negative_prompt", "sampler", "steps", "cfg", "seed", "width", "height", "batch")
+
+
+def checked(ctx: UiContext, values: dict, stage_fields: tuple[str, ...]) -> tuple[GenerateParams, dict, tuple]:
+    """(request, workflow numbers, rounding notes); every problem of both rule sets in one ValueError."""
+    problems, params, notes, stage = [], None, (), {}
+    try:
+        params, notes = params_from_form(values, ctx.engine.snapshot().arch)
+    except ValueError as exc:
+        problems.append(str(exc))
+    try:
+        stage = stage_values(values, stage_fields)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ValueError(";\n".join(problems))
+    return params, stage, notes
+
+
+def _answer(images, notes) -> tuple:
+    details = [{"seed": im.seed, "infotext": im.infotext, "file": im.path.name if im.path else None,
+                "notes": list(notes)} for im in images]
+    return gallery_items(images), images[0].infotext if images else "", details
+
+
+def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
+                inpainting_fill="original", invert=False, progress=None, browser: bool = True) -> tuple:
+    """img2img (no mask) or inpaint; returns (gallery items, first infotext, details)."""
+    action = "img2img" if mask is None else "Inpaint"
+    with user_errors(action, browser=browser):
+        if init_image is None:
+            raise ValueError("upload an init image first")
+        values = {**dict(zip(BASE_FIELDS, base, strict=True)), "denoising_strength": denoising_strength,
+                  "mask_blur": mask_blur}
+        params, stage, notes = checked(ctx, values, ("denoising_strength", "mask_blur"))
+        images = run_with_progress(ctx.engine, lambda: ctx.engine.img2img(
+            params, [init_image], denoising_strength=stage["denoising_strength"], resize_mode=resize_mode, mask=mask,
+            mask_blur=stage["mask_blur"], inpainting_fill=inpainting_fill, inpainting_mask_invert=bool(invert)),
+            progress)
+    return _answer(images, notes)
+
+
+def run_hires(ctx: UiContext, base: list, scale, upscaler, steps, denoising_strength, sampler, prompt, negative,
+              progress=None, browser: bool = True) -> tuple:
+    """txt2img with hires fix; returns (gallery items, first infotext, details)."""
+    with user_errors("Hires fix", browser=browser):
+        values = {**dict(zip(BASE_FIELDS, base, strict=True)), "hires_scale": scale, "hires_steps": steps,
+                  "denoising_strength": denoising_strength}
+        params, stage, notes = checked(ctx, values, ("hires_scale", "hires_steps", "denoising_strength"))
+        hires = HiresParams(stage["hires_scale"], str(upscaler), stage["hires_steps"], stage["denoising_strength"],
+                            str(sampler or SAME), str(prompt or ""), str(negative or ""))
+        images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params, hires=hires), progress)
+    return _answer(images, notes)
+
+
+def editor_mask(edited) -> tuple[object, object]:
+    """(background, mask) of an ImageEditor value: the mask is where any layer was painted."""
+    if not edited or edited.get("background") is None:
+        return None, None
+    from PIL import Image, ImageChops
+
+    mask = Image.new("L", edited["background"].size, 0)
+    for layer in edited.get("layers") or []:
+        if layer is not None:
+            mask = ImageChops.lighter(mask, layer.convert("RGBA").getchannel("A").resize(mask.size))
+    return edited["background"].convert("RGB"), mask
+
+
+def _base_inputs() -> list:
+    defaults = GenerateParams("")
+    return [gr.Textbox(label="prompt"), gr.Textbox("", label="negative_prompt"),
+            gr.Dropdown(list(SCHEDULERS), value=defaults.sampler, label="sampler"),
+            *(gr.Number(getattr(defaults, name), label=name)
+              for name in ("steps", "cfg", "seed", "width", "height", "batch"))]
+
+
+def _outputs() -> list:
+    return [gr.Gallery(label="images", format="png"), gr.Textbox(label="infotext"), gr.JSON(label="details")]
+
+
+def register_workflow_api(ctx: UiContext) -> None:
+    """`/img2img`, `/inpaint`, `/txt2img_hires` on hidden components (see the module docstring)."""
+    with gr.Column(visible=False):
+        base = _base_inputs()
+        image = gr.Image(type="pil", label="init_image")
+        strength = gr.Number(0.75, label="denoising_strength")
+        resize = gr.Dropdown(list(RESIZE_MODES), value=RESIZE_MODES[0], label="resize_mode")
+        mask = gr.Image(type="pil", image_mode="L", label="mask")
+        blur, fill = gr.Number(4, label="mask_blur"), gr.Dropdown(list(MASKED_CONTENT), value="original",
+                                                                   label="inpainting_fill")
+        invert = gr.Checkbox(False, label="inpainting_mask_invert")
+        hires = [gr.Number(2.0, label="hires_scale"),
+                 gr.Dropdown(list(UPSCALERS), value="Latent", label="hires_upscaler"),
+                 gr.Number(0, label="hires_steps"), gr.Number(0.7, label="denoising_strength"),
+                 gr.Dropdown([SAME, *SCHEDULERS], value=SAME, label="hires_sampler"),
+                 gr.Textbox("", label="hires_prompt"), gr.Textbox("", label="hires_negative_prompt")]
+        buttons = [gr.Button(name) for name in ("img2img", "inpaint", "txt2img_hires")]
+        outputs = _outputs()
+
+    # Named parameters (not *values): gradio_client takes keyword arguments by these names.
+    def img2img(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
+                denoising_strength, resize_mode, progress=PROGRESS):
+        base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
+        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, progress=progress, browser=False)
+
+    def inpaint(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
+                denoising_strength, resize_mode, mask, mask_blur, inpainting_fill, inpainting_mask_invert,
+                progress=PROGRESS):
+        if mask is None:
+            raise gr.Error("inpaint failed: a mask is required (white repaints)", print_exception=False)
+        base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
+        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
+                           inpainting_mask_invert, progress=progress, browser=False)
+
+    def txt2img_hires(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, hires_scale,
+                      hires_upscaler, hires_steps, denoising_strength, hires_sampler, hires_prompt,
+                      hires_negative_prompt, progress=PROGRESS):
+        base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
+        return run_hires(ctx, base, hires_scale, hires_upscaler, hires_steps, denoising_strength, hires_sampler,
+                         hires_prompt, hires_negative_prompt, progress=progress, browser=False)
+
+    common = dict(concurrency_id="loras")
+    buttons[0].click(img2img, [*base, image, strength, resize], outputs, api_name="img2img", **common,
+                     api_description="img2img from one init image (A1111 resize modes); returns (images, infotext, "
+                                     "[{seed, infotext, file, notes}]).")
+    buttons[1].click(inpaint, [*base, image, strength, resize, mask, blur, fill, invert], outputs, api_name="inpaint",
+                     api_description="Inpaint: white in the mask repaints; inpainting_fill is A1111's masked "
+                                     "content (fill, original, latent noise, latent nothing).", **common)
+    buttons[2].click(txt2img_hires, [*base, *hires], outputs, api_name="txt2img_hires", **common,
+                     api_description="txt2img with A1111's hires fix (latent or pixel upscaler, second pass).")

@@ -1,0 +1,121 @@
+"""A real headless Chromium runs the img2img tab's three workflows as a user would: upload an init
+image and run img2img, upload it into the image editor, paint a mask with the mouse and inpaint
+(then again with an uploaded mask), and run txt2img with hires fix. Screenshots as `browser_kit`
+says (`SD_UPDATE_SCREENSHOTS=1` copies them to assets/screenshots/)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from browser_kit import TIMEOUT_MS, chromium, outputs, save
+from PIL import Image, ImageDraw
+from served_app import free_port, make_ui_data, running_app
+
+from app.infotext import read_parameters
+from app.settings import Settings
+
+pytestmark = pytest.mark.browser
+
+STAGES = {"img2img encode", "img2img", "inpaint encode", "inpaint", "txt2img", "hires upscale", "hires fix"}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with chromium() as launched:
+        yield launched
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, demo_dir):
+    data = make_ui_data(tmp_path_factory.mktemp("browser-workflows"), demo_dir)
+    with running_app(Settings(data_dir=data, device="cpu", port=free_port(), strict=True)) as (server, engine):
+        yield server.local_url, engine
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory):
+    """An init image (a yellow disc on blue, 96×64: not the request's shape, so the resize mode
+    matters) and a mask file (white square) to upload."""
+    folder = tmp_path_factory.mktemp("pictures")
+    init = Image.new("RGB", (96, 64), (30, 90, 160))
+    ImageDraw.Draw(init).ellipse((20, 10, 70, 55), fill=(230, 200, 40))
+    init.save(folder / "init.png")
+    mask = Image.new("L", (96, 64), 0)
+    mask.paste(255, (60, 8, 92, 40))
+    mask.save(folder / "mask.png")
+    return folder
+
+
+def _last_output(engine) -> tuple[Image.Image, str]:
+    path = outputs(engine)[-1]
+    return Image.open(path).convert("RGB"), read_parameters(path)
+
+
+def _run(page, button: str, expect: str) -> None:
+    """Click a run button and wait until the infotext shows `expect` and the engine is READY."""
+    page.click(f"#{button}")
+    page.wait_for_function(f"document.querySelector('#sd-i2i-infotext textarea').value.includes({expect!r})",
+                           timeout=TIMEOUT_MS)
+    page.wait_for_selector("#sd-i2i-gallery img", timeout=TIMEOUT_MS)
+    page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
+
+
+def _paint(page) -> None:
+    """Drag the brush across the right half of the picture in the editor."""
+    box = page.locator("#sd-inpaint-editor canvas").first.bounding_box()
+    y = box["y"] + box["height"] * 0.3
+    page.mouse.move(box["x"] + box["width"] * 0.62, y)
+    page.mouse.down()
+    for step in range(1, 9):
+        page.mouse.move(box["x"] + box["width"] * (0.62 + 0.03 * step), y + box["height"] * 0.03 * step, steps=3)
+    page.mouse.up()
+
+
+def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures):
+    """Each workflow runs from the tab and writes a PNG whose infotext carries its settings: img2img
+    at the request's size with the resize mode; inpaint from a painted mask (pixels far from the
+    stroke are the init image's: the overlay) and from an uploaded one; hires fix at twice the size.
+    Every stage shows up in the engine's history, all `ok` in strict mode."""
+    url, engine = served
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(url)
+    page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
+    page.get_by_role("tab", name="img2img").first.click()
+    page.fill("#sd-i2i-prompt textarea", "a yellow flower")
+    for field, value in (("steps", "4"), ("seed", "42")):
+        page.fill(f"#sd-i2i-{field} input", value)
+    page.locator("#sd-i2i-image input[type=file]").set_input_files(str(pictures / "init.png"))
+    page.get_by_label("crop and resize").first.check()
+    _run(page, "sd-i2i-run", "Resize mode: crop and resize")
+    image, text = _last_output(engine)
+    assert image.size == (64, 64) and "Denoising strength: 0.75" in text and "Seed: 42" in text
+    save(page, "img2img.png")
+
+    page.get_by_role("tab", name="Inpaint").click()
+    page.locator("#sd-inpaint-editor input[type=file]").set_input_files(str(pictures / "init.png"))
+    page.wait_for_selector("#sd-inpaint-editor canvas", timeout=TIMEOUT_MS)
+    page.wait_for_timeout(500)
+    _paint(page)
+    page.get_by_label("latent noise").check()
+    _run(page, "sd-inpaint-run", "Masked content: latent noise")
+    painted, text = _last_output(engine)
+    init = np.asarray(Image.open(pictures / "init.png").resize((64, 64), Image.Resampling.LANCZOS), dtype=np.int16)
+    result = np.asarray(painted, dtype=np.int16)
+    assert (result[:, :8] == init[:, :8]).all(), "pixels far from the stroke changed"
+    assert np.abs(result[:, 40:] - init[:, 40:]).max() > 20, "the painted area was not repainted"
+    save(page, "inpaint.png")
+    page.locator("#sd-inpaint-mask input[type=file]").set_input_files(str(pictures / "mask.png"))
+    page.wait_for_selector("#sd-inpaint-mask img", timeout=TIMEOUT_MS)
+    page.get_by_label("fill", exact=True).check()
+    _run(page, "sd-inpaint-run", "Masked content: fill")
+
+    page.get_by_role("tab", name="Hires fix").click()
+    page.fill("#sd-hires-hires_steps input", "3")
+    _run(page, "sd-hires-run", "Hires upscale: 2")
+    image, text = _last_output(engine)
+    assert image.size == (128, 128) and "Hires upscaler: Latent" in text and "Size: 64x64" in text
+    save(page, "hires-fix.png")
+    history = engine.snapshot().history
+    assert STAGES <= {row.command for row in history}
+    assert all(row.outcome == "ok" and row.violations_found == 0 for row in history)
+    page.close()
