@@ -99,7 +99,7 @@ def test_a_stop_from_another_owner_leaves_the_job_alone(loaded):
 def test_a_queued_generation_can_be_cancelled_by_its_owner_before_it_starts(loaded):
     """A closed tab's generation that still waits behind another job is taken off the queue
     (its caller gets GenerationCancelled) and never runs; another owner's cannot be cancelled."""
-    from app.engine.worker import GenerationCancelled
+    from app.engine.generating import GenerationCancelled
 
     first = Running(loaded, GenerateParams("a cat", **dict(LONG, steps=60)), owner="tab-1")
     first.wait_for_step(1)

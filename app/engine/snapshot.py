@@ -6,6 +6,7 @@ tensors or to the pipeline, so a snapshot can be kept, compared and serialised f
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +17,16 @@ from app.adapters.specs import LoraSpec
 from app.engine import compiled, placement
 from app.engine.desired import Desired
 from app.engine.lifecycle import LoadedFacts
+
+
+class EngineState(str, enum.Enum):
+    EMPTY = "EMPTY"
+    LOADING = "LOADING"
+    READY = "READY"
+    PATCHING = "PATCHING"
+    MOVING = "MOVING"
+    GENERATING = "GENERATING"
+    ERROR = "ERROR"
 
 
 @dataclass(frozen=True)

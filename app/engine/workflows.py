@@ -30,6 +30,8 @@ from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
 from app.engine import generate, image_ops, stages
 from app.engine.generate import GeneratedImage, GenerateParams
+from app.engine.generating import Job
+from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
 from app.families import family
 
@@ -102,7 +104,7 @@ class Workflows:
                   extra: tuple[tuple[str, object], ...], batch_run) -> list[GeneratedImage]:
         """Queue the workflow as one command; on the worker its stages run as transitions. The first
         pass's prompt tags are applied first (`apply_loras`), so the infotext names their hashes."""
-        state = _worker().EngineState
+        state = EngineState
 
         def body() -> list[GeneratedImage]:
             if self._lifecycle.pipeline is None:
@@ -112,7 +114,7 @@ class Workflows:
             if wanted != passes.current:
                 self._run_stage("apply_loras", f"prompt tags for {name}", state.PATCHING,
                                 lambda: self._with_loras(params, passes))
-            job = self._job = _worker()._Job(owner)
+            job = self._job = Job(owner)
             try:
                 return self._generate_images(stripped, params.prompt, job,
                                              lambda first, phase: batch_run(first, phase, job, passes), extra)
@@ -130,7 +132,7 @@ class Workflows:
         stripped, wanted = merge_prompt_loras(prompt_params, self._desired.loras)
         if wanted != passes.current:
             self.library.validate_specs(wanted)
-            previous, self._state = self._state, _worker().EngineState.PATCHING
+            previous, self._state = self._state, EngineState.PATCHING
             self._realise(self._desired, wanted)
             passes.current = wanted
             self._verify_and_repair("before denoising")
@@ -138,7 +140,7 @@ class Workflows:
         return stripped
 
     def _stage(self, name: str, detail: str, body):
-        return self._run_stage(name, detail, _worker().EngineState.GENERATING, body)
+        return self._run_stage(name, detail, EngineState.GENERATING, body)
 
     # ------------------------------------------------------------------ hires fix
     def _hires_run(self, params, hires: HiresParams, first: int, phase: str, job, passes: _Passes):
@@ -232,13 +234,6 @@ class Workflows:
             return images, stopped
 
         return self._stage(kind, f"{source.steps_run(params)} steps at {source.denoising_strength:g}", denoise)
-
-
-def _worker():
-    """The worker module (`EngineState`, `_Job`): it imports this one, so it is looked up when used."""
-    from app.engine import worker
-
-    return worker
 
 
 def _size(params: GenerateParams) -> str:

@@ -1,0 +1,168 @@
+"""One generation on the engine: the job Interrupt and Skip reach, the batch-count loop, the
+denoising runs with their live preview, and runtime errors counted against the LoRAs.
+
+`Generating` is a part of `Engine` (its base class), as `Workflows` is, so the state machine in
+`worker.py` stays about queueing and transitions. A generation becomes the current `Job` when it
+leaves the queue (so an Interrupt reaches it from then on); a generation still waiting in the
+queue is taken off it by `cancel_queued`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from app.adapters.prompt import merge_prompt_loras
+from app.engine import generate
+from app.engine.generate import GeneratedImage, GenerateParams, RunContext
+from app.engine.snapshot import EngineState
+from app.infotext import LoraUse
+from app.preview import LATENT_RGB, latent_preview
+
+
+@dataclass
+class Job:
+    """The generation in progress: who started it and whether an Interrupt/Skip asked it to stop."""
+
+    owner: str | None
+    stop: str | None = None  # "interrupt" (keep what is there) | "drop" | "skip" (this run only)
+
+
+class GenerationCancelled(RuntimeError):
+    """A queued generation was cancelled by its owner before it started; nothing ran."""
+
+
+class Generating:
+    """Single generations of `Engine` (see the module docstring)."""
+
+    def cancel_queued(self, owner: str) -> int:
+        """Take `owner`'s generations that still wait in the queue off it (their callers get
+        `GenerationCancelled`); a closed tab or client leaves no work behind. Returns how many."""
+        with self._wake:
+            mine = [c for c in self._queue if c is not None and c.owner == owner and c.name == "generate"]
+            for command in mine:
+                self._queue.remove(command)
+        for command in mine:
+            command.future.set_exception(GenerationCancelled(f"generation cancelled by {owner} before it started"))
+        return len(mine)
+
+    def interrupt(self, *, keep_partial: bool = True, owner: str | None = None) -> bool:
+        """Stop the running generation between two steps; the engine is READY within a step.
+        With `keep_partial` the images reached so far are decoded and returned (and saved), as
+        A1111 does; otherwise nothing is. `owner` (a UI session or API client) stops only a job it
+        started: a closed tab cancels its own job, never another user's. Returns whether a
+        generation was running for that owner."""
+        job = self._job
+        if job is None or (owner is not None and job.owner != owner):
+            return False
+        job.stop = "interrupt" if keep_partial else "drop"
+        return True
+
+    def skip(self, *, owner: str | None = None) -> bool:
+        """End the current run of a batch count early (its images decoded as they are) and go on
+        with the next one. Returns whether a generation was running for that owner."""
+        job = self._job
+        if job is None or (owner is not None and job.owner != owner):
+            return False
+        job.stop = "skip"
+        return True
+
+    def _do_generate(self, params: GenerateParams) -> list[GeneratedImage]:
+        """Prompt tags apply to this generation only (A1111): the LoRAs are patched to the desired
+        list plus the tags for the run and back to the desired list afterwards."""
+        if self._lifecycle.pipeline is None:
+            raise RuntimeError("no model loaded: load a checkpoint first")
+        saved_prompt = params.prompt  # tags stay in the saved prompt, as A1111 writes it
+        params, wanted = merge_prompt_loras(params, self._desired.loras)
+        self.library.validate_specs(wanted)
+        tagged = wanted != self._desired.loras
+        job = self._job
+        try:
+            if tagged:
+                self._state = EngineState.PATCHING
+                self._realise(self._desired, wanted)
+                self._verify_and_repair("before denoising")
+                self._state = EngineState.GENERATING
+            return self._generate_images(params, saved_prompt, job)
+        finally:
+            if tagged:
+                self._realise(self._desired, self._desired.loras)
+
+    def _generate_images(self, params: GenerateParams, saved_prompt: str, job: Job, batch_run=None,
+                         extra: tuple[tuple[str, object], ...] = ()) -> list[GeneratedImage]:
+        """`params.n_iter` runs of `batch_run(first_seed, phase)` -> (images, stopped_at) (default: one
+        txt2img denoising), each image saved with its infotext (`extra`: the workflow's own pairs)."""
+        facts = self._lifecycle.facts()
+        seed = generate.resolve_seed(params.seed)
+        applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
+                        for s in facts.loras)
+        ctx = RunContext(facts.model, facts.model_hash, applied, facts.arch)
+        saved = dataclasses.replace(params, prompt=saved_prompt)
+        batch_run = batch_run or (lambda first, phase: self._denoise_run(
+            params.steps, job, phase, lambda on_step: self._lifecycle.denoise(params, first, on_step)))
+        out = []
+        for run in range(params.n_iter):
+            first = seed + run * params.batch
+            images, stopped_at = batch_run(first, f"denoising, run {run + 1}/{params.n_iter}")
+            if job.stop == "drop":
+                return []
+            for i, image in enumerate(images):
+                text = generate.infotext(saved, first + i, ctx, extra)
+                path = generate.save_png(image, text, self.settings.outputs_dir, first + i)
+                out.append(GeneratedImage(image, first + i, text, path, stopped_at))
+            if job.stop == "interrupt":
+                break
+            job.stop = None  # a Skip ends this run only
+        return out
+
+    def _denoise_run(self, total: int, job: Job, phase: str, run) -> tuple[Any, int | None]:
+        """One denoising pass of `total` steps, `run(on_step)`; returns its result and the step it was
+        stopped at (None: all ran). Every `preview_every` steps the progress carries a cheap preview
+        of the latents."""
+        reached, arch = 0, self._lifecycle.facts().arch
+
+        def on_step(step: int, total: int, latents) -> bool:
+            nonlocal reached
+            reached = step
+            every = self.settings.preview_every
+            shown = every and step % every == 0 and step < total and arch in LATENT_RGB  # no factors: no preview
+            self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
+            return job.stop is not None
+
+        self._set_progress(phase, 0, total)
+        try:
+            result = run(on_step)
+        except generate.NonFiniteLatentsError as exc:
+            self._attribute_non_finite(exc)
+            raise
+        except MemoryError:
+            raise  # out of memory is the run's size, not a LoRA's fault: counted against none
+        except Exception as exc:
+            self._attribute_runtime_error(exc)
+            raise
+        return result, None if reached == total else reached
+
+    def _attribute_non_finite(self, exc: generate.NonFiniteLatentsError) -> None:
+        """NaN/Inf latents name no layer: they count against every LoRA applied to this run (the
+        usual cause), and the message says which step and which LoRAs; with none applied the
+        checkpoint or the dtype is to blame, and the message says so."""
+        applied = tuple(s.name for s in self._lifecycle.facts().loras)
+        if applied:
+            exc.args = (f"{exc.args[0]}; LoRAs applied: {', '.join(applied)}",)
+            self._attribute(applied, exc)
+        else:
+            exc.args = (f"{exc.args[0]}; no LoRA applied, so the checkpoint or the dtype is the cause "
+                        "(try bf16 or fp32)",)
+
+    def _attribute_runtime_error(self, exc: Exception) -> None:
+        """Count an error raised inside a patched layer against the LoRAs patched into it; past
+        `max_lora_errors` (outside strict mode) the LoRA is taken off the model and marked
+        disabled, so one bad adapter cannot break every generation; an explicit set_loras or a
+        model load re-enables it."""
+        self._attribute(self._lifecycle.culprits(exc), exc)
+
+    def _attribute(self, names: tuple[str, ...], exc: Exception) -> None:
+        disabled = self._counters.runtime_error(names, exc, strict=self.settings.strict)
+        if disabled:
+            self._realise(self._desired, self._desired.loras)
