@@ -33,40 +33,61 @@ def _skipped(sections: list[dict[str, Any]], what: str) -> list[str]:
     return [f"- {what} {s['arch']}: skipped, {s['skipped']}" for s in sections if "skipped" in s]
 
 
+HEADER = ["arch", "ours", "baseline", "figure", "ours", "baseline", "ratio [95%]", "control spread", "verdict"]
+
+
+def _load(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    lines = [f"## Load (a fresh process per load, {cfg['storage_dtype']} single file, page cache warm)", ""]
+    return lines + table(HEADER, _comparison_rows(results["load"]))
+
+
+def _step(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    lines = [f"## Denoising step ({cfg['step_dtype']}, {cfg['resolution']}² px, {cfg['steps']} steps, CFG)", "",
+             "aten ops per UNet call, counted by a dispatch mode inside the UNet's hooks:", ""]
+    lines += table(["arch", "variant", "ops per call", "distinct ops", "same op list as ours no LoRA"],
+                   [[s["arch"], variant, f"{o['total_per_call']:.0f}", o["distinct"],
+                     "yes" if o["same_as_ours_no_lora"] else f"no: {json.dumps(o['differences'])[:200]}"]
+                    for s in results["step"] if "skipped" not in s for variant, o in s["ops"].items()])
+    return lines + table(HEADER, _comparison_rows(results["step"]))
+
+
+def _reweight(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    lines = [f"## Re-weight (three rank-{cfg['lora_rank']} LoRAs applied, the last one's strength moved)", ""]
+    return lines + table(["arch", "dtype", "add 3 LoRAs ms", "re-weight ms (whole transition)", "of which patching ms"],
+                         [[r["arch"], r["dtype"], f"{r['add_ms']:.0f}", _estimate(r["reweight_ms"], 0),
+                           _estimate(r["patch_ms"], 0)] for r in results["reweight"] if "skipped" not in r])
+
+
+def _fp8(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    lines = [f"## fp8 weight storage ({cfg['step_dtype']} compute, {cfg['resolution']}² px, three LoRAs as bypasses)",
+             ""]
+    lines += table(["arch", "resting GiB, all weights in the compute dtype", "resting GiB, fp8", "ratio",
+                    "layers in fp8"],
+                   [[s["arch"], f"{s['resting_gib']['full']:.2f}", f"{s['resting_gib']['fp8']:.2f}",
+                     f"{s['resting_ratio']:.2f}×", s["stored_layers"]] for s in results["fp8"] if "skipped" not in s])
+    return lines + table(HEADER, _comparison_rows(results["fp8"]))
+
+
+# (results key, section, what a skip note calls it): a section is drawn only when it was measured.
+SECTIONS = (("load", _load, "load"), ("step", _step, "step"), ("reweight", _reweight, "re-weight"),
+            ("fp8", _fp8, "fp8"))
+
+
 def render(results: dict[str, Any]) -> str:
     env, cfg = results["env"], results["config"]
-    header = ["arch", "ours", "baseline", "figure", "ours", "baseline", "ratio [95%]", "control spread", "verdict"]
     lines = [f"# CPU proxies: Steady Diffusion vs diffusers ({env['created']})", "",
              f"torch {env['torch']} · diffusers {env['diffusers']} · {env['cpu']} · {cfg['threads']} intra-op "
              f"thread(s) in-process, 2 per load probe · full-size architectures, random weights", "",
              f"Statistics: {results['method']}. Variants run in ABBA order over {cfg['rounds']} rounds; a ratio is "
              "ours relative to the baseline, > 1 means ours is better (speed ours/baseline, time and memory "
              "baseline/ours), from the per-round pairs. The control is the same configuration measured as a second "
-             "variant; a ratio inside the control's spread reads \"no difference\".", "",
-             f"## Load (a fresh process per load, {cfg['storage_dtype']} single file, page cache warm)", ""]
-    lines += table(header, _comparison_rows(results["load"]))
-    lines += [f"## Denoising step ({cfg['step_dtype']}, {cfg['resolution']}² px, {cfg['steps']} steps, CFG)", "",
-              "aten ops per UNet call, counted by a dispatch mode inside the UNet's hooks:", ""]
-    lines += table(["arch", "variant", "ops per call", "distinct ops", "same op list as ours no LoRA"],
-                    [[s["arch"], variant, f"{o['total_per_call']:.0f}", o["distinct"],
-                      "yes" if o["same_as_ours_no_lora"] else f"no: {json.dumps(o['differences'])[:200]}"]
-                     for s in results["step"] if "skipped" not in s for variant, o in s["ops"].items()])
-    lines += table(header, _comparison_rows(results["step"]))
-    lines += [f"## Re-weight (three rank-{cfg['lora_rank']} LoRAs applied, the last one's strength moved)", ""]
-    lines += table(["arch", "dtype", "add 3 LoRAs ms", "re-weight ms (whole transition)", "of which patching ms"],
-                    [[r["arch"], r["dtype"], f"{r['add_ms']:.0f}", _estimate(r["reweight_ms"], 0),
-                      _estimate(r["patch_ms"], 0)] for r in results["reweight"] if "skipped" not in r])
-    lines += [f"## fp8 weight storage ({cfg['step_dtype']} compute, {cfg['resolution']}² px, three LoRAs as bypasses)",
-              ""]
-    lines += table(["arch", "resting GiB, all weights in the compute dtype", "resting GiB, fp8", "ratio",
-                    "layers in fp8"],
-                    [[s["arch"], f"{s['resting_gib']['full']:.2f}", f"{s['resting_gib']['fp8']:.2f}",
-                      f"{s['resting_ratio']:.2f}×", s["stored_layers"]] for s in results.get("fp8", [])
-                     if "skipped" not in s])
-    lines += table(header, _comparison_rows(results.get("fp8", [])))
-    notes = _skipped(results["load"], "load") + _skipped(results["step"], "step")
-    notes += _skipped(results["reweight"], "re-weight") + _skipped(results.get("fp8", []), "fp8")
-    notes += [f"- step {s['arch']}: no diffusers baseline, {s['baseline_note']}" for s in results["step"]
+             "variant; a ratio inside the control's spread reads \"no difference\".", ""]
+    notes = []
+    for key, section, what in SECTIONS:
+        if results.get(key):
+            lines += section(results, cfg)
+            notes += _skipped(results[key], what)
+    notes += [f"- step {s['arch']}: no diffusers baseline, {s['baseline_note']}" for s in results.get("step", [])
               if "skipped" not in s and s["baseline_note"]]
     return "\n".join(lines + (["## Not measured", "", *notes, ""] if notes else []))
 

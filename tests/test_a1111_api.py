@@ -21,6 +21,7 @@ from PIL import Image
 from served_app import MODEL, free_port, make_ui_data, running_app
 
 from app.a1111.schema import Txt2ImgRequest
+from app.engine.generate import params_from_form
 from app.settings import Settings
 
 webuiapi = pytest.importorskip("webuiapi")
@@ -143,6 +144,59 @@ def test_txt2img_echoes_a1111_parameters_and_rounds_sizes_with_a_note(app):
     info = json.loads(answer["info"])
     assert info["width"] == 96 and "width 100 → 96" in info["comments"] and info["all_seeds"] == [3, 4]
     assert _png(answer["images"][0]).size == (96, 64)
+
+
+# ------------------------------------------------------------------------------ img2img, inpaint, hires fix
+def _init_picture() -> Image.Image:
+    """A 64x64 picture with structure (a gradient and a square), so a resize or repaint shows."""
+    ramp = np.tile(np.linspace(0, 255, 64, dtype=np.uint8), (64, 1))
+    pixels = np.stack([ramp, ramp.T, np.full_like(ramp, 90)], axis=-1)
+    pixels[20:44, 20:44] = (230, 40, 40)
+    return Image.fromarray(pixels)
+
+
+def test_img2img_is_the_engines_img2img_bit_for_bit(api, app):
+    init = _init_picture()
+    made = api.img2img(images=[init], prompt="a fox", seed=5, denoising_strength=0.5, **{**SMALL, "steps": 4})
+    assert made.image.size == (64, 64) and made.info["denoising_strength"] == 0.5
+    assert "Denoising strength: 0.5" in made.image.info["parameters"]
+    same = app[1].img2img(_params(app, seed=5, steps=4), [init], denoising_strength=0.5)
+    assert np.array_equal(_pixels(made.image), _pixels(same[0].image))  # the API adds nothing of its own
+    assert np.abs(_pixels(made.image) - _pixels(init)).max() > 0
+
+
+def _params(app, **changes):
+    """The engine's parameters for the `SMALL` request with `changes`, as the UI's form builds them."""
+    values = {"prompt": "a fox", "negative_prompt": "", "sampler": "Euler", "steps": 2, "cfg": 5.0, "seed": 0,
+              "width": 64, "height": 64, "batch": 1, "n_iter": 1} | changes
+    return params_from_form(values, app[1].snapshot().arch)[0]
+
+
+def test_inpaint_keeps_the_unmasked_pixels_and_says_only_masked_is_not_built(api, app):
+    init, mask = _init_picture(), Image.new("L", (64, 64), 0)
+    mask.paste(255, (16, 16, 48, 48))
+    made = api.img2img(images=[init], mask_image=mask, mask_blur=0, inpainting_fill=1, prompt="a fox", seed=8,
+                       denoising_strength=0.9, **{**SMALL, "steps": 4})
+    out, before = _pixels(made.image), _pixels(init)
+    assert np.array_equal(out[:8], before[:8]) and np.array_equal(out[:, :8], before[:, :8])  # outside the mask
+    assert np.abs(out[20:44, 20:44] - before[20:44, 20:44]).max() > 0  # inside it was repainted
+    assert "Mask blur: 0" in made.image.info["parameters"] and "only masked" in made.info["comments"]
+
+
+def test_txt2img_with_enable_hr_runs_the_hires_fix(api, app):
+    made = api.txt2img(prompt="a fox", seed=9, enable_hr=True, hr_scale=2, hr_upscaler="Latent", hr_second_pass_steps=2,
+                       denoising_strength=0.6, **SMALL)
+    assert made.image.size == (128, 128) and made.info["denoising_strength"] == 0.6
+    text = made.image.info["parameters"]
+    assert "Hires upscale: 2" in text and "Hires upscaler: Latent" in text and "Size: 128x128" not in text
+    pixel = api.txt2img(prompt="a fox", seed=9, enable_hr=True, hr_scale=1.5, hr_upscaler="Lanczos",
+                        denoising_strength=0.5, **SMALL)
+    assert pixel.image.size == (96, 96) and "Hires upscaler: Lanczos" in pixel.image.info["parameters"]
+
+
+def test_the_upscaler_lists_name_what_the_hires_fix_takes(api):
+    assert [u.get("name") for u in api.get_upscalers()] == ["None", "Lanczos", "Nearest"]
+    assert "Latent (bicubic antialiased)" in [m["name"] for m in api.get_latent_upscale_modes()]
 
 
 def test_png_info_reads_our_own_output(api, app):

@@ -7,10 +7,14 @@ backlog cap are checked without a server.
 
 from __future__ import annotations
 
+import base64
+import io
+
 import anyio
 import pytest
 import requests
 from fastapi import FastAPI
+from PIL import Image
 from served_app import MODEL, free_port, make_ui_data, running_app
 
 from app.a1111 import install_api
@@ -55,7 +59,11 @@ def _refused(answer: requests.Response, status: int, *words: str) -> dict:
     ({"width": 4096}, 422, ("width", "64…2048")),
     ({"batch_size": 16, "width": 2048, "height": 2048, "steps": 150}, 422, ("per-request cap",)),
     ({"prompt": "x" * 16_001}, 422, ("16,000 characters",)),
-    ({"enable_hr": True, "restore_faces": True}, 422, ("hires fix", "face restoration")),
+    ({"enable_hr": True, "hr_resize_x": 256, "restore_faces": True}, 422,
+     ("hires fix to a fixed size", "face restoration")),
+    ({"enable_hr": True, "hr_scale": 5}, 422, ("hires_scale", "1…4")),
+    ({"enable_hr": True, "hr_upscaler": "R-ESRGAN 4x+"}, 422, ("unknown hires upscaler", "Lanczos")),
+    ({"enable_hr": True, "denoising_strength": 0.1}, 422, ("run no step",)),
     ({"prompt": "a fox <lora:no_such_lora:1>"}, 422, ("no_such_lora",)),
     ({"override_settings": {"sd_model_checkpoint": "no-such-model"}}, 404, ("Model not found", MODEL)),
 ])
@@ -80,7 +88,14 @@ def test_webuiapi_sees_the_refusal(app):
 
 def test_other_refusals(app):
     url = f"{app[0]}/sdapi/v1"
-    _refused(requests.post(f"{url}/img2img", json={"init_images": []}), 501, "img2img", "txt2img")
+    _refused(requests.post(f"{url}/img2img", json={**SMALL, "init_images": []}), 422, "init_images")
+    _refused(requests.post(f"{url}/img2img", json={**SMALL, "init_images": ["not base64!"]}), 422,
+             "Invalid encoded image")
+    picture = base64.b64encode(_png_bytes()).decode()
+    _refused(requests.post(f"{url}/img2img", json={**SMALL, "init_images": [picture], "denoising_strength": 1.5}),
+             422, "denoising_strength")
+    _refused(requests.post(f"{url}/img2img", json={**SMALL, "init_images": [picture], "mask": picture,
+                                                   "resize_mode": 7}), 422, "resize mode")
     _refused(requests.post(f"{url}/png-info", json={"image": "not base64!"}), 422, "Invalid encoded image")
     _refused(requests.post(f"{url}/png-info", json={"image": "aGVsbG8="}), 422, "Invalid encoded image")
     _refused(requests.post(f"{url}/options", json={"sd_model_checkpoint": "nope"}), 404, "Model not found")
@@ -89,6 +104,12 @@ def test_other_refusals(app):
     _refused(requests.post(f"{url}/options", json={"no_such_option": 1}), 422, "no_such_option (unknown here)")
     _refused(requests.post(f"{url}/options", json={"steady_offload": "sideways"}), 422, "offload must be one of")
     assert app[1].snapshot().model == MODEL and app[1].snapshot().offload == "none"
+
+
+def _png_bytes() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def test_a_cross_site_page_cannot_drive_the_api(app):

@@ -13,11 +13,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from app.a1111 import checkpoints, listings, options, pnginfo, progress, txt2img
+from app.a1111 import checkpoints, img2img, listings, options, pnginfo, progress, txt2img
 from app.a1111.auth import BasicAuth
-from app.a1111.errors import A1111Route, ApiError
+from app.a1111.errors import A1111Route
 from app.a1111.schema import (
     EmbeddingsResponse,
+    ImageToImageResponse,
+    Img2ImgRequest,
     LoraItem,
     MemoryResponse,
     PNGInfoRequest,
@@ -32,17 +34,26 @@ from app.a1111.schema import (
     UpscalerItem,
 )
 from app.a1111.state import ApiState
+from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS
+
+
+def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState) -> None:
+    """Check the numbers (and the hires fix's) before the request waits in the lane or switches a checkpoint."""
+    arch = state.engine.snapshot().arch
+    txt2img.plan(req, arch)
+    txt2img.hires(req, arch)
 
 
 def _generation(router: APIRouter, state: ApiState) -> None:
     @router.post("/txt2img", response_model=TextToImageResponse)
     async def text2img(req: Txt2ImgRequest) -> dict:
-        txt2img.plan(req, state.engine.snapshot().arch)  # refuse bad input before any checkpoint switch
+        _refuse_bad_input(req, state)
         return await state.run("txt2img", lambda: txt2img.run(state, req))
 
-    @router.post("/img2img")
-    async def img2img() -> None:
-        raise ApiError(501, "img2img is not available in this app yet; only txt2img is")
+    @router.post("/img2img", response_model=ImageToImageResponse)
+    async def image2img(req: Img2ImgRequest) -> dict:
+        _refuse_bad_input(req, state)
+        return await state.run("img2img", lambda: img2img.run(state, req))
 
     @router.post("/png-info", response_model=PNGInfoResponse)
     def png_info(req: PNGInfoRequest) -> dict:
@@ -124,14 +135,16 @@ def _listings(router: APIRouter, state: ApiState) -> None:
 
 
 def _probed_by_clients(router: APIRouter) -> None:
-    """Lists clients ask for while setting up (SillyTavern, `webuiapi`); this app has none of these things."""
+    """Lists clients ask for while setting up (SillyTavern, `webuiapi`, Krita's hires and upscaler menus)."""
     @router.get("/upscalers", response_model=list[UpscalerItem])
     def upscalers() -> list[dict]:
-        return [{"name": "None", "model_name": None, "model_path": None, "model_url": None, "scale": None}]
+        """The hires fix's pixel resamplers, as A1111 lists its upscalers ("None" first)."""
+        return [{"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": None}
+                for name in ("None", *PIXEL_UPSCALERS)]
 
     @router.get("/latent-upscale-modes")
     def latent_upscale_modes() -> list[dict]:
-        return []
+        return [{"name": name} for name in LATENT_UPSCALERS]
 
     @router.get("/sd-vae")
     def sd_vae() -> list[dict]:

@@ -75,10 +75,34 @@ class Txt2ImgRequest(BaseModel):
     infotext: str | None = None
 
 
+class Img2ImgRequest(Txt2ImgRequest):
+    """`POST /sdapi/v1/img2img`: txt2img's fields plus A1111's img2img ones, with its defaults."""
+
+    init_images: list[str] | None = None
+    resize_mode: int | None = 0
+    image_cfg_scale: float | None = None
+    mask: str | None = None
+    mask_blur_x: int | None = 4
+    mask_blur_y: int | None = 4
+    mask_blur: int | None = None
+    mask_round: bool | None = True
+    inpainting_fill: int | None = 0
+    inpaint_full_res: bool | None = True
+    inpaint_full_res_padding: int | None = 0
+    inpainting_mask_invert: int | None = 0
+    initial_noise_multiplier: float | None = None
+    latent_mask: str | None = None
+    include_init_images: bool | None = False
+
+
 class TextToImageResponse(BaseModel):
     images: list[str] | None = Field(default=None, description="The generated images, base64 PNG with infotext")
     parameters: dict
     info: str
+
+
+class ImageToImageResponse(TextToImageResponse):
+    pass
 
 
 class PNGInfoRequest(BaseModel):

@@ -3,8 +3,9 @@
 The numbers go through `params_from_form`, the rule set the UI uses, so the API has the UI's
 limits (steps 1–150, sizes 64–2048 rounded down to the family's multiple, the prompt and
 pixel-step caps) and its messages. `<lora:…>` tags in the prompt apply to this request only, as
-the engine does for the UI. Features this app does not have (hires fix, face restoration,
-tiling, scripts, refiners, variation seeds, infotext-filled requests) are refused with a 422
+the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fields). Features this
+app does not have (face restoration, tiling, hires to a fixed size, scripts, refiners, variation
+seeds, infotext-filled requests) are refused with a 422
 that names them instead of silently producing a different picture; sampler tuning (`eta`,
 `s_churn` …), styles and saving switches are ignored. Images always go to the outputs folder too,
 as the engine saves every image it makes.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,8 @@ from app.a1111.options import OVERRIDABLE, unsupported_overrides
 from app.a1111.schema import Txt2ImgRequest
 from app.a1111.state import ApiState
 from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
+from app.engine.stage_params import SAME, HiresParams
+from app.families import family
 from app.infotext import parse_infotext
 from app.report import app_version
 
@@ -38,49 +42,66 @@ SAMPLER_ALIASES: dict[str, list[str]] = {
 KARRAS = " Karras"
 SCHEDULES = ("automatic", "karras")  # A1111 schedule types this app can honour
 # (field, what it asks for): a request setting one of these to a true value is refused.
-UNSUPPORTED = (("enable_hr", "hires fix"), ("restore_faces", "face restoration"), ("tiling", "tiling"),
+UNSUPPORTED = (("restore_faces", "face restoration"), ("tiling", "tiling"),
+               ("hr_resize_x", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
+               ("hr_resize_y", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
+               ("hr_checkpoint_name", "another checkpoint for the hires pass"),
                ("script_name", "scripts"), ("alwayson_scripts", "always-on scripts (extensions)"),
                ("refiner_checkpoint", "a refiner"), ("firstpass_image", "a first-pass image"),
                ("subseed_strength", "variation seeds (subseed_strength)"),
                ("infotext", "filling the request from infotext (send the fields instead)"))
 
 
-def sampler_for(name: str | None, schedule: str | None) -> str:
-    """Our sampler for A1111's sampler (name or alias, any case) and schedule type; 400 if there is none."""
-    lookup = {n.lower(): n for n in SCHEDULERS}
-    lookup |= {alias: n for n, aliases in SAMPLER_ALIASES.items() if n in SCHEDULERS for alias in aliases}
+def sampler_for(name: str | None, schedule: str | None, arch: str | None) -> str:
+    """Our sampler for A1111's sampler (name or alias, any case) and schedule type on the loaded
+    family (`arch`; any family's with none loaded); 400 if there is none."""
+    ours = family(arch).samplers if arch else SCHEDULERS
+    lookup = {n.lower(): n for n in ours}
+    lookup |= {alias: n for n, aliases in SAMPLER_ALIASES.items() if n in ours for alias in aliases}
     base = lookup.get((name or "Euler").strip().lower())
     if base is None:
-        raise ApiError(400, f"Sampler not found: {name!r}; choose one of {', '.join(SCHEDULERS)} "
+        raise ApiError(400, f"Sampler not found: {name!r}; choose one of {', '.join(ours)} "
                             "(GET /sdapi/v1/samplers)")
     kind = (schedule or "automatic").strip().lower()
     if kind not in SCHEDULES:
         raise ApiError(400, f"Scheduler not found: {schedule!r}; this app has {', '.join(SCHEDULES)}")
     if kind == "automatic" or base.endswith(KARRAS):
         return base
-    if base + KARRAS in SCHEDULERS:
+    if base + KARRAS in ours:
         return base + KARRAS
-    with_karras = [n.removesuffix(KARRAS) for n in SCHEDULERS if n.endswith(KARRAS)]
+    with_karras = [n.removesuffix(KARRAS) for n in ours if n.endswith(KARRAS)]
     raise ApiError(400, f"sampler {base} has no Karras schedule here; Karras works with {', '.join(with_karras)}")
 
 
-def _value(req: Txt2ImgRequest, field: str) -> Any:
+def field_value(req: Txt2ImgRequest, field: str) -> Any:
     """The field as sent, or A1111's default where a client sent null."""
     value = getattr(req, field)
-    return Txt2ImgRequest.model_fields[field].get_default(call_default_factory=True) if value is None else value
+    return type(req).model_fields[field].get_default(call_default_factory=True) if value is None else value
 
 
 def plan(req: Txt2ImgRequest, arch: str | None) -> tuple[GenerateParams, tuple[str, ...]]:
     """The engine's parameters and rounding notes; refuses unsupported features and out-of-range values."""
-    asked = [what for field, what in UNSUPPORTED if getattr(req, field)]
+    asked = list(dict.fromkeys(what for field, what in UNSUPPORTED if getattr(req, field)))
     if asked:
         raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
-    values = {"prompt": _value(req, "prompt"), "negative_prompt": _value(req, "negative_prompt"),
-              "sampler": sampler_for(req.sampler_name or req.sampler_index, req.scheduler),
-              "steps": _value(req, "steps"), "cfg": _value(req, "cfg_scale"), "seed": _value(req, "seed"),
-              "width": _value(req, "width"), "height": _value(req, "height"), "batch": _value(req, "batch_size"),
-              "n_iter": _value(req, "n_iter")}
+    fields = {"prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "steps", "cfg": "cfg_scale",
+              "seed": "seed", "width": "width", "height": "height", "batch": "batch_size", "n_iter": "n_iter"}
+    values = {ours: field_value(req, theirs) for ours, theirs in fields.items()}
+    values["sampler"] = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
     return params_from_form(values, arch)
+
+
+def hires(req: Txt2ImgRequest, arch: str | None) -> HiresParams | None:
+    """A1111's `enable_hr` fields as the engine's hires fix (None when not asked for); a bad value is
+    refused (422, `errors`) with the range, like every other field."""
+    if not req.enable_hr:
+        return None
+    sampler = sampler_for(req.hr_sampler_name, req.hr_scheduler, arch) if req.hr_sampler_name else SAME
+    return HiresParams(scale=field_value(req, "hr_scale"), upscaler=req.hr_upscaler or "Latent",
+                       steps=field_value(req, "hr_second_pass_steps"),
+                       denoising_strength=field_value(req, "denoising_strength"),
+                       sampler=sampler,
+                       prompt=field_value(req, "hr_prompt"), negative_prompt=field_value(req, "hr_negative_prompt"))
 
 
 def asked_checkpoint(state: ApiState, req: Txt2ImgRequest) -> str | None:
@@ -98,15 +119,20 @@ class Outcome:
     model_hash: str | None
 
 
-def run(state: ApiState, req: Txt2ImgRequest) -> dict:
-    """The whole request, blocking (run it in the API's lane): checkpoint, generation, restore, answer."""
+def run(state: ApiState, req: Txt2ImgRequest,
+        produce: Callable[[GenerateParams], list[GeneratedImage]] | None = None, notes: tuple[str, ...] = ()) -> dict:
+    """The whole request, blocking (run it in the API's lane): checkpoint, generation, restore, answer.
+    `produce` makes the images from the checked parameters (default: txt2img, with hires fix when
+    asked; img2img passes its own); `notes` go to the answer's comments."""
     wanted = asked_checkpoint(state, req)
-    notes = list(unsupported_overrides(state.ctx.settings, req.override_settings or {}))
+    notes = [*notes, *unsupported_overrides(state.ctx.settings, req.override_settings or {})]
+    produce = produce or (lambda params: state.engine.generate(
+        params, owner=API_OWNER, hires=hires(req, state.engine.snapshot().arch)))
 
     def generate() -> Outcome:
         params, rounding = plan(req, state.engine.snapshot().arch)
         notes.extend(rounding)
-        images = state.engine.generate(params, owner=API_OWNER)
+        images = produce(params)
         if wanted is not None and images and parse_infotext(images[0].infotext).settings.get("Model") != wanted:
             raise ApiError(409, f"another client switched the checkpoint away from {wanted} during this request; "
                                 "send it again")
@@ -114,8 +140,8 @@ def run(state: ApiState, req: Txt2ImgRequest) -> dict:
         return Outcome(params, images, snap.model, snap.model_hash)
 
     outcome, restore_notes = checkpoints.with_checkpoint(
-        state, wanted, _value(req, "override_settings_restore_afterwards"), generate)
-    images = [encode_png(im.image, im.infotext) for im in outcome.images] if _value(req, "send_images") else []
+        state, wanted, field_value(req, "override_settings_restore_afterwards"), generate)
+    images = [encode_png(im.image, im.infotext) for im in outcome.images] if field_value(req, "send_images") else []
     return {"images": images, "parameters": req.model_dump(),
             "info": info_json(state, outcome, notes + restore_notes)}
 
@@ -127,6 +153,12 @@ def encode_png(image: Image.Image, infotext: str) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", pnginfo=meta)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _denoising(images: list[GeneratedImage]) -> float | None:
+    """The denoising strength the engine wrote into the first image's infotext (img2img, hires fix)."""
+    value = parse_infotext(images[0].infotext).settings.get("Denoising strength") if images else None
+    return None if value is None else float(value)
 
 
 def info_json(state: ApiState, outcome: Outcome, notes: list[str]) -> str:
@@ -143,7 +175,7 @@ def info_json(state: ApiState, outcome: Outcome, notes: list[str]) -> str:
         "steps": params.steps, "batch_size": params.batch, "restore_faces": False, "face_restoration_model": None,
         "sd_model_name": checkpoints.model_name(outcome.model or ""), "sd_model_hash": outcome.model_hash,
         "sd_vae_name": None, "sd_vae_hash": None, "seed_resize_from_w": -1, "seed_resize_from_h": -1,
-        "denoising_strength": None, "extra_generation_params": {}, "index_of_first_image": 0,
+        "denoising_strength": _denoising(images), "extra_generation_params": {}, "index_of_first_image": 0,
         "infotexts": [im.infotext for im in images], "styles": [], "job_timestamp": state.job.timestamp,
         "clip_skip": 1, "is_using_inpainting_conditioning": False, "version": app_version(),
         "comments": "\n".join(notes), "interrupted": any(not im.complete for im in images),

@@ -1,0 +1,38 @@
+"""`POST /sdapi/v1/img2img`: A1111's img2img and inpaint on the engine's workflows.
+
+The request is txt2img's (same checks, same limits, same answer) plus the init images, the
+denoising strength, A1111's `resize_mode` (0 just resize, 1 crop and resize, 2 resize and fill)
+and, with a `mask`, inpaint: `mask_blur` (or the larger of `mask_blur_x/y`), `inpainting_fill`
+(0 fill, 1 original, 2 latent noise, 3 latent nothing) and `inpainting_mask_invert`. Inpaint
+repaints at the whole picture's resolution: A1111's "only masked" (`inpaint_full_res`, its
+default) is not built, so it is ignored and the answer's comments say so.
+"""
+
+from __future__ import annotations
+
+from app.a1111 import txt2img
+from app.a1111.errors import ApiError
+from app.a1111.pnginfo import decode_image
+from app.a1111.schema import Img2ImgRequest
+from app.a1111.state import ApiState
+from app.engine.generate import GeneratedImage, GenerateParams
+
+ONLY_MASKED = ("inpaint_full_res (only masked) is not supported: the whole picture was repainted at its size")
+
+
+def run(state: ApiState, req: Img2ImgRequest) -> dict:
+    """The whole request, blocking (run it in the API's lane)."""
+    if not req.init_images:
+        raise ApiError(422, "img2img needs init_images: a list of base64 images (data: URLs work too)")
+    images = [decode_image(data) for data in req.init_images]
+    mask = decode_image(req.mask) if req.mask else None
+    blur = req.mask_blur if req.mask_blur is not None else max(req.mask_blur_x or 0, req.mask_blur_y or 0)
+
+    def produce(params: GenerateParams) -> list[GeneratedImage]:
+        return state.engine.img2img(
+            params, images, denoising_strength=txt2img.field_value(req, "denoising_strength"),
+            resize_mode=req.resize_mode or 0, mask=mask, mask_blur=blur, inpainting_fill=req.inpainting_fill or 0,
+            inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=txt2img.API_OWNER)
+
+    notes = (ONLY_MASKED,) if mask is not None and req.inpaint_full_res else ()
+    return txt2img.run(state, req, produce, notes)
