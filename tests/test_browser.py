@@ -236,7 +236,7 @@ def test_png_info_round_trip_gives_the_same_image_bytes(page, served):
     summary = page.inner_text("#sd-pnginfo-summary")
     assert "style (UNet 0.6 / TE 0.6)" in summary and "DPM++ 2M Karras" in summary and "Written by this app" in summary
     save(page, "pnginfo.png")
-    page.click("#sd-pnginfo-send")
+    page.click("#sd-pnginfo-send-generate")
     page.wait_for_selector("#sd-lora-status >> text=style", timeout=TIMEOUT_MS)
     assert [(s.name, s.unet_strength, s.te_strength) for s in engine.snapshot().loras] == [("style", 0.6, 0.6)]
     assert page.input_value("#sd-seed input") == "1234" and page.input_value("#sd-width input") == "72"

@@ -1,14 +1,28 @@
 """A real headless Chromium runs the img2img tab's three workflows as a user would: upload an init
 image and run img2img, upload it into the image editor, paint a mask with the mouse and inpaint
-(then again with an uploaded mask), and run txt2img with hires fix. Screenshots as `browser_kit`
-says (`SD_UPDATE_SCREENSHOTS=1` copies them to assets/screenshots/)."""
+(then again with an uploaded mask), and run txt2img with hires fix; and "Send to img2img" from
+History and PNG Info fills that tab. Screenshots as `browser_kit` says (`SD_UPDATE_SCREENSHOTS=1`
+copies them to assets/screenshots/)."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
-from browser_kit import TIMEOUT_MS, chromium, outputs, save
+from browser_kit import (
+    TIMEOUT_MS,
+    chromium,
+    close_toasts,
+    generate_and_wait,
+    open_page,
+    outputs,
+    save,
+    set_number,
+    toasts,
+)
 from PIL import Image, ImageDraw
+from PIL.PngImagePlugin import PngInfo
 from served_app import free_port, make_ui_data, running_app
 
 from app.infotext import read_parameters
@@ -43,6 +57,10 @@ def pictures(tmp_path_factory):
     mask = Image.new("L", (96, 64), 0)
     mask.paste(255, (60, 8, 92, 40))
     mask.save(folder / "mask.png")
+    text = PngInfo()  # what A1111 writes into an img2img result, 80x48 to tell it from the rest
+    text.add_text("parameters", "a red barn at noon\nNegative prompt: fog\nSteps: 3, Sampler: Euler a, CFG scale: 5, "
+                                "Seed: 77, Size: 64x64, Denoising strength: 0.35, Version: v1.10.1")
+    Image.new("RGB", (80, 48), (160, 40, 30)).save(folder / "a1111.png", pnginfo=text)
     return folder
 
 
@@ -118,4 +136,68 @@ def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures)
     history = engine.snapshot().history
     assert STAGES <= {row.command for row in history}
     assert all(row.outcome == "ok" and row.violations_found == 0 for row in history)
+    page.close()
+
+
+def _sent_to_img2img(page, width: int) -> None:
+    """Wait until the img2img tab is the one shown, with an init image `width` pixels wide."""
+    page.wait_for_selector("#sd-i2i-prompt", state="visible", timeout=TIMEOUT_MS)
+    assert page.get_by_role("tab", name="img2img", exact=True, selected=True).count() == 2  # the tab and its panel
+    page.wait_for_function(f"document.querySelector('#sd-i2i-image img')?.naturalWidth === {width}",
+                           timeout=TIMEOUT_MS)
+
+
+def test_send_to_img2img_from_history_and_png_info(browser, served, pictures):
+    """History: a file deleted after it was selected is one toast; a generated image goes in as the
+    init image with its prompt and seed. PNG Info: A1111's PNG brings its denoising strength too and
+    img2img runs from it; a PNG without infotext still goes in, the settings stay, the note says why."""
+    url, engine = served
+    page = open_page(browser, url, engine)
+    page.fill("#sd-prompt textarea", "a lighthouse, sent on")
+    for elem_id, value in (("sd-steps", "2"), ("sd-seed", "4321")):
+        set_number(page, elem_id, value)
+    made = generate_and_wait(page, engine)
+    doomed = made.with_name("doomed.png")
+    shutil.copy(made, doomed)  # newer: the first thumbnail
+    page.get_by_role("tab", name="History").click()
+    thumbnails = page.locator("#sd-history-gallery .thumbnail-item")
+    page.wait_for_function("document.querySelectorAll('#sd-history-gallery .thumbnail-item').length >= 2",
+                           timeout=TIMEOUT_MS)
+    thumbnails.first.click()
+    page.wait_for_function("document.querySelector('#sd-history-infotext textarea').value.startsWith('a lighthouse')",
+                           timeout=TIMEOUT_MS)
+    doomed.unlink()
+    page.click("#sd-history-send-img2img")
+    page.wait_for_selector("[data-testid=toast-text]", timeout=TIMEOUT_MS)
+    assert [t.startswith("Sending to img2img failed") and "doomed.png" in t for t in toasts(page)] == [True]
+    close_toasts(page)
+    thumbnails.nth(1).click()
+    page.wait_for_function("document.querySelector('#sd-history-infotext textarea').value.startsWith('a lighthouse')",
+                           timeout=TIMEOUT_MS)
+    page.click("#sd-history-send-img2img")
+    _sent_to_img2img(page, Image.open(made).width)
+    assert page.input_value("#sd-i2i-prompt textarea") == "a lighthouse, sent on"
+    assert page.input_value("#sd-i2i-seed input") == "4321" and page.input_value("#sd-i2i-steps input") == "2"
+
+    page.get_by_role("tab", name="PNG Info").click()
+    page.set_input_files("#sd-pnginfo-image input[type=file]", str(pictures / "a1111.png"))
+    page.wait_for_selector("#sd-pnginfo-summary table", timeout=TIMEOUT_MS)
+    page.click("#sd-pnginfo-send-img2img")
+    _sent_to_img2img(page, 80)
+    assert page.input_value("#sd-i2i-prompt textarea") == "a red barn at noon"
+    assert page.input_value("#sd-i2i-seed input") == "77"
+    assert page.input_value("#sd-i2i-denoising_strength input") == "0.35"
+    assert "Settings sent from an infotext" in page.inner_text("#sd-i2i-note")
+    _run(page, "sd-i2i-run", "Seed: 77")
+    _image, text = _last_output(engine)
+    assert text.startswith("a red barn at noon") and "Denoising strength: 0.35" in text
+
+    page.get_by_role("tab", name="PNG Info").click()
+    page.set_input_files("#sd-pnginfo-image input[type=file]", str(pictures / "init.png"))
+    page.wait_for_selector("#sd-pnginfo-summary >> text=carries no generation parameters", timeout=TIMEOUT_MS)
+    page.click("#sd-pnginfo-send-img2img")
+    _sent_to_img2img(page, 96)
+    page.wait_for_selector("#sd-i2i-note >> text=No infotext came with it", timeout=TIMEOUT_MS)
+    assert page.input_value("#sd-i2i-prompt textarea") == "a red barn at noon"  # left as it was
+    assert toasts(page) == []
     page.close()

@@ -20,6 +20,7 @@ from app.ui.generate_tab import build_generate_tab, wire_page_load
 from app.ui.history_tab import build_history_tab
 from app.ui.img2img_tab import build_img2img_tab
 from app.ui.pnginfo_tab import build_pnginfo_tab
+from app.ui.send_to import senders
 
 CSS_PATH = Path(__file__).resolve().parents[2] / "assets" / "ui.css"
 STATUS_REFRESH_S = 1.0
@@ -47,11 +48,11 @@ def build_app(ctx: UiContext) -> gr.Blocks:
             with gr.Tab("Generate", id="generate") as generate_tab:
                 tab = build_generate_tab(ctx)
             with gr.Tab("img2img", id="img2img") as img2img_tab:
-                build_img2img_tab(ctx)
+                sends = senders(tab, build_img2img_tab(ctx), tabs)
             with gr.Tab("PNG Info", id="pnginfo") as pnginfo_tab:
-                build_pnginfo_tab(ctx, tab, tabs)
+                build_pnginfo_tab(ctx, sends)
             with gr.Tab("History", id="history") as history_tab:
-                refresh_history = build_history_tab(ctx, tab, tabs)
+                refresh_history = build_history_tab(ctx, sends)
             with gr.Tab("Diagnostics", id="diagnostics") as diagnostics_tab:
                 diag = build_diagnostics_tab(ctx)
         ticker = gr.Timer(STATUS_REFRESH_S)

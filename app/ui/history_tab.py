@@ -2,7 +2,8 @@
 
 Images are listed from the outputs folder itself (the one folder Gradio may serve), so the list
 holds API and other-tab generations too and survives a page reload; "this session" means written
-since the app started. Selecting an image shows its infotext, which can be sent to Generate.
+since the app started. Selecting an image shows its infotext, which can be sent to Generate, or
+sent with the image itself to img2img.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import gradio as gr
 
 from app.infotext import read_parameters
 from app.ui.common import UiContext
-from app.ui.generate_tab import GenerateTab
-from app.ui.send_to import wire_send
+from app.ui.send_to import Senders, add_send_buttons
 
 SCOPES = ("this session", "all outputs")
 LIMIT = 200  # newest images shown; the count says how many exist
@@ -29,7 +29,7 @@ def list_outputs(outputs_dir: Path, since: float | None) -> list[Path]:
     return [p for mtime, p in sorted(found, key=lambda item: item[0], reverse=True) if since is None or mtime >= since]
 
 
-def build_history_tab(ctx: UiContext, tab: GenerateTab, tabs: gr.Tabs) -> dict:
+def build_history_tab(ctx: UiContext, sends: Senders) -> dict:
     """Lay out and wire the tab; returns the event arguments that refresh it (run when the tab is selected)."""
     with gr.Row(equal_height=True):
         scope = gr.Radio(list(SCOPES), value=SCOPES[0], show_label=False, scale=3, elem_id="sd-history-scope")
@@ -37,11 +37,12 @@ def build_history_tab(ctx: UiContext, tab: GenerateTab, tabs: gr.Tabs) -> dict:
     count = gr.Markdown(elem_id="sd-history-count")
     gallery = gr.Gallery(show_label=False, columns=6, height=420, object_fit="contain", elem_id="sd-history-gallery",
                          buttons=["download", "fullscreen"])
+    paths, selected = gr.State([]), gr.State(None)  # the listed files, the selected one
     with gr.Row():
         text = gr.Textbox(label="Infotext of the selected image", lines=5, buttons=["copy"], scale=4,
                           elem_id="sd-history-infotext")
-        send = gr.Button("Send to Generate", variant="primary", scale=1, elem_id="sd-history-send")
-    paths = gr.State([])
+        with gr.Column(scale=1, min_width=160):
+            add_send_buttons(ctx, sends, text, selected, count, "sd-history-send")
 
     def fill(chosen: str):
         found = list_outputs(ctx.settings.outputs_dir, ctx.started if chosen == SCOPES[0] else None)
@@ -49,20 +50,21 @@ def build_history_tab(ctx: UiContext, tab: GenerateTab, tabs: gr.Tabs) -> dict:
         where = html.escape(str(ctx.settings.outputs_dir))
         cut = f", showing the newest {LIMIT}" if len(found) > LIMIT else ""
         note = f"{len(found)} image(s) {'since the app started' if chosen == SCOPES[0] else 'in'} `{where}`{cut}"
-        return [(str(p), p.parent.name + "/" + p.name) for p in shown], [str(p) for p in shown], note, ""
+        return [(str(p), p.parent.name + "/" + p.name) for p in shown], [str(p) for p in shown], note, "", None
 
-    def pick(shown: list[str], evt: gr.SelectData) -> str:
+    def pick(shown: list[str], evt: gr.SelectData):
+        """(infotext, path): a missing infotext is said in the placeholder, never as text a send would read."""
         if evt.index is None or evt.index >= len(shown):
-            return ""
+            return "", None
         try:
-            return read_parameters(Path(shown[evt.index])) or "(this PNG carries no infotext)"
-        except OSError as exc:  # deleted since the list was drawn
-            return f"(cannot read it: {exc})"
+            found, why = read_parameters(Path(shown[evt.index])), "(this PNG carries no infotext)"
+        except OSError as exc:  # deleted since the list was drawn; sending it says so in a toast
+            found, why = "", f"(cannot read it: {exc})"
+        return gr.Textbox(value=found or "", placeholder=why), shown[evt.index]
 
-    refresh_args = dict(fn=fill, inputs=scope, outputs=[gallery, paths, count, text], api_visibility="private",
-                        show_progress="hidden")
+    refresh_args = dict(fn=fill, inputs=scope, outputs=[gallery, paths, count, text, selected],
+                        api_visibility="private", show_progress="hidden")
     scope.input(**refresh_args)
     refresh.click(**refresh_args)
-    gallery.select(pick, paths, text, api_visibility="private")
-    wire_send(ctx, send, text, tab, tabs, count)
+    gallery.select(pick, paths, [text, selected], api_visibility="private")
     return refresh_args

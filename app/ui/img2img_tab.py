@@ -50,7 +50,19 @@ def _settings() -> list:
     return [prompt, negative, sampler, steps, cfg, seed, width, height, batch]
 
 
-def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
+@dataclass
+class Img2ImgTab:
+    """The tab's components "send to img2img" writes to: the shared settings, the img2img panel's init
+    image and denoising strength, a note for what the send did, and the sub-tabs (to show that panel)."""
+
+    settings: list
+    image: gr.Image
+    strength: gr.Number
+    note: gr.Markdown
+    panels: gr.Tabs
+
+
+def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> tuple[gr.Image, gr.Number]:
     image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300)
     with gr.Row():
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode", elem_id="sd-i2i-resize")
@@ -59,6 +71,7 @@ def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
     go.click(lambda progress=PROGRESS, *v: run_img2img(ctx, list(v[:9]), *v[9:], progress=progress)[:2],
              [*base, image, strength, resize], out.all, api_visibility="private", concurrency_id=QUEUE,
              show_progress_on=[out.gallery])
+    return image, strength
 
 
 def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
@@ -106,7 +119,7 @@ def _hires_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
              concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
-def build_img2img_tab(ctx: UiContext) -> None:
+def build_img2img_tab(ctx: UiContext) -> Img2ImgTab:
     """Lay out the tab: shared settings on the left, one sub-tab per workflow, the results on the right
     (built first, unrendered, so every panel's button can write to them)."""
     out = _Outputs(gr.Gallery(label="Images", columns=2, height=420, elem_id="sd-i2i-gallery", format="png",
@@ -115,9 +128,10 @@ def build_img2img_tab(ctx: UiContext) -> None:
     with gr.Row():
         with gr.Column(scale=3):
             base = _settings()
-            with gr.Tabs():
+            note = gr.Markdown(elem_id="sd-i2i-note")  # what "send to img2img" filled in, or could not
+            with gr.Tabs() as panels:
                 with gr.Tab("img2img", id="i2i-img2img"):
-                    _img2img_panel(ctx, base, out)
+                    image, strength = _img2img_panel(ctx, base, out)
                 with gr.Tab("Inpaint", id="i2i-inpaint"):
                     _inpaint_panel(ctx, base, out)
                 with gr.Tab("Hires fix", id="i2i-hires"):
@@ -125,3 +139,4 @@ def build_img2img_tab(ctx: UiContext) -> None:
         with gr.Column(scale=2):
             out.gallery.render()
             out.infotext.render()
+    return Img2ImgTab(base, image, strength, note, panels)

@@ -1,5 +1,5 @@
 """The PNG Info tab: drop a PNG (or paste infotext) from A1111, Forge or this app, read what made it,
-and send it to Generate.
+and send it to Generate, or with the PNG as the init image to img2img.
 
 The image component hands over the uploaded file as it came (`type="filepath"`, no colour-mode
 conversion), because a re-encoded copy would lose the `parameters` text chunk. The text box is
@@ -14,8 +14,7 @@ import gradio as gr
 
 from app.infotext import Infotext, parse_infotext, read_parameters
 from app.ui.common import UiContext
-from app.ui.generate_tab import GenerateTab
-from app.ui.send_to import wire_send
+from app.ui.send_to import Senders, add_send_buttons
 
 NO_TEXT = ("This image carries no generation parameters. A1111, Forge and this app write them into the "
            "PNG's `parameters` text; other tools, screenshots and re-saved copies drop them.")
@@ -43,7 +42,7 @@ def read_text(text: str) -> str:
         return f"⚠ {html.escape(str(exc))}"
 
 
-def build_pnginfo_tab(ctx: UiContext, tab: GenerateTab, tabs: gr.Tabs) -> None:
+def build_pnginfo_tab(ctx: UiContext, sends: Senders) -> None:
     with gr.Row():
         with gr.Column(scale=2):
             image = gr.Image(type="filepath", image_mode=None, sources=["upload", "clipboard"], height=380,
@@ -51,8 +50,11 @@ def build_pnginfo_tab(ctx: UiContext, tab: GenerateTab, tabs: gr.Tabs) -> None:
         with gr.Column(scale=3):
             text = gr.Textbox(label="Infotext (parameters) — or paste one here", lines=7, buttons=["copy"],
                               elem_id="sd-pnginfo-text")
-            send = gr.Button("Send to Generate", variant="primary", elem_id="sd-pnginfo-send")
-            summary = gr.Markdown(elem_id="sd-pnginfo-summary")
+            # drawn below the buttons, which show a send's progress on it
+            summary = gr.Markdown(elem_id="sd-pnginfo-summary", render=False)
+            with gr.Row():
+                add_send_buttons(ctx, sends, text, image, summary, "sd-pnginfo-send")
+            summary.render()
 
     def on_image(path):
         if not path:
@@ -66,4 +68,3 @@ def build_pnginfo_tab(ctx: UiContext, tab: GenerateTab, tabs: gr.Tabs) -> None:
     image.change(on_image, image, [text, summary], api_visibility="private")
     text.input(read_text, text, summary, api_visibility="private", trigger_mode="always_last",
                show_progress="hidden")
-    wire_send(ctx, send, text, tab, tabs, summary)

@@ -1,11 +1,14 @@
-""""Send to Generate": an infotext (from PNG Info or History) becomes the Generate tab's settings.
+""""Send to Generate" and "Send to img2img": an infotext (from PNG Info or History) becomes a tab's
+settings; img2img also takes the picture itself as its init image.
 
-Prompt, negative prompt, sampler, steps, CFG, seed and size are put in as written: a value our
-rules refuse (say 200 steps from another tool) is refused by Generate with the range, never
-clamped here. LoRAs are selected with both weights and handed to the engine the same way as a
-pick in the selector. The checkpoint is found by the infotext's "Model hash" (sha256[:10] of
-the file, as A1111 writes it), else by its "Model" name, and loaded before the LoRAs are
-applied. Whatever cannot be matched is listed in the Generate tab's note.
+Prompt, negative prompt, sampler, steps, CFG, seed, size (and, for img2img, the denoising strength)
+are put in as written: a value our rules refuse (say 200 steps from another tool) is refused by the
+tab with the range, never clamped here. LoRAs are selected with both weights and handed to the
+engine the same way as a pick in the selector (img2img runs with the engine's LoRAs too). The
+checkpoint is found by the infotext's "Model hash" (sha256[:10] of the file, as A1111 writes it),
+else by its "Model" name, and loaded before the LoRAs are applied. Whatever cannot be matched is
+listed in the receiving tab's note. A picture without infotext still goes in as the init image; the
+settings then stay as they were, and the note says why.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
+from PIL import Image
 
 from app.adapters.specs import LoraSpec
 from app.engine import models
@@ -21,11 +25,15 @@ from app.engine.generate import SCHEDULERS
 from app.infotext import Infotext, parse_infotext
 from app.ui.common import MAX_LORAS, PROGRESS, UiContext, run_with_progress, user_errors
 from app.ui.generate_tab import GenerateTab, loaded_text
+from app.ui.img2img_tab import Img2ImgTab
 from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
 
-# Generate-tab field -> infotext key; numbers are parsed, the rest taken as text.
-_NUMBERS = {"steps": "Steps", "cfg": "CFG scale", "seed": "Seed"}
+# Plan field -> infotext key; numbers are parsed, the rest taken as text.
+_NUMBERS = {"steps": "Steps", "cfg": "CFG scale", "seed": "Seed", "denoising_strength": "Denoising strength"}
+# The fields both tabs' settings lists start with, in that order.
 _FIELDS = ("prompt", "negative", "sampler", "steps", "cfg", "seed", "width", "height")
+NO_INFOTEXT = ("⚠ No infotext came with it: the settings were left as they were (other tools, screenshots and "
+               "re-saved copies drop the PNG's `parameters` text).")
 
 
 @dataclass(frozen=True)
@@ -99,25 +107,88 @@ def plan_send(ctx: UiContext, info: Infotext) -> SendPlan:
     return SendPlan(fields, keep, loras, tuple(n for n in notes if n))
 
 
-def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, tab: GenerateTab, tabs: gr.Tabs,
-              progress_on: gr.components.Component) -> None:
-    """Clicking `button` sends the infotext in `text` to the Generate tab and switches to it. Progress
-    (a model load) and a failure's mark show on `progress_on`, beside the button, not on the fields."""
+@dataclass(frozen=True)
+class SendTarget:
+    """A tab a send fills: its components by plan field (a field the plan lacks is left as it is, one
+    the tab lacks is not sent), its note, the (tabs, id) pairs to select, outer first, so the user
+    lands on the filled panel, and, for img2img, the image component that takes the picture."""
+
+    tab_id: str  # also the buttons' element-id suffix
+    label: str
+    fields: dict[str, gr.components.Component]
+    note: gr.Markdown
+    tabs: tuple[tuple[gr.Tabs, str], ...]
+    image: gr.Image | None = None
+
+
+@dataclass(frozen=True)
+class Senders:
+    """What the send buttons write to: the targets, and the Generate tab, whose checkpoint, status line
+    and LoRA panel show the engine state any send changes."""
+
+    generate: GenerateTab
+    targets: tuple[SendTarget, ...]
+
+
+def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Senders:
+    """Generate and img2img as send targets; `tabs` are the app's top-level tabs."""
+    return Senders(generate, (
+        SendTarget("generate", "Generate", dict(zip(_FIELDS, generate.settings, strict=False)), generate.note,
+                   ((tabs, "generate"),)),
+        SendTarget("img2img", "img2img", {**dict(zip(_FIELDS, img2img.settings, strict=False)),
+                                          "denoising_strength": img2img.strength}, img2img.note,
+                   ((tabs, "img2img"), (img2img.panels, "i2i-img2img")), img2img.image)))
+
+
+def readable_picture(path: str | None) -> str | None:
+    """`path` once Pillow has decoded it whole, so a deleted or broken file fails here, in the sender's one
+    toast. The path itself goes on (Gradio copies the file): a re-encoded copy could differ."""
+    if path:
+        with Image.open(path) as picture:
+            picture.load()
+    return path or None
+
+
+def _note(plan: SendPlan | None, picture: str | None) -> str:
+    lines = ["ℹ️ Init image sent."] if picture else []
+    if plan is None:
+        return "\n\n".join([*lines, NO_INFOTEXT])
+    return "\n\n".join([*lines, "ℹ️ Settings sent from an infotext.", *(f"⚠ {n}" for n in plan.notes)])
+
+
+def add_send_buttons(ctx: UiContext, sends: Senders, text: gr.Textbox, picture: gr.components.Component,
+                     progress_on: gr.components.Component, elem_prefix: str) -> None:
+    """One "Send to …" button per target, laid out where this is called, each wired by `wire_send`."""
+    for target in sends.targets:
+        button = gr.Button(f"Send to {target.label}", variant="primary", elem_id=f"{elem_prefix}-{target.tab_id}")
+        wire_send(ctx, button, text, picture, target, sends.generate, progress_on)
+
+
+def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, picture: gr.components.Component,
+              target: SendTarget, tab: GenerateTab, progress_on: gr.components.Component) -> None:
+    """Clicking `button` sends the infotext in `text` (and, to img2img, the picture whose path `picture`
+    holds) to `target` and switches to it. Progress (a model load) and a failure's mark show on
+    `progress_on`, beside the button, not on the fields."""
     slots, engine = tab.loras, ctx.engine
 
-    def send(infotext, progress=PROGRESS):
-        with user_errors("Sending to Generate"):
-            plan = plan_send(ctx, parse_infotext(infotext or ""))
+    def send(infotext, path, progress=PROGRESS):
+        with user_errors(f"Sending to {target.label}"):
+            path = readable_picture(path) if target.image is not None else None
+            text = (infotext or "").strip()
+            plan = plan_send(ctx, parse_infotext(text)) if text else None
             status = gr.update()
-            if plan.checkpoint is not None:
+            if plan is not None and plan.checkpoint is not None:
                 status = loaded_text(run_with_progress(engine, lambda: engine.load_model(plan.checkpoint), progress))
-        fields = [gr.update(value=plan.fields[f]) if f in plan.fields else gr.update() for f in _FIELDS]
-        note = "\n\n".join(["ℹ️ Settings sent from an infotext.", *(f"⚠ {n}" for n in plan.notes)])
-        return [*fields, note, gr.Dropdown(value=engine.snapshot().model), status,
-                *selection_updates(ctx, list(plan.loras)), gr.Tabs(selected="generate")]
+        known = plan.fields if plan is not None else {}
+        fields = [gr.update(value=known[f]) if f in known else gr.update() for f in target.fields]
+        image = [gr.update(value=path) if path else gr.update()] if target.image is not None else []
+        loras = (selection_updates(ctx, list(plan.loras)) if plan is not None
+                 else [gr.update()] * (1 + len(slots.layout)))
+        return [*fields, *image, _note(plan, path), gr.Dropdown(value=engine.snapshot().model), status, *loras,
+                *(gr.Tabs(selected=tab_id) for _tabs, tab_id in target.tabs)]
 
-    outputs = [tab.prompt, tab.negative, tab.sampler, tab.steps, tab.cfg, tab.seed, tab.width, tab.height, tab.note,
-               tab.model, tab.model_status, slots.select, *slots.layout, tabs]
-    button.click(send, text, outputs, api_visibility="private", concurrency_id=LORA_QUEUE,
+    outputs = [*target.fields.values(), *([target.image] if target.image is not None else []), target.note,
+               tab.model, tab.model_status, slots.select, *slots.layout, *(tabs for tabs, _id in target.tabs)]
+    button.click(send, [text, picture], outputs, api_visibility="private", concurrency_id=LORA_QUEUE,
                  show_progress_on=[progress_on]).success(
         **sync_panel(ctx, slots))
