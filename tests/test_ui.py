@@ -135,7 +135,7 @@ def test_an_engine_failure_is_whole_once_and_one_traceback_in_the_log(client, ca
 
 
 def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_cannot_match(app):
-    """What "send to Generate" will do with another tool's text: A1111 sampler + schedule names, the
+    """What "send to Generate/img2img" will do with another tool's text: A1111 sampler + schedule names, the
     checkpoint by `Model hash` although its name differs, LoRA weights in A1111's order (TE first),
     and a note for each thing it cannot match instead of a guess."""
     _server, engine, settings = app
@@ -143,10 +143,10 @@ def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_ca
     sdxl_hash = file_sha256(settings.checkpoints_dir / "tiny-sdxl.safetensors")[:10]
     text = ("a fox <lora:style:0.5:1.5> <lora:missing:1>\nNegative prompt: blurry\nSteps: 28, Sampler: DPM++ 2M, "
             f"Schedule type: Karras, CFG scale: 6.5, Seed: 99, Size: 832x1216, Model hash: {sdxl_hash}, "
-            "Model: renamed_elsewhere, Version: v1.10.1")
+            "Model: renamed_elsewhere, Denoising strength: 0.4, Version: v1.10.1")
     plan = plan_send(ctx, parse_infotext(text))
     assert plan.fields == {"prompt": "a fox", "negative": "blurry", "steps": 28, "cfg": 6.5, "seed": 99, "width": 832,
-                           "height": 1216, "sampler": "DPM++ 2M Karras"}
+                           "height": 1216, "sampler": "DPM++ 2M Karras", "denoising_strength": 0.4}
     assert plan.checkpoint == "tiny-sdxl.safetensors"
     assert [(s.name, s.unet_strength, s.te_strength) for s in plan.loras] == [("style", 1.5, 0.5)]
     assert plan.notes == (f"LoRA missing is not in {settings.lora_dir}",)
