@@ -432,6 +432,7 @@ def _unet_only(env: Env) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith("model.diffusion_model.")}
 
 
+NOT_KNOWN = r"not a checkpoint of a family this app runs \(SD1\.5, SDXL, FLUX\.1-dev, FLUX\.1-schnell\)"
 BAD_CHECKPOINTS = {
     "truncated": (lambda env: _ckpt_bytes(env)[: len(_ckpt_bytes(env)) // 2], ModelLoadError,
                   r"bad-truncated\.safetensors: not a valid safetensors file .*truncated or corrupt"),
@@ -449,16 +450,16 @@ BAD_CHECKPOINTS = {
     "header_too_large": (lambda env: struct.pack("<Q", 10**15) + b"{}", ModelLoadError,
                          r"bad-header_too_large\.safetensors: .*header too large"),
     "no_tensors": (lambda env: _header_file({"__metadata__": {"format": "pt"}}), UnknownArchitectureError,
-                   r"bad-no_tensors\.safetensors: not an SD1\.5/SDXL checkpoint: unrecognised layout with 0 tensors"),
+                   r"bad-no_tensors\.safetensors: " + NOT_KNOWN + r": unrecognised layout with 0 tensors"),
     "random_tensors": (_ckpt_tensors(lambda env: {"foo.weight": torch.ones(2), "bar.bias": torch.ones(2)}),
                        UnknownArchitectureError,
-                       r"bad-random_tensors\.safetensors: not an SD1\.5/SDXL checkpoint: unrecognised layout "
+                       r"bad-random_tensors\.safetensors: " + NOT_KNOWN + r": unrecognised layout "
                        r"with 2 tensors"),
     "lora_in_checkpoint_folder": (lambda env: _good_bytes(env), UnknownArchitectureError,
-                                  r"not an SD1\.5/SDXL checkpoint: looks like a LoRA/LyCORIS adapter "
+                                  NOT_KNOWN + r": looks like a LoRA/LyCORIS adapter "
                                   r"\(put it in models/Lora\)"),
     "unet_only": (_ckpt_tensors(_unet_only), UnknownArchitectureError,
-                  r"not an SD1\.5/SDXL checkpoint: looks like a UNet without its text encoder"),
+                  NOT_KNOWN + r": looks like a UNet without its text encoder"),
     "nan_weights": (_checkpoint_with(float("nan")), ModelLoadError,
                     r"bad-nan_weights\.safetensors: 1 weight tensors hold NaN or Inf values when loaded in float32, "
                     r"e\.g\. unet\.conv_in\.weight; refusing it"),

@@ -85,7 +85,7 @@ _OTHER_FORMATS: tuple[tuple[str, Callable[[str], bool]], ...] = (
 )
 
 
-_SUPPORTED = "/".join(f.label for f in FAMILIES.values())
+_NOT_KNOWN = f"not a checkpoint of a family this app runs ({', '.join(f.label for f in FAMILIES.values())})"
 
 
 class ModelLoadError(ValueError):
@@ -146,11 +146,11 @@ def detect_architecture(keys: Iterable[str]) -> str:
         example = next((k for k in sorted(keys) if matches(k)), None)
         if example is not None:
             raise UnknownArchitectureError(
-                f"not a {_SUPPORTED} checkpoint: looks like {description} ({example!r})"
+                f"{_NOT_KNOWN}: looks like {description} ({example!r})"
             )
     samples = ", ".join(sorted(keys)[:5])
     raise UnknownArchitectureError(
-        f"not a {_SUPPORTED} checkpoint: unrecognised layout with {len(keys)} tensors (e.g. {samples})"
+        f"{_NOT_KNOWN}: unrecognised layout with {len(keys)} tensors (e.g. {samples})"
     )
 
 
