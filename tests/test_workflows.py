@@ -2,7 +2,8 @@
 
 The acceptance sequence — txt2img → hires fix (its own LoRA strength from the hires prompt) →
 img2img → inpaint, with the LoRAs re-weighted between the workflows — runs in strict mode (any
-placement violation fails its transition) in every offload mode, for both families, in fp32, in
+placement violation fails its transition) in every offload mode, for every family (SD1.5, SDXL,
+Flux dev), in fp32, in
 bf16 and in the CPU harness where weights rest in fp32 and compute in bf16 so offload moves are
 real casts. What it protects: zero violations and every row `ok`; each stage its own history row;
 the stage pipelines share every weight with the loaded pipeline (same objects, same data
@@ -20,10 +21,11 @@ from PIL import Image
 from tiny import CHECKPOINTS, FAST
 
 from app.adapters.specs import LoraSpec
-from app.engine import placement
-from app.engine.generate import GenerateParams
+from app.engine import image_ops, placement, stages
+from app.engine.generate import GenerateParams, seed_generators
 from app.engine.stage_params import HiresParams, hires_from_infotext
 from app.engine.worker import Engine
+from app.families import FAMILIES, family
 from app.infotext import parse_infotext
 from app.settings import OFFLOAD_CHOICES, Settings
 
@@ -78,12 +80,13 @@ def dtype_engine(request, demo_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("workflows")
     for sub in ("models/Stable-diffusion", "models/Lora"):
         shutil.copytree(demo_dir / sub, data / sub, copy_function=os.link)
-    engine = Engine(Settings(data_dir=data, device="cpu", strict=True, **DTYPES[request.param]))
+    # Every family's sequences in every mode run on this engine: keep all their history rows.
+    engine = Engine(Settings(data_dir=data, device="cpu", strict=True, history_size=1000, **DTYPES[request.param]))
     yield request.param, engine
     engine.close()
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+@pytest.mark.parametrize("arch", list(CHECKPOINTS))
 def test_the_workflow_sequence_is_clean_in_every_offload_mode(dtype_engine, arch):
     """Strict mode, every offload mode: every transition `ok`, zero violations, the stages in the
     history in order, no second copy of any weight, the LoRAs in every stage (the images differ
@@ -221,17 +224,48 @@ def test_a_real_inpainting_single_file_gets_a_nine_channel_unet_config():
     assert unet_channel_override(config_dir, {key: (320, 4, 3, 3)}) == {}
 
 
-def test_a_family_without_stage_pipelines_refuses_the_workflows_before_queueing(engine):
-    """Flux has no img2img/inpaint pipeline here yet: each workflow is refused by name, with no
-    transition run and the model untouched."""
-    engine.load_model("tiny-flux-dev.safetensors")
+def test_a_family_without_stage_pipelines_refuses_the_workflows_before_queueing(engine, monkeypatch):
+    """A family that registers no stage pipeline (a new family file's default) refuses each workflow by
+    name, with no transition run and the model untouched."""
+    engine.load_model(CHECKPOINTS["sd15"])
+    monkeypatch.setitem(FAMILIES, "sd15", dataclasses.replace(family("sd15"), stage_pipelines={}))
     rows = len(engine.snapshot().history)
     image = Image.new("RGB", (64, 64), (90, 30, 30))
     for call in (lambda: engine.img2img(PARAMS, [image]), lambda: engine.inpaint(PARAMS, image, _mask()),
                  lambda: engine.generate(PARAMS, hires=HIRES)):
-        with pytest.raises(ValueError, match="is not available for .* models yet"):
+        with pytest.raises(ValueError, match="is not available for SD1.5 models yet"):
             call()
     assert len(engine.snapshot().history) == rows and engine.snapshot().state == "READY"
+
+
+def test_flux_stages_follow_the_seed_the_guidance_and_the_mask(engine):
+    """Flux dev, as SD: a stage pass runs int(steps x strength) steps (diffusers' Flux rule would run
+    one more here); a second run is bit-identical; the distilled guidance reaches the img2img pass
+    and is written as Forge writes it, beside A1111's workflow fields; inpaint keeps every pixel
+    outside the mask exactly (the overlay); and our encode is diffusers' Flux encode to the bit (the
+    VAE's shift and scale, before the pipeline packs the latents into patches)."""
+    engine.load_model(CHECKPOINTS["flux-dev"])
+    image = engine.generate(PARAMS)[0].image
+    moved = engine.img2img(PARAMS, [image], denoising_strength=0.7)
+    assert engine.stage_pipelines["img2img"].num_timesteps == int(PARAMS.steps * 0.7) == 2
+    assert _pixels(moved).tolist() == _pixels(engine.img2img(PARAMS, [image], denoising_strength=0.7)).tolist()
+    guided = engine.img2img(dataclasses.replace(PARAMS, cfg=1.5), [image], denoising_strength=0.7)
+    assert np.abs(_pixels(guided) - _pixels(moved)).mean() > 1.0
+    settings = parse_infotext(moved[0].infotext).settings
+    assert (settings["CFG scale"], settings["Distilled CFG Scale"], settings["Denoising strength"]) == ("1", "5", "0.7")
+    upscaled = engine.generate(PARAMS, hires=HIRES)
+    assert _pixels(upscaled).tolist() == _pixels(engine.generate(PARAMS, hires=HIRES)).tolist()
+    assert hires_from_infotext(parse_infotext(upscaled[0].infotext).settings) == HIRES
+    assert upscaled[0].image.size == (96, 96)
+    painted = _pixels(engine.inpaint(PARAMS, image, _mask(), mask_blur=0, inpainting_fill="latent nothing"))
+    original = np.asarray(image, dtype=np.int16)
+    assert (painted[:16] == original[:16]).all() and (painted[20:44, 20:44] != original[20:44, 20:44]).any()
+    with torch.no_grad():
+        ours = stages.encode(engine.pipeline, [image], 9)
+        theirs = engine.stage_pipelines["img2img"]._encode_vae_image(image_ops.to_tensor([image]),
+                                                                     seed_generators(9, 1)[0])
+    assert torch.equal(ours, theirs)
+    assert all(row.outcome == "ok" for row in engine.snapshot().history)
 
 
 def test_interrupt_in_the_first_pass_keeps_its_image_and_skips_the_hires_pass(engine):

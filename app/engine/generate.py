@@ -278,14 +278,14 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
-    latents = denoise(pipe, params, seed, on_step, width=params.width, height=params.height)
-    return decode(pipe, pipe.spatial_latents(latents, params.height, params.width))
+    return decode(pipe, denoise(pipe, params, seed, on_step, width=params.width, height=params.height))
 
 
 def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, total: int | None = None,
             **inputs) -> torch.Tensor:
     """The denoising loop of any of our pipelines (txt2img, or a stage pipeline given its `inputs`:
-    init latents, strength, mask); returns the latents as the pipeline packs them. `total` is the
+    init latents, strength, mask); returns the latents spatial, (batch, channels, h, w), as the VAE
+    and the next stage read them (Flux's packed patches unpacked). `total` is the
     number of steps the loop really runs (an img2img pass runs `steps × strength`), for `on_step`
     and the NaN check."""
     fam = family_of(pipe)
@@ -315,7 +315,7 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
             **inputs,
         ).images
     watch.settle()
-    return latents
+    return pipe.spatial_latents(latents, params.height, params.width)
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

@@ -9,6 +9,7 @@ inputs. The engine sets `execution_device` from the placement plan instead, and 
 The img2img and inpaint classes are the stage pipelines of `app/engine/stages.py`: built on the
 loaded pipeline's own component objects (never a copy, never a cast), handed the latents the
 engine encoded itself, so diffusers' own VAE encode (which casts the SDXL VAE in place) never runs.
+Flux's stage pipelines take SD's step count for a strength (see `_FluxStage`).
 
 `spatial_latents` gives the denoised latents as (batch, channels, h, w), the shape the VAE and
 the live preview read: Flux denoises 2×2 patches packed into a sequence.
@@ -21,6 +22,8 @@ from types import MappingProxyType
 
 import torch
 from diffusers import (
+    FluxImg2ImgPipeline,
+    FluxInpaintPipeline,
     FluxPipeline,
     StableDiffusionImg2ImgPipeline,
     StableDiffusionInpaintPipeline,
@@ -56,7 +59,6 @@ class SteadySDXLPipeline(_StatedExecutionDevice, StableDiffusionXLPipeline):
     """SDXL pipeline whose execution device is set by the engine."""
 
 
-
 class SteadySDImg2ImgPipeline(_StatedExecutionDevice, StableDiffusionImg2ImgPipeline):
     """SD1.5 img2img (and hires fix second pass) stage pipeline."""
 
@@ -73,9 +75,30 @@ class SteadySDXLInpaintPipeline(_StatedExecutionDevice, StableDiffusionXLInpaint
     """SDXL inpaint stage pipeline (4- or 9-channel UNet)."""
 
 
-class SteadyFluxPipeline(_StatedExecutionDevice, FluxPipeline):
-    """FLUX.1 pipeline whose execution device is set by the engine."""
+class _PackedPatches(_StatedExecutionDevice):
+    """Flux pipelines denoise 2×2 latent patches packed into a sequence."""
 
     def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Unpack the (batch, h/2·w/2, 4·channels) sequence of 2×2 patches (FluxPipeline's own rule)."""
         return self._unpack_latents(latents, height, width, self.vae_scale_factor)
+
+
+class SteadyFluxPipeline(_PackedPatches, FluxPipeline):
+    """FLUX.1 pipeline whose execution device is set by the engine."""
+
+
+class _FluxStage(_PackedPatches):
+    """Flux's img2img and inpaint run int(steps × strength) steps, as SD's pipelines and A1111 do and
+    as the engine announces (`stage_params`: progress, the NaN check): diffusers' Flux rule skips
+    int(steps − steps × strength) steps instead, one step more at e.g. 3 × 0.7. SD's rule reads
+    only the scheduler, so it serves flow matching as it is."""
+
+    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+
+
+class SteadyFluxImg2ImgPipeline(_FluxStage, FluxImg2ImgPipeline):
+    """FLUX.1 img2img (and hires fix second pass) stage pipeline."""
+
+
+class SteadyFluxInpaintPipeline(_FluxStage, FluxInpaintPipeline):
+    """FLUX.1 inpaint stage pipeline (the regular transformer: the mask blends latents each step)."""

@@ -69,13 +69,20 @@ class Carry:
         return len(found)
 
 
+def inpainting_checkpoint(pipe) -> bool:
+    """Does the denoiser also read the mask and the masked-image latents (an SD inpainting checkpoint's
+    9-channel UNet)? A transformer family (Flux) has no such variant here."""
+    unet = getattr(pipe, "unet", None)
+    return unet is not None and unet.config.in_channels != pipe.vae.config.latent_channels
+
+
 def check_txt2img(pipe) -> None:
     """txt2img denoises bare latents: an inpainting checkpoint's UNet (9 input channels) would be fed
     9-channel noise and fail deep in the scheduler. Refused by name instead."""
-    unet = getattr(pipe, "unet", None)  # a transformer family (Flux) has no 9-channel variant here
-    if unet is not None and unet.config.in_channels != pipe.vae.config.latent_channels:
-        raise ValueError(f"this is an inpainting checkpoint (its UNet takes {unet.config.in_channels} channels): "
-                         "use it on the img2img tab (img2img or inpaint), or load a regular checkpoint for txt2img")
+    if inpainting_checkpoint(pipe):
+        raise ValueError(f"this is an inpainting checkpoint (its UNet takes {pipe.unet.config.in_channels} "
+                         "channels): use it on the img2img tab (img2img or inpaint), or load a regular checkpoint "
+                         "for txt2img")
 
 
 def stage_pipeline(pipe, fam, kind: str):
@@ -96,9 +103,11 @@ def stage_pipeline(pipe, fam, kind: str):
 
 
 def encode(pipe, images: list, seed: int) -> torch.Tensor:
-    """Images -> scaled latents: on the execution device in the VAE's compute dtype (as `decode`),
-    one image at a time with its own generator (image i seeded `seed + i`, so an image does not
-    depend on its batch position). Under offload the VAE's hooks bring the encoder in."""
+    """Images -> scaled latents, (batch, channels, h, w): on the execution device in the VAE's compute
+    dtype (as `decode`), one image at a time with its own generator (image i seeded `seed + i`, so an
+    image does not depend on its batch position). Under offload the VAE's hooks bring the encoder in.
+    The inverse of `generate.decode`'s scaling: SDXL-style per-channel mean/std, else Flux's shift
+    (0 for SD) and the scaling factor."""
     vae = pipe.vae
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
     pixels = image_ops.to_tensor(images).to(device=pipe._execution_device, dtype=dtype)
@@ -113,7 +122,7 @@ def encode(pipe, images: list, seed: int) -> torch.Tensor:
         mean_t = torch.tensor(mean, device=out.device).view(1, -1, 1, 1)
         std_t = torch.tensor(std, device=out.device).view(1, -1, 1, 1)
         return (out - mean_t) * config.scaling_factor / std_t
-    return out * config.scaling_factor
+    return (out - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
 
 
 def upscale_latents(latents: torch.Tensor, hires: HiresParams, size: tuple[int, int], factor: int) -> torch.Tensor:
@@ -169,8 +178,9 @@ def inpaint_inputs(pipe, source: InitImages, params: GenerateParams, seed: int,
 
 def denoise_stage(pipe, params: GenerateParams, seed: int, on_step: StepCallback, total: int,
                   strength: float, latents: torch.Tensor, **inputs) -> torch.Tensor:
-    """The img2img/inpaint pass: our `generate.denoise` on a stage pipeline, started from `latents`
-    (the pipeline casts them to its dtype and adds noise for `strength` from the seed's generators)."""
+    """The img2img/inpaint pass: our `generate.denoise` on a stage pipeline, started from the spatial
+    `latents` (the pipeline casts them to its dtype, adds noise for `strength` from the seed's
+    generators and, for Flux, packs them into patches)."""
     return generate.denoise(pipe, params, seed, on_step, total, image=latents, strength=strength,
                             width=params.width, height=params.height, **inputs)
 

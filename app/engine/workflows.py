@@ -201,7 +201,7 @@ class Workflows:
     def _init_image_run(self, params, source: InitImages, first: int, phase: str, job, passes: _Passes):
         """One run of img2img or inpaint: an encode stage, then the denoising stage."""
         carry, lifecycle = self._lifecycle.carry, self._lifecycle
-        nine = lifecycle.pipeline.unet.config.in_channels == 9
+        nine = stages.inpainting_checkpoint(lifecycle.pipeline)
         if nine and source.mask is None:  # an inpainting checkpoint: the whole picture is masked
             source = dataclasses.replace(source, mask=Image.new("L", source.images[0].size, 255), mask_blur=0)
         kept: dict[str, Any] = {}
@@ -223,8 +223,8 @@ class Workflows:
             stripped = self._with_loras(params, passes)
             inputs = {"latents": carry.get("latents")}
             if source.mask is not None:
-                # SD1.5's pipeline would mask pixels itself without masked-image latents; a 4-channel
-                # UNet never reads them, so there the init latents stand in.
+                # SD1.5's and Flux's pipelines would mask pixels themselves without masked-image latents;
+                # a regular denoiser never reads them, so there the init latents stand in.
                 masked = carry.get("masked") if nine else inputs["latents"]
                 inputs.update(mask_image=carry.get("mask"), masked_image_latents=masked)
             images, stopped = self._denoise_and_decode(stripped, kind, first, source.steps_run(params),

@@ -19,7 +19,7 @@ from types import MappingProxyType
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
-from app.engine.pipelines import SteadyFluxPipeline
+from app.engine.pipelines import SteadyFluxImg2ImgPipeline, SteadyFluxInpaintPipeline, SteadyFluxPipeline
 from app.families import ASSETS_DIR, ComponentFile, Family, TextEncoder
 from app.families.file_layout import FileTensor, module_parts
 from app.families.flux_layout import transformer_layout, xlabs_modules
@@ -87,11 +87,16 @@ def lora_aliases(transformer):
             yield f"{prefix}{alias.removesuffix('_lora')}", targets, XLABS
 
 
+# No Flux Fill (a 384-channel inpainting transformer) here: inpaint blends the regular model's latents.
+_STAGES = MappingProxyType({"img2img": SteadyFluxImg2ImgPipeline, "inpaint": SteadyFluxInpaintPipeline})
+
+
 def _family(name: str, label: str, dev: bool) -> Family:
     return Family(
         name=name,
         label=label,
         pipeline_class=SteadyFluxPipeline,
+        stage_pipelines=_STAGES,
         diffusers_pipeline="FluxPipeline",
         text_encoders=(_CLIP_L, _T5),
         checkpoint_markers=("double_blocks.0.img_attn.qkv.weight", *(("guidance_in.in_layer.weight",) if dev else ())),
