@@ -195,3 +195,34 @@ def test_switching_weight_storage_reloads_and_keeps_the_loras(engines):
     snap = fp8.set_weights("fp8")
     assert snap.stored_layers > 0 and snap.lora_mode == "bypass"
     fp8.set_loras([])
+
+
+def test_the_bench_fused_copies_compute_what_the_bypass_computes_and_leave_the_fp8_bytes(engines):
+    """The alternative the fp8 proxy measures (benchmarks/proxy_fp8.py): each touched layer's
+    compute-dtype copy outputs what its bypass does, within bf16 rounding (and not what the layer
+    without the LoRA does), and the stored bytes are the same before, while and after the copies
+    are in use."""
+    from benchmarks.proxy_fp8 import FusedCopies
+
+    fp8, _full = engines
+    fp8.load_model(CHECKPOINTS["sd15"])
+    stored = _stored_digest(fp8)
+    specs = [LoraSpec("demo-style-sd15", 0.7)]
+    copies = FusedCopies(fp8, specs)
+    try:
+        assert fp8.lora_stack.bypassed() == {} and copies.copies
+        assert all(c.dtype == torch.bfloat16 for c in copies.copies.values())
+        with torch.no_grad():
+            fused = {m: m(_input_for(m)).float() for m in copies.copies}
+        assert _stored_digest(fp8) == stored
+    finally:
+        copies.remove()
+    with torch.no_grad():
+        assert all(not torch.equal(module(_input_for(module)).float(), got) for module, got in fused.items())
+    fp8.set_loras(specs)
+    with torch.no_grad():
+        for module, got in fused.items():
+            expected = module(_input_for(module)).float()
+            assert float((got - expected).abs().max()) <= 4e-2 * float(expected.abs().max())
+    fp8.set_loras([])
+    assert _stored_digest(fp8) == stored
