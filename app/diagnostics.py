@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from app.engine.offload import MODES
-from app.engine.placement import PlacementPlan, Violation, dtype_name, iter_tensors, torch_components
+from app.engine.placement import STORAGE_DTYPES, PlacementPlan, Violation, dtype_name, iter_tensors, torch_components
 from app.hooks import HookRegistry
 
 log = logging.getLogger(__name__)
@@ -26,13 +26,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModuleRow:
-    """One module that owns tensors directly, as the Diagnostics table shows it."""
+    """One module that owns tensors directly, as the Diagnostics table shows it: `storage` is what its
+    tensors rest in (`fp8 e4m3fn+bf16`: a weight stored in 8 bits beside a bf16 bias), `compute` the
+    dtype its forward runs in (empty for a module with no floating tensor)."""
 
     component: str
     module: str
     cls: str
     device: str
-    dtype: str
+    storage: str
+    compute: str
     params: int
     mib: float
     loras: tuple[str, ...]
@@ -66,6 +69,24 @@ def _join(values: set[str]) -> str:
     return "+".join(sorted(values))
 
 
+def storage_label(dtype: torch.dtype) -> str:
+    """A dtype as Diagnostics names it: storage dtypes with their format (`fp8 e4m3fn`), others short."""
+    if dtype in STORAGE_DTYPES.values():
+        return f"{dtype_name(dtype)} {str(dtype).removeprefix('torch.float8_')}"
+    return dtype_name(dtype)
+
+
+def storage_summary(weights: str, stored_layers: int, bytes_saved: int, compute: str | None) -> str:
+    """The Diagnostics line on weight storage: how many layers rest in 8 bits, in what, and the bytes saved."""
+    if compute is None:
+        return ""
+    if not stored_layers:
+        return f"weights: {weights} — every weight rests in its compute dtype ({compute})"
+    saved = f"{bytes_saved / 2**30:.2f} GiB" if bytes_saved >= 2**30 else f"{bytes_saved / 2**20:.2f} MiB"
+    return (f"weights: {weights} — {stored_layers} layers rest in {storage_label(STORAGE_DTYPES[weights])} and "
+            f"compute in {compute}; {saved} saved ({bytes_saved:,} bytes)")
+
+
 def _offload_state(plan: PlacementPlan, component: str) -> str:
     comp_plan = plan.components.get(component)
     if comp_plan is None or not comp_plan.offloaded or component in plan.resident:
@@ -81,12 +102,13 @@ def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], 
 
     def row_for(comp: str, path: str, module) -> dict:
         return acc.setdefault((comp, path), {"cls": type(module).__name__, "devices": set(), "dtypes": set(),
-                                             "params": 0, "bytes": 0, "hooks": hooks.names(module)})
+                                             "floating": False, "params": 0, "bytes": 0, "hooks": hooks.names(module)})
 
     for comp, path, module, _name, tensor, is_param in iter_tensors(pipe):
         row = row_for(comp, path, module)
         row["devices"].add(str(tensor.device))
-        row["dtypes"].add(dtype_name(tensor.dtype))
+        row["dtypes"].add(storage_label(tensor.dtype))
+        row["floating"] |= tensor.is_floating_point()
         row["params"] += tensor.numel() if is_param else 0
         row["bytes"] += tensor.numel() * tensor.element_size()
     if any(True for _ in hooks.hooked()):  # blocks without tensors of their own (group offload) show too
@@ -97,7 +119,10 @@ def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], 
     rows = []
     for (comp, path), row in acc.items():
         offload = _offload_state(plan, comp)
-        rows.append(ModuleRow(comp, path, row["cls"], _join(row["devices"]), _join(row["dtypes"]), row["params"],
+        comp_plan = plan.components.get(comp)
+        compute = dtype_name(comp_plan.compute.dtype) if comp_plan is not None and row["floating"] else ""
+        rows.append(ModuleRow(comp, path, row["cls"], _join(row["devices"]), _join(row["dtypes"]), compute,
+                              row["params"],
                               round(row["bytes"] / 2**20, 3), tuple(patched.get((comp, path), ())), offload,
                               (comp, path) in bad, row["hooks"]))
     return tuple(rows)

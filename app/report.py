@@ -148,6 +148,8 @@ def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), se
         "process_memory": diagnostics.process_memory(),
         "settings": settings.public_dict(),
         "snapshot": snapshot,
+        "weight_storage": diagnostics.storage_summary(snapshot.weights, snapshot.stored_layers, snapshot.bytes_saved,
+                                                      snapshot.dtype) if snapshot is not None else "",
         "history": snapshot.history if snapshot is not None else [],
         "lora_counters": snapshot.lora_counters if snapshot is not None else {},
         "errors": errors,
@@ -227,10 +229,10 @@ def _runs(rows: list[dict]) -> list[tuple[str, str, bool, float]]:
     """Merge consecutive modules with the same placement into (device, dtype, violation, MiB) runs."""
     runs: list[list] = []
     for row in rows:
-        dtype = next((d for d in row["dtype"].split("+") if d.startswith(("fp", "bf", "float"))), None)
+        dtype = next((d for d in row["storage"].split("+") if d.startswith(("fp", "bf", "float"))), None)
         if dtype is None and not row["violation"]:
             continue  # integer-only buffers (position ids) have no float dtype to show
-        dtype = dtype or row["dtype"]
+        dtype = dtype or row["storage"]
         key = (row["device"], dtype, bool(row["violation"]))
         if runs and tuple(runs[-1][:3]) == key:
             runs[-1][3] += row["mib"]
@@ -381,6 +383,8 @@ def render_card(report: dict) -> Image.Image:
                     f"{snap.get('model_hash') or '-'}) · device {snap.get('device')} · dtype {snap.get('dtype') or '-'}"
                     f" (asked {snap.get('requested_dtype')}) · offload {snap.get('offload')}", 14)
         canvas.text(f"violations found {found}, repaired {repaired} since start", 14, _BAD if found else _INK)
+        if report.get("weight_storage"):
+            canvas.text(report["weight_storage"].translate(_ASCII_PUNCTUATION), 14)
     else:
         canvas.text("written from the command line: no engine was running", 14, _MUTED)
     _draw_placement(canvas, snap)

@@ -59,12 +59,17 @@ def _reweight(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
 
 
 def _fp8(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
-    lines = [f"## fp8 weight storage ({cfg['step_dtype']} compute, {cfg['resolution']}² px, three LoRAs as bypasses)",
-             ""]
-    lines += table(["arch", "resting GiB, all weights in the compute dtype", "resting GiB, fp8", "ratio",
-                    "layers in fp8"],
+    lines = [f"## fp8 weight storage ({cfg['step_dtype']} compute, {cfg['resolution']}² px, three LoRAs as bypasses "
+             "or fused into compute-dtype copies of the touched layers)", ""]
+    measured = [s for s in results["fp8"] if "skipped" not in s]
+    lines += table(["arch", "resting GiB, all weights in the compute dtype", "resting GiB, fp8",
+                    "resting GiB, fp8 + fused copies", "ratio fp8 / full", "layers in fp8", "layers copied",
+                    "copies built ms", "pixels bypass vs fused: max / mean"],
                    [[s["arch"], f"{s['resting_gib']['full']:.2f}", f"{s['resting_gib']['fp8']:.2f}",
-                     f"{s['resting_ratio']:.2f}×", s["stored_layers"]] for s in results["fp8"] if "skipped" not in s])
+                     f"{s['resting_gib']['fp8 + fused copies']:.2f}", f"{s['resting_ratio']:.2f}×", s["stored_layers"],
+                     s["fused_copies"]["layers"], f"{s['fused_copies']['build_ms']:.0f}",
+                     f"{s['bypass_vs_fused_pixels']['max']} / {s['bypass_vs_fused_pixels']['mean']:.3f}"]
+                    for s in measured])
     return lines + table(HEADER, _comparison_rows(results["fp8"]))
 
 

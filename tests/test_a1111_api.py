@@ -324,7 +324,7 @@ def test_steady_extras(api, app):
     snapshot = requests.get(f"{url}/steady/v1/snapshot").json()
     assert snapshot["model"] == MODEL and snapshot["state"] == "READY" and snapshot["history"]
     rows = requests.get(f"{url}/steady/v1/placement").json()
-    assert rows and {"component", "module", "device", "dtype", "violation"} <= set(rows[0])
+    assert rows and {"component", "module", "device", "storage", "compute", "violation"} <= set(rows[0])
     counters = requests.get(f"{url}/steady/v1/lora-counters").json()
     assert counters["style"]["matched_layers"] == 2
     report = requests.get(f"{url}/steady/v1/bug-report")

@@ -17,6 +17,7 @@ import pytest
 import torch
 from tiny import CHECKPOINTS, FAST
 
+from app import diagnostics
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import ALGORITHMS, write_adapter
 from app.demo import build_tiny_pipeline
@@ -24,7 +25,9 @@ from app.engine import placement, storage
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
 from app.families import family
+from app.report import collect_report
 from app.settings import OFFLOAD_CHOICES, Settings
+from app.ui import views
 
 FP8 = placement.STORAGE_DTYPES["fp8"]
 PARAMS = GenerateParams("a cat", seed=21, **FAST)
@@ -84,6 +87,44 @@ def test_fp8_storage_draws_what_the_widened_weights_draw_in_every_offload_mode(e
         assert _stored_digest(fp8) == stored, f"{mode}: stored fp8 bytes changed"
         assert fp8.snapshot().violations_found_total == 0
     fp8.set_offload("none")
+
+
+def test_diagnostics_names_storage_and_compute_dtype_per_module_and_the_bytes_saved(engines):
+    """Each module row says what its tensors rest in and what its forward computes in; the summary
+    line and the bug report carry the stored layer count and the bytes saved."""
+    fp8, full = engines
+    snap = fp8.load_model(CHECKPOINTS["sd15"])
+    rows = {(r.component, r.module): r for r in snap.placement}
+    attn = "down_blocks.0.attentions.0.transformer_blocks.0.attn1"
+    assert (rows["unet", f"{attn}.to_q"].storage, rows["unet", f"{attn}.to_q"].compute) == ("fp8 e4m3fn", "bf16")
+    assert (rows["unet", f"{attn}.to_out.0"].storage, rows["unet", f"{attn}.to_out.0"].compute) == \
+        ("bf16+fp8 e4m3fn", "bf16")  # the weight in 8 bits, its bias in the compute dtype
+    assert (rows["unet", "conv_in"].storage, rows["unet", "conv_in"].compute) == ("bf16", "bf16")  # high precision
+    assert (rows["text_encoder", "embeddings"].storage, rows["text_encoder", "embeddings"].compute) == \
+        ("int64", "")  # position ids only
+    assert {r.compute for r in snap.placement if r.component == "vae"} == {"fp32"}  # force_upcast, never stored
+    layers = storage.layers_to_store(fp8.pipeline, family("sd15"), "fp8")
+    stored = {(c, p) for c, paths in layers.items() for p in paths}
+    assert {key for key, r in rows.items() if "fp8 e4m3fn" in r.storage} == stored
+    table, _ = views.module_rows(snap, component="unet", text=f"{attn}.to_q")
+    header = views.MODULE_HEADERS
+    assert [table[0][header.index("storage dtype")], table[0][header.index("compute dtype")]] == ["fp8 e4m3fn", "bf16"]
+
+    saved = sum(getattr(fp8.pipeline, c).get_submodule(p).weight.numel() for c, p in stored)  # 2 bytes -> 1
+    summary = diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype)
+    assert summary == (f"weights: fp8 — {len(stored)} layers rest in fp8 e4m3fn and compute in bf16; "
+                       f"{saved / 2**20:.2f} MiB saved ({saved:,} bytes)")
+    report = collect_report(fp8, fp8.settings)
+    assert report["weight_storage"] == summary
+    assert (report["snapshot"]["stored_layers"], report["snapshot"]["bytes_saved"]) == (len(stored), saved)
+    row = next(r for r in report["snapshot"]["placement"] if (r["component"], r["module"]) == ("unet", f"{attn}.to_q"))
+    assert (row["storage"], row["compute"]) == ("fp8 e4m3fn", "bf16")
+
+    snap = full.load_model(CHECKPOINTS["sd15"])
+    assert diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype) == \
+        "weights: full — every weight rests in its compute dtype (bf16)"
+    assert not any("fp8" in r.storage for r in snap.placement)
+    full.unload()
 
 
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))
@@ -154,3 +195,34 @@ def test_switching_weight_storage_reloads_and_keeps_the_loras(engines):
     snap = fp8.set_weights("fp8")
     assert snap.stored_layers > 0 and snap.lora_mode == "bypass"
     fp8.set_loras([])
+
+
+def test_the_bench_fused_copies_compute_what_the_bypass_computes_and_leave_the_fp8_bytes(engines):
+    """The alternative the fp8 proxy measures (benchmarks/proxy_fp8.py): each touched layer's
+    compute-dtype copy outputs what its bypass does, within bf16 rounding (and not what the layer
+    without the LoRA does), and the stored bytes are the same before, while and after the copies
+    are in use."""
+    from benchmarks.proxy_fp8 import FusedCopies
+
+    fp8, _full = engines
+    fp8.load_model(CHECKPOINTS["sd15"])
+    stored = _stored_digest(fp8)
+    specs = [LoraSpec("demo-style-sd15", 0.7)]
+    copies = FusedCopies(fp8, specs)
+    try:
+        assert fp8.lora_stack.bypassed() == {} and copies.copies
+        assert all(c.dtype == torch.bfloat16 for c in copies.copies.values())
+        with torch.no_grad():
+            fused = {m: m(_input_for(m)).float() for m in copies.copies}
+        assert _stored_digest(fp8) == stored
+    finally:
+        copies.remove()
+    with torch.no_grad():
+        assert all(not torch.equal(module(_input_for(module)).float(), got) for module, got in fused.items())
+    fp8.set_loras(specs)
+    with torch.no_grad():
+        for module, got in fused.items():
+            expected = module(_input_for(module)).float()
+            assert float((got - expected).abs().max()) <= 4e-2 * float(expected.abs().max())
+    fp8.set_loras([])
+    assert _stored_digest(fp8) == stored

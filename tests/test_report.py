@@ -64,8 +64,8 @@ def test_jsonable_handles_snapshots_and_non_finite_numbers(data_dir):
 
 
 def _row(component: str, module: str, device: str, dtype: str, mib: float, violation: bool = False) -> dict:
-    return {"component": component, "module": module, "device": device, "dtype": dtype, "mib": mib,
-            "violation": violation}
+    return {"component": component, "module": module, "device": device, "storage": dtype, "compute": dtype,
+            "mib": mib, "violation": violation}
 
 
 def test_card_colours_placement_and_frames_violations():

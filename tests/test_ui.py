@@ -410,6 +410,10 @@ def test_weight_storage_switches_through_the_api_and_back(client):
     snap = client.predict(api_name="/snapshot")
     assert summary["state"] == "READY" and snap["weights"] == "fp8" and snap["stored_layers"] > 0
     assert snap["bytes_saved"] > 0
+    rows = {(r["component"], r["module"]): r for r in snap["placement"]}
+    to_q = rows["unet", "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"]
+    assert (to_q["storage"], to_q["compute"]) == ("fp8 e4m3fn", "fp32")  # auto on the CPU computes in fp32
+    assert sum("fp8 e4m3fn" in r["storage"] for r in snap["placement"]) == snap["stored_layers"]
     assert _generate(client, seed=3)[0].shape == (64, 64, 3)
     client.predict("full", api_name="/set_weights")
     assert client.predict(api_name="/snapshot")["stored_layers"] == 0

@@ -44,6 +44,7 @@ def refresh(ctx: UiContext, component: str, text: str, only_violations: bool, on
     mem_text = " · ".join(f"{k.replace('_mib', '')} {v:,.0f} MiB" for k, v in memory.items())
     components = ["all", *dict.fromkeys(r.component for r in snap.placement)]
     shown = f"showing {len(rows)} of {matching} matching modules ({len(snap.placement)} total)"
+    storage = diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype)
     return [
         f"{views.status_html(snap)}<div class='sd-muted' id='sd-diag-updated'>updated {time.strftime('%H:%M:%S')}"
         f" · {mem_text}</div>",
@@ -52,7 +53,7 @@ def refresh(ctx: UiContext, component: str, text: str, only_violations: bool, on
         gr.Dropdown(choices=components),
         views.lora_rows(snap),
         rows,
-        shown,
+        f"{shown}  \n{storage}" if storage else shown,
         gr.Dataframe(value=gpu, visible=bool(gpu)),
         gpu_note,
         views.timer_rows(snap),
@@ -136,7 +137,8 @@ def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
         only_patched = gr.Checkbox(False, label="only LoRA-patched", scale=1)
     modules_note = gr.Markdown(elem_id="sd-modules-note")
     modules = _table(views.MODULE_HEADERS, "sd-modules", "Modules (every parameter and buffer checked; hooks in "
-                     "the order they run)", 420, ["8%", "27%", "11%", "6%", "6%", "7%", "5%", "8%", "10%", "6%", "6%"])
+                     "the order they run)", 420,
+                     ["8%", "24%", "10%", "6%", "8%", "6%", "6%", "5%", "8%", "9%", "5%", "5%"])
     gpu_note = gr.Markdown()
     gpu = _table(views.GPU_HEADERS, "sd-gpu", "GPU (NVML)", 160)
     timeline = gr.HTML(label="Memory timeline")

@@ -15,8 +15,8 @@ from app.engine.snapshot import Snapshot
 HISTORY_HEADERS = ["time", "command", "detail", "state", "duration s", "outcome", "violations found/repaired"]
 SUMMARY_HEADERS = ["component", "modules", "params", "MiB", "devices", "dtypes", "LoRA-patched", "offload",
                    "violations"]
-MODULE_HEADERS = ["component", "module", "class", "device", "dtype", "params", "MiB", "LoRAs", "hooks", "offload",
-                  "violation"]
+MODULE_HEADERS = ["component", "module", "class", "device", "storage dtype", "compute dtype", "params", "MiB", "LoRAs",
+                  "hooks", "offload", "violation"]
 LORA_HEADERS = ["LoRA", "status", "weight (UNet / TE)", "matched layers", "unmatched tensors", "apply errors",
                 "runtime errors", "reason / note"]
 TIMER_HEADERS = ["timer", "count", "last s", "total s", "mean s"]
@@ -92,7 +92,7 @@ def component_rows(snap: Snapshot) -> list[list]:
         c["params"] += row.params
         c["mib"] += row.mib
         c["devices"].update(row.device.split("+"))
-        c["dtypes"].update(row.dtype.split("+"))
+        c["dtypes"].update(row.storage.split("+"))
         c["patched"] += bool(row.loras)
         c["offload"].add(row.offload)
         c["bad"] += row.violation
@@ -112,8 +112,9 @@ def module_rows(snap: Snapshot, component: str = "all", text: str = "", only_vio
         and (not only_violations or r.violation)
         and (not only_patched or r.loras)
     ]
-    rows = [[r.component, r.module or "(root)", r.cls, r.device, r.dtype, r.params, r.mib, ", ".join(r.loras),
-             " → ".join(r.hooks), r.offload, "✗ VIOLATION" if r.violation else ""] for r in matching[:limit]]
+    rows = [[r.component, r.module or "(root)", r.cls, r.device, r.storage, r.compute, r.params, r.mib,
+             ", ".join(r.loras), " → ".join(r.hooks), r.offload, "✗ VIOLATION" if r.violation else ""]
+            for r in matching[:limit]]
     return rows, len(matching)
 
 
