@@ -14,23 +14,19 @@ PyTorch's default initialisation already gives structured, prompt-dependent imag
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # as in models.py: must precede the first Hugging Face import
+import diffusers
+import torch
+from diffusers import AutoencoderKL
+from safetensors.torch import save_file
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import diffusers  # noqa: E402
-import torch  # noqa: E402
-from diffusers import AutoencoderKL  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from app.engine.models import CONFIGS_METADATA_KEY  # noqa: E402
-from app.families import FAMILIES, family  # noqa: E402
-from app.settings import Settings  # noqa: E402
+from app.engine.models import CONFIGS_METADATA_KEY
+from app.families import FAMILIES, family
+from app.settings import Settings
 
 ARCHS = tuple(FAMILIES)
 _TIME_EMBED_DIM = 8

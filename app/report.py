@@ -183,7 +183,7 @@ def write_bug_report_offline(settings: Settings, path: Path) -> Path:
     path = Path(path)
     lines = [f"offline report: checkpoints folder {settings.checkpoints_dir}, LoRA folder {settings.lora_dir}"]
     try:
-        from app.engine.models import discover_checkpoints
+        from app.engine.checkpoint_files import discover_checkpoints
 
         lines += [f"checkpoint: {info.name} ({info.kind}, {info.size_bytes} bytes)"
                   for info in discover_checkpoints(settings.checkpoints_dir)]

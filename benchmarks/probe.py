@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from app.engine import models
+from app.engine import checkpoint_files, models
 from app.engine.placement import DTYPES
 from app.engine.worker import Engine
 from app.families import family
@@ -46,7 +46,7 @@ def _load_ours(spec: dict[str, Any]):
 def _load_models_layer(spec: dict[str, Any]):
     """Our `models.load_pipeline` alone, without the engine around it (placement, verify, snapshot):
     splits our load time between the loader and the engine's transition."""
-    info = models.resolve_checkpoint(spec["name"], Settings(data_dir=Path(spec["data_dir"])).checkpoints_dir)
+    info = checkpoint_files.resolve_checkpoint(spec["name"], Settings(data_dir=Path(spec["data_dir"])).checkpoints_dir)
     return models.load_pipeline(info, DTYPES[spec["dtype"]])
 
 

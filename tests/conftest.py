@@ -11,6 +11,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # read once when huggingface_hub is imported
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from browser_kit import chromium, open_page  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -75,3 +76,19 @@ def pytest_collection_modifyitems(config, items):
 def gpu_data_dir(data_dir) -> Path:
     """The same private data folder, for GPU tests (kept separate so intent is visible)."""
     return data_dir
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless Chromium per browser-test module, or a skip saying why there is none."""
+    with chromium() as launched:
+        yield launched
+
+
+@pytest.fixture
+def page(browser, served):
+    """A fresh page on the module's served app (`served` = url, engine) with no LoRA wanted (the
+    tests of a module share one engine)."""
+    page = open_page(browser, *served)
+    yield page
+    page.close()

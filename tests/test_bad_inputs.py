@@ -40,18 +40,17 @@ from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline
 from app.engine import offload, placement
-from app.engine.generate import GenerateParams
-from app.engine.models import (
+from app.engine.checkpoint_files import (
     CheckpointNotFoundError,
     ModelLoadError,
     UnknownArchitectureError,
     UnsafeCheckpointPathError,
     UnsupportedCheckpointFormatError,
-    check_finite_weights,
     discover_checkpoints,
-    load_pipeline,
     resolve_checkpoint,
 )
+from app.engine.generate import GenerateParams
+from app.engine.models import check_finite_weights, load_pipeline
 from app.engine.worker import Engine, EngineState
 from app.paths import UnsafePathError
 from app.settings import Settings

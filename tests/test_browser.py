@@ -17,11 +17,9 @@ import pytest
 from browser_kit import (
     TIMEOUT_MS,
     choose,
-    chromium,
     close_toasts,
     drag_slider,
     generate_and_wait,
-    open_page,
     outputs,
     pick_loras,
     save,
@@ -36,12 +34,6 @@ from app.settings import Settings
 pytestmark = pytest.mark.browser
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as launched:
-        yield launched
-
-
 BROKEN = "zz-broken.safetensors"  # listed in the dropdown, fails to load
 
 
@@ -51,14 +43,6 @@ def served(tmp_path_factory, demo_dir):
     (data / "models" / "Stable-diffusion" / BROKEN).write_bytes(b"\x80\x02 a pickle, renamed")
     with running_app(Settings(data_dir=data, device="cpu", port=free_port())) as (server, engine):
         yield server.local_url, engine
-
-
-@pytest.fixture
-def page(browser, served):
-    """A fresh page on the served app with no LoRA applied (tests share one engine)."""
-    page = open_page(browser, *served)
-    yield page
-    page.close()
 
 
 def _generate_tab(page, engine) -> None:

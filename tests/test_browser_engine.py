@@ -16,7 +16,6 @@ import pytest
 from browser_kit import (
     TIMEOUT_MS,
     choose,
-    chromium,
     generate_and_wait,
     open_page,
     outputs,
@@ -37,23 +36,10 @@ LONG_RUN = (("sd-steps", "150"), ("sd-width", "256"), ("sd-height", "256"), ("sd
 
 
 @pytest.fixture(scope="module")
-def browser():
-    with chromium() as launched:
-        yield launched
-
-
-@pytest.fixture(scope="module")
 def served(tmp_path_factory, demo_dir):
     data = make_ui_data(tmp_path_factory.mktemp("browser-engine"), demo_dir)
     with running_app(Settings(data_dir=data, device="cpu", port=free_port())) as (server, engine):
         yield server.local_url, engine
-
-
-@pytest.fixture
-def page(browser, served):
-    page = open_page(browser, *served)
-    yield page
-    page.close()
 
 
 def _short_settings(page) -> None:

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from browser_kit import (
     TIMEOUT_MS,
-    chromium,
     close_toasts,
     generate_and_wait,
     open_page,
@@ -31,12 +30,6 @@ from app.settings import Settings
 pytestmark = pytest.mark.browser
 
 STAGES = {"img2img encode", "img2img", "inpaint encode", "inpaint", "txt2img", "hires upscale", "hires fix"}
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as launched:
-        yield launched
 
 
 @pytest.fixture(scope="module")

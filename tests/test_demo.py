@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from app import demo
-from app.engine import models
+from app.engine import checkpoint_files, models
 
 
 def _weights(pipe) -> dict[str, torch.Tensor]:
@@ -75,7 +75,7 @@ def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
     """The demo folder has every family as a single file and a diffusers folder (Flux as the
     ComfyUI/Forge all-in-one file), an SD1.5 inpainting checkpoint, and one embedding per family."""
     checkpoints = demo_dir / "models" / "Stable-diffusion"
-    names = [info.name for info in models.discover_checkpoints(checkpoints)]
+    names = [info.name for info in checkpoint_files.discover_checkpoints(checkpoints)]
     assert names == [
         "tiny-flux-dev-diffusers",
         "tiny-flux-dev.safetensors",
@@ -102,7 +102,7 @@ def test_demo_single_file_is_ldm_layout_with_embedded_configs(demo_paths, arch):
     """Single files look like real checkpoints (LDM keys) and carry the tiny configs they need."""
     with safe_open(str(demo_paths[f"{arch}_file"]), "pt") as handle:
         keys, metadata = set(handle.keys()), handle.metadata()
-    assert models.detect_architecture(keys) == arch
+    assert checkpoint_files.detect_architecture(keys) == arch
     configs = json.loads(metadata[models.CONFIGS_METADATA_KEY])
     expected = {"unet", "vae", "text_encoder"} | ({"text_encoder_2"} if arch == "sdxl" else set())
     assert set(configs) == expected

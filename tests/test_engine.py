@@ -7,8 +7,8 @@ import pytest
 import torch
 from tiny import FAST
 
+from app.engine.checkpoint_files import ModelLoadError
 from app.engine.generate import GenerateParams
-from app.engine.models import ModelLoadError
 from app.engine.worker import Engine, EngineState
 from app.settings import Settings
 

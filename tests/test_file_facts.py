@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app import safetensors_files
-from app.engine import models
+from app.engine import checkpoint_files, models
 from app.safetensors_files import FileFacts
 
 
@@ -64,14 +64,14 @@ def test_second_load_skips_hash_and_finite_check_until_a_file_changes(demo_paths
     real_check, real_hash = models.check_finite_weights, safetensors_files.file_sha256
     monkeypatch.setattr(models, "check_finite_weights", lambda *a: checks.append(1) or real_check(*a))
     monkeypatch.setattr(safetensors_files, "file_sha256", lambda p: hashes.append(1) or real_hash(p))
-    first = models.load_pipeline(models.resolve_checkpoint(source.name, root), torch.float32)
-    second = models.load_pipeline(models.resolve_checkpoint(source.name, root), torch.float32)
+    first = models.load_pipeline(checkpoint_files.resolve_checkpoint(source.name, root), torch.float32)
+    second = models.load_pipeline(checkpoint_files.resolve_checkpoint(source.name, root), torch.float32)
     assert first.short_hash == second.short_hash and len(hashes) == 1 and len(checks) == 1
     assert (root / models.FACTS_FILE).is_file()
     changed = target if kind == "file" else target / "vae" / "diffusion_pytorch_model.safetensors"
     data = changed.read_bytes()
     changed.unlink()  # a new file, not the linked one rewritten: the demo files are shared
     changed.write_bytes(data)
-    models.load_pipeline(models.resolve_checkpoint(source.name, root), torch.float32)
+    models.load_pipeline(checkpoint_files.resolve_checkpoint(source.name, root), torch.float32)
     assert len(checks) == 2 and len(hashes) == (2 if kind == "file" else 1)
-    assert models.discover_checkpoints(root)[0].name == source.name  # the dot file is not a checkpoint
+    assert checkpoint_files.discover_checkpoints(root)[0].name == source.name  # the dot file is not a checkpoint

@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from app.adapters.specs import LoraSpec
-from app.engine import models, part_choices
+from app.engine import checkpoint_files, models, part_choices
+from app.engine.checkpoint_files import ModelLoadError
 from app.engine.checkpoint_shapes import CheckpointShapeError
 from app.engine.component_files import CONFIGS_METADATA_KEY
 from app.engine.generate import GenerateParams
@@ -59,7 +60,7 @@ def split_all_in_one(all_in_one: Path, data: Path, t5_dtype: torch.dtype = torch
 
 def _load(path: Path, dtype=torch.float32, parts: PartFiles | None = None):
     kind = "folder" if path.is_dir() else "file"
-    return models.load_pipeline(models.CheckpointInfo(path.name, path, kind, 0), dtype, parts).pipe
+    return models.load_pipeline(checkpoint_files.CheckpointInfo(path.name, path, kind, 0), dtype, parts).pipe
 
 
 def assert_same_weights(a, b) -> None:
@@ -110,17 +111,17 @@ def test_missing_or_ambiguous_part_is_named(demo_paths, tmp_path):
     settings = Settings(data_dir=tmp_path)
     t5 = settings.text_encoder_dir / "t5xxl.safetensors"
     shutil.move(t5, tmp_path / "t5-elsewhere.safetensors")
-    with pytest.raises(models.ModelLoadError, match=r"no T5-XXL text encoder .* none was found in .*text_encoder"):
+    with pytest.raises(ModelLoadError, match=r"no T5-XXL text encoder .* none was found in .*text_encoder"):
         _load(transformer, parts=part_choices.part_files(settings, transformer.name))
     for name in ("t5xxl_fp16.safetensors", "t5xxl_other.safetensors"):
         os.link(tmp_path / "t5-elsewhere.safetensors", settings.text_encoder_dir / name)
-    with pytest.raises(models.ModelLoadError, match=r"several files hold one \(t5xxl_fp16.safetensors, t5xxl_other"):
+    with pytest.raises(ModelLoadError, match=r"several files hold one \(t5xxl_fp16.safetensors, t5xxl_other"):
         _load(transformer, parts=part_choices.part_files(settings, transformer.name))
     part_choices.choose(settings, DEV, transformer.name, {"text_encoder_2": "t5xxl_other.safetensors"})
     assert _load(transformer, parts=part_choices.part_files(settings, transformer.name)) is not None
     with pytest.raises(ValueError, match="no file 'nope.safetensors'"):
         part_choices.choose(settings, DEV, transformer.name, {"vae": "nope.safetensors"})
-    with pytest.raises(models.ModelLoadError, match=r"clip_l.safetensors holds no T5-XXL"):
+    with pytest.raises(ModelLoadError, match=r"clip_l.safetensors holds no T5-XXL"):
         part_choices.choose(settings, DEV, transformer.name, {"text_encoder_2": "clip_l.safetensors"})
         _load(transformer, parts=part_choices.part_files(settings, transformer.name))
 
@@ -132,8 +133,8 @@ def test_wrong_shapes_are_refused_before_building(demo_paths, tmp_path):
     vae, metadata = _read(settings.vae_dir / "ae.safetensors")
     vae["decoder.conv_in.weight"] = vae["decoder.conv_in.weight"][:, :4].contiguous()
     save_file(vae, str(settings.vae_dir / "ae.safetensors"), metadata=metadata)
-    with pytest.raises(models.ModelLoadError, match=r"VAE .* \(decoder.conv_in.weight: \[32, 4, 3, 3\], expected "
-                                                     r"\[32, 16, 3, 3\]"):
+    with pytest.raises(ModelLoadError, match=r"VAE .* \(decoder.conv_in.weight: \[32, 4, 3, 3\], expected "
+                                              r"\[32, 16, 3, 3\]"):
         _load(transformer, parts=part_choices.part_files(settings, transformer.name))
     assert issubclass(CheckpointShapeError, ValueError)
 
@@ -249,8 +250,8 @@ def test_every_offload_mode_on_flux(demo_dir, tmp_path, rest_dtype):
 def test_fp16_is_refused_for_flux_with_the_reason(demo_paths):
     """Flux's activations overflow fp16: a load in fp16 (a GPU's request) is refused naming why and
     what to use, before anything is built."""
-    info = models.resolve_checkpoint(f"tiny-{DEV}.safetensors", demo_paths["checkpoints_dir"])
-    with pytest.raises(models.ModelLoadError, match=r"overflows in fp16 .*use bf16"):
+    info = checkpoint_files.resolve_checkpoint(f"tiny-{DEV}.safetensors", demo_paths["checkpoints_dir"])
+    with pytest.raises(ModelLoadError, match=r"overflows in fp16 .*use bf16"):
         models.load_pipeline(info, torch.float16)
 
 
@@ -299,7 +300,7 @@ def test_choosing_model_parts_through_the_engine_reloads_and_a_bad_choice_is_und
         assert torch.equal(weight, next(v for k, v in tensors.items() if k.endswith("shared.weight")).to(
             torch.bfloat16).float())
         assert part_choices.chosen(settings, transformer.name) == {"text_encoder_2": "t5xxl_bf16.safetensors"}
-        with pytest.raises(models.ModelLoadError, match="holds no T5-XXL"):
+        with pytest.raises(ModelLoadError, match="holds no T5-XXL"):
             engine.set_model_parts({"text_encoder_2": "clip_l.safetensors"})
         assert engine.pipeline.text_encoder_2.shared.weight is weight
         assert part_choices.chosen(settings, transformer.name) == {"text_encoder_2": "t5xxl_bf16.safetensors"}

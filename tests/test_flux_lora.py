@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layer_probe import layer_output
 from safetensors.torch import save_file
 
 from app.adapters.algos import parse_layer
@@ -215,12 +216,6 @@ def test_lycoris_algorithms_on_fused_bfl_layers(pipe, tmp_path, algo):
         assert torch.equal(_weight(pipe, part), w0), f"{part} not restored"
 
 
-def _probe(module: torch.nn.Module) -> torch.Tensor:
-    x = torch.randn(2, module.in_features, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        return module(x.to(module.weight.dtype)).float()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bypass_equals_fused_and_fp32_glora_on_bf16(tmp_path, dtype):
     """The same file fused and as bypass forwards (what sequential/group offload use) gives the same
@@ -234,13 +229,13 @@ def test_bypass_equals_fused_and_fp32_glora_on_bf16(tmp_path, dtype):
         tensors.update({f"lora_unet_{bfl.replace('.', '_')}.{k}": v for k, v in layer.items()})
     parts = [p for bfl in ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear1") for p in FUSED[bfl]]
     stack, _report, _ = _apply(pipe, tmp_path, "glora", tensors)
-    fused_out = {p: _probe(pipe.transformer.get_submodule(p)) for p in parts}
+    fused_out = {p: layer_output(pipe.transformer.get_submodule(p)) for p in parts}
     stack.reconcile((), {})
     bypass, _report, _ = _apply(pipe, tmp_path, "glora", tensors, bypass=frozenset({"transformer", "text_encoder"}))
     assert set(bypass.bypassed()) == {("transformer", p) for p in parts}
     tolerance = 2e-5 if dtype == torch.float32 else 4e-2
     for part in parts:
         module = pipe.transformer.get_submodule(part)
-        out = _probe(module)
+        out = layer_output(module)
         assert module(torch.zeros(1, module.in_features, dtype=dtype)).dtype == dtype
         assert float((out - fused_out[part]).abs().max()) <= tolerance * float(fused_out[part].abs().max()), part

@@ -15,6 +15,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+from layer_probe import layer_output
 from tiny import CHECKPOINTS, FAST
 
 from app import diagnostics
@@ -148,27 +149,12 @@ def test_a_lora_on_fp8_layers_is_the_widened_weight_plus_its_delta(engines, tmp_
     for component, path in fp8.lora_stack.bypassed():
         mine = getattr(fp8.pipeline, component).get_submodule(path)
         want = getattr(full.pipeline, component).get_submodule(path)
-        x = _input_for(want)
-        with torch.no_grad():
-            got, expected = mine(x).float(), want(x).float()
+        got, expected = layer_output(mine, torch.bfloat16), layer_output(want, torch.bfloat16)
         assert float((got - expected).abs().max()) <= 4e-2 * float(expected.abs().max()), (component, path)
     full.set_loras([])  # the wanted list outlives an unload: the next load must start without it
     full.unload()
     fp8.set_loras([])
     assert _stored_digest(fp8) == stored and fp8.lora_stack.bypassed() == {}
-
-
-def _input_for(module: torch.nn.Module) -> torch.Tensor:
-    g = torch.Generator().manual_seed(2)
-    if isinstance(module, torch.nn.Conv2d):
-        shape = (1, module.in_channels, 8, 8)
-    elif isinstance(module, torch.nn.GroupNorm):
-        shape = (1, module.num_channels, 4, 4)
-    elif isinstance(module, torch.nn.LayerNorm):
-        shape = (2, *module.normalized_shape)
-    else:
-        shape = (2, module.weight.shape[1])
-    return torch.randn(shape, generator=g).to(torch.bfloat16)
 
 
 def test_a_weight_found_widened_at_rest_is_a_violation_and_is_repaired(engines):
@@ -212,17 +198,14 @@ def test_the_bench_fused_copies_compute_what_the_bypass_computes_and_leave_the_f
     try:
         assert fp8.lora_stack.bypassed() == {} and copies.copies
         assert all(c.dtype == torch.bfloat16 for c in copies.copies.values())
-        with torch.no_grad():
-            fused = {m: m(_input_for(m)).float() for m in copies.copies}
+        fused = {m: layer_output(m, torch.bfloat16) for m in copies.copies}
         assert _stored_digest(fp8) == stored
     finally:
         copies.remove()
-    with torch.no_grad():
-        assert all(not torch.equal(module(_input_for(module)).float(), got) for module, got in fused.items())
+    assert all(not torch.equal(layer_output(module, torch.bfloat16), got) for module, got in fused.items())
     fp8.set_loras(specs)
-    with torch.no_grad():
-        for module, got in fused.items():
-            expected = module(_input_for(module)).float()
-            assert float((got - expected).abs().max()) <= 4e-2 * float(expected.abs().max())
+    for module, got in fused.items():
+        expected = layer_output(module, torch.bfloat16)
+        assert float((got - expected).abs().max()) <= 4e-2 * float(expected.abs().max())
     fp8.set_loras([])
     assert _stored_digest(fp8) == stored

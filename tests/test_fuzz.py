@@ -49,6 +49,7 @@ from hook_plan import actual_hooks, expected_hooks
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from layer_probe import layer_output
 from PIL import Image
 
 from app.adapters.errors import LoraApplyError
@@ -202,7 +203,7 @@ class References:
                 pristine.setdefault(target, _module_digest(_module(pipe, target)))
         stack.reconcile(specs, files)
         digests = {t: _module_digest(_module(pipe, t)) for t in stack.patched_modules()}
-        self._probes[key] = {t: probe(_module(pipe, t), pipe.compute_dtypes[t[0]]) for t in digests}
+        self._probes[key] = {t: layer_output(_module(pipe, t), pipe.compute_dtypes[t[0]]) for t in digests}
         stack.reconcile((), {})
         assert all(_module_digest(_module(pipe, t)) == pristine[t] for t in digests), \
             "reference LoraStack did not restore exactly"
@@ -218,22 +219,6 @@ class References:
     def close(self) -> None:
         for eng in self._engines.values():
             eng.close()
-
-
-def probe(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's output on a fixed input of its width (what a bypass must reproduce)."""
-    g = torch.Generator().manual_seed(11)
-    weight = module.weight
-    if isinstance(module, torch.nn.Conv2d):
-        shape = (1, module.in_channels, 8, 8)
-    elif isinstance(module, torch.nn.GroupNorm):
-        shape = (1, module.num_channels, 4, 4)
-    elif isinstance(module, torch.nn.LayerNorm):
-        shape = (2, *module.normalized_shape)
-    else:
-        shape = (2, weight.shape[1])
-    with torch.no_grad():
-        return module(torch.randn(shape, generator=g).to(weight.device, dtype)).float().cpu()
 
 
 def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arch: str,
@@ -263,7 +248,7 @@ def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arc
     assert set(stack.bypassed()) == set(fused), "bypassed layers differ from a fresh fuse's patched layers"
     tolerance = {torch.float32: 2e-5}.get(placement.DTYPES[dtype], 4e-2)
     for target, want in (refs.probes(model, dtype, arch, specs, weights) if specs else {}).items():
-        got = probe(_module(engine.pipeline, target), engine.pipeline.compute_dtypes[target[0]])
+        got = layer_output(_module(engine.pipeline, target), engine.pipeline.compute_dtypes[target[0]])
         assert float((got - want).abs().max()) <= tolerance * float(want.abs().max()), f"{target}: bypass != fuse"
 
 

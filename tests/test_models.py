@@ -16,15 +16,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from app.demo import build_tiny_pipeline, write_single_file
-from app.engine import models
-from app.engine.checkpoint_shapes import meta_components
-from app.engine.models import (
+from app.engine import checkpoint_files, models
+from app.engine.checkpoint_files import (
     CheckpointNotFoundError,
     ModelLoadError,
     UnknownArchitectureError,
     UnsafeCheckpointPathError,
     UnsupportedCheckpointFormatError,
 )
+from app.engine.checkpoint_shapes import meta_components
 from app.families import family
 from app.families.ldm_layout import ldm_plan, to_ldm_state_dict, unet_module_to_ldm
 
@@ -179,7 +179,7 @@ def test_open_clip_layout_fuses_qkv_and_transposes_the_projection():
 def test_detect_architecture_on_full_size_key_sets(meta_pipes, arch):
     """The key set of a real checkpoint (as our LDM plan names it) is recognised as its architecture."""
     keys = {entry.key for entry in ldm_plan(meta_pipes[arch], family(arch))}
-    assert models.detect_architecture(keys) == arch
+    assert checkpoint_files.detect_architecture(keys) == arch
 
 
 @pytest.mark.parametrize(
@@ -207,14 +207,14 @@ def test_detect_architecture_on_full_size_key_sets(meta_pipes, arch):
 def test_detect_architecture_says_what_a_foreign_file_looks_like(keys, found):
     """A file in the checkpoint folder that is not SD1.5/SDXL is named for what it is, with an example key."""
     with pytest.raises(UnknownArchitectureError, match=found) as caught:
-        models.detect_architecture(keys)
+        checkpoint_files.detect_architecture(keys)
     assert keys[0] in str(caught.value) or keys[-1] in str(caught.value)
 
 
 def test_detect_architecture_lists_key_count_and_samples_when_unrecognised():
     """An unknown layout is described by its size and a few keys, so a bug report shows what it was."""
     with pytest.raises(UnknownArchitectureError, match=r"3 tensors \(e.g. alpha, beta, gamma\)"):
-        models.detect_architecture(["gamma", "alpha", "beta"])
+        checkpoint_files.detect_architecture(["gamma", "alpha", "beta"])
 
 
 # ------------------------------------------------------------------------------- discover / resolve
@@ -235,14 +235,14 @@ def test_discover_lists_files_and_diffusers_folders_sorted(tmp_path):
     _safetensors(tmp_path / "pipe" / "unet" / "diffusion_pytorch_model.safetensors")
     (tmp_path / "old.ckpt").write_bytes(b"x")
     (tmp_path / "notes.txt").write_text("x")
-    found = models.discover_checkpoints(tmp_path)
+    found = checkpoint_files.discover_checkpoints(tmp_path)
     assert [(c.name, c.kind) for c in found] == [
         ("b.safetensors", "file"),
         ("pipe", "folder"),
         ("Sub/a.safetensors", "file"),
     ]
     assert found[1].size_bytes > 0
-    assert models.discover_checkpoints(tmp_path / "missing") == []
+    assert checkpoint_files.discover_checkpoints(tmp_path / "missing") == []
 
 
 def test_resolve_accepts_listed_names_and_bare_stems(tmp_path):
@@ -250,10 +250,10 @@ def test_resolve_accepts_listed_names_and_bare_stems(tmp_path):
     inside the folder, because names arrive from the API and must not reveal the file system."""
     target = _safetensors(tmp_path / "sub" / "m.safetensors")
     for spelling in ("sub/m.safetensors", "sub/m"):
-        info = models.resolve_checkpoint(spelling, tmp_path)
+        info = checkpoint_files.resolve_checkpoint(spelling, tmp_path)
         assert (info.name, info.kind, info.path) == ("sub/m.safetensors", "file", target)
     with pytest.raises(UnsafeCheckpointPathError, match="absolute paths"):
-        models.resolve_checkpoint(str(target), tmp_path)
+        checkpoint_files.resolve_checkpoint(str(target), tmp_path)
 
 
 @pytest.mark.parametrize("name", ["../outside.safetensors", "sub/../../outside.safetensors", "/etc/passwd"])
@@ -263,7 +263,7 @@ def test_resolve_refuses_paths_leading_out_of_the_checkpoint_folder(tmp_path, na
     root.mkdir()
     _safetensors(tmp_path / "outside.safetensors")
     with pytest.raises(UnsafeCheckpointPathError):
-        models.resolve_checkpoint(name, root)
+        checkpoint_files.resolve_checkpoint(name, root)
 
 
 def test_resolve_follows_a_symlink_the_user_placed_in_the_folder(tmp_path):
@@ -273,8 +273,8 @@ def test_resolve_follows_a_symlink_the_user_placed_in_the_folder(tmp_path):
     root.mkdir()
     target = _safetensors(tmp_path / "elsewhere" / "outside.safetensors")
     (root / "link.safetensors").symlink_to(target)
-    assert models.resolve_checkpoint("link.safetensors", root).path.resolve() == target.resolve()
-    assert [info.name for info in models.discover_checkpoints(root)] == ["link.safetensors"]
+    assert checkpoint_files.resolve_checkpoint("link.safetensors", root).path.resolve() == target.resolve()
+    assert [info.name for info in checkpoint_files.discover_checkpoints(root)] == ["link.safetensors"]
 
 
 class _Boom:
@@ -293,7 +293,7 @@ def test_resolve_refuses_pickle_formats_without_opening_them(tmp_path, suffix):
     marker = tmp_path / "pwned"
     (tmp_path / f"evil{suffix}").write_bytes(pickle.dumps(_Boom(marker)))
     with pytest.raises(UnsupportedCheckpointFormatError, match="safetensors"):
-        models.resolve_checkpoint(f"evil{suffix}", tmp_path)
+        checkpoint_files.resolve_checkpoint(f"evil{suffix}", tmp_path)
     assert not marker.exists()
 
 
@@ -301,7 +301,7 @@ def test_resolve_reports_missing_checkpoint_with_what_is_available(tmp_path):
     """A typo gets a 'not found' error that lists the names that do exist."""
     _safetensors(tmp_path / "real.safetensors")
     with pytest.raises(CheckpointNotFoundError, match=r"'nope.safetensors' not found.*real.safetensors"):
-        models.resolve_checkpoint("nope.safetensors", tmp_path)
+        checkpoint_files.resolve_checkpoint("nope.safetensors", tmp_path)
 
 
 # ------------------------------------------------------------------------------------ broken files
@@ -325,7 +325,7 @@ def test_invalid_safetensors_fail_with_file_and_reason(tmp_path, make, reason):
     path = tmp_path / "bad.safetensors"
     make(path)
     with pytest.raises(ModelLoadError, match=f"bad.safetensors.*{reason}"):
-        models.load_pipeline(models.resolve_checkpoint("bad.safetensors", tmp_path), torch.float32)
+        models.load_pipeline(checkpoint_files.resolve_checkpoint("bad.safetensors", tmp_path), torch.float32)
 
 
 def test_truncated_checkpoint_fails_with_file_and_reason(tmp_path, demo_paths):
@@ -333,14 +333,14 @@ def test_truncated_checkpoint_fails_with_file_and_reason(tmp_path, demo_paths):
     data = demo_paths["sd15_file"].read_bytes()
     (tmp_path / "half.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match="half.safetensors.*truncated"):
-        models.load_pipeline(models.resolve_checkpoint("half.safetensors", tmp_path), torch.float32)
+        models.load_pipeline(checkpoint_files.resolve_checkpoint("half.safetensors", tmp_path), torch.float32)
 
 
 def test_lora_in_checkpoint_folder_is_named_as_such(tmp_path):
     """Loading a LoRA as a checkpoint explains what the file is instead of failing inside diffusers."""
     save_file({"lora_unet_conv_in.lora_down.weight": torch.zeros(1, 4)}, str(tmp_path / "style.safetensors"))
     with pytest.raises(UnknownArchitectureError, match="style.safetensors.*LoRA"):
-        models.load_pipeline(models.resolve_checkpoint("style.safetensors", tmp_path), torch.float32)
+        models.load_pipeline(checkpoint_files.resolve_checkpoint("style.safetensors", tmp_path), torch.float32)
 
 
 def test_single_file_missing_a_tensor_is_refused(tmp_path):
@@ -353,7 +353,7 @@ def test_single_file_missing_a_tensor_is_refused(tmp_path):
     del tensors["first_stage_model.decoder.mid.attn_1.q.weight"]
     save_file(tensors, str(tmp_path / "pruned.safetensors"), metadata=metadata)
     with pytest.raises(ModelLoadError, match="pruned.safetensors: 1 tensors.*attn_1.q.weight"):
-        models.load_pipeline(models.resolve_checkpoint("pruned.safetensors", tmp_path), torch.float32)
+        models.load_pipeline(checkpoint_files.resolve_checkpoint("pruned.safetensors", tmp_path), torch.float32)
 
 
 def test_embedded_config_metadata_must_be_valid(tmp_path):
@@ -365,7 +365,7 @@ def test_embedded_config_metadata_must_be_valid(tmp_path):
         metadata={models.CONFIGS_METADATA_KEY: json.dumps({"safety_checker": {}})},
     )
     with pytest.raises(ModelLoadError, match="odd.safetensors.*steady_diffusion.configs"):
-        models.load_pipeline(models.resolve_checkpoint("odd.safetensors", tmp_path), torch.float32)
+        models.load_pipeline(checkpoint_files.resolve_checkpoint("odd.safetensors", tmp_path), torch.float32)
 
 
 def test_diffusers_folder_with_pickle_weights_is_refused(tmp_path, demo_paths):
@@ -375,7 +375,7 @@ def test_diffusers_folder_with_pickle_weights_is_refused(tmp_path, demo_paths):
     weights = folder / "text_encoder" / "model.safetensors"
     weights.rename(weights.with_name("pytorch_model.bin"))
     with pytest.raises(UnsupportedCheckpointFormatError, match="pickled/text_encoder: no .safetensors"):
-        models.load_pipeline(models.resolve_checkpoint("pickled", tmp_path), torch.float32)
+        models.load_pipeline(checkpoint_files.resolve_checkpoint("pickled", tmp_path), torch.float32)
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -398,7 +398,7 @@ def test_loaded_tiny_checkpoint_is_bit_identical_to_what_was_saved(demo_paths, r
     buffer of every component exactly, on CPU, without hooks, with the right hash."""
     path = demo_paths[f"{arch}_{kind}"]
     loaded = models.load_pipeline(
-        models.resolve_checkpoint(path.name, demo_paths["checkpoints_dir"]), torch.float32
+        checkpoint_files.resolve_checkpoint(path.name, demo_paths["checkpoints_dir"]), torch.float32
     )
     assert loaded.arch == arch and loaded.info.kind == kind
     hashed = path if kind == "file" else path / "unet" / "diffusion_pytorch_model.safetensors"
@@ -423,7 +423,7 @@ def test_bf16_load_gives_bf16_weights_on_cpu(demo_paths, kind):
     """The requested dtype reaches every floating tensor of every component at load time."""
     path = demo_paths[f"sdxl_{kind}"]
     loaded = models.load_pipeline(
-        models.resolve_checkpoint(path.name, demo_paths["checkpoints_dir"]), torch.bfloat16
+        checkpoint_files.resolve_checkpoint(path.name, demo_paths["checkpoints_dir"]), torch.bfloat16
     )
     for name, module in loaded.pipe.components.items():
         if isinstance(module, torch.nn.Module):
@@ -438,7 +438,7 @@ def test_folder_of_another_pipeline_class_is_named(tmp_path):
     _safetensors(folder / "unet" / "diffusion_pytorch_model.safetensors")
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(UnknownArchitectureError, match="flux: model_index.json names 'FluxPipeline'"):
-        models.load_pipeline(models.resolve_checkpoint("flux", tmp_path), torch.float32)
+        models.load_pipeline(checkpoint_files.resolve_checkpoint("flux", tmp_path), torch.float32)
 
 
 def test_load_refuses_a_pipeline_that_breaks_the_cpu_dtype_contract(demo_paths, monkeypatch):
@@ -447,6 +447,6 @@ def test_load_refuses_a_pipeline_that_breaks_the_cpu_dtype_contract(demo_paths, 
     stray = build_tiny_pipeline("sd15")
     stray.unet.conv_in.bias.data = stray.unet.conv_in.bias.data.double()
     monkeypatch.setattr(models, "_load_folder", lambda info, arch, dtype: stray)
-    info = models.resolve_checkpoint("tiny-sd15-diffusers", demo_paths["checkpoints_dir"])
+    info = checkpoint_files.resolve_checkpoint("tiny-sd15-diffusers", demo_paths["checkpoints_dir"])
     with pytest.raises(ModelLoadError, match=r"unet.conv_in.bias on cpu in torch.float64"):
         models.load_pipeline(info, torch.float32)

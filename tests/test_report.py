@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from served_app import LORAS, write_kohya_lora
 
-from app.engine.models import ModelLoadError
+from app.engine.checkpoint_files import ModelLoadError
 from app.engine.worker import Engine
 from app.report import build_bug_report, jsonable, placement_colour, redact, render_card
 from app.settings import Settings

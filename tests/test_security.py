@@ -29,7 +29,8 @@ from app.adapters.files import LoraLibrary
 from app.adapters.prompt import parse_prompt_loras
 from app.adapters.specs import MAX_STRENGTH, LoraSpec
 from app.demo import build_tiny_pipeline
-from app.engine import embeddings, generate, models
+from app.engine import checkpoint_files, embeddings, generate, models
+from app.engine.checkpoint_files import ModelLoadError
 from app.engine.checkpoint_shapes import expected_shapes
 from app.engine.generate import MAX_PIXEL_STEPS, MAX_PROMPT_CHARS, GenerateParams, NonFiniteLatentsError
 from app.engine.worker import Engine
@@ -92,7 +93,7 @@ def test_a_refused_lora_leaves_nothing_cached(data_dir):
 
 
 # ------------------------------------------------------------------- 3. config against the header
-def _rewritten_checkpoint(data_dir: Path, name: str, edit) -> models.CheckpointInfo:
+def _rewritten_checkpoint(data_dir: Path, name: str, edit) -> checkpoint_files.CheckpointInfo:
     """The tiny SD1.5 checkpoint saved again with its metadata changed by `edit(metadata)`."""
     source = data_dir / "models" / "Stable-diffusion" / SD15
     with safe_open(str(source), framework="pt") as handle:
@@ -100,7 +101,7 @@ def _rewritten_checkpoint(data_dir: Path, name: str, edit) -> models.CheckpointI
     edit(metadata)
     target = data_dir / "models" / "Stable-diffusion" / name
     save_file(load_file(str(source)), str(target), metadata=metadata)
-    return models.resolve_checkpoint(name, data_dir / "models" / "Stable-diffusion")
+    return checkpoint_files.resolve_checkpoint(name, data_dir / "models" / "Stable-diffusion")
 
 
 def _edit_unet_config(**changes):
@@ -125,9 +126,9 @@ def test_embedded_config_larger_than_the_tensors_is_refused_before_building(data
     its shape in the file and the shape the config asks for; nothing is built."""
     info = _rewritten_checkpoint(data_dir, "huge-config.safetensors", _edit_unet_config(
         block_out_channels=[4096, 8192], norm_num_groups=32))
-    with pytest.raises(models.ModelLoadError, match=r"huge-config\.safetensors: \d+ tensors do not have the shapes "
-                       r"its embedded config asks for \(model\.diffusion_model\.\S+: the file holds \[.*\], its "
-                       r"embedded config expects \[.*(4096|8192)"):
+    with pytest.raises(ModelLoadError, match=r"huge-config\.safetensors: \d+ tensors do not have the shapes "
+                r"its embedded config asks for \(model\.diffusion_model\.\S+: the file holds \[.*\], its "
+                r"embedded config expects \[.*(4096|8192)"):
         models.load_pipeline(info, torch.float32)
 
 
@@ -136,8 +137,8 @@ def test_embedded_config_with_endless_layers_is_refused_quickly(data_dir, no_bui
     building stops once the config needs more parameters than the file has tensors."""
     info = _rewritten_checkpoint(data_dir, "deep-config.safetensors", _edit_unet_config(layers_per_block=100_000))
     t0 = time.perf_counter()
-    with pytest.raises(models.ModelLoadError, match=r"deep-config\.safetensors: the config describes more than \d+ "
-                                                    r"parameters, more than the file's tensors can fill"):
+    with pytest.raises(ModelLoadError, match=r"deep-config\.safetensors: the config describes more than \d+ "
+                                             r"parameters, more than the file's tensors can fill"):
         models.load_pipeline(info, torch.float32)
     assert time.perf_counter() - t0 < 10
 
@@ -145,7 +146,7 @@ def test_embedded_config_with_endless_layers_is_refused_quickly(data_dir, no_bui
 def test_embedded_config_that_cannot_build_is_refused_with_the_reason(data_dir, no_building):
     """A config with a value of the wrong type is a refusal naming the file, not a crash."""
     info = _rewritten_checkpoint(data_dir, "odd-config.safetensors", _edit_unet_config(block_out_channels="wide"))
-    with pytest.raises(models.ModelLoadError, match=r"odd-config\.safetensors: the config does not build a sd15 model"):
+    with pytest.raises(ModelLoadError, match=r"odd-config\.safetensors: the config does not build a sd15 model"):
         models.load_pipeline(info, torch.float32)
 
 
@@ -155,15 +156,15 @@ def test_file_that_is_not_sd15_sized_is_refused_against_the_bundled_config(data_
     names = expected_shapes("sd15", family("sd15").config_dir)
     path = data_dir / "models" / "Stable-diffusion" / "small.safetensors"
     save_file({name: torch.zeros(2) for name in names}, str(path))
-    info = models.resolve_checkpoint(path.name, path.parent)
-    with pytest.raises(models.ModelLoadError, match=r"small\.safetensors: \d+ tensors do not have the shapes the "
-                                                    r"SD15 architecture asks for .*refused before building anything"):
+    info = checkpoint_files.resolve_checkpoint(path.name, path.parent)
+    with pytest.raises(ModelLoadError, match=r"small\.safetensors: \d+ tensors do not have the shapes the "
+                                             r"SD15 architecture asks for .*refused before building anything"):
         models.load_pipeline(info, torch.float32)
 
 
 def test_matching_config_still_loads(data_dir):
     """The check refuses nothing honest: the demo checkpoint loads and every tensor is in place."""
-    info = models.resolve_checkpoint(SD15, data_dir / "models" / "Stable-diffusion")
+    info = checkpoint_files.resolve_checkpoint(SD15, data_dir / "models" / "Stable-diffusion")
     assert models.load_pipeline(info, torch.float32).arch == "sd15"
 
 
@@ -181,11 +182,11 @@ def test_non_utf8_names_are_skipped_with_a_logged_reason(data_dir, caplog):
     _bad_file(loras, next(loras.glob("*.safetensors")))
     _bad_file(embeds, embeds / "tiny-sd15-embedding.safetensors")
     caplog.set_level(logging.WARNING, logger="app.paths")
-    names = [info.name for info in models.discover_checkpoints(ckpts)]
+    names = [info.name for info in checkpoint_files.discover_checkpoints(ckpts)]
     assert SD15 in names and all(n.isprintable() and n.encode() for n in names)
     lora_names = LoraLibrary(loras).names()
     assert lora_names and all(n.encode() for n in lora_names)
-    pipe = models.load_pipeline(models.resolve_checkpoint(SD15, ckpts), torch.float32).pipe
+    pipe = models.load_pipeline(checkpoint_files.resolve_checkpoint(SD15, ckpts), torch.float32).pipe
     assert embeddings.load_all(pipe, "sd15", embeds) == ("tiny-sd15-embedding",)
     skipped = [r.getMessage() for r in caplog.records if "not valid UTF-8" in r.getMessage()]
     assert {m.split(" file ")[0] for m in skipped} == {"checkpoint", "LoRA", "embedding"}

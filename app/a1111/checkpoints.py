@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from app.a1111.errors import ApiError
 from app.a1111.state import ApiState
-from app.engine import models
+from app.engine import checkpoint_files
 from app.engine.snapshot import Snapshot
 from app.settings import Settings
 
@@ -43,7 +43,7 @@ def model_name(name: str) -> str:
 def sd_models(settings: Settings, snap: Snapshot) -> list[dict]:
     """`GET /sdapi/v1/sd-models`: every discovered checkpoint, the loaded one with its hash."""
     out = []
-    for info in models.discover_checkpoints(settings.checkpoints_dir):
+    for info in checkpoint_files.discover_checkpoints(settings.checkpoints_dir):
         short = snap.model_hash if info.name == snap.model else None
         out.append({"title": title(info.name, short), "model_name": model_name(info.name), "hash": short,
                     "sha256": None, "filename": str(info.path), "config": None})
@@ -57,7 +57,7 @@ def resolve(settings: Settings, snap: Snapshot, asked: object) -> str:
     text = asked.strip()
     match = _TITLE.match(text)
     name, short = (match["name"], match["hash"].lower()) if match else (text, None)
-    names = [info.name for info in models.discover_checkpoints(settings.checkpoints_dir)]
+    names = [info.name for info in checkpoint_files.discover_checkpoints(settings.checkpoints_dir)]
     for candidate in names:
         if name in (candidate, model_name(candidate), candidate.removesuffix(SUFFIX)):
             return candidate
@@ -80,7 +80,7 @@ def next_model(state: ApiState) -> str | None:
     """What a request loads when nothing is loaded: the last checkpoint seen, else the first found."""
     if state.last_model is not None:
         return state.last_model
-    found = models.discover_checkpoints(state.ctx.settings.checkpoints_dir)
+    found = checkpoint_files.discover_checkpoints(state.ctx.settings.checkpoints_dir)
     return found[0].name if found else None
 
 

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from app.adapters.errors import AdapterError
-from app.engine.models import CheckpointNotFoundError, ModelLoadError
+from app.engine.checkpoint_files import CheckpointNotFoundError, ModelLoadError
 from app.engine.worker import EngineBusy
 
 log = logging.getLogger(__name__)

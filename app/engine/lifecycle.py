@@ -27,6 +27,7 @@ from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage
+from app.engine.checkpoint_files import resolve_checkpoint
 from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
 from app.families import family
@@ -231,7 +232,7 @@ class ModelLifecycle:
 
     # ------------------------------------------------------------------ load / swap / unload
     def _load(self, want: Desired, dtype: torch.dtype) -> None:
-        info = models.resolve_checkpoint(want.model, self._settings.checkpoints_dir)
+        info = resolve_checkpoint(want.model, self._settings.checkpoints_dir)
         self._progress(f"loading {info.name}", 0, 3)
         t0 = time.perf_counter()
         fresh = models.load_pipeline(info, dtype, part_choices.part_files(self._settings, info.name))

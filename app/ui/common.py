@@ -22,7 +22,7 @@ from typing import Any
 import gradio as gr
 
 from app.adapters.specs import LoraSpec
-from app.engine import models
+from app.engine import checkpoint_files
 from app.engine.generate import GeneratedImage, GenerateParams, params_from_form
 from app.engine.snapshot import Snapshot
 from app.engine.worker import Engine
@@ -146,7 +146,7 @@ def run_with_progress(engine: Engine, call: Callable[[], Any], progress: gr.Prog
 
 def checkpoint_names(settings: Settings) -> list[str]:
     """Checkpoints the user may pick: only what discovery finds under the checkpoints folder."""
-    return [info.name for info in models.discover_checkpoints(settings.checkpoints_dir)]
+    return [info.name for info in checkpoint_files.discover_checkpoints(settings.checkpoints_dir)]
 
 
 def checked_checkpoint(settings: Settings, name: str) -> str:

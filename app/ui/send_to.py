@@ -20,7 +20,7 @@ import gradio as gr
 from PIL import Image
 
 from app.adapters.specs import LoraSpec
-from app.engine import models
+from app.engine import checkpoint_files
 from app.engine.generate import SCHEDULERS
 from app.infotext import Infotext, parse_infotext
 from app.ui.common import MAX_LORAS, PROGRESS, UiContext, run_with_progress, user_errors
@@ -79,12 +79,12 @@ def find_checkpoint(ctx: UiContext, model_hash: str, model_name: str) -> tuple[s
     snap = ctx.engine.snapshot()
     if model_hash and model_hash == snap.model_hash:
         return snap.model, ""
-    infos = models.discover_checkpoints(ctx.settings.checkpoints_dir)
+    infos = checkpoint_files.discover_checkpoints(ctx.settings.checkpoints_dir)
     stem = Path(model_name).stem if model_name else ""
     by_name = [i for i in infos if model_name and (i.name == model_name or Path(i.name).stem == stem)]
     if model_hash:
         for info in [*by_name, *(i for i in infos if i not in by_name)]:
-            if ctx.hashes.short(models.weights_file(info), len(model_hash)) == model_hash:
+            if ctx.hashes.short(checkpoint_files.weights_file(info), len(model_hash)) == model_hash:
                 return info.name, ""
     if by_name:
         differs = f"; its hash differs from {model_hash}" if model_hash else ""
