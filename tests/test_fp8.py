@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from layer_probe import layer_output
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tiny import CHECKPOINTS, FAST
 
 from app import diagnostics
@@ -181,6 +183,40 @@ def test_switching_weight_storage_reloads_and_keeps_the_loras(engines):
     snap = fp8.set_weights("fp8")
     assert snap.stored_layers > 0 and snap.lora_mode == "bypass"
     fp8.set_loras([])
+
+
+def _bytes_hash(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def test_an_fp8_checkpoint_file_keeps_its_own_bytes_through_loras(engines):
+    """An fp8 file as people share them (every matrix saved in float8_e4m3fn) loaded with fp8
+    storage: each stored layer holds bytes identical to one of the file's tensors — diffusers widens
+    on load and the plain cast narrows back exactly, every e4m3 value being a bf16 value — and still
+    does after a LoRA is added, used and removed (the bypass never writes the base)."""
+    fp8, _full = engines
+    folder = fp8.settings.checkpoints_dir
+    with safe_open(str(folder / CHECKPOINTS["sd15"]), framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = {name: tensor.to(FP8) if tensor.is_floating_point() and tensor.dim() >= 2 else tensor
+               for name, tensor in load_file(str(folder / CHECKPOINTS["sd15"])).items()}
+    save_file(tensors, str(folder / "tiny-sd15-fp8.safetensors"), metadata=metadata)
+    in_file = {_bytes_hash(t) for t in tensors.values() if t.dtype == FP8}
+
+    def stored() -> dict[str, str]:
+        return {f"{c}.{p}.{n}": _bytes_hash(t)
+                for c, p, _m, n, t, _is_param in placement.iter_tensors(fp8.pipeline) if t.dtype == FP8}
+
+    fp8.load_model("tiny-sd15-fp8.safetensors")
+    loaded = stored()
+    assert len(loaded) == fp8.snapshot().stored_layers > 100
+    assert set(loaded.values()) <= in_file
+    fp8.set_loras([LoraSpec("demo-style-sd15", 0.9)])
+    fp8.generate(PARAMS)
+    assert stored() == loaded
+    fp8.set_loras([])
+    assert stored() == loaded
+    fp8.load_model(CHECKPOINTS["sd15"])
 
 
 def test_the_bench_fused_copies_compute_what_the_bypass_computes_and_leave_the_fp8_bytes(engines):
