@@ -7,9 +7,12 @@ import pytest
 import torch
 from tiny import FAST
 
+from app.demo import build_tiny_pipeline
+from app.engine import placement
 from app.engine.checkpoint_files import ModelLoadError
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine, EngineState
+from app.families import family
 from app.settings import Settings
 
 
@@ -133,13 +136,20 @@ def test_embedding_in_bf16_text_encoder(engine, model):
     assert out and not snap.violations
 
 
-def test_sdxl_vae_stays_fp32_when_config_asks_for_upcast(engine):
-    """SDXL's VAE (force_upcast) is planned in fp32 while the rest of the model is bf16."""
+def test_vae_upcasts_only_where_diffusers_does(engine):
+    """The VAE runs in fp32 only for SDXL in fp16 with `force_upcast` (its fp16 decode overflows),
+    as diffusers' SDXL pipeline does; in bf16, and for SD1.5 (whose pipeline never upcasts), it
+    computes in the model's dtype, so it takes no second cast at load and no fp32 memory."""
+    cuda = torch.device("cuda")  # a plan is data: it can name a GPU on a machine without one
+    for arch, dtype, vae_dtype in (("sdxl", torch.float16, torch.float32), ("sdxl", torch.bfloat16, torch.bfloat16),
+                                   ("sd15", torch.float16, torch.float16)):
+        pipe = build_tiny_pipeline(arch)
+        pipe.family = family(arch)
+        assert pipe.vae.config.force_upcast
+        plan = placement.plan_placement(pipe, dtype, cuda, "none", moves_weights=False)
+        assert (plan.expected("vae").dtype, plan.expected("unet").dtype) == (vae_dtype, dtype), arch
     engine.load_model("tiny-sdxl.safetensors", dtype="bf16")
-    pipe = engine.pipeline
-    assert pipe.vae.config.force_upcast
-    assert {p.dtype for p in pipe.vae.parameters()} == {torch.float32}
-    assert {p.dtype for p in pipe.unet.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in engine.pipeline.vae.parameters()} == {torch.bfloat16}
     assert engine.generate(GenerateParams("a cat", seed=1, **FAST))
 
 

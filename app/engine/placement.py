@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from app.families import family_of
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -179,17 +181,19 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
     (default: the compute dtype). A rest dtype wider than the compute dtype makes every move a
     real cast even on a CPU-only machine: that is how CI runs the moving code (fp32 rest, bf16
     compute) without a GPU. `stored` names, per component, the layers whose weight rests in a
-    storage dtype (fp8) and is widened per forward. Policy beyond the plain request: the SDXL VAE
-    is kept in fp32 when its config asks for upcasting (`force_upcast`), because its fp16 decode
-    overflows to NaN; on the CPU nothing runs in fp16 (see `resolve_dtype`).
+    storage dtype (fp8) and is widened per forward. Policy beyond the plain request, as diffusers'
+    own pipelines do it: in fp16 the VAE of a family that upcasts (`Family.vae_upcast_in_fp16`:
+    SDXL) is kept in fp32 when its config asks (`force_upcast`), because its fp16 decode overflows
+    to NaN; on the CPU nothing runs in fp16 (see `resolve_dtype`).
     """
     if device.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32
     cpu = torch.device("cpu")
+    upcast_vae = family_of(pipe).vae_upcast_in_fp16
     plans = {}
     for name, component in torch_components(pipe).items():
         comp_dtype = dtype
-        if name == "vae" and getattr(component.config, "force_upcast", False):
+        if name == "vae" and dtype == torch.float16 and upcast_vae and component.config.force_upcast:
             comp_dtype = torch.float32
         compute = Placement(device, comp_dtype)
         rest = Placement(cpu, rest_dtype or comp_dtype) if moves_weights else compute

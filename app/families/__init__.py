@@ -101,6 +101,10 @@ class Family:
     # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
     # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
     high_precision: tuple[str, ...] = ()
+    # The VAE decodes in fp32 when the model computes in fp16 and the VAE's config says
+    # `force_upcast` — where the family's own diffusers pipeline does so (SDXL's VAE overflows fp16).
+    # Nowhere else: bf16 has fp32's range, and an SD1.5 pipeline never upcasts.
+    vae_upcast_in_fp16: bool = False
     # Stage pipeline classes by workflow ("img2img", "inpaint"), built on the loaded pipeline's
     # components (app/engine/stages.py); a family without one refuses that workflow by name.
     stage_pipelines: Mapping[str, type] = field(default_factory=dict)

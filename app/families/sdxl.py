@@ -27,6 +27,7 @@ SDXL = Family(
                         _CLIP_L.single_file_prefix + "embeddings.token_embedding.weight",
                         _CLIP_G.single_file_prefix + "token_embedding.weight"),
     high_precision=("conv_in", "conv_out", "time_embedding", "add_embedding", "text_projection"),
+    vae_upcast_in_fp16=True,
     config_dir=ASSETS_DIR / "configs" / "sdxl",
     native_modules=lora_aliases,
 )
