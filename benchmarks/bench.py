@@ -25,7 +25,8 @@ offload mode's transfers inside; thread CPU time per step comes from the same ho
 Modes: full (CUDA), --quick (CUDA: SD1.5, batch 1, 0 and 3 LoRAs, balanced offload, the compiled
 path), --smoke (CPU, tiny models, the eager dynamo backend; same code and schema, the numbers mean
 nothing; used by a test), --cpu-proxies (CPU, full-size architectures: load time and RSS, ops and CPU
-time per step, re-weight time; see `proxies.py`). A full run takes well over half an hour, so split it
+time per step, re-weight time, fp8 storage, ops per denoiser call on the meta device for models that do
+not fit, as Flux; see `proxies.py`). A full run takes well over half an hour, so split it
 with --archs, --sections and --batches; each part writes its own files. Output: <stem>.json, <stem>.md
 (and .png) under benchmarks/results/<gpu>/ or cpu-<cpu>/ (or --out), the stem naming mode and restrictions.
 
