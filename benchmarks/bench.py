@@ -32,7 +32,7 @@ with --archs, --sections and --batches; each part writes its own files. Output: 
 
     python -m app.bench --quick
     python -m app.bench --archs sd15 --sections compile
-    python -m app.bench --archs flux-dev --sections load,throughput,offload --batches 1
+    python -m app.bench --archs flux-dev --sections throughput --batches 1 --repeats 4
     python -m app.bench --cpu-proxies --archs sd15
     python -m app.bench --cpu-proxies --archs flux-dev --sections ops
 """
