@@ -206,6 +206,26 @@ def test_flux_op_counts_on_meta_compare_ours_with_loras_and_diffusers(tmp_path):
     assert "aten.convolution" not in bypass["differences"]
 
 
+def test_lora_targets_cover_each_familys_attention_and_feed_forward():
+    """The bench LoRAs: on the full-size SD1.5 UNet the 160 attention and feed-forward linears (the
+    LoCon adds the 44 resnet convs); on FLUX.1-dev the 418 linears of both attention streams, both
+    feed-forwards and the single blocks' MLP and output, but not the final `proj_out` or the
+    modulation layers; Flux has no convs, so its third LoRA is a plain one."""
+    from app.engine.checkpoint_shapes import meta_components
+    from app.families import family
+    from benchmarks.workload import lora_kinds, lora_targets
+
+    unet = meta_components("sd15", family("sd15").config_dir).unet
+    assert (len(lora_targets(unet, False)), len(lora_targets(unet, True))) == (160, 204)
+    assert lora_kinds(unet) == ("lora", "lora", "locon")
+    transformer = meta_components("flux-dev", family("flux-dev").config_dir).transformer
+    names = {name for name, _shape in lora_targets(transformer, True)}
+    assert len(names) == 418 and lora_kinds(transformer) == ("lora",) * 3
+    assert {"transformer_blocks.0.attn.add_k_proj", "transformer_blocks.18.ff_context.net.2",
+            "single_transformer_blocks.37.proj_out", "single_transformer_blocks.0.proj_mlp"} <= names
+    assert not names & {"proj_out", "transformer_blocks.0.norm1.linear", "single_transformer_blocks.0.norm.linear"}
+
+
 def test_flux_weight_sections_are_skipped_with_the_reason_not_shrunk(tmp_path):
     """Sections that need real weights never swap in a smaller model: Flux gets a reason (memory here,
     where its 34 GB bf16 pipeline does not fit) and no model entry, while its ops section runs."""
