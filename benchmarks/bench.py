@@ -1,10 +1,10 @@
 """Benchmark: Steady Diffusion's engine against plain diffusers, side by side in one process.
 
-What it measures per architecture (SD1.5 at 512², SDXL at 1024²; random weights, because speed does
-not depend on weight values):
+What it measures per architecture (SD1.5 at 512², SDXL and FLUX.1-dev at 1024²; random weights,
+because speed does not depend on weight values; Flux in bf16, since it overflows fp16):
 
 * denoising speed (it/s and thread CPU time per step) at batch 1 and 4 with no LoRA and with 1 and 3
-  rank-64 LoRAs (attention + feed-forward; the third is a LoCon that also covers the resnet convs):
+  rank-64 LoRAs (attention + feed-forward; on a UNet the third is a LoCon that also covers the resnet convs):
   ours, fused in place, against diffusers' PEFT adapters unfused and fused;
 * each offload mode against its diffusers counterpart (model, sequential and group offload; our
   balanced mode against our `none` with ample VRAM, and against model offload under a 3 GiB budget);
@@ -25,13 +25,16 @@ offload mode's transfers inside; thread CPU time per step comes from the same ho
 Modes: full (CUDA), --quick (CUDA: SD1.5, batch 1, 0 and 3 LoRAs, balanced offload, the compiled
 path), --smoke (CPU, tiny models, the eager dynamo backend; same code and schema, the numbers mean
 nothing; used by a test), --cpu-proxies (CPU, full-size architectures: load time and RSS, ops and CPU
-time per step, re-weight time; see `proxies.py`). A full run takes well over half an hour, so split it
+time per step, re-weight time, fp8 storage, ops per denoiser call on the meta device for models that do
+not fit, as Flux; see `proxies.py`). A full run takes well over half an hour, so split it
 with --archs, --sections and --batches; each part writes its own files. Output: <stem>.json, <stem>.md
 (and .png) under benchmarks/results/<gpu>/ or cpu-<cpu>/ (or --out), the stem naming mode and restrictions.
 
     python -m app.bench --quick
     python -m app.bench --archs sd15 --sections compile
+    python -m app.bench --archs flux-dev --sections throughput --batches 1 --repeats 4
     python -m app.bench --cpu-proxies --archs sd15
+    python -m app.bench --cpu-proxies --archs flux-dev --sections ops
 """
 
 from __future__ import annotations
@@ -50,14 +53,26 @@ import torch
 
 from app.engine.compile_cache import configure_cache
 from benchmarks import ours, phases, probe, proxies, proxy_report, report, stats
-from benchmarks.config import PRESETS, RESULTS_DIR, SCHEMA, SECTIONS, Bench, BenchConfig, environment, gpu_slug
+from benchmarks.config import (
+    ARCHS,
+    PRESETS,
+    RESULTS_DIR,
+    SCHEMA,
+    SECTIONS,
+    Bench,
+    BenchConfig,
+    environment,
+    gpu_slug,
+    run_dtype,
+)
 from benchmarks.config import base_environment as base_env
-from benchmarks.measure import open_nvml, unet_tflop_per_step
+from benchmarks.denoiser import tflop_per_step
+from benchmarks.measure import open_nvml
 from benchmarks.theirs import DiffusersSide
 from benchmarks.workload import prepare_model
 
 log = logging.getLogger("bench")
-PROXY_SECTIONS = ("load", "step", "reweight", "fp8")
+PROXY_SECTIONS = proxies.SECTIONS
 DEFAULT_PROXY_CACHE = Path.home() / ".cache" / "steady-diffusion-bench"
 
 
@@ -85,9 +100,9 @@ def bench_arch(arch: str, bench: Bench, results: dict[str, Any]) -> None:
     cfg = bench.config
     model = prepare_model(arch, bench.tmp, bench.device, bench.dtype, cfg.tiny, cfg.lora_rank)
     latent_side = cfg.resolution[arch] // model.latent_scale
-    tflop = {b: unet_tflop_per_step(model.unet_config, b, latent_side) for b in cfg.batches}
+    tflop = {b: tflop_per_step(arch, model.denoiser_config, b, latent_side) for b in cfg.batches}
     results["models"][arch] = {"resolution": cfg.resolution[arch], "latent_side": latent_side,
-                               "unet_params_m": model.unet_params_m, "loras": list(model.loras),
+                               "denoiser_params_m": model.denoiser_params_m, "loras": list(model.loras),
                                "lora_rank": cfg.lora_rank, "tflop_per_step": {str(b): t for b, t in tflop.items()}}
     run = phases.ArchRun(model, tflop)
     run.notes = _run_phases(run, bench)
@@ -150,7 +165,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--cpu-proxies", action="store_true",
                       help=f"CPU, full-size models: sections {','.join(PROXY_SECTIONS)} (minutes per arch)")
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<gpu or cpu>/)")
-    parser.add_argument("--archs", help="comma list of sd15,sdxl")
+    parser.add_argument("--archs", help=f"comma list of {','.join(ARCHS)} (default sd15,sdxl)")
+    parser.add_argument("--dtype", choices=("fp16", "bf16", "fp32"),
+                        help="compute dtype (default: the mode's, fp16 on a GPU; bf16 when Flux runs)")
     parser.add_argument("--sections", help=f"comma list of {','.join(SECTIONS)} (proxies: {','.join(PROXY_SECTIONS)})")
     parser.add_argument("--batches", help="comma list of batch sizes (default 1,4; quick and smoke 1)")
     parser.add_argument("--repeats", type=int, help="ABBA rounds per comparison")
@@ -177,18 +194,19 @@ def _stem(mode: str, archs: tuple[str, ...], default_archs: tuple[str, ...], sec
 def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, str]:
     """The preset with the command line's overrides, and the output file stem naming them."""
     preset = PRESETS["quick" if args.quick else "smoke" if args.smoke else "full"]
-    archs = _csv(args.archs, ("sd15", "sdxl"), "archs") or preset.archs
+    archs = _csv(args.archs, ARCHS, "archs") or preset.archs
     sections = _csv(args.sections, SECTIONS, "sections") or preset.sections
     batches = tuple(int(b) for b in _csv(args.batches, ("1", "2", "3", "4", "8"), "batches") or preset.batches)
     config = dataclasses.replace(preset, archs=archs, sections=sections, batches=batches,
-                                 repeats=args.repeats or preset.repeats, steps=args.steps or preset.steps)
+                                 repeats=args.repeats or preset.repeats, steps=args.steps or preset.steps,
+                                 dtype=run_dtype(preset.dtype, archs, args.dtype))
     stem = _stem(preset.mode, archs, preset.archs, sections, preset.sections)
     return config, stem + ("-b" + "+".join(map(str, batches)) if batches != preset.batches else "")
 
 
 def proxy_config_from_args(args: argparse.Namespace) -> tuple[proxies.ProxyConfig, str]:
     default = proxies.ProxyConfig(cache_dir=args.proxy_cache)
-    archs = _csv(args.archs, ("sd15", "sdxl"), "archs") or default.archs
+    archs = _csv(args.archs, ARCHS, "archs") or default.archs
     sections = _csv(args.sections, PROXY_SECTIONS, "sections") or default.sections
     config = dataclasses.replace(default, archs=archs, sections=sections, rounds=args.repeats or default.rounds,
                                  steps=args.steps or default.steps)

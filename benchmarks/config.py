@@ -17,14 +17,16 @@ import torch
 
 from app.engine import compiled
 from app.engine.placement import DTYPES
+from app.families import family
 
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTIONS = ("load", "throughput", "latency", "offload", "compile")
+ARCHS = ("sd15", "sdxl", "flux-dev")  # what --archs takes; a full run without it does SD1.5 and SDXL
 OFFLOAD_CASES = ("model", "balanced", "balanced-3gib", "sequential", "group")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 SEED = 1234
-CFG_SCALE = 7.0
+CFG_SCALE = 7.0  # SD's classifier-free guidance; Flux dev takes its distilled guidance instead (`guidance`)
 # Dense bf16 tensor-core peaks (TFLOP/s, FP32 accumulate, no sparsity), by device-name substring;
 # the first match wins, so the more specific names come first.
 PEAK_BF16_TFLOPS = (
@@ -60,7 +62,7 @@ class BenchConfig:
     dtype: str
     device: str
     tiny: bool
-    resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024})
+    resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024, "flux-dev": 1024})
     budget_gib: float = 3.0
     budget_archs: tuple[str, ...] = ("sd15",)
 
@@ -73,7 +75,8 @@ PRESETS = {
     # CPU smoke: tiny models, 2 steps, the eager dynamo backend; the numbers mean nothing, the schema
     # and every code path are the same.
     "smoke": BenchConfig("smoke", ("sd15", "sdxl"), SECTIONS, (1,), 2, 2, 0, 4, (0, 1, 3), OFFLOAD_CASES,
-                         ("reduce-overhead",), "eager", 3, 2, False, "fp32", "cpu", True, {"sd15": 64, "sdxl": 64}),
+                         ("reduce-overhead",), "eager", 3, 2, False, "fp32", "cpu", True,
+                         {"sd15": 64, "sdxl": 64, "flux-dev": 64}),
 }
 
 
@@ -94,6 +97,24 @@ class Bench:
 
     def wants(self, section: str) -> bool:
         return section in self.config.sections
+
+
+def run_dtype(preset_dtype: str, archs: tuple[str, ...], asked: str | None) -> str:
+    """The compute dtype of a run: the one asked for, else the preset's, except that a preset's fp16
+    becomes bf16 when an architecture computes in bf16 only (Flux overflows fp16), so
+    `--archs flux-dev` runs as its users run it. Asking for fp16 with such an architecture is refused."""
+    refuses = [arch for arch in archs if not family(arch).fp16_ok]
+    if asked == "fp16" and refuses:
+        raise SystemExit(f"--dtype fp16: {', '.join(refuses)} overflows in fp16; use bf16 (the default for it)")
+    if asked:
+        return asked
+    return "bf16" if preset_dtype == "fp16" and refuses else preset_dtype
+
+
+def guidance(arch: str) -> float:
+    """The guidance value both sides pass: CFG_SCALE where the family runs CFG, else the family's own
+    default (Flux dev's distilled guidance, an input of the transformer)."""
+    return CFG_SCALE if family(arch).negative_prompt else family(arch).default_guidance
 
 
 def has_package(name: str) -> bool:

@@ -1,5 +1,6 @@
-"""Measuring: step timing (wall and thread CPU time), peak memory, ABBA-interleaved repeats, aten op
-counts and the UNet's FLOPs. Statistics over the repeats live in `stats.py`."""
+"""Measuring: step timing (wall and thread CPU time), peak memory, ABBA-interleaved repeats and aten
+op counts, all from hooks on the denoiser (SD's UNet, Flux's transformer; the hooks' variable names
+say `unet` for either). Statistics over the repeats live in `stats.py`; FLOPs in `denoiser.py`."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ from typing import Any
 
 import psutil
 import torch
-from diffusers import UNet2DConditionModel
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
 
@@ -231,6 +230,9 @@ class Measurement:
     faults_runs: list[float | None] = field(default_factory=list)  # minor page faults per step
     gen_s_runs: list[float] = field(default_factory=list)
     transient_gib_runs: list[float | None] = field(default_factory=list)
+    # The allocator's absolute peak during the generation: this side's own peak plus whatever the
+    # other sides keep resident (little in the offload pools, where they rest on the CPU).
+    peak_gib_runs: list[float | None] = field(default_factory=list)
 
 
 def control_key(key: tuple) -> tuple:
@@ -267,6 +269,7 @@ def measure_interleaved(variants: dict[Any, Variant], device: torch.device, repe
                 run.user_ms_runs.append(user_ms)
                 run.faults_runs.append(faults)
                 run.transient_gib_runs.append(peak.transient_gib)
+                run.peak_gib_runs.append(peak.torch_gib)
     finally:
         for timer in timers.values():
             timer.remove()
@@ -302,21 +305,3 @@ class OpCounter(TorchDispatchMode):
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-def unet_tflop_per_step(unet_config: dict, batch: int, latent_side: int) -> float:
-    """TFLOP of one denoising step, i.e. one UNet call on the CFG-doubled batch, counted by torch's
-    FlopCounterMode on a meta-device UNet: exact for the shapes, costs no memory and needs no GPU."""
-    with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(unet_config)
-    rows = 2 * batch
-    sample = torch.empty(rows, unet.config.in_channels, latent_side, latent_side, device="meta")
-    hidden = torch.empty(rows, 77, unet.config.cross_attention_dim, device="meta")
-    kwargs = {}
-    if unet.config.addition_embed_type == "text_time":
-        text_dim = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
-        kwargs["added_cond_kwargs"] = {"text_embeds": torch.empty(rows, text_dim, device="meta"),
-                                       "time_ids": torch.empty(rows, 6, device="meta")}
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        unet(sample, torch.tensor(500.0, device="meta"), hidden, return_dict=False, **kwargs)
-    return counter.get_total_flops() / 1e12

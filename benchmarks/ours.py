@@ -18,7 +18,8 @@ import torch
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
 from app.settings import Settings
-from benchmarks.config import CFG_SCALE, PROMPT, SEED, Bench
+from benchmarks.config import PROMPT, SEED, Bench, guidance
+from benchmarks.denoiser import denoiser_of
 from benchmarks.measure import StepTimer, free_memory, timed_ms
 from benchmarks.workload import PreparedModel, lora_specs
 
@@ -57,7 +58,7 @@ def close(engine: Engine | None) -> None:
 def generator(engine: Engine, model: PreparedModel, bench: Bench, batch: int,
               steps: int | None = None) -> Callable[[], Any]:
     side = bench.config.resolution[model.arch]
-    params = GenerateParams(PROMPT, steps=steps or bench.config.steps, cfg=CFG_SCALE, seed=SEED, width=side,
+    params = GenerateParams(PROMPT, steps=steps or bench.config.steps, cfg=guidance(model.arch), seed=SEED, width=side,
                             height=side, batch=batch, sampler="Euler")
     return functools.partial(engine.generate, params)
 
@@ -101,7 +102,7 @@ def lora_ops_check(engine: Engine, model: PreparedModel, bench: Bench) -> dict[s
     sequence += [lora_specs(model.loras, 3, 1.1 - i % 2 / 10) for i in range(bench.config.reweights)]
     sequence += [lora_specs(model.loras, 2), lora_specs(model.loras, 3)]
     generate = generator(engine, model, bench, 1, steps=2)
-    timer = StepTimer(engine.pipeline.unet, bench.device, capture=True)
+    timer = StepTimer(denoiser_of(engine.pipeline), bench.device, capture=True)
     before = engine.snapshot().compile
     changed = []
     try:
@@ -127,6 +128,7 @@ def restart_probe(model: PreparedModel, mode: str, compiled_its: float, bench: B
     spec = {"data_dir": str(model.data_dir), "model": model.name, "mode": mode,
             "backend": bench.config.compile_backend, "resolution": bench.config.resolution[model.arch],
             "steps": bench.config.steps, "dtype": bench.config.dtype, "device": str(bench.device),
+            "guidance": guidance(model.arch),
             "target_its": compiled_its}
     log.info("[%s] ours: warm-restart probe (%s)", model.arch, mode)
     command = [sys.executable, "-m", "app.bench", "--restart-probe", json.dumps(spec)]
@@ -147,9 +149,9 @@ def run_restart_probe(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         load(engine, spec["model"])
         side = spec["resolution"]
-        params = GenerateParams(PROMPT, steps=spec["steps"], cfg=CFG_SCALE, seed=SEED, width=side, height=side,
+        params = GenerateParams(PROMPT, steps=spec["steps"], cfg=spec["guidance"], seed=SEED, width=side, height=side,
                                 sampler="Euler")
-        timer = StepTimer(engine.pipeline.unet, device)
+        timer = StepTimer(denoiser_of(engine.pipeline), device)
         started, its = time.perf_counter(), 0.0
         for _ in range(5):
             timer.reset()

@@ -14,6 +14,7 @@ from typing import Any
 from app.engine.worker import Engine
 from benchmarks import ours
 from benchmarks.config import Bench
+from benchmarks.denoiser import denoiser_of
 from benchmarks.measure import (
     Measurement,
     PeakMemory,
@@ -121,16 +122,16 @@ def throughput_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
     model, counts = run.model, bench.config.lora_counts
     for batch in bench.config.batches:
         pool, mine = f"throughput-b{batch}", ours.generator(engine, model, bench, batch)
-        none = ("none", 0, "fused", batch)
-        variants = with_control({("none", n, "fused", batch): Variant(ours.lora_setup(engine, model, n), mine,
-                                                                      engine.pipeline.unet) for n in counts}, none)
+        none, denoiser = ("none", 0, "fused", batch), denoiser_of(engine.pipeline)
+        variants = with_control({("none", n, "fused", batch): Variant(ours.lora_setup(engine, model, n), mine, denoiser)
+                                 for n in counts}, none)
         base = theirs.generator(batch)
-        variants[("none", 0, "eager", batch)] = Variant(theirs.state_setup(0, False), base, theirs.pipe.unet)
+        variants[("none", 0, "eager", batch)] = Variant(theirs.state_setup(0, False), base, theirs.denoiser)
         run.pairings.append(Pairing("throughput", pool, none, "ours", ("none", 0, "eager", batch), "diffusers", none))
         for n in (c for c in counts if c and "lora" not in theirs.notes):
             for fused, label in ((False, "diffusers PEFT unfused"), (True, "diffusers PEFT fused")):
                 key = ("none", n, "peft-fused" if fused else "peft-unfused", batch)
-                variants[key] = Variant(theirs.state_setup(n, fused), base, theirs.pipe.unet)
+                variants[key] = Variant(theirs.state_setup(n, fused), base, theirs.denoiser)
                 run.pairings.append(Pairing("throughput", pool, ("none", n, "fused", batch), "ours fused", key, label,
                                             none, "lora"))
         if 3 in counts:
@@ -198,18 +199,18 @@ def _compiled_pools(run: ArchRun, compiled: Engine, engine: Engine, theirs: Diff
     model, label, variant = run.model, f"ours compiled ({mode})", f"compiled-{mode}"
     fast, key0, key3 = ours.generator(compiled, model, bench, 1), ("none", 0, variant, 1), ("none", 3, variant, 1)
     variants = with_control({
-        key0: Variant(ours.lora_setup(compiled, model, 0), fast, compiled.pipeline.unet),
+        key0: Variant(ours.lora_setup(compiled, model, 0), fast, denoiser_of(compiled.pipeline)),
         ("none", 0, "fused", 1): Variant(ours.lora_setup(engine, model, 0), ours.generator(engine, model, bench, 1),
-                                         engine.pipeline.unet),
-        ("none", 0, "eager", 1): Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.pipe.unet)}, key0)
+                                         denoiser_of(engine.pipeline)),
+        ("none", 0, "eager", 1): Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.denoiser)}, key0)
     _measure(run, bench, f"compile-{mode}", variants)
     run.pairings += [Pairing("compile", f"compile-{mode}", key0, label, ("none", 0, "eager", 1), "diffusers", key0),
                      Pairing("compile", f"compile-{mode}", key0, label, ("none", 0, "fused", 1), "ours eager", key0)]
     if "lora" not in theirs.notes:
         base = ("none", 3, "peft-fused", 1)
         _measure(run, bench, f"compile-{mode}-lora", with_control({
-            key3: Variant(ours.lora_setup(compiled, model, 3), fast, compiled.pipeline.unet),
-            base: Variant(theirs.state_setup(3, True), theirs.generator(1), theirs.pipe.unet)}, key3))
+            key3: Variant(ours.lora_setup(compiled, model, 3), fast, denoiser_of(compiled.pipeline)),
+            base: Variant(theirs.state_setup(3, True), theirs.generator(1), theirs.denoiser)}, key3))
         run.pairings.append(Pairing("compile", f"compile-{mode}-lora", key3, label, base, "diffusers PEFT fused",
                                     key3, "lora"))
     if bench.config.restart_probe:
@@ -231,11 +232,11 @@ def offload_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Be
         if case == "balanced":
             none = ("none", 0, "beside-balanced", 1)
             _measure(run, bench, pool, with_control({
-                mine: Variant(ours.offload_setup(engine, case, warm), generate, engine.pipeline.unet),
-                none: Variant(ours.offload_setup(engine, "none", warm), generate, engine.pipeline.unet)}, none))
+                mine: Variant(ours.offload_setup(engine, case, warm), generate, denoiser_of(engine.pipeline)),
+                none: Variant(ours.offload_setup(engine, "none", warm), generate, denoiser_of(engine.pipeline))}, none))
             run.pairings.append(Pairing("offload", pool, mine, "ours", none, "ours offload none", none))
         elif case != "balanced-3gib":  # a start-up setting: measured on its own engine by budget_phase
-            variants = {mine: Variant(ours.offload_setup(engine, case, warm), generate, engine.pipeline.unet)}
+            variants = {mine: Variant(ours.offload_setup(engine, case, warm), generate, denoiser_of(engine.pipeline))}
             _offload_pool(run, bench, pool, theirs, case, variants, mine)
     engine.set_offload("none")
 
@@ -248,7 +249,7 @@ def _offload_pool(run: ArchRun, bench: Bench, pool: str, theirs: DiffusersSide, 
     base = (case, 0, "diffusers", 1)
     try:
         if pipe is not None:
-            variants[base] = Variant(lambda: None, generator(pipe, run.model, bench, 1), pipe.unet)
+            variants[base] = Variant(lambda: None, generator(pipe, run.model, bench, 1), denoiser_of(pipe))
         _measure(run, bench, pool, with_control(variants, mine))
     finally:
         del pipe
@@ -265,7 +266,7 @@ def budget_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Ben
     budget = ours.loaded_engine(model, bench, offload="balanced", vram_budget_gib=bench.config.budget_gib)
     try:
         mine = ("balanced-3gib", 0, "fused", 1)
-        variants = {mine: Variant(lambda: None, ours.generator(budget, model, bench, 1), budget.pipeline.unet)}
+        variants = {mine: Variant(lambda: None, ours.generator(budget, model, bench, 1), denoiser_of(budget.pipeline))}
         _offload_pool(run, bench, "offload-balanced-3gib", theirs, "model", variants, mine)
     finally:
         ours.close(budget)

@@ -1,5 +1,6 @@
 """CPU proxies (`python -m app.bench --cpu-proxies`): what can be measured without a GPU, on the
-full-size SD1.5 and SDXL architectures with random weights, ours against diffusers in the same run.
+full-size SD1.5, SDXL and FLUX.1-dev architectures with random weights, ours against diffusers in
+the same run.
 
 * load: `Engine.load_model` against diffusers' `from_single_file` (offline, `config=` the bundled
   folder), each load in a fresh process (time, process CPU time, peak RSS), in ABBA order with a
@@ -8,11 +9,15 @@ full-size SD1.5 and SDXL architectures with random weights, ours against diffuse
   step (with its user part and the minor page faults), without and with three fused rank-64 LoRAs
   and against diffusers, at a small latent so two cores can afford it;
 * reweight: one LoRA's strength changed with three applied (the engine's whole transition, and the
-  patching alone from the engine's timer).
+  patching alone from the engine's timer);
+* fp8: fp8 weight storage against full weights, LoRAs as bypasses or fused copies (`proxy_fp8.py`);
+* ops: aten ops per denoiser call on the meta device, so any size fits: ours without LoRAs, with
+  three fused and as bypass forwards, against diffusers (`proxy_ops.py`).
 
 This CPU computes bf16 at about 1 GFLOP/s against 150 in fp32, so step rows run in fp32 while load and
 re-weight rows use bf16 storage (what a GPU user loads, without a dtype conversion). Sections that
-do not fit in the memory available are skipped with the reason, never shrunk to another model.
+do not fit in the memory available are skipped with the reason, never shrunk to another model:
+FLUX.1-dev's pipeline (16.9 B parameters, 34 GB in bf16) gets the ops section only on a 23 GB machine.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ from app.families import family
 from app.settings import Settings
 from benchmarks import stats
 from benchmarks.config import PROMPT, SEED
-from benchmarks.measure import abba, control_key
+from benchmarks.measure import abba, control_key, fits
 from benchmarks.probe import spawn_load_probe
 from benchmarks.proxy_fp8 import fp8_section
+from benchmarks.proxy_ops import ops_section
 from benchmarks.proxy_steps import reweight_section, step_section
-from benchmarks.workload import lora_targets, single_file_numel, write_loras, write_random_single_file
+from benchmarks.workload import lora_kinds, lora_targets, single_file_numel, write_loras, write_random_single_file
 
 SCHEMA = "steady-diffusion-cpu-proxies/1"
 # Variant -> probe side. "ours" is Engine.load_model with the file's facts cached (any load after the
@@ -43,6 +49,7 @@ SCHEMA = "steady-diffusion-cpu-proxies/1"
 LOAD_VARIANTS = {"ours": "ours", "diffusers": "diffusers", "ours, first load (no cached hash)": "ours",
                  "ours, loader alone (models.load_pipeline)": "ours-models"}
 CONTROL = control_key(("none", 0, "ours"))[2]
+SECTIONS = ("load", "step", "reweight", "fp8", "ops")
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,7 @@ class ProxyConfig:
 
     cache_dir: Path
     archs: tuple[str, ...] = ("sd15", "sdxl")
-    sections: tuple[str, ...] = ("load", "step", "reweight", "fp8")
+    sections: tuple[str, ...] = SECTIONS
     storage_dtype: str = "bf16"
     step_dtype: str = "fp32"
     resolution: int = 128
@@ -83,11 +90,11 @@ def prepare(arch: str, config: ProxyConfig) -> ProxyModel:
     path = settings.checkpoints_dir / f"random-{arch}.safetensors"
     if not path.is_file():
         write_random_single_file(arch, path, DTYPES[config.storage_dtype])
-    unet = meta_components(arch, family(arch).config_dir).unet
-    names = tuple(f"bench-{arch}-{kind}{i}" for i, kind in enumerate(("lora", "lora", "locon")))
+    denoiser = getattr(meta_components(arch, family(arch).config_dir), family(arch).denoiser)
+    names = tuple(f"bench-{arch}-{kind}{i}" for i, kind in enumerate(lora_kinds(denoiser)))
     if not all((settings.lora_dir / f"{n}.safetensors").is_file() for n in names):
-        write_loras(unet, settings.lora_dir, arch, config.lora_rank)
-    touched = sum(math.prod(shape) for _name, shape in lora_targets(unet, convs=True))
+        write_loras(denoiser, settings.lora_dir, arch, config.lora_rank)
+    touched = sum(math.prod(shape) for _name, shape in lora_targets(denoiser, convs=True))
     return ProxyModel(arch, settings.data_dir, path.name, path, names, single_file_numel(path), touched)
 
 
@@ -135,22 +142,42 @@ def _load_comparisons(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, A
 
 
 # ------------------------------------------------------------------------------------ run
+# Sections that run on a random-weight single file (the file and its model must fit in RAM).
+WEIGHT_SECTIONS = {"load": load_section, "step": step_section, "reweight": reweight_section, "fp8": fp8_section}
 def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
     """Every section for every architecture, one model in memory at a time."""
     results = {"schema": SCHEMA, "config": {k: str(v) if isinstance(v, Path) else v
                                             for k, v in asdict(config).items()},
-               "env": env, "method": stats.METHOD, "models": {}, "load": [], "step": [], "reweight": [], "fp8": []}
+               "env": env, "method": stats.METHOD, "models": {}, **{section: [] for section in SECTIONS}}
     torch.set_num_threads(config.threads)
     for arch in config.archs:
-        model = prepare(arch, config)
-        results["models"][arch] = {"file": model.name, "numel": model.numel, "lora_numel": model.lora_numel,
-                                   "file_gib": model.path.stat().st_size / 2**30}
-        if "load" in config.sections:
-            results["load"].append(load_section(model, config))
-        if "step" in config.sections:
-            results["step"].append(step_section(model, config))
-        if "reweight" in config.sections:
-            results["reweight"].append(reweight_section(model, config))
-        if "fp8" in config.sections:
-            results["fp8"].append(fp8_section(model, config))
+        if "ops" in config.sections:
+            results["ops"].append(ops_section(arch, config))
+        wanted = [section for section in WEIGHT_SECTIONS if section in config.sections]
+        why = weights_skip(arch, config) if wanted else None
+        if why:
+            for section in wanted:
+                results[section].append({"arch": arch, "skipped": why})
+            continue
+        if wanted:
+            model = prepare(arch, config)
+            results["models"][arch] = {"file": model.name, "numel": model.numel, "lora_numel": model.lora_numel,
+                                       "file_gib": model.path.stat().st_size / 2**30}
+        for section in wanted:
+            results[section].append(WEIGHT_SECTIONS[section](model, config))
     return results
+
+
+def weights_skip(arch: str, config: ProxyConfig) -> str | None:
+    """Why the weight sections cannot run for `arch` here, or None. The smallest thing they all need
+    is the pipeline's file in the storage dtype; the sections check their own, larger, needs."""
+    fam = family(arch)
+    meta = vars(meta_components(arch, fam.config_dir))
+    numel = sum(p.numel() for module in meta.values() for p in module.parameters())
+    ok, why = fits(numel * DTYPES[config.storage_dtype].itemsize)
+    if not ok:
+        return (f"memory: the full-size {fam.label} pipeline ({numel / 1e9:.1f} B parameters) in "
+                f"{config.storage_dtype} {why}")
+    if fam.parts:
+        return f"the proxies write LDM single files, and {fam.label} has none (its files are read by parts)"
+    return None

@@ -41,14 +41,28 @@ def _load(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     return lines + table(HEADER, _comparison_rows(results["load"]))
 
 
+def _ops_table(sections: list[dict[str, Any]]) -> list[str]:
+    """Ops per call and distinct ops per variant; where the list differs from ours without LoRA, the
+    ops that differ as [ours no LoRA, this variant] per call."""
+    return table(["arch", "variant", "ops per call", "distinct ops", "same op list as ours no LoRA"],
+                 [[s["arch"], variant, f"{o['total_per_call']:.0f}", o["distinct"],
+                   "yes" if o["same_as_ours_no_lora"] else f"no: {json.dumps(o['differences'])[:400]}"]
+                  for s in sections if "skipped" not in s for variant, o in s["ops"].items()])
+
+
 def _step(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     lines = [f"## Denoising step ({cfg['step_dtype']}, {cfg['resolution']}² px, {cfg['steps']} steps, CFG)", "",
              "aten ops per UNet call, counted by a dispatch mode inside the UNet's hooks:", ""]
-    lines += table(["arch", "variant", "ops per call", "distinct ops", "same op list as ours no LoRA"],
-                   [[s["arch"], variant, f"{o['total_per_call']:.0f}", o["distinct"],
-                     "yes" if o["same_as_ours_no_lora"] else f"no: {json.dumps(o['differences'])[:200]}"]
-                    for s in results["step"] if "skipped" not in s for variant, o in s["ops"].items()])
-    return lines + table(HEADER, _comparison_rows(results["step"]))
+    return lines + _ops_table(results["step"]) + table(HEADER, _comparison_rows(results["step"]))
+
+
+def _ops(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    lines = [f"## aten ops per denoiser call (meta device, full-size {cfg['storage_dtype']} models, batch 1)", ""]
+    lines += [f"- {s['arch']}: {s['denoiser']} ({s['params_b']:.2f} B parameters) at {s['resolution']}² px "
+              f"({s['latent_side']}² latent); three rank-{cfg['lora_rank']} LoRAs on {s['layers_touched']} layers, "
+              "applied by our LoraStack (fused in place; then as `lora.bypass` hooks; then removed)"
+              for s in results["ops"]]
+    return lines + [""] + _ops_table(results["ops"])
 
 
 def _reweight(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
@@ -75,7 +89,7 @@ def _fp8(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
 
 # (results key, section, what a skip note calls it): a section is drawn only when it was measured.
 SECTIONS = (("load", _load, "load"), ("step", _step, "step"), ("reweight", _reweight, "re-weight"),
-            ("fp8", _fp8, "fp8"))
+            ("fp8", _fp8, "fp8"), ("ops", _ops, "ops"))
 
 
 def render(results: dict[str, Any]) -> str:
@@ -89,9 +103,9 @@ def render(results: dict[str, Any]) -> str:
              "variant; a ratio inside the control's spread reads \"no difference\".", ""]
     notes = []
     for key, section, what in SECTIONS:
-        if results.get(key):
+        if any("skipped" not in s for s in results.get(key, [])):
             lines += section(results, cfg)
-            notes += _skipped(results[key], what)
+        notes += _skipped(results.get(key, []), what)
     notes += [f"- step {s['arch']}: no diffusers baseline, {s['baseline_note']}" for s in results.get("step", [])
               if "skipped" not in s and s["baseline_note"]]
     return "\n".join(lines + (["## Not measured", "", *notes, ""] if notes else []))

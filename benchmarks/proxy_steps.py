@@ -100,13 +100,13 @@ def step_section(model, config) -> dict[str, Any]:
         del pipe
         free_memory()
     return {"arch": model.arch, "resolution": config.resolution, "steps": config.steps, "dtype": config.step_dtype,
-            "baseline_note": baseline_note, "ops": _ops_summary(ops),
+            "baseline_note": baseline_note, "ops": ops_summary(ops),
             "runs": {" / ".join(map(str, k)): {"its": r.its_runs, "cpu_ms": r.cpu_ms_runs, "user_ms": r.user_ms_runs,
                                                 "faults": r.faults_runs} for k, r in runs.items()},
             "comparisons": _step_comparisons(runs)}
 
 
-def _ops_summary(ops: dict[tuple, dict[str, float]]) -> dict[str, Any]:
+def ops_summary(ops: dict[tuple, dict[str, float]]) -> dict[str, Any]:
     reference = ops[NONE]
     return {" / ".join(map(str, key)): {"total_per_call": sum(counts.values()), "distinct": len(counts),
                                          "same_as_ours_no_lora": counts == reference,

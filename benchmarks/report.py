@@ -11,7 +11,7 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 from benchmarks import stats
-from benchmarks.config import CFG_SCALE
+from benchmarks.config import guidance
 from benchmarks.measure import Measurement, control_key
 from benchmarks.phases import ArchRun, Pairing
 
@@ -24,11 +24,13 @@ def _median(values: list[float]) -> float | None:
 def _side_fields(prefix: str, m: Measurement | None, tflop: float, peak: float | None) -> dict[str, Any]:
     its = None if m is None else _median(m.its_runs)
     transient = None if m is None else [v for v in m.transient_gib_runs if v is not None]
+    peaks = None if m is None else [v for v in m.peak_gib_runs if v is not None]
     return {f"{prefix}_its": its, f"{prefix}_its_runs": [] if m is None else m.its_runs,
             f"{prefix}_cpu_ms": None if m is None else _median(m.cpu_ms_runs),
             f"{prefix}_cpu_ms_runs": [] if m is None else m.cpu_ms_runs,
             f"{prefix}_gen_s": None if m is None else _median(m.gen_s_runs),
             f"{prefix}_vram_transient_gib": max(transient) if transient else None,
+            f"{prefix}_vram_peak_gib": max(peaks) if peaks else None,
             f"{prefix}_peak_fraction": None if its is None or peak is None else its * tflop / peak}
 
 
@@ -162,14 +164,18 @@ def _intro(results: dict[str, Any]) -> list[str]:
     env, cfg = results["env"], results["config"]
     lines = [f"# Steady Diffusion vs diffusers: {env['gpu']} ({results['mode']})", "",
              f"{env['created']} · torch {env['torch']} · CUDA {env['cuda']} · diffusers {env['diffusers']} · "
-             f"{cfg['dtype']} · {cfg['steps']} steps, Euler, CFG {CFG_SCALE:g} · {cfg['repeats']} ABBA rounds after "
-             f"{cfg['warmup']} warm-up · dense bf16 peak {_fmt(env['peak_bf16_tflops'], 1)} TFLOP/s", "",
+             f"{cfg['dtype']} · {cfg['steps']} steps, Euler, guidance {_guidance(cfg['archs'])} · {cfg['repeats']} "
+             f"ABBA rounds after {cfg['warmup']} warm-up · "
+             f"dense bf16 peak {_fmt(env['peak_bf16_tflops'], 1)} TFLOP/s", "",
              f"Statistics: {results['method']}. Ratio: ours relative to the baseline, > 1 means ours is better "
              "(speed ours/baseline, time baseline/ours), the median of per-round pairs with its 95% interval. "
              "Control: the same configuration measured twice per round; a ratio inside its spread reads \"no "
-             "difference\". it/s: UNet-loop rate from hooks on the UNet; CPU ms: thread CPU time per step. "
-             "VRAM: isolated peaks per side in the load table; in the speed table the transient peak above what "
-             "was resident. % peak: it/s × UNet TFLOP per step / dense bf16 peak.", ""]
+             "difference\". it/s: denoising-loop rate from hooks on the denoiser (UNet or transformer); CPU ms: "
+             "thread CPU time per step. "
+             "VRAM: isolated peaks per side in the load table; in the speed table the allocator's peak during the "
+             "generation, which includes what the other variants keep resident (in the model, sequential and "
+             "group pools both sides rest on the CPU), and in the JSON also the transient peak above what was "
+             "resident. % peak: it/s × denoiser TFLOP per step / dense bf16 peak.", ""]
     if results["mode"] == "smoke":
         lines += ["**Smoke run on tiny models: the numbers only prove the pipeline runs.**", ""]
     return lines
@@ -179,11 +185,12 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines = _intro(results) + ["## Denoising speed", ""]
     lines += table(["arch", "px", "batch", "offload", "LoRAs", "ours", "it/s", "baseline", "it/s", "ratio",
                      "ratio 95%", "control spread", "verdict", "CPU ms ours / base", "CPU ratio", "CPU verdict",
-                     "% peak ours", "note"],
+                     "peak VRAM GiB ours / base", "% peak ours", "note"],
                     [[r["arch"], r["resolution"], r["batch"], r["offload"], r["loras"], r["ours"], r["ours_its"],
                       r["baseline"], r["baseline_its"], r["ratio"], r["ratio_interval"], r["control_spread"],
                       r["verdict"], f"{_fmt(r['ours_cpu_ms'])} / {_fmt(r['baseline_cpu_ms'])}", r["cpu_ratio"],
-                      r["cpu_verdict"], _percent(r["ours_peak_fraction"]), r["note"]] for r in results["rows"]])
+                      r["cpu_verdict"], f"{_fmt(r['ours_vram_peak_gib'])} / {_fmt(r['baseline_vram_peak_gib'])}",
+                      _percent(r["ours_peak_fraction"]), r["note"]] for r in results["rows"]])
     lines += ["## LoRA change latency (ms)", "",
               "ours: the whole engine transition; of which patching: the LoRA math alone (the engine's timer).", ""]
     lines += table(["arch", "op", "ours", "of which patching", "baseline", "baseline ms", "ratio", "control spread",
@@ -196,7 +203,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                     [[r["arch"], r["ours_s"], r["ours_first_s"], r["baseline"], r["baseline_s"], r["baseline_first_s"],
                       r["ratio"], r["control_spread"], r["verdict"], _vram(r["memory"], "load"),
                       _vram(r["memory"], "generate")] for r in results["load"]])
-    lines += ["## Compiled UNet", ""]
+    lines += ["## Compiled denoiser", ""]
     lines += table(["arch", "mode", "backend", "phase", "first compile s", "graphs", "recompiles in LoRA ops",
                      "CUDA-graph re-records", "LoRA changes reached output", "warm restart s", "note"],
                     [[c["arch"], c["mode"], c["backend"], c["phase"], c["first_compile_s"], c["compiles_after_warm"],
@@ -208,6 +215,11 @@ def render_markdown(results: dict[str, Any]) -> str:
                     [[c["check"], c["where"], c["value"], c["target"], c["verdict"], c["passed"]]
                      for c in results["acceptance"]])
     return "\n".join(lines)
+
+
+def _guidance(archs: list[str]) -> str:
+    """Each architecture's guidance: CFG scale for SD, the distilled guidance input for Flux dev."""
+    return ", ".join(f"{arch} {guidance(arch):g}" for arch in archs)
 
 
 def _vram(memory: dict[str, dict[str, float | None]], phase: str) -> str:

@@ -9,11 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from diffusers import EulerDiscreteScheduler
 from safetensors.torch import load_file
 
 from app.families import family
-from benchmarks.config import CFG_SCALE, PROMPT, SEED, Bench, has_package
+from benchmarks.config import PROMPT, SEED, Bench, guidance, has_package
+from benchmarks.denoiser import denoiser_of
 from benchmarks.measure import free_memory, timed_ms
 from benchmarks.workload import PreparedModel
 
@@ -34,12 +34,18 @@ def _enable_offload(pipe, case: str, device: torch.device) -> None:
                                   use_stream=True)
 
 
+def euler(arch: str, scheduler_config):
+    """The family's "Euler" sampler (SD's Euler discrete, Flux's flow-match Euler), which ours runs too."""
+    cls, overrides = family(arch).samplers["Euler"]
+    return cls.from_config(scheduler_config, **overrides)
+
+
 def load_pipeline(model: PreparedModel, bench: Bench, to_device: bool = True):
     """The saved folder loaded the way a diffusers user loads it, with the sampler ours uses."""
     fam = family(model.arch)
     pipe = fam.plain_pipeline_class.from_pretrained(model.folder, dtype=bench.dtype, local_files_only=True,
                                                     **fam.pipeline_kwargs)
-    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    pipe.scheduler = euler(model.arch, pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     if to_device:
         pipe.to(bench.device)
@@ -48,11 +54,12 @@ def load_pipeline(model: PreparedModel, bench: Bench, to_device: bool = True):
 
 def generator(pipe, model: PreparedModel, bench: Bench, batch: int) -> Callable[[], Any]:
     side = bench.config.resolution[model.arch]
+    family_arguments = family(model.arch).call_arguments(guidance(model.arch), "")
 
     def generate():
         generators = [torch.Generator("cpu").manual_seed(SEED + i) for i in range(batch)]
-        return pipe(prompt=PROMPT, num_inference_steps=bench.config.steps, guidance_scale=CFG_SCALE, width=side,
-                    height=side, num_images_per_prompt=batch, generator=generators, output_type="pil").images
+        return pipe(prompt=PROMPT, num_inference_steps=bench.config.steps, width=side, height=side,
+                    num_images_per_prompt=batch, generator=generators, output_type="pil", **family_arguments).images
 
     return generate
 
@@ -72,6 +79,7 @@ class DiffusersSide:
         if not has_package("peft"):
             self.notes["lora"] = "diffusers loads LoRAs through peft, which is not installed"
         self._count, self._fused = 0, False
+        self._fused_components = [family(model.arch).denoiser]  # the LoRAs cover the denoiser only
 
     def load(self) -> float:
         """Load (timed, the GPU drained before and after); returns seconds."""
@@ -87,6 +95,10 @@ class DiffusersSide:
         return generator(self.pipe, self.model, self.bench, batch)
 
     @property
+    def denoiser(self) -> torch.nn.Module:
+        return denoiser_of(self.pipe)
+
+    @property
     def names(self) -> list[str]:
         return [f"l{i}" for i in range(self._count)]
 
@@ -98,7 +110,7 @@ class DiffusersSide:
         if (count, fused) == (self._count, self._fused):
             return
         if self._fused:
-            self.pipe.unfuse_lora(components=["unet"])
+            self.pipe.unfuse_lora(components=self._fused_components)
             self._fused = False
         if count != self._count:
             if self._count:
@@ -109,7 +121,7 @@ class DiffusersSide:
         if count:
             self.pipe.set_adapters(self.names, [1.0] * count)
         if fused and count:
-            self.pipe.fuse_lora(components=["unet"], adapter_names=self.names)
+            self.pipe.fuse_lora(components=self._fused_components, adapter_names=self.names)
             self._fused = True
 
     def state_setup(self, count: int, fused: bool) -> Callable[[], None]:
@@ -119,12 +131,12 @@ class DiffusersSide:
         """One LoRA change the diffusers way; a fused stack is unfused first and fused again after,
         since PEFT cannot re-weight or remove an adapter that is merged into the weights."""
         if self._fused:
-            self.pipe.unfuse_lora(components=["unet"])
+            self.pipe.unfuse_lora(components=self._fused_components)
         if change is not None:
             change()
         self.pipe.set_adapters(self.names, weights)
         if self._fused:
-            self.pipe.fuse_lora(components=["unet"], adapter_names=self.names)
+            self.pipe.fuse_lora(components=self._fused_components, adapter_names=self.names)
 
     def latency_round(self, fused: bool, reweights: int) -> dict[str, list[float]]:
         """Add a third LoRA on top of two, re-weight it `reweights` times, remove it (ms each)."""

@@ -1,6 +1,6 @@
-"""What the benchmark runs on: full-size SD1.5/SDXL architectures with random weights (speed and
-load time do not depend on weight values), as a diffusers folder or an LDM single file, and random
-LoRAs that both our loader and diffusers read."""
+"""What the benchmark runs on: full-size SD1.5/SDXL/Flux architectures with random weights (speed
+and load time do not depend on weight values), as a diffusers folder or (SD) an LDM single file, and
+random LoRAs that both our loader and diffusers read."""
 
 from __future__ import annotations
 
@@ -13,20 +13,22 @@ from pathlib import Path
 
 import diffusers
 import torch
-from diffusers import AutoencoderKL, UNet2DConditionModel
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from app.adapters.specs import LoraSpec
 from app.demo import build_tiny_pipeline
-from app.engine.checkpoint_shapes import meta_components
+from app.engine.checkpoint_shapes import build_components, meta_components
 from app.families import family
 from app.families.ldm_layout import to_ldm_state_dict
 from app.settings import Settings
+from benchmarks.denoiser import default_dtype, denoiser_of
 from benchmarks.measure import free_memory
 
-_LORA_LINEAR = re.compile(r"\.(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))$")
+# Attention projections and feed-forward linears: SD's attn1/attn2 and ff; Flux's joint attention
+# (image and text streams), both streams' feed-forwards, and the single blocks' MLP and output.
+_LORA_LINEAR = re.compile(r"\.(attn[12]?\.(to_q|to_k|to_v|to_out\.0|add_[qkv]_proj|to_add_out)"
+                          r"|ff(_context)?\.net\.(0\.proj|2)|proj_mlp)$|^single_transformer_blocks\.\d+\.proj_out$")
 _LORA_CONV = re.compile(r"resnets\.\d+\.conv[12]$")
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -41,27 +43,20 @@ class PreparedModel:
     folder: Path
     loras: tuple[str, ...]  # LoRA library names, in the order the 1- and 3-LoRA rows use them
     lora_paths: tuple[Path, ...]
-    unet_config: dict
+    denoiser_config: dict  # the UNet's or transformer's config
     latent_scale: int  # pixels per latent pixel (the VAE's scale factor)
-    unet_params_m: float
+    denoiser_params_m: float
 
 
 def random_pipeline(arch: str, device: torch.device, dtype: torch.dtype):
     """The full-size pipeline from the bundled configs with random weights, initialised on `device`
-    (seconds on a GPU, where the CPU would take minutes for SDXL)."""
+    (seconds on a GPU, where the CPU would take minutes for SDXL) directly in `dtype` (the default
+    dtype during the build)."""
     config_dir = family(arch).config_dir
     index = json.loads((config_dir / "model_index.json").read_text())
-    text_classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
-    with torch.device(device), torch.random.fork_rng(devices=[]):
+    with torch.device(device), default_dtype(dtype), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        parts = {
-            "unet": UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(config_dir / "unet")),
-            "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(config_dir / "vae")),
-        }
-        for name, cls in text_classes.items():
-            if name in index:
-                parts[name] = cls(CLIPTextConfig.from_pretrained(config_dir / name))
-    parts = {name: module.to(dtype).eval() for name, module in parts.items()}
+        parts = {name: module.to(dtype).eval() for name, module in build_components(arch, config_dir).items()}
     parts["scheduler"] = getattr(diffusers, index["scheduler"][1]).from_pretrained(config_dir, subfolder="scheduler")
     return family(arch).plain_pipeline_class(**parts, **family(arch).tokenizers(), **family(arch).pipeline_kwargs)
 
@@ -108,11 +103,11 @@ def single_file_numel(path: Path) -> int:
         return sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
 
 
-def lora_targets(unet: torch.nn.Module, convs: bool) -> list[tuple[str, tuple[int, ...]]]:
+def lora_targets(denoiser: torch.nn.Module, convs: bool) -> list[tuple[str, tuple[int, ...]]]:
     """(module path, weight shape) of the layers a LoRA covers: attention projections and
-    feed-forward linears, plus the resnet 3×3 convs for a LoCon."""
+    feed-forward linears, plus the resnet 3×3 convs for a LoCon (a UNet's; Flux has none)."""
     found = []
-    for name, module in unet.named_modules():
+    for name, module in denoiser.named_modules():
         linear = isinstance(module, torch.nn.Linear) and _LORA_LINEAR.search(name)
         conv = convs and isinstance(module, torch.nn.Conv2d) and _LORA_CONV.search(name)
         if linear or conv:
@@ -120,30 +115,44 @@ def lora_targets(unet: torch.nn.Module, convs: bool) -> list[tuple[str, tuple[in
     return found
 
 
-def write_lora(path: Path, targets: list[tuple[str, tuple[int, ...]]], rank: int, seed: int) -> Path:
-    """A random LoRA in the PEFT layout (`unet.<module>.lora_A/B.weight`, fp16, no alpha): both our
-    loader and diffusers read it, and both scale it by 1, so the two sides apply the same deltas."""
+def lora_shapes(targets: list[tuple[str, tuple[int, ...]]], rank: int, component: str) -> dict[str, tuple[int, ...]]:
+    """Key and shape of every tensor of a rank-`rank` LoRA on `targets`, in the PEFT layout
+    (`<component>.<module>.lora_A/B.weight`, no alpha): both our loader and diffusers read it, and both
+    scale it by 1, so the two sides apply the same deltas."""
+    shapes = {}
+    for name, (out_dim, in_dim, *kernel) in targets:
+        shapes[f"{component}.{name}.lora_A.weight"] = (rank, in_dim, *kernel)
+        shapes[f"{component}.{name}.lora_B.weight"] = (out_dim, rank, *([1] * len(kernel)))
+    return shapes
+
+
+def write_lora(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> Path:
+    """A random fp16 LoRA file: down factors ~ N(0, 1/fan_in), up factors small, so deltas stay modest."""
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in targets:
-        out_dim, in_dim, *kernel = shape
-        fan_in = in_dim * math.prod(kernel)
-        down = torch.randn(rank, in_dim, *kernel, generator=generator) / math.sqrt(fan_in)
-        up = torch.randn(out_dim, rank, *([1] * len(kernel)), generator=generator) * 0.02
-        tensors[f"unet.{name}.lora_A.weight"] = down.half()
-        tensors[f"unet.{name}.lora_B.weight"] = up.half()
+    for key, shape in shapes.items():
+        values = torch.randn(shape, generator=generator)
+        scaled = values / math.sqrt(math.prod(shape[1:])) if key.endswith("lora_A.weight") else values * 0.02
+        tensors[key] = scaled.half()
     save_file(tensors, str(path))
     return path
 
 
-def write_loras(unet: torch.nn.Module, lora_dir: Path, arch: str, rank: int) -> tuple[list[str], list[Path]]:
-    """The three LoRAs every LoRA row uses: two on attention + feed-forward, one LoCon with the convs."""
+def lora_kinds(denoiser: torch.nn.Module) -> tuple[str, ...]:
+    """The three LoRAs every LoRA row uses: two on attention + feed-forward, and a LoCon that also
+    covers the convs where the denoiser has them (a third plain LoRA on Flux)."""
+    return ("lora", "lora", "locon" if len(lora_targets(denoiser, True)) > len(lora_targets(denoiser, False))
+            else "lora")
+
+
+def write_loras(denoiser: torch.nn.Module, lora_dir: Path, arch: str, rank: int) -> tuple[list[str], list[Path]]:
+    """The three LoRA files (`lora_kinds`) for `denoiser`, in the LoRA library `lora_dir`."""
     lora_dir.mkdir(parents=True, exist_ok=True)
     names, paths = [], []
-    for i, kind in enumerate(("lora", "lora", "locon")):
+    for i, kind in enumerate(lora_kinds(denoiser)):
         names.append(f"bench-{arch}-{kind}{i}")
-        targets = lora_targets(unet, convs=kind == "locon")
-        paths.append(write_lora(lora_dir / f"{names[-1]}.safetensors", targets, rank, i))
+        shapes = lora_shapes(lora_targets(denoiser, convs=kind == "locon"), rank, family(arch).denoiser)
+        paths.append(write_lora(lora_dir / f"{names[-1]}.safetensors", shapes, i))
     return names, paths
 
 
@@ -154,10 +163,11 @@ def prepare_model(arch: str, tmp: Path, device: torch.device, dtype: torch.dtype
     folder = settings.checkpoints_dir / f"bench-{arch}"
     pipe = build_tiny_pipeline(arch) if tiny else random_pipeline(arch, device, dtype)
     pipe.save_pretrained(folder, safe_serialization=True)
-    names, paths = write_loras(pipe.unet, settings.lora_dir, arch, rank)
+    denoiser = denoiser_of(pipe)
+    names, paths = write_loras(denoiser, settings.lora_dir, arch, rank)
     model = PreparedModel(arch, settings.data_dir, folder.name, folder, tuple(names), tuple(paths),
-                          dict(pipe.unet.config), pipe.vae_scale_factor,
-                          sum(p.numel() for p in pipe.unet.parameters()) / 1e6)
+                          dict(denoiser.config), pipe.vae_scale_factor,
+                          sum(p.numel() for p in denoiser.parameters()) / 1e6)
     del pipe
     free_memory()
     return model

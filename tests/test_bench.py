@@ -11,18 +11,20 @@ from __future__ import annotations
 import json
 import statistics
 
+import psutil
 import pytest
 import torch
 from PIL import Image
 
 from app import bench as app_bench
-from benchmarks import config, measure, probe, stats
+from benchmarks import config, denoiser, measure, probe, proxies, proxy_ops, proxy_report, stats
 
 ROW_KEYS = {
     "id", "section", "arch", "resolution", "batch", "steps", "offload", "loras", "ours", "baseline",
     "tflop_per_step", "ratio", "ratio_interval", "control_spread", "verdict", "cpu_ratio", "cpu_verdict", "note",
     *(f"{side}_{field}" for side in ("ours", "baseline")
-      for field in ("its", "its_runs", "cpu_ms", "cpu_ms_runs", "gen_s", "vram_transient_gib", "peak_fraction")),
+      for field in ("its", "its_runs", "cpu_ms", "cpu_ms_runs", "gen_s", "vram_transient_gib", "vram_peak_gib",
+                    "peak_fraction")),
 }
 VERDICTS = {"no difference", "ours better", "ours worse", "not measured"}
 
@@ -79,6 +81,7 @@ def test_rows_record_vram_and_the_physical_limit(smoke):
     assert results["models"]["sd15"]["tflop_per_step"]["1"] > 0
     for row in results["rows"]:
         assert row["tflop_per_step"] > 0 and row["ours_vram_transient_gib"] is None
+        assert row["ours_vram_peak_gib"] is None and row["baseline_vram_peak_gib"] is None
         assert row["ours_peak_fraction"] is None
     (load,) = results["load"]
     assert set(load["memory"]) == {"ours", "diffusers"}
@@ -166,17 +169,77 @@ def test_load_probe_reports_time_cpu_and_memory(data_dir):
     assert result["peak_rss_gib"] >= result["rss_before_gib"] > 0 and result["rss_anon_gib"] > 0
 
 
-def test_unet_flops_match_the_full_size_architecture():
-    """FLOPs are counted on a meta-device copy, so the full SD1.5 UNet costs no memory here: ~1.6
-    TFLOP per CFG step at 512², four times that at batch 4."""
-    from diffusers import UNet2DConditionModel
+def test_denoiser_flops_match_the_full_size_architectures():
+    """FLOPs are counted on a meta-device copy, so the full models cost no memory here: the SD1.5 UNet
+    ~1.6 TFLOP per CFG step at 512², four times that at batch 4; FLUX.1-dev's transformer at 1024²
+    (one pass, no CFG): 2 x 113 M token-wise weights per block x 4,608 tokens (the text stream's
+    half of a double block sees 512) x 57 blocks, plus attention, about 74 TFLOP per step (the
+    modulation weights, a quarter of the 11.9 B, act on one vector)."""
+    from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 
     from app.families import family
 
     unet_config = UNet2DConditionModel.load_config(family("sd15").config_dir / "unet")
-    one = measure.unet_tflop_per_step(unet_config, 1, 64)
+    one = denoiser.tflop_per_step("sd15", unet_config, 1, 64)
     assert 1.3 < one < 1.9
-    assert measure.unet_tflop_per_step(unet_config, 4, 64) == pytest.approx(4 * one, rel=0.01)
+    assert denoiser.tflop_per_step("sd15", unet_config, 4, 64) == pytest.approx(4 * one, rel=0.01)
+    flux_config = FluxTransformer2DModel.load_config(family("flux-dev").config_dir / "transformer")
+    assert 70 < denoiser.tflop_per_step("flux-dev", flux_config, 1, 128) < 80
+
+
+def test_flux_op_counts_on_meta_compare_ours_with_loras_and_diffusers(tmp_path):
+    """The full-size FLUX.1-dev transformer on the meta device: ours without LoRA, with three fused
+    LoRAs and after their removal dispatches exactly diffusers' op list; as bypass forwards each of the
+    418 touched layers adds two matmuls per LoRA (down, then up) and nothing else changes shape."""
+    section = proxy_ops.ops_section("flux-dev", proxies.ProxyConfig(cache_dir=tmp_path))
+    ops = section["ops"]
+    assert section["params_b"] > 11.8 and section["latent_side"] == 128 and section["layers_touched"] == 418
+    for variant in ("none / 0 / ours / 1", "none / 3 / ours fused / 1", "none / 0 / ours, LoRAs removed / 1",
+                    "none / 0 / diffusers / 1"):
+        assert ops[variant]["same_as_ours_no_lora"] and not ops[variant]["differences"], variant
+    assert ops["none / 0 / ours / 1"]["total_per_call"] > 5000
+    bypass = ops["none / 3 / ours bypass / 1"]
+    assert not bypass["same_as_ours_no_lora"]
+    matmuls = sum(bypass["differences"].get(op, [0, 0])[1] - bypass["differences"].get(op, [0, 0])[0]
+                  for op in ("aten.mm", "aten.bmm"))
+    assert matmuls == 2 * 3 * 418
+    assert "aten.convolution" not in bypass["differences"]
+
+
+def test_lora_targets_cover_each_familys_attention_and_feed_forward():
+    """The bench LoRAs: on the full-size SD1.5 UNet the 160 attention and feed-forward linears (the
+    LoCon adds the 44 resnet convs); on FLUX.1-dev the 418 linears of both attention streams, both
+    feed-forwards and the single blocks' MLP and output, but not the final `proj_out` or the
+    modulation layers; Flux has no convs, so its third LoRA is a plain one."""
+    from app.engine.checkpoint_shapes import meta_components
+    from app.families import family
+    from benchmarks.workload import lora_kinds, lora_targets
+
+    unet = meta_components("sd15", family("sd15").config_dir).unet
+    assert (len(lora_targets(unet, False)), len(lora_targets(unet, True))) == (160, 204)
+    assert lora_kinds(unet) == ("lora", "lora", "locon")
+    transformer = meta_components("flux-dev", family("flux-dev").config_dir).transformer
+    names = {name for name, _shape in lora_targets(transformer, True)}
+    assert len(names) == 418 and lora_kinds(transformer) == ("lora",) * 3
+    assert {"transformer_blocks.0.attn.add_k_proj", "transformer_blocks.18.ff_context.net.2",
+            "single_transformer_blocks.37.proj_out", "single_transformer_blocks.0.proj_mlp"} <= names
+    assert not names & {"proj_out", "transformer_blocks.0.norm1.linear", "single_transformer_blocks.0.norm.linear"}
+
+
+def test_flux_weight_sections_are_skipped_with_the_reason_not_shrunk(tmp_path):
+    """Sections that need real weights never swap in a smaller model: Flux gets a reason (memory here,
+    where its 34 GB bf16 pipeline does not fit) and no model entry, while its ops section runs."""
+    proxy_config = proxies.ProxyConfig(cache_dir=tmp_path, archs=("flux-dev",), sections=("load", "step", "ops"))
+    results = proxies.run_proxies(proxy_config, config.base_environment())
+    assert results["models"] == {} and len(results["ops"]) == 1
+    for section in ("load", "step"):
+        (entry,) = results[section]
+        assert entry["arch"] == "flux-dev" and entry["skipped"]
+    if psutil.virtual_memory().available < 40 * 2**30:
+        assert results["load"][0]["skipped"].startswith("memory: the full-size FLUX.1-dev pipeline (16.9 B")
+    markdown = proxy_report.render(results)
+    assert "## aten ops per denoiser call" in markdown and "- load flux-dev: skipped, " in markdown
+    assert not list(tmp_path.iterdir())  # no checkpoint was written
 
 
 def test_gpu_names_map_to_result_folders_and_peaks():

@@ -21,7 +21,7 @@ from app.adapters.specs import LoraSpec
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
 from app.settings import OFFLOAD_CHOICES, Settings
-from benchmarks.workload import lora_targets, random_pipeline, write_lora
+from benchmarks.workload import lora_shapes, lora_targets, random_pipeline, write_lora
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,8 @@ def full_model(request, tmp_path_factory):
     pipe = random_pipeline(arch, torch.device("cuda"), torch.float16)
     pipe.save_pretrained(settings.checkpoints_dir / f"full-{arch}", safe_serialization=True)
     settings.lora_dir.mkdir(parents=True)
-    write_lora(settings.lora_dir / f"{LORA}.safetensors", lora_targets(pipe.unet, convs=True), 16, 0)
+    shapes = lora_shapes(lora_targets(pipe.unet, convs=True), 16, "unet")
+    write_lora(settings.lora_dir / f"{LORA}.safetensors", shapes, 0)
     del pipe
     gc.collect()
     torch.cuda.empty_cache()

@@ -23,8 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from diffusers import AutoencoderKL, UNet2DConditionModel
-from transformers import CLIPTextConfig
+from diffusers import AutoencoderKL
 
 from app.families import family
 from app.families.ldm_layout import to_ldm_state_dict
@@ -37,17 +36,25 @@ class CheckpointShapeError(ValueError):
     """The config and the file's tensors disagree; the message says where and how."""
 
 
+def build_components(arch: str, config_dir: Path) -> dict[str, torch.nn.Module]:
+    """The family's denoiser, VAE and text encoder(s) from the configs in `config_dir`, on the
+    current default device (the caller's `torch.device(...)` context): one builder for the meta
+    shapes here and for the benchmark's random-weight pipelines, so both describe the same model."""
+    fam = family(arch)
+    denoiser = fam.denoiser_class
+    parts = {fam.denoiser: denoiser.from_config(denoiser.load_config(config_dir / fam.denoiser)),
+             "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(config_dir / "vae"))}
+    for te in fam.text_encoders:
+        parts[te.component] = te.model_class(te.config_class.from_pretrained(config_dir / te.component))
+    return parts
+
+
 def meta_components(arch: str, config_dir: Path, max_parameters: int | None = None) -> SimpleNamespace:
-    """UNet, VAE and text encoder(s) built from `config_dir` on the meta device: names and shapes of
-    the full pipeline at no memory cost. With `max_parameters`, building stops past that many."""
+    """Denoiser (`unet`, or `transformer` for DiTs), VAE and text encoder(s) built from `config_dir` on
+    the meta device: names and shapes of the full pipeline at no memory cost. With `max_parameters`,
+    building stops past that many."""
     with torch.device("meta"), parameter_budget(max_parameters):
-        parts = {
-            "unet": UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(config_dir / "unet")),
-            "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(config_dir / "vae")),
-        }
-        for te in family(arch).text_encoders:
-            parts[te.component] = te.model_class(CLIPTextConfig.from_pretrained(config_dir / te.component))
-    return SimpleNamespace(**parts)
+        return SimpleNamespace(**build_components(arch, config_dir))
 
 
 @contextlib.contextmanager
