@@ -116,6 +116,30 @@ def test_plain_lora_runs_its_factors_on_x_without_building_the_delta(tmp_path, m
     assert built == []
 
 
+def test_factors_are_prepared_once_per_strength_not_per_forward(tmp_path, monkeypatch):
+    """A LoRA's factors are cast and scaled once per re-weight (the first forward after it), not on
+    every call; a re-weight prepares them again, and the output then is the new strength's fuse."""
+    pipe = _pipe(torch.bfloat16)
+    file = _write(tmp_path, pipe, "lora", torch.float32, targets=(LINEAR,))
+    stack = _stack(pipe, file, bypass=ALL)
+    prepared = []
+    real = LoRA.bypass_forward
+    monkeypatch.setattr(LoRA, "bypass_forward", lambda self, *a: prepared.append(a) or real(self, *a))
+    module, x = _module(pipe, LINEAR), _input_for(_module(pipe, LINEAR), torch.bfloat16)
+    with torch.no_grad():
+        first = [module(x) for _ in range(3)]
+    assert prepared == [(0.8, torch.bfloat16, torch.device("cpu"))]
+    assert all(torch.equal(first[0], out) for out in first[1:])
+    stack.reconcile([LoraSpec(file.name, 0.3)], {file.name: file})
+    fused = _pipe(torch.bfloat16)
+    _stack(fused, file, bypass=frozenset(), strength=0.3)
+    with torch.no_grad():
+        got, want = module(x).float(), _module(fused, LINEAR)(x).float()
+    assert [a[0] for a in prepared] == [0.8, 0.3]
+    assert float((got - want).abs().max()) <= TOLERANCE[torch.bfloat16] * float(want.abs().max())
+    assert not torch.equal(got, first[0].float())
+
+
 def test_fp32_glora_on_bf16_layer_keeps_bf16_in_forward_and_backward(tmp_path):
     """Autograd through a bypassed layer: output, input gradient and weight gradient are all bf16,
     like the layer without an adapter; the input gradient differs from the unpatched one (the
@@ -244,7 +268,7 @@ def test_lora_with_a_peft_bias_adds_it_in_the_bypass(kind):
     op = op_for(layer)
     with torch.no_grad():
         base = layer(x)
-        got = base + adapter.bypass(layer, x, op, 0.7, base)
+        got = base + adapter.bypass_forward(0.7, base.dtype, base.device)(layer, x, op, base)
         delta = adapter.delta(layer.weight, layer.bias)
         fused = op.apply_weight(layer, x, layer.weight + 0.7 * delta.weight)
         want = fused + (layer.bias + 0.7 * delta.bias).reshape(-1, *([1, 1] if kind == "conv" else []))

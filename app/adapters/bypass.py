@@ -5,7 +5,7 @@ compute in — the layer keeps computing with its own, untouched weight and each
 contribution to the output. Nothing swaps a `Parameter`, nothing rounds a delta into the storage
 dtype, and removing a LoRA is removing a hook: the stored bytes never changed.
 
-Per algorithm (`Adapter.bypass`):
+Per algorithm (`Adapter.bypass_forward`):
 
 * LoRA/LoCon (plain and Tucker) on linear and conv layers run their factors on x directly,
   up(mid(down(x))) with the layer's stride and padding: two or three small matmuls/convs, no
@@ -24,10 +24,11 @@ found Float` and GLoRA `expected m1 and m2 to have the same dtype` reports).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from app.adapters.algos.base import BypassForward
 from app.adapters.errors import LoraApplyError
 from app.adapters.layer_ops import LayerOp, op_for
 from app.hooks import HookRegistry, ModelHook
@@ -37,18 +38,33 @@ Contributions = tuple[tuple[str, float, object], ...]  # (LoRA name, strength, a
 
 @dataclass
 class BypassLayer:
-    """One layer's bypass: its operation and the adapters it adds (replaced on a re-weight)."""
+    """One layer's bypass: its operation and the adapters it adds (replaced on a re-weight).
+
+    Each adapter's forward is prepared (`Adapter.bypass_forward`) on the first call in a compute
+    dtype and device and kept until the contributions change: a streamed layer computes on the same
+    device every step, so per-call work is the adapter's matmuls, not the casts of its factors."""
 
     where: str
     op: LayerOp
     contributions: Contributions
+    # (compute dtype, device) -> LoRA name -> its prepared forward
+    _prepared: dict[tuple[torch.dtype, torch.device], dict[str, BypassForward]] = field(default_factory=dict,
+                                                                                       repr=False)
+
+    def replace(self, contributions: Contributions) -> None:
+        """New strengths or adapters for this layer (a re-weight): the prepared forwards go with the old ones."""
+        self.contributions = contributions
+        self._prepared.clear()
 
     def output(self, module: torch.nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """`output` plus every contribution, each in the output's dtype."""
+        prepared = self._prepared.setdefault((output.dtype, x.device), {})
         total = None
         for name, strength, adapter in self.contributions:
             try:
-                part = adapter.bypass(module, x, self.op, strength, output)
+                if name not in prepared:
+                    prepared[name] = adapter.bypass_forward(strength, output.dtype, x.device)
+                part = prepared[name](module, x, self.op, output)
             except torch.OutOfMemoryError:
                 raise  # the run's size, not this LoRA's fault: the engine reports it as memory
             except Exception as exc:

@@ -267,7 +267,7 @@ class LoraStack:
         """Install, update or remove one layer's bypass hook; the stored weights are never written."""
         layer = self._bypassed.get(target)
         if layer is not None and contributions:
-            layer.contributions = contributions
+            layer.replace(contributions)
         elif layer is not None:
             self._hooks.remove(module, "lora.bypass")
             del self._bypassed[target]

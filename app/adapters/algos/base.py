@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, TypeVar
 
@@ -17,6 +17,9 @@ from torch import Tensor
 
 from app.adapters.errors import AdapterFormatError, IncompatibleAdapterError
 from app.adapters.layer_ops import LayerOp
+
+# An adapter's bypass prepared for one strength and compute placement: (module, x, op, output) -> its share.
+BypassForward = Callable[[torch.nn.Module, Tensor, LayerOp, Tensor], "Tensor | None"]
 
 Shape = tuple[int, ...]
 _A = TypeVar("_A", bound="Adapter")
@@ -234,18 +237,21 @@ class Adapter(ABC):
             bias = bias.reshape(base_bias.shape)
         return Delta(None if weight is None else weight.reshape(base_weight.shape), bias)
 
-    def bypass(self, module: torch.nn.Module, x: Tensor, op: LayerOp, strength: float, output: Tensor) -> Tensor | None:
-        """strength·(op(x, ΔW) + Δb): this adapter's share of the layer's output, in the output's
-        dtype (see app/adapters/bypass.py). This default materialises ΔW in float32 from the weight
-        the forward has in hand (exact for the algorithms whose ΔW reads W) and rounds it once;
-        low-rank algorithms override it to run their factors on x."""
-        weight = module.weight
-        delta = self.delta(weight.detach(), None if getattr(module, "bias", None) is None else module.bias.detach())
+    def bypass_forward(self, strength: float, dtype: torch.dtype, device: torch.device) -> BypassForward:
+        """This adapter's share of a layer's output at `strength`, for a layer computing in `dtype` on
+        `device`: a function (module, x, op, output) -> strength·(op(x, ΔW) + Δb) in `dtype` (see
+        app/adapters/bypass.py). Built once per re-weight and compute placement, so what can be
+        prepared ahead is not redone on every forward. This default prepares nothing: it
+        materialises ΔW in float32 from the weight the forward has in hand (exact for the
+        algorithms whose ΔW reads W) and rounds it once; low-rank algorithms run their factors on x."""
 
-        def scaled(t: Tensor | None) -> Tensor | None:
-            return None if t is None else (t * strength).to(output.dtype)
+        def forward(module: torch.nn.Module, x: Tensor, op: LayerOp, output: Tensor) -> Tensor | None:
+            bias = getattr(module, "bias", None)
+            delta = self.delta(module.weight.detach(), None if bias is None else bias.detach())
+            weight = (delta.weight * strength).to(dtype)
+            return op(module, x, weight, None if delta.bias is None else (delta.bias * strength).to(dtype), output)
 
-        return op(module, x, scaled(delta.weight), scaled(delta.bias), output)
+        return forward
 
     def rows(self, index: Tensor) -> Adapter:
         """This adapter restricted to output rows `index` of its ΔW: a fused file module (Flux's
