@@ -96,7 +96,7 @@ def test_oom_inside_a_bypass_lora_forward(engine, monkeypatch):
     unchanged."""
     engine.set_offload("sequential")
     digest = weights_digest(engine.pipeline)
-    monkeypatch.setattr(LoRA, "bypass", _raise_oom)
+    monkeypatch.setattr(LoRA, "bypass_forward", _raise_oom)
     with pytest.raises(MemoryError, match="out of GPU memory"):
         engine.generate(GenerateParams("a cat", **FAST))
     monkeypatch.undo()
@@ -107,7 +107,7 @@ def test_oom_in_lora_math_is_reported_as_memory_not_counted_against_the_lora(eng
     """Running out of memory is the GPU's state, not the LoRA's fault: it is reported as out of
     memory and never counts toward disabling the LoRA."""
     engine.set_offload("sequential")
-    monkeypatch.setattr(LoRA, "bypass", _raise_oom)
+    monkeypatch.setattr(LoRA, "bypass_forward", _raise_oom)
     with pytest.raises(MemoryError, match="out of GPU memory"):
         engine.generate(GenerateParams("a cat", **FAST))
     assert engine.snapshot().lora_counters[A.name].runtime_errors == 0

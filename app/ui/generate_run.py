@@ -59,14 +59,18 @@ class Generation:
         self._call = EngineCall(lambda: engine.generate(params, owner=owner))
 
     def follow(self, progress: gr.Progress | None, every: float = POLL_S) -> Iterator[Snapshot]:
-        """A snapshot every `every` seconds until the engine returns. Closed before that (the page or
-        the API client went away), it stops this owner's job."""
+        """A snapshot at once, then every `every` seconds until the engine returns. Closed before that
+        (the page or the API client went away), it stops this owner's job. The first yield comes
+        before any wait: Gradio can close a generator only once it has yielded, so a cancel that
+        arrives during the first step must find one to close."""
         finished = False
         try:
-            while not self._call.wait(every):
+            while True:
                 snap = self.engine.snapshot()
                 report_progress(snap, progress)
                 yield snap
+                if self._call.wait(every):
+                    break
             finished = True
         finally:
             if not finished:
