@@ -307,9 +307,13 @@ class ModelLifecycle:
         loaded.strategy.remove()
 
     def unload(self) -> None:
-        if self._loaded is not None:
-            self._release_hooks(self._loaded)
-            self._loaded.stack.release()
+        """Drop the loaded model and give its memory back. With nothing loaded there is nothing to
+        give back: a LoRA list set with no model realises `model=None` again, and a full gc pass
+        there cost ~0.3 s per command."""
+        if self._loaded is None:
+            return
+        self._release_hooks(self._loaded)
+        self._loaded.stack.release()
         self._loaded = None
         release_memory()
 
