@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="full", choices=("full", "fp8"),
                    help="fp8: store the large weights in 8 bits (about half the memory), computed in --dtype; "
                         "LoRAs then apply as exact bypass forwards")
+    p.add_argument("--lora-backups", default="cpu", choices=("cpu", "gpu"),
+                   help="where fused LoRAs keep the original weights (for exact undo): cpu = pinned host memory, "
+                        "no VRAM cost; gpu = on the GPU while 2 GiB stay free (faster re-weights)")
     p.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
                    help="cap on GPU memory for balanced offload (simulate a smaller GPU)")
     p.add_argument("--vram-watermark", type=float, default=Settings.balanced_watermark, metavar="FRACTION",
@@ -111,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
         data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype, offload=args.offload, weights=args.weights,
+        lora_backups=args.lora_backups,
         vram_budget_gib=args.vram_budget, balanced_watermark=args.vram_watermark,
         compile=args.compile, compile_mode=args.compile_mode,
         strict=args.strict,

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,15 @@ class FileFacts:
         except OSError as exc:  # a read-only model folder: the facts are recomputed on the next load
             self._write_failed = True
             logger.warning("cannot write the file facts cache %s (%s); hashes will be recomputed", self._store, exc)
+
+    def once(self, identity: FileIdentity, fact: str, key: str, check: Callable[[], None]) -> None:
+        """Run `check` unless it already passed for `key` (a dtype, a config digest) on these contents;
+        record the pass under `fact`. A check that raises records nothing, so it runs again next time."""
+        passed = self.get(identity, fact) or []
+        if key in passed:
+            return
+        check()
+        self.put(identity, fact, sorted({*passed, key}))
 
     def sha256(self, path: Path) -> str:
         """The file's sha256: from the facts when its identity is unchanged, else read and recorded."""

@@ -56,6 +56,10 @@ class Settings:
     # CPU-only machine: how CI runs the moving code without a GPU.
     rest_dtype: str | None = None
     weights: str = "full"  # "fp8": large weights rest in 8 bits, computed in the compute dtype
+    # Where fused LoRAs' exact copies of the original weights rest when the weights are on a GPU:
+    # "cpu" (pinned host memory, so LoRAs cost no VRAM) or "gpu" (beside the weight while 2 GiB stay
+    # free: a re-weight then reads W0 without a host transfer).
+    lora_backups: str = "cpu"
     preview_every: int = 4  # steps between live previews of the latents while denoising (0: none)
     compile_backend: str = "inductor"
     # serving
@@ -81,6 +85,8 @@ class Settings:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}")
         if self.weights not in ("full", "fp8"):
             raise ValueError(f"weights must be full or fp8, got {self.weights!r}")
+        if self.lora_backups not in ("cpu", "gpu"):
+            raise ValueError(f"lora_backups must be cpu or gpu, got {self.lora_backups!r}")
         if self.rest_dtype not in (None, "fp16", "bf16", "fp32"):
             raise ValueError(f"rest_dtype must be fp16, bf16 or fp32, got {self.rest_dtype!r}")
         if not 0 < self.balanced_watermark <= 1:

@@ -49,9 +49,10 @@ def test_a_broken_or_unwritable_store_only_costs_a_recompute(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("kind", ["file", "folder"])
-def test_second_load_skips_hash_and_finite_check_until_a_file_changes(demo_paths, tmp_path, monkeypatch, kind):
-    """A second load of an unchanged checkpoint neither hashes it nor checks its weights again; a
-    changed weight file (of any component, for a folder) makes the next load check again."""
+def test_second_load_skips_hash_and_checks_until_a_file_changes(demo_paths, tmp_path, monkeypatch, kind):
+    """A second load of an unchanged checkpoint neither hashes it, nor checks its weights, nor builds
+    its config to check the header's shapes again; a changed weight file (of any component, for a
+    folder) makes the next load check again. (Folders have no LDM header to check.)"""
     source = demo_paths["sd15_file" if kind == "file" else "sd15_folder"]
     root = tmp_path / "ckpt"
     root.mkdir()
@@ -60,13 +61,16 @@ def test_second_load_skips_hash_and_finite_check_until_a_file_changes(demo_paths
         os.link(source, target)
     else:
         shutil.copytree(source, target, copy_function=os.link)
-    checks, hashes = [], []
+    checks, hashes, shape_checks = [], [], []
     real_check, real_hash = models.check_finite_weights, safetensors_files.file_sha256
+    real_shapes = models.check_header_shapes
     monkeypatch.setattr(models, "check_finite_weights", lambda *a: checks.append(1) or real_check(*a))
+    monkeypatch.setattr(models, "check_header_shapes", lambda *a: shape_checks.append(1) or real_shapes(*a))
     monkeypatch.setattr(safetensors_files, "file_sha256", lambda p: hashes.append(1) or real_hash(p))
     first = models.load_pipeline(checkpoint_files.resolve_checkpoint(source.name, root), torch.float32)
     second = models.load_pipeline(checkpoint_files.resolve_checkpoint(source.name, root), torch.float32)
     assert first.short_hash == second.short_hash and len(hashes) == 1 and len(checks) == 1
+    assert len(shape_checks) == (1 if kind == "file" else 0)
     assert (root / models.FACTS_FILE).is_file()
     changed = target if kind == "file" else target / "vae" / "diffusion_pytorch_model.safetensors"
     data = changed.read_bytes()
@@ -74,4 +78,26 @@ def test_second_load_skips_hash_and_finite_check_until_a_file_changes(demo_paths
     changed.write_bytes(data)
     models.load_pipeline(checkpoint_files.resolve_checkpoint(source.name, root), torch.float32)
     assert len(checks) == 2 and len(hashes) == (2 if kind == "file" else 1)
+    assert len(shape_checks) == (2 if kind == "file" else 0)
     assert checkpoint_files.discover_checkpoints(root)[0].name == source.name  # the dot file is not a checkpoint
+
+
+def test_a_check_is_recorded_per_key_and_only_when_it_passes(tmp_path):
+    """`FileFacts.once` runs a check once per key (a dtype, a config digest) for unchanged contents; a
+    check that raises records nothing, so a refused file is checked again, not let through."""
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"x")
+    identity = safetensors_files.FileIdentity.of(path)
+    facts, runs = FileFacts(tmp_path / "facts.json"), []
+    for key in ("a", "a", "b"):
+        facts.once(identity, "verdict", key, lambda: runs.append(1))
+    assert len(runs) == 2
+
+    def refuse():
+        runs.append(1)
+        raise ValueError("bad")
+
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            FileFacts(tmp_path / "facts.json").once(identity, "verdict", "c", refuse)
+    assert len(runs) == 4 and FileFacts(tmp_path / "facts.json").get(identity, "verdict") == ["a", "b"]

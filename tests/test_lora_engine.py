@@ -258,6 +258,51 @@ def test_snapshot_lists_loras_on_patched_modules_and_counts_matches(engine, tiny
     assert wide_count.apply_errors == narrow_count.apply_errors == 0
 
 
+def test_snapshot_says_how_many_originals_are_held_and_where(engine, tiny):
+    """Diagnostics' "LoRA backups" line: one original per fused layer, its exact size, in CPU memory
+    on the CPU; a re-weight holds no second copy; removing the LoRAs frees them all."""
+    adapter = _write(engine, tiny, "wide")
+    engine.load_model(CHECKPOINTS["sd15"])
+    assert engine.snapshot().lora_backups == "none"
+    engine.set_loras([LoraSpec("wide")])
+    size = sum(getattr(engine.pipeline, c).get_submodule(path).weight.nbytes for c, path in adapter.layers)
+    want = f"{len(adapter.layers)} layers, {size / 2**20:.1f} MiB in CPU memory"
+    assert engine.snapshot().lora_backups == want
+    assert engine.set_loras([LoraSpec("wide", 0.4)]).lora_backups == want
+    assert engine.set_loras([]).lora_backups == "none"
+
+
+@pytest.mark.gpu
+def test_lora_backups_rest_in_pinned_cpu_memory_unless_asked(gpu_data_dir, tiny):
+    """On CUDA the originals of fused layers go to pinned host memory by default, so LoRAs cost no
+    VRAM for them; `lora_backups="gpu"` keeps them beside the weights, and VRAM grows by at least
+    their size more than in the default. Either way a re-weight is in place and removing the LoRA
+    restores the checkpoint bit for bit."""
+    grown, held_bytes = {}, {}
+    for where in ("cpu", "gpu"):
+        eng = Engine(Settings(data_dir=gpu_data_dir, device="cuda", dtype="fp16", lora_backups=where))
+        try:
+            _write(eng, tiny, "wide")
+            eng.load_model(CHECKPOINTS["sd15"])
+            before = {n: p.detach().clone() for n, p in eng.pipeline.unet.named_parameters()}
+            torch.cuda.synchronize()
+            allocated = torch.cuda.memory_allocated()
+            snap = eng.set_loras([LoraSpec("wide")])
+            grown[where] = torch.cuda.memory_allocated() - allocated
+            held = list(eng.lora_stack._backups.values())
+            held_bytes[where] = sum(b.weight.nbytes for b in held)
+            assert {b.weight.device.type for b in held} == ({"cpu"} if where == "cpu" else {"cuda"})
+            assert all(b.weight.is_pinned() for b in held) == (where == "cpu")
+            assert ("pinned CPU memory" if where == "cpu" else "CUDA memory") in snap.lora_backups
+            eng.set_loras([LoraSpec("wide", 0.3)])
+            eng.set_loras([])
+            assert all(torch.equal(p, before[n]) for n, p in eng.pipeline.unet.named_parameters())
+        finally:
+            eng.close()
+    assert held_bytes["cpu"] == held_bytes["gpu"] > 0
+    assert grown["gpu"] - grown["cpu"] >= held_bytes["gpu"], (grown, held_bytes)
+
+
 def test_reweighting_rewrites_only_that_loras_layers(engine, tiny, monkeypatch):
     """A slider move recomputes only the layers of the LoRA that moved: the other LoRA's layers are
     not written at all (same values), and no tensor anywhere is replaced (same storage)."""

@@ -78,6 +78,7 @@ class LoadedFacts:
     weights: str  # "full" or the storage dtype of the large weights
     stored_layers: int  # layers whose weight rests in that dtype
     bytes_saved: int  # against holding them in the compute dtype
+    lora_backups: str  # originals held for fused LoRAs: layers, size, where (LoraStack.backup_summary)
 
 
 def release_memory() -> None:
@@ -133,7 +134,8 @@ class ModelLifecycle:
                            pipe.family.native_size(pipe), loaded.plan.dtype,
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
                            dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
-                           storage.bytes_saved(pipe, loaded.stored, pipe.compute_dtypes))
+                           storage.bytes_saved(pipe, loaded.stored, pipe.compute_dtypes),
+                           loaded.stack.backup_summary())
 
     def rows(self, violations) -> tuple[diagnostics.ModuleRow, ...]:
         loaded = self._loaded
@@ -293,7 +295,8 @@ class ModelLifecycle:
             self._release_hooks(old)
             old.stack.release()
         fresh.pipe.set_progress_bar_config(disable=True)
-        stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan))
+        stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan),
+                          gpu_backups=self._settings.lora_backups == "gpu")
         self._loaded = _Loaded(fresh, _signature(fresh.info.path), plan, hooks, stack, embedded, strategy, weights,
                                stored)
         self._sync_compile(self._loaded)

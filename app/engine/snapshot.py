@@ -90,6 +90,7 @@ class Snapshot:
     loras: tuple[LoraSpec, ...] = ()  # applied to the model now
     lora_states: tuple[LoraState, ...] = ()  # every wanted LoRA: applied, set aside or disabled, and why
     lora_mode: str = "fused"  # "fused", "bypass" or "fused + bypass"
+    lora_backups: str = "none"  # originals held for fused LoRAs: "12 layers, 48.0 MiB in pinned CPU memory"
     placement: tuple[diagnostics.ModuleRow, ...] = ()
     violations: tuple[placement.Violation, ...] = ()  # found (and repaired) by the last transition
     violations_found_total: int = 0
@@ -138,4 +139,4 @@ def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFa
     return Snapshot(model=facts.model, arch=facts.arch, model_hash=facts.model_hash, native_size=facts.native_size,
                     dtype=placement.dtype_name(facts.dtype), loras=facts.loras, placement=rows,
                     lora_mode=facts.lora_mode, embeddings=facts.embeddings, stored_layers=facts.stored_layers,
-                    bytes_saved=facts.bytes_saved, **common)
+                    bytes_saved=facts.bytes_saved, lora_backups=facts.lora_backups, **common)

@@ -53,7 +53,7 @@ def refresh(ctx: UiContext, component: str, text: str, only_violations: bool, on
         gr.Dropdown(choices=components),
         views.lora_rows(snap),
         rows,
-        f"{shown}  \n{storage}" if storage else shown,
+        "  \n".join(filter(None, (shown, storage, f"LoRA backups: {snap.lora_backups}" if snap.model else ""))),
         gr.Dataframe(value=gpu, visible=bool(gpu)),
         gpu_note,
         views.timer_rows(snap),
