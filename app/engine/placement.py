@@ -5,8 +5,8 @@ on a hard-coded device or dtype, after which nothing checked. Here a `PlacementP
 where each component's tensors must be *at rest* (between uses) and *at compute* (while its
 forward runs), and, with `--channels-last`, the memory format of convolution weights. `verify()`
 walks every parameter and buffer of every component — never `module.device`, which only reads
-the first parameter — and `sync()` repairs what it finds in
-place, keeping each `Parameter` object (and so every hook and reference) alive.
+the first parameter — and `sync()` repairs what it finds in place, keeping each `Parameter`
+object (and so every hook and reference) alive.
 """
 
 from __future__ import annotations
