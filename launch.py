@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="balanced offload keeps components resident up to this fraction of the GPU's memory")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the UNet (first compile ~1 min, cached across restarts; offload none only)")
+    p.add_argument("--channels-last", action="store_true",
+                   help="keep UNet and VAE convolution weights channels_last (NHWC): saves cuDNN's per-call layout "
+                        "conversion; off by default until GPU benchmarks confirm the gain")
     p.add_argument("--compile-mode", default="reduce-overhead", choices=("reduce-overhead", "default"),
                    help="reduce-overhead uses CUDA graphs (fastest); default compiles without them")
     p.add_argument("--strict", action="store_true", help="treat any placement violation as an error")
@@ -116,7 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype, offload=args.offload, weights=args.weights,
         lora_backups=args.lora_backups,
         vram_budget_gib=args.vram_budget, balanced_watermark=args.vram_watermark,
-        compile=args.compile, compile_mode=args.compile_mode,
+        compile=args.compile, compile_mode=args.compile_mode, channels_last=args.channels_last,
         strict=args.strict,
         lora_debug=args.lora_debug or Settings().lora_debug, move_debug=args.move_debug or Settings().move_debug,
         slider_min=min(args.slider_range), slider_max=max(args.slider_range),

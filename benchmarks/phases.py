@@ -117,29 +117,48 @@ def load_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench
 
 # ------------------------------------------------------------------------------------ speed and latency
 def throughput_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
-    """Per batch, one pool: ours with 0/1/3 fused LoRAs, diffusers plain and with PEFT adapters
-    unfused and fused, and the control (ours without LoRA, twice)."""
+    """Per batch, one pool: ours with 0/1/3 fused LoRAs, ours with `--channels-last` (a second engine),
+    diffusers plain and with PEFT adapters unfused and fused, and the control (ours without LoRA, twice)."""
     model, counts = run.model, bench.config.lora_counts
-    for batch in bench.config.batches:
-        pool, mine = f"throughput-b{batch}", ours.generator(engine, model, bench, batch)
-        none, denoiser = ("none", 0, "fused", batch), denoiser_of(engine.pipeline)
-        variants = with_control({("none", n, "fused", batch): Variant(ours.lora_setup(engine, model, n), mine, denoiser)
-                                 for n in counts}, none)
-        base = theirs.generator(batch)
-        variants[("none", 0, "eager", batch)] = Variant(theirs.state_setup(0, False), base, theirs.denoiser)
-        run.pairings.append(Pairing("throughput", pool, none, "ours", ("none", 0, "eager", batch), "diffusers", none))
-        for n in (c for c in counts if c and "lora" not in theirs.notes):
-            for fused, label in ((False, "diffusers PEFT unfused"), (True, "diffusers PEFT fused")):
-                key = ("none", n, "peft-fused" if fused else "peft-unfused", batch)
-                variants[key] = Variant(theirs.state_setup(n, fused), base, theirs.denoiser)
-                run.pairings.append(Pairing("throughput", pool, ("none", n, "fused", batch), "ours fused", key, label,
-                                            none, "lora"))
-        if 3 in counts:
-            run.pairings.append(Pairing("throughput", pool, ("none", 3, "fused", batch), "ours fused", none,
-                                        "ours no LoRA", none))
-        _measure(run, bench, pool, variants)
+    nhwc = ours.loaded_engine(model, bench, channels_last=True)
+    try:
+        for batch in bench.config.batches:
+            pool, mine = f"throughput-b{batch}", ours.generator(engine, model, bench, batch)
+            none, denoiser = ("none", 0, "fused", batch), denoiser_of(engine.pipeline)
+            variants = with_control({("none", n, "fused", batch): Variant(ours.lora_setup(engine, model, n), mine,
+                                                                          denoiser) for n in counts}, none)
+            variants |= _channels_last_variants(run, nhwc, bench, pool, batch)
+            base = theirs.generator(batch)
+            variants[("none", 0, "eager", batch)] = Variant(theirs.state_setup(0, False), base, theirs.denoiser)
+            run.pairings.append(Pairing("throughput", pool, none, "ours", ("none", 0, "eager", batch), "diffusers",
+                                        none))
+            for n in (c for c in counts if c and "lora" not in theirs.notes):
+                for fused, label in ((False, "diffusers PEFT unfused"), (True, "diffusers PEFT fused")):
+                    key = ("none", n, "peft-fused" if fused else "peft-unfused", batch)
+                    variants[key] = Variant(theirs.state_setup(n, fused), base, theirs.denoiser)
+                    run.pairings.append(Pairing("throughput", pool, ("none", n, "fused", batch), "ours fused", key,
+                                                label, none, "lora"))
+            if 3 in counts:
+                run.pairings.append(Pairing("throughput", pool, ("none", 3, "fused", batch), "ours fused", none,
+                                            "ours no LoRA", none))
+            _measure(run, bench, pool, variants)
+    finally:
+        ours.close(nhwc)
     engine.set_loras([])
     theirs.to_state(0, False)
+
+
+def _channels_last_variants(run: ArchRun, nhwc: Engine, bench: Bench, pool: str, batch: int) -> dict[Key, Variant]:
+    """Ours with UNet/VAE conv weights channels_last, with no LoRA and with 3 fused, each paired with
+    ours contiguous in the same pool: the row that decides whether `--channels-last` becomes the CUDA
+    default (an H100 profile spent 22.6% of CUDA time in cuDNN's NCHW->NHWC weight conversion)."""
+    mine, variants = ours.generator(nhwc, run.model, bench, batch), {}
+    for n in (c for c in (0, 3) if c in bench.config.lora_counts):
+        key = ("none", n, "channels-last", batch)
+        variants[key] = Variant(ours.lora_setup(nhwc, run.model, n), mine, denoiser_of(nhwc.pipeline))
+        run.pairings.append(Pairing("throughput", pool, key, "ours channels_last", ("none", n, "fused", batch),
+                                    "ours fused" if n else "ours", ("none", 0, "fused", batch)))
+    return variants
 
 
 def latency_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:

@@ -72,6 +72,8 @@ def test_every_section_has_rows_with_paired_ratios_and_a_control(smoke):
         assert row["ratio_interval"][0] <= row["ratio"] <= row["ratio_interval"][1]
         assert row["cpu_ratio"] > 0 and row["cpu_verdict"] in VERDICTS
     assert any(r["ratio"] is not None and r["baseline"] == "diffusers" for r in rows)
+    nhwc = {(r["loras"], r["baseline"]) for r in rows if r["ours"] == "ours channels_last"}
+    assert nhwc == {(0, "ours"), (3, "ours fused")}  # `--channels-last` against ours contiguous, same pool
 
 
 def test_rows_record_vram_and_the_physical_limit(smoke):

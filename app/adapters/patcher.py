@@ -57,10 +57,14 @@ class _Backup:
 def _combine(target: Target, contributions: Contributions, weight: torch.Tensor, bias: torch.Tensor | None,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """W0 + Σ mᵢ·ΔWᵢ(W0) in float32 on `device`, and likewise the bias when an adapter changes it
-    (None when none does)."""
-    new_w = weight.to(device, torch.float32, copy=True)
+    (None when none does). Both are contiguous whatever the weight's layout: a channels_last
+    accumulator would send `LoRA.accumulate` down its slow generic path and change the float32 sum's
+    bits; `copy_` writes the result back in the weight's own layout."""
+    contiguous = torch.contiguous_format
+    new_w = weight.to(device, torch.float32, copy=True, memory_format=contiguous)
     # A separate pristine W0 only when some adapter reads its values; the others read its shape.
-    w0 = weight.detach().to(device, torch.float32) if any(a.reads_base for _, _, a in contributions) else new_w
+    reads_base = any(a.reads_base for _, _, a in contributions)
+    w0 = weight.detach().to(device, torch.float32, memory_format=contiguous) if reads_base else new_w
     b0 = None if bias is None else bias.to(device, torch.float32)
     new_b = None
     for name, strength, adapter in contributions:

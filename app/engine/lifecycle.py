@@ -247,8 +247,9 @@ class ModelLifecycle:
 
     def _plan(self, pipe, dtype: torch.dtype, mode: str, stored: storage.Stored) -> placement.PlacementPlan:
         rest = self._settings.rest_dtype
+        conv_format = torch.channels_last if self._settings.channels_last else None
         return offload.plan_for(pipe, dtype, self._device, mode, None if rest is None else placement.DTYPES[rest],
-                                stored)
+                                stored, conv_format)
 
     def _place(self, pipe, plan: placement.PlacementPlan, hooks: HookRegistry, reason: str) -> offload.OffloadStrategy:
         """Apply a plan and install its offload strategy; on failure no hook of it stays behind."""

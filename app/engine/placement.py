@@ -3,9 +3,10 @@
 Why this module exists: every crash in the seed reports came from a tensor that some code put
 on a hard-coded device or dtype, after which nothing checked. Here a `PlacementPlan` states
 where each component's tensors must be *at rest* (between uses) and *at compute* (while its
-forward runs). `verify()` walks every parameter and buffer of every component — never
-`module.device`, which only reads the first parameter — and `sync()` repairs what it finds in
-place, keeping each `Parameter` object (and so every hook and reference) alive.
+forward runs), and, with `--channels-last`, the memory format of convolution weights. `verify()`
+walks every parameter and buffer of every component — never `module.device`, which only reads
+the first parameter — and `sync()` repairs what it finds in place, keeping each `Parameter`
+object (and so every hook and reference) alive.
 """
 
 from __future__ import annotations
@@ -35,6 +36,25 @@ class PlacementError(RuntimeError):
 
 def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _format_name(memory_format: torch.memory_format) -> str:
+    return str(memory_format).removeprefix("torch.")
+
+
+def layout_of(tensor: torch.Tensor, want: Placement) -> torch.memory_format | None:
+    """The memory format `want` asks of `tensor`, or None where it asks none. Only 4-D floating
+    tensors (convolution weights; 8-bit stored ones too, so their widened copies inherit it) have a
+    layout in the plan: cuDNN and oneDNN convolutions run channels_last natively, and a weight left
+    contiguous is converted on every call (22.6% of CUDA time on an H100, `nchwToNhwcKernel`)."""
+    if want.memory_format is None or tensor.dim() != 4 or not tensor.is_floating_point():
+        return None
+    return want.memory_format
+
+
+def _has_layout(tensor: torch.Tensor, want: Placement) -> bool:
+    memory_format = layout_of(tensor, want)
+    return memory_format is None or tensor.is_contiguous(memory_format=memory_format)
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -68,11 +88,16 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Placement:
+    """A device and dtype, and the memory format the plan asks of 4-D floating tensors (convolution
+    weights; see `layout_of`). `memory_format` None states no layout: moves keep each tensor's own."""
+
     device: torch.device
     dtype: torch.dtype
+    memory_format: torch.memory_format | None = None
 
     def __str__(self) -> str:
-        return f"{self.device}/{dtype_name(self.dtype)}"
+        layout = "" if self.memory_format is None else f"/{_format_name(self.memory_format)}"
+        return f"{self.device}/{dtype_name(self.dtype)}{layout}"
 
 
 @dataclass(frozen=True)
@@ -112,7 +137,7 @@ class PlacementPlan:
         """Placement one tensor must have at rest: a stored-in-8-bit weight keeps its storage dtype."""
         want = self.expected(component)
         stored = self.components[component].stored.get(module) if tensor == "weight" else None
-        return want if stored is None else Placement(want.device, stored)
+        return want if stored is None else dataclasses.replace(want, dtype=stored)
 
     def with_resident(self, names: frozenset[str]) -> PlacementPlan:
         return dataclasses.replace(self, resident=frozenset(names))
@@ -159,21 +184,34 @@ def _target_dtype(tensor: torch.Tensor, want: Placement) -> torch.dtype:
 
 def _matches(tensor: torch.Tensor, want: Placement) -> bool:
     """Whether a move to `want` would leave `tensor` as it is."""
-    return tensor.device == want.device and tensor.dtype == _target_dtype(tensor, want)
+    return tensor.device == want.device and tensor.dtype == _target_dtype(tensor, want) and _has_layout(tensor, want)
 
 
 def _conforms(tensor: torch.Tensor, want: Placement) -> bool:
     """Whether `tensor` is exactly where one tensor's plan (`expected_for`) puts it."""
-    return tensor.device == want.device and (not tensor.is_floating_point() or tensor.dtype == want.dtype)
+    return (tensor.device == want.device and (not tensor.is_floating_point() or tensor.dtype == want.dtype)
+            and _has_layout(tensor, want))
 
 
-def _describe(tensor: torch.Tensor) -> str:
-    return f"{tensor.device}/{dtype_name(tensor.dtype)}"
+def _describe(tensor: torch.Tensor, want: Placement | None = None) -> str:
+    """Device and dtype, and the layout where `want` asks one of this tensor."""
+    text = f"{tensor.device}/{dtype_name(tensor.dtype)}"
+    if want is None or layout_of(tensor, want) is None:
+        return text
+    layouts = (want.memory_format, torch.contiguous_format, torch.channels_last)
+    found = next((_format_name(f) for f in layouts if tensor.is_contiguous(memory_format=f)), "strided")
+    return f"{text}/{found}"
+
+
+def _expected(tensor: torch.Tensor, want: Placement) -> str:
+    """`want` as it applies to `tensor`: its layout only where it asks one of this tensor."""
+    return str(dataclasses.replace(want, memory_format=layout_of(tensor, want)))
 
 
 def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str, *, moves_weights: bool,
                    rest_dtype: torch.dtype | None = None,
-                   stored: Mapping[str, Mapping[str, torch.dtype]] | None = None) -> PlacementPlan:
+                   stored: Mapping[str, Mapping[str, torch.dtype]] | None = None,
+                   conv_format: torch.memory_format | None = None) -> PlacementPlan:
     """Build the plan for `pipe` at `dtype` on `device` under offload mode `offload` (named for
     diagnostics; `offload.plan_for` fills in what the mode does).
 
@@ -181,7 +219,10 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
     (default: the compute dtype). A rest dtype wider than the compute dtype makes every move a
     real cast even on a CPU-only machine: that is how CI runs the moving code (fp32 rest, bf16
     compute) without a GPU. `stored` names, per component, the layers whose weight rests in a
-    storage dtype (fp8) and is widened per forward. Policy beyond the plain request, as diffusers'
+    storage dtype (fp8) and is widened per forward. `conv_format` (channels_last, or None: no layout
+    planned) is the memory format of the 4-D weights of the family's convolutional components
+    (`Family.conv_components`: UNet, VAE), at rest and at compute; text encoders and a DiT's
+    transformer have no convolutions and get none. Policy beyond the plain request, as diffusers'
     own pipelines do it: in fp16 the VAE of a family that upcasts (`Family.vae_upcast_in_fp16`:
     SDXL) is kept in fp32 when its config asks (`force_upcast`), because its fp16 decode overflows
     to NaN; on the CPU nothing runs in fp16 (see `resolve_dtype`).
@@ -189,20 +230,22 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
     if device.type == "cpu" and dtype == torch.float16:
         dtype = torch.float32
     cpu = torch.device("cpu")
-    upcast_vae = family_of(pipe).vae_upcast_in_fp16
+    fam = family_of(pipe)
     plans = {}
     for name, component in torch_components(pipe).items():
         comp_dtype = dtype
-        if name == "vae" and dtype == torch.float16 and upcast_vae and component.config.force_upcast:
+        if name == "vae" and dtype == torch.float16 and fam.vae_upcast_in_fp16 and component.config.force_upcast:
             comp_dtype = torch.float32
-        compute = Placement(device, comp_dtype)
-        rest = Placement(cpu, rest_dtype or comp_dtype) if moves_weights else compute
+        layout = conv_format if name in fam.conv_components else None
+        compute = Placement(device, comp_dtype, layout)
+        rest = Placement(cpu, rest_dtype or comp_dtype, layout) if moves_weights else compute
         plans[name] = ComponentPlan(rest=rest, compute=compute, stored=dict((stored or {}).get(name, {})))
     return PlacementPlan(device=device, dtype=dtype, offload=offload, components=plans)
 
 
 def verify(pipe, plan: PlacementPlan) -> list[Violation]:
-    """Every tensor whose device or dtype differs from the plan's at-rest placement."""
+    """Every tensor whose device, dtype or (where the plan states one) layout differs from the plan's
+    at-rest placement."""
     found = []
     for comp, path, _module, name, tensor, _is_param in iter_tensors(pipe):
         if comp not in plan.components:
@@ -210,7 +253,7 @@ def verify(pipe, plan: PlacementPlan) -> list[Violation]:
             continue
         want = plan.expected_for(comp, path, name)
         if not _conforms(tensor, want):
-            found.append(Violation(comp, path, name, str(want), _describe(tensor)))
+            found.append(Violation(comp, path, name, _expected(tensor, want), _describe(tensor, want)))
     return found
 
 
@@ -220,11 +263,12 @@ def _bytes(tensors) -> int:
 
 def _moved(tensor: torch.Tensor, want: Placement, exact: bool = False) -> torch.Tensor:
     """A copy of `tensor` at `want` (see `_target_dtype`; `exact` takes `want.dtype` as is, for a
-    repair). Never an inference-mode tensor, so later in-place LoRA writes outside inference mode
-    stay legal."""
+    repair), in the layout `want` asks of it, else in its own (`preserve_format`). Never an
+    inference-mode tensor, so later in-place LoRA writes outside inference mode stay legal."""
     dtype = want.dtype if exact and tensor.is_floating_point() else _target_dtype(tensor, want)
+    memory_format = layout_of(tensor, want) or torch.preserve_format
     with torch.inference_mode(False), torch.no_grad():
-        return tensor.to(device=want.device, dtype=dtype)
+        return tensor.to(device=want.device, dtype=dtype, memory_format=memory_format)
 
 
 def _move_tensor(module: torch.nn.Module, name: str, is_param: bool, want: Placement, exact: bool = False) -> None:

@@ -112,6 +112,9 @@ class Family:
     size_multiple: int = 8  # width and height are rounded to this (the VAE's downscale factor)
     denoiser: str = "unet"  # the denoising component: "unet", or "transformer" for DiTs
     denoiser_class: type = UNet2DConditionModel
+    # Components built of 2-D convolutions, whose 4-D weights may rest channels_last (`--channels-last`);
+    # text encoders have none, nor has a DiT's transformer (its patch embedding is a linear layer).
+    conv_components: tuple[str, ...] = ("unet", "vae")
     marker_prefixes: tuple[str, ...] = ("",)  # checkpoint_markers may sit under any of these
     parts: tuple[ComponentFile, ...] = ()  # empty: diffusers' single-file loader reads the file
     samplers: Samplers = field(default_factory=lambda: SD_SAMPLERS)

@@ -105,6 +105,7 @@ def _family(name: str, label: str, dev: bool) -> Family:
         size_multiple=16,  # 8× VAE downscale, then 2×2 patches
         denoiser="transformer",
         denoiser_class=FluxTransformer2DModel,
+        conv_components=("vae",),
         marker_prefixes=("", "model.diffusion_model."),
         parts=_PARTS,
         samplers=SAMPLERS,
