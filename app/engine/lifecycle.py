@@ -32,6 +32,7 @@ from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
 from app.families import family
 from app.hooks import HookRegistry
+from app.safetensors_files import FileIdentity
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class _Loaded:
     """The current model and everything applied to it (lifecycle-private)."""
 
     model: models.LoadedModel
-    signature: tuple[int, int]  # the checkpoint's (mtime, size) at load: a changed file is reloaded
+    identity: FileIdentity  # the checkpoint's size and mtime at load: a changed file is reloaded
     plan: placement.PlacementPlan
     hooks: HookRegistry
     stack: LoraStack
@@ -199,7 +200,7 @@ class ModelLifecycle:
             return True
         if loaded.model.parts != part_choices.part_files(self._settings, want.model):
             return True  # other text-encoder/VAE files chosen for it
-        return loaded.signature != _signature(loaded.model.info.path)
+        return loaded.identity != FileIdentity.of(loaded.model.info.path)
 
     def apply_loras(self, specs: tuple[LoraSpec, ...]) -> dict[str, MatchReport]:
         """Reconcile the stack with `specs`, all or nothing."""
@@ -298,7 +299,7 @@ class ModelLifecycle:
         fresh.pipe.set_progress_bar_config(disable=True)
         stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan),
                           gpu_backups=self._settings.lora_backups == "gpu")
-        self._loaded = _Loaded(fresh, _signature(fresh.info.path), plan, hooks, stack, embedded, strategy, weights,
+        self._loaded = _Loaded(fresh, FileIdentity.of(fresh.info.path), plan, hooks, stack, embedded, strategy, weights,
                                stored)
         self._sync_compile(self._loaded)
         if old is not None:  # a first load has nothing to give back, and a full gc pass costs ~0.3 s
@@ -378,7 +379,9 @@ class ModelLifecycle:
             raise RuntimeError("no model loaded: load a checkpoint first")
         t0 = time.perf_counter()
         try:
-            return work(loaded.model.pipe if stage is None else self._stage_pipeline(loaded, stage))
+            pipe = loaded.model.pipe
+            return work(pipe if stage is None else stages.stage_on(pipe, family(loaded.model.arch), loaded.stage_pipes,
+                                                                   stage))
         except torch.OutOfMemoryError as exc:
             release_memory()
             raise MemoryError(
@@ -389,18 +392,3 @@ class ModelLifecycle:
             loaded.strategy.settle()
             loaded.plan = loaded.plan.with_resident(loaded.strategy.resident())
 
-    @staticmethod
-    def _stage_pipeline(loaded: _Loaded, kind: str):
-        """The `kind` stage pipeline on the loaded components (built once per load), told the loaded
-        pipeline's current execution device and compute dtypes (an offload switch changes them)."""
-        pipe = loaded.model.pipe
-        stage = loaded.stage_pipes.get(kind)
-        if stage is None:
-            stage = loaded.stage_pipes[kind] = stages.stage_pipeline(pipe, family(loaded.model.arch), kind)
-        stage.execution_device, stage.compute_dtypes = pipe.execution_device, pipe.compute_dtypes
-        return stage
-
-
-def _signature(path) -> tuple[int, int]:
-    stat = path.stat()
-    return stat.st_mtime_ns, stat.st_size

@@ -85,6 +85,16 @@ def check_txt2img(pipe) -> None:
                          "for txt2img")
 
 
+def stage_on(pipe, fam, cache: dict[str, object], kind: str):
+    """The `kind` stage pipeline on `pipe`'s components, built once per loaded model (kept in `cache`)
+    and told the pipeline's current execution device and compute dtypes (an offload switch changes them)."""
+    stage = cache.get(kind)
+    if stage is None:
+        stage = cache[kind] = stage_pipeline(pipe, fam, kind)
+    stage.execution_device, stage.compute_dtypes = pipe.execution_device, pipe.compute_dtypes
+    return stage
+
+
 def stage_pipeline(pipe, fam, kind: str):
     """The family's `kind` pipeline on `pipe`'s components (the same objects: no weight is copied or
     cast). The scheduler is a fresh copy, because pipeline constructors may rewrite an old
