@@ -106,9 +106,9 @@ def render(results: dict[str, Any]) -> str:
         if any("skipped" not in s for s in results.get(key, [])):
             lines += section(results, cfg)
         notes += _skipped(results.get(key, []), what)
-    notes += [f"- step {s['arch']}: no diffusers baseline, {s['baseline_note']}" for s in results.get("step", [])
-              if "skipped" not in s and s["baseline_note"]]
-    return "\n".join(lines + (["## Not measured", "", *notes, ""] if notes else []))
+    notes += [f"- step {s['arch']}: {note}" for s in results.get("step", []) if "skipped" not in s
+              for note in (s["fused_note"], s["baseline_note"]) if note]
+    return "\n".join(lines + (["## Not measured, or measured otherwise", "", *notes, ""] if notes else []))
 
 
 def write(results: dict[str, Any], out_dir: Path, stem: str) -> dict[str, Path]:

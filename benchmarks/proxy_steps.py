@@ -39,12 +39,18 @@ def _engine(model, dtype: str) -> Engine:
     return engine
 
 
-def _diffusers(model, config):
-    """diffusers' own pipeline from the same file, with the sampler ours uses."""
-    arch = model.arch
-    pipe = family(arch).plain_pipeline_class.from_single_file(
-        str(model.path), config=str(family(arch).config_dir), dtype=DTYPES[config.step_dtype], local_files_only=True,
-        **family(arch).tokenizers(), **family(arch).pipeline_kwargs)
+def _diffusers(model, config, shared=None):
+    """diffusers' own pipeline from the same file, with the sampler ours uses; or, where two copies
+    do not fit in RAM, its pipeline class on `shared` (our pipeline's modules: the same weights, no
+    copy), so the comparison is of the call paths around identical modules."""
+    fam = family(model.arch)
+    if shared is None:
+        pipe = fam.plain_pipeline_class.from_single_file(
+            str(model.path), config=str(fam.config_dir), dtype=DTYPES[config.step_dtype], local_files_only=True,
+            **fam.tokenizers(), **fam.pipeline_kwargs)
+    else:
+        expected, _optional = fam.plain_pipeline_class._get_signature_keys(fam.plain_pipeline_class)
+        pipe = fam.plain_pipeline_class(**{k: v for k, v in shared.components.items() if k in expected})
     pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     side = config.resolution
@@ -67,31 +73,35 @@ def count_ops(variant: Variant) -> dict[str, float]:
     return counter.per_call()
 
 
-def _step_variants(engine: Engine, model, config) -> dict[tuple, Variant]:
+def _step_variants(engine: Engine, model, config, fused: bool) -> dict[tuple, Variant]:
     side = config.resolution
     params = GenerateParams(config.prompt, steps=config.steps, cfg=CFG_SCALE, seed=config.seed, width=side,
                             height=side, sampler="Euler")
     generate, unet = functools.partial(engine.generate, params), engine.pipeline.unet
-    return with_control({NONE: Variant(functools.partial(engine.set_loras, []), generate, unet),
-                         FUSED: Variant(functools.partial(engine.set_loras, lora_specs(model.loras, 3)), generate,
-                                        unet)}, NONE)
+    variants = {NONE: Variant(functools.partial(engine.set_loras, []), generate, unet)}
+    if fused:
+        variants[FUSED] = Variant(functools.partial(engine.set_loras, lora_specs(model.loras, 3)), generate, unet)
+    return with_control(variants, NONE)
 
 
 def step_section(model, config) -> dict[str, Any]:
-    """Ours without and with three fused LoRAs (and diffusers when memory allows both pipelines):
-    ops per UNet call, thread CPU ms and wall it/s per step, ABBA rounds with a control."""
-    ours_bytes = (model.numel + model.lora_numel) * DTYPES[config.step_dtype].itemsize
-    ok, why = fits(ours_bytes)
+    """Ours without and with three fused LoRAs (the fused variant where RAM holds their backups too)
+    and diffusers (its own copy where RAM holds both pipelines, else on our modules): ops per UNet
+    call, thread CPU ms and wall it/s per step, ABBA rounds with a control."""
+    itemsize = DTYPES[config.step_dtype].itemsize
+    ok, why = fits(model.numel * itemsize)
     if not ok:
         return {"arch": model.arch, "skipped": why}
-    with_baseline, baseline_note = fits(ours_bytes + model.numel * DTYPES[config.step_dtype].itemsize)
+    fused, fused_note = fits((model.numel + model.lora_numel) * itemsize)
+    own_copy, _ = fits((2 * model.numel + model.lora_numel * fused) * itemsize)
+    baseline_note = "" if own_copy else "diffusers' pipeline class on our modules (two copies do not fit in RAM)"
     engine = _engine(model, config.step_dtype)
     pipe = None
     try:
-        variants = _step_variants(engine, model, config)
-        if with_baseline:
-            pipe, generate = _diffusers(model, config)
-            variants[DIFFUSERS] = Variant(lambda: None, generate, pipe.unet)
+        variants = _step_variants(engine, model, config, fused)
+        pipe, generate = _diffusers(model, config, None if own_copy else engine.pipeline)
+        # On shared modules, diffusers' turn starts from the checkpoint's weights too.
+        variants[DIFFUSERS] = Variant(lambda: None if own_copy else engine.set_loras([]), generate, pipe.unet)
         ops = {key: count_ops(v) for key, v in variants.items() if key != control_key(NONE)}
         runs = measure_interleaved(variants, CPU, config.rounds, warmup=1)
     finally:
@@ -100,7 +110,8 @@ def step_section(model, config) -> dict[str, Any]:
         del pipe
         free_memory()
     return {"arch": model.arch, "resolution": config.resolution, "steps": config.steps, "dtype": config.step_dtype,
-            "baseline_note": baseline_note, "ops": ops_summary(ops),
+            "baseline_note": baseline_note, "fused_note": "" if fused else f"3 fused LoRAs skipped: {fused_note}",
+            "ops": ops_summary(ops),
             "runs": {" / ".join(map(str, k)): {"its": r.its_runs, "cpu_ms": r.cpu_ms_runs, "user_ms": r.user_ms_runs,
                                                 "faults": r.faults_runs} for k, r in runs.items()},
             "comparisons": _step_comparisons(runs)}
@@ -119,7 +130,7 @@ def _step_comparisons(runs) -> list[dict[str, Any]]:
     control_runs = runs[control_key(NONE)]
     rows = []
     for mine_key, base_key in ((FUSED, NONE), (NONE, DIFFUSERS)):
-        if base_key not in runs:
+        if mine_key not in runs or base_key not in runs:
             continue
         mine, base = runs[mine_key], runs[base_key]
         for figure, series, higher in (("it/s (wall)", "its_runs", True), ("CPU ms per step", "cpu_ms_runs", False),

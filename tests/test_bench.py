@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from app import bench as app_bench
-from benchmarks import config, denoiser, measure, probe, proxies, proxy_ops, proxy_report, stats
+from benchmarks import config, denoiser, measure, probe, proxies, proxy_ops, proxy_report, proxy_steps, stats
 
 ROW_KEYS = {
     "id", "section", "arch", "resolution", "batch", "steps", "offload", "loras", "ours", "baseline",
@@ -268,3 +268,20 @@ def test_app_bench_runs_the_one_implementation():
         bench.config_from_args(bench.parse_args(["--archs", "sd3"]))
     with pytest.raises(SystemExit, match="load, step, reweight"):
         bench.proxy_config_from_args(bench.parse_args(["--cpu-proxies", "--sections", "throughput"]))
+
+
+def test_the_step_baseline_on_shared_modules_is_diffusers_own_class_on_our_weights(engine):
+    """Where two full-size copies do not fit in RAM (SDXL in fp32 on 20 GiB), the step proxy's
+    diffusers side is diffusers' own pipeline class on our pipeline's modules: the same weight
+    objects (no copy), its own sampler, and it generates."""
+    from types import SimpleNamespace
+
+    from app.families import family
+
+    engine.load_model("tiny-sd15.safetensors")
+    cfg = SimpleNamespace(step_dtype="fp32", prompt="a cat", steps=2, resolution=64, seed=1)
+    pipe, generate = proxy_steps._diffusers(SimpleNamespace(arch="sd15"), cfg, shared=engine.pipeline)
+    assert type(pipe) is family("sd15").plain_pipeline_class
+    assert pipe.unet is engine.pipeline.unet and pipe.vae is engine.pipeline.vae
+    assert pipe.scheduler is not engine.pipeline.scheduler
+    assert generate().images[0].size == (64, 64)

@@ -10,7 +10,6 @@ the steps that differ.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import time
@@ -20,7 +19,7 @@ from types import MappingProxyType
 
 import torch
 
-from app import diagnostics
+from app import diagnostics, heap
 from app.adapters.errors import LoraApplyError
 from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
@@ -87,10 +86,7 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc: nothing to trim
-        pass
+    heap.give_back()
 
 
 class ModelLifecycle:
@@ -206,10 +202,13 @@ class ModelLifecycle:
         """Reconcile the stack with `specs`, all or nothing."""
         assert self._loaded is not None
         t0 = time.perf_counter()
+        removed = {s.name for s in self._loaded.stack.applied} - {s.name for s in specs}
         try:
             files = {s.name: self._open_lora(s.name) for s in specs}
             return self._loaded.stack.reconcile(specs, files, progress=self._patch_progress)
         finally:
+            if removed:  # their backups are freed: the heap keeps freed memory until told (app/heap.py)
+                heap.give_back()
             self._timers.record("patch", time.perf_counter() - t0)
 
     def _patch_progress(self, done: int, total: int) -> None:
