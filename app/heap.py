@@ -9,8 +9,9 @@ minor page faults per 3-step generation and 1.25× (no LoRA) to 1.8× (three fus
 backups fragment the heap) the CPU time of diffusers' pipeline on the main thread.
 
 The policy: one arena, no mapped blocks, no automatic trimming, so a freed buffer is reused by the
-next step's same-size request. Memory goes back to the OS where much of it was freed (`give_back`:
-unload, a model swap, LoRAs removed), not on every free. Without glibc nothing changes.
+next step's same-size request. Memory goes back to the OS after each change to the model
+(`give_back` at the end of `ModelLifecycle.realise`: a load, swap, unload, offload switch or LoRA
+change), not on every free. Without glibc nothing changes.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ say `unet` for either). Statistics over the repeats live in `stats.py`; FLOPs in
 from __future__ import annotations
 
 import collections
-import gc
 import resource
 import threading
 import time
@@ -17,13 +16,15 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from app.engine.lifecycle import release_memory
+
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
 
 
 def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """Between phases, give back what the last one dropped, as the engine does after an unload: the
+    C heap keeps freed memory until told (app/heap.py), and the next full-size model needs it."""
+    release_memory()
 
 
 def synchronize(device: torch.device) -> None:

@@ -171,7 +171,17 @@ class ModelLifecycle:
         does not fit this model is set aside with its reason (so does `set_aside_unfit`, the UI's
         way: a LoRA that does not fit is shown set aside, never blocks the others). Otherwise LoRAs
         set aside stay aside, unless `retry_set_aside` (an explicit LoRA list): then every one must
-        fit or the step fails. Returns the match report of each LoRA applied and the LoRAs set aside."""
+        fit or the step fails. Returns the match report of each LoRA applied and the LoRAs set aside.
+
+        Whatever the steps freed (a parked model, host copies moved to the GPU, LoRA backups) goes
+        back to the OS afterwards: the C heap keeps freed memory for reuse until told (app/heap.py)."""
+        try:
+            return self._realise_steps(want, loras, retry_set_aside, set_aside_unfit)
+        finally:
+            heap.give_back()
+
+    def _realise_steps(self, want: Desired, loras: tuple[LoraSpec, ...], retry_set_aside: bool,
+                       set_aside_unfit: bool) -> tuple[dict[str, MatchReport], dict[str, str]]:
         if want.model is None:
             self.unload()
             return {}, {}
@@ -202,13 +212,10 @@ class ModelLifecycle:
         """Reconcile the stack with `specs`, all or nothing."""
         assert self._loaded is not None
         t0 = time.perf_counter()
-        removed = {s.name for s in self._loaded.stack.applied} - {s.name for s in specs}
         try:
             files = {s.name: self._open_lora(s.name) for s in specs}
             return self._loaded.stack.reconcile(specs, files, progress=self._patch_progress)
         finally:
-            if removed:  # their backups are freed: the heap keeps freed memory until told (app/heap.py)
-                heap.give_back()
             self._timers.record("patch", time.perf_counter() - t0)
 
     def _patch_progress(self, done: int, total: int) -> None:
