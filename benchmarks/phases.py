@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.engine.worker import Engine
+from app.families import family
 from benchmarks import ours
 from benchmarks.config import Bench
 from benchmarks.denoiser import denoiser_of
@@ -117,17 +118,21 @@ def load_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench
 
 # ------------------------------------------------------------------------------------ speed and latency
 def throughput_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
-    """Per batch, one pool: ours with 0/1/3 fused LoRAs, ours with `--channels-last` (a second engine),
-    diffusers plain and with PEFT adapters unfused and fused, and the control (ours without LoRA, twice)."""
+    """Per batch, one pool: ours with 0/1/3 fused LoRAs, ours with `--channels-last` (a second engine,
+    only where the denoiser is convolutional: Flux's transformer has no conv weight, and a third copy
+    of its 34 GB pipeline would not fit), diffusers plain and with PEFT adapters unfused and fused, and
+    the control (ours without LoRA, twice)."""
     model, counts = run.model, bench.config.lora_counts
-    nhwc = ours.loaded_engine(model, bench, channels_last=True)
+    fam = family(model.arch)
+    nhwc = ours.loaded_engine(model, bench, channels_last=True) if fam.denoiser in fam.conv_components else None
     try:
         for batch in bench.config.batches:
             pool, mine = f"throughput-b{batch}", ours.generator(engine, model, bench, batch)
             none, denoiser = ("none", 0, "fused", batch), denoiser_of(engine.pipeline)
             variants = with_control({("none", n, "fused", batch): Variant(ours.lora_setup(engine, model, n), mine,
                                                                           denoiser) for n in counts}, none)
-            variants |= _channels_last_variants(run, nhwc, bench, pool, batch)
+            if nhwc is not None:
+                variants |= _channels_last_variants(run, nhwc, bench, pool, batch)
             base = theirs.generator(batch)
             variants[("none", 0, "eager", batch)] = Variant(theirs.state_setup(0, False), base, theirs.denoiser)
             run.pairings.append(Pairing("throughput", pool, none, "ours", ("none", 0, "eager", batch), "diffusers",

@@ -266,7 +266,7 @@ def test_snapshot_says_how_many_originals_are_held_and_where(engine, tiny):
     assert engine.snapshot().lora_backups == "none"
     engine.set_loras([LoraSpec("wide")])
     size = sum(getattr(engine.pipeline, c).get_submodule(path).weight.nbytes for c, path in adapter.layers)
-    want = f"{len(adapter.layers)} layers, {size / 2**20:.1f} MiB in CPU memory"
+    want = f"{len(adapter.layers)} layers, {size / 2**20:.2f} MiB ({size:,} bytes) in CPU memory"
     assert engine.snapshot().lora_backups == want
     assert engine.set_loras([LoraSpec("wide", 0.4)]).lora_backups == want
     assert engine.set_loras([]).lora_backups == "none"

@@ -12,9 +12,9 @@ The rules that make the seed crashes unreachable:
   (GLoRA, DoRA, IA3, OFT) that means each sees the original weight, not the others' output:
   order-independent and exactly undoable, at the cost of not composing them as a chain.
 * Backup policy: beside the weight when it lives on the CPU. A GPU weight's backup goes to pinned
-  CPU memory by default, so LoRAs cost no VRAM (an H100 run held 1.6 GiB of backups for three
-  LoRAs on SD1.5); with `gpu_backups` it stays on the GPU while `GPU_BACKUP_HEADROOM` stays free,
-  and a re-weight then reads W0 without a host transfer.
+  CPU memory by default, so LoRAs cost no VRAM (an H100 run grew by 1.58 GiB with three LoRAs on
+  SD1.5, about what their GPU backups took); with `gpu_backups` it stays on the GPU while
+  `GPU_BACKUP_HEADROOM` stays free, and a re-weight then reads W0 without a host transfer.
 * The float32 math runs on the engine's compute device wherever the weight rests (a CPU weight
   under an offload mode included): the same float32 products give the same bits in every
   offload mode — on an H100, CPU-side fusion moved bf16 weights by an ulp and images by 0.9
@@ -158,7 +158,7 @@ class LoraStack:
             return "none"
         size = sum(t.numel() * t.element_size() for t in tensors)
         places = " and ".join(sorted({_memory_name(t) for t in tensors}))
-        return f"{len(self._backups)} layers, {size / 2**20:.1f} MiB in {places}"
+        return f"{len(self._backups)} layers, {size / 2**20:.2f} MiB ({size:,} bytes) in {places}"
 
     @property
     def bypass_components(self) -> frozenset[str]:

@@ -90,7 +90,7 @@ class Snapshot:
     loras: tuple[LoraSpec, ...] = ()  # applied to the model now
     lora_states: tuple[LoraState, ...] = ()  # every wanted LoRA: applied, set aside or disabled, and why
     lora_mode: str = "fused"  # "fused", "bypass" or "fused + bypass"
-    lora_backups: str = "none"  # originals held for fused LoRAs: "12 layers, 48.0 MiB in pinned CPU memory"
+    lora_backups: str = "none"  # originals held for fused LoRAs: layers, size, where (LoraStack.backup_summary)
     placement: tuple[diagnostics.ModuleRow, ...] = ()
     violations: tuple[placement.Violation, ...] = ()  # found (and repaired) by the last transition
     violations_found_total: int = 0
