@@ -169,15 +169,17 @@ def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]
 
 
 def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int = 0,
-               inpainting: bool = False) -> dict[str, Path]:
-    """Write tiny checkpoints (single file + diffusers folder) and embeddings for both archs.
+               inpainting: bool = False, folders: bool = True) -> dict[str, Path]:
+    """Write tiny checkpoints (single file, and with `folders` a diffusers folder) and embeddings
+    for every family.
 
     LoRA files are not written here: `app/adapters` owns their formats, so a caller passes
     `lora_writer(lora_dir, pipe, arch)`, called once per architecture with that tiny pipeline.
     Returns the written paths by name (`sd15_file`, `sd15_folder`, `sd15_embedding`, ... plus
     `checkpoints_dir`, `lora_dir`, `embeddings_dir`). With `inpainting` also `sd15_inpainting_file`, an
-    SD1.5 inpainting checkpoint with a 9-channel UNet (the command line and the tests write it; the
-    first start of the app leaves it out, to start quickly).
+    SD1.5 inpainting checkpoint with a 9-channel UNet. The command line and the tests write both
+    extras; the first start of the app writes neither: one checkpoint per family is all a newcomer
+    needs, and the four folders cost 1.0 of the 3.3 CPU s (2 cores) that writing everything takes.
     """
     settings = Settings(data_dir=Path(data_dir))
     paths = {
@@ -191,8 +193,9 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
         pipe = build_tiny_pipeline(arch, seed)
         paths[f"{arch}_file"] = settings.checkpoints_dir / f"tiny-{arch}.safetensors"
         write_single_file(pipe, arch, paths[f"{arch}_file"])
-        paths[f"{arch}_folder"] = settings.checkpoints_dir / f"tiny-{arch}-diffusers"
-        pipe.save_pretrained(paths[f"{arch}_folder"], safe_serialization=True)
+        if folders:
+            paths[f"{arch}_folder"] = settings.checkpoints_dir / f"tiny-{arch}-diffusers"
+            pipe.save_pretrained(paths[f"{arch}_folder"], safe_serialization=True)
         paths[f"{arch}_embedding"] = settings.embeddings_dir / f"tiny-{arch}-embedding.safetensors"
         save_file(embedding_tensors(pipe, arch, seed), str(paths[f"{arch}_embedding"]))
         if lora_writer is not None:

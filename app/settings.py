@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.adapters.specs import MAX_STRENGTH
-from app.engine.offload import MODES
 
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
 # "inductor" is the real compiled path (CUDA); "eager"/"aot_eager" run the same dispatch and counting
 # on the CPU in seconds (the benchmark's smoke mode and tests).
 COMPILE_BACKENDS = ("inductor", "eager", "aot_eager")
-OFFLOAD_CHOICES = tuple(MODES)  # the one table of offload modes lives beside their strategies
+# The offload strategies' names, in order. Spelled here so that reading settings (`launch.py --help`,
+# a mistyped flag) does not import torch and diffusers; `app.engine.offload` refuses to import if
+# its strategy table and this tuple ever disagree.
+OFFLOAD_CHOICES = ("none", "model", "balanced", "sequential", "group")
 
 
 def _env_flag(name: str) -> bool:

@@ -48,6 +48,18 @@ def test_a_missing_data_dir_is_refused_unless_asked_to_create_it(tmp_path):
     assert time.monotonic() - started < 120
 
 
+def test_flags_are_read_and_refused_without_importing_torch():
+    """`--help` and a mistyped flag answer in a fraction of a second: reading the command line
+    imports neither torch nor diffusers nor Gradio (those cost 12-14 CPU s on two cores)."""
+    probe = ("import sys, launch\n"
+             "launch.settings_from_args(launch.build_parser().parse_args(['--offload', 'balanced']))\n"
+             "print(sorted(m for m in ('torch', 'diffusers', 'gradio') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.strip() == "[]", loaded.stderr
+    mistyped = _launch("--offload", "balance")
+    assert mistyped.returncode == 2 and "invalid choice: 'balance'" in mistyped.stderr
+
+
 def test_help_states_each_default_once_and_only_meaningful_ones():
     text = _launch("--help").stdout
     options = re.split(r"\n  (?=-)", text)  # one block per option, wrapped lines included

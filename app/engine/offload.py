@@ -36,6 +36,7 @@ import torch
 from app.engine import placement
 from app.engine.placement import PlacementPlan
 from app.hooks import HookRegistry, ModelHook
+from app.settings import OFFLOAD_CHOICES
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +308,8 @@ class GroupOffload(OffloadStrategy):
 MODES: dict[str, type[OffloadStrategy]] = {
     cls.mode: cls for cls in (OffloadStrategy, ModelOffload, BalancedOffload, SequentialOffload, GroupOffload)
 }
+if tuple(MODES) != OFFLOAD_CHOICES:
+    raise ImportError(f"offload strategies {tuple(MODES)} and settings.OFFLOAD_CHOICES {OFFLOAD_CHOICES} disagree")
 
 
 def make_strategy(pipe, plan: PlacementPlan, hooks: HookRegistry, vram_budget_gib: float | None,
