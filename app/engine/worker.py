@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from app import diagnostics
+from app import diagnostics, gc_policy
 from app.adapters.errors import AdapterError, LoraApplyError
 from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
@@ -64,6 +64,7 @@ class Engine(Generating, Workflows):
     inpaint and hires fix from `Workflows` (app/engine/workflows.py)."""
 
     def __init__(self, settings: Settings) -> None:
+        gc_policy.freeze_startup_objects()
         self.settings = settings
         self.device = placement.resolve_device(settings.device)
         self.library = LoraLibrary(settings.lora_dir, cache_bytes=settings.lora_cache_mib * 2**20)
