@@ -7,6 +7,11 @@ import os
 import shutil
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # read once when huggingface_hub is imported
+# The suite runs as two pytest-xdist workers on two cores (`-n 2` in pyproject.toml), each module
+# whole on one worker (`--dist loadfile`: a module's served app starts once). One thread each, so
+# the workers' kernels do not fight over the cores; apps the tests launch inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 from pathlib import Path  # noqa: E402
 

@@ -591,7 +591,7 @@ def fuzz_data(demo_dir, tmp_path_factory) -> Path:
 CPU_EXAMPLES, CPU_STEPS, CPU_MIN_TRANSITIONS = 32, 110, 2000
 
 
-@pytest.mark.timeout(1200)  # passing: 369 s on two cores (2026-11-23); a failure adds up to 5 min of shrinking
+@pytest.mark.timeout(1200)  # passing: 458 s in an xdist worker (2026-11-24); a failure adds up to 5 min of shrinking
 def test_fuzz_engine_api_cpu(fuzz_data, record_property):
     """≥2,000 random transitions on the CPU (both architectures, every dtype request, every offload
     mode, every adapter algorithm, strengths 0/negative/>1, prompt tags, debug and strict toggles)
