@@ -2,7 +2,7 @@
 pipeline beside plain diffusers `FluxPipeline` in the same run: ours must not be slower, and each
 offload mode's it/s and peak VRAM are printed beside diffusers' model/sequential offload.
 
-    python -m pytest -n 0 -m gpu tests/test_flux_gpu.py -s
+    python -m pytest -o addopts=-ra -m gpu tests/test_flux_gpu.py -s
 """
 
 from __future__ import annotations
