@@ -67,17 +67,8 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-# Modules that run longest (s on one of two workers, 2026-11-24): they start first, so the other
-# worker takes the rest meanwhile. Collected in file order, the fuzz began three quarters in and
-# ran alone for its last 9 minutes.
-LONGEST_FIRST = ("test_fuzz.py", "test_workflows.py", "test_soak.py", "test_bench.py")  # 446, 145, 83, 99
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest modules first; `@pytest.mark.gpu` tests skip (with the reason) where there is no
-    CUDA device."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order otherwise
+    """`@pytest.mark.gpu` tests skip (with the reason) where there is no CUDA device."""
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu through the device tool)")
