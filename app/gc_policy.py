@@ -18,15 +18,13 @@ import gc
 import threading
 
 _lock = threading.Lock()
-_frozen = False
 
 
 def freeze_startup_objects() -> None:
-    """Collect once, then move every surviving object to the permanent generation (first call only)."""
-    global _frozen
+    """Collect once, then move every surviving object to the permanent generation; a no-op once
+    anything is frozen (the permanent generation is the record that this already ran)."""
     with _lock:
-        if _frozen:
+        if gc.get_freeze_count():
             return
         gc.collect()
         gc.freeze()
-        _frozen = True
