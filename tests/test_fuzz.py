@@ -55,7 +55,7 @@ from PIL import Image
 from app.adapters.errors import LoraApplyError
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, FLUX_TARGETS, write_adapter
+from app.adapters.synthetic import ALGORITHMS, write_adapter
 from app.demo import build_tiny_pipeline
 from app.diagnostics import set_debug_logging
 from app.engine import offload, placement, storage
@@ -67,7 +67,6 @@ from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
 
 ARCHS = ("sd15", "sdxl", "flux-dev")
 MODELS = {arch: f"tiny-{arch}.safetensors" for arch in ARCHS}
-TARGETS = {"sd15": DEFAULT_TARGETS, "sdxl": DEFAULT_TARGETS, "flux-dev": FLUX_TARGETS}
 # Strengths a slider or the API can send: zero, negative, above one, beyond the slider range.
 STRENGTHS = (0.0, 1.0, 0.5, -1.0, 1.1, 2.5, -0.3, 4.0)
 # (file stem suffix, algorithm, key layout, stored dtype): every algorithm once, plain LoRA in
@@ -106,7 +105,7 @@ def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
     lora_dir = target / "models" / "Lora"
     for arch in ARCHS:
         pipe = build_tiny_pipeline(arch)  # seed 0, like the demo checkpoints
-        targets = TARGETS[arch]
+        targets = family(arch).lora_targets
         for i, (stem, algo, layout, dtype) in enumerate(ADAPTERS):
             if arch.startswith("flux") and ("tucker" in algo or layout == "kohya_ldm"):
                 continue

@@ -246,15 +246,7 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     # VAE rests on the CPU (maybe in a wider dtype) until its hooks bring it over. fp32 when it
     # must upcast.
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
-    latents = latents.to(device=pipe._execution_device, dtype=dtype)
-    config = vae.config
-    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-    if mean is not None and std is not None:
-        mean_t = torch.tensor(mean, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1)
-        std_t = torch.tensor(std, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1)
-        latents = latents * std_t / config.scaling_factor + mean_t
-    else:  # the Flux VAE also shifts its latents
-        latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+    latents = family_of(pipe).latents_for_vae(vae, latents.to(device=pipe._execution_device, dtype=dtype))
     with torch.no_grad():
         decoded = vae.decode(latents, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
@@ -290,6 +282,7 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     and the NaN check."""
     fam = family_of(pipe)
     _check_size(fam, params)
+    fam.check_guidance(params.cfg)
     pipe.scheduler = _scheduler_for(pipe, params.sampler)
     total = params.steps if total is None else total
     watch = _FiniteWatch(total)

@@ -17,8 +17,9 @@ from app.adapters.prompt import merge_prompt_loras
 from app.engine import generate
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.snapshot import EngineState
+from app.families import family
 from app.infotext import LoraUse
-from app.preview import LATENT_RGB, latent_preview
+from app.preview import latent_preview
 
 
 @dataclass
@@ -121,12 +122,13 @@ class Generating:
         stopped at (None: all ran). Every `preview_every` steps the progress carries a cheap preview
         of the latents."""
         reached, arch = 0, self._lifecycle.facts().arch
+        previews = family(arch).preview_rgb is not None  # no factors: no preview
 
         def on_step(step: int, total: int, latents) -> bool:
             nonlocal reached
             reached = step
             every = self.settings.preview_every
-            shown = every and step % every == 0 and step < total and arch in LATENT_RGB  # no factors: no preview
+            shown = previews and every and step % every == 0 and step < total
             self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
             return job.stop is not None
 

@@ -1,4 +1,4 @@
-"""Our pipeline classes: diffusers' SD1.5/SDXL/Flux pipelines with an execution device the engine states.
+"""The base of every pipeline class the engine runs: an execution device and compute dtypes the engine states.
 
 diffusers infers where to create latents and prompt embeddings from accelerate hooks or from
 the first component's device. Under our own offload hooks every component rests on the CPU
@@ -6,13 +6,15 @@ between forwards, so that inference would say "cpu" and the first CUDA forward w
 inputs. The engine sets `execution_device` from the placement plan instead, and `compute_dtypes`
 (what each component computes in, which a resting dtype need not be).
 
-The img2img and inpaint classes are the stage pipelines of `app/engine/stages.py`: built on the
-loaded pipeline's own component objects (never a copy, never a cast), handed the latents the
-engine encoded itself, so diffusers' own VAE encode (which casts the SDXL VAE in place) never runs.
-Flux's stage pipelines take SD's step count for a strength (see `_FluxStage`).
+A family's pipeline classes (txt2img and the img2img/inpaint stage pipelines of
+`app/engine/stages.py`) live in its own file under `app/families/`: each is
+`class Mine(EnginePipeline, diffusers.SomePipeline)`. Stage pipelines are built on the loaded
+pipeline's own component objects (never a copy, never a cast) and handed the latents the engine
+encoded itself, so diffusers' own VAE encode (which casts the SDXL VAE in place) never runs.
 
-`spatial_latents` gives the denoised latents as (batch, channels, h, w), the shape the VAE and
-the live preview read: Flux denoises 2×2 patches packed into a sequence.
+`spatial_latents` gives the denoised latents as (batch, channels, h, w), the shape the VAE and the
+live preview read; a family whose pipeline denoises another shape (Flux's packed 2×2 patches)
+overrides it.
 """
 
 from __future__ import annotations
@@ -21,20 +23,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
-from diffusers import (
-    FluxImg2ImgPipeline,
-    FluxInpaintPipeline,
-    FluxPipeline,
-    StableDiffusionImg2ImgPipeline,
-    StableDiffusionInpaintPipeline,
-    StableDiffusionPipeline,
-    StableDiffusionXLImg2ImgPipeline,
-    StableDiffusionXLInpaintPipeline,
-    StableDiffusionXLPipeline,
-)
 
 
-class _StatedExecutionDevice:
+class EnginePipeline:
+    """Mixin, first among a pipeline class's bases: the engine states the execution device."""
+
     execution_device: torch.device | None = None
     # The dtype each component computes in, by name; may differ from the dtype its weights rest in.
     compute_dtypes: Mapping[str, torch.dtype] = MappingProxyType({})
@@ -47,58 +40,5 @@ class _StatedExecutionDevice:
         return super()._execution_device
 
     def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """SD pipelines denoise spatial latents already."""
+        """The denoised latents as (batch, channels, h, w); SD pipelines denoise them so already."""
         return latents
-
-
-class SteadySDPipeline(_StatedExecutionDevice, StableDiffusionPipeline):
-    """SD1.5 pipeline whose execution device is set by the engine."""
-
-
-class SteadySDXLPipeline(_StatedExecutionDevice, StableDiffusionXLPipeline):
-    """SDXL pipeline whose execution device is set by the engine."""
-
-
-class SteadySDImg2ImgPipeline(_StatedExecutionDevice, StableDiffusionImg2ImgPipeline):
-    """SD1.5 img2img (and hires fix second pass) stage pipeline."""
-
-
-class SteadySDInpaintPipeline(_StatedExecutionDevice, StableDiffusionInpaintPipeline):
-    """SD1.5 inpaint stage pipeline (4- or 9-channel UNet)."""
-
-
-class SteadySDXLImg2ImgPipeline(_StatedExecutionDevice, StableDiffusionXLImg2ImgPipeline):
-    """SDXL img2img (and hires fix second pass) stage pipeline."""
-
-
-class SteadySDXLInpaintPipeline(_StatedExecutionDevice, StableDiffusionXLInpaintPipeline):
-    """SDXL inpaint stage pipeline (4- or 9-channel UNet)."""
-
-
-class _PackedPatches(_StatedExecutionDevice):
-    """Flux pipelines denoise 2×2 latent patches packed into a sequence."""
-
-    def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Unpack the (batch, h/2·w/2, 4·channels) sequence of 2×2 patches (FluxPipeline's own rule)."""
-        return self._unpack_latents(latents, height, width, self.vae_scale_factor)
-
-
-class SteadyFluxPipeline(_PackedPatches, FluxPipeline):
-    """FLUX.1 pipeline whose execution device is set by the engine."""
-
-
-class _FluxStage(_PackedPatches):
-    """Flux's img2img and inpaint run int(steps × strength) steps, as SD's pipelines and A1111 do and
-    as the engine announces (`stage_params`: progress, the NaN check): diffusers' Flux rule skips
-    int(steps − steps × strength) steps instead, one step more at e.g. 3 × 0.7. SD's rule reads
-    only the scheduler, so it serves flow matching as it is."""
-
-    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
-
-
-class SteadyFluxImg2ImgPipeline(_FluxStage, FluxImg2ImgPipeline):
-    """FLUX.1 img2img (and hires fix second pass) stage pipeline."""
-
-
-class SteadyFluxInpaintPipeline(_FluxStage, FluxInpaintPipeline):
-    """FLUX.1 inpaint stage pipeline (the regular transformer: the mask blends latents each step)."""

@@ -23,6 +23,7 @@ import torch
 from app.engine import generate, image_ops, placement
 from app.engine.generate import GenerateParams, StepCallback
 from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS, HiresParams, InitImages
+from app.families import family_of
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,8 @@ class Carry:
 
 def inpainting_checkpoint(pipe) -> bool:
     """Does the denoiser also read the mask and the masked-image latents (an SD inpainting checkpoint's
-    9-channel UNet)? A transformer family (Flux) has no such variant here."""
-    unet = getattr(pipe, "unet", None)
-    return unet is not None and unet.config.in_channels != pipe.vae.config.latent_channels
+    9-channel UNet)? The family says (`Family.inpainting`)."""
+    return family_of(pipe).inpainting(pipe)
 
 
 def check_txt2img(pipe) -> None:
@@ -116,23 +116,15 @@ def encode(pipe, images: list, seed: int) -> torch.Tensor:
     """Images -> scaled latents, (batch, channels, h, w): on the execution device in the VAE's compute
     dtype (as `decode`), one image at a time with its own generator (image i seeded `seed + i`, so an
     image does not depend on its batch position). Under offload the VAE's hooks bring the encoder in.
-    The inverse of `generate.decode`'s scaling: SDXL-style per-channel mean/std, else Flux's shift
-    (0 for SD) and the scaling factor."""
+    The inverse of `generate.decode`'s scaling (`Family.latents_from_vae`)."""
     vae = pipe.vae
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
     pixels = image_ops.to_tensor(images).to(device=pipe._execution_device, dtype=dtype)
-    config = vae.config
     latents = []
     with torch.no_grad():
         for i, generator in enumerate(generate.seed_generators(seed, len(images))):
             latents.append(vae.encode(pixels[i:i + 1]).latent_dist.sample(generator).float())
-    out = torch.cat(latents)
-    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-    if mean is not None and std is not None:
-        mean_t = torch.tensor(mean, device=out.device).view(1, -1, 1, 1)
-        std_t = torch.tensor(std, device=out.device).view(1, -1, 1, 1)
-        return (out - mean_t) * config.scaling_factor / std_t
-    return (out - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
+    return family_of(pipe).latents_from_vae(vae, torch.cat(latents))
 
 
 def upscale_latents(latents: torch.Tensor, hires: HiresParams, size: tuple[int, int], factor: int) -> torch.Tensor:
