@@ -118,9 +118,10 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
         folder.mkdir(parents=True, exist_ok=True)
     for arch in FAMILIES:
         pipe = build_tiny_pipeline(arch, seed)
-        paths[f"{arch}_file"] = settings.checkpoints_dir / f"tiny-{arch}.safetensors"
-        write_single_file(pipe, arch, paths[f"{arch}_file"])
-        if folders:
+        if "file" in family(arch).layouts:
+            paths[f"{arch}_file"] = settings.checkpoints_dir / f"tiny-{arch}.safetensors"
+            write_single_file(pipe, arch, paths[f"{arch}_file"])
+        if folders and "folder" in family(arch).layouts:
             paths[f"{arch}_folder"] = settings.checkpoints_dir / f"tiny-{arch}-diffusers"
             pipe.save_pretrained(paths[f"{arch}_folder"], safe_serialization=True)
         if family(arch).takes_embeddings:

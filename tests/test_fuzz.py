@@ -287,7 +287,8 @@ class EngineMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         cfg = self.config
-        self.engine = Engine(Settings(data_dir=cfg.data_dir, device=cfg.device))
+        # Strict forwards: every module's forward checks its tensors' placement (app/engine/strict.py).
+        self.engine = Engine(Settings(data_dir=cfg.data_dir, device=cfg.device, strict_forwards=True))
         self.model: str | None = None
         self.arch = "sd15"  # the architecture LoRA choices are made for (kept across unload)
         self.requested = "auto"
@@ -558,7 +559,7 @@ class EngineMachine(RuleBasedStateMachine):
         bypass = offload.MODES[self.offload].streams_weights or self.weights != "full"
         stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
         assert actual_hooks(snap) == expected_hooks(self.engine.pipeline, self.offload, set(fused) if bypass else set(),
-                                                    {(c, p) for c, paths in stored.items() for p in paths})
+                                                    {(c, p) for c, paths in stored.items() for p in paths}, strict=True)
 
 
 INIT_IMAGE = Image.new("RGB", (80, 48), (40, 140, 90))

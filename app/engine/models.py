@@ -300,14 +300,18 @@ def check_finite_weights(pipe, dtype: torch.dtype, name: str) -> None:
 
 
 def _check_loaded(pipe, dtype: torch.dtype, name: str) -> None:
-    """Every tensor on CPU, floating ones in `dtype`, no accelerate hooks: the contract of this module."""
-    problems = []
+    """Every tensor on CPU, floating ones in `dtype` (a tensor the family pins, in its pinned dtype),
+    no accelerate hooks: the contract of this module."""
+    problems, fam = [], pipe.family
     for component, module in pipe.components.items():
         if not isinstance(module, torch.nn.Module):
             continue
         for tensor_name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if tensor.device.type != "cpu" or (tensor.is_floating_point() and tensor.dtype != dtype):
-                problems.append(f"{component}.{tensor_name} on {tensor.device} in {tensor.dtype}")
+            path, _, leaf = tensor_name.rpartition(".")
+            want = fam.pinned_dtype(component, path, leaf) or dtype
+            if tensor.device.type != "cpu" or (tensor.is_floating_point() and tensor.dtype != want):
+                problems.append(f"{component}.{tensor_name} on {tensor.device} in {tensor.dtype}"
+                                + ("" if want == dtype else f" (pinned to {want})"))
         problems += [
             f"{component}.{n} has an accelerate hook"
             for n, m in module.named_modules()

@@ -76,13 +76,24 @@ def inpainting_checkpoint(pipe) -> bool:
     return family_of(pipe).inpainting(pipe)
 
 
-def check_txt2img(pipe) -> None:
-    """txt2img denoises bare latents: an inpainting checkpoint's UNet (9 input channels) would be fed
-    9-channel noise and fail deep in the scheduler. Refused by name instead."""
-    if inpainting_checkpoint(pipe):
-        raise ValueError(f"this is an inpainting checkpoint (its UNet takes {pipe.unet.config.in_channels} "
-                         "channels): use it on the img2img tab (img2img or inpaint), or load a regular checkpoint "
-                         "for txt2img")
+def txt2img_latents(pipe, stage_for, params: GenerateParams, seed: int, on_step: StepCallback | None = None
+                    ) -> torch.Tensor:
+    """txt2img's denoised latents. An inpainting checkpoint (its denoiser also reads a mask and the
+    masked-image latents) runs as A1111 runs it: its conditioning is a blank picture (0.5 grey)
+    masked whole, and the `stage_for("inpaint")` pipeline denoises from pure noise (strength 1)."""
+    if not inpainting_checkpoint(pipe):
+        return generate.denoise(pipe, params, seed, on_step, width=params.width, height=params.height)
+    blank = unmasked_inputs(pipe, params, seed)
+    return denoise_stage(stage_for("inpaint"), params, seed, on_step, params.steps, 1.0,
+                         blank["masked_image_latents"], **blank)
+
+
+def unmasked_inputs(pipe, params: GenerateParams, seed: int) -> dict[str, torch.Tensor]:
+    """What an inpainting checkpoint reads beside the latents where the user masked nothing (txt2img,
+    the hires pass), as A1111 feeds it: the whole picture masked and a blank (0.5 grey) masked image."""
+    grey = torch.zeros(params.batch, 3, params.height, params.width)  # 0.5 in [0, 1] is 0 in [-1, 1]
+    blank = _encode_pixels(pipe, grey, seed)
+    return {"mask_image": torch.ones(1, 1, *blank.shape[-2:], device=blank.device), "masked_image_latents": blank}
 
 
 def stage_on(pipe, fam, cache: dict[str, object], kind: str):
@@ -117,12 +128,17 @@ def encode(pipe, images: list, seed: int) -> torch.Tensor:
     dtype (as `decode`), one image at a time with its own generator (image i seeded `seed + i`, so an
     image does not depend on its batch position). Under offload the VAE's hooks bring the encoder in.
     The inverse of `generate.decode`'s scaling (`Family.latents_from_vae`)."""
+    return _encode_pixels(pipe, image_ops.to_tensor(images), seed)
+
+
+def _encode_pixels(pipe, pixels: torch.Tensor, seed: int) -> torch.Tensor:
+    """(batch, 3, h, w) pixels in [-1, 1] -> scaled latents (see `encode`)."""
     vae = pipe.vae
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
-    pixels = image_ops.to_tensor(images).to(device=pipe._execution_device, dtype=dtype)
+    pixels = pixels.to(device=pipe._execution_device, dtype=dtype)
     latents = []
     with torch.no_grad():
-        for i, generator in enumerate(generate.seed_generators(seed, len(images))):
+        for i, generator in enumerate(generate.seed_generators(seed, len(pixels))):
             latents.append(vae.encode(pixels[i:i + 1]).latent_dist.sample(generator).float())
     return family_of(pipe).latents_from_vae(vae, torch.cat(latents))
 

@@ -149,16 +149,11 @@ _PREVIEW = (((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.06
 # attention q and output, the single blocks' MLP input and output projection, a modulation and an
 # embedder, and CLIP-L.
 _LORA_TARGETS = (
-    "transformer.transformer_blocks.0.attn.to_q",
-    "transformer.transformer_blocks.*.attn.to_out.0",
-    "transformer.transformer_blocks.1.ff.net.2",
-    "transformer.single_transformer_blocks.0.proj_mlp",
-    "transformer.single_transformer_blocks.*.proj_out",
-    "transformer.transformer_blocks.0.norm1.linear",
+    "transformer.transformer_blocks.0.attn.to_q", "transformer.transformer_blocks.*.attn.to_out.0",
+    "transformer.transformer_blocks.1.ff.net.2", "transformer.single_transformer_blocks.0.proj_mlp",
+    "transformer.single_transformer_blocks.*.proj_out", "transformer.transformer_blocks.0.norm1.linear",
     "transformer.context_embedder",
-    "text_encoder.*layers.0.self_attn.q_proj",
-    "text_encoder.*layers.0.mlp.fc1",
-    "text_encoder.*layers.0.layer_norm1",
+    "text_encoder.*layers.0.self_attn.q_proj", "text_encoder.*layers.0.mlp.fc1", "text_encoder.*layers.0.layer_norm1",
 )
 _DEMO_LORA_TARGETS = (
     ("transformer.*attn.to_[qkv]", "transformer.*attn.to_out.0", "transformer.*attn.add_[qkv]_proj",

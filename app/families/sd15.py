@@ -9,15 +9,8 @@ from transformers import CLIPTextModel
 
 from app.engine.pipelines import EnginePipeline
 from app.families import ASSETS_DIR, Family, TextEncoder
-from app.families.ldm_layout import UNET_PREFIX, lora_aliases
-from app.families.tiny_parts import (
-    DEMO_LORA_TARGETS,
-    SD_LORA_TARGETS,
-    TINY_CLIP_L,
-    TINY_UNET,
-    TINY_VAE,
-    unet_inpainting,
-)
+from app.families.ldm_layout import UNET_PREFIX
+from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE
 
 
 class SteadySDPipeline(EnginePipeline, StableDiffusionPipeline):
@@ -46,8 +39,7 @@ SD15 = Family(
                         _CLIP.single_file_prefix + "embeddings.token_embedding.weight"),
     high_precision=("conv_in", "conv_out", "time_embedding"),
     config_dir=ASSETS_DIR / "configs" / "sd15",
-    native_modules=lora_aliases,
-    inpainting=unet_inpainting,
+    **SD_SHARED,
     tiny_inpainting_channels=9,  # latents + mask + masked-image latents
     # SD1.5 mirrors the real layout (attention on top levels, plain bottom level, layers_per_block 2).
     tiny_configs=MappingProxyType({
@@ -62,8 +54,6 @@ SD15 = Family(
                   (-0.2120, -0.2616, -0.7177)), (0.0, 0.0, 0.0)),
     adapter_label="SD1.5",
     adapter_markers=("sd_v1", "stable-diffusion-v1", "sd1", "sd_1", "sd 1", "v1"),
-    lora_targets=SD_LORA_TARGETS,
-    demo_lora_targets=DEMO_LORA_TARGETS,
     # The safety checker is never loaded (nothing to download, nothing to run).
     pipeline_kwargs=MappingProxyType({"safety_checker": None, "feature_extractor": None,
                                       "requires_safety_checker": False}),

@@ -9,15 +9,8 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from app.engine.pipelines import EnginePipeline
 from app.families import ASSETS_DIR, Family, TextEncoder
-from app.families.ldm_layout import UNET_PREFIX, lora_aliases
-from app.families.tiny_parts import (
-    DEMO_LORA_TARGETS,
-    SD_LORA_TARGETS,
-    TINY_CLIP_L,
-    TINY_UNET,
-    TINY_VAE,
-    unet_inpainting,
-)
+from app.families.ldm_layout import UNET_PREFIX
+from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE
 
 
 class SteadySDXLPipeline(EnginePipeline, StableDiffusionXLPipeline):
@@ -56,8 +49,7 @@ SDXL = Family(
     high_precision=("conv_in", "conv_out", "time_embedding", "add_embedding", "text_projection"),
     vae_upcast_in_fp16=True,
     config_dir=ASSETS_DIR / "configs" / "sdxl",
-    native_modules=lora_aliases,
-    inpainting=unet_inpainting,
+    **SD_SHARED,
     # layers_per_block 1 (SD1.5's tiny UNet has 2), so the LDM block numbering is exercised for both values
     tiny_configs=MappingProxyType({
         "unet": dict(TINY_UNET, layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
@@ -75,7 +67,5 @@ SDXL = Family(
                   (-0.3165, -0.2492, -0.2188)), (0.1084, -0.0175, -0.0011)),
     adapter_markers=("sdxl_base_v1-0", "stable-diffusion-xl-v1-base", "sdxl", "stable-diffusion-xl", "xl"),
     kohya_ldm_names=True,
-    lora_targets=SD_LORA_TARGETS,
-    demo_lora_targets=DEMO_LORA_TARGETS,
 )
 FAMILIES = (SDXL,)

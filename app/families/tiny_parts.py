@@ -1,4 +1,4 @@
-"""Parts the families share: tiny component configs, LoRA target globs, the SD inpainting check.
+"""Parts the families share: tiny component configs, LoRA target globs, what SD1.5 and SDXL state alike.
 
 Why here: SD1.5, SDXL and FLUX.1 use the same CLIP-L text encoder and the same VAE structure, so
 their tiny demo configs (what `app/demo.py` writes and the tests build) start from the same
@@ -8,6 +8,10 @@ so the bundled tokenizers work unchanged; four VAE levels like the real VAE (dow
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
+
+from app.families.ldm_layout import lora_aliases
 
 TINY_CLIP_L = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=0, eos_token_id=2, pad_token_id=1,
                    hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=3,
@@ -44,3 +48,8 @@ DEMO_LORA_TARGETS = (
 def unet_inpainting(pipe) -> bool:
     """An SD inpainting checkpoint: its UNet also reads the mask and the masked-image latents (9 channels)."""
     return pipe.unet.config.in_channels != pipe.vae.config.latent_channels
+
+
+# What SD1.5 and SDXL state alike (`Family(..., **SD_SHARED)`).
+SD_SHARED = MappingProxyType(dict(inpainting=unet_inpainting, native_modules=lora_aliases, lora_targets=SD_LORA_TARGETS,
+                                  demo_lora_targets=DEMO_LORA_TARGETS))
