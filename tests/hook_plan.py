@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from app.engine.placement import torch_components
+from app.families import family_of
 
 Where = tuple[str, str]  # (component, module path)
 
@@ -29,6 +30,17 @@ def _blocks(component: torch.nn.Module, prefix: str = "") -> list[tuple[str, tor
     return out
 
 
+def _group_paths(pipe, name: str, component: torch.nn.Module) -> list[str]:
+    """The module paths `group` offload hooks: the family's own `blocks` where it states them (plus
+    the component itself where it owns tensors outside them), else the generic rule above."""
+    grouping = family_of(pipe).blocks
+    if grouping is None:
+        return [path for path, _block in _blocks(component)]
+    paths = {id(m): p for p, m in component.named_modules()}
+    own = [p for p, _block in _blocks(component) if p == ""]
+    return [paths[id(block)] for block in grouping(name, component)] + own
+
+
 def expected_hooks(pipe, mode: str, bypassed: set[Where] = frozenset(), stored: set[Where] = frozenset(),
                    strict: bool = False) -> dict[Where, tuple[str, ...]]:
     """{(component, module): hook names in run order} for `mode`, with LoRA bypasses on `bypassed`,
@@ -47,7 +59,7 @@ def expected_hooks(pipe, mode: str, bypassed: set[Where] = frozenset(), stored: 
                 if module._parameters or module._buffers:
                     want.setdefault((comp, path), []).append("offload.stream")
         elif mode == "group":
-            for path, _block in _blocks(component):
+            for path in _group_paths(pipe, comp, component):
                 want.setdefault((comp, path), []).append("offload.stream")
     for where in stored:
         want.setdefault(where, []).append("quant.dequant")

@@ -69,10 +69,12 @@ MAX_SEED = 2**32 - 1
 # pixel-steps (batch x width x height x steps: 4 x 1024² x 238, or 16 x 512² x 238) is two to three
 # minutes on an H100; the per-field limits alone allowed 16 x 2048² x 150, ten times that.
 MAX_PROMPT_CHARS = 16_000
+_GUIDANCE = [fam.guidance_range for fam in FAMILIES.values()]
 MAX_PIXEL_STEPS = 1_000_000_000
 LIMITS: dict[str, Range] = {
     "steps": Range(1, 150),
-    "cfg": Range(1, 30, whole=False),
+    # every family's guidance range together; `Family.check_guidance` narrows it to the loaded family's
+    "cfg": Range(min(low for low, _ in _GUIDANCE), max(high for _, high in _GUIDANCE), whole=False),
     "seed": Range(-1, MAX_SEED, hint="-1 = random"),
     "width": Range(64, 2048),
     "height": Range(64, 2048),

@@ -53,12 +53,6 @@ logger = logging.getLogger(__name__)
 # Hashes and finite-weight verdicts of the checkpoints in a folder, kept beside them (a dot file, so
 # discovery skips it) and valid while a file's size and mtime are unchanged: see `FileFacts`.
 FACTS_FILE = ".steady-diffusion-facts.json"
-_CONFIG_FILES = {
-    "unet": "unet/config.json",
-    "vae": "vae/config.json",
-    "text_encoder": "text_encoder/config.json",
-    "text_encoder_2": "text_encoder_2/config.json",
-}
 
 
 @dataclass(frozen=True)
@@ -250,14 +244,14 @@ def _config_folder(arch: str, metadata: dict[str, str], name: str, shapes: dict[
         folder = Path(tmp) / arch
         shutil.copytree(family(arch).config_dir, folder)
         for component, config in overrides.items():
-            (folder / _CONFIG_FILES[component]).write_text(json.dumps(config))
+            (folder / component / "config.json").write_text(json.dumps(config))
         yield folder
 
 
 def unet_channel_override(config_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict]:
     """{"unet": config} with `in_channels` as the file's first UNet conv has them, when that differs
     from the bundled config: SD inpainting checkpoints take 9 (latents, mask, masked-image latents)."""
-    config = json.loads((config_dir / _CONFIG_FILES["unet"]).read_text())
+    config = json.loads((config_dir / "unet" / "config.json").read_text())
     conv_in = shapes.get(UNET_PREFIX + "input_blocks.0.0.weight")
     if conv_in is None or len(conv_in) != 4 or conv_in[1] == config.get("in_channels"):
         return {}
