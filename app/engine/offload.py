@@ -12,8 +12,9 @@ What each mode moves:
   dropped after; the CPU tensor stays the storage, so nothing is copied back.
 * **group**: whole blocks (a down block, an encoder layer; `blocks`: what executes, a family may
   state its own) streamed like `sequential`, with the next block copied ahead on a side CUDA
-  stream; tensors a component owns itself are streamed around the component's forward. Our own rather than
-  diffusers' group offloading, which needs accelerate and keeps pinned copies of every weight.
+  stream; tensors a component owns itself are streamed around the component's forward. Our own
+  rather than diffusers' group offloading, which needs accelerate and keeps pinned copies of
+  every weight.
 
 Every hook goes through the pipeline's `HookRegistry` under a constant name (`offload.inputs`,
 `offload.component`, `offload.stream`), so it runs in the registry's declared order beside LoRA
@@ -295,7 +296,7 @@ class GroupOffload(OffloadStrategy):
             if event is not None:
                 current = torch.cuda.current_stream(compute.device)
                 current.wait_event(event)
-                for module in group.modules():  # copied on the side stream, read on this one
+                for module, _pinned in self._members[id(group)]:  # copied on the side stream, read on this one
                     for tensor in (*module._parameters.values(), *module._buffers.values()):
                         if tensor is not None and tensor.device.type == "cuda":
                             tensor.record_stream(current)
