@@ -52,6 +52,7 @@ from app.engine.checkpoint_files import (
 from app.engine.generate import GenerateParams
 from app.engine.models import check_finite_weights, load_pipeline
 from app.engine.worker import Engine, EngineState
+from app.families import FAMILIES
 from app.paths import UnsafePathError
 from app.settings import Settings
 
@@ -431,7 +432,7 @@ def _unet_only(env: Env) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith("model.diffusion_model.")}
 
 
-NOT_KNOWN = r"not a checkpoint of a family this app runs \(SD1\.5, SDXL, FLUX\.1-dev, FLUX\.1-schnell\)"
+NOT_KNOWN = re.escape(f"not a checkpoint of a family this app runs ({', '.join(f.label for f in FAMILIES.values())})")
 BAD_CHECKPOINTS = {
     "truncated": (lambda env: _ckpt_bytes(env)[: len(_ckpt_bytes(env)) // 2], ModelLoadError,
                   r"bad-truncated\.safetensors: not a valid safetensors file .*truncated or corrupt"),

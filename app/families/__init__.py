@@ -5,7 +5,7 @@ Why: SD1.5 and SDXL used to be spelled out in a dozen dicts and `if arch == "sdx
 and for LoRA keys, embedding layouts, demo configs, LoRA metadata, preview factors). A family now
 says all of that once, as data and small callables on `Family`, and generic code asks the family;
 it never branches on a family's name. Every registered family is held to the same proof by one
-conformance suite (`tests/families/`), which runs with strict forwards on (`app/strict.py`).
+conformance suite (`tests/families/`), which runs with strict forwards on (`app/engine/strict.py`).
 
 How to add a family (Z-Image, Flux.2 Klein, …), in five lines:
 
