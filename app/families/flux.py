@@ -18,7 +18,6 @@ from types import MappingProxyType
 
 import torch
 from diffusers import (
-    AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
     FluxImg2ImgPipeline,
     FluxInpaintPipeline,
@@ -30,10 +29,11 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from app.engine.pipelines import EnginePipeline
 from app.families import ASSETS_DIR, ComponentFile, Family, TextEncoder
-from app.families.file_layout import FileTensor, module_parts
+from app.families.file_layout import module_parts, own_names
 from app.families.flux_layout import transformer_layout, xlabs_modules
-from app.families.ldm_layout import LYCORIS, clip_layout, vae_layout
-from app.families.tiny_parts import TINY_CLIP_L, TINY_VAE
+from app.families.flux_vae import FLUX_PREVIEW, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.ldm_layout import LYCORIS, clip_layout
+from app.families.tiny_parts import TINY_CLIP_L
 
 
 class _PackedPatches(EnginePipeline):
@@ -77,12 +77,6 @@ _T5 = TextEncoder("text_encoder_2", "tokenizer_2", T5EncoderModel, "text_encoder
                   tokenizer_class=T5TokenizerFast, tokenizer_dir=T5_TOKENIZER_DIR)
 
 
-def _t5_layout(encoder) -> dict[str, FileTensor]:
-    """T5 files use transformers' names; the tied `encoder.embed_tokens` is `shared` and is read once."""
-    tied = set(getattr(encoder, "_tied_weights_keys", None) or {})
-    return {key: FileTensor(key) for key in encoder.state_dict() if key not in tied}
-
-
 _PARTS = (
     ComponentFile("transformer", "transformer", FluxTransformer2DModel, ("model.diffusion_model.", ""),
                   "double_blocks.0.img_attn.qkv.weight", transformer_layout),
@@ -90,10 +84,9 @@ _PARTS = (
                   (_CLIP_L.single_file_prefix, ""), "text_model.encoder.layers.0.self_attn.q_proj.weight",
                   clip_layout, folder="text_encoder_dir", config_class=CLIPTextConfig),
     ComponentFile("text_encoder_2", "T5-XXL text encoder (t5xxl_fp16.safetensors)", T5EncoderModel,
-                  (_T5.single_file_prefix, ""), "encoder.block.0.layer.0.SelfAttention.q.weight", _t5_layout,
+                  (_T5.single_file_prefix, ""), "encoder.block.0.layer.0.SelfAttention.q.weight", own_names,
                   folder="text_encoder_dir", config_class=T5Config),
-    ComponentFile("vae", "VAE (ae.safetensors)", AutoencoderKL, ("vae.", "first_stage_model.", ""),
-                  "decoder.conv_in.weight", vae_layout, folder="vae_dir"),
+    FLUX_VAE_PART,
 )
 # Flow-match Euler with each sigma schedule diffusers offers for Flux (the pipeline passes its own
 # sigmas and time shift, which only this scheduler family takes). Every entry states all three
@@ -136,15 +129,6 @@ _TINY_T5 = dict(vocab_size=32128, d_model=32, d_kv=8, d_ff=37, num_layers=2, num
 _TINY_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=8,
                          num_attention_heads=2, joint_attention_dim=_TINY_T5["d_model"],
                          pooled_projection_dim=TINY_CLIP_L["hidden_size"], axes_dims_rope=(2, 2, 4))
-_TINY_VAE = dict(TINY_VAE, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
-                 use_post_quant_conv=False, force_upcast=True)
-# ComfyUI's published latent-preview fit for the 16-channel Flux latents (comfy/latent_formats.py, Flux)
-_PREVIEW = (((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433),
-             (-0.0174, 0.0160, 0.0617), (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115),
-             (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259), (-0.0245, 0.0250, 0.1180),
-             (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
-             (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499),
-             (-0.1262, -0.0982, -0.0778)), (-0.0329, -0.0718, -0.0851))
 # The same spread of layer kinds as SD's test LoRAs, on Flux's transformer (diffusers names):
 # attention q and output, the single blocks' MLP input and output projection, a modulation and an
 # embedder, and CLIP-L.
@@ -196,10 +180,10 @@ def _family(name: str, label: str, dev: bool) -> Family:
         folder_config=MappingProxyType({"transformer/config.json": {"guidance_embeds": dev}}),
         native_size=lambda pipe: pipe.vae.config.sample_size,
         native_modules=lora_aliases,
-        tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev), "vae": _TINY_VAE,
-                                       "text_encoder": TINY_CLIP_L, "text_encoder_2": _TINY_T5}),
+        tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev),
+                                       "vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP_L, "text_encoder_2": _TINY_T5}),
         guidance_label="Distilled CFG Scale" if dev else "CFG scale",
-        preview_rgb=_PREVIEW,
+        preview_rgb=FLUX_PREVIEW,
         adapter_label="Flux",
         adapter_markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux"),
         lora_targets=_LORA_TARGETS,

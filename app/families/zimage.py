@@ -1,0 +1,184 @@
+"""Z-Image Turbo and Z-Image (Base): a 6B single-stream DiT with the Qwen3-4B text encoder and the
+FLUX autoencoder, 1024² native size (Tongyi-MAI, Apache-2.0).
+
+Two families on one architecture, as their model cards run them: Turbo is distilled for 8 steps
+without classifier-free guidance (`guidance_scale=0` in diffusers); Base is the undistilled model,
+run with CFG and a negative prompt over 28–50 steps. The two share every tensor name; a diffusers
+folder says which it is by its scheduler's static time shift (Turbo 3.0, Base 6.0). A single file
+cannot say, so it loads as Turbo (listed first); its steps and CFG are the user's to change.
+
+CFG: Z-Image's pipelines compute `pos + g·(pos − neg)` and run no unconditional pass at `g = 0`;
+A1111, Forge and ComfyUI compute `neg + s·(pos − neg)`, no CFG at `s = 1`. The CFG field keeps
+their meaning (`guidance_call`: g = s − 1), so an infotext or a ComfyUI workflow's "cfg 5" means the
+same image here (diffusers' 4.0, Base's card value).
+
+Files come as a diffusers folder, or as the ComfyUI transformer (`z_image_turbo_bf16.safetensors`,
+original names with fused `attention.qkv`, bf16, fp8 or fp8 "scaled") with the text encoder in
+`models/text_encoder` (`qwen_3_4b.safetensors`) and the VAE in `models/VAE` (`ae.safetensors`),
+as FLUX.1 does; `parts` says how each is found. LoRAs: diffusers/PEFT and musubi-tuner
+(`lora_unet_layers_0_attention_to_q`) name diffusers' modules and need nothing here; ai-toolkit
+writes them under `diffusion_model.`; kohya-style converted files and ComfyUI name the original
+modules, fused `qkv` cut into `to_q`/`to_k`/`to_v` by rows (`lora_aliases`).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+from diffusers import (
+    StableDiffusionImg2ImgPipeline,
+    ZImageImg2ImgPipeline,
+    ZImageInpaintPipeline,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
+)
+from diffusers.image_processor import VaeImageProcessor
+
+from app.engine.pipelines import EnginePipeline
+from app.families import ASSETS_DIR, ComponentFile, Family
+from app.families.file_layout import module_parts
+from app.families.flux import SAMPLERS
+from app.families.flux_vae import FLUX_PREVIEW, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.ldm_layout import LYCORIS
+from app.families.qwen3 import QWEN3, QWEN3_PART, QWEN3_PINNED
+from app.families.zimage_layout import transformer_layout
+
+KOHYA_ORIGINAL = "kohya (original Z-Image names)"
+COMFY = "ComfyUI (diffusion_model., original names)"
+AI_TOOLKIT = "ai-toolkit (diffusion_model., diffusers names)"
+
+
+class SteadyZImagePipeline(EnginePipeline, ZImagePipeline):
+    """Z-Image pipeline whose execution device is set by the engine."""
+
+
+class _ZImageStage(EnginePipeline):
+    """The engine hands a stage pipeline latents it encoded itself (`app/engine/stages.py`).
+
+    diffusers' Z-Image stage pipelines read them only if their image processor knows latents have 16
+    channels (it is built with SD's 4), and run int(steps − steps × strength) steps where SD's
+    pipelines, A1111 and the engine's progress run int(steps × strength): SD's rule, which reads only
+    the scheduler, serves flow matching as it is (as for FLUX.1)."""
+
+    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+
+    def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer) -> None:
+        # diffusers builds a pipeline from the names its __init__ states: both stage classes take these
+        super().__init__(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         transformer=transformer)
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2,
+                                                 vae_latent_channels=self.vae.config.latent_channels)
+
+
+class SteadyZImageImg2ImgPipeline(_ZImageStage, ZImageImg2ImgPipeline):
+    """Z-Image img2img (and hires fix second pass) stage pipeline."""
+
+
+class SteadyZImageInpaintPipeline(_ZImageStage, ZImageInpaintPipeline):
+    """Z-Image inpaint stage pipeline: the regular transformer, the mask blends latents each step."""
+
+    def prepare_mask_latents(self, mask, masked_image, batch_size, height, width, dtype, device, generator):
+        """The mask at latent size; no masked-image latents. diffusers' version VAE-encodes the masked
+        pixels for a tensor the transformer never reads (only the blend reads the init latents), and
+        the engine hands latents, not pixels."""
+        size = (2 * (int(height) // (self.vae_scale_factor * 2)), 2 * (int(width) // (self.vae_scale_factor * 2)))
+        mask = torch.nn.functional.interpolate(mask, size=size, mode="nearest").to(device=device, dtype=dtype)
+        return mask.repeat(batch_size // mask.shape[0], 1, 1, 1), None
+
+
+def lora_aliases(transformer):
+    """(key, parts, spelling) for each original module as kohya (`lora_unet_layers_0_attention_qkv`),
+    LyCORIS over original names and ComfyUI (`diffusion_model.layers.0.attention.qkv`) spell it,
+    `qkv` listing its three row slices; and ai-toolkit's `diffusion_model.` + diffusers path."""
+    for original, found in module_parts(transformer_layout(transformer)).items():
+        targets = tuple((("transformer", path), rows) for path, rows in found)
+        flat = original.replace(".", "_")
+        yield f"lora_unet_{flat}", targets, KOHYA_ORIGINAL
+        yield f"lycoris_{flat}", targets, LYCORIS
+        yield f"diffusion_model.{original}", targets, COMFY
+        yield original, targets, COMFY
+    for path, module in transformer.named_modules():
+        if path and getattr(module, "weight", None) is not None:
+            yield f"diffusion_model.{path}", ((("transformer", path), None),), AI_TOOLKIT
+
+
+_PARTS: tuple[ComponentFile, ...] = (
+    ComponentFile("transformer", "transformer", ZImageTransformer2DModel, ("model.diffusion_model.", ""),
+                  "layers.0.attention.qkv.weight", transformer_layout),
+    QWEN3_PART,
+    FLUX_VAE_PART,
+)
+# Tiny: one refiner block per stream and two main blocks (lists for `group` offload to stream),
+# 2 heads of 16 with rope axes 4/6/6, the real axis lengths and 16 latent channels; Qwen3 with the
+# real vocabulary (the bundled tokenizer) and three layers (the pipeline reads the next-to-last).
+_TINY_QWEN3 = dict(vocab_size=151936, hidden_size=32, intermediate_size=37, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=40960,
+                   rope_theta=1000000.0, tie_word_embeddings=False)
+_TINY_TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
+                         n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=_TINY_QWEN3["hidden_size"],
+                         axes_dims=(4, 6, 6), axes_lens=(1536, 512, 512))
+# The same spread of layer kinds as the other families' test LoRAs: attention projections (q, out),
+# the feed-forward, a modulation, an embedder and the refiners, and Qwen3.
+_LORA_TARGETS = (
+    "transformer.layers.0.attention.to_q", "transformer.layers.*.attention.to_out.0",
+    "transformer.layers.1.feed_forward.w2", "transformer.layers.0.adaLN_modulation.0",
+    "transformer.noise_refiner.0.attention.to_k", "transformer.context_refiner.0.feed_forward.w1",
+    "transformer.cap_embedder.1",
+    "text_encoder.layers.0.self_attn.q_proj", "text_encoder.layers.0.mlp.up_proj",
+)
+_DEMO_LORA_TARGETS = (
+    ("transformer.*attention.to_[qkv]", "transformer.*attention.to_out.0", "text_encoder.*self_attn.*_proj"),
+    ("transformer.*feed_forward.w[123]", "text_encoder.*mlp.*_proj"),
+)
+_STAGES = MappingProxyType({"img2img": SteadyZImageImg2ImgPipeline, "inpaint": SteadyZImageInpaintPipeline})
+
+
+def _family(name: str, label: str, turbo: bool) -> Family:
+    return Family(
+        name=name,
+        label=label,
+        pipeline_class=SteadyZImagePipeline,
+        stage_pipelines=_STAGES,
+        diffusers_pipeline="ZImagePipeline",
+        text_encoders=(QWEN3,),
+        checkpoint_markers=("layers.0.attention.qkv.weight", "cap_embedder.1.weight", "x_pad_token",
+                            "noise_refiner.0.adaLN_modulation.0.weight"),
+        config_dir=ASSETS_DIR / "configs" / name,
+        default_sampler="Euler",
+        size_multiple=16,  # 8× VAE downscale, then 2×2 patches
+        denoiser="transformer",
+        denoiser_class=ZImageTransformer2DModel,
+        conv_components=("vae",),
+        marker_prefixes=("", "model.diffusion_model."),
+        parts=_PARTS,
+        layouts=("file", "folder") if turbo else ("folder",),
+        samplers=SAMPLERS,
+        default_steps=8 if turbo else 50,
+        default_guidance=1.0 if turbo else 5.0,
+        guidance_call=lambda cfg: {"guidance_scale": cfg - 1.0},
+        fp16_ok=False,
+        # fp8 storage keeps the embedders and the final layer in the compute dtype, as peers' files do
+        high_precision=("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer"),
+        max_sequence_length=512,
+        takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has none
+        pinned_dtypes=QWEN3_PINNED,
+        adapter_arch="zimage",
+        adapter_label="Z-Image",
+        adapter_markers=("z_image", "z-image", "zimage"),
+        # Turbo first: `family_of_pipeline` takes the first family whose `folder_config` fits, so a
+        # folder with another shift is Base.
+        folder_config=MappingProxyType({"scheduler/scheduler_config.json": {"shift": 3.0}} if turbo else {}),
+        native_size=lambda pipe: pipe.vae.config.sample_size,
+        native_modules=lora_aliases,
+        tiny_configs=MappingProxyType({"transformer": _TINY_TRANSFORMER, "vae": TINY_FLUX_VAE,
+                                       "text_encoder": _TINY_QWEN3}),
+        preview_rgb=FLUX_PREVIEW,
+        lora_targets=_LORA_TARGETS,
+        demo_lora_targets=_DEMO_LORA_TARGETS,
+    )
+
+
+ZIMAGE_TURBO = _family("zimage-turbo", "Z-Image Turbo", turbo=True)
+ZIMAGE_BASE = _family("zimage-base", "Z-Image", turbo=False)
+FAMILIES = (ZIMAGE_TURBO, ZIMAGE_BASE)
