@@ -140,14 +140,25 @@ def _check_shapes(part: ComponentFile, source: Source, want: Mapping[str, tuple[
                                    f"the shapes its config asks for ({shown}); refused before building anything")
 
 
+# ComfyUI's "scaled" fp8 files store a per-tensor scale beside a weight: `scale_weight` in the
+# older layout (with a `scaled_fp8` marker), `weight_scale` in the newer one (with `comfy_quant`).
+_SCALE_SUFFIXES = ("scale_weight", "weight_scale")
+
+
 def _reader(handle, source: Source, dtype: torch.dtype):
-    """Read one file tensor in `dtype`. ComfyUI's "scaled" fp8 files store a per-tensor
-    `scale_weight` beside each weight; it is applied while widening."""
+    """Read one file tensor in `dtype`, a scaled fp8 weight multiplied by its scale while widening.
+    A scale of another shape (NVFP4/MXFP8 block scales) is refused: it is not one factor per tensor."""
     def read(key: str) -> torch.Tensor:
         tensor = handle.get_tensor(source.prefix + key)
-        scale_key = source.prefix + key.removesuffix("weight") + "scale_weight"
-        if key.endswith("weight") and scale_key in source.keys:
-            tensor = tensor.to(torch.float32) * handle.get_tensor(scale_key).to(torch.float32)
+        stem = source.prefix + key.removesuffix("weight")
+        scale_key = next((stem + s for s in _SCALE_SUFFIXES if key.endswith("weight") and stem + s in source.keys),
+                         None)
+        if scale_key is not None:
+            scale = handle.get_tensor(scale_key).to(torch.float32)
+            if scale.numel() != 1:
+                raise CheckpointShapeError(f"{scale_key} holds {scale.numel()} scales (a block-quantised format); "
+                                           "only one scale per fp8 tensor is supported")
+            tensor = tensor.to(torch.float32) * scale
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
     return read
 
