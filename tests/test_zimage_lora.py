@@ -8,6 +8,7 @@ removing the LoRA gives back every weight bit for bit. Formats:
 
 * diffusers/PEFT: `transformer.…lora_A/B`, alpha in `lora_adapter_metadata` (written by peft);
 * ai-toolkit: `diffusion_model.` + diffusers names, `lora_A/B` (LoRA) or `lokr_w1`/`lokr_w2_a/b` (LoKr);
+  PEFT's raw parameter names there (`lora_A.default.weight`), which diffusers also reads;
 * musubi-tuner: `lora_unet_layers_0_attention_to_q.lora_down/up` + `alpha` (kohya over diffusers names);
 * Anime-Z: the same names with dotted `lora.down`/`lora.up` suffixes;
 * musubi's ComfyUI conversion (kohya over original names): fused `lora_unet_…_attention_qkv`,
@@ -114,6 +115,9 @@ FORMATS = {  # name -> writer; diffusers' converter reads every one of them
     "musubi-comfy-conversion": lambda p: _original(p, _flat("lora_unet_"), "lora_down.weight", "lora_up.weight"),
     "comfyui": lambda p: _original(p, "diffusion_model.{}".format, "lora.down.weight", "lora.up.weight"),
     "ai-toolkit-lokr": _lokr,
+    # PEFT's raw parameter names under diffusion_model. (diffusers drops the `default.`)
+    "peft-named-parameters": lambda p: _plain(p, "diffusion_model.{}".format, "lora_A.default.weight",
+                                               "lora_B.default.weight", False),
 }
 
 

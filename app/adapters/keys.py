@@ -72,6 +72,9 @@ _SUFFIX_SPELLINGS: dict[str, tuple[str, str]] = {
     ".lora_A.weight": ("lora_down.weight", "lora_A/lora_B"),
     ".lora_B.weight": ("lora_up.weight", "lora_A/lora_B"),
     ".lora_B.bias": ("lora_up.bias", "lora_A/lora_B"),
+    # PEFT's own parameter names (`lora_A.default.weight`), as trainers that save `named_parameters()` write them
+    ".lora_A.default.weight": ("lora_down.weight", "lora_A/lora_B (PEFT adapter 'default')"),
+    ".lora_B.default.weight": ("lora_up.weight", "lora_A/lora_B (PEFT adapter 'default')"),
     ".lora.down.weight": ("lora_down.weight", "lora.down/lora.up"),
     ".lora.up.weight": ("lora_up.weight", "lora.down/lora.up"),
     ".lora_linear_layer.down.weight": ("lora_down.weight", "lora_linear_layer"),
