@@ -75,13 +75,15 @@ def test_tiny_sdxl_keeps_the_real_structure_that_loaders_and_adapters_rely_on():
 
 
 def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
-    """The demo folder has every registered family as a single file and a diffusers folder (Flux as
-    the ComfyUI/Forge all-in-one file), an inpainting checkpoint of each family that states one
-    (SD1.5), and one embedding per family that takes embeddings."""
+    """The demo folder has every registered family in each layout it declares, a single file and a
+    diffusers folder (Flux as the ComfyUI/Forge all-in-one file; Z-Image Base as a folder only), an
+    inpainting checkpoint of each family that states one (SD1.5), and one embedding per family that
+    takes embeddings."""
     checkpoints = demo_dir / "models" / "Stable-diffusion"
     names = [info.name for info in checkpoint_files.discover_checkpoints(checkpoints)]
+    layouts = {"folder": "tiny-{}-diffusers", "file": "tiny-{}.safetensors"}
     expected = [name for arch, fam in FAMILIES.items()
-                for name in (f"tiny-{arch}-diffusers", f"tiny-{arch}.safetensors",
+                for name in (*(layouts[layout].format(arch) for layout in fam.layouts),
                              *([f"tiny-{arch}-inpainting.safetensors"] if fam.tiny_inpainting_channels else []))]
     assert names == sorted(expected)
     assert "tiny-sd15-inpainting.safetensors" in names
@@ -91,7 +93,7 @@ def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
         f"tiny-{arch}-embedding.safetensors" for arch, fam in FAMILIES.items() if fam.takes_embeddings)
 
 
-@pytest.mark.parametrize("arch", list(FAMILIES))
+@pytest.mark.parametrize("arch", [arch for arch, fam in FAMILIES.items() if "file" in fam.layouts])
 def test_demo_single_file_is_the_family_layout_with_embedded_configs(demo_paths, arch):
     """Single files look like real checkpoints (the family's markers: LDM keys for SD, the all-in-one
     layout for Flux) and carry the tiny configs they were built from."""

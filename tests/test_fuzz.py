@@ -65,7 +65,7 @@ from app.engine.worker import Engine, EngineState
 from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
 
-ARCHS = ("sd15", "sdxl", "flux-dev")
+ARCHS = ("sd15", "sdxl", "flux-dev", "zimage-turbo")
 MODELS = {arch: f"tiny-{arch}.safetensors" for arch in ARCHS}
 # Strengths a slider or the API can send: zero, negative, above one, beyond the slider range.
 STRENGTHS = (0.0, 1.0, 0.5, -1.0, 1.1, 2.5, -0.3, 4.0)
@@ -99,7 +99,7 @@ WEIGHTED_ACTIONS = tuple(a for a, n in ACTION_WEIGHTS.items() for _ in range(n))
 def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
     """A data folder with the demo checkpoints (hard links) and one adapter file per entry of
     `ADAPTERS` and architecture, written against the same tiny pipelines the checkpoints hold
-    (Flux has no convolutions and no LDM names: the Tucker and LDM-named entries are left out)."""
+    (a DiT has no convolutions and no LDM names: the Tucker and LDM-named entries are left out)."""
     for sub in ("models/Stable-diffusion", "embeddings"):
         shutil.copytree(demo_dir / sub, target / sub, copy_function=os.link)
     lora_dir = target / "models" / "Lora"
@@ -107,7 +107,7 @@ def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
         pipe = build_tiny_pipeline(arch)  # seed 0, like the demo checkpoints
         targets = family(arch).lora_targets
         for i, (stem, algo, layout, dtype) in enumerate(ADAPTERS):
-            if arch.startswith("flux") and ("tucker" in algo or layout == "kohya_ldm"):
+            if family(arch).denoiser != "unet" and ("tucker" in algo or layout == "kohya_ldm"):
                 continue
             # A cyclic window of the default targets: adapters overlap partly, as real ones do,
             # and each touches ~10 layers (re-fusing cost grows with layers × stacked adapters).

@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +23,16 @@ from diffusers.loaders.single_file_utils import convert_z_image_transformer_chec
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from app.engine import checkpoint_files, models
+from app.engine import checkpoint_files, generate, models
 from app.engine.checkpoint_files import ModelLoadError
 from app.engine.component_files import CONFIGS_METADATA_KEY
 from app.engine.generate import GenerateParams
 from app.engine.part_choices import PartFiles
+from app.engine.stage_params import HiresParams
 from app.engine.worker import Engine
 from app.families import family
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR
+from app.preview import latent_preview
 from app.settings import Settings
 
 TURBO, BASE = "zimage-turbo", "zimage-base"
@@ -241,3 +245,33 @@ def test_defaults_samplers_and_sizes(engine):
     info = checkpoint_files.resolve_checkpoint(f"tiny-{TURBO}.safetensors", engine.settings.checkpoints_dir)
     with pytest.raises(ModelLoadError, match="overflows in fp16"):
         models.load_pipeline(info, torch.float16)
+
+
+def test_hires_fix_live_preview_and_interrupt(engine):
+    """Hires fix runs its img2img pass on Z-Image (64² → 128²);
+    the step callback sees (batch, 16, h/8, w/8) latents the preview projects with the FLUX factors,
+    without changing the image; Interrupt lands within two steps of a long run and keeps the partial
+    image."""
+    engine.load_model(f"tiny-{TURBO}.safetensors")
+    params = GenerateParams("a red cube", steps=4, cfg=1.0, seed=3, width=64, height=64, sampler="Euler")
+    hires = engine.generate(params, hires=HiresParams(scale=2.0, upscaler="Latent", denoising_strength=0.5))
+    assert hires[0].image.size == (128, 128) and "Hires upscale: 2" in hires[0].infotext
+    plain, seen = generate.run(engine.pipeline, params, 3), []
+
+    def collect(step, total, latents):
+        seen.append((step, total, tuple(latents.shape), latent_preview(latents, TURBO)[0].size))
+        return False
+
+    watched = generate.run(engine.pipeline, params, 3, on_step=collect)
+    assert seen == [(step, 4, (1, 16, 8, 8), (8, 8)) for step in range(1, 5)]
+    assert np.array_equal(np.asarray(plain[0]), np.asarray(watched[0]))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(images=engine.generate(
+        GenerateParams("a cat", steps=150, cfg=1.0, seed=5, width=64, height=64, sampler="Euler"), owner="tab")))
+    thread.start()
+    while (progress := engine.snapshot().progress) is None or progress.step < 3:
+        time.sleep(0.01)
+    assert engine.interrupt(owner="tab")
+    thread.join(timeout=120)
+    stopped = result["images"][0].stopped_at
+    assert stopped is not None and stopped <= progress.step + 2
