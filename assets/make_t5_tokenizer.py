@@ -42,11 +42,13 @@ def extract(wheel_path: Path, out_dir: Path = OUT_DIR, member_dir: str = MEMBER_
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(doc: str = __doc__, out_dir: Path = OUT_DIR, member_dir: str = MEMBER_DIR,
+         files: tuple[str, ...] = FILES) -> None:
+    """The command line: extract `files` of `member_dir` from the wheel given into `out_dir`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("wheel", type=Path, help="the downloaded invokeai-*.whl")
     args = parser.parse_args()
-    print("\n".join(extract(args.wheel)))
+    print("\n".join(extract(args.wheel, out_dir, member_dir, files)))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,21 @@ def demo_dir(demo_paths) -> Path:
     return demo_paths["checkpoints_dir"].parent.parent
 
 
+@pytest.fixture(scope="module")
+def module_engine(demo_dir, tmp_path_factory):
+    """A CPU engine shared by one test module, on hard links to the session's demo models and LoRAs
+    (a module's tests then load each model once)."""
+    from app.engine.worker import Engine
+    from app.settings import Settings
+
+    data = tmp_path_factory.mktemp("module-engine")
+    for sub in ("models/Stable-diffusion", "models/Lora"):
+        shutil.copytree(demo_dir / sub, data / sub, copy_function=os.link)
+    eng = Engine(Settings(data_dir=data, device="cpu"))
+    yield eng
+    eng.close()
+
+
 @pytest.fixture
 def engine(data_dir):
     """A CPU engine on a private data folder, closed after the test."""

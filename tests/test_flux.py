@@ -164,28 +164,18 @@ def test_t5_tokenizer_is_the_extracted_one():
     assert len(tokenizer) == 32100
 
 
-@pytest.fixture(scope="module")
-def flux_engine(demo_dir, tmp_path_factory):
-    data = tmp_path_factory.mktemp("flux-engine")
-    for sub in ("models/Stable-diffusion", "models/Lora"):
-        shutil.copytree(demo_dir / sub, data / sub, copy_function=os.link)
-    eng = Engine(Settings(data_dir=data, device="cpu"))
-    yield eng
-    eng.close()
-
-
-def test_flux_samplers_sizes_and_sequence_length(flux_engine):
-    flux_engine.load_model(f"tiny-{SCHNELL}.safetensors")
+def test_flux_samplers_sizes_and_sequence_length(module_engine):
+    module_engine.load_model(f"tiny-{SCHNELL}.safetensors")
     fam = family(SCHNELL)
     assert (fam.default_steps, fam.max_sequence_length, family(DEV).max_sequence_length) == (4, 256, 512)
     assert fam.call_arguments(3.5, "ugly") == {"guidance_scale": 3.5, "max_sequence_length": 256}
     for sampler in fam.samplers:
-        images = flux_engine.generate(GenerateParams("a cat", seed=1, **{**FAST_FLUX, "sampler": sampler}))
+        images = module_engine.generate(GenerateParams("a cat", seed=1, **{**FAST_FLUX, "sampler": sampler}))
         assert images[0].image.size == (64, 64) and f"Sampler: {sampler}" in images[0].infotext
     with pytest.raises(ValueError, match="multiples of 16"):
-        flux_engine.generate(GenerateParams("a cat", seed=1, **{**FAST_FLUX, "width": 72}))
+        module_engine.generate(GenerateParams("a cat", seed=1, **{**FAST_FLUX, "width": 72}))
     with pytest.raises(ValueError, match="has no sampler 'Euler a'"):
-        flux_engine.generate(GenerateParams("a cat", seed=1, **{**FAST_FLUX, "sampler": "Euler a"}))
+        module_engine.generate(GenerateParams("a cat", seed=1, **{**FAST_FLUX, "sampler": "Euler a"}))
 
 
 def test_fp16_is_refused_for_flux_with_the_reason(demo_paths):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -29,7 +27,6 @@ from app.engine.component_files import CONFIGS_METADATA_KEY
 from app.engine.generate import GenerateParams
 from app.engine.part_choices import PartFiles
 from app.engine.stage_params import HiresParams
-from app.engine.worker import Engine
 from app.families import family
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR
 from app.preview import latent_preview
@@ -202,13 +199,8 @@ def test_qwen3_tokenizer_is_the_extracted_one():
 
 
 @pytest.fixture(scope="module")
-def engine(demo_dir, tmp_path_factory):
-    data = tmp_path_factory.mktemp("zimage-engine")
-    for sub in ("models/Stable-diffusion", "models/Lora"):
-        shutil.copytree(demo_dir / sub, data / sub, copy_function=os.link)
-    eng = Engine(Settings(data_dir=data, device="cpu"))
-    yield eng
-    eng.close()
+def engine(module_engine):
+    return module_engine
 
 
 @pytest.mark.parametrize(("arch", "cfg", "negative", "guidance_scale"),

@@ -18,7 +18,6 @@ from types import MappingProxyType
 
 import torch
 from diffusers import (
-    FlowMatchEulerDiscreteScheduler,
     FluxImg2ImgPipeline,
     FluxInpaintPipeline,
     FluxPipeline,
@@ -30,8 +29,8 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 from app.engine.pipelines import EnginePipeline
 from app.families import ASSETS_DIR, ComponentFile, Family, TextEncoder
 from app.families.file_layout import module_parts, own_names
+from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.flux_layout import transformer_layout, xlabs_modules
-from app.families.flux_vae import FLUX_PREVIEW, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS, clip_layout
 from app.families.tiny_parts import TINY_CLIP_L
 
@@ -88,16 +87,6 @@ _PARTS = (
                   folder="text_encoder_dir", config_class=T5Config),
     FLUX_VAE_PART,
 )
-# Flow-match Euler with each sigma schedule diffusers offers for Flux (the pipeline passes its own
-# sigmas and time shift, which only this scheduler family takes). Every entry states all three
-# switches: a sampler is built from the previous one's config, which would carry its switch over.
-_PLAIN = {"use_karras_sigmas": False, "use_exponential_sigmas": False, "use_beta_sigmas": False}
-SAMPLERS = MappingProxyType({
-    "Euler": (FlowMatchEulerDiscreteScheduler, _PLAIN),
-    "Euler Karras": (FlowMatchEulerDiscreteScheduler, {**_PLAIN, "use_karras_sigmas": True}),
-    "Euler exponential": (FlowMatchEulerDiscreteScheduler, {**_PLAIN, "use_exponential_sigmas": True}),
-    "Euler beta": (FlowMatchEulerDiscreteScheduler, {**_PLAIN, "use_beta_sigmas": True}),
-})
 
 
 def lora_aliases(transformer):
@@ -159,18 +148,12 @@ def _family(name: str, label: str, dev: bool) -> Family:
         text_encoders=(_CLIP_L, _T5),
         checkpoint_markers=("double_blocks.0.img_attn.qkv.weight", *(("guidance_in.in_layer.weight",) if dev else ())),
         config_dir=ASSETS_DIR / "configs" / name,
-        default_sampler="Euler",
-        size_multiple=16,  # 8× VAE downscale, then 2×2 patches
-        denoiser="transformer",
         denoiser_class=FluxTransformer2DModel,
-        conv_components=("vae",),
-        marker_prefixes=("", "model.diffusion_model."),
+        **DIT_SHARED,
         parts=_PARTS,
-        samplers=SAMPLERS,
         default_steps=28 if dev else 4,
         default_guidance=3.5 if dev else 1.0,
         distilled_guidance=dev,
-        fp16_ok=False,
         # fp8 storage keeps the embedders, the final layers and T5's `wo` (which the T5 code casts
         # its input to) in the compute dtype, as peers do.
         high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo"),
@@ -178,12 +161,10 @@ def _family(name: str, label: str, dev: bool) -> Family:
         max_sequence_length=512 if dev else 256,
         adapter_arch="flux",
         folder_config=MappingProxyType({"transformer/config.json": {"guidance_embeds": dev}}),
-        native_size=lambda pipe: pipe.vae.config.sample_size,
         native_modules=lora_aliases,
         tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev),
                                        "vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP_L, "text_encoder_2": _TINY_T5}),
         guidance_label="Distilled CFG Scale" if dev else "CFG scale",
-        preview_rgb=FLUX_PREVIEW,
         adapter_label="Flux",
         adapter_markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux"),
         lora_targets=_LORA_TARGETS,

@@ -38,8 +38,7 @@ from diffusers.image_processor import VaeImageProcessor
 from app.engine.pipelines import EnginePipeline
 from app.families import ASSETS_DIR, ComponentFile, Family
 from app.families.file_layout import module_parts
-from app.families.flux import SAMPLERS
-from app.families.flux_vae import FLUX_PREVIEW, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
 from app.families.qwen3 import QWEN3, QWEN3_PART, QWEN3_PINNED
 from app.families.zimage_layout import transformer_layout
@@ -145,19 +144,13 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         checkpoint_markers=("layers.0.attention.qkv.weight", "cap_embedder.1.weight", "x_pad_token",
                             "noise_refiner.0.adaLN_modulation.0.weight"),
         config_dir=ASSETS_DIR / "configs" / name,
-        default_sampler="Euler",
-        size_multiple=16,  # 8× VAE downscale, then 2×2 patches
-        denoiser="transformer",
         denoiser_class=ZImageTransformer2DModel,
-        conv_components=("vae",),
-        marker_prefixes=("", "model.diffusion_model."),
+        **DIT_SHARED,
         parts=_PARTS,
         layouts=("file", "folder") if turbo else ("folder",),
-        samplers=SAMPLERS,
         default_steps=8 if turbo else 50,
         default_guidance=1.0 if turbo else 5.0,
         guidance_call=lambda cfg: {"guidance_scale": cfg - 1.0},
-        fp16_ok=False,
         # fp8 storage keeps the embedders and the final layer in the compute dtype, as peers' files do
         high_precision=("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer"),
         max_sequence_length=512,
@@ -169,11 +162,9 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         # Turbo first: `family_of_pipeline` takes the first family whose `folder_config` fits, so a
         # folder with another shift is Base.
         folder_config=MappingProxyType({"scheduler/scheduler_config.json": {"shift": 3.0}} if turbo else {}),
-        native_size=lambda pipe: pipe.vae.config.sample_size,
         native_modules=lora_aliases,
         tiny_configs=MappingProxyType({"transformer": _TINY_TRANSFORMER, "vae": TINY_FLUX_VAE,
                                        "text_encoder": _TINY_QWEN3}),
-        preview_rgb=FLUX_PREVIEW,
         lora_targets=_LORA_TARGETS,
         demo_lora_targets=_DEMO_LORA_TARGETS,
     )
