@@ -22,11 +22,11 @@ from app.families import family
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTIONS = ("load", "throughput", "latency", "offload", "compile")
-ARCHS = ("sd15", "sdxl", "flux-dev")  # what --archs takes; a full run without it does SD1.5 and SDXL
+ARCHS = ("sd15", "sdxl", "flux-dev", "zimage-turbo")  # what --archs takes; a full run without it does SD1.5 and SDXL
 OFFLOAD_CASES = ("model", "balanced", "balanced-3gib", "sequential", "group")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 SEED = 1234
-CFG_SCALE = 7.0  # SD's classifier-free guidance; Flux dev takes its distilled guidance instead (`guidance`)
+CFG_SCALE = 7.0  # SD's classifier-free guidance; other families run their own default (`guidance`)
 # Dense bf16 tensor-core peaks (TFLOP/s, FP32 accumulate, no sparsity), by device-name substring;
 # the first match wins, so the more specific names come first.
 PEAK_BF16_TFLOPS = (
@@ -62,7 +62,8 @@ class BenchConfig:
     dtype: str
     device: str
     tiny: bool
-    resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024, "flux-dev": 1024})
+    resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024, "flux-dev": 1024,
+                                                                "zimage-turbo": 1024})
     budget_gib: float = 3.0
     budget_archs: tuple[str, ...] = ("sd15",)
 
@@ -76,7 +77,7 @@ PRESETS = {
     # and every code path are the same.
     "smoke": BenchConfig("smoke", ("sd15", "sdxl"), SECTIONS, (1,), 2, 2, 0, 4, (0, 1, 3), OFFLOAD_CASES,
                          ("reduce-overhead",), "eager", 3, 2, False, "fp32", "cpu", True,
-                         {"sd15": 64, "sdxl": 64, "flux-dev": 64}),
+                         {"sd15": 64, "sdxl": 64, "flux-dev": 64, "zimage-turbo": 64}),
 }
 
 
@@ -112,9 +113,15 @@ def run_dtype(preset_dtype: str, archs: tuple[str, ...], asked: str | None) -> s
 
 
 def guidance(arch: str) -> float:
-    """The guidance value both sides pass: CFG_SCALE where the family runs CFG, else the family's own
-    default (Flux dev's distilled guidance, an input of the transformer)."""
-    return CFG_SCALE if family(arch).negative_prompt else family(arch).default_guidance
+    """The guidance value both sides pass, in the CFG field's meaning (`Family.call_arguments` maps it
+    to each pipeline's call): the family's own default, as its model card runs it: SD's CFG 7
+    (`CFG_SCALE`), Flux dev's distilled 3.5, schnell's and Z-Image Turbo's 1 (no CFG)."""
+    return family(arch).default_guidance
+
+
+def runs_cfg(arch: str) -> bool:
+    """Does a generation at `guidance(arch)` run the unconditional pass too (a CFG-doubled batch)?"""
+    return family(arch).negative_prompt and guidance(arch) > 1
 
 
 def has_package(name: str) -> bool:

@@ -5,7 +5,8 @@ Why one module: the timing hooks, the op counts and the TFLOP per step all wrap 
 call", and what that call takes differs by family: a UNet reads a spatial latent and CLIP states
 (SDXL adds pooled text and size ids) and runs the CFG-doubled batch; Flux's transformer reads 2×2
 latent patches packed into a sequence, T5 states, CLIP's pooled vector, position ids and (dev) the
-distilled guidance value, and runs the batch once (no unconditional pass).
+distilled guidance value, and runs the batch once (no unconditional pass); Z-Image's reads lists, one
+(channels, 1, h, w) latent and one caption's Qwen3 states per image, the batch once at Turbo's CFG 1.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from app.families import family, family_of
+from benchmarks.config import runs_cfg
 
 _TEXT_TOKENS = 77  # CLIP's sequence length (SD's only text input, Flux's pooled vector comes from it)
+# Z-Image's caption: the benchmark prompt in Qwen3's chat template is 19 tokens, which the transformer
+# pads to its 32-token multiple
+_CAPTION_TOKENS = 19
 
 
 def denoiser_of(pipe) -> torch.nn.Module:
@@ -45,8 +50,8 @@ def meta_denoiser(arch: str, config: dict, dtype: torch.dtype = torch.float32) -
 
 
 def rows_per_call(arch: str, batch: int) -> int:
-    """Images' rows in one denoiser call: doubled by CFG where the family has an unconditional pass."""
-    return 2 * batch if family(arch).negative_prompt else batch
+    """Images' rows in one denoiser call: doubled where CFG runs an unconditional pass."""
+    return 2 * batch if runs_cfg(arch) else batch
 
 
 def call_inputs(arch: str, denoiser: torch.nn.Module, batch: int, latent_side: int) -> dict:
@@ -57,6 +62,9 @@ def call_inputs(arch: str, denoiser: torch.nn.Module, batch: int, latent_side: i
     def empty(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, device="meta", dtype=dtype)
 
+    if "cap_feat_dim" in cfg:  # Z-Image
+        return {"x": [empty(cfg.in_channels, 1, latent_side, latent_side) for _ in range(rows)], "t": empty(rows),
+                "cap_feats": [empty(_CAPTION_TOKENS, cfg.cap_feat_dim) for _ in range(rows)], "return_dict": False}
     if family(arch).denoiser == "transformer":
         tokens, text = (latent_side // 2) ** 2, family(arch).max_sequence_length
         guidance = {"guidance": empty(rows)} if cfg.guidance_embeds else {}

@@ -26,9 +26,11 @@ from benchmarks.denoiser import default_dtype, denoiser_of
 from benchmarks.measure import free_memory
 
 # Attention projections and feed-forward linears: SD's attn1/attn2 and ff; Flux's joint attention
-# (image and text streams), both streams' feed-forwards, and the single blocks' MLP and output.
-_LORA_LINEAR = re.compile(r"\.(attn[12]?\.(to_q|to_k|to_v|to_out\.0|add_[qkv]_proj|to_add_out)"
-                          r"|ff(_context)?\.net\.(0\.proj|2)|proj_mlp)$|^single_transformer_blocks\.\d+\.proj_out$")
+# (image and text streams), both streams' feed-forwards, and the single blocks' MLP and output;
+# Z-Image's attention and SwiGLU feed-forward in every block (refiners included).
+_LORA_LINEAR = re.compile(r"\.((attn[12]?|attention)\.(to_q|to_k|to_v|to_out\.0|add_[qkv]_proj|to_add_out)"
+                          r"|ff(_context)?\.net\.(0\.proj|2)|proj_mlp|feed_forward\.w[123])$"
+                          r"|^single_transformer_blocks\.\d+\.proj_out$")
 _LORA_CONV = re.compile(r"resnets\.\d+\.conv[12]$")
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -51,14 +53,22 @@ class PreparedModel:
 def random_pipeline(arch: str, device: torch.device, dtype: torch.dtype):
     """The full-size pipeline from the bundled configs with random weights, initialised on `device`
     (seconds on a GPU, where the CPU would take minutes for SDXL) directly in `dtype` (the default
-    dtype during the build)."""
-    config_dir = family(arch).config_dir
+    dtype during the build), tensors the family pins (Qwen3's rotary `inv_freq`) in their own dtype,
+    as a load keeps them."""
+    fam = family(arch)
+    config_dir = fam.config_dir
     index = json.loads((config_dir / "model_index.json").read_text())
     with torch.device(device), default_dtype(dtype), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        parts = {name: module.to(dtype).eval() for name, module in build_components(arch, config_dir).items()}
+        parts = {name: module.eval() for name, module in build_components(arch, config_dir).items()}
+    for name, module in parts.items():
+        for path, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            module_path, _, leaf = path.rpartition(".")
+            want = fam.pinned_dtype(name, module_path, leaf) or dtype
+            if tensor.is_floating_point() and tensor.dtype != want:
+                tensor.data = tensor.data.to(want)
     parts["scheduler"] = getattr(diffusers, index["scheduler"][1]).from_pretrained(config_dir, subfolder="scheduler")
-    return family(arch).plain_pipeline_class(**parts, **family(arch).tokenizers(), **family(arch).pipeline_kwargs)
+    return fam.plain_pipeline_class(**parts, **fam.tokenizers(), **fam.pipeline_kwargs)
 
 
 def _random_like(key: str, shape: torch.Size, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
