@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.adapters.algos import parse_layer
+from app.adapters.errors import LoraApplyError
 from app.adapters.files import read_adapter
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
@@ -239,16 +240,44 @@ def test_qwen3_text_encoder_lora(pipe, tmp_path):
     assert all(torch.equal(pipe.text_encoder.get_submodule(p).weight, w0) for p, (w0, _d) in deltas.items())
 
 
-def test_fused_and_split_spellings_of_one_layer_are_refused_as_ambiguous(pipe, tmp_path):
-    """A file naming the same module both ways (fused `qkv` and split `to_q`, as some trainers write
-    both) is refused whole, naming both layers, and nothing is applied."""
-    tensors, _ = _original(pipe, _flat("lora_unet_"), "lora_down.weight", "lora_up.weight")
-    plain, _ = _plain(pipe, _flat("lora_unet_"), "lora_down.weight", "lora_up.weight", True)
-    raw = {p: _weight(pipe, p).clone() for p in ORIGINAL["layers.1.attention.qkv"]}
-    down, up = _factors(32, 32, 40)
-    tensors.update({"lora_unet_layers_1_attention_to_k.lora_down.weight": down,
-                    "lora_unet_layers_1_attention_to_k.lora_up.weight": up, **plain})
-    with pytest.raises(Exception, match=r"lora_unet_layers_1_attention_(qkv|to_k) and .*both target "
-                                        r"transformer\.layers\.1\.attention\.to_k"):
-        _apply(pipe, tmp_path, "both", tensors)
+def test_a_layer_written_fused_and_split_reads_the_split_layers_as_diffusers_does(pipe, tmp_path):
+    """Some trainers (Anime-Z) write `qkv` and `to_q`/`to_k`/`to_v` of one block both: the split layers
+    are read (each to the formula and to diffusers' reading, which skips the fused one) and the report
+    says so; the fused layer is not counted as matched nor as unmatched."""
+    tensors, _ = _original(pipe, _flat("lora_unet_"), "lora_down.weight", "lora_up.weight")  # qkv + out, fused
+    deltas = {}
+    for i, proj in enumerate(QKV):
+        path = f"layers.1.attention.{proj}"
+        down, up = _factors(32, 32, 40 + i)
+        key = f"lora_unet_{path.replace('.', '_')}"
+        tensors.update({f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up})
+        deltas[path] = up.double() @ down.double()
+    for original, parts in ORIGINAL.items():  # the other fused layers apply as written
+        if original != "layers.1.attention.qkv":
+            down, up = (tensors[f"lora_unet_{original.replace('.', '_')}.lora_{d}.weight"] for d in ("down", "up"))
+            deltas.update({p: SCALE * up.double()[j * 32:(j + 1) * 32] @ down.double() for j, p in enumerate(parts)})
+    raw = {p: _weight(pipe, p).clone() for p in deltas}
+    stack, report, path = _apply(pipe, tmp_path, "both", tensors)
+    assert report.matched_layers == len(deltas) and report.unmatched_keys == 0, report
+    assert "1 fused layer (e.g. lora_unet_layers_1_attention_qkv) also written split" in report.message
+    theirs = _diffusers_fused(path, deltas)
+    for p, delta in deltas.items():
+        torch.testing.assert_close(_weight(pipe, p), (raw[p].double() + STRENGTH * delta).float(), rtol=1e-5,
+                                   atol=1e-6, msg=p)
+        torch.testing.assert_close(_weight(pipe, p), theirs[p], rtol=1e-5, atol=1e-6, msg=f"{p} vs diffusers")
+    stack.reconcile((), {})
     assert all(torch.equal(_weight(pipe, p), w) for p, w in raw.items())
+
+
+def test_one_module_named_twice_otherwise_is_refused_as_ambiguous(pipe, tmp_path):
+    """Two spellings of the same single module (`lora_unet_…_to_k` and ai-toolkit's `diffusion_model.…to_k`)
+    are not a fused/split pair: refused whole, naming both layers, nothing applied."""
+    down, up = _factors(32, 32, 50)
+    raw = _weight(pipe, "layers.0.attention.to_k").clone()
+    tensors = {"lora_unet_layers_0_attention_to_k.lora_down.weight": down,
+               "lora_unet_layers_0_attention_to_k.lora_up.weight": up,
+               "diffusion_model.layers.0.attention.to_k.lora_A.weight": down.clone(),
+               "diffusion_model.layers.0.attention.to_k.lora_B.weight": up.clone()}
+    with pytest.raises(LoraApplyError, match=r"both target transformer\.layers\.0\.attention\.to_k"):
+        _apply(pipe, tmp_path, "twice", tensors)
+    assert torch.equal(_weight(pipe, "layers.0.attention.to_k"), raw)

@@ -22,7 +22,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -93,6 +93,7 @@ class _Parsed:
     mismatched: list[str]
     spellings: Counter
     scale_sources: Counter
+    redundant: list[str] = field(default_factory=list)  # fused layers whose split layers are in the file too
 
 
 def match_adapter(name: str, file: AdapterFile, table: KeyTable,
@@ -111,7 +112,8 @@ def match_adapter(name: str, file: AdapterFile, table: KeyTable,
     keys = sorted(k for g in unmatched for k in g.file_keys)
     if keys:
         log.debug("LoRA %s: %d unmatched tensors: %s", name, len(keys), ", ".join(keys))
-    report = MatchReport(len(parsed.layers), len(keys), _message(table.arch, keys, len(unmatched), declared),
+    report = MatchReport(len(parsed.layers), len(keys),
+                         _message(table.arch, keys, len(unmatched), declared, parsed.redundant),
                          _layout(parsed.spellings), _scale_source(parsed.scale_sources),
                          tuple(keys[:UNMATCHED_EXAMPLES]), table.arch.upper(), declared)
     return PreparedAdapter(file, parsed.layers, report)
@@ -119,11 +121,18 @@ def match_adapter(name: str, file: AdapterFile, table: KeyTable,
 
 def _parse(groups: list[LayerGroup], scales: PeftScales,
            module_for: Callable[[Target], torch.nn.Module]) -> _Parsed:
-    """Parse every layer that resolved; a malformed layer raises, a misfit is collected."""
+    """Parse every layer that resolved; a malformed layer raises, a misfit is collected. A fused layer
+    (Z-Image's `qkv`) whose every part the file also holds as a layer of its own is the same LoRA
+    written twice (some trainers do): the split layers are read, as diffusers reads them, and the
+    report says so; one module named twice otherwise is ambiguous and refused."""
     parsed = _Parsed({}, [], Counter(), Counter())
     owners: dict[Target, str] = {}
+    split = {g.parts[0][0] for g in groups if g.target is not None and len(g.parts) == 1}
     for group in groups:
         if group.target is None:
+            continue
+        if len(group.parts) > 1 and all(target in split for target, _rows in group.parts):
+            parsed.redundant.append(group.key)
             continue
         for target, _rows in group.parts:
             if target in owners:
@@ -219,8 +228,11 @@ def _check_fit(name: str, table: KeyTable, parsed: _Parsed, unmatched: list[Laye
                                    f"model{made_for}; nothing applied")
 
 
-def _message(arch: str, keys: list[str], layers: int, declared: str | None) -> str:
+def _message(arch: str, keys: list[str], layers: int, declared: str | None, redundant: list[str]) -> str:
     parts = []
+    if redundant:
+        parts.append(f"{_count(len(redundant), 'fused layer')} (e.g. {redundant[0]}) also written split into its "
+                     "parts: the split layers were read, as diffusers reads them")
     if keys:
         parts.append(f"{_count(len(keys), 'tensor')} ({_count(layers, 'layer')}) matched nothing in the model, "
                      "e.g. " + ", ".join(keys[:UNMATCHED_EXAMPLES]))
