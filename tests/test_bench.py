@@ -55,7 +55,7 @@ def test_every_section_has_rows_with_paired_ratios_and_a_control(smoke):
     verdict; or no ratio and a reason when the baseline cannot run (no CUDA here)."""
     _out, results = smoke
     rows = results["rows"]
-    assert {r["section"] for r in rows} == {"throughput", "offload", "compile"}
+    assert {r["section"] for r in rows} == {"throughput", "offload", "compile", "fp8"}
     assert {r["offload"] for r in rows} == {"none", "model", "balanced", "balanced-3gib", "sequential", "group"}
     assert {r["loras"] for r in rows} == {0, 1, 3}
     repeats = results["config"]["repeats"]

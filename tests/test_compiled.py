@@ -235,6 +235,7 @@ def _cuda_pipe():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_long  # minutes of compiling: the device check's compile section
 def test_cuda_graphs_survive_lora_changes(tmp_path):
     """Inductor + CUDA graphs: LoRA add/re-weight/remove change the output with no new graph and no
     CUDA-graph re-recording; removing all LoRAs restores the original output exactly."""
@@ -259,6 +260,7 @@ def test_cuda_graphs_survive_lora_changes(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_long  # minutes of compiling: the device check's compile section
 def test_background_compile_then_replays_on_the_calling_thread():
     """The engine's shape without CUDA graphs: the compile runs on a helper thread, replays happen on
     the worker thread and match eager. (CUDA-graph trees belong to the thread that records them, so
