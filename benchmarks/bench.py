@@ -89,7 +89,11 @@ def _run_phases(run: phases.ArchRun, bench: Bench) -> dict[str, str]:
         if bench.wants("offload") and budget:
             phases.budget_phase(run, engine, theirs, bench)
         if bench.wants("fp8"):  # last: it unloads our full-precision engine to make room
-            phases.fp8_phase(run, engine, theirs, bench)
+            try:
+                phases.fp8_phase(run, engine, theirs, bench)
+            except Exception as exc:  # a failure here must not cost the rows the run already measured
+                log.exception("[%s] fp8 phase failed", run.model.arch)
+                run.memory["phase errors"] = {"fp8": f"{type(exc).__name__}: {exc}"[:500]}
     finally:
         ours.close(engine)
         theirs.free()
@@ -115,6 +119,8 @@ def bench_arch(arch: str, bench: Bench, results: dict[str, Any]) -> None:
         results["load"].append(report.load_row(run))
     if "resting" in run.memory:
         results["models"][arch]["resting_vram_gib"] = run.memory["resting"]
+    if "phase errors" in run.memory:
+        results["models"][arch]["phase_errors"] = run.memory["phase errors"]
     results["compile"] += run.compile_info
     shutil.rmtree(model.data_dir)  # an SDXL folder and its LoRAs take ~8 GB
 

@@ -158,8 +158,9 @@ def _bench_figures(out: Path, started: float) -> dict:
         figures["rows"] += [{k: r.get(k) for k in ("id", "ours_its", "baseline_its", "ratio", "verdict",
                                                    "ours_vram_peak_gib")} for r in doc.get("rows", [])]
         for arch, model in doc.get("models", {}).items():
-            if "resting_vram_gib" in model:
-                figures.setdefault("resting_vram_gib", {})[arch] = model["resting_vram_gib"]
+            for key in ("resting_vram_gib", "phase_errors"):
+                if key in model:
+                    figures.setdefault(key, {})[arch] = model[key]
         figures["latency"] = [{k: r.get(k) for k in ("arch", "op", "ours_ms", "baseline", "baseline_ms")}
                               for r in doc.get("latency", [])]
     return figures
@@ -217,6 +218,8 @@ def _figure_lines(outcome: Outcome) -> list[str]:
               f"{_fmt(r['baseline_ms'])} ms)" for r in figs.get("latency", [])]
     lines += [f"- {arch} weights at rest: " + ", ".join(f"{k} {_fmt(v)} GiB" for k, v in rest.items())
               for arch, rest in figs.get("resting_vram_gib", {}).items()]
+    lines += [f"- {arch} phase failed: {phase}: {error}" for arch, errors in figs.get("phase_errors", {}).items()
+              for phase, error in errors.items()]
     return lines + ([f"- files: {', '.join(figs['files'])}"] if figs.get("files") else [])
 
 
