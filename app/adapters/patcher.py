@@ -61,11 +61,15 @@ def _combine(target: Target, contributions: Contributions, weight: torch.Tensor,
     accumulator would send `LoRA.accumulate` down its slow generic path and change the float32 sum's
     bits; `copy_` writes the result back in the weight's own layout."""
     contiguous = torch.contiguous_format
-    new_w = weight.to(device, torch.float32, copy=True, memory_format=contiguous)
+    # Across the bus in the stored dtype first, asynchronously where the source is pinned (a GPU
+    # weight's backup): one blocking transfer per layer made a 3-LoRA re-weight on SD1.5 take 476 ms
+    # on an H100. The widening to float32 then runs on `device`; the bits are the same either way.
+    weight = weight.detach().to(device, non_blocking=True)
+    new_w = weight.to(torch.float32, copy=True, memory_format=contiguous)
     # A separate pristine W0 only when some adapter reads its values; the others read its shape.
     reads_base = any(a.reads_base for _, _, a in contributions)
-    w0 = weight.detach().to(device, torch.float32, memory_format=contiguous) if reads_base else new_w
-    b0 = None if bias is None else bias.to(device, torch.float32)
+    w0 = weight.to(torch.float32, memory_format=contiguous) if reads_base else new_w
+    b0 = None if bias is None else bias.to(device, non_blocking=True).to(torch.float32)
     new_b = None
     for name, strength, adapter in contributions:
         try:
