@@ -80,9 +80,9 @@ def lora_aliases(transformer):
         yield f"diffusion_model.{bfl}", targets, BFL
     for alias, bfl in xlabs_modules(transformer).items():
         # xlabs' single-block qkv LoRA covers linear1's q, k and v rows, not its MLP rows
-        targets = parts[bfl] if bfl.endswith("qkv") or bfl.endswith("proj") else parts[bfl][:3]
-        # `qkv_lora.down.weight` ends like diffusers' legacy `to_q_lora.down.weight`, so the key
-        # splitter hands the single-block layer over without its `_lora`.
+        targets = parts[bfl][:3] if bfl.endswith(".linear1") else parts[bfl]
+        # `qkv_lora.down.weight` / `proj_lora.down.weight` end like diffusers' legacy
+        # `to_q_lora.down.weight`, so the key splitter hands single-block layers over without `_lora`.
         for prefix in ("", "diffusion_model."):
             yield f"{prefix}{alias.removesuffix('_lora')}", targets, XLABS
 
