@@ -1,6 +1,8 @@
 """Flux LoRA formats, each written here from its documented key names (PEFT's by peft itself), fused
 to W0 + w·scale·ΔW on every targeted module — each q/k/v (and MLP) slice of a fused BFL projection
-included — restored bit-exactly, and equal as bypass forwards (sequential/group offload)."""
+included — restored bit-exactly, and equal as bypass forwards (sequential/group offload). One set of
+ground-truth factors is written in every layout the tools use (kohya, ComfyUI, OneTrainer, diffusers,
+xlabs), text encoders included, and each must apply whole."""
 
 from __future__ import annotations
 

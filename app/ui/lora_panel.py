@@ -223,7 +223,7 @@ def allow_partial_event(ctx: UiContext, slots: LoraSlots, slot: int) -> dict:
             name = list(slot_names)[slot]
             run_with_progress(ctx.engine, lambda: ctx.engine.set_lora_partial(name, bool(allowed)), progress)
             sync_selection(ctx, selected_specs(list(slot_names), values), progress)
-        except (EngineCallError, ValueError, IndexError, OSError) as exc:
+        except (EngineCallError, ValueError, IndexError) as exc:  # a vanished file, a full queue, a stale slot
             log.info("partial application not changed: %s", exc)
             problem = str(exc)
         return panel_view(ctx, list(slot_names), problem)
