@@ -137,6 +137,11 @@ class Settings:
         return self.data_dir / "part-choices.json"
 
     @property
+    def lora_options_file(self) -> Path:
+        """Per-LoRA choices (partial application allowed), remembered per LoRA name."""
+        return self.data_dir / "lora-options.json"
+
+    @property
     def outputs_dir(self) -> Path:
         return self.data_dir / "outputs"
 

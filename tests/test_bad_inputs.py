@@ -288,7 +288,7 @@ def test_partly_matching_lora_applies_and_reports_unmatched_keys(env, ready):
     counters = snap.lora_counters["partial"]
     assert (counters.matched_layers, counters.unmatched_keys) == (1, 2)
     stray = "lora_unet_no_such_block_to_q"
-    assert counters.message == (f"2 tensors (1 layer) matched nothing in the model, e.g. "
+    assert counters.message == (f"2 of its 4 tensors (1 layer) matched nothing in the model, e.g. "
                                 f"{stray}.lora_down.weight, {stray}.lora_up.weight")
     assert snap.history[-1].outcome == "ok"
 

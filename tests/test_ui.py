@@ -63,9 +63,9 @@ def _generate(client, seed: int, prompt: str = "a fox") -> tuple[np.ndarray, str
 def test_endpoints_have_their_documented_names(client):
     """Scripts depend on these names: a UI handler must never take one (Gradio would rename ours `_1`)."""
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
-    assert {"/generate", "/interrupt", "/skip", "/set_loras", "/set_offload", "/set_dtype", "/set_weights",
-            "/set_model_parts", "/load_model", "/unload", "/set_debug", "/snapshot", "/list_models", "/list_loras",
-            "/inspect_lora", "/bug_report"} <= names
+    assert {"/generate", "/interrupt", "/skip", "/set_loras", "/set_lora_partial", "/set_offload", "/set_dtype",
+            "/set_weights", "/set_model_parts", "/load_model", "/unload", "/set_debug", "/snapshot", "/list_models",
+            "/list_loras", "/inspect_lora", "/bug_report"} <= names
     assert not [n for n in names if re.search(r"_\d+$", n)]
 
 

@@ -29,6 +29,7 @@ from app.engine import compiled, embeddings, generate, models, offload, part_cho
 from app.engine.checkpoint_files import resolve_checkpoint
 from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
+from app.engine.lora_options import allows_partial
 from app.families import family
 from app.hooks import HookRegistry
 from app.safetensors_files import FileIdentity
@@ -226,7 +227,7 @@ class ModelLifecycle:
         matched against the model (no write), then the fitting ones are applied in one step."""
         loaded = self._loaded
         set_aside: dict[str, str] = {}
-        applied = {s.name for s in loaded.stack.applied}  # fit already (a re-weight checks nothing again)
+        applied = loaded.stack.still_fitting()  # fit already (a re-weight checks nothing again)
         for spec in specs:
             if spec.name in applied:
                 continue
@@ -304,7 +305,8 @@ class ModelLifecycle:
             old.stack.release()
         fresh.pipe.set_progress_bar_config(disable=True)
         stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan),
-                          gpu_backups=self._settings.lora_backups == "gpu")
+                          gpu_backups=self._settings.lora_backups == "gpu",
+                          allows_partial=lambda name: allows_partial(self._settings, name))
         self._loaded = _Loaded(fresh, FileIdentity.of(fresh.info.path), plan, hooks, stack, embedded, strategy, weights,
                                stored)
         self._sync_compile(self._loaded)

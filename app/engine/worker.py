@@ -27,7 +27,7 @@ from app import diagnostics, gc_policy
 from app.adapters.errors import AdapterError, LoraApplyError
 from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
-from app.engine import part_choices, placement
+from app.engine import lora_options, part_choices, placement
 from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.generating import Generating, Job
@@ -140,6 +140,29 @@ class Engine(Generating, Workflows):
         detail = ", ".join(f"{s.name}:{s.unet_strength:g}/{s.te_strength:g}" for s in specs) or "none"
         return self._change("set_loras", capped(detail), EngineState.PATCHING, lambda d: d.replace(loras=specs),
                             enable_loras=True, retry_set_aside=True, set_aside_unfit=set_aside_unfit)
+
+    def set_lora_partial(self, name: str, allowed: bool) -> Snapshot:
+        """Allow (or no longer allow) the LoRA `name` to apply when less than half of its tensors match
+        the loaded model; remembered per LoRA in the data folder. The wanted list is applied again at
+        once the page's way: a LoRA now allowed leaves the set-aside list, one no longer allowed joins it."""
+        self.library.path_for(name)  # only a LoRA of the library is remembered
+        allowed = bool(allowed)
+
+        def body() -> None:
+            before = lora_options.allows_partial(self.settings, name)
+            lora_options.set_allow_partial(self.settings, name, allowed)
+            if self._lifecycle.pipeline is None:
+                return
+            try:
+                self._realise(self._desired, self._desired.loras, set_aside_unfit=True)
+            except BaseException:
+                lora_options.set_allow_partial(self.settings, name, before)
+                raise
+        return self._call("set_lora_partial", capped(f"{name}={allowed}"), EngineState.PATCHING, body)
+
+    def lora_partial_allowed(self, name: str) -> bool:
+        """Whether `name` may apply in part (what `set_lora_partial` remembered); reads no tensor."""
+        return lora_options.allows_partial(self.settings, name)
 
     def unload(self) -> Snapshot:
         return self._change("unload", "", EngineState.MOVING, lambda d: d.replace(model=None))

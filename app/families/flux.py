@@ -10,6 +10,9 @@ bare or under `model.diffusion_model.`) with the text encoders in `models/text_e
 (`clip_l.safetensors`, `t5xxl_fp16.safetensors`, …) and the VAE in `models/VAE` (`ae.safetensors`),
 or as the ComfyUI/Forge all-in-one (`model.diffusion_model.`, `text_encoders.clip_l.transformer.`,
 `text_encoders.t5xxl.transformer.`, `vae.`). `parts` says how each component is found and named.
+LoRAs name the text encoders by those all-in-one prefixes too (ComfyUI), by `lora_te1_`/`lora_te3_`
+(sd-scripts) and by position, T5 as `lora_te2_` (OneTrainer): `app.adapters.keys` derives all three
+from `_CLIP_L` and `_T5`; the transformer's BFL and xlabs spellings are `lora_aliases` below.
 """
 
 from __future__ import annotations
@@ -80,9 +83,9 @@ def lora_aliases(transformer):
         yield f"diffusion_model.{bfl}", targets, BFL
     for alias, bfl in xlabs_modules(transformer).items():
         # xlabs' single-block qkv LoRA covers linear1's q, k and v rows, not its MLP rows
-        targets = parts[bfl] if bfl.endswith("qkv") or bfl.endswith("proj") else parts[bfl][:3]
-        # `qkv_lora.down.weight` ends like diffusers' legacy `to_q_lora.down.weight`, so the key
-        # splitter hands the single-block layer over without its `_lora`.
+        targets = parts[bfl][:3] if bfl.endswith(".linear1") else parts[bfl]
+        # `qkv_lora.down.weight` / `proj_lora.down.weight` end like diffusers' legacy
+        # `to_q_lora.down.weight`, so the key splitter hands single-block layers over without `_lora`.
         for prefix in ("", "diffusion_model."):
             yield f"{prefix}{alias.removesuffix('_lora')}", targets, XLABS
 

@@ -9,7 +9,7 @@
     c.predict(True, False, api_name="/interrupt")  # stops it between two steps; job.result() has the partial image
 
 Endpoints: generate, interrupt, skip, img2img, inpaint, txt2img_hires (app/ui/workflow_api.py), set_loras,
-set_offload, set_dtype, load_model, unload, set_debug,
+set_lora_partial, set_offload, set_dtype, load_model, unload, set_debug,
 list_models, list_loras, inspect_lora, snapshot, bug_report (the last one is the Diagnostics tab's button).
 These are independent of the UI layout (which can change freely) and never take `gr.State`,
 which `gradio_client` cannot send. Every name is validated against its folder; every failure
@@ -63,6 +63,12 @@ def _state_endpoints(ctx: UiContext) -> None:
         way) is set aside with its reason in `lora_states` while the others apply."""
         return _change(ctx, "set_loras",
                        lambda: engine.set_loras(specs_from_json(loras), set_aside_unfit=bool(set_aside_unfit)))
+
+    @gr.api(api_name="set_lora_partial", concurrency_id="loras")
+    def set_lora_partial(name: str, allowed: bool) -> dict:
+        """Allow (true) or no longer allow (false) the LoRA `name` to apply when less than half of its tensors
+        match the loaded model; remembered per LoRA. The wanted list is applied again, the page's way."""
+        return _change(ctx, "set_lora_partial", lambda: engine.set_lora_partial(name, bool(allowed)))
 
     @gr.api(api_name="set_offload", concurrency_id="loras")
     def set_offload(mode: str) -> dict:

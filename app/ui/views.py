@@ -34,6 +34,10 @@ def loras_text(snap: Snapshot) -> str:
     return ", ".join(f"{s.name} {s.unet_strength:g}/{s.te_strength:g}" for s in snap.loras) or "none"
 
 
+def _shortened(text: str) -> str:
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
+
+
 def not_applied_html(snap: Snapshot) -> list[str]:
     """Each wanted LoRA the engine did not apply (set aside or disabled), with its reason, shortened;
     the whole reason is the tooltip."""
@@ -41,15 +45,27 @@ def not_applied_html(snap: Snapshot) -> list[str]:
     for s in snap.lora_states:
         if s.status in ("applied", "no model loaded"):
             continue
-        short = s.reason if len(s.reason) <= REASON_CHARS else s.reason[:REASON_CHARS - 1] + "…"
         out.append(f"<span class='sd-aside' title='{html.escape(s.reason, quote=True)}'>⊘ {html.escape(s.name)} "
-                   f"{html.escape(s.status)}: {html.escape(short)}</span>")
+                   f"{html.escape(s.status)}: {html.escape(_shortened(s.reason))}</span>")
+    return out
+
+
+def applied_in_part_html(snap: Snapshot) -> list[str]:
+    """Each applied LoRA of which some tensors matched nothing in the model, with the count and the
+    first keys (shortened; the whole message is the tooltip): a LoRA that lost layers is never quiet."""
+    out = []
+    for s in snap.loras:
+        counters = snap.lora_counters.get(s.name)
+        if counters is not None and counters.unmatched_keys:
+            out.append(f"<span class='sd-partial' title='{html.escape(counters.message, quote=True)}'>⚠ "
+                       f"{html.escape(s.name)} applied in part: {html.escape(_shortened(counters.message))}</span>")
     return out
 
 
 def status_html(snap: Snapshot) -> str:
     """The always-visible engine line: state pill, progress and queue, model, placement policy, LoRAs
-    (applied, then those set aside or disabled with the reason), violations."""
+    (applied, those applied without some of their tensors, then those set aside or disabled with the
+    reason), violations."""
     state = snap.state
     css = {"ERROR": "error", "EMPTY": "empty"}.get(state, "busy" if state in _BUSY_STATES else "idle")
     progress = ""
@@ -63,6 +79,7 @@ def status_html(snap: Snapshot) -> str:
         f"model <b>{model}</b>" + (f" ({snap.arch})" if snap.arch else ""),
         f"{snap.device} · {snap.dtype or snap.requested_dtype} · offload {snap.offload}",
         f"LoRAs {html.escape(loras_text(snap))}" + (f" ({snap.lora_mode})" if snap.loras else ""),
+        *applied_in_part_html(snap),
         *not_applied_html(snap),
     ]
     if snap.violations_found_total:
