@@ -181,6 +181,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sections", help=f"comma list of {','.join(SECTIONS)} (proxies: {','.join(PROXY_SECTIONS)})")
     parser.add_argument("--batches", help="comma list of batch sizes (default 1,4; quick and smoke 1)")
     parser.add_argument("--loras", help="comma list of LoRA counts in the speed rows (default 0,1,3; quick 0,3)")
+    parser.add_argument("--no-channels-last", action="store_true",
+                        help="leave the channels_last engine out of the speed pools (its own device-check section)")
     parser.add_argument("--repeats", type=int, help="ABBA rounds per comparison")
     parser.add_argument("--steps", type=int, help="denoising steps per generation")
     parser.add_argument("--compile-cache", type=Path, help="reuse this compile cache (default: a fresh one)")
@@ -210,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, str]:
     batches = tuple(int(b) for b in _csv(args.batches, ("1", "2", "3", "4", "8"), "batches") or preset.batches)
     loras = tuple(int(n) for n in _csv(args.loras, ("0", "1", "3"), "loras") or preset.lora_counts)
     config = dataclasses.replace(preset, archs=archs, sections=sections, batches=batches, lora_counts=loras,
+                                 channels_last_rows=not args.no_channels_last,
                                  repeats=args.repeats or preset.repeats, steps=args.steps or preset.steps,
                                  dtype=run_dtype(preset.dtype, archs, args.dtype))
     stem = _stem(preset.mode, archs, preset.archs, sections, preset.sections)

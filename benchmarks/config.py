@@ -65,6 +65,7 @@ class BenchConfig:
     resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024, "flux-dev": 1024})
     budget_gib: float = 3.0
     budget_archs: tuple[str, ...] = ("sd15",)
+    channels_last_rows: bool = True  # the throughput pools' `--channels-last` engine, where the denoiser has convs
 
 
 PRESETS = {

@@ -12,8 +12,9 @@ kept), and writes what each section measured plus a one-page `SUMMARY.md` and `d
 `--dry-run` walks the same plan on the CPU: the test section collects its tests with the packages the
 device image lacks (Gradio and the web stack) made unimportable, and every bench section runs its
 `--smoke` form (tiny models, same code paths). Estimates are device seconds on an H100, process
-start included; they come from the runs recorded in `benchmarks/results/` and each run prints its
-actual seconds beside them, so the next estimate can be corrected.
+start included, from the runs recorded in `benchmarks/results/nvidia-h100-80gb-hbm3/devicecheck-*`
+(2026-11-26: (b) 102 s, (c) 206 s; (a) was stopped at 271 s in a larger fast form than today's);
+each run writes its actual seconds beside them, and every log line carries its elapsed seconds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,15 +66,15 @@ class Section:
 
 
 PLAN = (
-    Section("gpu-tests", "a", "-m gpu correctness tests, fast form: placement repair, SD.Next sequences and "
-            "workflows in every offload mode (full-size SD1.5 bf16, SDXL fp16), fp8 and offload fuzz, forced OOM, "
-            "VRAM returned on switches", 200, tests=True),
-    Section("sd15", "b", "SD1.5 512²: ours vs diffusers eager, 3 fused LoRAs vs none, channels_last, LoRA "
-            "add/re-weight/remove ms, peak VRAM; ABBA with control", 100,
+    Section("gpu-tests", "a", "-m gpu correctness tests, fast form: placement repair, forced OOM, LoRA math on the "
+            "weight's device, pinned backups, VRAM returned on switches, SD.Next sequences in every offload mode "
+            "(full-size SD1.5 bf16, SDXL fp16), workflows (SD1.5 bf16), fp8 and offload fuzz", 245, tests=True),
+    Section("sd15", "b", "SD1.5 512²: ours vs diffusers eager, 3 fused LoRAs vs none and vs PEFT, LoRA "
+            "add/re-weight/remove ms, peak VRAM; ABBA with control", 85,
             ("--archs", "sd15", "--sections", "throughput,latency", "--batches", "1", "--loras", "0,3",
-             "--repeats", "4")),
+             "--no-channels-last", "--repeats", "4")),
     Section("flux", "c", "FLUX.1-dev 1024² bf16 vs FluxPipeline (none, 3 fused LoRAs, PEFT), then fp8 storage "
-            "with none and 3 LoRAs as bypass; resting VRAM", 240,
+            "with none and 3 LoRAs as bypass; resting VRAM", 210,
             ("--archs", "flux-dev", "--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3",
              "--repeats", "2", "--steps", "8")),
     Section("compile", "d", "compiled denoiser (reduce-overhead): speed vs eager, recompiles and CUDA-graph "
@@ -81,8 +83,9 @@ PLAN = (
     Section("offload", "e", "every offload mode vs diffusers' model/sequential/group offload, SD1.5 and "
             "balanced under a 3 GiB budget", 200,
             ("--archs", "sd15", "--sections", "offload", "--batches", "1", "--repeats", "2", "--steps", "10")),
-    Section("channels-last", "f", "channels_last on/off on SDXL 1024² (decides the CUDA default)", 190,
-            ("--archs", "sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3", "--repeats", "2")),
+    Section("channels-last", "f", "channels_last on/off: SD1.5 512² and SDXL 1024², none and 3 fused LoRAs "
+            "(decides the CUDA default)", 230,
+            ("--archs", "sd15,sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3", "--repeats", "2")),
 )
 
 
@@ -111,23 +114,33 @@ class Outcome:
 
 
 def _run(command: list[str], log_path: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, float]:
-    """Run `command` with its output in `log_path`; stop its whole process group at `timeout_s`
+    """Run `command` with each output line in `log_path` behind its elapsed seconds (so a section
+    stopped at its cap still shows what took the time); stop its whole process group at `timeout_s`
     (rc None). A new session, so a stop also ends the workers a section started."""
     started = time.monotonic()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = None
-    return rc, time.monotonic() - started
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True, errors="replace")
+    stopped = threading.Event()
+    timer = threading.Timer(timeout_s, _stop, (proc, stopped))
+    timer.start()
+    try:
+        with log_path.open("w") as log:
+            for line in proc.stdout:
+                log.write(f"[{time.monotonic() - started:7.1f}s] {line}")
+                log.flush()
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    return None if stopped.is_set() else rc, time.monotonic() - started
+
+
+def _stop(proc: subprocess.Popen, stopped: threading.Event) -> None:
+    stopped.set()
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _test_figures(log_text: str) -> dict:
@@ -140,9 +153,9 @@ def _test_figures(log_text: str) -> dict:
             break
     if not counts:  # stopped at its cap: count the verbose per-test lines written so far
         for kind in ("PASSED", "FAILED", "SKIPPED", "ERROR"):
-            if n := len(re.findall(rf"^tests/\S+ {kind}", log_text, re.MULTILINE)):
+            if n := len(re.findall(rf"^\[ *[\d.]+s\] tests/\S+ {kind}", log_text, re.MULTILINE)):
                 counts[kind.lower()] = n
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log_text, re.MULTILINE)
+    failed = re.findall(r"^\[ *[\d.]+s\] (?:FAILED|ERROR) (\S+)", log_text, re.MULTILINE)
     return {"counts": counts, "failed": failed[:20]}
 
 

@@ -126,7 +126,8 @@ def throughput_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
     the control (ours without LoRA, twice)."""
     model, counts = run.model, bench.config.lora_counts
     fam = family(model.arch)
-    nhwc = ours.loaded_engine(model, bench, channels_last=True) if fam.denoiser in fam.conv_components else None
+    wanted = bench.config.channels_last_rows and fam.denoiser in fam.conv_components
+    nhwc = ours.loaded_engine(model, bench, channels_last=True) if wanted else None
     try:
         for batch in bench.config.batches:
             pool, mine = f"throughput-b{batch}", ours.generator(engine, model, bench, batch)

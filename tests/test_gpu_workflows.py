@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_form import skip_outside_fast_cases
+from gpu_form import WORKFLOW_CASES, skip_outside
 from PIL import Image
 from test_gpu_sequences import LORA, SIZE, STEPS, full_model, in_every_mode  # noqa: F401 - full_model: the fixture
 
@@ -61,7 +61,7 @@ def test_workflow_sequence_in_every_offload_mode(full_model, dtype):  # noqa: F8
     """Strict mode on CUDA: zero violations, all rows ok, stage pipelines on the loaded weights, and
     the same images in every mode (fp16 0.3, bf16 1.5 grey levels mean, as for txt2img)."""
     arch, data_dir = full_model
-    skip_outside_fast_cases(pytest, arch, dtype)
+    skip_outside(WORKFLOW_CASES, pytest, arch, dtype)
     runs, snap, shared = in_every_mode(data_dir, arch, dtype, _sequence,
                                        {"switching": ("sequential", "group", "balanced")}, _shares_weights)
     assert snap.last_error is None and snap.violations_found_total == 0
