@@ -87,6 +87,12 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        # Pinned host blocks (LoRA backups) stay cached by PyTorch's host allocator after they are
+        # freed; its only release is this private binding (CUDA builds only). Suspected cause of the
+        # H100 run's RSS growth over LoRA add/remove cycles (2026-11-26); re-check owed on a GPU.
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
     heap.give_back()
 
 
