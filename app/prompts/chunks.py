@@ -90,7 +90,8 @@ def chunk_tokens(tokenizer, text: str, runs: Mapping[int, tuple[int, ...]] = {})
     """A CLIP encoder's chunks for `text` (A1111's emphasis syntax); `runs` maps an embedding's token
     to all its vector tokens (`app.engine.embeddings.token_runs`)."""
     parts = parse_attention(text)
-    filler = _Filler(tokenizer, tokenizer.get_vocab().get(",</w>"))
+    comma = tokenizer.convert_tokens_to_ids(",</w>")  # CLIP's comma; an unknown token gives the unk id
+    filler = _Filler(tokenizer, None if comma == tokenizer.unk_token_id else comma)
     for (text_part, weight), units in zip(parts, _tokenize(tokenizer, parts, runs), strict=True):
         if is_break(text_part, weight):
             filler.close()
