@@ -149,6 +149,20 @@ def test_a1111_emphasis_and_long_prompts_reach_the_picture(api):
     assert not np.array_equal(picture(f"{words} fox"), picture(f"{words} owl"))
 
 
+def test_lora_tags_and_embeddings_work_inside_weighted_parts(api):
+    """A `<lora:…>` tag inside `( … :1.5)` still applies the LoRA (and leaves the weighting to the words),
+    and an embedding's name inside brackets takes the weight like any word."""
+    def made(prompt: str):
+        return api.txt2img(prompt=prompt, seed=6, **SMALL)
+
+    weighted, tagged = made("a (cat:1.5)"), made("a (cat <lora:style:0.8>:1.5)")
+    assert "Lora hashes" in tagged.image.info["parameters"] and "Lora hashes" not in weighted.image.info["parameters"]
+    assert not np.array_equal(_pixels(tagged.image), _pixels(weighted.image))
+    assert not np.array_equal(_pixels(tagged.image), _pixels(made("a cat <lora:style:0.8>").image))
+    embedding = "tiny-sd15-embedding"
+    assert not np.array_equal(_pixels(made(f"a ({embedding}:1.5)").image), _pixels(made(f"a {embedding}").image))
+
+
 def test_clip_skip_is_a1111s_option_and_override_and_is_written_into_the_infotext(api, app):
     """`CLIP_stop_at_last_layers` per request (`override_settings`) or as the API's option: the picture
     changes, the infotext carries `Clip skip: 2` (absent at 1, as A1111 writes it), and so does `info`."""
