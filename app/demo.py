@@ -108,6 +108,16 @@ EMBEDDING_VECTORS = 2
 LoraWriter = Callable[[Path, object, str], None]
 
 
+def _trained_norm(encoder):
+    """Give a CLIP encoder's final norm a bias, as a trained one has: with bias 0 every output token has
+    mean 0, and A1111's emphasis, which rescales by the mean of the output, would divide by ~1e-8."""
+    for name, module in encoder.named_modules():
+        if name.endswith("final_layer_norm") and getattr(module, "bias", None) is not None:
+            with torch.no_grad():
+                module.bias.normal_(0.1, 0.1)
+    return encoder
+
+
 def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None):
     """A random-weight tiny pipeline on CPU in float32; the same seed gives the same weights.
     `in_channels=9` makes an inpainting checkpoint's UNet (latents + mask + masked-image latents).
@@ -125,7 +135,7 @@ def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None
             "vae": AutoencoderKL(**configs["vae"]),
         }
         for te in fam.text_encoders:
-            components[te.component] = te.model_class(te.config_class(**configs[te.component]))
+            components[te.component] = _trained_norm(te.model_class(te.config_class(**configs[te.component])))
     index = json.loads((fam.config_dir / "model_index.json").read_text())
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
     components["scheduler"] = scheduler_cls.from_pretrained(fam.config_dir, subfolder="scheduler")

@@ -136,6 +136,49 @@ def test_txt2img_with_a_lora_tag_applies_it_for_that_request_only(api, app):
     assert np.array_equal(_pixels(again.image), _pixels(plain.image))
 
 
+def test_a1111_emphasis_and_long_prompts_reach_the_picture(api):
+    """Prompts mean what they mean in A1111: `a (cat:1.0)` is `a cat` bit for bit, `(cat:1.5)` is another
+    picture, and words past CLIP's 77th token change the picture (75-token chunks, not a silent cut)."""
+    def picture(prompt: str) -> np.ndarray:
+        return _pixels(api.txt2img(prompt=prompt, seed=5, **SMALL).image)
+
+    plain = picture("a cat")
+    assert np.array_equal(picture("a (cat:1.0)"), plain)
+    assert not np.array_equal(picture("a (cat:1.5)"), plain)
+    words = " ".join(["red"] * 80)  # 80 tokens: what follows is in the second chunk
+    assert not np.array_equal(picture(f"{words} fox"), picture(f"{words} owl"))
+
+
+def test_lora_tags_and_embeddings_work_inside_weighted_parts(api):
+    """A `<lora:…>` tag inside `( … :1.5)` still applies the LoRA (and leaves the weighting to the words),
+    and an embedding's name inside brackets takes the weight like any word."""
+    def made(prompt: str):
+        return api.txt2img(prompt=prompt, seed=6, **SMALL)
+
+    weighted, tagged = made("a (cat:1.5)"), made("a (cat <lora:style:0.8>:1.5)")
+    assert "Lora hashes" in tagged.image.info["parameters"] and "Lora hashes" not in weighted.image.info["parameters"]
+    assert not np.array_equal(_pixels(tagged.image), _pixels(weighted.image))
+    assert not np.array_equal(_pixels(tagged.image), _pixels(made("a cat <lora:style:0.8>").image))
+    embedding = "tiny-sd15-embedding"
+    assert not np.array_equal(_pixels(made(f"a ({embedding}:1.5)").image), _pixels(made(f"a {embedding}").image))
+
+
+def test_clip_skip_is_a1111s_option_and_override_and_is_written_into_the_infotext(api, app):
+    """`CLIP_stop_at_last_layers` per request (`override_settings`) or as the API's option: the picture
+    changes, the infotext carries `Clip skip: 2` (absent at 1, as A1111 writes it), and so does `info`."""
+    one = api.txt2img(prompt="a fox", seed=2, **SMALL)
+    two = api.txt2img(prompt="a fox", seed=2, override_settings={"CLIP_stop_at_last_layers": 2}, **SMALL)
+    assert "Clip skip" not in one.image.info["parameters"] and "Clip skip: 2" in two.image.info["parameters"]
+    assert (one.info["clip_skip"], two.info["clip_skip"]) == (1, 2) and "ignored" not in two.info["comments"]
+    assert not np.array_equal(_pixels(one.image), _pixels(two.image))
+    try:
+        api.set_options({"CLIP_stop_at_last_layers": 2})
+        assert api.get_options()["CLIP_stop_at_last_layers"] == 2
+        assert np.array_equal(_pixels(api.txt2img(prompt="a fox", seed=2, **SMALL).image), _pixels(two.image))
+    finally:
+        api.set_options({"CLIP_stop_at_last_layers": 1})
+
+
 def test_txt2img_echoes_a1111_parameters_and_rounds_sizes_with_a_note(app):
     body = {"prompt": "a fox", "seed": 3, "steps": 2, "width": 100, "height": 64, "batch_size": 2, "n_iter": 1}
     answer = requests.post(f"{app[0]}/sdapi/v1/txt2img", json=body).json()
@@ -237,9 +280,9 @@ def test_options_switch_the_checkpoint_by_any_of_its_names(api, app):
 
 def test_override_settings_switch_for_one_request_and_restore(api, app):
     made = api.txt2img(prompt="a fox", seed=1, override_settings={"sd_model_checkpoint": SDXL,
-                                                                    "CLIP_stop_at_last_layers": 2}, **SMALL)
+                                                                    "sd_vae": "other.safetensors"}, **SMALL)
     assert f"Model: {SDXL}" in made.image.info["parameters"] and made.info["sd_model_name"] == "tiny-sdxl"
-    assert "CLIP_stop_at_last_layers=2 ignored" in made.info["comments"]
+    assert "sd_vae='other.safetensors' ignored" in made.info["comments"]
     assert app[1].snapshot().model == MODEL  # restored afterwards, as A1111 does by default
     try:
         api.txt2img(prompt="a fox", override_settings={"sd_model_checkpoint": SDXL},

@@ -99,8 +99,8 @@ def test_other_refusals(app):
     _refused(requests.post(f"{url}/png-info", json={"image": "not base64!"}), 422, "Invalid encoded image")
     _refused(requests.post(f"{url}/png-info", json={"image": "aGVsbG8="}), 422, "Invalid encoded image")
     _refused(requests.post(f"{url}/options", json={"sd_model_checkpoint": "nope"}), 404, "Model not found")
-    _refused(requests.post(f"{url}/options", json={"CLIP_stop_at_last_layers": 2, "sd_model_checkpoint": "tiny-sdxl"}),
-             422, "CLIP_stop_at_last_layers=2", "nothing changed")
+    _refused(requests.post(f"{url}/options", json={"CLIP_stop_at_last_layers": 13, "sd_model_checkpoint": "tiny-sdxl"}),
+             422, "CLIP_stop_at_last_layers must be a whole number in 1…12", "nothing changed")
     _refused(requests.post(f"{url}/options", json={"no_such_option": 1}), 422, "no_such_option (unknown here)")
     _refused(requests.post(f"{url}/options", json={"steady_offload": "sideways"}), 422, "offload must be one of")
     assert app[1].snapshot().model == MODEL and app[1].snapshot().offload == "none"

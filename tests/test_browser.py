@@ -196,7 +196,8 @@ def _settings_of_a_first_image(page) -> None:
     page.fill("#sd-prompt textarea", "a lighthouse at dusk")
     page.fill("#sd-negative textarea", "blurry, lowres")
     choose(page, "sd-sampler", "DPM++ 2M Karras")
-    for elem_id, value in (("sd-steps", "3"), ("sd-cfg", "6.5"), ("sd-width", "72"), ("sd-seed", "1234")):
+    for elem_id, value in (("sd-steps", "3"), ("sd-cfg", "6.5"), ("sd-width", "72"), ("sd-seed", "1234"),
+                           ("sd-clip_skip", "2")):
         set_number(page, elem_id, value)
     pick_loras(page, ["style"])
     page.wait_for_selector("#sd-lora-card-0 >> text=applied", timeout=TIMEOUT_MS)
@@ -207,7 +208,8 @@ def _settings_of_a_first_image(page) -> None:
 
 def test_png_info_round_trip_gives_the_same_image_bytes(page, served):
     """Generate, drop that PNG on PNG Info, send it to Generate (prompt, negative, sampler, steps, CFG,
-    seed, size and the LoRA with both weights come back), generate again: the same file, byte for byte."""
+    seed, size, clip skip and the LoRA with both weights come back), generate again: the same file, byte
+    for byte."""
     url, engine = served
     _settings_of_a_first_image(page)
     first = generate_and_wait(page, engine)
@@ -224,6 +226,7 @@ def test_png_info_round_trip_gives_the_same_image_bytes(page, served):
     page.wait_for_selector("#sd-lora-status >> text=style", timeout=TIMEOUT_MS)
     assert [(s.name, s.unet_strength, s.te_strength) for s in engine.snapshot().loras] == [("style", 0.6, 0.6)]
     assert page.input_value("#sd-seed input") == "1234" and page.input_value("#sd-width input") == "72"
+    assert page.input_value("#sd-clip_skip input") == "2"
     second = generate_and_wait(page, engine)
     save(page, "pnginfo-sent.png")
     assert second != first and second.read_bytes() == first.read_bytes()

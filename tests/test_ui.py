@@ -104,7 +104,7 @@ def test_out_of_range_settings_are_refused_with_their_range(client, field, value
 def test_nan_cfg_in_raw_json_is_refused(app):
     """JSON clients can send NaN (Python's json does); it is refused like any other bad number."""
     url = app[0].local_url + "gradio_api/call/generate"
-    body = json.dumps({"data": ["a fox", "", "Euler", 2, float("nan"), 5, 64, 64, 1, 1]}).encode()
+    body = json.dumps({"data": ["a fox", "", "Euler", 2, float("nan"), 5, 64, 64, 1, 1, 1]}).encode()
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as answer:
         event = json.loads(answer.read())["event_id"]
@@ -119,6 +119,16 @@ def test_sizes_round_down_to_the_model_multiple_with_a_note(client):
     assert details[0]["notes"] == ["width 100 → 96: SD1.5 sizes are multiples of 8 (rounded down, as A1111 does)",
                                    "height 71 → 64: SD1.5 sizes are multiples of 8 (rounded down, as A1111 does)"]
     assert _generate(client, seed=5)[2][0]["notes"] == []
+
+
+def test_clip_skip_is_a_generation_setting_written_into_the_infotext(client):
+    """The page's (and its API's) clip skip reaches the picture and the infotext as A1111 writes it."""
+    one, text_one, _ = _generate(client, seed=4)
+    images, text_two, _ = client.predict(prompt="a fox", sampler="Euler", steps=2, cfg=5.0, seed=4, width=64,
+                                         height=64, clip_skip=2, api_name="/generate")
+    with Image.open(images[0]["image"]) as im:
+        assert not np.array_equal(np.asarray(im.convert("RGB")), one)
+    assert "Clip skip" not in text_one and "Clip skip: 2" in text_two
 
 
 def test_an_engine_failure_is_whole_once_and_one_traceback_in_the_log(client, caplog, capfd):
@@ -144,15 +154,16 @@ def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_ca
     sdxl_hash = file_sha256(settings.checkpoints_dir / "tiny-sdxl.safetensors")[:10]
     text = ("a fox <lora:style:0.5:1.5> <lora:missing:1>\nNegative prompt: blurry\nSteps: 28, Sampler: DPM++ 2M, "
             f"Schedule type: Karras, CFG scale: 6.5, Seed: 99, Size: 832x1216, Model hash: {sdxl_hash}, "
-            "Model: renamed_elsewhere, Denoising strength: 0.4, Version: v1.10.1")
+            "Model: renamed_elsewhere, Denoising strength: 0.4, Clip skip: 2, Version: v1.10.1")
     plan = plan_send(ctx, parse_infotext(text))
     assert plan.fields == {"prompt": "a fox", "negative": "blurry", "steps": 28, "cfg": 6.5, "seed": 99, "width": 832,
-                           "height": 1216, "sampler": "DPM++ 2M Karras", "denoising_strength": 0.4}
+                           "height": 1216, "sampler": "DPM++ 2M Karras", "denoising_strength": 0.4, "clip_skip": 2}
     assert plan.checkpoint == "tiny-sdxl.safetensors"
     assert [(s.name, s.unet_strength, s.te_strength) for s in plan.loras] == [("style", 1.5, 0.5)]
     assert plan.notes == (f"LoRA missing is not in {settings.lora_dir}",)
     loaded = engine.snapshot()
     plan = plan_send(ctx, parse_infotext(f"a\nSteps: 2, Sampler: LCM, Seed: 1, Model hash: {loaded.model_hash}"))
+    assert plan.fields["clip_skip"] == 1  # no `Clip skip` means 1, as A1111 reads it
     assert plan.checkpoint is None and len(plan.notes) == 1 and plan.notes[0].startswith("sampler 'LCM' is not")
     plan = plan_send(ctx, parse_infotext("a\nSteps: 2, Seed: 1, Model hash: 0123456789, Model: nowhere"))
     assert plan.checkpoint is None

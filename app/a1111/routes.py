@@ -40,7 +40,7 @@ from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS
 def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState) -> None:
     """Check the numbers (and the hires fix's) before the request waits in the lane or switches a checkpoint."""
     arch = state.engine.snapshot().arch
-    txt2img.plan(req, arch)
+    txt2img.plan(req, arch, state.clip_skip)
     txt2img.hires(req, arch)
 
 

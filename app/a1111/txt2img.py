@@ -24,7 +24,7 @@ from PIL import Image, PngImagePlugin
 
 from app.a1111 import checkpoints
 from app.a1111.errors import ApiError
-from app.a1111.options import OVERRIDABLE, unsupported_overrides
+from app.a1111.options import CLIP_SKIP, OVERRIDABLE, unsupported_overrides
 from app.a1111.schema import Txt2ImgRequest
 from app.a1111.state import ApiState
 from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
@@ -79,8 +79,9 @@ def field_value(req: Txt2ImgRequest, field: str) -> Any:
     return type(req).model_fields[field].get_default(call_default_factory=True) if value is None else value
 
 
-def plan(req: Txt2ImgRequest, arch: str | None) -> tuple[GenerateParams, tuple[str, ...]]:
-    """The engine's parameters and rounding notes; refuses unsupported features and out-of-range values."""
+def plan(req: Txt2ImgRequest, arch: str | None, clip_skip: int = 1) -> tuple[GenerateParams, tuple[str, ...]]:
+    """The engine's parameters and notes (rounding, a cut prompt); refuses unsupported features and
+    out-of-range values. `clip_skip` is the API's option, which `override_settings` may override."""
     asked = list(dict.fromkeys(what for field, what in UNSUPPORTED if getattr(req, field)))
     if asked:
         raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
@@ -88,6 +89,7 @@ def plan(req: Txt2ImgRequest, arch: str | None) -> tuple[GenerateParams, tuple[s
               "seed": "seed", "width": "width", "height": "height", "batch": "batch_size", "n_iter": "n_iter"}
     values = {ours: field_value(req, theirs) for ours, theirs in fields.items()}
     values["sampler"] = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
+    values["clip_skip"] = (req.override_settings or {}).get(CLIP_SKIP, clip_skip)
     return params_from_form(values, arch)
 
 
@@ -130,7 +132,7 @@ def run(state: ApiState, req: Txt2ImgRequest,
         params, owner=API_OWNER, hires=hires(req, state.engine.snapshot().arch)))
 
     def generate() -> Outcome:
-        params, rounding = plan(req, state.engine.snapshot().arch)
+        params, rounding = plan(req, state.engine.snapshot().arch, state.clip_skip)
         notes.extend(rounding)
         images = produce(params)
         if wanted is not None and images and parse_infotext(images[0].infotext).settings.get("Model") != wanted:
@@ -177,7 +179,7 @@ def info_json(state: ApiState, outcome: Outcome, notes: list[str]) -> str:
         "sd_vae_name": None, "sd_vae_hash": None, "seed_resize_from_w": -1, "seed_resize_from_h": -1,
         "denoising_strength": _denoising(images), "extra_generation_params": {}, "index_of_first_image": 0,
         "infotexts": [im.infotext for im in images], "styles": [], "job_timestamp": state.job.timestamp,
-        "clip_skip": 1, "is_using_inpainting_conditioning": False, "version": app_version(),
+        "clip_skip": params.clip_skip, "is_using_inpainting_conditioning": False, "version": app_version(),
         "comments": "\n".join(notes), "interrupted": any(not im.complete for im in images),
     }
     return json.dumps(info)

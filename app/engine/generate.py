@@ -23,6 +23,8 @@ from PIL import Image, PngImagePlugin
 
 from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
+from app.prompts.encode import CLIP_SKIP_MAX, encode_prompts
+from app.prompts.notes import prompt_notes
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,9 @@ LIMITS: dict[str, Range] = {
     "height": Range(64, 2048),
     "batch": Range(1, 16),
     "n_iter": Range(1, 100, hint="batch count"),
+    "clip_skip": Range(1, CLIP_SKIP_MAX, hint="1 = the last layer"),
 }
+OPTIONAL = {"n_iter": 1, "clip_skip": 1}  # fields a form or request may leave out, and their values
 DEFAULT_SIZE_MULTIPLE = 8  # sizes with no model loaded; a family states its own (`Family.size_multiple`)
 
 
@@ -94,6 +98,7 @@ class GenerateParams:
     batch: int = 1  # images per denoising run (A1111 "batch size")
     sampler: str = "Euler a"
     n_iter: int = 1  # runs one after another, seeds continuing (A1111 "batch count"); Skip ends one
+    clip_skip: int = 1  # A1111's "Clip skip": read the text encoder's layer -N (app/prompts/encode.py)
 
     def __post_init__(self) -> None:
         for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
@@ -135,7 +140,7 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
     problems, checked = [], {}
     for field, rule in LIMITS.items():
         try:
-            checked[field] = rule.check(field, values.get(field, 1 if field == "n_iter" else None))
+            checked[field] = rule.check(field, values.get(field, OPTIONAL.get(field)))
         except ValueError as exc:
             problems.append(str(exc))
     if problems:
@@ -146,6 +151,8 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
         notes.append(note)
     params = GenerateParams(str(values.get("prompt") or ""), str(values.get("negative_prompt") or ""),
                             sampler=str(values.get("sampler")), **checked)
+    if arch is not None:
+        notes += prompt_notes(family(arch), params.prompt, params.negative_prompt)
     return params, tuple(n for n in notes if n)
 
 
@@ -219,7 +226,7 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
         else [("CFG scale", f"{params.cfg:g}")]
     settings = [("Steps", params.steps), ("Sampler", params.sampler), *guidance, ("Seed", seed),
                 ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name),
-                *extra]
+                *extra, *([("Clip skip", params.clip_skip)] if params.clip_skip > 1 else [])]
     loras = tuple(LoraUse(*entry) for entry in ctx.loras)
     return format_infotext(params.prompt, params.negative_prompt, settings, loras)
 
@@ -304,14 +311,15 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
     # tensors could not be patched in place afterwards.
     with torch.no_grad():
+        prompts = encode_prompts(pipe, params.prompt, params.negative_prompt, params.clip_skip)
         latents = pipe(
-            prompt=params.prompt,
             num_inference_steps=params.steps,
             num_images_per_prompt=params.batch,
             generator=seed_generators(seed, params.batch),
             output_type="latent",
             callback_on_step_end=step_end,
-            **fam.call_arguments(params.cfg, params.negative_prompt),
+            **prompts.call_arguments(),
+            **fam.call_arguments(params.cfg),
             **inputs,
         ).images
     watch.settle()

@@ -68,6 +68,10 @@ class TextEncoder:
     config_class: type[PretrainedConfig] = CLIPTextConfig
     tokenizer_class: type = CLIPTokenizer
     tokenizer_dir: Path = CLIP_TOKENIZER_DIR  # bundled in assets/
+    # How prompts reach the pipeline through it, as A1111 reads it (app/prompts/encode.py):
+    reads: str = "sequence"  # its hidden states are the prompt embeddings; "pooled": its pooled output; "both"
+    layer: str = "last"  # the last layer, normed (clip skip applies); "penultimate": layer -2 unnormed (no clip skip)
+    chunked: bool = True  # 75-token chunks, any number (CLIP); False: one sequence of `max_sequence_length` (T5)
 
 
 @dataclass(frozen=True)
@@ -154,11 +158,9 @@ class Family:
         the LDM layout for SD, the all-in-one layout of `parts` otherwise."""
         return all_in_one_state(pipe, self.parts) if self.parts else to_ldm_state_dict(pipe, self)
 
-    def call_arguments(self, guidance: float, negative_prompt: str) -> dict[str, object]:
-        """The pipeline-call arguments that differ by family."""
+    def call_arguments(self, guidance: float) -> dict[str, object]:
+        """The pipeline-call arguments that differ by family (the prompts go as embeddings: app/prompts)."""
         out: dict[str, object] = {"guidance_scale": guidance}
-        if self.negative_prompt:
-            out["negative_prompt"] = negative_prompt or None
         if self.max_sequence_length is not None:
             out["max_sequence_length"] = self.max_sequence_length
         return out

@@ -33,11 +33,13 @@ KOHYA_BFL = "kohya (BFL block names)"
 BFL = "BFL/ComfyUI (diffusion_model.)"
 XLABS = "xlabs"
 
+# CLIP-L gives the pooled vector only, from the first 75-token chunk of the A1111-parsed prompt (as
+# Forge reads it); T5 the sequence, cut at `max_sequence_length` with a note.
 _CLIP_L = TextEncoder("text_encoder", "tokenizer", CLIPTextModel, "text_encoders.clip_l.transformer.", open_clip=False,
-                      lora_prefix="lora_te1_", embedding_key="clip_l")
+                      lora_prefix="lora_te1_", embedding_key="clip_l", reads="pooled")
 _T5 = TextEncoder("text_encoder_2", "tokenizer_2", T5EncoderModel, "text_encoders.t5xxl.transformer.", open_clip=False,
                   lora_prefix="lora_te3_", embedding_key="t5", config_class=T5Config,
-                  tokenizer_class=T5TokenizerFast, tokenizer_dir=T5_TOKENIZER_DIR)
+                  tokenizer_class=T5TokenizerFast, tokenizer_dir=T5_TOKENIZER_DIR, chunked=False)
 
 
 def _t5_layout(encoder) -> dict[str, FileTensor]:

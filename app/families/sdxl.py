@@ -12,9 +12,10 @@ from app.families.ldm_layout import UNET_PREFIX, lora_aliases
 
 _CLIP_L = TextEncoder("text_encoder", "tokenizer", CLIPTextModel,
                       "conditioner.embedders.0.transformer.text_model.", open_clip=False,
-                      lora_prefix="lora_te1_", embedding_key="clip_l")
+                      lora_prefix="lora_te1_", embedding_key="clip_l", layer="penultimate")
 _CLIP_G = TextEncoder("text_encoder_2", "tokenizer_2", CLIPTextModelWithProjection, "conditioner.embedders.1.model.",
-                      open_clip=True, lora_prefix="lora_te2_", embedding_key="clip_g", pad_token="!")
+                      open_clip=True, lora_prefix="lora_te2_", embedding_key="clip_g", pad_token="!",
+                      reads="both", layer="penultimate")
 
 SDXL = Family(
     name="sdxl",

@@ -170,15 +170,15 @@ def _generate_endpoint(ctx: UiContext) -> None:
         inputs = [gr.Textbox(label="prompt"), gr.Textbox("", label="negative_prompt"),
                   gr.Dropdown(list(SCHEDULERS), value=defaults.sampler, label="sampler"),
                   *(gr.Number(getattr(defaults, name), label=name)
-                    for name in ("steps", "cfg", "seed", "width", "height", "batch", "n_iter"))]
+                    for name in ("steps", "cfg", "seed", "width", "height", "batch", "n_iter", "clip_skip"))]
         outputs = [gr.Gallery(label="images", format="png"), gr.Textbox(label="infotext"), gr.JSON(label="details")]
         trigger = gr.Button("generate")
 
-    def generate(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, n_iter,
+    def generate(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, n_iter, clip_skip,
                  request: gr.Request, progress=PROGRESS):
         with user_errors("generate", browser=False):
             params, notes = generate_params(ctx, prompt, negative_prompt, sampler, steps, cfg, seed, width, height,
-                                            batch, n_iter)
+                                            batch, n_iter, clip_skip)
         job = Generation(ctx.engine, params, owner_of(request))
         with contextlib.closing(job.follow(progress, API_POLL_S)) as snapshots:
             for _snap in snapshots:
@@ -191,10 +191,12 @@ def _generate_endpoint(ctx: UiContext) -> None:
 
     trigger.click(generate, inputs, outputs, api_name="generate", concurrency_id="loras",
                   api_description="Generate with the engine's current LoRAs plus any <lora:name:w> prompt tags; "
-                                  "n_iter runs (A1111's batch count) of `batch` images each. Returns (images, "
+                                  "n_iter runs (A1111's batch count) of `batch` images each; A1111's emphasis "
+                                  "syntax and BREAK; clip_skip 1-12. Returns (images, "
                                   "infotext of the first image, [{seed, infotext, file, complete, stopped_at, "
                                   "notes}]); notes say what was rounded (sizes go down to the model's multiple of "
-                                  "8); an interrupted image has complete false and the step it stopped at.")
+                                  "8) or cut (a prompt longer than a T5 encoder reads); an interrupted image has "
+                                  "complete false and the step it stopped at.")
 
 
 def register_api(ctx: UiContext) -> None:

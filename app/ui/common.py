@@ -186,11 +186,11 @@ def specs_from_json(items: Any) -> list[LoraSpec]:
 
 
 def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed, width, height, batch,
-                    n_iter=1) -> tuple[GenerateParams, tuple[str, ...]]:
-    """Form/API values -> (parameters, rounding notes) by the one rule set in `generate.LIMITS`;
-    sizes round to the loaded model family's multiple."""
+                    n_iter=1, clip_skip=1) -> tuple[GenerateParams, tuple[str, ...]]:
+    """Form/API values -> (parameters, notes: rounding, a cut prompt) by the one rule set in
+    `generate.LIMITS`; sizes round to the loaded model family's multiple."""
     values = dict(prompt=prompt, negative_prompt=negative, sampler=sampler, steps=steps, cfg=cfg, seed=seed,
-                  width=width, height=height, batch=batch, n_iter=n_iter)
+                  width=width, height=height, batch=batch, n_iter=n_iter, clip_skip=clip_skip)
     return params_from_form(values, ctx.engine.snapshot().arch)
 
 

@@ -142,7 +142,7 @@ def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
 def _generate(ctx: UiContext, request: gr.Request, progress=PROGRESS, *args):
     """Check the settings, hand the engine the LoRA selection if it differs from its wanted list, then
     generate, streaming previews; the size fields then show the size used, with the notes."""
-    settings, slot_names, values = args[:10], args[10], args[11:]
+    settings, slot_names, values = args[:11], args[11], args[12:]
     with user_errors("Generation"):
         params, notes = generate_params(ctx, *settings)
         sync_selection(ctx, selected_specs(list(slot_names), values), progress)

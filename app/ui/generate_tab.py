@@ -41,6 +41,7 @@ class GenerateTab:
     height: gr.Number
     batch: gr.Number
     n_iter: gr.Number
+    clip_skip: gr.Number
     note: gr.Markdown
     options: ModelOptions
 
@@ -48,7 +49,7 @@ class GenerateTab:
     def settings(self) -> list:
         """The fields a generation reads, in `generate_params` order."""
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
-                self.batch, self.n_iter]
+                self.batch, self.n_iter, self.clip_skip]
 
 
 def native_size_updates(previous: int | None, current: int | None) -> list:
@@ -91,8 +92,10 @@ def _settings_fields() -> list:
         height = _number("height", "Height", defaults.height, 8)
         batch = _number("batch", "Batch size", defaults.batch, 1)
         n_iter = _number("n_iter", "Batch count", defaults.n_iter, 1)
+        # A1111's "Clip skip": CLIP reads its layer -N; SDXL reads its penultimate layer whatever this says.
+        clip_skip = _number("clip_skip", "Clip skip", defaults.clip_skip, 1)
     note = gr.Markdown(elem_id="sd-settings-note")  # rounding, "stopped early" and "sent from an infotext" notes
-    return [prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, note]
+    return [prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, clip_skip, note]
 
 
 def build_generate_tab(ctx: UiContext) -> GenerateTab:
@@ -101,7 +104,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
     options = build_model_options(ctx)
     with gr.Row():
         with gr.Column(scale=3):
-            prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, note = _settings_fields()
+            prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, clip_skip, note = _settings_fields()
             with gr.Row(equal_height=True):
                 seed = _number("seed", "Seed", -1, 1, scale=4)
                 random_seed = gr.Button("⚄ random", scale=0, min_width=80)
@@ -115,7 +118,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
-                      height, batch, n_iter, note, options)
+                      height, batch, n_iter, clip_skip, note, options)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)

@@ -29,7 +29,8 @@ from app.ui.img2img_tab import Img2ImgTab
 from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
 
 # Plan field -> infotext key; numbers are parsed, the rest taken as text.
-_NUMBERS = {"steps": "Steps", "cfg": "CFG scale", "seed": "Seed", "denoising_strength": "Denoising strength"}
+_NUMBERS = {"steps": "Steps", "cfg": "CFG scale", "seed": "Seed", "denoising_strength": "Denoising strength",
+            "clip_skip": "Clip skip"}
 # The fields both tabs' settings lists start with, in that order.
 _FIELDS = ("prompt", "negative", "sampler", "steps", "cfg", "seed", "width", "height")
 NO_INFOTEXT = ("⚠ No infotext came with it: the settings were left as they were (other tools, screenshots and "
@@ -56,7 +57,7 @@ def _number(text: str, key: str, notes: list[str]) -> float | int | None:
 
 
 def _settings_fields(settings: dict[str, str], notes: list[str]) -> dict[str, object]:
-    fields: dict[str, object] = {}
+    fields: dict[str, object] = {"clip_skip": 1}  # A1111 writes no `Clip skip` at 1, and reads its absence so
     for field, key in _NUMBERS.items():
         if key in settings and (value := _number(settings[key], key, notes)) is not None:
             fields[field] = value
@@ -133,8 +134,8 @@ class Senders:
 def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Senders:
     """Generate and img2img as send targets; `tabs` are the app's top-level tabs."""
     return Senders(generate, (
-        SendTarget("generate", "Generate", dict(zip(_FIELDS, generate.settings, strict=False)), generate.note,
-                   ((tabs, "generate"),)),
+        SendTarget("generate", "Generate", {**dict(zip(_FIELDS, generate.settings, strict=False)),
+                                            "clip_skip": generate.clip_skip}, generate.note, ((tabs, "generate"),)),
         SendTarget("img2img", "img2img", {**dict(zip(_FIELDS, img2img.settings, strict=False)),
                                           "denoising_strength": img2img.strength}, img2img.note,
                    ((tabs, "img2img"), (img2img.panels, "i2i-img2img")), img2img.image)))
