@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from PIL import Image, PngImagePlugin
 
+from app.engine import variation
 from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
 
@@ -78,7 +79,14 @@ LIMITS: dict[str, Range] = {
     "height": Range(64, 2048),
     "batch": Range(1, 16),
     "n_iter": Range(1, 100, hint="batch count"),
+    # A1111's variation seed (app/engine/variation.py) and "resize seed from" (0: the image's own size).
+    "subseed": Range(-1, MAX_SEED, hint="-1 = random"),
+    "subseed_strength": Range(0, 1, whole=False, hint="0 = off"),
+    "seed_resize_from_w": Range(0, 2048, hint="0 = off"),
+    "seed_resize_from_h": Range(0, 2048, hint="0 = off"),
 }
+# What a form or API request that leaves a field out means (the other fields are required).
+FORM_DEFAULTS = {"n_iter": 1, "subseed": -1, "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0}
 DEFAULT_SIZE_MULTIPLE = 8  # sizes with no model loaded; a family states its own (`Family.size_multiple`)
 
 
@@ -94,6 +102,10 @@ class GenerateParams:
     batch: int = 1  # images per denoising run (A1111 "batch size")
     sampler: str = "Euler a"
     n_iter: int = 1  # runs one after another, seeds continuing (A1111 "batch count"); Skip ends one
+    subseed: int = -1  # variation seed (A1111's names), mixed in at `subseed_strength` (0: off)
+    subseed_strength: float = 0.0
+    seed_resize_from_w: int = 0  # draw the noise as for this size (both > 0), pasted centred
+    seed_resize_from_h: int = 0
 
     def __post_init__(self) -> None:
         for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
@@ -135,7 +147,7 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
     problems, checked = [], {}
     for field, rule in LIMITS.items():
         try:
-            checked[field] = rule.check(field, values.get(field, 1 if field == "n_iter" else None))
+            checked[field] = rule.check(field, values.get(field, FORM_DEFAULTS.get(field)))
         except ValueError as exc:
             problems.append(str(exc))
     if problems:
@@ -188,6 +200,7 @@ class GeneratedImage:
     infotext: str
     path: Path | None = None
     stopped_at: int | None = None  # the step an Interrupt or Skip stopped the denoising at (None: ran all)
+    subseed: int | None = None  # the variation seed mixed in (None: none)
 
     @property
     def complete(self) -> bool:
@@ -263,10 +276,11 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
 StepCallback = Callable[[int, int, torch.Tensor], bool]
 
 
-def seed_generators(seed: int, count: int) -> list[torch.Generator]:
-    """One CPU generator per image, image i seeded with `seed + i`: the same seed gives the same image
-    whatever the batch position, device or offload mode."""
-    return [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(count)]
+def seed_generators(seed: int, count: int, step: int = 1) -> list[torch.Generator]:
+    """One CPU generator per image, image i seeded with `seed + i·step`: the same seed gives the same image
+    whatever the batch position, device or offload mode (step 0: every image keeps the seed, as A1111's
+    images do when a variation seed is mixed in)."""
+    return [torch.Generator("cpu").manual_seed((seed + i * step) % (MAX_SEED + 1)) for i in range(count)]
 
 
 def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None) -> list[Image.Image]:
@@ -303,12 +317,12 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
     # tensors could not be patched in place afterwards.
-    with torch.no_grad():
+    with torch.no_grad(), variation.drawing_with(pipe, variation.of(params)):
         latents = pipe(
             prompt=params.prompt,
             num_inference_steps=params.steps,
             num_images_per_prompt=params.batch,
-            generator=seed_generators(seed, params.batch),
+            generator=seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1),
             output_type="latent",
             callback_on_step_end=step_end,
             **fam.call_arguments(params.cfg, params.negative_prompt),

@@ -114,7 +114,9 @@ class HiresParams:
         steps = self.steps or params.steps
         _steps_run(steps, self.denoising_strength, "hires fix")
         _check_pixel_steps(params.batch, width, height, steps, "hires fix")
-        return dataclasses.replace(params, width=width, height=height, steps=steps,
+        # The second pass is noised from the seed alone: a variation seed shapes the first pass's noise.
+        return dataclasses.replace(params, width=width, height=height, steps=steps, subseed_strength=0.0,
+                                   seed_resize_from_w=0, seed_resize_from_h=0,
                                    sampler=params.sampler if self.sampler == SAME else self.sampler,
                                    prompt=self.prompt or params.prompt,
                                    negative_prompt=self.negative_prompt or params.negative_prompt)

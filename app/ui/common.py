@@ -29,6 +29,7 @@ from app.engine.worker import Engine
 from app.paths import UnsafePathError, resolve_under
 from app.safetensors_files import file_sha256
 from app.settings import Settings
+from app.styles import apply_styles
 from app.ui.lora_cards import CardCache
 
 log = logging.getLogger(__name__)
@@ -186,11 +187,17 @@ def specs_from_json(items: Any) -> list[LoraSpec]:
 
 
 def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed, width, height, batch,
-                    n_iter=1) -> tuple[GenerateParams, tuple[str, ...]]:
+                    n_iter=1, subseed=-1, subseed_strength=0, seed_resize_from_w=0, seed_resize_from_h=0,
+                    styles=()) -> tuple[GenerateParams, tuple[str, ...]]:
     """Form/API values -> (parameters, rounding notes) by the one rule set in `generate.LIMITS`;
-    sizes round to the loaded model family's multiple."""
+    sizes round to the loaded model family's multiple. The chosen `styles` (names in `styles.csv`)
+    are applied to the prompts first, as A1111 applies them (`app.styles`)."""
+    prompt, negative = apply_styles(ctx.settings.styles_file, list(styles or ()), str(prompt or ""),
+                                    str(negative or ""))
     values = dict(prompt=prompt, negative_prompt=negative, sampler=sampler, steps=steps, cfg=cfg, seed=seed,
-                  width=width, height=height, batch=batch, n_iter=n_iter)
+                  width=width, height=height, batch=batch, n_iter=n_iter, subseed=subseed,
+                  subseed_strength=subseed_strength, seed_resize_from_w=seed_resize_from_w,
+                  seed_resize_from_h=seed_resize_from_h)
     return params_from_form(values, ctx.engine.snapshot().arch)
 
 

@@ -20,6 +20,7 @@ from app.ui.generate_run import GALLERY_LABEL, build_run_controls, wire_generate
 from app.ui.lora_browser import build_lora_browser
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection_updates, sync_panel, wire_loras
 from app.ui.model_options import ModelOptions, build_model_options, option_updates, wire_model_options
+from app.ui.styles_panel import build_styles_row
 
 
 @dataclass
@@ -43,12 +44,14 @@ class GenerateTab:
     n_iter: gr.Number
     note: gr.Markdown
     options: ModelOptions
+    variation: dict[str, gr.Number]  # subseed, subseed_strength, seed_resize_from_w/h (A1111's names)
+    styles: gr.Dropdown
 
     @property
     def settings(self) -> list:
         """The fields a generation reads, in `generate_params` order."""
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
-                self.batch, self.n_iter]
+                self.batch, self.n_iter, *self.variation.values(), self.styles]
 
 
 def native_size_updates(previous: int | None, current: int | None) -> list:
@@ -95,6 +98,18 @@ def _settings_fields() -> list:
     return [prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, note]
 
 
+def _variation_fields() -> dict[str, gr.Number]:
+    """A1111's "Extra" seed options: a variation seed mixed in at a strength, and the size to draw the noise as."""
+    with gr.Accordion("Variation seed", open=False, elem_id="sd-variation"):
+        with gr.Row(equal_height=True):
+            fields = {"subseed": _number("subseed", "Variation seed", -1, 1),
+                      "subseed_strength": _number("subseed_strength", "Variation strength", 0, 0.05)}
+        with gr.Row(equal_height=True):
+            fields["seed_resize_from_w"] = _number("seed_resize_from_w", "Resize seed from width", 0, 8)
+            fields["seed_resize_from_h"] = _number("seed_resize_from_h", "Resize seed from height", 0, 8)
+    return fields
+
+
 def build_generate_tab(ctx: UiContext) -> GenerateTab:
     """Lay out the tab and wire its events; engine-mutating events share the `LORA_QUEUE` lane, in order."""
     model, refresh, dtype, offload, model_status = _model_row(ctx)
@@ -102,10 +117,12 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
     with gr.Row():
         with gr.Column(scale=3):
             prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, note = _settings_fields()
+            styles = build_styles_row(ctx, prompt, negative)
             with gr.Row(equal_height=True):
                 seed = _number("seed", "Seed", -1, 1, scale=4)
                 random_seed = gr.Button("⚄ random", scale=0, min_width=80)
                 reuse_seed = gr.Button("♻ reuse", scale=0, min_width=80, elem_id="sd-reuse-seed")
+            variation = _variation_fields()
             loras = build_lora_panel(ctx)
             build_lora_browser(ctx, prompt, loras)
         with gr.Column(scale=2):
@@ -115,7 +132,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
-                      height, batch, n_iter, note, options)
+                      height, batch, n_iter, note, options, variation, styles)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
