@@ -133,3 +133,83 @@ def test_styles_csv_is_read_and_written_in_a1111s_format(tmp_path):
     assert read_styles(old) == {"sketch": PromptStyle("sketch", "pencil sketch", "")}
     with pytest.raises(ValueError, match="needs a name"):
         save_style(path, PromptStyle("# hidden", "x", ""))
+
+
+# ----------------------------------------------------------------------------------------------- refiner
+SDXL_OTHER = "tiny-sdxl-other.safetensors"
+REFINED = GenerateParams("a red house", seed=5, **{**FAST, "steps": 4})
+
+
+@pytest.fixture(scope="module")
+def sdxl_engine(engine):
+    """The module's engine on the tiny SDXL, plus a second tiny SDXL (other random weights) to refine with."""
+    from app.demo import build_tiny_pipeline, write_single_file
+
+    write_single_file(build_tiny_pipeline("sdxl", 1), "sdxl", engine.settings.checkpoints_dir / SDXL_OTHER)
+    engine.load_model(CHECKPOINTS["sdxl"])
+    return engine
+
+
+def _refined(engine, checkpoint: str, switch_at: float):
+    return engine.generate(dataclasses.replace(REFINED, refiner_checkpoint=checkpoint, refiner_switch_at=switch_at))
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["cpu", "parked as on a gpu"])
+def test_the_refiner_finishes_from_the_switch_point_with_every_stage_verified(sdxl_engine, monkeypatch, parked):
+    """Strict mode: a placement violation would fail its stage. With the base as its own refiner and a
+    deterministic sampler, switching at 0.5 gives the base's image bit for bit (the refiner goes on with the
+    same schedule from the carried latents, adding no noise); another SDXL as refiner changes the image;
+    switch at 1.0 is the base alone, bit for bit, with no refiner named. Each stage has its history row
+    (base 2 of 4 steps, refiner 2), the infotext says `Refiner: name [hash], Refiner switch at: 0.5`.
+    `parked`: the models make room for each other (hooks off, all on the CPU) as they do on a GPU."""
+    engine = sdxl_engine
+    if parked:
+        monkeypatch.setattr(engine, "_needs_room", lambda: True)
+    base = _pixels(engine.generate(REFINED))
+    start = len(engine.snapshot().history)
+    itself = _refined(engine, CHECKPOINTS["sdxl"], 0.5)[0]
+    other = _refined(engine, SDXL_OTHER, 0.5)[0]
+    rows = engine.snapshot().history[start:]
+    assert [(r.command, r.detail.split(",")[0]) for r in rows[:4]] == [
+        ("txt2img", "base pass 2 of 4 steps"), ("refiner load", CHECKPOINTS["sdxl"]),
+        ("refiner", "2 steps from 0.5"), ("refiner unload", CHECKPOINTS["sdxl"])]
+    assert all(r.outcome == "ok" and r.violations_found == 0 for r in rows), rows
+    assert np.array_equal(_pixels([itself])[0], base[0])
+    assert np.abs(_pixels([other])[0] - base[0]).mean() > 4
+    settings = parse_infotext(other.infotext).settings
+    assert settings["Refiner"] == f"{SDXL_OTHER} [{settings['Refiner'][-11:-1]}]" and len(settings["Refiner"]) > 13
+    assert settings["Refiner switch at"] == "0.5" and settings["Model"] == CHECKPOINTS["sdxl"]
+    last = _refined(engine, SDXL_OTHER, 1.0)[0]
+    assert np.array_equal(_pixels([last])[0], base[0]) and "Refiner" not in last.infotext
+    snap = engine.snapshot()
+    assert snap.violations_found_total == 0 and snap.model == CHECKPOINTS["sdxl"] and snap.state == "READY"
+
+
+def test_a_refiner_of_another_family_is_refused_and_the_engine_stays_ready(sdxl_engine):
+    """An SD1.5 checkpoint cannot refine SDXL: the `refiner load` stage fails naming both families, the base
+    is placed again and the next generation runs; SD1.5 itself has no refiner stage."""
+    with pytest.raises(ValueError, match="SD1.5 checkpoint; SDXL takes SDXL checkpoints as refiners"):
+        _refined(sdxl_engine, CHECKPOINTS["sd15"], 0.5)
+    assert sdxl_engine.snapshot().state == "READY" and sdxl_engine.generate(REFINED)
+    sdxl_engine.load_model(CHECKPOINTS["sd15"])
+    with pytest.raises(ValueError, match="SD1.5 models have no refiner stage"):
+        _refined(sdxl_engine, CHECKPOINTS["sdxl"], 0.5)
+    sdxl_engine.load_model(CHECKPOINTS["sdxl"])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_base_makes_room_for_the_refiner_and_gets_its_place_back(gpu_data_dir):
+    """On CUDA (offload none): after a refined generation the base is back on the GPU by its plan with no
+    violation, and the held refiner rests parked in host memory."""
+    from app.engine import placement
+
+    engine = Engine(Settings(data_dir=gpu_data_dir, device="cuda", strict=True))
+    try:
+        engine.load_model(CHECKPOINTS["sdxl"])
+        _refined(engine, CHECKPOINTS["sdxl"], 0.6)
+        assert placement.verify(engine.pipeline, engine.placement_plan) == []
+        held = engine._refiner.pipeline
+        assert {t.device.type for *_, t, _p in placement.iter_tensors(held)} == {"cpu"}
+        assert engine.snapshot().violations_found_total == 0
+    finally:
+        engine.close()

@@ -5,7 +5,8 @@ limits (steps 1–150, sizes 64–2048 rounded down to the family's multiple, th
 pixel-step caps) and its messages. `<lora:…>` tags in the prompt apply to this request only, as
 the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fields); `subseed`,
 `subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles` names saved
-styles (`styles.csv`, applied as A1111 applies them). Features this app does not have (face
+styles (`styles.csv`, applied as A1111 applies them); `refiner_checkpoint` (a checkpoint's name or
+title) finishes the image after `refiner_switch_at` (default 0.8). Features this app does not have (face
 restoration, tiling, hires to a fixed size, scripts, infotext-filled requests) are refused with a
 422 that names them instead of silently producing a different picture; sampler tuning (`eta`,
 `s_churn` …) and saving switches are ignored. Images always go to the outputs folder too,
@@ -15,6 +16,7 @@ as the engine saves every image it makes.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 from collections.abc import Callable
@@ -50,7 +52,7 @@ UNSUPPORTED = (("restore_faces", "face restoration"), ("tiling", "tiling"),
                ("hr_resize_y", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_checkpoint_name", "another checkpoint for the hires pass"),
                ("script_name", "scripts"), ("alwayson_scripts", "always-on scripts (extensions)"),
-               ("refiner_checkpoint", "a refiner"), ("firstpass_image", "a first-pass image"),
+               ("firstpass_image", "a first-pass image"),
                ("infotext", "filling the request from infotext (send the fields instead)"))
 
 
@@ -96,6 +98,8 @@ def plan(req: Txt2ImgRequest, arch: str | None, styles_file: Path) -> tuple[Gene
     for field in ("seed_resize_from_w", "seed_resize_from_h"):  # A1111 sends -1 for "off"; ours is 0
         value = field_value(req, field)
         values[field] = 0 if isinstance(value, int) and value < 0 else value
+    if req.refiner_switch_at is not None:
+        values["refiner_switch_at"] = req.refiner_switch_at
     values["sampler"] = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
     return params_from_form(values, arch)
 
@@ -141,6 +145,9 @@ def run(state: ApiState, req: Txt2ImgRequest,
 
     def generate() -> Outcome:
         params, rounding = plan(req, state.engine.snapshot().arch, state.ctx.settings.styles_file)
+        if req.refiner_checkpoint not in (None, "", "None", "none"):  # A1111's spellings of "no refiner"
+            params = dataclasses.replace(params, refiner_checkpoint=checkpoints.resolve(
+                state.ctx.settings, state.engine.snapshot(), req.refiner_checkpoint))
         notes.extend(rounding)
         images = produce(params)
         if wanted is not None and images and parse_infotext(images[0].infotext).settings.get("Model") != wanted:

@@ -84,9 +84,12 @@ LIMITS: dict[str, Range] = {
     "subseed_strength": Range(0, 1, whole=False, hint="0 = off"),
     "seed_resize_from_w": Range(0, 2048, hint="0 = off"),
     "seed_resize_from_h": Range(0, 2048, hint="0 = off"),
+    # A1111's refiner: the share of the noise schedule the base model denoises (app/engine/refining.py).
+    "refiner_switch_at": Range(0.01, 1, whole=False, hint="1 = no refiner"),
 }
 # What a form or API request that leaves a field out means (the other fields are required).
-FORM_DEFAULTS = {"n_iter": 1, "subseed": -1, "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0}
+FORM_DEFAULTS = {"n_iter": 1, "subseed": -1, "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0,
+                 "refiner_switch_at": 0.8}
 DEFAULT_SIZE_MULTIPLE = 8  # sizes with no model loaded; a family states its own (`Family.size_multiple`)
 
 
@@ -106,6 +109,8 @@ class GenerateParams:
     subseed_strength: float = 0.0
     seed_resize_from_w: int = 0  # draw the noise as for this size (both > 0), pasted centred
     seed_resize_from_h: int = 0
+    refiner_checkpoint: str = ""  # a checkpoint that finishes the txt2img after `refiner_switch_at` ("": none)
+    refiner_switch_at: float = 0.8
 
     def __post_init__(self) -> None:
         for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
@@ -157,7 +162,8 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
         checked[field], note = round_size(field, checked[field], arch)
         notes.append(note)
     params = GenerateParams(str(values.get("prompt") or ""), str(values.get("negative_prompt") or ""),
-                            sampler=str(values.get("sampler")), **checked)
+                            sampler=str(values.get("sampler")),
+                            refiner_checkpoint=str(values.get("refiner_checkpoint") or ""), **checked)
     return params, tuple(n for n in notes if n)
 
 
@@ -237,7 +243,8 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
     return format_infotext(params.prompt, params.negative_prompt, settings, loras)
 
 
-def _scheduler_for(pipe, sampler: str):
+def scheduler_for(pipe, sampler: str):
+    """A fresh scheduler for `sampler` on the pipeline's scheduler config; a sampler its family lacks is refused."""
     fam = family_of(pipe)
     if sampler not in fam.samplers:
         raise ValueError(f"{fam.label} has no sampler {sampler!r}; choose one of {', '.join(fam.samplers)}")
@@ -304,7 +311,7 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     and the NaN check."""
     fam = family_of(pipe)
     _check_size(fam, params)
-    pipe.scheduler = _scheduler_for(pipe, params.sampler)
+    pipe.scheduler = scheduler_for(pipe, params.sampler)
     total = params.steps if total is None else total
     watch = _FiniteWatch(total)
 

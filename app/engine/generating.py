@@ -73,6 +73,7 @@ class Generating:
         list plus the tags for the run and back to the desired list afterwards."""
         if self._lifecycle.pipeline is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
+        self._release_refiner()  # a txt2img without one: the memory a held refiner takes goes back
         saved_prompt = params.prompt  # tags stay in the saved prompt, as A1111 writes it
         params, wanted = merge_prompt_loras(params, self._desired.loras)
         self.library.validate_specs(wanted)

@@ -119,6 +119,12 @@ def for_run(params, run: int):
     return dataclasses.replace(params, subseed=params.subseed + run * params.batch) if varies(params) else params
 
 
+def without(params):
+    """`params` noised from the seed alone: for a pass after the first (hires fix, refiner), whose noise
+    a variation does not shape."""
+    return dataclasses.replace(params, subseed_strength=0.0, seed_resize_from_w=0, seed_resize_from_h=0)
+
+
 def of(params) -> Variation | None:
     """The variation a run with these (`for_run`) parameters draws its first noise with; None when plain."""
     resize = (params.seed_resize_from_w, params.seed_resize_from_h)

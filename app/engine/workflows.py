@@ -71,9 +71,10 @@ class Workflows:
                             inpainting_mask_invert)
         source.steps_run(params)
         self._require_stage(source.workflow, source.workflow)
-        if variation.of(params) is not None:
-            raise ValueError(f"variation seeds and \"resize seed from\" apply to txt2img; {source.workflow} takes "
-                             "its noise from the seed: set the variation strength and the resize sizes to 0")
+        if variation.of(params) is not None or params.refiner_checkpoint:
+            raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
+                             f"variation strength and the resize sizes to 0 and clear the refiner for "
+                             f"{source.workflow}")
         detail = (f"{params.steps} steps at {source.denoising_strength:g} {params.width}x{params.height} "
                   f"{source.resize_mode} x{params.batch}x{params.n_iter}")
         return self._workflow(source.workflow, detail, params, owner, source.infotext_pairs(),

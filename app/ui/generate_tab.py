@@ -15,7 +15,15 @@ import gradio as gr
 from app.adapters.specs import LoraSpec
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES
-from app.ui.common import PROGRESS, UiContext, checked_checkpoint, checkpoint_names, run_with_progress, user_errors
+from app.ui.common import (
+    NO_REFINER,
+    PROGRESS,
+    UiContext,
+    checked_checkpoint,
+    checkpoint_names,
+    run_with_progress,
+    user_errors,
+)
 from app.ui.generate_run import GALLERY_LABEL, build_run_controls, wire_generate
 from app.ui.lora_browser import build_lora_browser
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection_updates, sync_panel, wire_loras
@@ -46,12 +54,13 @@ class GenerateTab:
     options: ModelOptions
     variation: dict[str, gr.Number]  # subseed, subseed_strength, seed_resize_from_w/h (A1111's names)
     styles: gr.Dropdown
+    refiner: dict[str, gr.components.Component]  # refiner_checkpoint, refiner_switch_at
 
     @property
     def settings(self) -> list:
         """The fields a generation reads, in `generate_params` order."""
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
-                self.batch, self.n_iter, *self.variation.values(), self.styles]
+                self.batch, self.n_iter, *self.variation.values(), self.styles, *self.refiner.values()]
 
 
 def native_size_updates(previous: int | None, current: int | None) -> list:
@@ -110,6 +119,17 @@ def _variation_fields() -> dict[str, gr.Number]:
     return fields
 
 
+def _refiner_fields(ctx: UiContext) -> dict[str, gr.components.Component]:
+    """A1111's refiner: a checkpoint that finishes the image after the switch point (SDXL)."""
+    with gr.Accordion("Refiner", open=False, elem_id="sd-refiner"):
+        with gr.Row(equal_height=True):
+            checkpoint = gr.Dropdown([NO_REFINER, *checkpoint_names(ctx.settings)], value=NO_REFINER, scale=3,
+                                     label="Refiner checkpoint", elem_id="sd-refiner-checkpoint",
+                                     info="finishes the image after the switch point (SDXL base models)")
+            switch_at = _number("refiner_switch_at", "Switch at", GenerateParams("").refiner_switch_at, 0.05)
+    return {"refiner_checkpoint": checkpoint, "refiner_switch_at": switch_at}
+
+
 def build_generate_tab(ctx: UiContext) -> GenerateTab:
     """Lay out the tab and wire its events; engine-mutating events share the `LORA_QUEUE` lane, in order."""
     model, refresh, dtype, offload, model_status = _model_row(ctx)
@@ -123,6 +143,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
                 random_seed = gr.Button("⚄ random", scale=0, min_width=80)
                 reuse_seed = gr.Button("♻ reuse", scale=0, min_width=80, elem_id="sd-reuse-seed")
             variation = _variation_fields()
+            refiner = _refiner_fields(ctx)
             loras = build_lora_panel(ctx)
             build_lora_browser(ctx, prompt, loras)
         with gr.Column(scale=2):
@@ -132,7 +153,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
-                      height, batch, n_iter, note, options, variation, styles)
+                      height, batch, n_iter, note, options, variation, styles, refiner)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)

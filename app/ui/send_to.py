@@ -13,6 +13,7 @@ settings then stay as they were, and the note says why.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,14 +24,16 @@ from app.adapters.specs import LoraSpec
 from app.engine import checkpoint_files
 from app.engine.generate import SCHEDULERS
 from app.infotext import Infotext, parse_infotext
-from app.ui.common import MAX_LORAS, PROGRESS, UiContext, run_with_progress, user_errors
+from app.ui.common import MAX_LORAS, NO_REFINER, PROGRESS, UiContext, run_with_progress, user_errors
 from app.ui.generate_tab import GenerateTab, loaded_text
 from app.ui.img2img_tab import Img2ImgTab
 from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
 
 # Plan field -> infotext key; numbers are parsed, the rest taken as text.
 _NUMBERS = {"steps": "Steps", "cfg": "CFG scale", "seed": "Seed", "denoising_strength": "Denoising strength",
-            "subseed": "Variation seed", "subseed_strength": "Variation seed strength"}
+            "subseed": "Variation seed", "subseed_strength": "Variation seed strength",
+            "refiner_switch_at": "Refiner switch at"}
+_REFINER = re.compile(r"(?P<name>.*?)(?: \[(?P<hash>[0-9a-fA-F]+)\])?")  # A1111's "name [short hash]"
 # "W x H" infotext keys -> the two plan fields they fill.
 _SIZES = {"Size": ("width", "height"), "Seed resize from": ("seed_resize_from_w", "seed_resize_from_h")}
 # Fields an infotext without them resets, so the sent settings make the same image: no variation mixed in.
@@ -100,9 +103,21 @@ def find_checkpoint(ctx: UiContext, model_hash: str, model_name: str) -> tuple[s
     return None, f"checkpoint {wanted or '(not recorded)'} is not among yours; kept {snap.model or 'none'}"
 
 
+def _refiner_field(ctx: UiContext, settings: dict[str, str], notes: list[str]) -> str:
+    """The refiner choice an infotext's `Refiner: name [hash]` names, found as the checkpoint is; none
+    when it names none (so the sent settings make the same image)."""
+    named = _REFINER.fullmatch(settings.get("Refiner", "").strip())
+    if not named or not named["name"]:
+        return NO_REFINER
+    found, note = find_checkpoint(ctx, named["hash"] or "", named["name"])
+    notes.append(note and f"refiner: {note}")
+    return found or NO_REFINER
+
+
 def plan_send(ctx: UiContext, info: Infotext) -> SendPlan:
     notes: list[str] = []
-    fields = {"prompt": info.prompt, "negative": info.negative_prompt, **fields_from_infotext(info.settings, notes)}
+    fields = {"prompt": info.prompt, "negative": info.negative_prompt, **fields_from_infotext(info.settings, notes),
+              "refiner_checkpoint": _refiner_field(ctx, info.settings, notes)}
     checkpoint, note = find_checkpoint(ctx, info.settings.get("Model hash", ""), info.settings.get("Model", ""))
     notes.append(note)
     known = set(ctx.engine.library.names())
@@ -141,7 +156,8 @@ def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Sender
     """Generate and img2img as send targets; `tabs` are the app's top-level tabs."""
     return Senders(generate, (
         SendTarget("generate", "Generate", {**dict(zip(_FIELDS, generate.settings, strict=False)),
-                                            **generate.variation}, generate.note, ((tabs, "generate"),)),
+                                            **generate.variation, **generate.refiner}, generate.note,
+                   ((tabs, "generate"),)),
         SendTarget("img2img", "img2img", {**dict(zip(_FIELDS, img2img.settings, strict=False)),
                                           "denoising_strength": img2img.strength}, img2img.note,
                    ((tabs, "img2img"), (img2img.panels, "i2i-img2img")), img2img.image)))
