@@ -167,6 +167,17 @@ def test_styles_and_variation_seeds_through_the_api(api, app):
     assert unknown.status_code == 422 and "'nope'" in unknown.text
 
 
+def test_refiner_fields_run_the_refiner_on_sdxl_and_are_refused_where_there_is_none(api, app):
+    """`refiner_checkpoint` (a title or name) and `refiner_switch_at` finish an SDXL image with the refiner
+    (its infotext names it as A1111 does); on SD1.5, which has no refiner stage, they are refused (422)."""
+    body = {**SMALL, "prompt": "a fox", "seed": 2, "refiner_checkpoint": "tiny-sdxl", "refiner_switch_at": 0.5,
+            "override_settings": {"sd_model_checkpoint": SDXL}}
+    text = json.loads(requests.post(f"{app[0]}/sdapi/v1/txt2img", json=body).json()["info"])["infotexts"][0]
+    assert f"Model: {SDXL}" in text and f"Refiner: {SDXL} [" in text and "Refiner switch at: 0.5" in text
+    refused = requests.post(f"{app[0]}/sdapi/v1/txt2img", json={**SMALL, "refiner_checkpoint": SDXL})
+    assert refused.status_code == 422 and "no refiner stage" in refused.text
+
+
 # ------------------------------------------------------------------------------ img2img, inpaint, hires fix
 def _init_picture() -> Image.Image:
     """A 64x64 picture with structure (a gradient and a square), so a resize or repaint shows."""

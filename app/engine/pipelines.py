@@ -12,7 +12,9 @@ engine encoded itself, so diffusers' own VAE encode (which casts the SDXL VAE in
 Flux's stage pipelines take SD's step count for a strength (see `_FluxStage`).
 
 `spatial_latents` gives the denoised latents as (batch, channels, h, w), the shape the VAE and
-the live preview read: Flux denoises 2×2 patches packed into a sequence.
+the live preview read: Flux denoises 2×2 patches packed into a sequence. The txt2img classes take
+A1111's variation seeds for their first noise (`VariedNoise`), which reads `latent_grid` and
+`pack_noise` of each class.
 """
 
 from __future__ import annotations

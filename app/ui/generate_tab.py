@@ -210,8 +210,11 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
     wire_model_options(ctx, tab.options, tab.model_status, **private)
     tab.dtype.input(ui_set_dtype, tab.dtype, tab.model_status, **private).success(**redraw)
     tab.offload.input(ui_set_offload, tab.offload, tab.model_status, **private).success(**redraw)
-    refresh.click(lambda: gr.Dropdown(choices=checkpoint_names(ctx.settings)), None, tab.model,
-                  api_visibility="private")
+    def ui_refresh():
+        names = checkpoint_names(ctx.settings)
+        return gr.Dropdown(choices=names), gr.Dropdown(choices=[NO_REFINER, *names])
+
+    refresh.click(ui_refresh, None, [tab.model, tab.refiner["refiner_checkpoint"]], api_visibility="private")
 
 
 def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
