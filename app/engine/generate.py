@@ -87,9 +87,9 @@ LIMITS: dict[str, Range] = {
     # A1111's refiner: the share of the noise schedule the base model denoises (app/engine/refining.py).
     "refiner_switch_at": Range(0.01, 1, whole=False, hint="1 = no refiner"),
 }
-# What a form or API request that leaves a field out means (the other fields are required).
-FORM_DEFAULTS = {"n_iter": 1, "subseed": -1, "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0,
-                 "refiner_switch_at": 0.8}
+# Fields a form or request may leave out, and their values (the others are required).
+OPTIONAL = {"n_iter": 1, "subseed": -1, "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0,
+            "refiner_switch_at": 0.8}
 DEFAULT_SIZE_MULTIPLE = 8  # sizes with no model loaded; a family states its own (`Family.size_multiple`)
 
 
@@ -152,7 +152,7 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
     problems, checked = [], {}
     for field, rule in LIMITS.items():
         try:
-            checked[field] = rule.check(field, values.get(field, FORM_DEFAULTS.get(field)))
+            checked[field] = rule.check(field, values.get(field, OPTIONAL.get(field)))
         except ValueError as exc:
             problems.append(str(exc))
     if problems:
