@@ -146,6 +146,11 @@ class Settings:
         return self.data_dir / "outputs"
 
     @property
+    def styles_file(self) -> Path:
+        """Saved prompt styles, A1111's `styles.csv` (app/styles.py)."""
+        return self.data_dir / "styles.csv"
+
+    @property
     def compile_cache_dir(self) -> Path:
         """torch.compile artifacts kept across restarts, so a warm start skips the minute-long compile."""
         return self.data_dir / "cache" / "torch-compile"

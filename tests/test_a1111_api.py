@@ -23,6 +23,7 @@ from served_app import MODEL, free_port, make_ui_data, running_app
 from app.a1111.schema import Txt2ImgRequest
 from app.engine.generate import params_from_form
 from app.settings import Settings
+from app.styles import PromptStyle, save_style
 
 webuiapi = pytest.importorskip("webuiapi")
 SDXL = "tiny-sdxl.safetensors"
@@ -187,6 +188,37 @@ def test_txt2img_echoes_a1111_parameters_and_rounds_sizes_with_a_note(app):
     info = json.loads(answer["info"])
     assert info["width"] == 96 and "width 100 → 96" in info["comments"] and info["all_seeds"] == [3, 4]
     assert _png(answer["images"][0]).size == (96, 64)
+
+
+def test_styles_and_variation_seeds_through_the_api(api, app):
+    """`GET /prompt-styles` lists `styles.csv` with A1111's fields; `styles` apply to the prompts as A1111
+    applies them (the infotext holds the styled prompt, `info.styles` the names); `subseed` at
+    `subseed_strength` 1 gives the variation seed's image with A1111's `info` fields; an unknown style
+    is refused by name."""
+    save_style(app[1].settings.styles_file, PromptStyle("frame", "framed, {prompt}", "blurry"))
+    assert requests.get(f"{app[0]}/sdapi/v1/prompt-styles").json() == [
+        {"name": "frame", "prompt": "framed, {prompt}", "negative_prompt": "blurry"}]
+    styled = api.txt2img(prompt="a fox", styles=["frame"], seed=4, **SMALL)
+    assert styled.image.info["parameters"].startswith("framed, a fox\nNegative prompt: blurry\n")
+    assert styled.info["styles"] == ["frame"] and styled.info["all_prompts"] == ["framed, a fox"]
+    varied = api.txt2img(prompt="a fox", seed=4, subseed=11, subseed_strength=1.0, batch_size=2, **SMALL)
+    plain = api.txt2img(prompt="a fox", seed=11, batch_size=2, **SMALL)
+    assert all(np.array_equal(_pixels(a), _pixels(b)) for a, b in zip(varied.images, plain.images, strict=True))
+    assert (varied.info["all_seeds"], varied.info["all_subseeds"], varied.info["subseed_strength"]) == (
+        [4, 4], [11, 12], 1.0)
+    unknown = requests.post(f"{app[0]}/sdapi/v1/txt2img", json={**SMALL, "styles": ["nope"]})
+    assert unknown.status_code == 422 and "'nope'" in unknown.text
+
+
+def test_refiner_fields_run_the_refiner_on_sdxl_and_are_refused_where_there_is_none(api, app):
+    """`refiner_checkpoint` (a title or name) and `refiner_switch_at` finish an SDXL image with the refiner
+    (its infotext names it as A1111 does); on SD1.5, which has no refiner stage, they are refused (422)."""
+    body = {**SMALL, "prompt": "a fox", "seed": 2, "refiner_checkpoint": "tiny-sdxl", "refiner_switch_at": 0.5,
+            "override_settings": {"sd_model_checkpoint": SDXL}}
+    text = json.loads(requests.post(f"{app[0]}/sdapi/v1/txt2img", json=body).json()["info"])["infotexts"][0]
+    assert f"Model: {SDXL}" in text and f"Refiner: {SDXL} [" in text and "Refiner switch at: 0.5" in text
+    refused = requests.post(f"{app[0]}/sdapi/v1/txt2img", json={**SMALL, "refiner_checkpoint": SDXL})
+    assert refused.status_code == 422 and "no refiner stage" in refused.text
 
 
 # ------------------------------------------------------------------------------ img2img, inpaint, hires fix

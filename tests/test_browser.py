@@ -29,7 +29,9 @@ from browser_kit import (
 from PIL import Image
 from served_app import MODEL, STYLE_PREVIEW_RGB, free_port, make_ui_data, running_app
 
+from app.infotext import read_parameters
 from app.settings import Settings
+from app.styles import read_styles
 
 pytestmark = pytest.mark.browser
 
@@ -251,3 +253,23 @@ def test_history_lists_this_session_and_the_outputs_folder(page, served):
     save(page, "history.png")
     page.get_by_label("all outputs").check()
     page.wait_for_selector(f"#sd-history-count >> text={session + 1} image(s) in", timeout=TIMEOUT_MS)
+
+
+def test_a_saved_style_and_a_variation_seed_reach_the_image(page, served):
+    """Save the prompts as a style (it lands in `styles.csv` in A1111's format), pick it, mix in a variation
+    seed and generate: the PNG's infotext carries the styled prompt and the variation pairs."""
+    _url, engine = served
+    page.fill("#sd-prompt textarea", "framed, {prompt}")
+    page.fill("#sd-style-name textarea", "frame")
+    page.click("#sd-style-save")
+    page.wait_for_selector("text=Style 'frame' saved", timeout=TIMEOUT_MS)
+    assert read_styles(engine.settings.styles_file)["frame"].prompt == "framed, {prompt}"
+    page.fill("#sd-prompt textarea", "a fox")
+    choose(page, "sd-styles", "frame")
+    page.keyboard.press("Escape")
+    set_number(page, "sd-steps", "2")
+    page.click("#sd-variation")
+    set_number(page, "sd-subseed", "77")
+    set_number(page, "sd-subseed_strength", "0.4")
+    text = read_parameters(generate_and_wait(page, engine))
+    assert text.startswith("framed, a fox\n") and "Variation seed: 77, Variation seed strength: 0.4" in text

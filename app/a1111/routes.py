@@ -25,6 +25,7 @@ from app.a1111.schema import (
     PNGInfoRequest,
     PNGInfoResponse,
     ProgressResponse,
+    PromptStyleItem,
     SamplerItem,
     SchedulerItem,
     ScriptsList,
@@ -35,12 +36,13 @@ from app.a1111.schema import (
 )
 from app.a1111.state import ApiState
 from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS
+from app.styles import read_styles
 
 
 def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState) -> None:
     """Check the numbers (and the hires fix's) before the request waits in the lane or switches a checkpoint."""
     arch = state.engine.snapshot().arch
-    txt2img.plan(req, arch, state.clip_skip)
+    txt2img.plan(req, arch, state.ctx.settings.styles_file, state.clip_skip)
     txt2img.hires(req, arch)
 
 
@@ -122,6 +124,10 @@ def _listings(router: APIRouter, state: ApiState) -> None:
     @router.get("/schedulers", response_model=list[SchedulerItem])
     def schedulers() -> list[dict]:
         return listings.schedulers()
+
+    @router.get("/prompt-styles", response_model=list[PromptStyleItem])
+    def prompt_styles() -> list[dict]:
+        return [style._asdict() for style in read_styles(ctx.settings.styles_file).values()]
 
     @router.get("/embeddings", response_model=EmbeddingsResponse)
     def embeddings() -> dict:

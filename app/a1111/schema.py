@@ -123,6 +123,12 @@ class ProgressResponse(BaseModel):
     textinfo: str | None = None
 
 
+class PromptStyleItem(BaseModel):
+    name: str
+    prompt: str | None
+    negative_prompt: str | None
+
+
 class SamplerItem(BaseModel):
     name: str
     aliases: list[str]

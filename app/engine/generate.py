@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from PIL import Image, PngImagePlugin
 
+from app.engine import variation
 from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
 from app.prompts.encode import CLIP_SKIP_MAX, encode_prompts
@@ -81,8 +82,17 @@ LIMITS: dict[str, Range] = {
     "batch": Range(1, 16),
     "n_iter": Range(1, 100, hint="batch count"),
     "clip_skip": Range(1, CLIP_SKIP_MAX, hint="1 = the last layer"),
+    # A1111's variation seed (app/engine/variation.py) and "resize seed from" (0: the image's own size).
+    "subseed": Range(-1, MAX_SEED, hint="-1 = random"),
+    "subseed_strength": Range(0, 1, whole=False, hint="0 = off"),
+    "seed_resize_from_w": Range(0, 2048, hint="0 = off"),
+    "seed_resize_from_h": Range(0, 2048, hint="0 = off"),
+    # A1111's refiner: the share of the noise schedule the base model denoises (app/engine/refining.py).
+    "refiner_switch_at": Range(0.01, 1, whole=False, hint="1 = no refiner"),
 }
-OPTIONAL = {"n_iter": 1, "clip_skip": 1}  # fields a form or request may leave out, and their values
+# Fields a form or request may leave out, and their values (the others are required).
+OPTIONAL = {"n_iter": 1, "clip_skip": 1, "subseed": -1, "subseed_strength": 0, "seed_resize_from_w": 0,
+            "seed_resize_from_h": 0, "refiner_switch_at": 0.8}
 DEFAULT_SIZE_MULTIPLE = 8  # sizes with no model loaded; a family states its own (`Family.size_multiple`)
 
 
@@ -99,6 +109,12 @@ class GenerateParams:
     sampler: str = "Euler a"
     n_iter: int = 1  # runs one after another, seeds continuing (A1111 "batch count"); Skip ends one
     clip_skip: int = 1  # A1111's "Clip skip": read the text encoder's layer -N (app/prompts/encode.py)
+    subseed: int = -1  # variation seed (A1111's names), mixed in at `subseed_strength` (0: off)
+    subseed_strength: float = 0.0
+    seed_resize_from_w: int = 0  # draw the noise as for this size (both > 0), pasted centred
+    seed_resize_from_h: int = 0
+    refiner_checkpoint: str = ""  # a checkpoint that finishes the txt2img after `refiner_switch_at` ("": none)
+    refiner_switch_at: float = 0.8
 
     def __post_init__(self) -> None:
         for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
@@ -150,7 +166,8 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
         checked[field], note = round_size(field, checked[field], arch)
         notes.append(note)
     params = GenerateParams(str(values.get("prompt") or ""), str(values.get("negative_prompt") or ""),
-                            sampler=str(values.get("sampler")), **checked)
+                            sampler=str(values.get("sampler")),
+                            refiner_checkpoint=str(values.get("refiner_checkpoint") or ""), **checked)
     if arch is not None:
         notes += prompt_notes(family(arch), params.prompt, params.negative_prompt)
     return params, tuple(n for n in notes if n)
@@ -195,6 +212,7 @@ class GeneratedImage:
     infotext: str
     path: Path | None = None
     stopped_at: int | None = None  # the step an Interrupt or Skip stopped the denoising at (None: ran all)
+    subseed: int | None = None  # the variation seed mixed in (None: none)
 
     @property
     def complete(self) -> bool:
@@ -231,7 +249,8 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
     return format_infotext(params.prompt, params.negative_prompt, settings, loras)
 
 
-def _scheduler_for(pipe, sampler: str):
+def scheduler_for(pipe, sampler: str):
+    """A fresh scheduler for `sampler` on the pipeline's scheduler config; a sampler its family lacks is refused."""
     fam = family_of(pipe)
     if sampler not in fam.samplers:
         raise ValueError(f"{fam.label} has no sampler {sampler!r}; choose one of {', '.join(fam.samplers)}")
@@ -270,10 +289,11 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
 StepCallback = Callable[[int, int, torch.Tensor], bool]
 
 
-def seed_generators(seed: int, count: int) -> list[torch.Generator]:
-    """One CPU generator per image, image i seeded with `seed + i`: the same seed gives the same image
-    whatever the batch position, device or offload mode."""
-    return [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(count)]
+def seed_generators(seed: int, count: int, step: int = 1) -> list[torch.Generator]:
+    """One CPU generator per image, image i seeded with `seed + i·step`: the same seed gives the same image
+    whatever the batch position, device or offload mode (step 0: every image keeps the seed, as A1111's
+    images do when a variation seed is mixed in)."""
+    return [torch.Generator("cpu").manual_seed((seed + i * step) % (MAX_SEED + 1)) for i in range(count)]
 
 
 def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None) -> list[Image.Image]:
@@ -297,7 +317,7 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     and the NaN check."""
     fam = family_of(pipe)
     _check_size(fam, params)
-    pipe.scheduler = _scheduler_for(pipe, params.sampler)
+    pipe.scheduler = scheduler_for(pipe, params.sampler)
     total = params.steps if total is None else total
     watch = _FiniteWatch(total)
 
@@ -310,12 +330,12 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
     # tensors could not be patched in place afterwards.
-    with torch.no_grad():
+    with torch.no_grad(), variation.drawing_with(pipe, variation.of(params)):
         prompts = encode_prompts(pipe, params.prompt, params.negative_prompt, params.clip_skip)
         latents = pipe(
             num_inference_steps=params.steps,
             num_images_per_prompt=params.batch,
-            generator=seed_generators(seed, params.batch),
+            generator=seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1),
             output_type="latent",
             callback_on_step_end=step_end,
             **prompts.call_arguments(),

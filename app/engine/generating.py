@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.adapters.prompt import merge_prompt_loras
-from app.engine import generate
+from app.engine import generate, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.snapshot import EngineState
 from app.infotext import LoraUse
@@ -73,6 +73,7 @@ class Generating:
         list plus the tags for the run and back to the desired list afterwards."""
         if self._lifecycle.pipeline is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
+        self._release_refiner()  # a txt2img without one: the memory a held refiner takes goes back
         saved_prompt = params.prompt  # tags stay in the saved prompt, as A1111 writes it
         params, wanted = merge_prompt_loras(params, self._desired.loras)
         self.library.validate_specs(wanted)
@@ -91,26 +92,32 @@ class Generating:
 
     def _generate_images(self, params: GenerateParams, saved_prompt: str, job: Job, batch_run=None,
                          extra: tuple[tuple[str, object], ...] = ()) -> list[GeneratedImage]:
-        """`params.n_iter` runs of `batch_run(first_seed, phase)` -> (images, stopped_at) (default: one
-        txt2img denoising), each image saved with its infotext (`extra`: the workflow's own pairs)."""
+        """`params.n_iter` runs of `batch_run(first_seed, phase, run_params)` -> (images, stopped_at) (default:
+        one txt2img denoising), each image saved with its infotext (`extra`: the workflow's own pairs).
+        `run_params` are the run's own: its variation seeds go on over the batch count, while every image
+        keeps the seed when one is mixed in (A1111's rule, `variation`)."""
         facts = self._lifecycle.facts()
         seed = generate.resolve_seed(params.seed)
+        params = variation.resolved(params)
+        step = 0 if variation.varies(params) else 1
         applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
                         for s in facts.loras)
         ctx = RunContext(facts.model, facts.model_hash, applied, facts.arch)
-        saved = dataclasses.replace(params, prompt=saved_prompt)
-        batch_run = batch_run or (lambda first, phase: self._denoise_run(
-            params.steps, job, phase, lambda on_step: self._lifecycle.denoise(params, first, on_step)))
+        batch_run = batch_run or (lambda first, phase, run_params: self._denoise_run(
+            params.steps, job, phase, lambda on_step: self._lifecycle.denoise(run_params, first, on_step)))
         out = []
         for run in range(params.n_iter):
-            first = seed + run * params.batch
-            images, stopped_at = batch_run(first, f"denoising, run {run + 1}/{params.n_iter}")
+            first, run_params = seed + run * params.batch * step, variation.for_run(params, run)
+            saved = dataclasses.replace(run_params, prompt=saved_prompt)
+            images, stopped_at = batch_run(first, f"denoising, run {run + 1}/{params.n_iter}", run_params)
             if job.stop == "drop":
                 return []
             for i, image in enumerate(images):
-                text = generate.infotext(saved, first + i, ctx, extra)
-                path = generate.save_png(image, text, self.settings.outputs_dir, first + i)
-                out.append(GeneratedImage(image, first + i, text, path, stopped_at))
+                image_seed = first + i * step
+                text = generate.infotext(saved, image_seed, ctx, (*variation.infotext_pairs(run_params, i), *extra))
+                path = generate.save_png(image, text, self.settings.outputs_dir, image_seed)
+                out.append(GeneratedImage(image, image_seed, text, path, stopped_at,
+                                          variation.subseed_of(run_params, i)))
             if job.stop == "interrupt":
                 break
             job.stop = None  # a Skip ends this run only

@@ -107,6 +107,7 @@ class ModelLifecycle:
         self._open_lora = open_lora
         self._progress = progress
         self._loaded: _Loaded | None = None
+        self._parked: placement.PlacementPlan | None = None  # the all-CPU plan while parked (`park`)
         self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
 
     # ------------------------------------------------------------------ reading
@@ -145,8 +146,8 @@ class ModelLifecycle:
         loaded = self._loaded
         if loaded is None:
             return ()
-        return diagnostics.placement_rows(loaded.model.pipe, loaded.plan, loaded.stack.patched_modules(),
-                                          list(violations), loaded.hooks)
+        return diagnostics.placement_rows(loaded.model.pipe, self._parked or loaded.plan,
+                                          loaded.stack.patched_modules(), list(violations), loaded.hooks)
 
     def compile_status(self) -> compiled.CompileStatus | None:
         loaded = self._loaded
@@ -162,13 +163,33 @@ class ModelLifecycle:
 
     # ------------------------------------------------------------------ placement checks
     def verify_and_repair(self, when: str) -> tuple[list[placement.Violation], int]:
-        """Violations of the plan found now, and how many tensors were moved back."""
+        """Violations of the plan (the all-CPU one while parked) found now, and how many tensors were moved
+        back. Carried tensors follow the model's own plan: the next stage runs on its execution device."""
         if self._loaded is None:
             return [], 0
-        pipe, plan = self._loaded.model.pipe, self._loaded.plan
-        model_found, carried = placement.verify(pipe, plan), self.carry.verify(plan)
+        pipe, plan, own = self._loaded.model.pipe, self._parked or self._loaded.plan, self._loaded.plan
+        model_found, carried = placement.verify(pipe, plan), self.carry.verify(own)
         repaired = placement.sync(pipe, plan, reason=when) if model_found else 0
-        return model_found + carried, repaired + (self.carry.sync(plan) if carried else 0)
+        return model_found + carried, repaired + (self.carry.sync(own) if carried else 0)
+
+    # ------------------------------------------------------------------ parking
+    def park(self, reason: str = "park") -> None:
+        """Make room on the GPU for another model (a refiner, a newly loaded one): hooks off, every tensor
+        on the CPU, verified against that all-CPU plan until `unpark` places the model by its own again."""
+        loaded = self._loaded
+        if loaded is None or self._parked is not None:
+            return
+        self._release_hooks(loaded)
+        self._parked = offload.plan_for(loaded.model.pipe, loaded.plan.dtype, torch.device("cpu"), "none")
+        placement.apply_plan(loaded.model.pipe, self._parked, reason=reason)
+
+    def unpark(self) -> None:
+        """Place a parked model by its own plan and offload mode again (a no-op when it is not parked)."""
+        if self._loaded is None or self._parked is None:
+            return
+        self._parked = None
+        self._restore_placement(self._loaded)
+        self._sync_compile(self._loaded)
 
     # ------------------------------------------------------------------ realising a Desired
     def realise(self, want: Desired, loras: tuple[LoraSpec, ...], *, retry_set_aside: bool = False,
@@ -181,8 +202,10 @@ class ModelLifecycle:
         fit or the step fails. Returns the match report of each LoRA applied and the LoRAs set aside.
 
         Whatever the steps freed (a parked model, host copies moved to the GPU, LoRA backups) goes
-        back to the OS afterwards: the C heap keeps freed memory for reuse until told (app/heap.py)."""
+        back to the OS afterwards: the C heap keeps freed memory for reuse until told (app/heap.py).
+        A parked model is placed back first."""
         try:
+            self.unpark()
             return self._realise_steps(want, loras, retry_set_aside, set_aside_unfit)
         finally:
             heap.give_back()
@@ -290,25 +313,21 @@ class ModelLifecycle:
         """
         old = self._loaded
         plan, hooks = self._plan(fresh.pipe, dtype, mode, stored), HookRegistry()
-        parked = False
         try:
             if old is not None and self._device.type != "cpu":
-                self._release_hooks(old)
-                parked = True
-                cpu_plan = offload.plan_for(old.model.pipe, old.plan.dtype, torch.device("cpu"), "none")
-                placement.apply_plan(old.model.pipe, cpu_plan, reason="park previous model")
+                self.park("park previous model")
             embedded = embeddings.load_all(fresh.pipe, fresh.arch, self._settings.embeddings_dir)
             strategy = self._place(fresh.pipe, plan, hooks, reason="load")
             storage.install_dequant(hooks, fresh.pipe, stored, fresh.pipe.compute_dtypes)
         except BaseException:
             del fresh
-            if parked:
-                self._restore_placement(old)
+            self.unpark()
             release_memory()
             raise
         if old is not None:
             self._release_hooks(old)
             old.stack.release()
+        self._parked = None
         fresh.pipe.set_progress_bar_config(disable=True)
         stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan),
                           gpu_backups=self._settings.lora_backups == "gpu",
@@ -333,7 +352,7 @@ class ModelLifecycle:
             return
         self._release_hooks(self._loaded)
         self._loaded.stack.release()
-        self._loaded = None
+        self._loaded, self._parked = None, None
         release_memory()
 
     def _sync_compile(self, loaded: _Loaded) -> None:

@@ -12,7 +12,9 @@ engine encoded itself, so diffusers' own VAE encode (which casts the SDXL VAE in
 Flux's stage pipelines take SD's step count for a strength (see `_FluxStage`).
 
 `spatial_latents` gives the denoised latents as (batch, channels, h, w), the shape the VAE and
-the live preview read: Flux denoises 2×2 patches packed into a sequence.
+the live preview read: Flux denoises 2×2 patches packed into a sequence. The txt2img classes take
+A1111's variation seeds for their first noise (`VariedNoise`), which reads `latent_grid` and
+`pack_noise` of each class.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from diffusers import (
     StableDiffusionXLPipeline,
 )
 
+from app.engine.variation import VariedNoise
+
 
 class _StatedExecutionDevice:
     execution_device: torch.device | None = None
@@ -50,12 +54,20 @@ class _StatedExecutionDevice:
         """SD pipelines denoise spatial latents already."""
         return latents
 
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, columns) of the latents of an image of `height` × `width` pixels (the pipeline's rule)."""
+        return int(height) // self.vae_scale_factor, int(width) // self.vae_scale_factor
 
-class SteadySDPipeline(_StatedExecutionDevice, StableDiffusionPipeline):
+    def pack_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        """Spatial noise in the layout the pipeline denoises: SD's is spatial."""
+        return noise
+
+
+class SteadySDPipeline(_StatedExecutionDevice, VariedNoise, StableDiffusionPipeline):
     """SD1.5 pipeline whose execution device is set by the engine."""
 
 
-class SteadySDXLPipeline(_StatedExecutionDevice, StableDiffusionXLPipeline):
+class SteadySDXLPipeline(_StatedExecutionDevice, VariedNoise, StableDiffusionXLPipeline):
     """SDXL pipeline whose execution device is set by the engine."""
 
 
@@ -82,8 +94,16 @@ class _PackedPatches(_StatedExecutionDevice):
         """Unpack the (batch, h/2·w/2, 4·channels) sequence of 2×2 patches (FluxPipeline's own rule)."""
         return self._unpack_latents(latents, height, width, self.vae_scale_factor)
 
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        """FluxPipeline's rule: whole 2×2 patches of latents."""
+        patch = self.vae_scale_factor * 2
+        return 2 * (int(height) // patch), 2 * (int(width) // patch)
 
-class SteadyFluxPipeline(_PackedPatches, FluxPipeline):
+    def pack_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        return self._pack_latents(noise, *noise.shape)
+
+
+class SteadyFluxPipeline(_PackedPatches, VariedNoise, FluxPipeline):
     """FLUX.1 pipeline whose execution device is set by the engine."""
 
 

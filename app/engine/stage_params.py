@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from app.engine import variation
 from app.engine.generate import LIMITS, MAX_PIXEL_STEPS, SCHEDULERS, GenerateParams, Range
 
 # A1111's order: `resize_mode` 0, 1, 2 and `inpainting_fill` 0, 1, 2, 3 index these.
@@ -114,7 +115,8 @@ class HiresParams:
         steps = self.steps or params.steps
         _steps_run(steps, self.denoising_strength, "hires fix")
         _check_pixel_steps(params.batch, width, height, steps, "hires fix")
-        return dataclasses.replace(params, width=width, height=height, steps=steps,
+        # The second pass is noised from the seed alone: a variation seed shapes the first pass's noise.
+        return dataclasses.replace(variation.without(params), width=width, height=height, steps=steps,
                                    sampler=params.sampler if self.sampler == SAME else self.sampler,
                                    prompt=self.prompt or params.prompt,
                                    negative_prompt=self.negative_prompt or params.negative_prompt)

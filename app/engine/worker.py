@@ -34,6 +34,7 @@ from app.engine.generating import Generating, Job
 from app.engine.lifecycle import ModelLifecycle, RollbackFailed
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
+from app.engine.refining import Refining, refined
 from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition, build_snapshot
 from app.engine.stage_params import HiresParams
 from app.engine.storage import WEIGHTS_CHOICES
@@ -58,10 +59,10 @@ class _Command:
     owner: str | None = None  # who may cancel it while it waits (generations)
 
 
-class Engine(Generating, Workflows):
+class Engine(Generating, Workflows, Refining):
     """Public, blocking API over the command queue. Thread-safe; every call waits for its result.
     Generation, Interrupt and Skip come from `Generating` (app/engine/generating.py); img2img,
-    inpaint and hires fix from `Workflows` (app/engine/workflows.py)."""
+    inpaint and hires fix from `Workflows` (app/engine/workflows.py); the refiner from `Refining`."""
 
     def __init__(self, settings: Settings) -> None:
         gc_policy.freeze_startup_objects()
@@ -170,7 +171,12 @@ class Engine(Generating, Workflows):
     def generate(self, params: GenerateParams, *, owner: str | None = None,
                  hires: HiresParams | None = None) -> list[GeneratedImage]:
         """Generate `params.n_iter` × `params.batch` images; `owner` names who may interrupt it. With
-        `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`)."""
+        `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`); with
+        a refiner checkpoint in `params`, A1111's refiner (`Refining.txt2img_refined`)."""
+        if refined(params):
+            if hires is not None:
+                raise ValueError("the refiner and the hires fix do not run together yet: use one of them")
+            return self.txt2img_refined(params, owner=owner)
         if hires is not None:
             return self.txt2img_hires(params, hires, owner=owner)
         detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
@@ -256,6 +262,8 @@ class Engine(Generating, Workflows):
         """A mutation: realise the next `Desired` and commit it only if that succeeded."""
         def body() -> None:
             want = change(self._desired)
+            if want.model is None:
+                self._release_refiner()
             if enable_loras:
                 self._counters.enable_all()
             self._realise(want, want.loras, **realise_options)
@@ -360,6 +368,8 @@ class Engine(Generating, Workflows):
         """Find and repair placement violations; strict mode turns any finding into a failure."""
         t0 = time.perf_counter()
         found, repaired = self._lifecycle.verify_and_repair(when)
+        refiner_found, refiner_repaired = self._verify_refiner(when)
+        found, repaired = found + refiner_found, repaired + refiner_repaired
         self._timers.record("verify", time.perf_counter() - t0)
         self._last_violations += tuple(found)
         self._found_total += len(found)

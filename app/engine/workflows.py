@@ -28,7 +28,7 @@ from PIL import Image
 
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import generate, image_ops, stages
+from app.engine import generate, image_ops, stages, variation
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.generating import Job
 from app.engine.snapshot import EngineState
@@ -55,8 +55,8 @@ class Workflows:
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
-                              lambda first, phase, job, passes: self._hires_run(params, hires, first, phase, job,
-                                                                                passes))
+                              lambda first, phase, job, passes, run: self._hires_run(run, hires, first, phase, job,
+                                                                                     passes))
 
     def img2img(self, params: GenerateParams, init_images: Sequence[Image.Image], *, denoising_strength: float = 0.75,
                 resize_mode: str | int = "just resize", mask: Image.Image | None = None, mask_blur: int = 4,
@@ -71,11 +71,15 @@ class Workflows:
                             inpainting_mask_invert)
         source.steps_run(params)
         self._require_stage(source.workflow, source.workflow)
+        if variation.of(params) is not None or params.refiner_checkpoint:
+            raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
+                             f"variation strength and the resize sizes to 0 and clear the refiner for "
+                             f"{source.workflow}")
         detail = (f"{params.steps} steps at {source.denoising_strength:g} {params.width}x{params.height} "
                   f"{source.resize_mode} x{params.batch}x{params.n_iter}")
         return self._workflow(source.workflow, detail, params, owner, source.infotext_pairs(),
-                              lambda first, phase, job, passes: self._init_image_run(params, source, first, phase, job,
-                                                                                     passes))
+                              lambda first, phase, job, passes, run: self._init_image_run(run, source, first, phase,
+                                                                                          job, passes))
 
     def inpaint(self, params: GenerateParams, init_image: Image.Image, mask: Image.Image, **options: Any
                 ) -> list[GeneratedImage]:
@@ -116,8 +120,10 @@ class Workflows:
                                 lambda: self._with_loras(params, passes))
             job = self._job = Job(owner)
             try:
-                return self._generate_images(stripped, params.prompt, job,
-                                             lambda first, phase: batch_run(first, phase, job, passes), extra)
+                # A run's own parameters (its variation seeds) with the prompt's tags, which each pass reads.
+                def run_batch(first, phase, run):
+                    return batch_run(first, phase, job, passes, dataclasses.replace(run, prompt=params.prompt))
+                return self._generate_images(stripped, params.prompt, job, run_batch, extra)
             finally:
                 self._job = None
                 self._lifecycle.carry.clear()

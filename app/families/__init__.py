@@ -132,6 +132,9 @@ class Family:
     folder_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # tells variants' folders apart
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
     native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
+    # Families whose checkpoints may finish this one's txt2img after a switch point (A1111's refiner):
+    # both pipelines take diffusers' `denoising_end` / `denoising_start`. Empty: no refiner stage.
+    refiner_families: tuple[str, ...] = ()
 
     @property
     def plain_pipeline_class(self) -> type:

@@ -31,4 +31,5 @@ SDXL = Family(
     vae_upcast_in_fp16=True,
     config_dir=ASSETS_DIR / "configs" / "sdxl",
     native_modules=lora_aliases,
+    refiner_families=("sdxl",),
 )

@@ -139,10 +139,10 @@ def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
             "(kept as they were).")
 
 
-def _generate(ctx: UiContext, request: gr.Request, progress=PROGRESS, *args):
-    """Check the settings, hand the engine the LoRA selection if it differs from its wanted list, then
-    generate, streaming previews; the size fields then show the size used, with the notes."""
-    settings, slot_names, values = args[:11], args[11], args[12:]
+def _generate(ctx: UiContext, request: gr.Request, progress, count: int, *args):
+    """Check the `count` settings, hand the engine the LoRA selection if it differs from its wanted list,
+    then generate, streaming previews; the size fields then show the size used, with the notes."""
+    settings, slot_names, values = args[:count], args[count], args[count + 1:]
     with user_errors("Generation"):
         params, notes = generate_params(ctx, *settings)
         sync_selection(ctx, selected_specs(list(slot_names), values), progress)
@@ -179,7 +179,7 @@ def wire_generate(ctx: UiContext, controls: RunControls, settings: list, slots: 
     engine = ctx.engine
 
     def ui_generate(request: gr.Request, progress=PROGRESS, *args):
-        yield from _generate(ctx, request, progress, *args)
+        yield from _generate(ctx, request, progress, len(settings), *args)
 
     def ui_interrupt(drop: bool, request: gr.Request) -> None:
         if not engine.interrupt(keep_partial=not drop, owner=owner_of(request)):

@@ -15,11 +15,20 @@ import gradio as gr
 from app.adapters.specs import LoraSpec
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES
-from app.ui.common import PROGRESS, UiContext, checked_checkpoint, checkpoint_names, run_with_progress, user_errors
+from app.ui.common import (
+    NO_REFINER,
+    PROGRESS,
+    UiContext,
+    checked_checkpoint,
+    checkpoint_names,
+    run_with_progress,
+    user_errors,
+)
 from app.ui.generate_run import GALLERY_LABEL, build_run_controls, wire_generate
 from app.ui.lora_browser import build_lora_browser
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection_updates, sync_panel, wire_loras
 from app.ui.model_options import ModelOptions, build_model_options, option_updates, wire_model_options
+from app.ui.styles_panel import build_styles_row
 
 
 @dataclass
@@ -44,12 +53,16 @@ class GenerateTab:
     clip_skip: gr.Number
     note: gr.Markdown
     options: ModelOptions
+    variation: dict[str, gr.Number]  # subseed, subseed_strength, seed_resize_from_w/h (A1111's names)
+    styles: gr.Dropdown
+    refiner: dict[str, gr.components.Component]  # refiner_checkpoint, refiner_switch_at
 
     @property
     def settings(self) -> list:
         """The fields a generation reads, in `generate_params` order."""
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
-                self.batch, self.n_iter, self.clip_skip]
+                self.batch, self.n_iter, self.clip_skip, *self.variation.values(), self.styles,
+                *self.refiner.values()]
 
 
 def native_size_updates(previous: int | None, current: int | None) -> list:
@@ -98,6 +111,29 @@ def _settings_fields() -> list:
     return [prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, clip_skip, note]
 
 
+def _variation_fields() -> dict[str, gr.Number]:
+    """A1111's "Extra" seed options: a variation seed mixed in at a strength, and the size to draw the noise as."""
+    with gr.Accordion("Variation seed", open=False, elem_id="sd-variation"):
+        with gr.Row(equal_height=True):
+            fields = {"subseed": _number("subseed", "Variation seed", -1, 1),
+                      "subseed_strength": _number("subseed_strength", "Variation strength", 0, 0.05)}
+        with gr.Row(equal_height=True):
+            fields["seed_resize_from_w"] = _number("seed_resize_from_w", "Resize seed from width", 0, 8)
+            fields["seed_resize_from_h"] = _number("seed_resize_from_h", "Resize seed from height", 0, 8)
+    return fields
+
+
+def _refiner_fields(ctx: UiContext) -> dict[str, gr.components.Component]:
+    """A1111's refiner: a checkpoint that finishes the image after the switch point (SDXL)."""
+    with gr.Accordion("Refiner", open=False, elem_id="sd-refiner"):
+        with gr.Row(equal_height=True):
+            checkpoint = gr.Dropdown([NO_REFINER, *checkpoint_names(ctx.settings)], value=NO_REFINER, scale=3,
+                                     label="Refiner checkpoint", elem_id="sd-refiner-checkpoint",
+                                     info="finishes the image after the switch point (SDXL base models)")
+            switch_at = _number("refiner_switch_at", "Switch at", GenerateParams("").refiner_switch_at, 0.05)
+    return {"refiner_checkpoint": checkpoint, "refiner_switch_at": switch_at}
+
+
 def build_generate_tab(ctx: UiContext) -> GenerateTab:
     """Lay out the tab and wire its events; engine-mutating events share the `LORA_QUEUE` lane, in order."""
     model, refresh, dtype, offload, model_status = _model_row(ctx)
@@ -105,10 +141,13 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
     with gr.Row():
         with gr.Column(scale=3):
             prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, clip_skip, note = _settings_fields()
+            styles = build_styles_row(ctx, prompt, negative)
             with gr.Row(equal_height=True):
                 seed = _number("seed", "Seed", -1, 1, scale=4)
                 random_seed = gr.Button("⚄ random", scale=0, min_width=80)
                 reuse_seed = gr.Button("♻ reuse", scale=0, min_width=80, elem_id="sd-reuse-seed")
+            variation = _variation_fields()
+            refiner = _refiner_fields(ctx)
             loras = build_lora_panel(ctx)
             build_lora_browser(ctx, prompt, loras)
         with gr.Column(scale=2):
@@ -118,7 +157,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
-                      height, batch, n_iter, clip_skip, note, options)
+                      height, batch, n_iter, clip_skip, note, options, variation, styles, refiner)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
@@ -175,8 +214,11 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
     wire_model_options(ctx, tab.options, tab.model_status, **private)
     tab.dtype.input(ui_set_dtype, tab.dtype, tab.model_status, **private).success(**redraw)
     tab.offload.input(ui_set_offload, tab.offload, tab.model_status, **private).success(**redraw)
-    refresh.click(lambda: gr.Dropdown(choices=checkpoint_names(ctx.settings)), None, tab.model,
-                  api_visibility="private")
+    def ui_refresh():
+        names = checkpoint_names(ctx.settings)
+        return gr.Dropdown(choices=names), gr.Dropdown(choices=[NO_REFINER, *names])
+
+    refresh.click(ui_refresh, None, [tab.model, tab.refiner["refiner_checkpoint"]], api_visibility="private")
 
 
 def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
