@@ -37,8 +37,11 @@ from app.engine.offload import MODES
 from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition, build_snapshot
 from app.engine.stage_params import HiresParams
 from app.engine.storage import WEIGHTS_CHOICES
+from app.engine.upscaler_slot import UpscalerSlot
+from app.engine.upscaling import Upscaling
 from app.engine.workflows import Workflows
 from app.settings import DTYPE_CHOICES, Settings
+from app.upscalers.files import UpscalerLibrary
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +61,11 @@ class _Command:
     owner: str | None = None  # who may cancel it while it waits (generations)
 
 
-class Engine(Generating, Workflows):
+class Engine(Generating, Workflows, Upscaling):
     """Public, blocking API over the command queue. Thread-safe; every call waits for its result.
     Generation, Interrupt and Skip come from `Generating` (app/engine/generating.py); img2img,
-    inpaint and hires fix from `Workflows` (app/engine/workflows.py)."""
+    inpaint and hires fix from `Workflows` (app/engine/workflows.py), Extras and the upscaler models
+    from `Upscaling` (app/engine/upscaling.py)."""
 
     def __init__(self, settings: Settings) -> None:
         gc_policy.freeze_startup_objects()
@@ -76,6 +80,8 @@ class Engine(Generating, Workflows):
         self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
         self._timers = diagnostics.Timers()
         self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress)
+        self.upscalers = UpscalerLibrary(settings.data_dir / "models")
+        self._upscaler = UpscalerSlot(settings, self.device, self._timers)  # a component verified with the model
         self._found_total = 0
         self._repaired_total = 0
         self._last_error: ErrorRecord | None = None
@@ -236,6 +242,7 @@ class Engine(Generating, Workflows):
             if enable_loras:
                 self._counters.enable_all()
             self._realise(want, want.loras, **realise_options)
+            self._upscaler.follow(want.dtype, want.offload)
             self._desired = want
         return self._call(name, detail, state, body)
 
@@ -337,6 +344,8 @@ class Engine(Generating, Workflows):
         """Find and repair placement violations; strict mode turns any finding into a failure."""
         t0 = time.perf_counter()
         found, repaired = self._lifecycle.verify_and_repair(when)
+        upscaler_found, upscaler_repaired = self._upscaler.verify_and_repair(when)
+        found, repaired = found + upscaler_found, repaired + upscaler_repaired
         self._timers.record("verify", time.perf_counter() - t0)
         self._last_violations += tuple(found)
         self._found_total += len(found)
@@ -351,7 +360,8 @@ class Engine(Generating, Workflows):
     def _publish(self) -> None:
         self._snapshot = build_snapshot(
             state=self._state.value, device=str(self.device), desired=self._desired, facts=self._lifecycle.facts(),
-            rows=self._lifecycle.rows(self._last_violations), violations=self._last_violations,
+            rows=self._lifecycle.rows(self._last_violations) + self._upscaler.rows(self._last_violations),
+            upscaler=self._upscaler.facts(), violations=self._last_violations,
             found_total=self._found_total, repaired_total=self._repaired_total,
             counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),
             last_error=self._last_error)
