@@ -195,7 +195,10 @@ def test_txt2img_with_enable_hr_runs_the_hires_fix(api, app):
 
 
 def test_the_upscaler_lists_name_what_the_hires_fix_takes(api):
-    assert [u.get("name") for u in api.get_upscalers()] == ["None", "Lanczos", "Nearest"]
+    listed = api.get_upscalers()
+    assert [u.get("name") for u in listed] == ["None", "Lanczos", "Nearest", "tiny-realesrgan-x4"]
+    assert listed[-1]["model_name"] == "RealESRGAN" and listed[-1]["scale"] == 4
+    assert listed[-1]["model_path"].endswith("models/RealESRGAN/tiny-realesrgan-x4.safetensors")
     assert "Latent (bicubic antialiased)" in [m["name"] for m in api.get_latent_upscale_modes()]
 
 

@@ -11,6 +11,7 @@ the reason, never unpickled.
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ FOLDERS = ("ESRGAN", "RealESRGAN", "SwinIR", "DAT", "upscale_models")
 SUFFIXES = (".safetensors", ".pth", ".pt")  # in the order a name is looked for
 # Where `state_dict` wrappers keep the weights (BasicSR's `params_ema`, Lightning's `state_dict`, …):
 # the keys spandrel's own canonicalisation unwraps.
+_UNPICKLER_REASON = re.compile(r"WeightsUnpickler error: ([^\n]*?)(?:\. |\.?$)", re.MULTILINE)
 _WRAPPERS = ("model_state_dict", "state_dict", "params_ema", "params-ema", "params", "model", "net")
 
 
@@ -92,7 +94,8 @@ def _load_weights_only(path: Path) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()[0]
+        found = _UNPICKLER_REASON.search(str(exc))
+        reason = found.group(1).strip() if found else "an object torch does not allow"
         raise UpscalerFileError(
             f"{path.name}: refused: it holds pickled objects that are not tensors ({reason}); only tensors are "
             "read from .pth files (torch.load with weights_only=True, nothing else is unpickled). Use a "
