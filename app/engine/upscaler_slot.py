@@ -68,7 +68,7 @@ class _Loaded:
     requested: str  # the engine dtype request it was loaded for
     plan: PlacementPlan
     hooks: HookRegistry
-    strategy: offload.OffloadStrategy
+    strategy: offload.OffloadStrategy | None = None  # installed by `_place`
 
 
 class UpscalerSlot:
@@ -143,7 +143,8 @@ class UpscalerSlot:
     def unload(self) -> None:
         if self._loaded is None:
             return
-        self._loaded.strategy.remove()
+        if self._loaded.strategy is not None:
+            self._loaded.strategy.remove()
         self._loaded = None
         release_memory()
 
@@ -155,8 +156,7 @@ class UpscalerSlot:
         dtype = arch.compute_dtype(descriptor, wanted)
         parts = _Parts(descriptor.model)
         placement.move_component(descriptor.model, COMPONENT, Placement(torch.device("cpu"), dtype), reason="load")
-        loaded = _Loaded(name, identity, descriptor, parts, requested, self._plan(dtype, mode), HookRegistry(),
-                         offload.OffloadStrategy(parts, self._plan(dtype, "none"), HookRegistry()))
+        loaded = _Loaded(name, identity, descriptor, parts, requested, self._plan(dtype, mode), HookRegistry())
         self._place(loaded, loaded.plan, "load upscaler")
         self._loaded = loaded
         self._timers.record("load upscaler", time.perf_counter() - t0)
@@ -174,7 +174,9 @@ class UpscalerSlot:
     def _place(self, loaded: _Loaded, plan: PlacementPlan, reason: str) -> None:
         """Take the old strategy's hooks off, apply `plan`, install its mode's hooks (group offload on a
         model that owns tensors outside its blocks streams per layer instead, as sequential)."""
-        loaded.strategy.remove()
+        if loaded.strategy is not None:
+            loaded.strategy.remove()
+            loaded.strategy = None
         placement.apply_plan(loaded.parts, plan, reason=reason)
         strategy = offload.make_strategy(loaded.parts, plan, loaded.hooks, self._settings.vram_budget_gib,
                                          self._settings.balanced_watermark)
@@ -197,7 +199,7 @@ class UpscalerSlot:
     def settle(self) -> None:
         """After a run: every tensor back at rest (a run cut off by Interrupt included)."""
         loaded = self._loaded
-        if loaded is not None:
+        if loaded is not None and loaded.strategy is not None:
             loaded.strategy.settle()
             loaded.plan = loaded.plan.with_resident(loaded.strategy.resident())
 

@@ -49,7 +49,3 @@ def compute_dtype(descriptor, wanted: torch.dtype) -> torch.dtype:
     if wanted == torch.bfloat16 and descriptor.supports_bfloat16:
         return wanted
     return torch.float32
-
-
-def architecture_name(descriptor) -> str:
-    return descriptor.architecture.name
