@@ -85,6 +85,18 @@ def _run(page, button: str, expect: str, redo=None) -> None:
     page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
 
 
+def _img2img_tab(browser, url: str, prompt: str, **fields: str):
+    """A fresh page on the img2img tab, READY, with the prompt and the shared `fields` (steps, seed) filled."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(url)
+    page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
+    page.get_by_role("tab", name="img2img").first.click()
+    page.fill("#sd-i2i-prompt textarea", prompt)
+    for field, value in fields.items():
+        page.fill(f"#sd-i2i-{field} input", value)
+    return page
+
+
 def _paint(page) -> None:
     """Drag the brush across the right half of the picture in the editor."""
     box = page.locator("#sd-inpaint-editor canvas").first.bounding_box()
@@ -102,13 +114,7 @@ def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures)
     stroke are the init image's: the overlay) and from an uploaded one; hires fix at twice the size.
     Every stage shows up in the engine's history, all `ok` in strict mode."""
     url, engine = served
-    page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    page.goto(url)
-    page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
-    page.get_by_role("tab", name="img2img").first.click()
-    page.fill("#sd-i2i-prompt textarea", "a yellow flower")
-    for field, value in (("steps", "4"), ("seed", "42")):
-        page.fill(f"#sd-i2i-{field} input", value)
+    page = _img2img_tab(browser, url, "a yellow flower", steps="4", seed="42")
     page.locator("#sd-i2i-image input[type=file]").set_input_files(str(pictures / "init.png"))
     page.get_by_label("crop and resize").first.check()
     _run(page, "sd-i2i-run", "Resize mode: crop and resize")
@@ -155,13 +161,7 @@ def test_hires_fix_with_the_upscaler_model_and_an_extras_upscale(browser, served
     upscaler 2, and shows A1111's postprocessing text, which the saved PNG carries. In strict mode every
     stage is `ok` with no violation."""
     url, engine = served
-    page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    page.goto(url)
-    page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
-    page.get_by_role("tab", name="img2img").first.click()
-    page.fill("#sd-i2i-prompt textarea", "a red kite")
-    for field, value in (("steps", "2"), ("seed", "5")):
-        page.fill(f"#sd-i2i-{field} input", value)
+    page = _img2img_tab(browser, url, "a red kite", steps="2", seed="5")
     page.get_by_role("tab", name="Hires fix").click()
     page.fill("#sd-hires-hires_steps input", "2")
     choose(page, "sd-hires-upscaler", DEMO_NAME)

@@ -124,7 +124,7 @@ def test_pth_is_read_weights_only_and_a_pickled_object_is_refused(engine, upscal
     assert not marker.exists()
     assert engine.snapshot().history[-1].outcome == "failed, rolled back"
     assert engine.extras([_noise(16, 16)], ExtrasParams("plain-x4", factor=4))[0].image.size == (64, 64)
-    with pytest.raises(files.UpscalerFileError, match="not found"):
+    with pytest.raises(ValueError, match="unknown upscaler 'nope'; choose one of None, Lanczos, Nearest, .*plain-x4"):
         engine.extras([_noise(16, 16)], ExtrasParams("nope"))
     with pytest.raises(pickle.UnpicklingError):  # what torch itself says, so the refusal above is its doing
         torch.load(folder / "evil-x4.pth", weights_only=True)
@@ -182,7 +182,7 @@ def test_hires_fix_with_the_upscaler_model(engine):
     engine.load_model("tiny-sd15.safetensors")
     params = GenerateParams("a cat", steps=2, width=64, height=64, cfg=5.0, seed=3, sampler="Euler")
     before = len(engine.snapshot().history)
-    with pytest.raises(ValueError, match=f"upscaler 'nope' not found.*{DEMO_NAME}"):
+    with pytest.raises(ValueError, match=f"unknown hires upscaler 'nope'; choose one of Latent, .*{DEMO_NAME}"):
         engine.generate(params, hires=HiresParams(1.25, "nope", 0, 0.5))
     assert len(engine.snapshot().history) == before
     [model] = engine.generate(params, hires=HiresParams(1.25, DEMO_NAME, 0, 0.5))

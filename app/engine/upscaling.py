@@ -59,10 +59,13 @@ class Upscaling:
         """What Extras takes, as A1111 lists its upscalers: `None` first, then resamplers and models."""
         return [NONE, *PIXEL_UPSCALERS, *self.upscalers.names()]
 
-    def check_upscaler(self, name: str) -> None:
-        """Refuse, before anything is queued, a name that is neither a resampler nor a model file found."""
-        if name not in (NONE, *PIXEL_UPSCALERS, *LATENT_UPSCALERS):
-            self.upscalers.path_for(name)
+    def check_upscaler(self, name: str, *, hires: bool = False) -> None:
+        """Refuse, before anything is queued, a name the hires fix (or Extras) does not take, listing those
+        it does: a model file must be in an upscaler folder now."""
+        choices = self.hires_upscalers() if hires else self.extras_upscalers()
+        if name not in choices:
+            what = "hires upscaler" if hires else "upscaler"
+            raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(choices)}")
 
     def unload_upscaler(self) -> Snapshot:
         """Drop the loaded upscaler model and give its memory back (it is read again at its next use)."""

@@ -51,7 +51,7 @@ class Workflows:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass. Sizes and steps are checked before anything is queued."""
         self._require_stage("img2img", "hires fix")
-        self.check_upscaler(hires.upscaler)
+        self.check_upscaler(hires.upscaler, hires=True)
         hires.second_pass(params, self._size_multiple())
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
