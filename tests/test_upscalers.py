@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import gradio as gr
 import numpy as np
 import pytest
 import torch
@@ -23,6 +24,8 @@ from app.engine.stage_params import HiresParams
 from app.engine.upscaler_slot import COMPONENT
 from app.engine.worker import Engine
 from app.settings import OFFLOAD_CHOICES, Settings
+from app.ui.common import UiContext
+from app.ui.extras_tab import run_extras
 from app.upscalers import arch, files, tiling
 from app.upscalers.demo import DEMO_NAME
 from app.upscalers.extras import ExtrasParams
@@ -192,3 +195,15 @@ def test_hires_fix_with_the_upscaler_model(engine):
     rows = engine.snapshot().history[-6:-3]
     assert [(r.command, r.outcome, r.violations_found) for r in rows] == \
         [("txt2img", "ok", 0), ("hires upscale", "ok", 0), ("hires fix", "ok", 0)]
+
+
+def test_extras_tab_upscales_the_batch_when_its_tab_is_open(engine):
+    """The Extras tab's handler takes the batch gallery's (image, caption) pairs when Batch is the open
+    sub-tab, and says which is empty otherwise."""
+    ctx = UiContext(engine, engine.settings)
+    batch = [(_noise(16, 16), None), (_noise(24, 16, seed=2), None)]
+    items, text = run_extras(ctx, None, batch, "batch", "Scale by", 2, 512, 512, True, "Lanczos", "None", 0)
+    assert [caption for _path, caption in items] == ["32x32", "48x32"]
+    assert text == "Postprocess upscale by: 2, Postprocess upscaler: Lanczos"
+    with pytest.raises(gr.Error, match="upload an image first"):
+        run_extras(ctx, None, batch, "single", "Scale by", 2, 512, 512, True, "Lanczos", "None", 0)
