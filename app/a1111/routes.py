@@ -45,9 +45,9 @@ def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState) -> None:
     """Check the numbers (and the hires fix's) before the request waits in the lane or switches a checkpoint."""
     arch = state.engine.snapshot().arch
     txt2img.plan(req, arch)
-    hires = txt2img.hires(req, arch)
-    if hires is not None:
-        state.engine.check_upscaler(hires.upscaler, hires=True)
+    txt2img.hires(req, arch)
+    if req.enable_hr:  # a model upscaler must be in a folder now
+        state.engine.check_upscaler(req.hr_upscaler or "Latent", hires=True)
 
 
 def _generation(router: APIRouter, state: ApiState) -> None:
