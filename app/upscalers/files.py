@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from app.paths import resolve_under, utf8_names
+from app.paths import utf8_names
 from app.safetensors_files import SafetensorsFileError, read_header, refuse_bad_values
 
 FOLDERS = ("ESRGAN", "RealESRGAN", "SwinIR", "DAT", "upscale_models")
@@ -61,12 +61,11 @@ class UpscalerLibrary:
         return [e.name for e in self.entries()]
 
     def path_for(self, name: str) -> Path:
-        """The file for `name` (a `.safetensors` before a `.pth` of the same stem)."""
-        for folder in FOLDERS:
-            for suffix in SUFFIXES:
-                path = resolve_under(self.models_dir / folder, name + suffix, "upscaler")
-                if path.is_file():
-                    return path
+        """The file listed as `name` (a `.safetensors` before a `.pth` of the same stem): only a listed
+        file, so a name from the API can never point anywhere else."""
+        for entry in self.entries():
+            if entry.name == name:
+                return entry.path
         raise UpscalerFileError(f"upscaler {name!r} not found in {', '.join(f'models/{f}' for f in FOLDERS)} "
                                 f"under {self.models_dir.parent}; choose one of: {', '.join(self.names()) or 'none'}")
 
