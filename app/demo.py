@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from app.engine.models import CONFIGS_METADATA_KEY
 from app.families import FAMILIES, family
 from app.settings import Settings
+from app.upscalers.demo import write_demo_upscaler
 
 ARCHS = tuple(FAMILIES)
 _TIME_EMBED_DIM = 8
@@ -186,7 +187,8 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
     LoRA files are not written here: `app/adapters` owns their formats, so a caller passes
     `lora_writer(lora_dir, pipe, arch)`, called once per architecture with that tiny pipeline.
     Returns the written paths by name (`sd15_file`, `sd15_folder`, `sd15_embedding`, ... plus
-    `checkpoints_dir`, `lora_dir`, `embeddings_dir`). With `inpainting` also `sd15_inpainting_file`, an
+    `checkpoints_dir`, `lora_dir`, `embeddings_dir`, and `upscaler_file`, the tiny upscaler model).
+    With `inpainting` also `sd15_inpainting_file`, an
     SD1.5 inpainting checkpoint with a 9-channel UNet. The command line and the tests write both
     extras; the first start of the app writes neither: one checkpoint per family is all a newcomer
     needs, and the four folders cost 1.0 of the 3.3 CPU s (2 cores) that writing everything takes.
@@ -210,6 +212,7 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
         save_file(embedding_tensors(pipe, arch, seed), str(paths[f"{arch}_embedding"]))
         if lora_writer is not None:
             lora_writer(settings.lora_dir, pipe, arch)
+    paths["upscaler_file"] = write_demo_upscaler(settings.data_dir / "models", seed)
     if inpainting:
         paths["sd15_inpainting_file"] = settings.checkpoints_dir / "tiny-sd15-inpainting.safetensors"
         write_single_file(build_tiny_pipeline("sd15", seed, in_channels=9), "sd15", paths["sd15_inpainting_file"])

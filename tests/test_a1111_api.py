@@ -270,8 +270,32 @@ def test_txt2img_with_enable_hr_runs_the_hires_fix(api, app):
 
 
 def test_the_upscaler_lists_name_what_the_hires_fix_takes(api):
-    assert [u.get("name") for u in api.get_upscalers()] == ["None", "Lanczos", "Nearest"]
+    listed = api.get_upscalers()
+    assert [u.get("name") for u in listed] == ["None", "Lanczos", "Nearest", "tiny-realesrgan-x4"]
+    assert listed[-1]["model_name"] == "RealESRGAN" and listed[-1]["scale"] == 4
+    assert listed[-1]["model_path"].endswith("models/RealESRGAN/tiny-realesrgan-x4.safetensors")
     assert "Latent (bicubic antialiased)" in [m["name"] for m in api.get_latent_upscale_modes()]
+
+
+def test_extras_through_webuiapi_upscale_with_the_model_and_keep_the_source_infotext(api, app):
+    """`webuiapi`'s `extra_single_image` and `extra_batch_images` with the demo upscaler model: sizes by
+    A1111's rules, the postprocessing text as A1111 writes it (in `html_info` and the PNG) with the source
+    image's `parameters` kept; face restoration is refused with a 422 naming it."""
+    made = api.txt2img(prompt="a fox", seed=4, **SMALL)
+    single = api.extra_single_image(made.image, upscaler_1="tiny-realesrgan-x4", upscaling_resize=2)
+    assert single.image.size == (128, 128)
+    assert single.info == "Postprocess upscale by: 2, Postprocess upscaler: tiny-realesrgan-x4"
+    assert single.image.info["parameters"] == made.image.info["parameters"]
+    assert single.image.info["postprocessing"] == single.info
+    batch = api.extra_batch_images([made.image, made.image], upscaler_1="Lanczos", resize_mode=1,
+                                   upscaling_resize_w=96, upscaling_resize_h=80, upscaler_2="tiny-realesrgan-x4",
+                                   extras_upscaler_2_visibility=0.5)
+    assert [im.size for im in batch.images] == [(96, 80), (96, 80)]
+    assert batch.info == ("Postprocess upscale to: 96x80, Postprocess crop to: 96x80, Postprocess upscaler: Lanczos, "
+                          "Postprocess upscaler 2: tiny-realesrgan-x4")
+    refused = requests.post(f"{app[0]}/sdapi/v1/extra-single-image",
+                            json={"image": webuiapi.raw_b64_img(made.image), "gfpgan_visibility": 0.5}, timeout=60)
+    assert refused.status_code == 422 and "GFPGAN face restoration" in refused.json()["detail"]
 
 
 def test_png_info_reads_our_own_output(api, app):

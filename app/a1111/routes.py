@@ -13,11 +13,15 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from app.a1111 import checkpoints, img2img, listings, options, pnginfo, progress, txt2img
+from app.a1111 import checkpoints, extras, img2img, listings, options, pnginfo, progress, txt2img
 from app.a1111.auth import BasicAuth
 from app.a1111.errors import A1111Route
 from app.a1111.schema import (
     EmbeddingsResponse,
+    ExtrasBatchImagesRequest,
+    ExtrasBatchImagesResponse,
+    ExtrasSingleImageRequest,
+    ExtrasSingleImageResponse,
     ImageToImageResponse,
     Img2ImgRequest,
     LoraItem,
@@ -35,7 +39,7 @@ from app.a1111.schema import (
     UpscalerItem,
 )
 from app.a1111.state import ApiState
-from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS
+from app.engine.stage_params import LATENT_UPSCALERS
 from app.styles import read_styles
 
 
@@ -44,6 +48,8 @@ def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState) -> None:
     arch = state.engine.snapshot().arch
     txt2img.plan(req, arch, state.ctx.settings.styles_file, state.clip_skip)
     txt2img.hires(req, arch)
+    if req.enable_hr:  # a model upscaler must be in a folder now
+        state.engine.check_upscaler(req.hr_upscaler or "Latent", hires=True)
 
 
 def _generation(router: APIRouter, state: ApiState) -> None:
@@ -56,6 +62,16 @@ def _generation(router: APIRouter, state: ApiState) -> None:
     async def image2img(req: Img2ImgRequest) -> dict:
         _refuse_bad_input(req, state)
         return await state.run("img2img", lambda: img2img.run(state, req))
+
+    @router.post("/extra-single-image", response_model=ExtrasSingleImageResponse)
+    async def extra_single_image(req: ExtrasSingleImageRequest) -> dict:
+        extras.params(req)  # refuse bad numbers before the request waits in the lane
+        return await state.run("extras", lambda: extras.single(state, req))
+
+    @router.post("/extra-batch-images", response_model=ExtrasBatchImagesResponse)
+    async def extra_batch_images(req: ExtrasBatchImagesRequest) -> dict:
+        extras.params(req)
+        return await state.run("extras", lambda: extras.batch(state, req))
 
     @router.post("/png-info", response_model=PNGInfoResponse)
     def png_info(req: PNGInfoRequest) -> dict:
@@ -137,16 +153,15 @@ def _listings(router: APIRouter, state: ApiState) -> None:
     def memory() -> dict:
         return listings.memory(state.engine.snapshot().device)
 
-    _probed_by_clients(router)
+    _probed_by_clients(router, state)
 
 
-def _probed_by_clients(router: APIRouter) -> None:
+def _probed_by_clients(router: APIRouter, state: ApiState) -> None:
     """Lists clients ask for while setting up (SillyTavern, `webuiapi`, Krita's hires and upscaler menus)."""
     @router.get("/upscalers", response_model=list[UpscalerItem])
     def upscalers() -> list[dict]:
-        """The hires fix's pixel resamplers, as A1111 lists its upscalers ("None" first)."""
-        return [{"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": None}
-                for name in ("None", *PIXEL_UPSCALERS)]
+        """"None", the resamplers and the upscaler model files, as A1111 lists its upscalers."""
+        return extras.upscalers(state)
 
     @router.get("/latent-upscale-modes")
     def latent_upscale_modes() -> list[dict]:

@@ -192,3 +192,45 @@ class UpscalerItem(BaseModel):
 class ScriptsList(BaseModel):
     txt2img: list | None = None
     img2img: list | None = None
+
+
+class ExtrasBaseRequest(BaseModel):
+    """A1111's Extras fields (`/extra-single-image`, `/extra-batch-images`): `resize_mode` 0 scales by
+    `upscaling_resize`, 1 to `upscaling_resize_w/h` (cropped with `upscaling_crop`)."""
+
+    resize_mode: int | None = 0
+    show_extras_results: bool | None = True
+    gfpgan_visibility: float | None = 0
+    codeformer_visibility: float | None = 0
+    codeformer_weight: float | None = 0
+    upscaling_resize: float | None = 2
+    upscaling_resize_w: int | None = 512
+    upscaling_resize_h: int | None = 512
+    upscaling_crop: bool | None = True
+    upscaler_1: str | None = "None"
+    upscaler_2: str | None = "None"
+    extras_upscaler_2_visibility: float | None = 0
+    upscale_first: bool | None = False
+
+
+class ExtrasSingleImageRequest(ExtrasBaseRequest):
+    image: str = Field(default="", description="The base64 encoded image (a data: URL works too)")
+
+
+class ExtrasSingleImageResponse(BaseModel):
+    html_info: str
+    image: str | None = None
+
+
+class FileData(BaseModel):
+    data: str = Field(description="The base64 encoded image")
+    name: str = ""
+
+
+class ExtrasBatchImagesRequest(ExtrasBaseRequest):
+    imageList: list[FileData] = Field(default_factory=list)  # noqa: N815 - A1111's field name
+
+
+class ExtrasBatchImagesResponse(BaseModel):
+    html_info: str
+    images: list[str]

@@ -19,7 +19,7 @@ import base64
 import dataclasses
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,10 +166,12 @@ def run(state: ApiState, req: Txt2ImgRequest,
             "info": info_json(state, outcome, notes + restore_notes)}
 
 
-def encode_png(image: Image.Image, infotext: str) -> str:
-    """Base64 PNG carrying the infotext in its `parameters` chunk, as A1111 sends images."""
+def encode_png(image: Image.Image, infotext: str, chunks: Mapping[str, str] | None = None) -> str:
+    """Base64 PNG carrying the infotext in its `parameters` chunk, as A1111 sends images (`chunks`: the
+    text chunks to carry instead, as Extras sends its postprocessing text beside the source's)."""
     meta = PngImagePlugin.PngInfo()
-    meta.add_text("parameters", infotext)
+    for key, value in ({"parameters": infotext} if chunks is None else chunks).items():
+        meta.add_text(key, value)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", pnginfo=meta)
     return base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -13,7 +13,7 @@ import logging
 import math
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -349,8 +349,10 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int) -> Path:
-    """Write `outputs/<date>/<nnnnn>-<seed>.png` with the infotext in the `parameters` chunk."""
+def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int,
+             chunks: Mapping[str, str] | None = None) -> Path:
+    """Write `outputs/<date>/<nnnnn>-<seed>.png` with the infotext in the `parameters` chunk (`chunks`:
+    the text chunks to write instead, as Extras writes A1111's `postprocessing` beside the source's)."""
     folder = outputs_dir / datetime.now().strftime("%Y-%m-%d")
     folder.mkdir(parents=True, exist_ok=True)
     index = len(list(folder.glob("*.png")))
@@ -359,6 +361,7 @@ def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int) -> Pat
         index += 1
         path = folder / f"{index:05d}-{seed}.png"
     meta = PngImagePlugin.PngInfo()
-    meta.add_text("parameters", text)
+    for key, value in ({"parameters": text} if chunks is None else chunks).items():
+        meta.add_text(key, value)
     image.save(path, pnginfo=meta)
     return path

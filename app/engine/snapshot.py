@@ -17,6 +17,7 @@ from app.adapters.specs import LoraSpec
 from app.engine import compiled, placement
 from app.engine.desired import Desired
 from app.engine.lifecycle import LoadedFacts
+from app.engine.upscaler_slot import UpscalerFacts
 
 
 class EngineState(str, enum.Enum):
@@ -101,6 +102,7 @@ class Snapshot:
     last_error: ErrorRecord | None = None
     progress: Progress | None = None
     embeddings: tuple[str, ...] = ()
+    upscaler: UpscalerFacts | None = None  # the upscaler model loaded (Extras, hires fix), if any
     compile: compiled.CompileStatus | None = None
     queued: int = 0  # commands waiting behind the one running
     generating: bool = False  # a generation is running (Interrupt and Skip apply)
@@ -127,16 +129,17 @@ def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,
 
 
 def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFacts | None, rows, violations,
+                   upscaler: UpscalerFacts | None,
                    found_total: int, repaired_total: int, counters: MappingProxyType, timers: dict,
                    history: tuple[Transition, ...], last_error: ErrorRecord | None) -> Snapshot:
     common = dict(state=state, device=device, requested_dtype=desired.dtype, offload=desired.offload,
-                  weights=desired.weights,
+                  weights=desired.weights, upscaler=upscaler, placement=rows,
                   violations=violations, violations_found_total=found_total, violations_repaired_total=repaired_total,
                   lora_counters=counters, timers=MappingProxyType(timers), history=history, last_error=last_error,
                   lora_states=lora_states(desired.loras, facts, counters), taken_at=time.time())
     if facts is None:
         return Snapshot(**common)
     return Snapshot(model=facts.model, arch=facts.arch, model_hash=facts.model_hash, native_size=facts.native_size,
-                    dtype=placement.dtype_name(facts.dtype), loras=facts.loras, placement=rows,
+                    dtype=placement.dtype_name(facts.dtype), loras=facts.loras,
                     lora_mode=facts.lora_mode, embeddings=facts.embeddings, stored_layers=facts.stored_layers,
                     bytes_saved=facts.bytes_saved, lora_backups=facts.lora_backups, **common)

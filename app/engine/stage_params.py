@@ -32,9 +32,8 @@ LATENT_UPSCALERS: Mapping[str, tuple[str, bool]] = {
 # Plain resamplers in pixel space (decode, resize, encode again), as A1111 names them.
 PIXEL_UPSCALERS: Mapping[str, Image.Resampling] = {"Lanczos": Image.Resampling.LANCZOS,
                                                    "Nearest": Image.Resampling.NEAREST}
-# ESRGAN-class models are not offered: spandrel (the well-kept reader of ESRGAN .safetensors/.pth
-# files that A1111 and ComfyUI use) needs torchvision, and installing it replaces the CPU torch
-# build with a CUDA one (checked with pip's dry run, torch 2.13.0+cpu -> 2.14.1 + 2 GB of CUDA).
+# The built-in upscalers; any other name is an upscaler model file (ESRGAN, RealESRGAN, SwinIR, DAT, …),
+# which the engine looks up before queueing (`Engine.check_upscaler`; `Engine.hires_upscalers` lists all).
 UPSCALERS = (*LATENT_UPSCALERS, *PIXEL_UPSCALERS)
 SAME = "Use same sampler"  # A1111's hires sampler choice meaning "the first pass's"
 
@@ -89,12 +88,17 @@ class HiresParams:
             STAGE_LIMITS[field].check(field, value)
         if self.sampler != SAME and self.sampler not in SCHEDULERS:
             raise ValueError(f"unknown hires sampler {self.sampler!r}; choose {SAME!r} or one of {sorted(SCHEDULERS)}")
-        if self.upscaler not in UPSCALERS:
-            raise ValueError(f"unknown hires upscaler {self.upscaler!r}; choose one of {', '.join(UPSCALERS)}")
+        if not isinstance(self.upscaler, str) or not self.upscaler.strip():
+            raise ValueError(f"the hires upscaler must be named: one of {', '.join(UPSCALERS)} or an upscaler model")
 
     @property
     def latent(self) -> bool:
         return self.upscaler in LATENT_UPSCALERS
+
+    @property
+    def model(self) -> bool:
+        """An upscaler model file rather than a built-in upscaler."""
+        return self.upscaler not in UPSCALERS
 
     def target_size(self, params: GenerateParams, multiple: int) -> tuple[int, int]:
         """The second pass's size: the first pass's times `scale`, rounded down to the family's

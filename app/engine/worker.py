@@ -38,8 +38,11 @@ from app.engine.refining import Refining, refined
 from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition, build_snapshot
 from app.engine.stage_params import HiresParams
 from app.engine.storage import WEIGHTS_CHOICES
+from app.engine.upscaler_slot import UpscalerSlot
+from app.engine.upscaling import Upscaling
 from app.engine.workflows import Workflows
 from app.settings import DTYPE_CHOICES, Settings
+from app.upscalers.files import UpscalerLibrary
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +62,11 @@ class _Command:
     owner: str | None = None  # who may cancel it while it waits (generations)
 
 
-class Engine(Generating, Workflows, Refining):
+class Engine(Generating, Workflows, Refining, Upscaling):
     """Public, blocking API over the command queue. Thread-safe; every call waits for its result.
     Generation, Interrupt and Skip come from `Generating` (app/engine/generating.py); img2img,
-    inpaint and hires fix from `Workflows` (app/engine/workflows.py); the refiner from `Refining`."""
+    inpaint and hires fix from `Workflows` (app/engine/workflows.py); the refiner from `Refining`
+    (app/engine/refining.py); Extras and the upscaler models from `Upscaling` (app/engine/upscaling.py)."""
 
     def __init__(self, settings: Settings) -> None:
         gc_policy.freeze_startup_objects()
@@ -77,6 +81,8 @@ class Engine(Generating, Workflows, Refining):
         self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
         self._timers = diagnostics.Timers()
         self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress)
+        self.upscalers = UpscalerLibrary(settings.data_dir / "models")
+        self._upscaler = UpscalerSlot(settings, self.device, self._timers)  # a component verified with the model
         self._found_total = 0
         self._repaired_total = 0
         self._last_error: ErrorRecord | None = None
@@ -267,6 +273,7 @@ class Engine(Generating, Workflows, Refining):
             if enable_loras:
                 self._counters.enable_all()
             self._realise(want, want.loras, **realise_options)
+            self._upscaler.follow(want.dtype, want.offload)
             self._desired = want
         return self._call(name, detail, state, body)
 
@@ -369,7 +376,8 @@ class Engine(Generating, Workflows, Refining):
         t0 = time.perf_counter()
         found, repaired = self._lifecycle.verify_and_repair(when)
         refiner_found, refiner_repaired = self._verify_refiner(when)
-        found, repaired = found + refiner_found, repaired + refiner_repaired
+        upscaler_found, upscaler_repaired = self._upscaler.verify_and_repair(when)
+        found, repaired = found + refiner_found + upscaler_found, repaired + refiner_repaired + upscaler_repaired
         self._timers.record("verify", time.perf_counter() - t0)
         self._last_violations += tuple(found)
         self._found_total += len(found)
@@ -384,7 +392,8 @@ class Engine(Generating, Workflows, Refining):
     def _publish(self) -> None:
         self._snapshot = build_snapshot(
             state=self._state.value, device=str(self.device), desired=self._desired, facts=self._lifecycle.facts(),
-            rows=self._lifecycle.rows(self._last_violations), violations=self._last_violations,
+            rows=self._lifecycle.rows(self._last_violations) + self._upscaler.rows(self._last_violations),
+            upscaler=self._upscaler.facts(), violations=self._last_violations,
             found_total=self._found_total, repaired_total=self._repaired_total,
             counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),
             last_error=self._last_error)

@@ -51,6 +51,7 @@ class Workflows:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass. Sizes and steps are checked before anything is queued."""
         self._require_stage("img2img", "hires fix")
+        self.check_upscaler(hires.upscaler, hires=True)
         hires.second_pass(params, self._size_multiple())
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
@@ -174,11 +175,17 @@ class Workflows:
                 factor = self._lifecycle.pipeline.vae_scale_factor
                 carry.put(plan(), latents=stages.upscale_latents(carry.get("latents"), hires, size, factor))
                 return
-            images = stages.upscale_images(self._decode_carried(params), hires, size)
+            images = self._decode_carried(params)
+            images = self._upscale_to(images, hires.upscaler, size, job, phase) if hires.model \
+                else stages.upscale_images(images, hires, size)
+            if images is None:
+                return True  # Interrupt or Skip between two tiles: the first pass is the result
             carry.put(plan(), latents=self._lifecycle.run_on_model(lambda pipe: stages.encode(pipe, images, first),
                                                                    _size(second)))
 
-        self._stage("hires upscale", f"{hires.upscaler} x{hires.scale:g} -> {second.width}x{second.height}", upscale)
+        if self._stage("hires upscale", f"{hires.upscaler} x{hires.scale:g} -> {second.width}x{second.height}",
+                       upscale):
+            return self._decode_carried(params), params.steps
 
         def second_pass():
             stripped = self._with_loras(second, passes)

@@ -1,4 +1,4 @@
-"""`build_app`: the Blocks with the engine status line, the two tabs and the named API.
+"""`build_app`: the Blocks with the engine status line, the tabs and the named API.
 
 The status line above the tabs is refreshed every second from `engine.snapshot()` (cheap: an
 immutable object plus the live state), so whatever the engine is doing — loading, patching,
@@ -15,6 +15,7 @@ from app.ui import views
 from app.ui.api import register_api
 from app.ui.common import UiContext
 from app.ui.diagnostics_tab import build_diagnostics_tab, refresh
+from app.ui.extras_tab import build_extras_tab
 from app.ui.generate_run import wire_cancel_on_leave
 from app.ui.generate_tab import build_generate_tab, wire_page_load
 from app.ui.history_tab import build_history_tab
@@ -49,6 +50,8 @@ def build_app(ctx: UiContext) -> gr.Blocks:
                 tab = build_generate_tab(ctx)
             with gr.Tab("img2img", id="img2img") as img2img_tab:
                 sends = senders(tab, build_img2img_tab(ctx), tabs)
+            with gr.Tab("Extras", id="extras") as extras_tab:
+                extras = build_extras_tab(ctx)
             with gr.Tab("PNG Info", id="pnginfo") as pnginfo_tab:
                 build_pnginfo_tab(ctx, sends)
             with gr.Tab("History", id="history") as history_tab:
@@ -63,7 +66,8 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         diagnostics_tab.select(lambda: gr.Timer(active=True), None, diag.timer, api_visibility="private")
         diagnostics_tab.select(**refresh_diagnostics)
         history_tab.select(**refresh_history)
-        for other in (generate_tab, img2img_tab, pnginfo_tab, history_tab):
+        extras_tab.select(extras.refresh, None, extras.dropdowns, api_visibility="private", show_progress="hidden")
+        for other in (generate_tab, img2img_tab, extras_tab, pnginfo_tab, history_tab):
             other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)
         wire_cancel_on_leave(ctx, demo)

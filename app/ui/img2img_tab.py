@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
-from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, STAGE_LIMITS, UPSCALERS
+from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, STAGE_LIMITS
 from app.ui.common import PROGRESS, UiContext
 from app.ui.workflow_api import editor_mask, run_hires, run_img2img
 
@@ -106,7 +106,8 @@ def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
 def _hires_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
     with gr.Row():
         scale = _number("hires_scale", "Upscale by", 2.0, 0.25, "hires")
-        upscaler = gr.Dropdown(list(UPSCALERS), value="Latent", label="Upscaler", elem_id="sd-hires-upscaler")
+        upscaler = gr.Dropdown(ctx.engine.hires_upscalers(), value="Latent", label="Upscaler",
+                               elem_id="sd-hires-upscaler")
         steps = _number("hires_steps", "Hires steps", 0, 1, "hires")
         strength = _number("denoising_strength", "Denoising strength", 0.7, 0.05, "hires")
     sampler = gr.Dropdown([SAME, *SCHEDULERS], value=SAME, label="Hires sampler", elem_id="sd-hires-sampler")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gradio as gr
 
 from app.engine.generate import SCHEDULERS, GenerateParams, params_from_form
-from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, UPSCALERS, HiresParams, stage_values
+from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, HiresParams, stage_values
 from app.ui.common import PROGRESS, UiContext, gallery_items, run_with_progress, user_errors
 
 # The request's own fields, in the order every handler and endpoint takes them.
@@ -108,7 +108,9 @@ def register_workflow_api(ctx: UiContext) -> None:
                                                                    label="inpainting_fill")
         invert = gr.Checkbox(False, label="inpainting_mask_invert")
         hires = [gr.Number(2.0, label="hires_scale"),
-                 gr.Dropdown(list(UPSCALERS), value="Latent", label="hires_upscaler"),
+                 # any name: a model file added after start is checked by the engine, not by the list
+                 gr.Dropdown(ctx.engine.hires_upscalers(), value="Latent", label="hires_upscaler",
+                             allow_custom_value=True),
                  gr.Number(0, label="hires_steps"), gr.Number(0.7, label="denoising_strength"),
                  gr.Dropdown([SAME, *SCHEDULERS], value=SAME, label="hires_sampler"),
                  gr.Textbox("", label="hires_prompt"), gr.Textbox("", label="hires_negative_prompt")]
