@@ -153,7 +153,7 @@ def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), se
         "history": snapshot.history if snapshot is not None else [],
         "lora_counters": snapshot.lora_counters if snapshot is not None else {},
         "errors": errors,
-        "failed_transitions": [h for h in snapshot.history if h.outcome != "ok"] if snapshot is not None else [],
+        "failed_transitions": [h for h in snapshot.history if h.failed] if snapshot is not None else [],
         "memory_timeline": engine.timeline.snapshot() if engine is not None else [],
         "log": list(log_lines),
     }
@@ -352,7 +352,7 @@ def _draw_history(canvas: _Canvas, report: dict) -> None:
     if not history:
         canvas.text("none", colour=_MUTED)
     for h in history[-8:]:
-        colour = _INK if h["outcome"] == "ok" else _BAD
+        colour = _BAD if h["outcome"].startswith("failed") else _INK
         fixes = f" · {h['violations_found']} violations, {h['violations_repaired']} repaired" \
             if h["violations_found"] else ""
         canvas.text(f"{h['command']} {h['detail']} -> {h['outcome']} ({h['duration_s']:.2f} s){fixes}", 12, colour)

@@ -69,7 +69,7 @@ def status_html(snap: Snapshot) -> str:
         parts.append(f"<span class='sd-bad'>violations found {snap.violations_found_total}, "
                      f"repaired {snap.violations_repaired_total}</span>")
     # In ERROR, and when EMPTY because the last command failed (a checkpoint that would not load), say why.
-    failed_last = bool(snap.history) and snap.history[-1].outcome != "ok"
+    failed_last = bool(snap.history) and snap.history[-1].failed
     if snap.last_error is not None and (snap.state == "ERROR" or (snap.state == "EMPTY" and failed_last)):
         parts.append(f"<span class='sd-bad'>{html.escape(snap.last_error.command)}: "
                      f"{html.escape(snap.last_error.message)}</span>")
