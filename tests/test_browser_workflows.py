@@ -1,6 +1,6 @@
-"""A real headless Chromium runs the img2img tab's three workflows as a user would: upload an init
-image and run img2img, upload it into the image editor, paint a mask with the mouse and inpaint
-(then again with an uploaded mask), and run txt2img with hires fix; and "Send to img2img" from
+"""A real headless Chromium runs the three workflows as a user would: upload an init image and run
+img2img, upload it into the image editor, paint a mask with the mouse and inpaint (then again with
+an uploaded mask), and tick the Generate tab's hires fix; and "Send to img2img" from
 History and PNG Info fills that tab. Screenshots as `browser_kit` says (`SD_UPDATE_SCREENSHOTS=1`
 copies them to assets/screenshots/)."""
 
@@ -135,9 +135,14 @@ def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures)
     page.get_by_label("fill", exact=True).check()
     _run(page, "sd-inpaint-run", "Masked content: fill")
 
-    page.get_by_role("tab", name="Hires fix").click()
-    page.fill("#sd-hires-hires_steps input", "3")
-    _run(page, "sd-hires-run", "Hires upscale: 2")
+    page.get_by_role("tab", name="Generate").first.click()  # the hires fix is A1111's checkbox there
+    page.get_by_label("Hires. fix").check()
+    for elem_id, value in (("sd-hires-hires_steps", "3"), ("sd-steps", "4"), ("sd-seed", "42")):
+        set_number(page, elem_id, value)
+    page.fill("#sd-prompt textarea", "a yellow flower")
+    generate_and_wait(page, engine)
+    page.wait_for_function("document.querySelector('#sd-infotext textarea').value.includes('Hires upscale: 2')",
+                           timeout=TIMEOUT_MS)
     image, text = _last_output(engine)
     assert image.size == (128, 128) and "Hires upscaler: Latent" in text and "Size: 64x64" in text
     save(page, "hires-fix.png")

@@ -121,18 +121,36 @@ def test_sizes_round_down_to_the_model_multiple_with_a_note(client):
     assert _generate(client, seed=5)[2][0]["notes"] == []
 
 
-def test_an_engine_failure_is_whole_once_and_one_traceback_in_the_log(client, caplog, capfd):
-    """A refusal inside the engine reaches the client whole (the `<lora:…>` tag included) and the
-    console/log gets exactly one traceback (the engine's), not Gradio's second copy."""
+def _tracebacks(caplog, capfd) -> int:
+    printed = capfd.readouterr().err
+    return printed.count("Traceback (most recent call last)") + sum(
+        "Traceback (most recent call last)" in r.getMessage() or r.exc_info is not None for r in caplog.records)
+
+
+def test_a_refusal_is_whole_and_one_log_line_and_a_bug_keeps_its_traceback(app, client, caplog, capfd, monkeypatch):
+    """A refusal inside the engine reaches the client whole (the `<lora:…>` tag included) and the log
+    gets one line at INFO, no traceback and nothing at ERROR (issue 32: a refused sampler or an empty
+    mask printed 40 lines at ERROR). A real failure (a bug) keeps exactly one traceback, the engine's,
+    not Gradio's second copy."""
     caplog.set_level(logging.INFO)
     capfd.readouterr()
     with pytest.raises(gradio_client.exceptions.AppError) as refused:
         client.predict(**dict(GOOD, prompt="a fox <lora:style:x>"), api_name="/generate")
-    assert str(refused.value) == "generate failed: prompt tag '<lora:style:x>': 'x' is not a number"
-    printed = capfd.readouterr().err
-    tracebacks = printed.count("Traceback (most recent call last)") + sum(
-        "Traceback (most recent call last)" in r.getMessage() or r.exc_info is not None for r in caplog.records)
-    assert tracebacks == 1
+    message = "prompt tag '<lora:style:x>': 'x' is not a number"
+    assert str(refused.value) == f"generate failed: {message}"
+    assert _tracebacks(caplog, capfd) == 0
+    said = [r for r in caplog.records if message in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and all(r.levelno < logging.WARNING for r in caplog.records)
+    caplog.clear()
+
+    def bug(*_args, **_kwargs):
+        raise ZeroDivisionError("a bug in the denoising loop")
+
+    monkeypatch.setattr(app[1]._lifecycle, "denoise", bug)
+    with pytest.raises(gradio_client.exceptions.AppError, match="a bug in the denoising loop"):
+        client.predict(**GOOD, api_name="/generate")
+    assert _tracebacks(caplog, capfd) == 1
+    assert [r.name for r in caplog.records if r.levelno >= logging.ERROR] == ["app.engine.worker"]
 
 
 def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_cannot_match(app):

@@ -252,7 +252,7 @@ class Engine(Generating, Workflows):
             self.library.forget(exc.lora_name)  # a refused file leaves nothing resident
             raise
         for name, reason in set_aside.items():
-            self._counters.apply_failed(name, reason)
+            self._counters.set_aside(name, reason)
             self.library.forget(name)
         self._counters.matched(reports)
 
@@ -326,9 +326,16 @@ class Engine(Generating, Workflows):
             self._state = EngineState.ERROR
         self._last_error = ErrorRecord(command.name, capped(f"{type(exc).__name__}: {exc}"),
                                        traceback.format_exc(), time.time())
-        # The traceback goes to the log as text: a live exc_info would keep its frames (and the
-        # pipelines they reference) alive in any handler that keeps records.
-        log.error("%s (%s) failed: %s\n%s", command.name, command.detail, capped(str(exc)), self._last_error.traceback)
+        if isinstance(exc, ValueError) and not rollback_failed:
+            # Refused input (every refusal is a ValueError: a sampler the family lacks, an empty mask, a
+            # LoRA that does not fit): the caller shows and logs the message in one line; a traceback
+            # is for bugs. Diagnostics and the bug report keep it all the same (`last_error`).
+            log.debug("%s (%s) refused: %s", command.name, command.detail, capped(str(exc)))
+        else:
+            # The traceback goes to the log as text: a live exc_info would keep its frames (and the
+            # pipelines they reference) alive in any handler that keeps records.
+            log.error("%s (%s) failed: %s\n%s", command.name, command.detail, capped(str(exc)),
+                      self._last_error.traceback)
         return "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
 
     def _repair_after_failure(self, command: str) -> bool:
