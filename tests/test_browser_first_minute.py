@@ -85,12 +85,18 @@ def sd15(page, served):
 
 def test_img2img_streams_previews_and_either_tabs_interrupt_stops_it(sd15, served, tmp_path):
     """Issue 32: the img2img tab had no preview, Interrupt or Skip, and the Generate tab's Interrupt
-    was disabled meanwhile. Ctrl+Enter on the img2img prompt runs it; previews replace each other
+    was disabled meanwhile (and the Inpaint panel's refusals said "img2img failed"). Ctrl+Enter on the img2img prompt runs it; previews replace each other
     in its gallery; both tabs' Interrupt come alive; the Generate tab's stops it within two steps
     and the partial image is shown with the step, the run listed as interrupted."""
     page, (_url, engine) = sd15, served
     Image.new("RGB", (64, 64), (200, 120, 40)).save(tmp_path / "init.png")
     page.get_by_role("tab", name="img2img").first.click()
+    page.get_by_role("tab", name="Inpaint").click()  # its refusals are the inpaint's (they said "img2img")
+    page.click("#sd-inpaint-run")
+    page.wait_for_selector("[data-testid=toast-text] >> text=inpaint failed: upload an init image first",
+                           timeout=TIMEOUT_MS)
+    close_toasts(page)
+    page.get_by_role("tab", name="img2img", exact=True).last.click()
     page.locator("#sd-i2i-image input[type=file]").set_input_files(str(tmp_path / "init.png"))
     page.wait_for_selector("#sd-i2i-image img", timeout=TIMEOUT_MS)
     for elem_id, value in (("sd-i2i-steps", "150"), ("sd-i2i-denoising_strength", "1"), ("sd-i2i-width", "256"),

@@ -444,3 +444,21 @@ def test_weight_storage_switches_through_the_api_and_back(client):
     assert client.predict(api_name="/snapshot")["stored_layers"] == 0
     with pytest.raises(Exception, match="weights must be one of full, fp8"):
         client.predict("int4", api_name="/set_weights")
+
+
+def test_memory_timeline_labels_of_close_transitions_do_not_overlap():
+    """Issue 32: transitions a second apart wrote their labels on top of each other. Each label now
+    takes the first free row; every label drawn is clear of the others (and of the axis label)."""
+    samples = [{"t": float(t), "ram_mib": 900.0 + t} for t in range(61)]
+    for t, name in ((10, "load_model"), (11, "set_loras"), (12, "generate"), (13, "set_offload"), (58, "unload")):
+        samples[t]["marker"] = name
+    svg = views.timeline_svg(samples)
+    drawn = re.findall(r"<text x='([\d.]+)' y='(\d+)' font-size='10' fill='#bc4c00'>([^<]+)</text>", svg)
+    assert sorted(name for _x, _y, name in drawn) == ["generate", "load_model", "set_loras", "set_offload", "unload"]
+    boxes = [(float(x), float(x) + len(name) * views._CHAR_PX, int(y)) for x, y, name in drawn]
+    boxes.append((4.0, 70.0, 24))  # the top axis label
+    for i, (left, right, y) in enumerate(boxes):
+        for other_left, other_right, other_y in boxes[i + 1:]:
+            assert y != other_y or right <= other_left or other_right <= left, svg
+    assert all(float(x) + len(n) * views._CHAR_PX <= 760 for x, _y, n in drawn)  # none runs off the right edge
+
