@@ -342,11 +342,12 @@ def _stopped_at(info: dict) -> list[int]:
     return [int(n) for n in re.findall(r"stopped at step (\d+)", info["comments"])]
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["img2img", "inpaint"])
-def test_interrupt_stops_img2img_and_inpaint_within_one_step_with_the_partial_image(app, masked):
-    """Issue 32: `/interrupt` during an img2img or inpaint run answered 200 while the run went on to
-    step 150 with `interrupted: false`. It must stop the pass within one step, mark the answer
-    interrupted, return the partial image (as txt2img does) and list the run as interrupted."""
+@pytest.mark.parametrize(("masked", "stop"), [(False, "interrupt"), (True, "interrupt"), (True, "skip")],
+                         ids=["img2img-interrupt", "inpaint-interrupt", "inpaint-skip"])
+def test_interrupt_and_skip_stop_img2img_and_inpaint_within_one_step(app, masked, stop):
+    """Issue 32: `/interrupt` and `/skip` during an img2img or inpaint run answered 200 while the run
+    went on to step 150 with `interrupted: false`. They must stop the pass within one step, mark the
+    answer interrupted, return the partial image (as txt2img does); an interrupted run is listed so."""
     body = {"init_images": [_b64(_init_picture())], "prompt": "a fox", "steps": 150, "width": 64, "height": 64,
             "seed": 4, "denoising_strength": 1.0, "sampler_name": "Euler"}
     if masked:
@@ -354,12 +355,12 @@ def test_interrupt_stops_img2img_and_inpaint_within_one_step_with_the_partial_im
         mask.paste(255, (16, 16, 48, 48))
         body |= {"mask": _b64(mask), "mask_blur": 0}
     kind = "inpaint" if masked else "img2img"
-    asked_at, info, images = _stop_mid_run(app, "img2img", body, "interrupt", kind)
+    asked_at, info, images = _stop_mid_run(app, "img2img", body, stop, kind)
     (stopped_at,) = _stopped_at(info)
     assert info["interrupted"] is True and asked_at <= stopped_at <= asked_at + 1 < 150
     assert len(images) == 1 and images[0].size == (64, 64) and "Steps: 150" in images[0].info["parameters"]
     rows = [(h.command, h.outcome) for h in app[1].snapshot().history]
-    assert (kind, "interrupted") in rows[-3:] and rows[-1][1] in ("ok", "interrupted")
+    assert (kind, "interrupted" if stop == "interrupt" else "ok") in rows[-3:]
 
 
 def test_interrupt_reaches_the_hires_pass(app):
