@@ -85,9 +85,10 @@ def sd15(page, served):
 
 def test_img2img_streams_previews_and_either_tabs_interrupt_stops_it(sd15, served, tmp_path):
     """Issue 32: the img2img tab had no preview, Interrupt or Skip, and the Generate tab's Interrupt
-    was disabled meanwhile (and the Inpaint panel's refusals said "img2img failed"). Ctrl+Enter on the img2img prompt runs it; previews replace each other
-    in its gallery; both tabs' Interrupt come alive; the Generate tab's stops it within a few steps
-    and the partial image is shown with the step, the run listed as interrupted."""
+    was disabled meanwhile (and the Inpaint panel's refusals said "img2img failed"). Ctrl+Enter on
+    the img2img prompt runs it; previews replace each other in its gallery; both tabs' Interrupt come
+    alive; the Generate tab's stops it within a few steps and the partial image is shown with the
+    step, the run listed as interrupted."""
     page, (_url, engine) = sd15, served
     Image.new("RGB", (64, 64), (200, 120, 40)).save(tmp_path / "init.png")
     page.get_by_role("tab", name="img2img").first.click()
