@@ -106,13 +106,16 @@ def _pip(venv_python: Path, *args: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def _install_cpu_torch(venv_python: Path) -> None:
-    """CPU torch first, as `.ci/run` installs it: the local wheel where this machine has one (pip's
-    find-links point there), else PyTorch's CPU index. `pip install -e .` then keeps it."""
-    if list(WHEELS.glob("torch-*+cpu*.whl")):
-        _pip(venv_python, f"torch=={importlib.metadata.version('torch').split('+')[0]}")
-    else:
-        _pip(venv_python, "torch", "--index-url", "https://download.pytorch.org/whl/cpu")
+def _install_app(venv_python: Path) -> None:
+    """CPU torch, then `pip install -e .`, as `.ci/run` does: with this machine's local CPU wheel in
+    the same pip call (one resolution: 25 s of CPU instead of 35), else from PyTorch's CPU index
+    first. Either way `pip install -e .` keeps that torch."""
+    wheels = sorted(WHEELS.glob(f"torch-{importlib.metadata.version('torch').split('+')[0]}+cpu*.whl"))
+    if wheels:
+        _pip(venv_python, str(wheels[-1]), "-e", str(ROOT))
+        return
+    _pip(venv_python, "torch", "--index-url", "https://download.pytorch.org/whl/cpu")
+    _pip(venv_python, "-e", str(ROOT))
 
 
 def _wait_for_page(url: str, process: subprocess.Popen, timeout: float = 300) -> str:
@@ -135,8 +138,7 @@ def test_a_fresh_venv_with_pip_install_e_dot_starts_the_app(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    _install_cpu_torch(python)
-    _pip(python, "-e", str(ROOT))
+    _install_app(python)
     port, data = free_port(), tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "NO_PROXY": "localhost,127.0.0.1"}
