@@ -3,8 +3,8 @@
 Numbers go through the one rule set (`generate.LIMITS` via `params_from_form`, the workflow
 fields via `stage_params.STAGE_LIMITS`), every refusal of one request in one message. The named
 endpoints (`/img2img`, `/inpaint`, `/txt2img_hires`) take plain values and images, as `/generate`
-does, so `gradio_client` scripts can call them; they are events on hidden components because
-they return files.
+does, so `gradio_client` scripts can call them (and stop them with `/interrupt` and `/skip`: a job
+is its client's); they are events on hidden components because they return files.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import gradio as gr
 from app.engine.generate import SCHEDULERS, GenerateParams, params_from_form
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, UPSCALERS, stage_values
 from app.ui.common import PROGRESS, UiContext, gallery_items, run_with_progress, user_errors
+from app.ui.generate_run import owner_of
 from app.ui.hires_fields import hires_params
 
 # The request's own fields, in the order every handler and endpoint takes them.
@@ -62,24 +63,25 @@ def img2img_job(ctx: UiContext, base: list, init_image, denoising_strength, resi
 
 
 def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
-                inpainting_fill="original", invert=False, progress=None) -> tuple:
+                inpainting_fill="original", invert=False, progress=None, owner: str | None = None) -> tuple:
     """img2img (no mask) or inpaint for the named API; returns (gallery items, first infotext, details)."""
     with user_errors("img2img" if mask is None else "inpaint", browser=False):
         _params, call, notes = img2img_job(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur,
                                            inpainting_fill, invert)
-        images = run_with_progress(ctx.engine, lambda: call(None), progress)
+        images = run_with_progress(ctx.engine, lambda: call(owner), progress)
     return _answer(images, notes)
 
 
 def run_hires(ctx: UiContext, base: list, scale, upscaler, steps, denoising_strength, sampler, prompt, negative,
-              progress=None) -> tuple:
+              progress=None, owner: str | None = None) -> tuple:
     """txt2img with hires fix for the named API; returns (gallery items, first infotext, details)."""
     with user_errors("Hires fix", browser=False):
         values = {**dict(zip(BASE_FIELDS, base, strict=True)), "hires_scale": scale, "hires_steps": steps,
                   "denoising_strength": denoising_strength}
         params, stage, notes = checked(ctx, values, ("hires_scale", "hires_steps", "denoising_strength"))
         hires = hires_params(stage, upscaler, sampler, prompt, negative)
-        images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params, hires=hires), progress)
+        images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params, hires=hires, owner=owner),
+                                   progress)
     return _answer(images, notes)
 
 
@@ -129,25 +131,26 @@ def register_workflow_api(ctx: UiContext) -> None:
 
     # Named parameters (not *values): gradio_client takes keyword arguments by these names.
     def img2img(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
-                denoising_strength, resize_mode, progress=PROGRESS):
+                denoising_strength, resize_mode, request: gr.Request, progress=PROGRESS):
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
-        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, progress=progress)
+        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, progress=progress,
+                           owner=owner_of(request))
 
     def inpaint(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
                 denoising_strength, resize_mode, mask, mask_blur, inpainting_fill, inpainting_mask_invert,
-                progress=PROGRESS):
+                request: gr.Request, progress=PROGRESS):
         if mask is None:
             raise gr.Error("inpaint failed: a mask is required (white repaints)", print_exception=False)
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
         return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
-                           inpainting_mask_invert, progress=progress)
+                           inpainting_mask_invert, progress=progress, owner=owner_of(request))
 
     def txt2img_hires(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, hires_scale,
                       hires_upscaler, hires_steps, denoising_strength, hires_sampler, hires_prompt,
-                      hires_negative_prompt, progress=PROGRESS):
+                      hires_negative_prompt, request: gr.Request, progress=PROGRESS):
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
         return run_hires(ctx, base, hires_scale, hires_upscaler, hires_steps, denoising_strength, hires_sampler,
-                         hires_prompt, hires_negative_prompt, progress=progress)
+                         hires_prompt, hires_negative_prompt, progress=progress, owner=owner_of(request))
 
     common = dict(concurrency_id="loras")
     buttons[0].click(img2img, [*base, image, strength, resize], outputs, api_name="img2img", **common,
