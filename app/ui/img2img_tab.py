@@ -51,7 +51,10 @@ def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepar
     with user_errors(action):
         params, call, _notes = prepare()
     job = Generation(ctx.engine, call, owner_of(request))
-    frame = lambda gallery, snap: [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label)]  # noqa: E731
+
+    def frame(gallery, snap) -> list:
+        return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label)]
+
     images = yield from stream_job(job, (params.width, params.height), action, frame, last)
     yield [result_gallery(images, params.steps), images[0].infotext if images else "", gallery_items(images),
            *run_buttons(None, label)]
