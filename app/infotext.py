@@ -8,9 +8,9 @@ what those tools read back.
 
 The generation writer (`app.engine.generate.infotext`) and the PNG Info reader both use this
 module, so a PNG we write is a PNG we can read. Tag syntax is the prompt parser's
-(`app.adapters.prompt`): `<lora:name:unet:te>` when the two weights differ. A1111 and Forge put
-the two numbers the other way round (`<lora:name:te:unet>`), so two-number tags in infotext
-written by another tool are read in their order.
+(`app.adapters.prompt`) and A1111's: `<lora:name:te:unet>` when the two weights differ (the text
+encoder's first, as A1111's and Forge's networks read it), so a two-number tag means the same in
+every tool, whoever wrote it.
 """
 
 from __future__ import annotations

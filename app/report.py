@@ -153,7 +153,7 @@ def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), se
         "history": snapshot.history if snapshot is not None else [],
         "lora_counters": snapshot.lora_counters if snapshot is not None else {},
         "errors": errors,
-        "failed_transitions": [h for h in snapshot.history if h.outcome != "ok"] if snapshot is not None else [],
+        "failed_transitions": [h for h in snapshot.history if h.failed] if snapshot is not None else [],
         "memory_timeline": engine.timeline.snapshot() if engine is not None else [],
         "log": list(log_lines),
     }
@@ -328,13 +328,14 @@ def _draw_loras(canvas: _Canvas, snapshot: dict, counters: dict) -> None:
     mode = f", {snapshot['lora_mode']}" if snapshot.get("loras") and snapshot.get("lora_mode") else ""
     canvas.heading(f"LoRAs{mode} (matched layers / unmatched keys / apply errors / runtime errors)")
     weights = {s["name"]: s for s in snapshot.get("loras") or []}
+    aside = {s["name"] for s in snapshot.get("lora_states") or [] if s.get("status") == "set aside"}
     names = list(dict.fromkeys([*weights, *counters]))
     if not names:
         canvas.text("none", colour=_MUTED)
     for name in names:
         c = counters.get(name, {})
         spec = weights.get(name)
-        applied = "not applied" if spec is None else \
+        applied = ("set aside" if name in aside else "not applied") if spec is None else \
             f"weight {_strength(spec, 'unet_weight'):g} / TE {_strength(spec, 'te_weight'):g}"
         line = (f"{name}: {applied} · matched {c.get('matched_layers', 0)} · unmatched {c.get('unmatched_keys', 0)}"
                 f" · apply errors {c.get('apply_errors', 0)} · runtime errors {c.get('runtime_errors', 0)}")
@@ -352,7 +353,7 @@ def _draw_history(canvas: _Canvas, report: dict) -> None:
     if not history:
         canvas.text("none", colour=_MUTED)
     for h in history[-8:]:
-        colour = _INK if h["outcome"] == "ok" else _BAD
+        colour = _BAD if h["outcome"].startswith("failed") else _INK
         fixes = f" · {h['violations_found']} violations, {h['violations_repaired']} repaired" \
             if h["violations_found"] else ""
         canvas.text(f"{h['command']} {h['detail']} -> {h['outcome']} ({h['duration_s']:.2f} s){fixes}", 12, colour)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import threading
 import time
 import zipfile
@@ -364,15 +365,15 @@ def test_unload_then_reload_or_generate_brings_the_checkpoint_back(api, app):
 
 # ------------------------------------------------------------------------------ progress, interrupt, skip
 class Background:
-    """A txt2img running in a thread, its answer kept."""
+    """A txt2img (or another endpoint's request) running in a thread, its answer kept."""
 
-    def __init__(self, url: str, body: dict) -> None:
+    def __init__(self, url: str, body: dict, endpoint: str = "txt2img") -> None:
         self.answer = None
-        self.thread = threading.Thread(target=self._post, args=(url, body), daemon=True)
+        self.thread = threading.Thread(target=self._post, args=(f"{url}/sdapi/v1/{endpoint}", body), daemon=True)
         self.thread.start()
 
     def _post(self, url: str, body: dict) -> None:
-        self.answer = requests.post(f"{url}/sdapi/v1/txt2img", json=body, timeout=300)
+        self.answer = requests.post(url, json=body, timeout=300)
 
     def progress_when(self, url: str, ready, timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
@@ -414,6 +415,64 @@ def test_skip_ends_one_run_and_the_next_runs(app):
     job.thread.join(120)
     info = json.loads(job.answer.json()["info"])
     assert info["all_seeds"] == [2, 3] and info["interrupted"] is True  # run 1 cut short, run 2 whole
+
+
+def _b64(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _stop_mid_run(app, endpoint: str, body: dict, stop: str, phase: str) -> tuple[int, dict, list]:
+    """Start a long request, send `stop` once its denoising `phase` is 3 steps in; returns (the
+    step the engine had reached when the stop was sent, the answer's info, its images)."""
+    url, engine = app
+    job = Background(url, body, endpoint)
+    job.progress_when(url, lambda p: p["state"]["sampling_step"] >= 3 and phase in (p["textinfo"] or ""))
+    asked_at = engine.snapshot().progress.step
+    assert requests.post(f"{url}/sdapi/v1/{stop}").status_code == 200
+    job.thread.join(120)
+    assert job.answer.status_code == 200, job.answer.text
+    answer = job.answer.json()
+    return asked_at, json.loads(answer["info"]), [_png(b64) for b64 in answer["images"]]
+
+
+def _stopped_at(info: dict) -> list[int]:
+    return [int(n) for n in re.findall(r"stopped at step (\d+)", info["comments"])]
+
+
+@pytest.mark.parametrize(("masked", "stop"), [(False, "interrupt"), (True, "interrupt"), (True, "skip")],
+                         ids=["img2img-interrupt", "inpaint-interrupt", "inpaint-skip"])
+def test_interrupt_and_skip_stop_img2img_and_inpaint_within_one_step(app, masked, stop):
+    """Issue 32: `/interrupt` and `/skip` during an img2img or inpaint run answered 200 while the run
+    went on to step 150 with `interrupted: false`. They must stop the pass within one step, mark the
+    answer interrupted, return the partial image (as txt2img does); an interrupted run is listed so."""
+    body = {"init_images": [_b64(_init_picture())], "prompt": "a fox", "steps": 150, "width": 64, "height": 64,
+            "seed": 4, "denoising_strength": 1.0, "sampler_name": "Euler"}
+    if masked:
+        mask = Image.new("L", (64, 64), 0)
+        mask.paste(255, (16, 16, 48, 48))
+        body |= {"mask": _b64(mask), "mask_blur": 0}
+    kind = "inpaint" if masked else "img2img"
+    asked_at, info, images = _stop_mid_run(app, "img2img", body, stop, kind)
+    (stopped_at,) = _stopped_at(info)
+    assert info["interrupted"] is True and asked_at <= stopped_at <= asked_at + 1 < 150
+    assert len(images) == 1 and images[0].size == (64, 64) and "Steps: 150" in images[0].info["parameters"]
+    rows = [(h.command, h.outcome) for h in app[1].snapshot().history]
+    assert (kind, "interrupted" if stop == "interrupt" else "ok") in rows[-3:]
+
+
+def test_interrupt_reaches_the_hires_pass(app):
+    """The hires fix's second pass is a stage of its own (issue 32: no stop reached it): Interrupt
+    ends it within one step and the answer is the partial image at the hires size."""
+    body = {"prompt": "a fox", "steps": 2, "width": 64, "height": 64, "seed": 6, "sampler_name": "Euler",
+            "enable_hr": True, "hr_scale": 1.5, "hr_upscaler": "Latent", "hr_second_pass_steps": 150,
+            "denoising_strength": 1.0}
+    asked_at, info, images = _stop_mid_run(app, "txt2img", body, "interrupt", "hires pass")
+    (stopped_at,) = _stopped_at(info)
+    assert info["interrupted"] is True and asked_at <= stopped_at <= asked_at + 1 < 150
+    assert images[0].size == (96, 96)
+    assert [h.outcome for h in app[1].snapshot().history if h.command == "hires fix"][-1] == "interrupted"
 
 
 # ------------------------------------------------------------------------------ /steady/v1 extras

@@ -253,6 +253,9 @@ def test_history_lists_this_session_and_the_outputs_folder(page, served):
     save(page, "history.png")
     page.get_by_label("all outputs").check()
     page.wait_for_selector(f"#sd-history-count >> text={session + 1} image(s) in", timeout=TIMEOUT_MS)
+    # the open image is in this list too: it stays open with its infotext (issue 32: the box went empty,
+    # its placeholder claiming "this PNG carries no infotext")
+    assert page.input_value("#sd-history-infotext textarea").startswith("a red lighthouse on a cliff")
 
 
 def test_a_saved_style_and_a_variation_seed_reach_the_image(page, served):

@@ -1,8 +1,8 @@
-"""A real headless Chromium runs the img2img tab's three workflows as a user would: upload an init
-image and run img2img, upload it into the image editor, paint a mask with the mouse and inpaint
-(then again with an uploaded mask), and run txt2img with hires fix (latent, and with the demo upscaler
-model); the Extras tab upscales an image; and "Send to img2img" from History and PNG Info fills that
-tab. Screenshots as `browser_kit` says (`SD_UPDATE_SCREENSHOTS=1` copies them to assets/screenshots/)."""
+"""A real headless Chromium runs the workflows as a user would: upload an init image and run img2img,
+upload it into the image editor, paint a mask with the mouse and inpaint (then again with an uploaded
+mask), tick the Generate tab's hires fix (latent, and with the demo upscaler model); the Extras tab
+upscales an image; and "Send to img2img" from History and PNG Info fills that tab. Screenshots as
+`browser_kit` says (`SD_UPDATE_SCREENSHOTS=1` copies them to assets/screenshots/)."""
 
 from __future__ import annotations
 
@@ -143,9 +143,14 @@ def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures)
     page.get_by_label("fill", exact=True).check()
     _run(page, "sd-inpaint-run", "Masked content: fill")
 
-    page.get_by_role("tab", name="Hires fix").click()
-    page.fill("#sd-hires-hires_steps input", "3")
-    _run(page, "sd-hires-run", "Hires upscale: 2")
+    page.get_by_role("tab", name="Generate").first.click()  # the hires fix is A1111's checkbox there
+    page.get_by_label("Hires. fix").check()
+    for elem_id, value in (("sd-hires-hires_steps", "3"), ("sd-steps", "4"), ("sd-seed", "42")):
+        set_number(page, elem_id, value)
+    page.fill("#sd-prompt textarea", "a yellow flower")
+    generate_and_wait(page, engine)
+    page.wait_for_function("document.querySelector('#sd-infotext textarea').value.includes('Hires upscale: 2')",
+                           timeout=TIMEOUT_MS)
     image, text = _last_output(engine)
     assert image.size == (128, 128) and "Hires upscaler: Latent" in text and "Size: 64x64" in text
     save(page, "hires-fix.png")
@@ -161,11 +166,15 @@ def test_hires_fix_with_the_upscaler_model_and_an_extras_upscale(browser, served
     upscaler 2, and shows A1111's postprocessing text, which the saved PNG carries. In strict mode every
     stage is `ok` with no violation."""
     url, engine = served
-    page = _img2img_tab(browser, url, "a red kite", steps="2", seed="5")
-    page.get_by_role("tab", name="Hires fix").click()
-    page.fill("#sd-hires-hires_steps input", "2")
+    page = open_page(browser, url, engine)
+    page.get_by_label("Hires. fix").check()
+    for elem_id, value in (("sd-hires-hires_steps", "2"), ("sd-steps", "2"), ("sd-seed", "5")):
+        set_number(page, elem_id, value)
     choose(page, "sd-hires-upscaler", DEMO_NAME)
-    _run(page, "sd-hires-run", f"Hires upscaler: {DEMO_NAME}")
+    page.fill("#sd-prompt textarea", "a red kite")
+    generate_and_wait(page, engine)
+    page.wait_for_function(f"document.querySelector('#sd-infotext textarea').value.includes('Hires upscaler: "
+                           f"{DEMO_NAME}')", timeout=TIMEOUT_MS)
     image, _text = _last_output(engine)
     assert image.size == (128, 128)
 

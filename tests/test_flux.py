@@ -197,6 +197,10 @@ def test_generation_is_deterministic_per_seed(flux_engine):
     assert "CFG scale: 1, Distilled CFG Scale: 3.5" in first[0].infotext
     guided = flux_engine.generate(GenerateParams("a red cube", seed=7, **{**FAST_FLUX, "cfg": 6.0}))
     assert not np.array_equal(_pixels(first), _pixels(guided)), "distilled guidance reached the transformer"
+    # dev has no negative prompt: it changes nothing, so the infotext must not claim one (issue 32)
+    negative = flux_engine.generate(GenerateParams("a red cube", "blurry", seed=7, **FAST_FLUX))
+    assert np.array_equal(_pixels(first), _pixels(negative))
+    assert "Negative prompt" not in negative[0].infotext and "blurry" not in negative[0].infotext
 
 
 def test_flux_samplers_sizes_and_sequence_length(flux_engine):

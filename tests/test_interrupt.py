@@ -63,7 +63,7 @@ def test_interrupt_stops_within_two_steps_and_keeps_the_partial_image(loaded):
     assert not image.complete and asked_at <= image.stopped_at <= asked_at + 2
     assert image.path.is_file()
     snap = loaded.snapshot()
-    assert snap.state == "READY" and snap.history[-1].outcome == "ok" and snap.progress is None
+    assert snap.state == "READY" and snap.history[-1].outcome == "interrupted" and snap.progress is None
 
 
 def test_interrupt_can_drop_what_was_reached(loaded):

@@ -131,18 +131,36 @@ def test_clip_skip_is_a_generation_setting_written_into_the_infotext(client):
     assert "Clip skip" not in text_one and "Clip skip: 2" in text_two
 
 
-def test_an_engine_failure_is_whole_once_and_one_traceback_in_the_log(client, caplog, capfd):
-    """A refusal inside the engine reaches the client whole (the `<lora:…>` tag included) and the
-    console/log gets exactly one traceback (the engine's), not Gradio's second copy."""
+def _tracebacks(caplog, capfd) -> int:
+    printed = capfd.readouterr().err
+    return printed.count("Traceback (most recent call last)") + sum(
+        "Traceback (most recent call last)" in r.getMessage() or r.exc_info is not None for r in caplog.records)
+
+
+def test_a_refusal_is_whole_and_one_log_line_and_a_bug_keeps_its_traceback(app, client, caplog, capfd, monkeypatch):
+    """A refusal inside the engine reaches the client whole (the `<lora:…>` tag included) and the log
+    gets one line at INFO, no traceback and nothing at ERROR (issue 32: a refused sampler or an empty
+    mask printed 40 lines at ERROR). A real failure (a bug) keeps exactly one traceback, the engine's,
+    not Gradio's second copy."""
     caplog.set_level(logging.INFO)
     capfd.readouterr()
     with pytest.raises(gradio_client.exceptions.AppError) as refused:
         client.predict(**dict(GOOD, prompt="a fox <lora:style:x>"), api_name="/generate")
-    assert str(refused.value) == "generate failed: prompt tag '<lora:style:x>': 'x' is not a number"
-    printed = capfd.readouterr().err
-    tracebacks = printed.count("Traceback (most recent call last)") + sum(
-        "Traceback (most recent call last)" in r.getMessage() or r.exc_info is not None for r in caplog.records)
-    assert tracebacks == 1
+    message = "prompt tag '<lora:style:x>': 'x' is not a number"
+    assert str(refused.value) == f"generate failed: {message}"
+    assert _tracebacks(caplog, capfd) == 0
+    said = [r for r in caplog.records if message in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and all(r.levelno < logging.WARNING for r in caplog.records)
+    caplog.clear()
+
+    def bug(*_args, **_kwargs):
+        raise ZeroDivisionError("a bug in the denoising loop")
+
+    monkeypatch.setattr(app[1]._lifecycle, "denoise", bug)
+    with pytest.raises(gradio_client.exceptions.AppError, match="a bug in the denoising loop"):
+        client.predict(**GOOD, api_name="/generate")
+    assert _tracebacks(caplog, capfd) == 1
+    assert [r.name for r in caplog.records if r.levelno >= logging.ERROR] == ["app.engine.worker"]
 
 
 def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_cannot_match(app):
@@ -439,3 +457,21 @@ def test_weight_storage_switches_through_the_api_and_back(client):
     assert client.predict(api_name="/snapshot")["stored_layers"] == 0
     with pytest.raises(Exception, match="weights must be one of full, fp8"):
         client.predict("int4", api_name="/set_weights")
+
+
+def test_memory_timeline_labels_of_close_transitions_do_not_overlap():
+    """Issue 32: transitions a second apart wrote their labels on top of each other. Each label now
+    takes the first free row; every label drawn is clear of the others (and of the axis label)."""
+    samples = [{"t": float(t), "ram_mib": 900.0 + t} for t in range(61)]
+    for t, name in ((10, "load_model"), (11, "set_loras"), (12, "generate"), (13, "set_offload"), (58, "unload")):
+        samples[t]["marker"] = name
+    svg = views.timeline_svg(samples)
+    drawn = re.findall(r"<text x='([\d.]+)' y='(\d+)' font-size='10' fill='#bc4c00'>([^<]+)</text>", svg)
+    assert sorted(name for _x, _y, name in drawn) == ["generate", "load_model", "set_loras", "set_offload", "unload"]
+    boxes = [(float(x), float(x) + len(name) * views._CHAR_PX, int(y)) for x, y, name in drawn]
+    boxes.append((4.0, 70.0, 24))  # the top axis label
+    for i, (left, right, y) in enumerate(boxes):
+        for other_left, other_right, other_y in boxes[i + 1:]:
+            assert y != other_y or right <= other_left or other_right <= left, svg
+    assert all(float(x) + len(n) * views._CHAR_PX <= 760 for x, _y, n in drawn)  # none runs off the right edge
+

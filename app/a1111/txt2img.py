@@ -183,9 +183,15 @@ def _denoising(images: list[GeneratedImage]) -> float | None:
     return None if value is None else float(value)
 
 
+def _stop_notes(images: list[GeneratedImage]) -> list[str]:
+    """Where an Interrupt or Skip cut an image short (A1111 says only `interrupted`)."""
+    return [f"seed {im.seed}: stopped at step {im.stopped_at} of its pass" for im in images if not im.complete]
+
+
 def info_json(state: ApiState, outcome: Outcome, notes: list[str]) -> str:
     """A1111's `info`: the JSON of its `Processed` object, with the keys clients read."""
     params, images = outcome.params, outcome.images
+    notes = [*notes, *_stop_notes(images)]
     seeds = [im.seed for im in images]
     subseeds = [-1 if im.subseed is None else im.subseed for im in images]
     count = len(images)

@@ -238,15 +238,18 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
     """A1111-style `parameters` text (see `app.infotext`), so other tools and our PNG Info read it back.
     A guidance-distilled family (Flux dev) writes what Forge writes: `CFG scale: 1` (no CFG runs) and
     the guidance as `Distilled CFG Scale`. `extra` holds a workflow's own pairs (`Denoising
-    strength`, `Hires upscale`, …), written after `Model` as A1111 writes them."""
-    distilled = ctx.arch is not None and family(ctx.arch).distilled_guidance
+    strength`, `Hires upscale`, …), written after `Model` as A1111 writes them. A family that has no
+    negative prompt (Flux) ran without it, so none is written: a reader must not believe it counted."""
+    fam = family(ctx.arch) if ctx.arch is not None else None
+    distilled = fam is not None and fam.distilled_guidance
+    negative = params.negative_prompt if fam is None or fam.negative_prompt else ""
     guidance = [("CFG scale", "1"), ("Distilled CFG Scale", f"{params.cfg:g}")] if distilled \
         else [("CFG scale", f"{params.cfg:g}")]
     settings = [("Steps", params.steps), ("Sampler", params.sampler), *guidance, ("Seed", seed),
                 ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name),
                 *extra, *([("Clip skip", params.clip_skip)] if params.clip_skip > 1 else [])]
     loras = tuple(LoraUse(*entry) for entry in ctx.loras)
-    return format_infotext(params.prompt, params.negative_prompt, settings, loras)
+    return format_infotext(params.prompt, negative, settings, loras)
 
 
 def scheduler_for(pipe, sampler: str):

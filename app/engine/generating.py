@@ -20,6 +20,10 @@ from app.engine.snapshot import EngineState
 from app.infotext import LoraUse
 from app.preview import LATENT_RGB, latent_preview
 
+# The commands that generate: each becomes the current `Job` when it leaves the queue, for all of
+# its stages, so Interrupt and Skip reach every denoising pass of it (img2img, inpaint, hires).
+GENERATIONS = frozenset({"generate", "txt2img_hires", "img2img", "inpaint"})
+
 
 @dataclass
 class Job:
@@ -27,6 +31,11 @@ class Job:
 
     owner: str | None
     stop: str | None = None  # "interrupt" (keep what is there) | "drop" | "skip" (this run only)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether an Interrupt ended it (a Skip ends one run only): its history row says so."""
+        return self.stop in ("interrupt", "drop")
 
 
 class GenerationCancelled(RuntimeError):
@@ -40,7 +49,7 @@ class Generating:
         """Take `owner`'s generations that still wait in the queue off it (their callers get
         `GenerationCancelled`); a closed tab or client leaves no work behind. Returns how many."""
         with self._wake:
-            mine = [c for c in self._queue if c is not None and c.owner == owner and c.name == "generate"]
+            mine = [c for c in self._queue if c is not None and c.owner == owner and c.name in GENERATIONS]
             for command in mine:
                 self._queue.remove(command)
         for command in mine:
@@ -58,6 +67,11 @@ class Generating:
             return False
         job.stop = "interrupt" if keep_partial else "drop"
         return True
+
+    def runs_for(self, owner: str) -> bool:
+        """Whether a generation of `owner` is running now (the page keeps its stop buttons live by it)."""
+        job = self._job
+        return job is not None and job.owner == owner
 
     def skip(self, *, owner: str | None = None) -> bool:
         """End the current run of a batch count early (its images decoded as they are) and go on

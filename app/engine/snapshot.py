@@ -39,10 +39,15 @@ class Transition:
     state: str
     started: float
     duration_s: float
-    outcome: str  # "ok" | "failed, rolled back" | "failed, engine in ERROR"
+    outcome: str  # "ok" | "interrupted" | "failed, rolled back" | "failed, engine in ERROR"
     violations_found: int
     violations_repaired: int
     error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """An interrupted generation ended as asked: only a failure counts as one."""
+        return self.outcome.startswith("failed")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from app.adapters.specs import LoraSpec
 from app.engine import lora_options, part_choices, placement
 from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
-from app.engine.generating import Generating, Job
+from app.engine.generating import GENERATIONS, Generating, Job
 from app.engine.lifecycle import ModelLifecycle, RollbackFailed
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
@@ -60,6 +60,7 @@ class _Command:
     future: Future
     record: bool = True
     owner: str | None = None  # who may cancel it while it waits (generations)
+    stage: bool = False  # one stage of a workflow command: the workflow's job outlives it
 
 
 class Engine(Generating, Workflows, Refining, Upscaling):
@@ -255,7 +256,7 @@ class Engine(Generating, Workflows, Refining, Upscaling):
     def _run_stage(self, name: str, detail: str, state: EngineState, body: Callable[[], Any]) -> Any:
         """Run `body` now, on the worker, as a transition of its own: one stage of a workflow command
         (verify/repair before and after, its history row, a published snapshot); raises its error."""
-        command = _Command(name, detail, state, body, Future())
+        command = _Command(name, detail, state, body, Future(), stage=True)
         self._run_transition(command)
         return command.future.result()
 
@@ -289,7 +290,7 @@ class Engine(Generating, Workflows, Refining, Upscaling):
             self.library.forget(exc.lora_name)  # a refused file leaves nothing resident
             raise
         for name, reason in set_aside.items():
-            self._counters.apply_failed(name, reason)
+            self._counters.set_aside(name, reason)
             self.library.forget(name)
         self._counters.matched(reports)
 
@@ -299,7 +300,7 @@ class Engine(Generating, Workflows, Refining, Upscaling):
                 while not self._queue:
                     self._wake.wait()
                 command = self._queue.popleft()
-                if command is not None and command.name == "generate":
+                if command is not None and command.name in GENERATIONS:
                     # Interrupt can reach it from the moment it leaves the queue (cancel_queued before).
                     self._job = Job(command.owner)
             if command is None:
@@ -309,12 +310,18 @@ class Engine(Generating, Workflows, Refining, Upscaling):
             else:
                 self._run_query(command)
 
-    @staticmethod
-    def _run_query(command: _Command) -> None:
+    def _run_query(self, command: _Command) -> None:
+        """Run a command outside the state machine (a query, or a workflow whose stages are the
+        transitions); a workflow's job ends with it, before its caller hears back."""
         try:
-            command.future.set_result(command.body())
+            value, error = command.body(), None
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-            command.future.set_exception(exc)
+            value, error = None, exc
+        self._job = None
+        if error is None:
+            command.future.set_result(value)
+        else:
+            command.future.set_exception(error)
 
     def _run_transition(self, command: _Command) -> None:
         before = self._state
@@ -328,13 +335,14 @@ class Engine(Generating, Workflows, Refining, Upscaling):
             value = command.body()
             more_found, more_repaired = self._verify_and_repair(f"after {command.name}")
             found, repaired = found + more_found, repaired + more_repaired
-            outcome = "ok"
+            outcome = "interrupted" if self._job is not None and self._job.interrupted else "ok"
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's future
             error = exc
             outcome = self._fail(command, exc, before)
         finally:
             self._progress = None
-            self._job = None  # set when a generation left the queue
+            if not command.stage:
+                self._job = None  # set when a generation left the queue
         if outcome != "failed, engine in ERROR":
             self._state = EngineState.READY if self._lifecycle.pipeline is not None else EngineState.EMPTY
         duration = time.perf_counter() - t0
@@ -356,9 +364,16 @@ class Engine(Generating, Workflows, Refining, Upscaling):
             self._state = EngineState.ERROR
         self._last_error = ErrorRecord(command.name, capped(f"{type(exc).__name__}: {exc}"),
                                        traceback.format_exc(), time.time())
-        # The traceback goes to the log as text: a live exc_info would keep its frames (and the
-        # pipelines they reference) alive in any handler that keeps records.
-        log.error("%s (%s) failed: %s\n%s", command.name, command.detail, capped(str(exc)), self._last_error.traceback)
+        if isinstance(exc, ValueError) and not rollback_failed:
+            # Refused input (every refusal is a ValueError: a sampler the family lacks, an empty mask, a
+            # LoRA that does not fit): the caller shows and logs the message in one line; a traceback
+            # is for bugs. Diagnostics and the bug report keep it all the same (`last_error`).
+            log.debug("%s (%s) refused: %s", command.name, command.detail, capped(str(exc)))
+        else:
+            # The traceback goes to the log as text: a live exc_info would keep its frames (and the
+            # pipelines they reference) alive in any handler that keeps records.
+            log.error("%s (%s) failed: %s\n%s", command.name, command.detail, capped(str(exc)),
+                      self._last_error.traceback)
         return "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
 
     def _repair_after_failure(self, command: str) -> bool:

@@ -30,7 +30,6 @@ from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
 from app.engine import generate, image_ops, stages, variation
 from app.engine.generate import GeneratedImage, GenerateParams
-from app.engine.generating import Job
 from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
 from app.families import family
@@ -119,7 +118,7 @@ class Workflows:
             if wanted != passes.current:
                 self._run_stage("apply_loras", f"prompt tags for {name}", state.PATCHING,
                                 lambda: self._with_loras(params, passes))
-            job = self._job = Job(owner)
+            job = self._job  # set when the command left the queue (`Engine._serve`)
             try:
                 # A run's own parameters (its variation seeds) with the prompt's tags, which each pass reads.
                 def run_batch(first, phase, run):
@@ -131,7 +130,7 @@ class Workflows:
                 if passes.current != self._desired.loras:
                     self._run_stage("restore_loras", f"after {name}", state.PATCHING,
                                     lambda: self._realise(self._desired, self._desired.loras))
-        return self.submit(name, detail, state.GENERATING, body, record=False).result()
+        return self.submit(name, detail, state.GENERATING, body, record=False, owner=owner).result()
 
     def _with_loras(self, prompt_params: GenerateParams, passes: _Passes) -> GenerateParams:
         """Patch the model to the desired LoRAs plus `prompt_params`' tags (if that differs from what

@@ -179,7 +179,7 @@ def _generate_endpoint(ctx: UiContext) -> None:
         with user_errors("generate", browser=False):
             params, notes = generate_params(ctx, prompt, negative_prompt, sampler, steps, cfg, seed, width, height,
                                             batch, n_iter, clip_skip)
-        job = Generation(ctx.engine, params, owner_of(request))
+        job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner), owner_of(request))
         with contextlib.closing(job.follow(progress, API_POLL_S)) as snapshots:
             for _snap in snapshots:
                 yield gr.skip(), gr.skip(), gr.skip()

@@ -24,7 +24,8 @@ from app.ui.common import (
     run_with_progress,
     user_errors,
 )
-from app.ui.generate_run import GALLERY_LABEL, build_run_controls, wire_generate
+from app.ui.generate_run import GALLERY_LABEL, StopControls, build_stop_controls, wire_generate
+from app.ui.hires_fields import HiresFields, build_hires_fields
 from app.ui.lora_browser import build_lora_browser
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection_updates, sync_panel, wire_loras
 from app.ui.model_options import ModelOptions, build_model_options, option_updates, wire_model_options
@@ -56,6 +57,8 @@ class GenerateTab:
     variation: dict[str, gr.Number]  # subseed, subseed_strength, seed_resize_from_w/h (A1111's names)
     styles: gr.Dropdown
     refiner: dict[str, gr.components.Component]  # refiner_checkpoint, refiner_switch_at
+    hires: HiresFields
+    stops: StopControls
 
     @property
     def settings(self) -> list:
@@ -72,6 +75,13 @@ def native_size_updates(previous: int | None, current: int | None) -> list:
     if current is None or current == previous:
         return [gr.update(), gr.update()]
     return [gr.update(value=current), gr.update(value=current)]
+
+
+def without_size_note(note: str | None, field: str) -> str:
+    """The settings note without its rounding line for `field` ("ℹ️ width 100 → 96: …"): once the
+    user edits that field, the note about the old value is stale (the other lines stay)."""
+    kept = [part for part in (note or "").split("\n\n") if not part.startswith(f"ℹ️ {field} ")]
+    return "\n\n".join(kept)
 
 
 # ----------------------------------------------------------------------------------------- layout
@@ -147,23 +157,29 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
                 random_seed = gr.Button("⚄ random", scale=0, min_width=80)
                 reuse_seed = gr.Button("♻ reuse", scale=0, min_width=80, elem_id="sd-reuse-seed")
             variation = _variation_fields()
+            hires = build_hires_fields(ctx)
             refiner = _refiner_fields(ctx)
             loras = build_lora_panel(ctx)
             build_lora_browser(ctx, prompt, loras)
         with gr.Column(scale=2):
-            controls = build_run_controls()
+            go = gr.Button("Generate", variant="primary", elem_id="sd-generate")
+            stops = build_stop_controls()
             gallery = gr.Gallery(label=GALLERY_LABEL, columns=2, height=420, elem_id="sd-gallery", format="png",
                                  object_fit="contain", buttons=["download", "download_all", "fullscreen"])
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
-                      height, batch, n_iter, clip_skip, note, options, variation, styles, refiner)
+                      height, batch, n_iter, clip_skip, note, options, variation, styles, refiner, hires, stops)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
     # Progress and a failure's "Error" mark go on the gallery only; the message itself is one toast.
-    wire_generate(ctx, controls, tab.settings, loras, [gallery, infotext, infos, chosen_seed, width, height, note])
+    wire_generate(ctx, go, stops, (tab.settings, hires.inputs), loras,
+                  [gallery, infotext, infos, chosen_seed, width, height, note])
     gallery.select(_select_image, [infos], [infotext, chosen_seed], api_visibility="private")
+    for field, box in (("width", width), ("height", height)):
+        box.input(lambda text, f=field: without_size_note(text, f), note, note, api_visibility="private",
+                  show_progress="hidden")
     random_seed.click(lambda: -1, None, seed, api_visibility="private")
     reuse_seed.click(lambda s, current: current if s is None else s, [chosen_seed, seed], seed,
                      api_visibility="private")

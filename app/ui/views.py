@@ -86,7 +86,7 @@ def status_html(snap: Snapshot) -> str:
         parts.append(f"<span class='sd-bad'>violations found {snap.violations_found_total}, "
                      f"repaired {snap.violations_repaired_total}</span>")
     # In ERROR, and when EMPTY because the last command failed (a checkpoint that would not load), say why.
-    failed_last = bool(snap.history) and snap.history[-1].outcome != "ok"
+    failed_last = bool(snap.history) and snap.history[-1].failed
     if snap.last_error is not None and (snap.state == "ERROR" or (snap.state == "EMPTY" and failed_last)):
         parts.append(f"<span class='sd-bad'>{html.escape(snap.last_error.command)}: "
                      f"{html.escape(snap.last_error.message)}</span>")
@@ -177,6 +177,43 @@ def _series_path(points: Sequence[tuple[float, float]], x0: float, span: float, 
     return "M" + " L".join(coords) if coords else ""
 
 
+_LABEL_ROW = 12  # px between rows of transition labels (font size 10)
+_CHAR_PX = 6.0  # a generous width per character at font size 10, so labels never touch
+
+
+def marker_rows(marks: Sequence[tuple[float, str]], width: int, rows: int) -> list[int | None]:
+    """The row each transition label goes in: the first row (from the top) whose last label ends left
+    of it, so close transitions stack instead of overlapping; None where every row is taken (that
+    label is then only the line's tooltip). Row 1 starts right of the axis label drawn there."""
+    ends = [0.0, 70.0, *[0.0] * (rows - 2)][:rows]
+    placed: list[int | None] = []
+    for x, label in marks:
+        left, right = _label_span(x, label, width)
+        row = next((i for i, end in enumerate(ends) if left >= end + 4), None)
+        if row is not None:
+            ends[row] = right
+        placed.append(row)
+    return placed
+
+
+def _label_span(x: float, label: str, width: int) -> tuple[float, float]:
+    """Where a label at line `x` is drawn: right of the line, or left of it near the right edge."""
+    size = len(label) * _CHAR_PX
+    return (x + 2, x + 2 + size) if x + 2 + size <= width else (x - 2 - size, x - 2)
+
+
+def _markers(marks: Sequence[tuple[float, str]], width: int, height: int) -> str:
+    out = []
+    for (x, label), row in zip(marks, marker_rows(marks, width, max(1, (height - 30) // _LABEL_ROW)), strict=True):
+        name = html.escape(label)
+        out.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='0' y2='{height}' stroke='#bc4c00' stroke-dasharray='3,3'>"
+                   f"<title>{name}</title></line>")
+        if row is not None:
+            left = _label_span(x, label, width)[0]
+            out.append(f"<text x='{left:.1f}' y='{_LABEL_ROW * (row + 1)}' font-size='10' fill='#bc4c00'>{name}</text>")
+    return "".join(out)
+
+
 def timeline_svg(samples: Sequence[dict], width: int = 760, height: int = 180) -> str:
     """RAM (and VRAM where present) over the sampled window, one dashed line per transition.
 
@@ -198,16 +235,14 @@ def timeline_svg(samples: Sequence[dict], width: int = 760, height: int = 180) -
         lines.append(f"<path d='{path}' fill='none' stroke='{colours[label]}' stroke-width='2'/>")
     for s in samples:
         if s.get("marker"):
-            x = (s["t"] - x0) / span * width
-            marks.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='0' y2='{height}' stroke='#bc4c00' "
-                         f"stroke-dasharray='3,3'/><text x='{x + 2:.1f}' y='12' font-size='10' fill='#bc4c00'>"
-                         f"{html.escape(s['marker'])}</text>")
+            marks.append(((s["t"] - x0) / span * width, s["marker"]))
     axis = (f"<text x='4' y='{height - 4}' font-size='10' fill='#57606a'>{lo:,.0f} MiB</text>"
-            f"<text x='4' y='24' font-size='10' fill='#57606a'>{hi:,.0f} MiB</text>")
+            f"<text x='4' y='{2 * _LABEL_ROW}' font-size='10' fill='#57606a'>{hi:,.0f} MiB</text>")
     legend = " ".join(f"<span style='color:{colours[label]}'>■ {label}</span>" for label in present)
     last = samples[-1]
     now = ", ".join(f"{label} {last[key]:,.0f} MiB" for label, key in present.items() if key in last)
     return (f"<div id='sd-timeline'><div class='sd-muted'>{legend} — now: {now}; last {span:.0f} s; "
             f"dashed lines = transitions</div>"
             f"<svg viewBox='0 0 {width} {height}' width='100%' height='{height}' role='img' "
-            f"style='background:#f6f8fa;border-radius:6px'>{axis}{''.join(marks)}{''.join(lines)}</svg></div>")
+            f"style='background:#f6f8fa;border-radius:6px'>{axis}{_markers(marks, width, height)}{''.join(lines)}"
+            "</svg></div>")
