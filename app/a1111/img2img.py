@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from app.a1111 import txt2img
 from app.a1111.errors import ApiError
-from app.a1111.pnginfo import decode_image
+from app.a1111.pnginfo import decode_images
 from app.a1111.schema import Img2ImgRequest
 from app.a1111.state import ApiState
 from app.engine.generate import GeneratedImage, GenerateParams
@@ -24,8 +24,9 @@ def run(state: ApiState, req: Img2ImgRequest) -> dict:
     """The whole request, blocking (run it in the API's lane)."""
     if not req.init_images:
         raise ApiError(422, "img2img needs init_images: a list of base64 images (data: URLs work too)")
-    images = [decode_image(data) for data in req.init_images]
-    mask = decode_image(req.mask) if req.mask else None
+    sent = [(data, f"init_images[{i}]") for i, data in enumerate(req.init_images)]
+    decoded = decode_images(sent + ([(req.mask, "mask")] if req.mask else []))
+    images, mask = (decoded[:-1], decoded[-1]) if req.mask else (decoded, None)
     blur = req.mask_blur if req.mask_blur is not None else max(req.mask_blur_x or 0, req.mask_blur_y or 0)
 
     def produce(params: GenerateParams) -> list[GeneratedImage]:

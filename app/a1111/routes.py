@@ -9,15 +9,13 @@ generation runs, the UI's too, as A1111's do (it has one job at a time and so do
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from app.a1111 import checkpoints, img2img, listings, options, pnginfo, progress, txt2img
-from app.a1111.auth import BasicAuth
 from app.a1111.errors import A1111Route
 from app.a1111.schema import (
     EmbeddingsResponse,
+    FreeDict,
     ImageToImageResponse,
     Img2ImgRequest,
     LoraItem,
@@ -81,7 +79,7 @@ def _model_control(router: APIRouter, state: ApiState) -> None:
         return options.current(state)
 
     @router.post("/options")
-    async def set_options(changes: dict[str, Any]) -> None:
+    async def set_options(changes: FreeDict) -> None:
         await state.run("options", lambda: options.apply(state, changes))
 
     @router.post("/unload-checkpoint")
@@ -155,8 +153,9 @@ def _probed_by_clients(router: APIRouter) -> None:
         return {"txt2img": [], "img2img": []}
 
 
-def sdapi_router(state: ApiState, auth: BasicAuth) -> APIRouter:
-    router = APIRouter(prefix="/sdapi/v1", route_class=A1111Route, dependencies=[Depends(auth)])
+def sdapi_router(state: ApiState) -> APIRouter:
+    """The routes; their login is checked by the request guard before a body is read (`auth`)."""
+    router = APIRouter(prefix="/sdapi/v1", route_class=A1111Route)
     _generation(router, state)
     _model_control(router, state)
     _listings(router, state)
