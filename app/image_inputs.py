@@ -30,19 +30,31 @@ class ImageInputError(ValueError):
 def open_checked(data: bytes, what: str) -> Image.Image:
     """`data` opened lazily (header read, nothing decoded) when it is an allowed image within the pixel cap."""
     try:
-        if data.startswith(SIGNATURE):
-            read_png(io.BytesIO(data))  # refuses oversized text before Pillow inflates it
+        if data.startswith(SIGNATURE):  # size and text from the chunk headers, before Pillow inflates any text
+            facts = read_png(io.BytesIO(data))
+            _check_pixels(facts.width, facts.height, what)
         image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except ImageInputError:
+        raise
     except PngTextError as exc:
         raise ImageInputError(f"{what}: {exc}") from None
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError):
+    except Image.DecompressionBombError:
+        raise ImageInputError(f"{what}: its header claims over {2 * Image.MAX_IMAGE_PIXELS:,} pixels; one input "
+                              f"image may have at most {MAX_INPUT_PIXELS:,} (4096x4096)") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
         raise ImageInputError(f"{what}: not a PNG, JPEG or WebP image (the formats accepted)") from None
-    width, height = image.size
-    if width * height > MAX_INPUT_PIXELS:
+    try:
+        _check_pixels(*image.size, what)
+    except ImageInputError:
         image.close()
+        raise
+    return image
+
+
+def _check_pixels(width: int, height: int, what: str) -> None:
+    if width * height > MAX_INPUT_PIXELS:
         raise ImageInputError(f"{what}: {width}x{height} is {width * height:,} pixels; one input image may have "
                               f"at most {MAX_INPUT_PIXELS:,} (4096x4096)")
-    return image
 
 
 def decode_all(items: Sequence[tuple[bytes, str]]) -> list[Image.Image]:

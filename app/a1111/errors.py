@@ -23,6 +23,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.adapters.errors import AdapterError
 from app.engine.checkpoint_files import CheckpointNotFoundError, ModelLoadError
@@ -85,7 +86,7 @@ def _answer(request: Request, exc: Exception) -> JSONResponse:
         detail, summary = validation_detail(exc.errors())
         log.info("A1111 API %s %s refused: %s", request.method, request.url.path, summary)
         return error_response(422, "RequestValidationError", detail, summary)
-    if isinstance(exc, HTTPException):
+    if isinstance(exc, StarletteHTTPException):  # FastAPI's own and Starlette's (a body that does not parse)
         if exc.status_code != 401:  # a missing login is routine for clients that wait for the challenge
             log.info("A1111 API %s %s refused (%d): %s", request.method, request.url.path, exc.status_code, exc.detail)
         return error_response(exc.status_code, "HTTPException", exc.detail, f"{exc.status_code}: {exc.detail}",
