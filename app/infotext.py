@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from app.adapters.prompt import parse_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.png_text import read_png
+from app.png_text import SIGNATURE, read_png
 
 OUR_VERSION = "steady-diffusion"
 NEGATIVE = "Negative prompt:"
@@ -136,8 +136,11 @@ def parse_infotext(text: str) -> Infotext:
 
 
 def read_parameters(path: Path) -> str | None:
-    """The `parameters` text chunk of a PNG (where A1111, Forge and we write infotext), or None.
-    Only the header chunks are read, within `app.png_text`'s caps (a chunk over them raises
-    ValueError); the pixels are never decoded."""
+    """The `parameters` text chunk of a PNG (where A1111, Forge and we write infotext), or None (also
+    for a file that is not a PNG). Only the header chunks are read, within `app.png_text`'s caps (a
+    chunk over them raises ValueError); the pixels are never decoded."""
     with open(path, "rb") as stream:
+        if stream.read(len(SIGNATURE)) != SIGNATURE:
+            return None
+        stream.seek(0)
         return read_png(stream).text.get("parameters")

@@ -12,7 +12,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,6 +31,7 @@ from app.ui.login_throttle import LoginThrottle
 gradio_client = pytest.importorskip("gradio_client")
 USER, PASSWORD = "alice", "correct-horse-battery"
 BAD_NAME = b"\xff\xfe-not-utf8.safetensors"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +121,18 @@ def test_password_can_come_from_an_environment_variable(monkeypatch):
     assert "SD_TEST_AUTH" not in os.environ
     with pytest.raises(SystemExit, match="--auth-env SD_TEST_AUTH: that environment variable is not set"):
         settings_from_args(build_parser().parse_args(["--auth-env", "SD_TEST_AUTH"]))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="Linux's /proc shows the start-up environment")
+def test_the_password_leaves_proc_environ_too():
+    """`os.environ.pop` left the password in `/proc/PID/environ` (the kernel shows the environment the
+    process started with); the start-up copy is wiped as well (issue 28, finding 9)."""
+    code = ("import os, launch; launch.parse_auth([], None, 'SD_TEST_AUTH');"
+            "print(b'hunter22' in open('/proc/self/environ', 'rb').read(), 'SD_TEST_AUTH' in os.environ)")
+    env = dict(os.environ, SD_TEST_AUTH="bob:hunter22", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split() == ["False", "False"], result.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------- Host, CORS
@@ -232,3 +248,14 @@ def test_bug_report_paths_are_relative_to_the_data_folder(app):
         text = bundle.read("report.json").decode()
     assert str(settings.data_dir) not in text
     assert "not found in models/Stable-diffusion" in text and json.loads(text)["settings"]["data_dir"] == "."
+
+
+def test_bug_report_tracebacks_do_not_show_where_the_app_and_python_live(app):
+    """Tracebacks named the install folders in every line (the user's name, their layout); they read
+    `<app>/…`, `<site-packages>/…` now (issue 28, finding 9)."""
+    server, engine, settings = app
+    with pytest.raises(ValueError):
+        engine.load_model("no-such-model.safetensors")
+    with zipfile.ZipFile(io.BytesIO(build_bug_report(engine, settings))) as bundle:
+        text = bundle.read("report.json").decode()
+    assert 'File \\"<app>/app/engine/' in text and str(ROOT) not in text and sys.prefix not in text
