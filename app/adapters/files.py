@@ -148,6 +148,8 @@ class LoraLibrary:
             _keys, metadata = read_header(path)
         except SafetensorsFileError as exc:
             raise AdapterFormatError(str(exc)) from None
+        if not tensors:
+            raise AdapterFormatError(f"{path.name}: contains no tensors")
         return AdapterFile(name, path, tensors, metadata, "", path.stat().st_size, _peft_sidecar(path))
 
     def open(self, name: str) -> AdapterFile:

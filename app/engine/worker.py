@@ -161,7 +161,7 @@ class Engine(Generating, Workflows):
         (it reads the model) but is not a transition, so it leaves no history row.
         """
         return self.submit("inspect_lora", name, EngineState.READY,
-                           lambda: self._lifecycle.inspect(name, self._open_lora(name)), record=False).result()
+                           lambda: self._lifecycle.inspect(name, self._read_lora(name)), record=False).result()
 
     def set_debug(self, *, lora_debug: bool | None = None, move_debug: bool | None = None,
                   strict: bool | None = None) -> Settings:
@@ -364,17 +364,21 @@ class Engine(Generating, Workflows):
         self._progress = Progress(phase, step, total, preview)
 
     def _open_lora(self, name: str):
-        """Read a LoRA file; a read failure is that LoRA's apply error (counted under its name). A file
-        not read yet is first matched against the model from its header alone, so one that does not
-        fit is refused without a byte of its tensors read (nothing of it stays in memory)."""
+        """Read a LoRA file; a read failure is that LoRA's apply error (counted under its name)."""
         try:
-            if not self.library.cached(name) and self._lifecycle.pipeline is not None:
-                self._lifecycle.inspect(name, self.library.header_view(name))
-            return self.library.open(name)
+            return self._read_lora(name)
         except LoraApplyError:
             raise
         except (AdapterError, OSError) as exc:
             raise LoraApplyError(name, str(exc)) from exc
-        except (NotImplementedError, RuntimeError):  # a check that needs tensor values: the full read decides
-            return self.library.open(name)
+
+    def _read_lora(self, name: str):
+        """A file not read yet is first matched against the model from its header alone, so one that
+        does not fit is refused without a byte of its tensors read (nothing of it stays in memory)."""
+        if not self.library.cached(name) and self._lifecycle.pipeline is not None:
+            try:
+                self._lifecycle.inspect(name, self.library.header_view(name))
+            except (NotImplementedError, RuntimeError):  # a check that needs tensor values: the full read decides
+                pass
+        return self.library.open(name)
 
