@@ -243,6 +243,19 @@ def test_image_bombs_are_refused_before_decoding(app):
     assert _rss_mib() - before < 50
 
 
+def test_the_ui_sends_no_bomb_to_img2img(tmp_path):
+    """PNG Info's and History's "Send to img2img" decoded whatever file it was given; the same checks
+    refuse a bomb there, from its header (no RSS taken)."""
+    from app.ui.send_to import readable_picture
+
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(_png_claiming(13376, 13376))
+    before = _rss_mib()
+    with pytest.raises(ValueError, match="bomb.png: 13376x13376 is 178,917,376 pixels"):
+        readable_picture(str(bomb))
+    assert _rss_mib() - before < 50
+
+
 @pytest.mark.parametrize("kind", ["BMP", "EPS", "GIF"])
 def test_only_png_jpeg_and_webp_are_decoded(app, kind):
     """Finding 4: a 70-byte BMP kept +374 MiB and an EPS made Pillow look for Ghostscript; other
