@@ -270,6 +270,7 @@ class Engine(Generating, Workflows):
                 self._run_transition(command)
             else:
                 self._run_query(command)
+            del command  # what it holds (an img2img's decoded pictures) must not wait for the next command
 
     @staticmethod
     def _run_query(command: _Command) -> None:

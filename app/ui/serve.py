@@ -35,8 +35,7 @@ from app.engine.worker import Engine
 from app.settings import Settings
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names
-from app.ui.guard import GuardPolicy, install, loopback_hosts
-from app.ui.ui_only import API_PREFIX
+from app.ui.guard import UPLOAD, GuardPolicy, install, loopback_hosts
 
 log = logging.getLogger(__name__)
 GENERATED_USER = "steady"
@@ -96,7 +95,7 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
         max_file_size=settings.max_upload_mib * 2**20, **launch_kwargs())
     exposed = settings.listen or settings.share
     print(install_api(app, ctx, policy.credentials), flush=True)
-    upload = (f"{API_PREFIX}/upload", settings.max_upload_mib * 2**20 + 2**16)  # one file and its multipart framing
+    upload = (UPLOAD, settings.max_upload_mib * 2**20 + 2**16)  # one file and its multipart framing
     install(app, demo, GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
                                    gated_prefixes=GATED_PREFIXES, gate=api_gate(settings, policy.credentials),
                                    body_limits=(upload, *body_limits(settings))))
