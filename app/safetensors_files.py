@@ -63,6 +63,30 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
 
 
+SMALL_TENSOR = 64  # elements: scalars (alpha) and tiny vectors are read even in a header view
+
+
+def header_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor as the header describes it, without reading the large ones: tensors of up to
+    `SMALL_TENSOR` elements (alphas) are read, the others are `meta` tensors of the right shape and
+    dtype. Enough to match a file against a model by names and shapes, at the cost of its header."""
+    with _opened(path) as handle:
+        out = {}
+        for key in handle.keys():
+            view = handle.get_slice(key)
+            shape = tuple(view.get_shape())
+            if math.prod(shape) <= SMALL_TENSOR:
+                out[key] = handle.get_tensor(key)
+            else:
+                out[key] = torch.empty(shape, dtype=_DTYPES.get(view.get_dtype(), torch.float32), device="meta")
+        return out
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 def _problem(path: Path, exc: Exception) -> str:
     try:
         with open(path, "rb") as handle:

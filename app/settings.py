@@ -79,6 +79,9 @@ class Settings:
     queue_size: int = 64  # requests waiting in the app's queue, all sessions together
     session_queue_size: int = 8  # requests one browser tab or client may have pending
     max_upload_mib: int = 16
+    # Reverse proxies whose `X-Forwarded-For` names the client (the login throttle's key); none: the
+    # socket's peer, so a local tunnel or script cannot pose as a new address per password guess.
+    forwarded_allow_ips: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

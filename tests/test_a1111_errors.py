@@ -118,6 +118,18 @@ def test_a_cross_site_page_cannot_drive_the_api(app):
     assert requests.post(f"{app[0]}/sdapi/v1/interrupt", headers={"Sec-Fetch-Site": "none"}).status_code == 200
 
 
+def test_a_cross_origin_post_without_sec_fetch_site_is_refused_whatever_its_content_type(app):
+    """Localhost mode without a login (issue 28): a page of another site may POST text/plain without a
+    preflight, and over plain HTTP its browser sends no Sec-Fetch-Site; its Origin refuses it, for
+    the API and the UI's routes alike. The app's own origin passes."""
+    for path in ("/sdapi/v1/unload-checkpoint", "/sdapi/v1/interrupt", "/gradio_api/queue/join"):
+        answer = requests.post(f"{app[0]}{path}", data="{}", headers={"Origin": "http://evil.example",
+                                                                      "Content-Type": "text/plain"})
+        assert answer.status_code == 403 and "site" in answer.text
+    assert app[1].snapshot().model == MODEL
+    assert requests.post(f"{app[0]}/sdapi/v1/interrupt", headers={"Origin": app[0]}).status_code == 200
+
+
 def test_a_foreign_host_is_refused_by_the_guard(app):
     assert requests.get(f"{app[0]}/sdapi/v1/options", headers={"Host": "evil.example:80"}).status_code == 403
 

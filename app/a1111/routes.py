@@ -9,12 +9,9 @@ generation runs, the UI's too, as A1111's do (it has one job at a time and so do
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from app.a1111 import checkpoints, extras, img2img, listings, options, pnginfo, progress, txt2img
-from app.a1111.auth import BasicAuth
 from app.a1111.errors import A1111Route
 from app.a1111.schema import (
     EmbeddingsResponse,
@@ -22,6 +19,7 @@ from app.a1111.schema import (
     ExtrasBatchImagesResponse,
     ExtrasSingleImageRequest,
     ExtrasSingleImageResponse,
+    FreeDict,
     ImageToImageResponse,
     Img2ImgRequest,
     LoraItem,
@@ -99,7 +97,7 @@ def _model_control(router: APIRouter, state: ApiState) -> None:
         return options.current(state)
 
     @router.post("/options")
-    async def set_options(changes: dict[str, Any]) -> None:
+    async def set_options(changes: FreeDict) -> None:
         await state.run("options", lambda: options.apply(state, changes))
 
     @router.post("/unload-checkpoint")
@@ -176,8 +174,9 @@ def _probed_by_clients(router: APIRouter, state: ApiState) -> None:
         return {"txt2img": [], "img2img": []}
 
 
-def sdapi_router(state: ApiState, auth: BasicAuth) -> APIRouter:
-    router = APIRouter(prefix="/sdapi/v1", route_class=A1111Route, dependencies=[Depends(auth)])
+def sdapi_router(state: ApiState) -> APIRouter:
+    """The routes; their login is checked by the request guard before a body is read (`auth`)."""
+    router = APIRouter(prefix="/sdapi/v1", route_class=A1111Route)
     _generation(router, state)
     _model_control(router, state)
     _listings(router, state)

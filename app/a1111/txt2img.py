@@ -162,7 +162,7 @@ def run(state: ApiState, req: Txt2ImgRequest,
     outcome, restore_notes = checkpoints.with_checkpoint(
         state, wanted, field_value(req, "override_settings_restore_afterwards"), generate)
     images = [encode_png(im.image, im.infotext) for im in outcome.images] if field_value(req, "send_images") else []
-    return {"images": images, "parameters": req.model_dump(),
+    return {"images": images, "parameters": req.echoed(),
             "info": info_json(state, outcome, notes + restore_notes)}
 
 

@@ -22,6 +22,7 @@ import torch
 from PIL import Image, PngImagePlugin
 
 from app.engine import variation
+from app.engine.interrupt import StepInterrupted
 from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
 from app.prompts.encode import CLIP_SKIP_MAX, encode_prompts
@@ -128,11 +129,17 @@ class GenerateParams:
         for side in (self.width, self.height):
             if side % DEFAULT_SIZE_MULTIPLE:
                 raise ValueError(f"width and height must be multiples of {DEFAULT_SIZE_MULTIPLE}, got {side}")
-        work = self.batch * self.width * self.height * self.steps
-        if work > MAX_PIXEL_STEPS:
-            raise ValueError(f"batch x width x height x steps = {self.batch} x {self.width} x {self.height} x "
-                             f"{self.steps} = {work:,} is over the per-request cap of {MAX_PIXEL_STEPS:,}; "
-                             "use fewer images, steps or pixels")
+        check_work(self.n_iter, self.batch, self.width, self.height, self.steps)
+
+
+def check_work(runs: int, batch: int, width: int, height: int, steps: int, what: str = "") -> None:
+    """The per-request cap of `MAX_PIXEL_STEPS` on a pass of `runs` (batch count) x `batch` images of
+    `width` x `height` at `steps`: a batch count of 100 once multiplied the cap's time, answer and disk by 100."""
+    work = runs * batch * width * height * steps
+    if work > MAX_PIXEL_STEPS:
+        raise ValueError(f"{what}{': ' if what else ''}batch count x batch x width x height x steps = {runs} x {batch} "
+                         f"x {width} x {height} x {steps} = {work:,} is over the per-request cap of "
+                         f"{MAX_PIXEL_STEPS:,}; use fewer images, runs, steps or pixels")
 
 
 def round_size(field: str, value: int, arch: str | None) -> tuple[int, str]:
@@ -308,24 +315,28 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
-    return decode(pipe, denoise(pipe, params, seed, on_step, width=params.width, height=params.height))
+    latents = denoise(pipe, params, seed, on_step, width=params.width, height=params.height)
+    return [] if latents is None else decode(pipe, latents)
 
 
 def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, total: int | None = None,
-            **inputs) -> torch.Tensor:
+            **inputs) -> torch.Tensor | None:
     """The denoising loop of any of our pipelines (txt2img, or a stage pipeline given its `inputs`:
     init latents, strength, mask); returns the latents spatial, (batch, channels, h, w), as the VAE
     and the next stage read them (Flux's packed patches unpacked). `total` is the
     number of steps the loop really runs (an img2img pass runs `steps × strength`), for `on_step`
-    and the NaN check."""
+    and the NaN check. A stop inside a step returns the last complete step's latents, or None when
+    no step had completed (nothing to keep)."""
     fam = family_of(pipe)
     _check_size(fam, params)
     pipe.scheduler = scheduler_for(pipe, params.sampler)
     total = params.steps if total is None else total
     watch = _FiniteWatch(total)
+    reached = {}  # the latents after the last complete step, kept for a stop inside the next one
 
     def step_end(_pipe, step, _timestep, kwargs):
         watch.observe(step + 1, kwargs["latents"])
+        reached["latents"] = kwargs["latents"]
         if on_step is not None and on_step(step + 1, total, pipe.spatial_latents(kwargs["latents"], params.height,
                                                                                   params.width)):
             _pipe._interrupt = True
@@ -333,19 +344,25 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
     # tensors could not be patched in place afterwards.
-    with torch.no_grad(), variation.drawing_with(pipe, variation.of(params)):
-        prompts = encode_prompts(pipe, params.prompt, params.negative_prompt, params.clip_skip)
-        latents = pipe(
-            num_inference_steps=params.steps,
-            num_images_per_prompt=params.batch,
-            generator=seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1),
-            output_type="latent",
-            callback_on_step_end=step_end,
-            **prompts.call_arguments(),
-            **fam.call_arguments(params.cfg),
-            **inputs,
-        ).images
-    watch.settle()
+    try:
+        with torch.no_grad(), variation.drawing_with(pipe, variation.of(params)):
+            prompts = encode_prompts(pipe, params.prompt, params.negative_prompt, params.clip_skip)
+            latents = pipe(
+                num_inference_steps=params.steps,
+                num_images_per_prompt=params.batch,
+                generator=seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1),
+                output_type="latent",
+                callback_on_step_end=step_end,
+                **prompts.call_arguments(),
+                **fam.call_arguments(params.cfg),
+                **inputs,
+            ).images
+    except StepInterrupted:  # a stop inside a step (`app.engine.interrupt`): the last complete step counts
+        latents = reached.get("latents")
+        if latents is None:
+            return None
+    else:
+        watch.settle()
     return pipe.spatial_latents(latents, params.height, params.width)
 
 

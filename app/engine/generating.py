@@ -16,6 +16,7 @@ from typing import Any
 from app.adapters.prompt import merge_prompt_loras
 from app.engine import generate, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
+from app.engine.interrupt import StepInterrupted
 from app.engine.snapshot import EngineState
 from app.infotext import LoraUse
 from app.preview import LATENT_RGB, latent_preview
@@ -126,7 +127,7 @@ class Generating:
             images, stopped_at = batch_run(first, f"denoising, run {run + 1}/{params.n_iter}", run_params)
             if job.stop == "drop":
                 return []
-            for i, image in enumerate(images):
+            for i, image in enumerate(images or ()):  # none when a stop came before the first step ended
                 image_seed = first + i * step
                 text = generate.infotext(saved, image_seed, ctx, (*variation.infotext_pairs(run_params, i), *extra))
                 path = generate.save_png(image, text, self.settings.outputs_dir, image_seed)
@@ -140,20 +141,34 @@ class Generating:
     def _denoise_run(self, total: int, job: Job, phase: str, run) -> tuple[Any, int | None]:
         """One denoising pass of `total` steps, `run(on_step)`; returns its result and the step it was
         stopped at (None: all ran). Every `preview_every` steps the progress carries a cheap preview
-        of the latents."""
-        reached, arch = 0, self._lifecycle.facts().arch
+        of the latents. A stop lands between two steps (`on_step`) or inside one, before the next
+        block of the model (`interrupt.stop_checks`); the latents reached are then decoded as they are,
+        unless the stop drops them (the result is then None)."""
+        reached, ending, arch = 0, False, self._lifecycle.facts().arch
 
         def on_step(step: int, total: int, latents) -> bool:
-            nonlocal reached
+            nonlocal reached, ending
             reached = step
             every = self.settings.preview_every
             shown = every and step % every == 0 and step < total and arch in LATENT_RGB  # no factors: no preview
             self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
-            return job.stop is not None
+            ending = job.stop is not None
+            return ending
+
+        def stop_inside() -> bool:
+            """True once for a stop inside the denoising; a decode of what was reached runs on (a drop stops it)."""
+            nonlocal ending
+            if job.stop is None or ((ending or reached == total) and job.stop != "drop"):
+                return False
+            ending = True
+            return True
 
         self._set_progress(phase, 0, total)
         try:
-            result = run(on_step)
+            with self._lifecycle.interruptible(stop_inside):
+                result = run(on_step)
+        except StepInterrupted:  # dropped mid-decode: nothing to keep
+            result = None
         except generate.NonFiniteLatentsError as exc:
             self._attribute_non_finite(exc)
             raise

@@ -10,6 +10,7 @@ the steps that differ.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -29,6 +30,7 @@ from app.engine import compiled, embeddings, generate, models, offload, part_cho
 from app.engine.checkpoint_files import resolve_checkpoint
 from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
+from app.engine.interrupt import stop_checks
 from app.engine.lora_options import allows_partial
 from app.families import family
 from app.hooks import HookRegistry
@@ -402,6 +404,13 @@ class ModelLifecycle:
             stages.check_txt2img(pipe)
             return generate.run(pipe, params, seed, on_step)
         return self.run_on_model(txt2img, f"{params.batch}x{params.width}x{params.height}")
+
+    def interruptible(self, should_stop: Callable[[], bool]) -> contextlib.AbstractContextManager:
+        """A stop checked before every block while entered (`stop_checks`); not on a compiled model."""
+        loaded = self._loaded
+        if loaded is None or loaded.compile is not None:
+            return contextlib.nullcontext()
+        return stop_checks(loaded.hooks, loaded.model.pipe, should_stop)
 
     def run_on_model(self, work: Callable[[object], object], size: str, stage: str | None = None):
         """`work(pipeline)` (the loaded pipeline, or the `stage` pipeline on its components); afterwards

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from app.engine import variation
-from app.engine.generate import LIMITS, MAX_PIXEL_STEPS, SCHEDULERS, GenerateParams, Range
+from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams, Range, check_work
 
 # A1111's order: `resize_mode` 0, 1, 2 and `inpainting_fill` 0, 1, 2, 3 index these.
 RESIZE_MODES = ("just resize", "crop and resize", "resize and fill")
@@ -43,16 +43,6 @@ STAGE_LIMITS: dict[str, Range] = {
     "hires_steps": Range(0, 150, hint="0 = as many as the first pass"),
     "mask_blur": Range(0, 64),
 }
-
-
-def _check_pixel_steps(batch: int, width: int, height: int, steps: int, what: str) -> None:
-    """The per-request cap of `generate.MAX_PIXEL_STEPS`, for a pass whose size or steps differ from
-    the request's own (a hires pass at twice the size does four times the work per step)."""
-    work = batch * width * height * steps
-    if work > MAX_PIXEL_STEPS:
-        raise ValueError(f"{what}: batch x width x height x steps = {batch} x {width} x {height} x {steps} = "
-                         f"{work:,} is over the per-request cap of {MAX_PIXEL_STEPS:,}; use fewer images, steps "
-                         "or pixels")
 
 
 def _steps_run(steps: int, strength: float, what: str) -> int:
@@ -118,7 +108,7 @@ class HiresParams:
         width, height = self.target_size(params, multiple)
         steps = self.steps or params.steps
         _steps_run(steps, self.denoising_strength, "hires fix")
-        _check_pixel_steps(params.batch, width, height, steps, "hires fix")
+        check_work(params.n_iter, params.batch, width, height, steps, "hires fix")
         # The second pass is noised from the seed alone: a variation seed shapes the first pass's noise.
         return dataclasses.replace(variation.without(params), width=width, height=height, steps=steps,
                                    sampler=params.sampler if self.sampler == SAME else self.sampler,

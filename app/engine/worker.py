@@ -197,7 +197,7 @@ class Engine(Generating, Workflows, Refining, Upscaling):
         (it reads the model) but is not a transition, so it leaves no history row.
         """
         return self.submit("inspect_lora", name, EngineState.READY,
-                           lambda: self._lifecycle.inspect(name, self.library.open(name)), record=False).result()
+                           lambda: self._lifecycle.inspect(name, self._read_lora(name)), record=False).result()
 
     def set_debug(self, *, lora_debug: bool | None = None, move_debug: bool | None = None,
                   strict: bool | None = None) -> Settings:
@@ -309,6 +309,7 @@ class Engine(Generating, Workflows, Refining, Upscaling):
                 self._run_transition(command)
             else:
                 self._run_query(command)
+            del command  # what it holds (an img2img's decoded pictures) must not wait for the next command
 
     def _run_query(self, command: _Command) -> None:
         """Run a command outside the state machine (a query, or a workflow whose stages are the
@@ -423,7 +424,19 @@ class Engine(Generating, Workflows, Refining, Upscaling):
     def _open_lora(self, name: str):
         """Read a LoRA file; a read failure is that LoRA's apply error (counted under its name)."""
         try:
-            return self.library.open(name)
+            return self._read_lora(name)
+        except LoraApplyError:
+            raise
         except (AdapterError, OSError) as exc:
             raise LoraApplyError(name, str(exc)) from exc
+
+    def _read_lora(self, name: str):
+        """A file not read yet is first matched against the model from its header alone, so one that
+        does not fit is refused without a byte of its tensors read (nothing of it stays in memory)."""
+        if not self.library.cached(name) and self._lifecycle.pipeline is not None:
+            try:
+                self._lifecycle.inspect(name, self.library.header_view(name))
+            except (NotImplementedError, RuntimeError):  # a check that needs tensor values: the full read decides
+                pass
+        return self.library.open(name)
 

@@ -161,12 +161,14 @@ class Workflows:
             latents, stopped = self._denoise_run(params.steps, job, f"first pass, {phase}", lambda on_step: (
                 self._lifecycle.run_on_model(lambda pipe: generate.denoise(
                     pipe, stripped, first, on_step, width=params.width, height=params.height), _size(params))))
-            carry.put(plan(), latents=latents)
+            carry.clear()  # no step completed: nothing is carried, nothing decoded
+            if latents is not None:
+                carry.put(plan(), latents=latents)
             return stopped
 
         stopped = self._stage("txt2img", f"first pass {params.width}x{params.height}, seed {first}", first_pass)
         if stopped is not None:
-            return self._decode_carried(params), stopped
+            return (self._decode_carried(params) if "latents" in carry else []), stopped
 
         def upscale():
             size = (second.width, second.height)
@@ -207,6 +209,8 @@ class Workflows:
                 pipe, params, first, on_step, total, strength, **inputs), _size(params), stage=kind)
 
         latents, stopped = self._denoise_run(total, job, phase, run)
+        if latents is None:  # stopped before a step completed
+            return [], stopped
         return self._lifecycle.run_on_model(lambda pipe: generate.decode(pipe, latents), _size(params)), stopped
 
     # ------------------------------------------------------------------ img2img and inpaint

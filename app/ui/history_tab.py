@@ -63,7 +63,7 @@ def build_history_tab(ctx: UiContext, sends: Senders) -> dict:
             return "", None
         try:
             found, why = read_parameters(Path(shown[evt.index])), "(this PNG carries no infotext)"
-        except OSError as exc:  # deleted since the list was drawn; sending it says so in a toast
+        except (OSError, ValueError) as exc:  # deleted since the list was drawn (a send says so in a toast)
             found, why = "", f"(cannot read it: {exc})"
         return gr.Textbox(value=found or "", placeholder=why), shown[evt.index]
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
-from PIL import Image
 
 from app.adapters.specs import LoraSpec
 from app.engine import checkpoint_files
 from app.engine.generate import SCHEDULERS
+from app.image_inputs import open_checked
 from app.infotext import Infotext, parse_infotext
 from app.ui.common import MAX_LORAS, NO_REFINER, PROGRESS, UiContext, run_with_progress, user_errors
 from app.ui.generate_tab import GenerateTab, loaded_text
@@ -165,10 +165,12 @@ def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Sender
 
 
 def readable_picture(path: str | None) -> str | None:
-    """`path` once Pillow has decoded it whole, so a deleted or broken file fails here, in the sender's one
-    toast. The path itself goes on (Gradio copies the file): a re-encoded copy could differ."""
+    """`path` once it has passed the input checks (`app.image_inputs`: PNG, JPEG or WebP within the
+    pixel cap, from its header) and decoded whole, so a deleted, broken or oversized file fails here,
+    in the sender's one toast. The path itself goes on (Gradio copies the file): a re-encoded copy
+    could differ."""
     if path:
-        with Image.open(path) as picture:
+        with open_checked(Path(path).read_bytes(), Path(path).name) as picture:
             picture.load()
     return path or None
 
