@@ -1,7 +1,8 @@
 """`POST /sdapi/v1/extra-single-image` and `/extra-batch-images`: A1111's Extras upscale on the engine.
 
 The request's A1111 fields become `ExtrasParams` (the rule set the Extras tab uses); images are
-decoded by the API's one decoder (`pnginfo.decode_image`). Face restoration (`gfpgan_visibility`,
+decoded by the API's one decoder (`pnginfo.decode_images`: header-checked, pixel-capped). Face
+restoration (`gfpgan_visibility`,
 `codeformer_visibility`) is not built and is refused with a 422 naming it rather than silently
 skipped. The answer is A1111's: the upscaled PNG(s) in base64, carrying the source's `parameters`
 and the postprocessing text, and that text as `html_info`.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import re
 
 from app.a1111.errors import ApiError
-from app.a1111.pnginfo import decode_image
+from app.a1111.pnginfo import decode_images
 from app.a1111.schema import ExtrasBaseRequest, ExtrasBatchImagesRequest, ExtrasSingleImageRequest
 from app.a1111.state import ApiState
 from app.a1111.txt2img import API_OWNER, encode_png, field_value
@@ -45,14 +46,14 @@ def single(state: ApiState, req: ExtrasSingleImageRequest) -> dict:
     """The whole request, blocking (run it in the API's lane)."""
     if not req.image:
         raise ApiError(422, "extra-single-image needs image: a base64 image (a data: URL works too)")
-    results = state.engine.extras([decode_image(req.image)], params(req), owner=API_OWNER)
+    results = state.engine.extras(decode_images([(req.image, "image")]), params(req), owner=API_OWNER)
     return {"html_info": results[0].infotext if results else "", "image": _png(results[0]) if results else None}
 
 
 def batch(state: ApiState, req: ExtrasBatchImagesRequest) -> dict:
     if not req.imageList:
         raise ApiError(422, "extra-batch-images needs imageList: [{data: base64 image, name}]")
-    images = [decode_image(item.data) for item in req.imageList]
+    images = decode_images([(item.data, item.name or f"image {i + 1}") for i, item in enumerate(req.imageList)])
     results = state.engine.extras(images, params(req), owner=API_OWNER)
     return {"html_info": results[0].infotext if results else "", "images": [_png(r) for r in results]}
 

@@ -245,8 +245,8 @@ class ExtrasBaseRequest(BaseModel):
     upscaling_resize_w: int | None = 512
     upscaling_resize_h: int | None = 512
     upscaling_crop: bool | None = True
-    upscaler_1: str | None = "None"
-    upscaler_2: str | None = "None"
+    upscaler_1: Name | None = "None"
+    upscaler_2: Name | None = "None"
     extras_upscaler_2_visibility: float | None = 0
     upscale_first: bool | None = False
 
@@ -262,11 +262,13 @@ class ExtrasSingleImageResponse(BaseModel):
 
 class FileData(BaseModel):
     data: str = Field(description="The base64 encoded image")
-    name: str = ""
+    name: Name = ""
 
 
 class ExtrasBatchImagesRequest(ExtrasBaseRequest):
-    imageList: list[FileData] = Field(default_factory=list)  # noqa: N815 - A1111's field name
+    # At most a batch's worth per request: the API's image decoder caps the pixels of a request too.
+    imageList: Annotated[list[FileData], Field(max_length=int(LIMITS["batch"].high))] = Field(  # noqa: N815
+        default_factory=list)  # A1111's field name
 
 
 class ExtrasBatchImagesResponse(BaseModel):
