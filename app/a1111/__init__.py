@@ -21,7 +21,6 @@ from app.ui.common import UiContext
 
 GATED_PREFIXES = ("/sdapi/", "/steady/")  # behind the API's login, checked by the request guard
 # The routes that take base64 images in their JSON; every other route has the guard's 1 MiB cap.
-# Routes whose body carries images (base64): an upload's worth; every other route 1 MiB (the guard's default).
 IMAGE_ROUTES = ("/sdapi/v1/img2img", "/sdapi/v1/png-info", "/sdapi/v1/extra-single-image",
                 "/sdapi/v1/extra-batch-images")
 
