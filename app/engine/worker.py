@@ -29,6 +29,7 @@ from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
 from app.engine import part_choices, placement
 from app.engine.desired import Desired
+from app.engine.file_scans import ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.generating import Generating, Job
 from app.engine.lifecycle import ModelLifecycle, RollbackFailed
@@ -83,8 +84,10 @@ class Engine(Generating, Workflows):
         self._last_violations: tuple[placement.Violation, ...] = ()
         self._job: Job | None = None
         self.timeline = diagnostics.MemoryTimeline()
-        self._snapshot = Snapshot(state=EngineState.EMPTY.value, device=str(self.device),
-                                  requested_dtype=settings.dtype, offload=settings.offload)
+        # The published snapshot and its model's file read, as one pair: the hash may come after publishing.
+        self._published: tuple[Snapshot, ModelScan | None] = (
+            Snapshot(state=EngineState.EMPTY.value, device=str(self.device), requested_dtype=settings.dtype,
+                     offload=settings.offload), None)
         diagnostics.set_debug_logging(settings.lora_debug, settings.move_debug)
         self._worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
         self._worker.start()
@@ -172,11 +175,20 @@ class Engine(Generating, Workflows):
         diagnostics.set_debug_logging(self.settings.lora_debug, self.settings.move_debug)
         return self.settings
 
+    def model_hash(self) -> str | None:
+        """The loaded model's short hash, waiting for the background read of its file after a first
+        load (the snapshot shows None until then); None with no model or an unreadable file."""
+        scan = self._published[1]
+        return None if scan is None else scan.short_hash(wait=True)
+
     def snapshot(self) -> Snapshot:
-        """The last published snapshot with the live state, progress and queue length laid over it."""
-        return dataclasses.replace(self._snapshot, state=self._state.value, progress=self._progress,
+        """The last published snapshot with the live state, progress and queue length laid over it, and
+        its model's hash once the background read of its file has it."""
+        published, scan = self._published
+        return dataclasses.replace(published, state=self._state.value, progress=self._progress,
                                    compile=self._lifecycle.compile_status(), queued=len(self._queue),
-                                   generating=self._job is not None)
+                                   generating=self._job is not None,
+                                   model_hash=published.model_hash or (scan and scan.short_hash()))
 
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
                record: bool = True, owner: str | None = None) -> Future:
@@ -195,6 +207,7 @@ class Engine(Generating, Workflows):
             self._queue.append(None)
             self._wake.notify()
         self._worker.join(timeout=60)
+        self._lifecycle.close()
 
     @property
     def pipeline(self):
@@ -349,12 +362,12 @@ class Engine(Generating, Workflows):
         return len(found), repaired
 
     def _publish(self) -> None:
-        self._snapshot = build_snapshot(
+        self._published = (build_snapshot(
             state=self._state.value, device=str(self.device), desired=self._desired, facts=self._lifecycle.facts(),
             rows=self._lifecycle.rows(self._last_violations), violations=self._last_violations,
             found_total=self._found_total, repaired_total=self._repaired_total,
             counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),
-            last_error=self._last_error)
+            last_error=self._last_error), self._lifecycle.scan)
 
     # ------------------------------------------------------------------ command bodies (worker only)
     def _set_progress(self, phase: str, step: int, total: int, preview=None) -> None:
