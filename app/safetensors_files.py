@@ -109,7 +109,7 @@ def file_sha256(path: Path) -> str:
 _FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _FP8_NOT_FINITE = {"F8_E4M3": 0x7F, "F8_E5M2": 0x7C}
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_PIECE = 1 << 23  # bytes read at a time: resident memory of a scan is this buffer
+_PIECE = 1 << 20  # bytes read at a time: the resident memory a scan adds is this buffer
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,12 +52,14 @@ def not_finite_refusal(name: str, scans: Mapping[Path, ValueScan | None], dtype:
 
 
 class ModelScan:
-    """The reads of one loaded model's weight files, running or done; `hash_file` names the model."""
+    """The reads of one loaded model's weight files, waiting, running or done; `hash_file` names the
+    model; `begin` starts the waiting ones (so that waiting for a result can never wait forever)."""
 
-    def __init__(self, name: str, hash_file: Path, reads: dict[Path, Future]) -> None:
+    def __init__(self, name: str, hash_file: Path, reads: dict[Path, Future], begin: Callable[[], None]) -> None:
         self._name = name
         self._hash_file = hash_file
         self._reads = reads
+        self._begin = begin
 
     def short_hash(self, wait: bool = False) -> str | None:
         """sha256[:10] of the hash file (A1111's short form); None while it is being read (unless
@@ -65,6 +67,7 @@ class ModelScan:
         read = self._reads[self._hash_file]
         if not (wait or read.done()):
             return None
+        self._begin()
         scan = _outcome(read)
         return None if scan is None else scan.sha256[:10]
 
@@ -73,6 +76,7 @@ class ModelScan:
         `wait`) or when its weights are finite."""
         if not (wait or all(read.done() for read in self._reads.values())):
             return None
+        self._begin()
         return not_finite_refusal(self._name, {path: _outcome(read) for path, read in self._reads.items()}, dtype)
 
 
@@ -97,6 +101,7 @@ class FileScans:
         self._lock = threading.Lock()
         self._stores: dict[Path, FileFacts] = {}
         self._reads: dict[Path, Future] = {}
+        self._waiting: list[tuple[Future, FileFacts, Path]] = []
         self._stop = threading.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="file-scan")
 
@@ -113,8 +118,9 @@ class FileScans:
         return not_finite_refusal(name, {path: facts.recorded_scan(path) for path in files}, dtype)
 
     def start(self, name: str, store: Path, files: Sequence[Path]) -> ModelScan:
-        """Read the files (the first names the model) in the background, each only where neither the
-        facts nor a read in flight already has it."""
+        """Plan reading the files (the first names the model), each only where neither the facts nor
+        a read in flight already has it. The reads wait for `begin`: the lifecycle calls it when the
+        step that loaded the model is over, so the load's own time and CPU have nothing of them."""
         facts = self.facts(store)
         reads = {}
         with self._lock:
@@ -125,18 +131,34 @@ class FileScans:
                     reads[path] = _done(known)
                     continue
                 if key not in self._reads or self._reads[key].done():
-                    self._reads[key] = self._thread.submit(self._read, facts, path)
+                    self._reads[key] = Future()
+                    self._waiting.append((self._reads[key], facts, path))
                 reads[path] = self._reads[key]
-        return ModelScan(name, files[0], reads)
+        return ModelScan(name, files[0], reads, self.begin)
 
-    def _read(self, facts: FileFacts, path: Path) -> ValueScan | None:
+    def begin(self) -> None:
+        """Start the reads planned so far, one after the other on the scan thread."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+            for read, facts, path in waiting:
+                if self._stop.is_set():
+                    read.cancel()
+                else:
+                    self._thread.submit(self._read, read, facts, path)
+
+    def _read(self, read: Future, facts: FileFacts, path: Path) -> None:
+        if not read.set_running_or_notify_cancel():
+            return
         try:
-            return facts.scan(path, self._stop)
+            read.set_result(facts.scan(path, self._stop))
         except (OSError, SafetensorsFileError) as exc:  # gone or rewritten since the load: no hash to give
             log.warning("could not read %s for its hash and weight check: %s", path, exc)
-            return None
+            read.set_result(None)
 
     def close(self) -> None:
-        """Stop a read in progress (it records nothing) and end the thread."""
+        """Stop a read in progress (it records nothing), cancel those not started, end the thread."""
         self._stop.set()
+        self.begin()
         self._thread.shutdown(wait=True, cancel_futures=True)
+        for read in self._reads.values():
+            read.cancel()  # those the thread never took up: whoever waits for one is told

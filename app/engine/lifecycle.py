@@ -168,6 +168,7 @@ class ModelLifecycle:
             return self._realise_steps(want, loras, retry_set_aside, set_aside_unfit)
         finally:
             heap.give_back()
+            self._scans.begin()  # a model loaded just now: its files are read from here on
 
     def _realise_steps(self, want: Desired, loras: tuple[LoraSpec, ...], retry_set_aside: bool,
                        set_aside_unfit: bool) -> tuple[dict[str, MatchReport], dict[str, str]]:
