@@ -80,7 +80,7 @@ def run_load_probe(spec: dict[str, Any]) -> dict[str, Any]:
               "rss_before_gib": before["peak_rss_gib"], **_memory()}
     if spec["side"] == "ours":
         if spec.get("wait_for_scan"):
-            loaded.model_hash()  # a warm-up records the file's facts for the later loads
+            loaded.snapshot(wait_for_hash=True)  # a warm-up records the file's facts for the later loads
         loaded.close()
     return result
 

@@ -484,7 +484,7 @@ def test_checkpoint_with_nan_weights_is_refused_once_read_and_at_every_later_loa
     message = (r"bad-nan\.safetensors: 1 weight tensors hold NaN or Inf values when loaded in float32, e\.g\. "
                r"model\.diffusion_model\.input_blocks\.0\.0\.weight; refusing it")
     env.engine.load_model("bad-nan.safetensors", dtype="fp32")
-    env.engine.model_hash()  # the background read is done
+    env.engine.snapshot(wait_for_hash=True)  # the background read is done
     with pytest.raises(ModelLoadError, match=message):
         env.engine.generate(GenerateParams("a cat", **FAST))
     env.engine.load_model(SD15, dtype="fp32")

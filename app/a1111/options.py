@@ -60,7 +60,7 @@ def apply(state: ApiState, changes: Mapping[str, Any]) -> None:
     if problems:
         raise ApiError(422, f"options not accepted, nothing changed: {'; '.join(problems)}. Settable here: "
                             f"{OVERRIDABLE}, {DTYPE}, {OFFLOAD}")
-    engine, snap = state.engine, state.engine.snapshot()
+    engine, snap = state.engine, state.engine.snapshot(wait_for_hash=True)
     name = checkpoints.resolve(state.ctx.settings, snap, changes[OVERRIDABLE]) if OVERRIDABLE in changes else None
     dtype = changes.get(DTYPE)
     if name is not None and name != snap.model:

@@ -50,8 +50,9 @@ logger = logging.getLogger(__name__)
 # Tiny checkpoints (demo, tests) are not a standard architecture, and single files carry no config,
 # so they embed their component configs as JSON under CONFIGS_METADATA_KEY; real checkpoints do
 # not have it and get the bundled full-size configs.
-# Hashes and finite-weight verdicts of the checkpoints in a folder, kept beside them (a dot file, so
-# discovery skips it) and valid while a file's size and mtime are unchanged: see `FileFacts`.
+# What reads of the checkpoints in a folder found (hashes, weight values, header-shape verdicts), kept
+# beside them (a dot file, so discovery skips it), valid while a file's size and mtime are unchanged:
+# see `FileFacts` and `file_scans`.
 FACTS_FILE = ".steady-diffusion-facts.json"
 _CONFIG_FILES = {
     "unet": "unet/config.json",

@@ -175,20 +175,15 @@ class Engine(Generating, Workflows):
         diagnostics.set_debug_logging(self.settings.lora_debug, self.settings.move_debug)
         return self.settings
 
-    def model_hash(self) -> str | None:
-        """The loaded model's short hash, waiting for the background read of its file after a first
-        load (the snapshot shows None until then); None with no model or an unreadable file."""
-        scan = self._published[1]
-        return None if scan is None else scan.short_hash(wait=True)
-
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, wait_for_hash: bool = False) -> Snapshot:
         """The last published snapshot with the live state, progress and queue length laid over it, and
-        its model's hash once the background read of its file has it."""
+        its model's hash once the background read of its file has it (after a first load it is None
+        until then, unless `wait_for_hash`: for what names a model by its hash, as A1111's API does)."""
         published, scan = self._published
         return dataclasses.replace(published, state=self._state.value, progress=self._progress,
                                    compile=self._lifecycle.compile_status(), queued=len(self._queue),
                                    generating=self._job is not None,
-                                   model_hash=published.model_hash or (scan and scan.short_hash()))
+                                   model_hash=published.model_hash or (scan and scan.short_hash(wait_for_hash)))
 
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
                record: bool = True, owner: str | None = None) -> Future:
