@@ -199,14 +199,6 @@ class FileIdentity:
         stat = resolved.stat()
         return cls(str(resolved), stat.st_size, stat.st_mtime_ns)
 
-    @classmethod
-    def of_folder(cls, folder: Path, files: list[Path]) -> FileIdentity:
-        """A folder of weight files (a diffusers model) as one: total size, newest mtime, so changing
-        any of its files changes the identity."""
-        stats = [f.stat() for f in files]
-        return cls(str(Path(folder).resolve()), sum(s.st_size for s in stats),
-                   max((s.st_mtime_ns for s in stats), default=0))
-
 
 class FileFacts:
     """Facts about files' contents (a `ValueScan`, the configs a header's shapes passed against), valid

@@ -119,8 +119,8 @@ class FileScans:
 
     def start(self, name: str, store: Path, files: Sequence[Path]) -> ModelScan:
         """Plan reading the files (the first names the model), each only where neither the facts nor
-        a read in flight already has it. The reads wait for `begin`: the lifecycle calls it when the
-        step that loaded the model is over, so the load's own time and CPU have nothing of them."""
+        a read in flight already has it. The reads wait for `begin`: the worker calls it once the step
+        that loaded the model has answered its caller, so the load's time and CPU hold none of them."""
         facts = self.facts(store)
         reads = {}
         with self._lock:

@@ -76,14 +76,14 @@ class ModelLifecycle:
     """Owns the loaded pipeline; the worker's only way to change it."""
 
     def __init__(self, settings: Settings, device: torch.device, timers: diagnostics.Timers,
-                 open_lora: Callable[[str], AdapterFile], progress: ProgressFn) -> None:
+                 open_lora: Callable[[str], AdapterFile], progress: ProgressFn, scans: FileScans) -> None:
         self._settings = settings
         self._device = device
         self._timers = timers
         self._open_lora = open_lora
         self._progress = progress
         self._loaded: _Loaded | None = None
-        self._scans = FileScans()
+        self._scans = scans  # reads a loaded model's files after its load (the worker begins them)
         self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
 
     # ------------------------------------------------------------------ reading
@@ -168,7 +168,6 @@ class ModelLifecycle:
             return self._realise_steps(want, loras, retry_set_aside, set_aside_unfit)
         finally:
             heap.give_back()
-            self._scans.begin()  # a model loaded just now: its files are read from here on
 
     def _realise_steps(self, want: Desired, loras: tuple[LoraSpec, ...], retry_set_aside: bool,
                        set_aside_unfit: bool) -> tuple[dict[str, MatchReport], dict[str, str]]:
@@ -312,10 +311,6 @@ class ModelLifecycle:
         """The loaded model's short hash, waiting for its file to be read if it still is (the first
         image saved after a first load needs it for its infotext)."""
         return None if self._loaded is None else self._loaded.scan.short_hash(wait=True)
-
-    def close(self) -> None:
-        """Stop reading files in the background (the engine is closing)."""
-        self._scans.close()
 
     def unload(self) -> None:
         """Drop the loaded model and give its memory back. With nothing loaded there is nothing to

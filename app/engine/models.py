@@ -27,6 +27,11 @@ from typing import Any
 
 import torch
 
+try:  # transformers >= 5
+    from transformers.initialization import no_init_weights
+except ImportError:  # transformers 4
+    from transformers.modeling_utils import no_init_weights
+
 from app.engine import component_files
 from app.engine.checkpoint_files import (
     CheckpointInfo,
@@ -91,8 +96,8 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | N
     Why a first load is as fast as diffusers' own: nothing here reads a weight. A single file's
     header shapes are checked against the pipeline diffusers built (or, for a config the file
     brings, against a meta build first), and the file's hash and the check of its values are read
-    after the load, in the background (`file_scans`, started by the lifecycle once the model is
-    placed); a file such a read found holding NaN/Inf is refused here, before anything is built.
+    after the load, in the background (`file_scans`, begun by the lifecycle once the load step is
+    over); a file such a read found holding NaN/Inf is refused here, before anything is built.
     """
     parts = parts or PartFiles()
     facts = FileFacts(None) if scans is None else scans.facts(facts_store(info))
@@ -201,6 +206,12 @@ def _single_file_loader(metadata: dict[str, str], facts: FileFacts):
     before anything is built (`check_header_shapes`). The bundled config is checked against the
     pipeline diffusers built from it, which costs no second build; when diffusers refuses the file,
     the meta check runs after all, to name the tensors that do not fit.
+
+    Every weight comes from the file, so diffusers builds the models with weight initialisation off
+    (`no_init_weights`, as its own and transformers' `from_pretrained` do): its single-file path
+    initialises the text encoders on the meta device otherwise, 0.9 s of SDXL's 2.4 s load on two
+    CPU cores (0.05 s of SD1.5's 0.47). The switch is process-wide while it lasts; only the worker
+    builds models.
     """
 
     def load(info: CheckpointInfo, arch: str, dtype: torch.dtype):
@@ -216,8 +227,9 @@ def _single_file_loader(metadata: dict[str, str], facts: FileFacts):
             if not shipped:
                 once(lambda: check_header_shapes(arch, config_dir, shapes, source))
             try:
-                pipe = fam.pipeline_class.from_single_file(
-                    str(info.path), config=str(config_dir), **fam.tokenizers(), **_pipeline_kwargs(arch, dtype))
+                with no_init_weights():
+                    pipe = fam.pipeline_class.from_single_file(
+                        str(info.path), config=str(config_dir), **fam.tokenizers(), **_pipeline_kwargs(arch, dtype))
             except (OSError, RuntimeError, KeyError, ValueError):
                 if shipped:
                     check_header_shapes(arch, config_dir, shapes, source)

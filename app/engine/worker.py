@@ -29,7 +29,7 @@ from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
 from app.engine import part_choices, placement
 from app.engine.desired import Desired
-from app.engine.file_scans import ModelScan
+from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.generating import Generating, Job
 from app.engine.lifecycle import ModelLifecycle, RollbackFailed
@@ -76,7 +76,9 @@ class Engine(Generating, Workflows):
         self._counters = LoraCounterBook(self.library.exists, settings.max_lora_errors)
         self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
         self._timers = diagnostics.Timers()
-        self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress)
+        self._scans = FileScans()
+        self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress,
+                                         self._scans)
         self._found_total = 0
         self._repaired_total = 0
         self._last_error: ErrorRecord | None = None
@@ -202,7 +204,7 @@ class Engine(Generating, Workflows):
             self._queue.append(None)
             self._wake.notify()
         self._worker.join(timeout=60)
-        self._lifecycle.close()
+        self._scans.close()
 
     @property
     def pipeline(self):
@@ -317,6 +319,7 @@ class Engine(Generating, Workflows):
             command.future.set_result(value)
         else:
             command.future.set_exception(error)
+        self._scans.begin()  # a model this step loaded: its files are read once its caller has the answer
 
     def _fail(self, command: _Command, exc: BaseException, before: EngineState) -> str:
         """Repair what a failed body may have left, record the error; returns the outcome."""
