@@ -4,7 +4,8 @@ the same run.
 
 * load: `Engine.load_model` against diffusers' `from_single_file` (offline, `config=` the bundled
   folder), each load in a fresh process (time, process CPU time, peak RSS), in ABBA order with a
-  same-vs-same control; our first load of a file (no cached hash) is a variant of its own;
+  same-vs-same control; our first load of a file (a fresh data folder per probe: nothing learnt
+  about the file before) is a variant of its own;
 * step: aten ops per UNet call (a dispatch mode inside the UNet's hooks) and thread CPU time per
   step (with its user part and the minor page faults), without and with three fused rank-64 LoRAs
   and against diffusers, at a small latent so two cores can afford it;
