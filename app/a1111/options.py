@@ -70,7 +70,7 @@ def apply(state: ApiState, changes: Mapping[str, Any]) -> None:
                             f"{OVERRIDABLE}, {CLIP_SKIP}, {DTYPE}, {OFFLOAD}")
     if CLIP_SKIP in changes:
         state.clip_skip = int(changes[CLIP_SKIP])
-    engine, snap = state.engine, state.engine.snapshot()
+    engine, snap = state.engine, state.engine.snapshot(wait_for_hash=True)
     name = checkpoints.resolve(state.ctx.settings, snap, changes[OVERRIDABLE]) if OVERRIDABLE in changes else None
     dtype = changes.get(DTYPE)
     if name is not None and name != snap.model:

@@ -125,7 +125,7 @@ def _listings(router: APIRouter, state: ApiState) -> None:
 
     @router.get("/sd-models", response_model=list[SDModelItem])
     def sd_models() -> list[dict]:
-        return checkpoints.sd_models(ctx.settings, state.engine.snapshot())
+        return checkpoints.sd_models(ctx.settings, state.engine.snapshot(wait_for_hash=True))
 
     @router.get("/loras", response_model=list[LoraItem])
     def loras() -> list[dict]:

@@ -122,7 +122,9 @@ def hires(req: Txt2ImgRequest, arch: str | None) -> HiresParams | None:
 
 def asked_checkpoint(state: ApiState, req: Txt2ImgRequest) -> str | None:
     asked = (req.override_settings or {}).get(OVERRIDABLE)
-    return None if asked is None else checkpoints.resolve(state.ctx.settings, state.engine.snapshot(), asked)
+    if asked is None:
+        return None
+    return checkpoints.resolve(state.ctx.settings, state.engine.snapshot(wait_for_hash=True), asked)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ def run(state: ApiState, req: Txt2ImgRequest,
         if wanted is not None and images and parse_infotext(images[0].infotext).settings.get("Model") != wanted:
             raise ApiError(409, f"another client switched the checkpoint away from {wanted} during this request; "
                                 "send it again")
-        snap = state.engine.snapshot()
+        snap = state.engine.snapshot(wait_for_hash=True)
         return Outcome(params, images, snap.model, snap.model_hash, tuple(req.styles or ()))
 
     outcome, restore_notes = checkpoints.with_checkpoint(

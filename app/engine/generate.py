@@ -232,7 +232,7 @@ class RunContext:
     `LoraUse(name, unet, short_hash, te)` entries (plain tuples in that order work too)."""
 
     model_name: str
-    model_hash: str
+    model_hash: str | None  # None: the file could not be read, and the pair is left out as A1111 does
     loras: tuple[tuple, ...] = ()
     arch: str | None = None  # the family, for how guidance is written
 
@@ -255,6 +255,7 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
     settings = [("Steps", params.steps), ("Sampler", params.sampler), *guidance, ("Seed", seed),
                 ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name),
                 *extra, *([("Clip skip", params.clip_skip)] if params.clip_skip > 1 else [])]
+    settings = [(key, value) for key, value in settings if value is not None]
     loras = tuple(LoraUse(*entry) for entry in ctx.loras)
     return format_infotext(params.prompt, negative, settings, loras)
 

@@ -117,7 +117,7 @@ class Generating:
         step = 0 if variation.varies(params) else 1
         applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
                         for s in facts.loras)
-        ctx = RunContext(facts.model, facts.model_hash, applied, facts.arch)
+        ctx = None  # made when the first image is saved: after a first load its file may still be being hashed
         batch_run = batch_run or (lambda first, phase, run_params: self._denoise_run(
             params.steps, job, phase, lambda on_step: self._lifecycle.denoise(run_params, first, on_step)))
         out = []
@@ -128,6 +128,7 @@ class Generating:
             if job.stop == "drop":
                 return []
             for i, image in enumerate(images or ()):  # none when a stop came before the first step ended
+                ctx = ctx or RunContext(facts.model, self._lifecycle.model_hash(), applied, facts.arch)
                 image_seed = first + i * step
                 text = generate.infotext(saved, image_seed, ctx, (*variation.infotext_pairs(run_params, i), *extra))
                 path = generate.save_png(image, text, self.settings.outputs_dir, image_seed)

@@ -14,7 +14,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -27,11 +27,13 @@ from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage
-from app.engine.checkpoint_files import resolve_checkpoint
+from app.engine.checkpoint_files import ModelLoadError, resolve_checkpoint
 from app.engine.desired import Desired
+from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GenerateParams
 from app.engine.interrupt import stop_checks
 from app.engine.lora_options import allows_partial
+from app.engine.snapshot import LoadedFacts
 from app.families import family
 from app.hooks import HookRegistry
 from app.safetensors_files import FileIdentity
@@ -52,6 +54,7 @@ class _Loaded:
 
     model: models.LoadedModel
     identity: FileIdentity  # the checkpoint's size and mtime at load: a changed file is reloaded
+    scan: ModelScan  # its files' hash and value check, read in the background
     plan: placement.PlacementPlan
     hooks: HookRegistry
     stack: LoraStack
@@ -62,26 +65,6 @@ class _Loaded:
     set_aside: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
     compile: compiled.CompileState | None = None
     stage_pipes: dict[str, object] = field(default_factory=dict)  # img2img/inpaint pipelines on the same components
-
-
-@dataclass(frozen=True)
-class LoadedFacts:
-    """What the snapshot shows about the loaded model."""
-
-    model: str
-    arch: str
-    model_hash: str
-    native_size: int  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
-    dtype: torch.dtype
-    offload: str
-    loras: tuple[LoraSpec, ...]
-    lora_mode: str  # "fused", "bypass" or "fused + bypass"
-    embeddings: tuple[str, ...]
-    set_aside: Mapping[str, str]
-    weights: str  # "full" or the storage dtype of the large weights
-    stored_layers: int  # layers whose weight rests in that dtype
-    bytes_saved: int  # against holding them in the compute dtype
-    lora_backups: str  # originals held for fused LoRAs: layers, size, where (LoraStack.backup_summary)
 
 
 def release_memory() -> None:
@@ -102,7 +85,7 @@ class ModelLifecycle:
     """Owns the loaded pipeline; the worker's only way to change it."""
 
     def __init__(self, settings: Settings, device: torch.device, timers: diagnostics.Timers,
-                 open_lora: Callable[[str], AdapterFile], progress: ProgressFn) -> None:
+                 open_lora: Callable[[str], AdapterFile], progress: ProgressFn, scans: FileScans) -> None:
         self._settings = settings
         self._device = device
         self._timers = timers
@@ -110,6 +93,7 @@ class ModelLifecycle:
         self._progress = progress
         self._loaded: _Loaded | None = None
         self._parked: placement.PlacementPlan | None = None  # the all-CPU plan while parked (`park`)
+        self._scans = scans  # reads a loaded model's files after its load (the worker begins them)
         self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
 
     # ------------------------------------------------------------------ reading
@@ -120,6 +104,11 @@ class ModelLifecycle:
     @property
     def stack(self) -> LoraStack | None:
         return None if self._loaded is None else self._loaded.stack
+
+    @property
+    def scan(self) -> ModelScan | None:
+        """The loaded model's background file read (its hash and weight check)."""
+        return None if self._loaded is None else self._loaded.scan
 
     @property
     def plan(self) -> placement.PlacementPlan | None:
@@ -137,7 +126,7 @@ class ModelLifecycle:
         pipe, bypass = loaded.model.pipe, loaded.stack.bypass_components
         patched = {component for component, _ in loaded.stack.patched_modules()}
         modes = sorted({"bypass" if c in bypass else "fused" for c in patched}) or ["fused"]
-        return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.model.short_hash,
+        return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.scan.short_hash(),
                            pipe.family.native_size(pipe), loaded.plan.dtype,
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
                            dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
@@ -276,7 +265,7 @@ class ModelLifecycle:
         info = resolve_checkpoint(want.model, self._settings.checkpoints_dir)
         self._progress(f"loading {info.name}", 0, 3)
         t0 = time.perf_counter()
-        fresh = models.load_pipeline(info, dtype, part_choices.part_files(self._settings, info.name))
+        fresh = models.load_pipeline(info, dtype, part_choices.part_files(self._settings, info.name), self._scans)
         stored = storage.layers_to_store(fresh.pipe, family(fresh.arch), want.weights)
         storage.store(fresh.pipe, stored)
         self._timers.record("load", time.perf_counter() - t0)
@@ -334,8 +323,9 @@ class ModelLifecycle:
         stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan),
                           gpu_backups=self._settings.lora_backups == "gpu",
                           allows_partial=lambda name: allows_partial(self._settings, name))
-        self._loaded = _Loaded(fresh, FileIdentity.of(fresh.info.path), plan, hooks, stack, embedded, strategy, weights,
-                               stored)
+        scan = self._scans.start(fresh.info.name, models.facts_store(fresh.info), fresh.files)  # after the load
+        self._loaded = _Loaded(fresh, FileIdentity.of(fresh.info.path), scan, plan, hooks, stack, embedded, strategy,
+                               weights, stored)
         self._sync_compile(self._loaded)
         if old is not None:  # a first load has nothing to give back, and a full gc pass costs ~0.3 s
             del old
@@ -345,6 +335,11 @@ class ModelLifecycle:
     def _release_hooks(loaded: _Loaded) -> None:
         compiled.disable(loaded.model.pipe)
         loaded.strategy.remove()
+
+    def model_hash(self) -> str | None:
+        """The loaded model's short hash, waiting for its file to be read if it still is (the first
+        image saved after a first load needs it for its infotext)."""
+        return None if self._loaded is None else self._loaded.scan.short_hash(wait=True)
 
     def unload(self) -> None:
         """Drop the loaded model and give its memory back. With nothing loaded there is nothing to
@@ -419,6 +414,9 @@ class ModelLifecycle:
         loaded = self._loaded
         if loaded is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
+        refusal = loaded.scan.refusal(loaded.plan.dtype)  # known once its files are read
+        if refusal:
+            raise ModelLoadError(refusal)
         t0 = time.perf_counter()
         try:
             pipe = loaded.model.pipe

@@ -55,7 +55,7 @@ class Refining:
     def _refiner_lifecycle(self) -> ModelLifecycle:
         if self._refiner is None:
             self._refiner = ModelLifecycle(self.settings, self.device, self._timers, self._open_lora,
-                                           self._set_progress)
+                                           self._set_progress, self._scans)
         return self._refiner
 
     def _release_refiner(self) -> None:

@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import torch
+
 from app import diagnostics
 from app.adapters.specs import LoraSpec
 from app.engine import compiled, placement
 from app.engine.desired import Desired
-from app.engine.lifecycle import LoadedFacts
 from app.engine.upscaler_slot import UpscalerFacts
 
 
@@ -84,7 +85,7 @@ class Snapshot:
     state: str
     model: str | None = None
     arch: str | None = None
-    model_hash: str | None = None
+    model_hash: str | None = None  # None also while a first load's file is being read (file_scans)
     native_size: int | None = None  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
     device: str = "cpu"
     dtype: str | None = None
@@ -112,6 +113,31 @@ class Snapshot:
     queued: int = 0  # commands waiting behind the one running
     generating: bool = False  # a generation is running (Interrupt and Skip apply)
     taken_at: float = 0.0
+
+    @property
+    def model_key(self) -> str | None:
+        """What names the loaded model in a cache: its hash, or its name while the hash is being read."""
+        return self.model_hash or self.model
+
+
+@dataclass(frozen=True)
+class LoadedFacts:
+    """What the snapshot shows about the loaded model."""
+
+    model: str
+    arch: str
+    model_hash: str | None  # None while the file is being read (file_scans)
+    native_size: int  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
+    dtype: torch.dtype
+    offload: str
+    loras: tuple[LoraSpec, ...]
+    lora_mode: str  # "fused", "bypass" or "fused + bypass"
+    embeddings: tuple[str, ...]
+    set_aside: Mapping[str, str]
+    weights: str  # "full" or the storage dtype of the large weights
+    stored_layers: int  # layers whose weight rests in that dtype
+    bytes_saved: int  # against holding them in the compute dtype
+    lora_backups: str  # originals held for fused LoRAs: layers, size, where (LoraStack.backup_summary)
 
 
 def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,

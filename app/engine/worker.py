@@ -29,6 +29,7 @@ from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
 from app.engine import lora_options, part_choices, placement
 from app.engine.desired import Desired
+from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.generating import GENERATIONS, Generating, Job
 from app.engine.lifecycle import ModelLifecycle, RollbackFailed
@@ -81,7 +82,9 @@ class Engine(Generating, Workflows, Refining, Upscaling):
         self._counters = LoraCounterBook(self.library.exists, settings.max_lora_errors)
         self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
         self._timers = diagnostics.Timers()
-        self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress)
+        self._scans = FileScans()
+        self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress,
+                                         self._scans)
         self.upscalers = UpscalerLibrary(settings.data_dir / "models")
         self._upscaler = UpscalerSlot(settings, self.device, self._timers)  # a component verified with the model
         self._found_total = 0
@@ -91,8 +94,10 @@ class Engine(Generating, Workflows, Refining, Upscaling):
         self._last_violations: tuple[placement.Violation, ...] = ()
         self._job: Job | None = None
         self.timeline = diagnostics.MemoryTimeline()
-        self._snapshot = Snapshot(state=EngineState.EMPTY.value, device=str(self.device),
-                                  requested_dtype=settings.dtype, offload=settings.offload)
+        # The published snapshot and its model's file read, as one pair: the hash may come after publishing.
+        self._published: tuple[Snapshot, ModelScan | None] = (
+            Snapshot(state=EngineState.EMPTY.value, device=str(self.device), requested_dtype=settings.dtype,
+                     offload=settings.offload), None)
         diagnostics.set_debug_logging(settings.lora_debug, settings.move_debug)
         self._worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
         self._worker.start()
@@ -208,11 +213,15 @@ class Engine(Generating, Workflows, Refining, Upscaling):
         diagnostics.set_debug_logging(self.settings.lora_debug, self.settings.move_debug)
         return self.settings
 
-    def snapshot(self) -> Snapshot:
-        """The last published snapshot with the live state, progress and queue length laid over it."""
-        return dataclasses.replace(self._snapshot, state=self._state.value, progress=self._progress,
+    def snapshot(self, wait_for_hash: bool = False) -> Snapshot:
+        """The last published snapshot with the live state, progress and queue length laid over it, and
+        its model's hash once the background read of its file has it (after a first load it is None
+        until then, unless `wait_for_hash`: for what names a model by its hash, as A1111's API does)."""
+        published, scan = self._published
+        return dataclasses.replace(published, state=self._state.value, progress=self._progress,
                                    compile=self._lifecycle.compile_status(), queued=len(self._queue),
-                                   generating=self._job is not None)
+                                   generating=self._job is not None,
+                                   model_hash=published.model_hash or (scan and scan.short_hash(wait_for_hash)))
 
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
                record: bool = True, owner: str | None = None) -> Future:
@@ -231,6 +240,7 @@ class Engine(Generating, Workflows, Refining, Upscaling):
             self._queue.append(None)
             self._wake.notify()
         self._worker.join(timeout=60)
+        self._scans.close()
 
     @property
     def pipeline(self):
@@ -356,6 +366,7 @@ class Engine(Generating, Workflows, Refining, Upscaling):
             command.future.set_result(value)
         else:
             command.future.set_exception(error)
+        self._scans.begin()  # a model this step loaded: its files are read once its caller has the answer
 
     def _fail(self, command: _Command, exc: BaseException, before: EngineState) -> str:
         """Repair what a failed body may have left, record the error; returns the outcome."""
@@ -406,13 +417,13 @@ class Engine(Generating, Workflows, Refining, Upscaling):
         return len(found), repaired
 
     def _publish(self) -> None:
-        self._snapshot = build_snapshot(
+        self._published = (build_snapshot(
             state=self._state.value, device=str(self.device), desired=self._desired, facts=self._lifecycle.facts(),
             rows=self._lifecycle.rows(self._last_violations) + self._upscaler.rows(self._last_violations),
             upscaler=self._upscaler.facts(), violations=self._last_violations,
             found_total=self._found_total, repaired_total=self._repaired_total,
             counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),
-            last_error=self._last_error)
+            last_error=self._last_error), self._lifecycle.scan)
 
     # ------------------------------------------------------------------ command bodies (worker only)
     def _set_progress(self, phase: str, step: int, total: int, preview=None) -> None:

@@ -135,7 +135,7 @@ def _read_endpoints(ctx: UiContext) -> None:
         with user_errors("inspect_lora", browser=False):
             path = ctx.engine.library.path_for(name)
             card = ctx.cards.card(name, path)
-            fit = ctx.cards.fit(ctx.engine, name, path, ctx.engine.snapshot().model_hash)
+            fit = ctx.cards.fit(ctx.engine, name, path, ctx.engine.snapshot().model_key)
         return {"card": jsonable(card), "fit": jsonable(fit)}
 
 

@@ -159,7 +159,7 @@ def _badge(ctx: UiContext, name: str, snap: Snapshot) -> str:
     fit = None
     if state is not None and state.status == "applied":
         try:
-            fit = ctx.cards.fit(ctx.engine, name, ctx.engine.library.path_for(name), snap.model_hash,
+            fit = ctx.cards.fit(ctx.engine, name, ctx.engine.library.path_for(name), snap.model_key,
                                 ask=snap.state == "READY")
         except OSError:  # the file went away after it was applied: the badge alone still holds
             fit = None
