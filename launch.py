@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-mode", default="reduce-overhead", choices=("reduce-overhead", "default"),
                    help="reduce-overhead uses CUDA graphs (fastest); default compiles without them")
     p.add_argument("--strict", action="store_true", help="treat any placement violation as an error")
+    p.add_argument("--strict-forwards", action="store_true",
+                   help="check in every module's forward that its tensors are on the compute device in the compute "
+                        "dtype (debug; slower)")
     p.add_argument("--lora-debug", action="store_true", help="log LoRA key matching (also SD_LORA_DEBUG=1)")
     p.add_argument("--move-debug", action="store_true", help="log every tensor move (also SD_MOVE_DEBUG=1)")
     p.add_argument("--slider-range", nargs=2, type=float, default=(-2.0, 2.0), metavar=("MIN", "MAX"),
@@ -126,7 +129,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         lora_backups=args.lora_backups,
         vram_budget_gib=args.vram_budget, balanced_watermark=args.vram_watermark,
         compile=args.compile, compile_mode=args.compile_mode, channels_last=args.channels_last,
-        strict=args.strict,
+        strict=args.strict, strict_forwards=args.strict_forwards,
         lora_debug=args.lora_debug or Settings().lora_debug, move_debug=args.move_debug or Settings().move_debug,
         slider_min=min(args.slider_range), slider_max=max(args.slider_range),
         listen=args.listen, port=args.port, share=args.share,

@@ -33,6 +33,7 @@ HOOK_ORDER: dict[str, int] = {
     "offload.component": 10,  # model/balanced: the whole component comes to the compute device
     "offload.stream": 20,     # sequential/group: a module's or block's weights are streamed in
     "quant.dequant": 30,      # stored-in-8-bit weights are widened to the compute dtype
+    "debug.strict": 35,       # strict forwards: every tensor a module holds is at its compute placement
     "lora.bypass": 40,        # LoRA contributions added to the layer's output
 }
 

@@ -48,6 +48,7 @@ class Settings:
     lora_debug: bool = field(default_factory=lambda: _env_flag("SD_LORA_DEBUG"))
     move_debug: bool = field(default_factory=lambda: _env_flag("SD_MOVE_DEBUG"))
     strict: bool = False
+    strict_forwards: bool = False  # every module's forward checks its tensors' placement (app/engine/strict.py)
     max_lora_errors: int = 3
     slider_min: float = -2.0
     slider_max: float = 2.0

@@ -26,7 +26,7 @@ from app.adapters.errors import LoraApplyError
 from app.adapters.files import read_adapter
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, LAYOUTS, adapter_state_digests, write_adapter
+from app.adapters.synthetic import ALGORITHMS, LAYOUTS, adapter_state_digests, write_adapter
 from app.demo import build_tiny_pipeline
 from app.engine.worker import Engine, EngineState
 
@@ -358,7 +358,7 @@ def test_three_stacked_adapters_sum_deltas_taken_against_the_original_weight(tin
     W0 + Σ mᵢ·ΔWᵢ(W0); removing the middle one leaves exactly the other two (recomputed from the
     backup, never by subtraction); removing all restores every bit."""
     model = tiny("sd15", model_dtype)
-    plan = (("lora", 0.7, DEFAULT_TARGETS), ("loha", -0.5, ("unet.*attn1.to_q", "unet.*resnets.0.conv1")),
+    plan = (("lora", 0.7, None), ("loha", -0.5, ("unet.*attn1.to_q", "unet.*resnets.0.conv1")),
             ("glora", 1.3, ("unet.*attn1.to_q", "unet.*attn2.to_k", "unet.*resnets.0.conv_shortcut")))
     entries = []
     for i, (algo, strength, targets) in enumerate(plan):

@@ -53,6 +53,7 @@ from app.engine.file_scans import not_finite_refusal
 from app.engine.generate import GenerateParams
 from app.engine.models import load_pipeline
 from app.engine.worker import Engine, EngineState
+from app.families import FAMILIES
 from app.paths import UnsafePathError
 from app.safetensors_files import scan_file
 from app.settings import Settings
@@ -433,7 +434,7 @@ def _unet_only(env: Env) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith("model.diffusion_model.")}
 
 
-NOT_KNOWN = r"not a checkpoint of a family this app runs \(SD1\.5, SDXL, FLUX\.1-dev, FLUX\.1-schnell\)"
+NOT_KNOWN = re.escape(f"not a checkpoint of a family this app runs ({', '.join(f.label for f in FAMILIES.values())})")
 BAD_CHECKPOINTS = {
     "truncated": (lambda env: _ckpt_bytes(env)[: len(_ckpt_bytes(env)) // 2], ModelLoadError,
                   r"bad-truncated\.safetensors: not a valid safetensors file .*truncated or corrupt"),

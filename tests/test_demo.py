@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from app import demo
 from app.engine import checkpoint_files, models
+from app.families import FAMILIES, family, family_of
 
 
 def _weights(pipe) -> dict[str, torch.Tensor]:
@@ -25,7 +26,9 @@ def _weights(pipe) -> dict[str, torch.Tensor]:
 def _image(pipe, prompt: str) -> np.ndarray:
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(0)
-    return pipe(prompt, num_inference_steps=2, generator=generator, output_type="np").images[0]
+    size = family_of(pipe).native_size(pipe)  # 64 for every tiny model
+    return pipe(prompt, num_inference_steps=2, generator=generator, output_type="np", height=size,
+                width=size).images[0]
 
 
 def test_tiny_pipeline_is_deterministic_per_seed_and_leaves_global_rng_alone():
@@ -43,12 +46,12 @@ def test_tiny_pipeline_is_deterministic_per_seed_and_leaves_global_rng_alone():
 
 
 def test_tiny_pipeline_rejects_unknown_architecture():
-    """Only the two supported architectures have tiny versions."""
+    """Only registered families have tiny versions; the error lists them."""
     with pytest.raises(ValueError, match="sd15"):
         demo.build_tiny_pipeline("sd3")
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+@pytest.mark.parametrize("arch", list(FAMILIES))
 def test_tiny_pipeline_draws_a_prompt_dependent_image(arch):
     """Random weights still give images with structure that change with the prompt, so tests that
     compare images (LoRA on/off, seeds, batches) can see a difference."""
@@ -72,41 +75,34 @@ def test_tiny_sdxl_keeps_the_real_structure_that_loaders_and_adapters_rely_on():
 
 
 def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
-    """The demo folder has every family as a single file and a diffusers folder (Flux as the
-    ComfyUI/Forge all-in-one file), an SD1.5 inpainting checkpoint, and one embedding per family."""
+    """The demo folder has every registered family as a single file and a diffusers folder (Flux as
+    the ComfyUI/Forge all-in-one file), an inpainting checkpoint of each family that states one
+    (SD1.5), and one embedding per family that takes embeddings."""
     checkpoints = demo_dir / "models" / "Stable-diffusion"
     names = [info.name for info in checkpoint_files.discover_checkpoints(checkpoints)]
-    assert names == [
-        "tiny-flux-dev-diffusers",
-        "tiny-flux-dev.safetensors",
-        "tiny-flux-schnell-diffusers",
-        "tiny-flux-schnell.safetensors",
-        "tiny-sd15-diffusers",
-        "tiny-sd15-inpainting.safetensors",
-        "tiny-sd15.safetensors",
-        "tiny-sdxl-diffusers",
-        "tiny-sdxl.safetensors",
-    ]
+    expected = [name for arch, fam in FAMILIES.items()
+                for name in (f"tiny-{arch}-diffusers", f"tiny-{arch}.safetensors",
+                             *([f"tiny-{arch}-inpainting.safetensors"] if fam.tiny_inpainting_channels else []))]
+    assert names == sorted(expected)
+    assert "tiny-sd15-inpainting.safetensors" in names
     assert (demo_dir / "models" / "Lora").is_dir()
     assert demo_paths["lora_dir"] == demo_dir / "models" / "Lora"
-    assert sorted(p.name for p in (demo_dir / "embeddings").iterdir()) == [
-        "tiny-flux-dev-embedding.safetensors",
-        "tiny-flux-schnell-embedding.safetensors",
-        "tiny-sd15-embedding.safetensors",
-        "tiny-sdxl-embedding.safetensors",
-    ]
+    assert sorted(p.name for p in (demo_dir / "embeddings").iterdir()) == sorted(
+        f"tiny-{arch}-embedding.safetensors" for arch, fam in FAMILIES.items() if fam.takes_embeddings)
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_demo_single_file_is_ldm_layout_with_embedded_configs(demo_paths, arch):
-    """Single files look like real checkpoints (LDM keys) and carry the tiny configs they need."""
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_demo_single_file_is_the_family_layout_with_embedded_configs(demo_paths, arch):
+    """Single files look like real checkpoints (the family's markers: LDM keys for SD, the all-in-one
+    layout for Flux) and carry the tiny configs they were built from."""
+    fam = family(arch)
     with safe_open(str(demo_paths[f"{arch}_file"]), "pt") as handle:
         keys, metadata = set(handle.keys()), handle.metadata()
     assert checkpoint_files.detect_architecture(keys) == arch
     configs = json.loads(metadata[models.CONFIGS_METADATA_KEY])
-    expected = {"unet", "vae", "text_encoder"} | ({"text_encoder_2"} if arch == "sdxl" else set())
-    assert set(configs) == expected
-    assert configs["unet"]["block_out_channels"] == [32, 64]
+    assert set(configs) == {*fam.components, "vae"} == set(fam.tiny_configs)
+    tiny = json.loads(json.dumps(fam.tiny_configs[fam.denoiser]))  # tuples as JSON lists
+    assert all(configs[fam.denoiser][k] == v for k, v in tiny.items())
 
 
 def test_demo_embeddings_use_the_a1111_layouts(demo_paths):
@@ -124,12 +120,7 @@ def test_write_demo_calls_the_lora_writer_once_per_family(tmp_path):
         tmp_path, lora_writer=lambda folder, pipe, arch: calls.append((folder, type(pipe).__name__, arch))
     )
     lora_dir = tmp_path.resolve() / "models" / "Lora"
-    assert calls == [
-        (lora_dir, "StableDiffusionPipeline", "sd15"),
-        (lora_dir, "StableDiffusionXLPipeline", "sdxl"),
-        (lora_dir, "FluxPipeline", "flux-dev"),
-        (lora_dir, "FluxPipeline", "flux-schnell"),
-    ]
+    assert calls == [(lora_dir, fam.plain_pipeline_class.__name__, arch) for arch, fam in FAMILIES.items()]
 
 
 def test_cli_writes_into_the_given_folder(tmp_path, monkeypatch, capsys):

@@ -57,7 +57,7 @@ def _its(pipe) -> float:
 def test_flux_full_size_ours_vs_diffusers():
     from diffusers import FluxPipeline
 
-    from app.engine.pipelines import SteadyFluxPipeline
+    from app.families.flux import SteadyFluxPipeline
 
     theirs = _full_size_pipeline(FluxPipeline)
     _its(theirs)  # warm-up

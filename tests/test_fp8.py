@@ -70,7 +70,7 @@ def _widen_by_hand(engine, arch: str) -> None:
             weight.data.copy_(weight.data.to(FP8).to(weight.dtype))
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+@pytest.mark.parametrize("arch", ["sd15"])  # the conformance suite runs fp8 in every mode for every family
 def test_fp8_storage_draws_what_the_widened_weights_draw_in_every_offload_mode(engines, arch):
     fp8, full = engines
     full.load_model(CHECKPOINTS[arch])

@@ -61,7 +61,7 @@ from PIL import Image
 from app.adapters.errors import LoraApplyError
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.adapters.synthetic import ALGORITHMS, DEFAULT_TARGETS, FLUX_TARGETS, write_adapter
+from app.adapters.synthetic import ALGORITHMS, write_adapter
 from app.demo import build_tiny_pipeline
 from app.diagnostics import set_debug_logging
 from app.engine import offload, placement, storage
@@ -90,7 +90,6 @@ UPSCALING = _upscalers_installed()
 
 ARCHS = ("sd15", "sdxl", "flux-dev")
 MODELS = {arch: f"tiny-{arch}.safetensors" for arch in ARCHS}
-TARGETS = {"sd15": DEFAULT_TARGETS, "sdxl": DEFAULT_TARGETS, "flux-dev": FLUX_TARGETS}
 # Strengths a slider or the API can send: zero, negative, above one, beyond the slider range.
 STRENGTHS = (0.0, 1.0, 0.5, -1.0, 1.1, 2.5, -0.3, 4.0)
 # (file stem suffix, algorithm, key layout, stored dtype): every algorithm once, plain LoRA in
@@ -131,7 +130,7 @@ def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
     lora_dir = target / "models" / "Lora"
     for arch in ARCHS:
         pipe = build_tiny_pipeline(arch)  # seed 0, like the demo checkpoints
-        targets = TARGETS[arch]
+        targets = family(arch).lora_targets
         for i, (stem, algo, layout, dtype) in enumerate(ADAPTERS):
             if arch.startswith("flux") and ("tucker" in algo or layout == "kohya_ldm"):
                 continue
@@ -319,7 +318,8 @@ class EngineMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         cfg = self.config
-        self.engine = Engine(Settings(data_dir=cfg.data_dir, device=cfg.device))
+        # Strict forwards: every module's forward checks its tensors' placement (app/engine/strict.py).
+        self.engine = Engine(Settings(data_dir=cfg.data_dir, device=cfg.device, strict_forwards=True))
         self.model: str | None = None
         self.arch = "sd15"  # the architecture LoRA choices are made for (kept across unload)
         self.requested = "auto"
@@ -620,7 +620,7 @@ class EngineMachine(RuleBasedStateMachine):
         stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
         model_hooks = {where: names for where, names in actual_hooks(snap).items() if where[0] != COMPONENT}
         assert model_hooks == expected_hooks(self.engine.pipeline, self.offload, set(fused) if bypass else set(),
-                                             {(c, p) for c, paths in stored.items() for p in paths})
+                                             {(c, p) for c, paths in stored.items() for p in paths}, strict=True)
 
     @invariant()
     def the_upscaler_is_loaded_placed_and_hooked_as_planned(self) -> None:

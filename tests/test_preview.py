@@ -8,7 +8,8 @@ import torch
 
 from app.engine import generate
 from app.engine.generate import GenerateParams
-from app.preview import LATENT_RGB, latent_preview
+from app.families import FAMILIES, family
+from app.preview import latent_preview
 
 
 def test_zero_latents_give_the_family_bias_as_grey():
@@ -19,13 +20,14 @@ def test_zero_latents_give_the_family_bias_as_grey():
     assert np.asarray(sdxl)[0, 0].tolist() == [141, 125, 127]  # ((0.1084, -0.0175, -0.0011) + 1) / 2 * 255
 
 
-@pytest.mark.parametrize("arch", sorted(LATENT_RGB))
+@pytest.mark.parametrize("arch", [name for name, fam in FAMILIES.items() if fam.preview_rgb])
 def test_each_channel_moves_the_colour_by_its_factors(arch):
     """Pixel (0, c) has latent channel c at 1.0, the rest 0: its colour is bias + that row, scaled
     from [-1, 1] to [0, 255]; batch items come out separately and bf16 input gives the same."""
-    factors, bias = LATENT_RGB[arch]
-    latents = torch.zeros(2, 4, 1, 4)
-    for channel in range(4):
+    factors, bias = family(arch).preview_rgb
+    channels = len(factors)
+    latents = torch.zeros(2, channels, 1, channels)
+    for channel in range(channels):
         latents[0, channel, 0, channel] = 1.0
     first, second = latent_preview(latents.to(torch.bfloat16), arch)
     expected = [[round((min(max(b + f, -1), 1) + 1) / 2 * 255) for f, b in zip(row, bias, strict=True)]
@@ -38,7 +40,7 @@ def test_each_channel_moves_the_colour_by_its_factors(arch):
 def test_wrong_shapes_and_families_are_refused():
     with pytest.raises(ValueError, match="expected latents shaped"):
         latent_preview(torch.zeros(1, 16, 8, 8), "sd15")
-    with pytest.raises(ValueError, match="no preview factors for 'flux'"):
+    with pytest.raises(ValueError, match="unknown model family 'flux'"):
         latent_preview(torch.zeros(1, 4, 8, 8), "flux")
 
 

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 from served_app import ATTN, MID, MODEL, free_port, make_ui_data, running_app
 
-from app.demo import ARCHS
+from app.families import FAMILIES
 from app.infotext import parse_infotext
 from app.safetensors_files import file_sha256
 from app.settings import Settings
@@ -345,7 +345,7 @@ def test_share_without_auth_requires_the_generated_password(tmp_path):
         _assert_locked(url)
         authed = gradio_client.Client(url, auth=("steady", password), verbose=False)
         # One single file per family: the diffusers folders are left to `python -m app.demo`.
-        assert authed.predict(api_name="/list_models") == [f"tiny-{arch}.safetensors" for arch in sorted(ARCHS)]
+        assert authed.predict(api_name="/list_models") == [f"tiny-{arch}.safetensors" for arch in sorted(FAMILIES)]
         # CPU seconds, not wall time: on a shared 2-core CI box other jobs stretch the wall clock.
         # Importing torch, diffusers and Gradio alone takes 12-14 CPU s on a 2-core CI box, so the
         # bound is on what follows them; the whole-process bound only catches a runaway start.

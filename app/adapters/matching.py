@@ -35,6 +35,7 @@ from app.adapters.errors import AdapterFormatError, IncompatibleAdapterError, Lo
 from app.adapters.files import AdapterFile
 from app.adapters.keys import DOTTED_SPELLINGS, KeyTable, LayerGroup, Parts, Target, component_named
 from app.adapters.peft_scale import PeftScales
+from app.families import adapter_arch_of
 from app.families.file_layout import row_index
 
 log = logging.getLogger(__name__)
@@ -206,13 +207,11 @@ def _trainer_algos(metadata: Mapping[str, str]) -> set[str]:
 
 
 def declared_architecture(metadata: Mapping[str, str]) -> str | None:
-    """The architecture a file's training metadata names (modelspec / kohya), or None."""
-    text = f"{metadata.get('modelspec.architecture', '')} {metadata.get('ss_base_model_version', '')}".lower()
-    for needles, arch in ((("xl",), "sdxl"), (("flux",), "flux"), (("sd3", "stable-diffusion-3"), "sd3"),
-                          (("v2",), "sd2"), (("v1", "sd1", "sd_1", "sd 1"), "sd15")):
-        if any(n in text for n in needles):
-            return arch
-    return None
+    """The LoRA architecture a file's training metadata names (modelspec / kohya), or None: the
+    families' `adapter_markers` and the foreign ones (`app.families.FOREIGN_ADAPTERS`)."""
+    text = f"{metadata.get('modelspec.architecture', '')} {metadata.get('ss_base_model_version', '')}"
+    found = adapter_arch_of(text)
+    return None if found is None else found[0]
 
 
 def _check_fit(name: str, table: KeyTable, parsed: _Parsed, unmatched: list[LayerGroup],

@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +23,11 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from app.adapters.synthetic_algos import ALGORITHMS, LAYER_KINDS, Layer, Tensors
-from app.families import FAMILIES
+from app.families import FAMILIES, family
 from app.families.ldm_layout import unet_module_map
 
 __all__ = [
     "ALGORITHMS",
-    "DEFAULT_TARGETS",
     "LAYOUTS",
     "Layer",
     "Layout",
@@ -43,42 +42,15 @@ __all__ = [
 
 Target = tuple[str, str]  # (component, module path), as `app.adapters.keys` resolves keys
 
-# A spread of layer kinds: linear with and without bias, 1×1 and 3×3 convs with bias, the
-# cross-attention key (its input width is what tells SD1.5 from SDXL), norms, and text encoders.
-DEFAULT_TARGETS = (
-    "unet.*attentions.0.proj_in",
-    "unet.*attentions.0.transformer_blocks.0.attn1.to_q",
-    "unet.*attentions.0.transformer_blocks.0.attn1.to_out.0",
-    "unet.*attentions.0.transformer_blocks.0.attn2.to_k",
-    "unet.*attentions.0.transformer_blocks.0.norm1",
-    "unet.*resnets.0.norm1",
-    "unet.*resnets.0.conv1",
-    "unet.*resnets.0.conv_shortcut",
-    "unet.*resnets.0.time_emb_proj",
-    "text_encoder*.layers.0.self_attn.q_proj",
-    "text_encoder*.layers.0.mlp.fc1",
-    "text_encoder*.layers.0.layer_norm1",
-)
-# The same spread on Flux's transformer (diffusers names): attention q and output, the single
-# blocks' MLP input and output projection, a modulation and an embedder, and CLIP-L.
-FLUX_TARGETS = (
-    "transformer.transformer_blocks.0.attn.to_q",
-    "transformer.transformer_blocks.*.attn.to_out.0",
-    "transformer.transformer_blocks.1.ff.net.2",
-    "transformer.single_transformer_blocks.0.proj_mlp",
-    "transformer.single_transformer_blocks.*.proj_out",
-    "transformer.transformer_blocks.0.norm1.linear",
-    "transformer.context_embedder",
-    "text_encoder.*layers.0.self_attn.q_proj",
-    "text_encoder.*layers.0.mlp.fc1",
-    "text_encoder.*layers.0.layer_norm1",
-)
-_COMPONENTS = {name: fam.components for name, fam in FAMILIES.items()}
-
-
 # --------------------------------------------------------------------------------------- layouts
-_KOHYA_TE = {name: {te.component: te.lora_prefix for te in fam.text_encoders} for name, fam in FAMILIES.items()}
-_PEFT_TE = {arch: {c: f"{c}." for c in comps[1:]} for arch, comps in _COMPONENTS.items()}
+def _kohya_te(arch: str, component: str) -> str:
+    return family(arch).text_encoder(component).lora_prefix
+
+
+def _peft_te(_arch: str, component: str) -> str:
+    return f"{component}."
+
+
 _PEFT_SUFFIXES = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight",
                   "dora_scale": "lora_magnitude_vector"}
 
@@ -95,17 +67,18 @@ class Layout:
 
     name: str
     unet_prefix: str
-    te_prefixes: Mapping[str, Mapping[str, str]]
+    te_prefix: Callable[[str, str], str]  # (arch, text-encoder component) -> key prefix
     unet_names: str = "diffusers"
     peft: bool = False
 
     def uses_ldm(self, arch: str) -> bool:
-        return self.unet_names == "ldm" or (self.unet_names == "arch" and arch == "sdxl")
+        """LDM block names: always for "ldm"; for "arch", where kohya writes them (`Family.kohya_ldm_names`)."""
+        return self.unet_names == "ldm" or (self.unet_names == "arch" and family(arch).kohya_ldm_names)
 
     def layer_key(self, component: str, name: str, arch: str) -> str:
-        denoiser = FAMILIES[arch].denoiser
+        denoiser = family(arch).denoiser
         own = self.unet_prefix.format(denoiser=denoiser)
-        prefix = own if component == denoiser else self.te_prefixes[arch][component]
+        prefix = own if component == denoiser else self.te_prefix(arch, component)
         return prefix + (name if self.peft else name.replace(".", "_"))
 
     def stored(self, tensors: Tensors) -> Tensors:
@@ -131,11 +104,11 @@ class Layout:
 LAYOUTS: dict[str, Layout] = {
     layout.name: layout
     for layout in (
-        Layout("kohya", "lora_unet_", _KOHYA_TE, unet_names="arch"),
-        Layout("kohya_ldm", "lora_unet_", _KOHYA_TE, unet_names="ldm"),
-        Layout("kohya_diffusers", "lora_unet_", _KOHYA_TE),
-        Layout("lycoris", "lycoris_", _KOHYA_TE),
-        Layout("peft", "{denoiser}.", _PEFT_TE, peft=True),
+        Layout("kohya", "lora_unet_", _kohya_te, unet_names="arch"),
+        Layout("kohya_ldm", "lora_unet_", _kohya_te, unet_names="ldm"),
+        Layout("kohya_diffusers", "lora_unet_", _kohya_te),
+        Layout("lycoris", "lycoris_", _kohya_te),
+        Layout("peft", "{denoiser}.", _peft_te, peft=True),
     )
 }
 
@@ -164,19 +137,21 @@ def _trainer_path(component: torch.nn.Module, path: str) -> str:
 
 def _targets(pipe, arch: str, patterns: Sequence[str]):
     """(component, path, module, kind) of every adapter-able module matching a pattern, in model order."""
-    for component in _COMPONENTS[arch]:
+    for component in family(arch).components:
         for path, module in getattr(pipe, component).named_modules():
             kind = _kind(module)
             if kind and any(fnmatch.fnmatchcase(f"{component}.{path}", p) for p in patterns):
                 yield component, path, module, kind
 
 
-def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] = DEFAULT_TARGETS, rank: int = 4,
+def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] | None = None, rank: int = 4,
                  seed: int = 0, alpha: float | None = None, strength: float = 0.5) -> dict[Target, Tensors]:
     """Float32 tensors of `algo` for every matching layer it applies to, by (component, path).
 
-    `alpha` is stored for the algorithms that have one (None: no `alpha` key, i.e. scale 1).
+    `targets` None: the family's spread (`Family.lora_targets`). `alpha` is stored for the
+    algorithms that have one (None: no `alpha` key, i.e. scale 1).
     """
+    targets = family(arch).lora_targets if targets is None else targets
     if algo not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algo!r}; choose one of {sorted(ALGORITHMS)}")
     algorithm = ALGORITHMS[algo]
@@ -200,14 +175,10 @@ def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] = DEFAULT
     return layers
 
 
-_BASE_MODELS = {"sd15": ("sd_v1", "stable-diffusion-v1"), "sdxl": ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base"),
-                "flux-dev": ("flux1", "flux-1-dev"), "flux-schnell": ("flux1", "flux-1-schnell")}
-
-
 def adapter_metadata(arch: str, algo: str, rank: int, alpha: float | None) -> dict[str, str]:
-    """kohya/LyCORIS-style training metadata: base model (what tools read the architecture from),
-    network module and arguments."""
-    version, spec = _BASE_MODELS[arch]
+    """kohya/LyCORIS-style training metadata: base model (what tools read the architecture from:
+    the family's first two `adapter_markers`), network module and arguments."""
+    version, spec = family(arch).adapter_markers[:2]
     plain = algo in ("lora", "dora")
     return {
         "ss_base_model_version": version,
@@ -225,7 +196,7 @@ def tag_frequency(trigger: str) -> str:
 
 
 def write_adapter(path: Path, pipe, arch: str, algo: str = "lora", layout: str = "kohya",
-                  dtype: torch.dtype = torch.float32, *, targets: Sequence[str] = DEFAULT_TARGETS, rank: int = 4,
+                  dtype: torch.dtype = torch.float32, *, targets: Sequence[str] | None = None, rank: int = 4,
                   seed: int = 0, alpha: float | None = None, strength: float = 0.5,
                   metadata: Mapping[str, str] | None = None) -> SyntheticAdapter:
     """Write a `.safetensors` adapter of `algo` in `layout` with floating tensors in `dtype`.
@@ -242,7 +213,7 @@ def write_adapter(path: Path, pipe, arch: str, algo: str = "lora", layout: str =
     built = build_layers(pipe, arch, algo, targets=targets, rank=rank, seed=seed, alpha=alpha, strength=strength)
     for (component, module_path), raw in built.items():
         stored = {k: v.to(dtype) if v.is_floating_point() else v for k, v in spelling.stored(raw).items()}
-        if component == FAMILIES[arch].denoiser:
+        if component == family(arch).denoiser:
             name = ldm_names[module_path] if ldm_names is not None else module_path
         else:
             name = _trainer_path(getattr(pipe, component), module_path)
@@ -256,15 +227,10 @@ def write_adapter(path: Path, pipe, arch: str, algo: str = "lora", layout: str =
 
 
 # ------------------------------------------------------------------------------------- demo LoRAs
-_STYLE_TARGETS = ("unet.*attn[12].to_[qkv]", "unet.*attn[12].to_out.0", "unet.*attentions.*.proj_[io]*",
-                  "transformer.*attn.to_[qkv]", "transformer.*attn.to_out.0", "transformer.*attn.add_[qkv]_proj",
-                  "text_encoder*.self_attn.*_proj", "text_encoder*.mlp.fc[12]")
-_DETAIL_TARGETS = ("unet.*resnets.*.conv[12]", "unet.*resnets.*.time_emb_proj", "unet.*samplers.0.conv",
-                   "transformer.*ff.net.*", "transformer.*ff_context.net.*", "transformer.*proj_mlp")
-# (name suffix, trigger word, targets, strength, seed)
+# (name suffix, trigger word, which of the family's `demo_lora_targets`, strength, seed)
 _DEMO_LORAS = (
-    ("demo-style", "steadystyle", _STYLE_TARGETS, 1.0, 11),
-    ("demo-detail", "steadydetail", _DETAIL_TARGETS, 0.6, 12),
+    ("demo-style", "steadystyle", 0, 1.0, 11),
+    ("demo-detail", "steadydetail", 1, 0.6, 12),
 )
 
 
@@ -275,8 +241,9 @@ def write_demo_loras(lora_dir: Path, pipe, arch: str) -> list[Path]:
     on attention and text-encoder layers, `demo-detail-<arch>` a LoCon on the UNet's resnet convs.
     """
     paths = []
-    for stem, trigger, targets, strength, seed in _DEMO_LORAS:
+    for stem, trigger, which, strength, seed in _DEMO_LORAS:
         path = Path(lora_dir) / f"{stem}-{arch}.safetensors"
+        targets = family(arch).demo_lora_targets[which]
         write_adapter(path, pipe, arch, "lora", "kohya", torch.float16, targets=targets, rank=4, seed=seed,
                       alpha=4.0, strength=strength,
                       metadata={"ss_tag_frequency": tag_frequency(trigger), "ss_output_name": path.stem})

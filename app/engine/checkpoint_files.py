@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.families import FAMILIES
+from app.families import FAMILIES, detect
 from app.families.ldm_layout import UNET_PREFIX
 from app.paths import UnsafePathError, resolve_under, utf8_names
 from app.safetensors_files import SafetensorsFileError, read_header
@@ -78,15 +78,15 @@ class CheckpointInfo:
 
 
 def detect_architecture(keys: Iterable[str]) -> str:
-    """The family of a single file's keys ("sd15", "sdxl", "flux-dev", …); otherwise say what it looks like.
+    """The name of the family of a single file's keys (`app.families.detect`); otherwise say what it looks like.
 
     Each architecture needs one marker key per component (UNet, every text encoder), so a partial
     file is not mistaken for a loadable one; foreign files are described for the user.
     """
     keys = set(keys)
-    for fam in FAMILIES.values():
-        if fam.matches(keys):
-            return fam.name
+    fam = detect(keys)
+    if fam is not None:
+        return fam.name
     for description, matches in _OTHER_FORMATS:
         example = next((k for k in sorted(keys) if matches(k)), None)
         if example is not None:

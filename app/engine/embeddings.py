@@ -54,8 +54,13 @@ def token_runs(tokenizer) -> dict[int, tuple[int, ...]]:
 
 
 def _add_vectors(tokenizer, encoder, tokens: list[str], vectors: torch.Tensor) -> None:
+    """The new tokens' rows, added to the table only where the tokenizer outgrows it: a table may
+    hold more rows than its tokenizer has tokens (T5's 32,128 for 32,100, Qwen3's 151,936 for
+    151,671; the spare rows are never produced by the tokenizer), and resizing it down to the
+    tokenizer would cut those rows off."""
     tokenizer.add_tokens(tokens)
-    encoder.resize_token_embeddings(len(tokenizer))
+    if len(tokenizer) > encoder.get_input_embeddings().weight.shape[0]:
+        encoder.resize_token_embeddings(len(tokenizer))
     weight = encoder.get_input_embeddings().weight
     ids = tokenizer.convert_tokens_to_ids(tokens)
     with torch.no_grad():
@@ -92,8 +97,9 @@ def load_embedding(pipe, arch: str, path: Path) -> str:
 
 
 def load_all(pipe, arch: str, folder: Path) -> tuple[str, ...]:
-    """Load every fitting `.safetensors` embedding in `folder`; others are logged and skipped."""
-    if not folder.is_dir():
+    """Load every fitting `.safetensors` embedding in `folder`; others are logged and skipped. A family
+    that takes no embeddings (`Family.takes_embeddings`) does not read the folder."""
+    if not folder.is_dir() or not family(arch).takes_embeddings:
         return ()
     loaded = []
     for path in sorted(utf8_names(folder, folder.glob("*.safetensors"), "embedding")):

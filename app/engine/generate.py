@@ -73,10 +73,12 @@ MAX_SEED = 2**32 - 1
 # pixel-steps (batch x width x height x steps: 4 x 1024² x 238, or 16 x 512² x 238) is two to three
 # minutes on an H100; the per-field limits alone allowed 16 x 2048² x 150, ten times that.
 MAX_PROMPT_CHARS = 16_000
+_GUIDANCE = [fam.guidance_range for fam in FAMILIES.values()]
 MAX_PIXEL_STEPS = 1_000_000_000
 LIMITS: dict[str, Range] = {
     "steps": Range(1, 150),
-    "cfg": Range(1, 30, whole=False),
+    # every family's guidance range together; `Family.check_guidance` narrows it to the loaded family's
+    "cfg": Range(min(low for low, _ in _GUIDANCE), max(high for _, high in _GUIDANCE), whole=False),
     "seed": Range(-1, MAX_SEED, hint="-1 = random"),
     "width": Range(64, 2048),
     "height": Range(64, 2048),
@@ -283,15 +285,7 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     # VAE rests on the CPU (maybe in a wider dtype) until its hooks bring it over. fp32 when it
     # must upcast.
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
-    latents = latents.to(device=pipe._execution_device, dtype=dtype)
-    config = vae.config
-    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-    if mean is not None and std is not None:
-        mean_t = torch.tensor(mean, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1)
-        std_t = torch.tensor(std, device=latents.device, dtype=latents.dtype).view(1, -1, 1, 1)
-        latents = latents * std_t / config.scaling_factor + mean_t
-    else:  # the Flux VAE also shifts its latents
-        latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+    latents = family_of(pipe).latents_for_vae(vae, latents.to(device=pipe._execution_device, dtype=dtype))
     with torch.no_grad():
         decoded = vae.decode(latents, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
@@ -330,6 +324,7 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     no step had completed (nothing to keep)."""
     fam = family_of(pipe)
     _check_size(fam, params)
+    fam.check_guidance(params.cfg)
     pipe.scheduler = scheduler_for(pipe, params.sampler)
     total = params.steps if total is None else total
     watch = _FiniteWatch(total)

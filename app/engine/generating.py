@@ -18,8 +18,9 @@ from app.engine import generate, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.interrupt import StepInterrupted
 from app.engine.snapshot import EngineState
+from app.families import family
 from app.infotext import LoraUse
-from app.preview import LATENT_RGB, latent_preview
+from app.preview import latent_preview
 
 # The commands that generate: each becomes the current `Job` when it leaves the queue, for all of
 # its stages, so Interrupt and Skip reach every denoising pass of it (img2img, inpaint, hires).
@@ -146,12 +147,13 @@ class Generating:
         block of the model (`interrupt.stop_checks`); the latents reached are then decoded as they are,
         unless the stop drops them (the result is then None)."""
         reached, ending, arch = 0, False, self._lifecycle.facts().arch
+        previews = family(arch).preview_rgb is not None  # no factors: no preview
 
         def on_step(step: int, total: int, latents) -> bool:
             nonlocal reached, ending
             reached = step
             every = self.settings.preview_every
-            shown = every and step % every == 0 and step < total and arch in LATENT_RGB  # no factors: no preview
+            shown = previews and every and step % every == 0 and step < total
             self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
             ending = job.stop is not None
             return ending

@@ -26,7 +26,7 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage
+from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage, strict
 from app.engine.checkpoint_files import ModelLoadError, resolve_checkpoint
 from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
@@ -94,6 +94,7 @@ class ModelLifecycle:
         self._loaded: _Loaded | None = None
         self._parked: placement.PlacementPlan | None = None  # the all-CPU plan while parked (`park`)
         self._scans = scans  # reads a loaded model's files after its load (the worker begins them)
+        self.strict_forwards = settings.strict_forwards  # the `debug.strict` check on every forward (strict.py)
         self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
 
     # ------------------------------------------------------------------ reading
@@ -289,8 +290,10 @@ class ModelLifecycle:
                                          self._settings.balanced_watermark)
         try:
             strategy.install()
+            strict.apply(self.strict_forwards, hooks, pipe, plan)
         except BaseException:
             strategy.remove()
+            hooks.remove_all(strict.HOOK)
             raise
         self._timers.record("move", time.perf_counter() - t0)
         return strategy
@@ -331,10 +334,17 @@ class ModelLifecycle:
             del old
             release_memory()
 
+    def set_strict_forwards(self, on: bool) -> None:
+        """Switch the strict-forward check on or off, on the loaded model and every later one."""
+        self.strict_forwards = on
+        if self._loaded is not None:
+            strict.apply(on, self._loaded.hooks, self._loaded.model.pipe, self._loaded.plan)
+
     @staticmethod
     def _release_hooks(loaded: _Loaded) -> None:
         compiled.disable(loaded.model.pipe)
         loaded.strategy.remove()
+        loaded.hooks.remove_all(strict.HOOK)
 
     def model_hash(self) -> str | None:
         """The loaded model's short hash, waiting for its file to be read if it still is (the first
@@ -396,9 +406,14 @@ class ModelLifecycle:
     def denoise(self, params: GenerateParams, seed: int, on_step: Callable[[int, int], None]) -> list:
         """Run one generation; afterwards every component is back at its resting placement."""
         def txt2img(pipe):
-            stages.check_txt2img(pipe)
-            return generate.run(pipe, params, seed, on_step)
+            latents = stages.txt2img_latents(pipe, self.stage_for, params, seed, on_step)
+            return [] if latents is None else generate.decode(pipe, latents)  # None: stopped before a step
         return self.run_on_model(txt2img, f"{params.batch}x{params.width}x{params.height}")
+
+    def stage_for(self, kind: str):
+        """The loaded model's `kind` stage pipeline (built once per model, on its components)."""
+        loaded = self._loaded
+        return stages.stage_on(loaded.model.pipe, family(loaded.model.arch), loaded.stage_pipes, kind)
 
     def interruptible(self, should_stop: Callable[[], bool]) -> contextlib.AbstractContextManager:
         """A stop checked before every block while entered (`stop_checks`); not on a compiled model."""
@@ -419,9 +434,7 @@ class ModelLifecycle:
             raise ModelLoadError(refusal)
         t0 = time.perf_counter()
         try:
-            pipe = loaded.model.pipe
-            return work(pipe if stage is None else stages.stage_on(pipe, family(loaded.model.arch), loaded.stage_pipes,
-                                                                   stage))
+            return work(loaded.model.pipe if stage is None else self.stage_for(stage))
         except torch.OutOfMemoryError as exc:
             release_memory()
             raise MemoryError(

@@ -59,12 +59,6 @@ logger = logging.getLogger(__name__)
 # beside them (a dot file, so discovery skips it), valid while a file's size and mtime are unchanged:
 # see `FileFacts` and `file_scans`.
 FACTS_FILE = ".steady-diffusion-facts.json"
-_CONFIG_FILES = {
-    "unet": "unet/config.json",
-    "vae": "vae/config.json",
-    "text_encoder": "text_encoder/config.json",
-    "text_encoder_2": "text_encoder_2/config.json",
-}
 
 
 @dataclass(frozen=True)
@@ -275,14 +269,14 @@ def _config_folder(arch: str, metadata: dict[str, str], name: str, shapes: dict[
         folder = Path(tmp) / arch
         shutil.copytree(family(arch).config_dir, folder)
         for component, config in overrides.items():
-            (folder / _CONFIG_FILES[component]).write_text(json.dumps(config))
+            (folder / component / "config.json").write_text(json.dumps(config))
         yield folder
 
 
 def unet_channel_override(config_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict]:
     """{"unet": config} with `in_channels` as the file's first UNet conv has them, when that differs
     from the bundled config: SD inpainting checkpoints take 9 (latents, mask, masked-image latents)."""
-    config = json.loads((config_dir / _CONFIG_FILES["unet"]).read_text())
+    config = json.loads((config_dir / "unet" / "config.json").read_text())
     conv_in = shapes.get(UNET_PREFIX + "input_blocks.0.0.weight")
     if conv_in is None or len(conv_in) != 4 or conv_in[1] == config.get("in_channels"):
         return {}
@@ -305,14 +299,18 @@ def _embedded_configs(arch: str, text: str, name: str) -> dict[str, dict]:
 
 
 def _check_loaded(pipe, dtype: torch.dtype, name: str) -> None:
-    """Every tensor on CPU, floating ones in `dtype`, no accelerate hooks: the contract of this module."""
-    problems = []
+    """Every tensor on CPU, floating ones in `dtype` (a tensor the family pins, in its pinned dtype),
+    no accelerate hooks: the contract of this module."""
+    problems, fam = [], pipe.family
     for component, module in pipe.components.items():
         if not isinstance(module, torch.nn.Module):
             continue
         for tensor_name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if tensor.device.type != "cpu" or (tensor.is_floating_point() and tensor.dtype != dtype):
-                problems.append(f"{component}.{tensor_name} on {tensor.device} in {tensor.dtype}")
+            path, _, leaf = tensor_name.rpartition(".")
+            want = fam.pinned_dtype(component, path, leaf) or dtype
+            if tensor.device.type != "cpu" or (tensor.is_floating_point() and tensor.dtype != want):
+                problems.append(f"{component}.{tensor_name} on {tensor.device} in {tensor.dtype}"
+                                + ("" if want == dtype else f" (pinned to {want})"))
         problems += [
             f"{component}.{n} has an accelerate hook"
             for n, m in module.named_modules()

@@ -10,9 +10,11 @@ What each mode moves:
   newcomer would not fit. A component is never left half on each device.
 * **sequential**: each leaf module's own tensors, copied to the GPU for its forward and
   dropped after; the CPU tensor stays the storage, so nothing is copied back.
-* **group**: whole blocks (a down block, an encoder layer) streamed like `sequential`, with the
-  next block of the same list copied ahead on a side CUDA stream. Our own rather than
-  diffusers' group offloading, which needs accelerate and keeps pinned copies of every weight.
+* **group**: whole blocks (a down block, an encoder layer; `blocks`: what executes, a family may
+  state its own) streamed like `sequential`, with the next block copied ahead on a side CUDA
+  stream; tensors a component owns itself are streamed around the component's forward. Our own
+  rather than diffusers' group offloading, which needs accelerate and keeps pinned copies of
+  every weight.
 
 Every hook goes through the pipeline's `HookRegistry` under a constant name (`offload.inputs`,
 `offload.component`, `offload.stream`), so it runs in the registry's declared order beside LoRA
@@ -29,12 +31,15 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+from diffusers import DiffusionPipeline
 
 from app.engine import placement
 from app.engine.placement import PlacementPlan
+from app.families import family_of
 from app.hooks import HookRegistry, ModelHook
 from app.settings import OFFLOAD_CHOICES
 
@@ -103,8 +108,8 @@ class ModelOffload(OffloadStrategy):
                 self._on_device.move_to_end(name)
                 return
             self._make_room(name)
-            component = placement.torch_components(self.pipe)[name]
-            placement.move_component(component, name, self.plan.components[name].compute, reason=f"{self.mode}: onload")
+            component, plan = placement.torch_components(self.pipe)[name], self.plan.components[name]
+            placement.move_component(component, name, plan.compute, reason=f"{self.mode}: onload", pinned=plan.pinned)
             self._on_device[name] = None
         return pre_hook
 
@@ -117,8 +122,8 @@ class ModelOffload(OffloadStrategy):
         super().remove()
 
     def _evict(self, name: str) -> None:
-        component = placement.torch_components(self.pipe)[name]
-        placement.move_component(component, name, self.plan.components[name].rest, reason=f"{self.mode}: evict")
+        component, plan = placement.torch_components(self.pipe)[name], self.plan.components[name]
+        placement.move_component(component, name, plan.rest, reason=f"{self.mode}: evict", pinned=plan.pinned)
         del self._on_device[name]
 
     def settle(self) -> None:
@@ -169,14 +174,14 @@ class SequentialOffload(OffloadStrategy):
             # that casts activations to a neighbour's dtype (T5's `.to(self.wo.weight.dtype)`) hands
             # this module the resting dtype: its floating inputs are brought to the compute dtype.
             cast = _inputs_to(plan.compute, True) if plan.rest.dtype != plan.compute.dtype else None
-            for module in component.modules():
+            for path, module in component.named_modules():
                 if module._parameters or module._buffers:
-                    self.hooks.add(module, ModelHook("offload.stream", pre=self._onload(plan.compute, cast),
-                                                     after=self._offload))
+                    onload = self._onload(plan.compute, plan.pinned_in(path), cast)
+                    self.hooks.add(module, ModelHook("offload.stream", pre=onload, after=self._offload))
 
-    def _onload(self, compute: placement.Placement, cast):
+    def _onload(self, compute: placement.Placement, pinned: dict[str, torch.dtype], cast):
         def pre_hook(module, args, kwargs):
-            self._stashes[id(module)] = placement.stream_in(module, compute)
+            self._stashes[id(module)] = placement.stream_in(module, compute, pinned)
             return None if cast is None else cast(module, args, kwargs)
         return pre_hook
 
@@ -217,15 +222,37 @@ def _inputs_to(compute: placement.Placement, cast: bool):
     return pre_hook
 
 
-def _blocks(component: torch.nn.Module) -> list[torch.nn.Module]:
-    """A component's groups: every element of its ModuleList children, every other child whole."""
+# Containers whose own forward never runs: their elements are called (`blocks[i](x)`,
+# `embedders[key](x)`), so a hook on the container itself would never fire.
+_NO_FORWARD = (torch.nn.ModuleList, torch.nn.ModuleDict)
+# Tensor containers: their tensors are read by the forward of the module holding them.
+_TENSORS_ONLY = (torch.nn.ParameterList, torch.nn.ParameterDict)
+
+
+def blocks(component: torch.nn.Module) -> list[torch.nn.Module]:
+    """The generic groups of a component for `group` offload: what executes. Each child is a group
+    whole, except a container whose own forward never runs (a ModuleList, a ModuleDict): its
+    elements are, recursively. Tensor containers are no group (see `own_tensors`)."""
     groups = []
     for child in component.children():
-        if isinstance(child, torch.nn.ModuleList):
-            groups.extend(child)
-        else:
+        if isinstance(child, _NO_FORWARD):
+            groups.extend(blocks(child))
+        elif not isinstance(child, _TENSORS_ONLY):
             groups.append(child)
     return groups
+
+
+def family_blocks(pipe) -> Callable[[str, torch.nn.Module], list[torch.nn.Module]] | None:
+    """The family's own grouping (`Family.blocks`); None for the generic rule, which is also the rule for
+    a holder that is no family's pipeline (the upscaler slot's one component)."""
+    return family_of(pipe).blocks if isinstance(pipe, DiffusionPipeline) else None
+
+
+def own_tensors(component: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose tensors a component's own forward reads outside its groups: the component
+    itself (Z-Image's pad tokens) and its tensor containers; streamed around the component's forward."""
+    owners = [component, *(c for c in component.children() if isinstance(c, _TENSORS_ONLY))]
+    return [m for m in owners if any(t is not None for t in (*m._parameters.values(), *m._buffers.values()))]
 
 
 class GroupOffload(OffloadStrategy):
@@ -242,23 +269,30 @@ class GroupOffload(OffloadStrategy):
     def __init__(self, pipe, plan: PlacementPlan, hooks: HookRegistry) -> None:
         super().__init__(pipe, plan, hooks)
         self._stashes: dict[int, list[tuple[torch.nn.Module, dict[str, torch.Tensor]]]] = {}
+        self._members: dict[int, list[tuple[torch.nn.Module, dict[str, torch.dtype]]]] = {}  # group -> what it streams
         self._ready: dict[int, object] = {}
         self._next: dict[int, torch.nn.Module] = {}
         self._last: dict[str, torch.nn.Module] = {}
         self._stream = torch.cuda.Stream(plan.device) if plan.device.type == "cuda" else None
 
     def install(self) -> None:
+        """One `offload.stream` hook per group (the family's `blocks`, else the generic `blocks`) and,
+        where the component owns tensors outside its groups, one on the component for those."""
         self._move_inputs_at_entry()
+        grouping = family_blocks(self.pipe)
         for name, component in placement.torch_components(self.pipe).items():
-            if component._parameters or component._buffers:
-                raise ValueError(f"group offload: {name} owns tensors outside its blocks; use sequential")
-            compute = self.plan.components[name].compute
-            for group in _blocks(component):
-                self.hooks.add(group, ModelHook("offload.stream", pre=self._onload(name, compute), after=self._offload))
+            plan, paths = self.plan.components[name], {id(m): p for p, m in component.named_modules()}
+            groups = [(g, list(g.modules())) for g in (grouping(name, component) if grouping else blocks(component))]
+            owners = own_tensors(component)
+            for group, members in [*groups, *([(component, owners)] if owners else [])]:
+                self._members[id(group)] = [(m, plan.pinned_in(paths[id(m)])) for m in members]
+                self.hooks.add(group, ModelHook("offload.stream", pre=self._onload(name, plan.compute),
+                                                after=self._offload))
 
     def _stream_group(self, group: torch.nn.Module, compute: placement.Placement) -> None:
         if id(group) not in self._stashes:
-            self._stashes[id(group)] = [(m, placement.stream_in(m, compute)) for m in group.modules()]
+            self._stashes[id(group)] = [(m, placement.stream_in(m, compute, pinned))
+                                        for m, pinned in self._members[id(group)]]
 
     def _onload(self, component: str, compute: placement.Placement):
         def pre_hook(group, _args, _kwargs):
@@ -270,7 +304,7 @@ class GroupOffload(OffloadStrategy):
             if event is not None:
                 current = torch.cuda.current_stream(compute.device)
                 current.wait_event(event)
-                for module in group.modules():  # copied on the side stream, read on this one
+                for module, _pinned in self._members[id(group)]:  # copied on the side stream, read on this one
                     for tensor in (*module._parameters.values(), *module._buffers.values()):
                         if tensor is not None and tensor.device.type == "cuda":
                             tensor.record_stream(current)
@@ -301,6 +335,7 @@ class GroupOffload(OffloadStrategy):
     def remove(self) -> None:
         self.settle()
         self._next.clear()
+        self._members.clear()
         super().remove()
 
 

@@ -100,18 +100,28 @@ class Placement:
         return f"{self.device}/{dtype_name(self.dtype)}{layout}"
 
 
+Pinned = Mapping[tuple[str, str], torch.dtype]  # (module path, tensor name) -> the dtype it keeps
+
+
 @dataclass(frozen=True)
 class ComponentPlan:
     """Where one component's tensors live at rest and while its forward runs. `stored` names the
-    layers whose weight rests in a storage dtype (fp8) instead, whatever the placement's dtype."""
+    layers whose weight rests in a storage dtype (fp8) instead, whatever the placement's dtype;
+    `pinned` the tensors that keep their family's pinned dtype at rest and at compute
+    (`Family.pinned_dtypes`: RoPE `inv_freq` in fp32)."""
 
     rest: Placement
     compute: Placement
     stored: Mapping[str, torch.dtype] = dataclasses.field(default_factory=dict)
+    pinned: Pinned = dataclasses.field(default_factory=dict)
 
     @property
     def offloaded(self) -> bool:
         return self.rest != self.compute
+
+    def pinned_in(self, module: str) -> dict[str, torch.dtype]:
+        """The pinned tensors of one module (path in the component), by tensor name."""
+        return {tensor: dtype for (path, tensor), dtype in self.pinned.items() if path == module}
 
 
 @dataclass(frozen=True)
@@ -134,10 +144,12 @@ class PlacementPlan:
         return plan.compute if component in self.resident else plan.rest
 
     def expected_for(self, component: str, module: str, tensor: str) -> Placement:
-        """Placement one tensor must have at rest: a stored-in-8-bit weight keeps its storage dtype."""
-        want = self.expected(component)
-        stored = self.components[component].stored.get(module) if tensor == "weight" else None
-        return want if stored is None else dataclasses.replace(want, dtype=stored)
+        """Placement one tensor must have at rest: a stored-in-8-bit weight keeps its storage dtype,
+        a pinned tensor its pinned dtype."""
+        want, plan = self.expected(component), self.components[component]
+        stored = plan.stored.get(module) if tensor == "weight" else None
+        kept = plan.pinned.get((module, tensor), stored)
+        return want if kept is None else dataclasses.replace(want, dtype=kept)
 
     def with_resident(self, names: frozenset[str]) -> PlacementPlan:
         return dataclasses.replace(self, resident=frozenset(names))
@@ -239,7 +251,11 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
         layout = conv_format if name in fam.conv_components else None
         compute = Placement(device, comp_dtype, layout)
         rest = Placement(cpu, rest_dtype or comp_dtype, layout) if moves_weights else compute
-        plans[name] = ComponentPlan(rest=rest, compute=compute, stored=dict((stored or {}).get(name, {})))
+        pinned = {(path, tensor): kept for path, module in component.named_modules()
+                  for tensor, value in (*module._parameters.items(), *module._buffers.items())
+                  if value is not None and (kept := fam.pinned_dtype(name, path, tensor)) is not None}
+        plans[name] = ComponentPlan(rest=rest, compute=compute, stored=dict((stored or {}).get(name, {})),
+                                    pinned=pinned)
     return PlacementPlan(device=device, dtype=dtype, offload=offload, components=plans)
 
 
@@ -285,35 +301,48 @@ def component_bytes(component: torch.nn.Module) -> int:
     return _bytes(list(component.parameters()) + list(component.buffers()))
 
 
-def move_component(component: torch.nn.Module, name: str, want: Placement, *, reason: str) -> None:
-    """Move a whole component (every parameter and buffer) to `want`; logs the move for move-debug."""
+def _pinned_at(want: Placement, pinned: Mapping[str, torch.dtype], tensor: str) -> Placement:
+    """`want` for one tensor of a module whose pinned tensors are `pinned` (by tensor name)."""
+    return want if tensor not in pinned else dataclasses.replace(want, dtype=pinned[tensor])
+
+
+def move_component(component: torch.nn.Module, name: str, want: Placement, *, reason: str,
+                   pinned: Pinned | None = None) -> None:
+    """Move a whole component (every parameter and buffer) to `want`, `pinned` tensors (by module path
+    and name) to their own dtype; logs the move for move-debug."""
     started = time.perf_counter()
-    tensors = [(m, n, p is not None and n in m._parameters) for m in component.modules()
+    pinned = pinned or {}
+    tensors = [(m, n, p is not None and n in m._parameters, pinned.get((path, n)))
+               for path, m in component.named_modules()
                for n, p in (*m._parameters.items(), *m._buffers.items()) if p is not None]
     moved, sources = 0, set()
-    for module, tensor_name, is_param in tensors:
+    for module, tensor_name, is_param, kept in tensors:
         tensor = module._parameters[tensor_name] if is_param else module._buffers[tensor_name]
-        if not _matches(tensor, want):
+        target = want if kept is None else dataclasses.replace(want, dtype=kept)
+        if not _matches(tensor, target):
             moved += tensor.numel() * tensor.element_size()
             sources.add(_describe(tensor))
-            _move_tensor(module, tensor_name, is_param, want)
+            _move_tensor(module, tensor_name, is_param, target)
     if moved:
         log.debug("move %s: %s -> %s, %.1f MiB in %.1f ms (%s)", name, "+".join(sorted(sources)), want,
                   moved / 2**20, (time.perf_counter() - started) * 1e3, reason)
 
 
-def stream_in(module: torch.nn.Module, want: Placement) -> dict[str, torch.Tensor]:
-    """Point a leaf module's own tensors at copies on the compute device; returns the at-rest
-    tensors so `stream_out` can point back to them without copying anything back."""
-    stash = {}
+def stream_in(module: torch.nn.Module, want: Placement,
+              pinned: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    """Point a module's own tensors at copies on the compute device (`pinned` ones, by tensor name,
+    in their own dtype); returns the at-rest tensors so `stream_out` can point back to them without
+    copying anything back."""
+    stash, pinned = {}, pinned or {}
     for store in (module._parameters, module._buffers):
         for name, tensor in store.items():
-            if tensor is not None and not _matches(tensor, want):
+            target = _pinned_at(want, pinned, name)
+            if tensor is not None and not _matches(tensor, target):
                 stash[name] = tensor.data
                 if store is module._parameters:
-                    tensor.data = _moved(tensor.data, want)
+                    tensor.data = _moved(tensor.data, target)
                 else:
-                    store[name] = _moved(tensor, want)
+                    store[name] = _moved(tensor, target)
     return stash
 
 
@@ -348,7 +377,7 @@ def sync(pipe, plan: PlacementPlan, *, reason: str = "sync") -> int:
 def apply_plan(pipe, plan: PlacementPlan, *, reason: str) -> None:
     """Bring every component to its at-rest placement; a final verify proves nothing was left behind."""
     for name, component in torch_components(pipe).items():
-        move_component(component, name, plan.expected(name), reason=reason)
+        move_component(component, name, plan.expected(name), reason=reason, pinned=plan.components[name].pinned)
     leftovers = verify(pipe, plan)
     if leftovers:
         raise PlacementError(f"{len(leftovers)} tensors not at their planned placement, e.g. {leftovers[0]}")

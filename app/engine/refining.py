@@ -74,18 +74,18 @@ class Refining:
         cut = {"denoising_end": params.refiner_switch_at} if refiner_steps else {}
 
         def base_pass():
-            stages.check_txt2img(self._lifecycle.pipeline)
             kept["params"] = stripped = self._with_loras(params, passes)
             latents, stopped = self._denoise_run(base_steps, job, f"base pass, {phase}", lambda on_step: (
-                self._lifecycle.run_on_model(lambda pipe: generate.denoise(
-                    pipe, stripped, first, on_step, base_steps, width=params.width, height=params.height, **cut),
-                    _size(params))))
-            carry.put(self._lifecycle.plan, latents=latents)
+                self._lifecycle.run_on_model(lambda pipe: stages.txt2img_latents(
+                    pipe, self._lifecycle.stage_for, stripped, first, on_step, base_steps, **cut), _size(params))))
+            carry.clear()  # no step completed: nothing is carried, nothing decoded
+            if latents is not None:
+                carry.put(self._lifecycle.plan, latents=latents)
             return stopped
 
         stopped = self._stage("txt2img", f"base pass {base_steps} of {params.steps} steps, seed {first}", base_pass)
         if stopped is not None or not refiner_steps:  # stopped early, or no step left for the refiner
-            return self._decode_carried(params), stopped
+            return (self._decode_carried(params) if "latents" in carry else []), stopped
         self._stage("refiner load", params.refiner_checkpoint, lambda: self._refiner_in(params, named))
         try:
             return self._stage("refiner", f"{refiner_steps} steps from {params.refiner_switch_at:g}",
@@ -127,6 +127,8 @@ class Refining:
                 _size(params), stage="img2img")
 
         refined, stopped = self._denoise_run(total, job, f"refiner, {phase}", run)
+        if refined is None:  # stopped before the refiner's first step completed
+            return [], stopped
         return refiner.run_on_model(lambda pipe: generate.decode(pipe, refined), _size(params)), stopped
 
     def _refiner_out(self) -> None:

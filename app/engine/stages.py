@@ -23,6 +23,7 @@ import torch
 from app.engine import generate, image_ops, placement
 from app.engine.generate import GenerateParams, StepCallback
 from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS, HiresParams, InitImages
+from app.families import family_of
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +72,32 @@ class Carry:
 
 def inpainting_checkpoint(pipe) -> bool:
     """Does the denoiser also read the mask and the masked-image latents (an SD inpainting checkpoint's
-    9-channel UNet)? A transformer family (Flux) has no such variant here."""
-    unet = getattr(pipe, "unet", None)
-    return unet is not None and unet.config.in_channels != pipe.vae.config.latent_channels
+    9-channel UNet)? The family says (`Family.inpainting`)."""
+    return family_of(pipe).inpainting(pipe)
 
 
-def check_txt2img(pipe) -> None:
-    """txt2img denoises bare latents: an inpainting checkpoint's UNet (9 input channels) would be fed
-    9-channel noise and fail deep in the scheduler. Refused by name instead."""
-    if inpainting_checkpoint(pipe):
-        raise ValueError(f"this is an inpainting checkpoint (its UNet takes {pipe.unet.config.in_channels} "
-                         "channels): use it on the img2img tab (img2img or inpaint), or load a regular checkpoint "
-                         "for txt2img")
+def txt2img_latents(pipe, stage_for, params: GenerateParams, seed: int, on_step: StepCallback | None = None,
+                    total: int | None = None, **inputs) -> torch.Tensor | None:
+    """txt2img's denoised latents (None: stopped before a step completed); `total` and `inputs` as
+    `generate.denoise` takes them (the refiner's base pass stops at `denoising_end`). An inpainting
+    checkpoint (its denoiser also reads a mask and the masked-image latents) runs as A1111 runs it:
+    its conditioning is a blank picture (0.5 grey) masked whole, and the `stage_for("inpaint")`
+    pipeline denoises from pure noise (strength 1)."""
+    total = params.steps if total is None else total
+    if not inpainting_checkpoint(pipe):
+        return generate.denoise(pipe, params, seed, on_step, total, width=params.width, height=params.height,
+                                **inputs)
+    blank = unmasked_inputs(pipe, params, seed)
+    return denoise_stage(stage_for("inpaint"), params, seed, on_step, total, 1.0, blank["masked_image_latents"],
+                         **blank, **inputs)
+
+
+def unmasked_inputs(pipe, params: GenerateParams, seed: int) -> dict[str, torch.Tensor]:
+    """What an inpainting checkpoint reads beside the latents where the user masked nothing (txt2img,
+    the hires pass), as A1111 feeds it: the whole picture masked and a blank (0.5 grey) masked image."""
+    grey = torch.zeros(params.batch, 3, params.height, params.width)  # 0.5 in [0, 1] is 0 in [-1, 1]
+    blank = _encode_pixels(pipe, grey, seed)
+    return {"mask_image": torch.ones(1, 1, *blank.shape[-2:], device=blank.device), "masked_image_latents": blank}
 
 
 def stage_on(pipe, fam, cache: dict[str, object], kind: str):
@@ -116,23 +131,20 @@ def encode(pipe, images: list, seed: int) -> torch.Tensor:
     """Images -> scaled latents, (batch, channels, h, w): on the execution device in the VAE's compute
     dtype (as `decode`), one image at a time with its own generator (image i seeded `seed + i`, so an
     image does not depend on its batch position). Under offload the VAE's hooks bring the encoder in.
-    The inverse of `generate.decode`'s scaling: SDXL-style per-channel mean/std, else Flux's shift
-    (0 for SD) and the scaling factor."""
+    The inverse of `generate.decode`'s scaling (`Family.latents_from_vae`)."""
+    return _encode_pixels(pipe, image_ops.to_tensor(images), seed)
+
+
+def _encode_pixels(pipe, pixels: torch.Tensor, seed: int) -> torch.Tensor:
+    """(batch, 3, h, w) pixels in [-1, 1] -> scaled latents (see `encode`)."""
     vae = pipe.vae
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
-    pixels = image_ops.to_tensor(images).to(device=pipe._execution_device, dtype=dtype)
-    config = vae.config
+    pixels = pixels.to(device=pipe._execution_device, dtype=dtype)
     latents = []
     with torch.no_grad():
-        for i, generator in enumerate(generate.seed_generators(seed, len(images))):
+        for i, generator in enumerate(generate.seed_generators(seed, len(pixels))):
             latents.append(vae.encode(pixels[i:i + 1]).latent_dist.sample(generator).float())
-    out = torch.cat(latents)
-    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-    if mean is not None and std is not None:
-        mean_t = torch.tensor(mean, device=out.device).view(1, -1, 1, 1)
-        std_t = torch.tensor(std, device=out.device).view(1, -1, 1, 1)
-        return (out - mean_t) * config.scaling_factor / std_t
-    return (out - (getattr(config, "shift_factor", None) or 0.0)) * config.scaling_factor
+    return family_of(pipe).latents_from_vae(vae, torch.cat(latents))
 
 
 def upscale_latents(latents: torch.Tensor, hires: HiresParams, size: tuple[int, int], factor: int) -> torch.Tensor:
@@ -187,7 +199,7 @@ def inpaint_inputs(pipe, source: InitImages, params: GenerateParams, seed: int,
 
 
 def denoise_stage(pipe, params: GenerateParams, seed: int, on_step: StepCallback, total: int,
-                  strength: float, latents: torch.Tensor, **inputs) -> torch.Tensor:
+                  strength: float, latents: torch.Tensor, **inputs) -> torch.Tensor | None:
     """The img2img/inpaint pass: our `generate.denoise` on a stage pipeline, started from the spatial
     `latents` (the pipeline casts them to its dtype, adds noise for `strength` from the seed's
     generators and, for Flux, packs them into patches)."""

@@ -42,7 +42,8 @@ def layers_to_store(pipe, family: Family, weights: str) -> Stored:
     out: Stored = {}
     for component in family.components:
         for path, module in getattr(pipe, component).named_modules():
-            if isinstance(module, _STORABLE) and not (family.high_precision and keep.search(path)):
+            pinned = family.pinned_dtype(component, path, "weight") is not None
+            if isinstance(module, _STORABLE) and not pinned and not (family.high_precision and keep.search(path)):
                 out.setdefault(component, {})[path] = dtype
     return out
 

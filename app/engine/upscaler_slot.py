@@ -172,20 +172,15 @@ class UpscalerSlot:
         return PlacementPlan(self._device, dtype, mode, {COMPONENT: ComponentPlan(rest=rest, compute=compute)})
 
     def _place(self, loaded: _Loaded, plan: PlacementPlan, reason: str) -> None:
-        """Take the old strategy's hooks off, apply `plan`, install its mode's hooks (group offload on a
-        model that owns tensors outside its blocks streams per layer instead, as sequential)."""
+        """Take the old strategy's hooks off, apply `plan`, install its mode's hooks (group offload streams
+        tensors the model owns outside its blocks around its forward, as on a diffusion model)."""
         if loaded.strategy is not None:
             loaded.strategy.remove()
             loaded.strategy = None
         placement.apply_plan(loaded.parts, plan, reason=reason)
         strategy = offload.make_strategy(loaded.parts, plan, loaded.hooks, self._settings.vram_budget_gib,
                                          self._settings.balanced_watermark)
-        try:
-            strategy.install()
-        except ValueError:
-            strategy.remove()
-            strategy = offload.SequentialOffload(loaded.parts, plan, loaded.hooks)
-            strategy.install()
+        strategy.install()
         loaded.plan, loaded.strategy = plan, strategy
 
     # ------------------------------------------------------------------ running

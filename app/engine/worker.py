@@ -205,10 +205,14 @@ class Engine(Generating, Workflows, Refining, Upscaling):
                            lambda: self._lifecycle.inspect(name, self._read_lora(name)), record=False).result()
 
     def set_debug(self, *, lora_debug: bool | None = None, move_debug: bool | None = None,
-                  strict: bool | None = None) -> Settings:
-        """Debug toggles take effect at once (they touch no tensor, so no queueing)."""
-        changes = {k: v for k, v in {"lora_debug": lora_debug, "move_debug": move_debug,
-                                     "strict": strict}.items() if v is not None}
+                  strict: bool | None = None, strict_forwards: bool | None = None) -> Settings:
+        """Debug toggles take effect at once: logging and strict need no queueing (they touch no
+        tensor); strict forwards add or remove hooks, so that one is a command of the worker's."""
+        changes = {k: v for k, v in {"lora_debug": lora_debug, "move_debug": move_debug, "strict": strict,
+                                     "strict_forwards": strict_forwards}.items() if v is not None}
+        if strict_forwards is not None and strict_forwards != self.settings.strict_forwards:
+            self.submit("strict_forwards", "on" if strict_forwards else "off", self._state,
+                        lambda: self._lifecycle.set_strict_forwards(strict_forwards), record=False).result()
         self.settings = self.settings.replace(**changes)
         diagnostics.set_debug_logging(self.settings.lora_debug, self.settings.move_debug)
         return self.settings

@@ -156,11 +156,10 @@ class Workflows:
         second = hires.second_pass(params, self._size_multiple())
 
         def first_pass():
-            stages.check_txt2img(self._lifecycle.pipeline)
             stripped = self._with_loras(params, passes)
             latents, stopped = self._denoise_run(params.steps, job, f"first pass, {phase}", lambda on_step: (
-                self._lifecycle.run_on_model(lambda pipe: generate.denoise(
-                    pipe, stripped, first, on_step, width=params.width, height=params.height), _size(params))))
+                self._lifecycle.run_on_model(lambda pipe: stages.txt2img_latents(
+                    pipe, self._lifecycle.stage_for, stripped, first, on_step), _size(params))))
             carry.clear()  # no step completed: nothing is carried, nothing decoded
             if latents is not None:
                 carry.put(plan(), latents=latents)
@@ -190,9 +189,13 @@ class Workflows:
 
         def second_pass():
             stripped = self._with_loras(second, passes)
-            return self._denoise_and_decode(stripped, "img2img", first, hires.steps_run(params),
-                                            hires.denoising_strength, job, f"hires pass, {phase}",
-                                            latents=carry.get("latents"))
+            kind, inputs = "img2img", {"latents": carry.get("latents")}
+            if stages.inpainting_checkpoint(self._lifecycle.pipeline):  # as A1111: masked whole, a blank picture
+                kind = "inpaint"
+                inputs.update(self._lifecycle.run_on_model(lambda pipe: stages.unmasked_inputs(pipe, second, first),
+                                                           _size(second)))
+            return self._denoise_and_decode(stripped, kind, first, hires.steps_run(params), hires.denoising_strength,
+                                            job, f"hires pass, {phase}", **inputs)
 
         return self._stage("hires fix", f"{second.steps} steps at {hires.denoising_strength:g} "
                                         f"{second.width}x{second.height}", second_pass)

@@ -1,32 +1,54 @@
-"""Model families as plug-ins: each file states what the engine needs to know about one family.
+"""Model families as plug-ins: a family is one file in this package, found by the registry.
 
 Why: SD1.5 and SDXL used to be spelled out in a dozen dicts and `if arch == "sdxl"` ladders
 (configs, tokenizers, checkpoint markers, pipeline classes, text-encoder prefixes for single files
-and for LoRA keys, embedding layouts). A family now says all of that once, and the loader, the
-LoRA key table, the embedding loader, the demo and the tests read it from here, so a new family
-(Flux, Z-Image, …) is one new file plus its tests.
+and for LoRA keys, embedding layouts, demo configs, LoRA metadata, preview factors). A family now
+says all of that once, as data and small callables on `Family`, and generic code asks the family;
+it never branches on a family's name. Every registered family is held to the same proof by one
+conformance suite (`tests/families/`), which runs with strict forwards on (`app/engine/strict.py`).
 
-Block grouping for `group` offload needs no family entry yet: the generic rule in
-`app/engine/offload.py` (each element of a ModuleList child, other children whole) is right for
-every family here.
+How to add a family (Z-Image, Flux.2 Klein, …), in five lines:
+
+1. Write `app/families/<name>.py` with a `Family(...)` and export it: `FAMILIES = (MY_FAMILY,)`
+   (the registry imports every module here that has `FAMILIES`; no list to edit elsewhere).
+2. State its pipeline classes (`pipeline_class`, `stage_pipelines`: subclasses of diffusers' with
+   `app.engine.pipelines.EnginePipeline` first), component classes and `tiny_configs` (the demo
+   and the tests build random-weight models from them), and bundle offline configs in `assets/`.
+3. State what differs from the defaults: text encoders, checkpoint markers and `parts` (single
+   files), samplers, guidance (range, `guidance_call`), `pinned_dtypes` (RoPE `inv_freq` in fp32),
+   `blocks` (group offload), `takes_embeddings`, `preview_rgb`, adapter markers and LoRA targets.
+4. Run `python -m pytest -n 0 tests/families`: the conformance suite parametrises itself over the
+   registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, stages).
+5. Add a test file for the family's native file formats only, and its README section.
+
+Detection order: single files are matched by `checkpoint_markers`; where several families match
+(FLUX.1 dev's markers are schnell's plus the guidance embedder), the one with the most markers wins,
+so no family depends on import order. Folders are matched by `diffusers_pipeline` and
+`folder_config`. Within a module, `FAMILIES` is the order the registry lists them in; modules are
+read in name order.
 
 What varies by family beyond names: the denoiser component (`unet`, or `transformer` for DiTs),
 how a single file is read (diffusers' own single-file loader for SD, or `parts`: components the
 engine assembles from an all-in-one file or from separate files, as Flux ships), the samplers,
 guidance (CFG, or Flux-dev's distilled guidance: no negative prompt), the T5 sequence length,
-defaults (steps, guidance, size) and the size multiple.
+defaults (steps, guidance, sampler; the size is the loaded model's native size) and the size multiple.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import importlib
 import json
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import torch
 from diffusers import (
+    AutoencoderKL,
     DDIMScheduler,
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
@@ -91,12 +113,47 @@ class ComponentFile:
 
 
 @dataclass(frozen=True)
+class LatentStats:
+    """How a VAE's raw latents relate to the ones the denoiser works on, per channel or for all:
+    denoised = (raw - mean) * scale / std, raw = denoised * std / scale + mean. SD: mean 0, std 1;
+    Flux: mean = the VAE's shift factor; VAEs with `latents_mean`/`latents_std` use those."""
+
+    scale: float
+    mean: float | tuple[float, ...] = 0.0
+    std: float | tuple[float, ...] = 1.0
+
+
+def vae_latent_stats(config) -> LatentStats:
+    """The rule diffusers' pipelines apply, read from the VAE's config (the default `latent_stats`)."""
+    mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+    if mean is not None and std is not None:
+        return LatentStats(config.scaling_factor, tuple(mean), tuple(std))
+    return LatentStats(config.scaling_factor, getattr(config, "shift_factor", None) or 0.0)
+
+
+def _per_channel(value: float | tuple[float, ...], like: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(value, tuple):
+        return torch.tensor(value, device=like.device, dtype=like.dtype).view(1, -1, 1, 1)
+    return value
+
+
+# (factors: one RGB row per latent channel, RGB bias): the live preview's linear map (app/preview.py)
+PreviewFactors = tuple[tuple[tuple[float, float, float], ...], tuple[float, float, float]]
+# Architectures whose LoRAs exist but that no family here runs: (LoRA arch, badge, metadata markers),
+# so a LoRA card and a refusal can still say what a file was made for.
+FOREIGN_ADAPTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("sd2", "SD2", ("sd_v2", "stable-diffusion-v2", "v2")),
+    ("sd3", "SD3", ("sd3", "stable-diffusion-3")),
+)
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything family-specific; see the module docstring."""
 
     name: str  # "sd15": what snapshots, LoRA metadata hints and the UI call it
     label: str  # "SD1.5"
-    pipeline_class: type  # our pipeline subclass (app/engine/pipelines.py)
+    pipeline_class: type  # our pipeline subclass (EnginePipeline first)
     diffusers_pipeline: str  # `_class_name` in a diffusers folder's model_index.json
     text_encoders: tuple[TextEncoder, ...]
     checkpoint_markers: tuple[str, ...]  # keys a single file must hold to be this family
@@ -116,6 +173,12 @@ class Family:
     size_multiple: int = 8  # width and height are rounded to this (the VAE's downscale factor)
     denoiser: str = "unet"  # the denoising component: "unet", or "transformer" for DiTs
     denoiser_class: type = UNet2DConditionModel
+    vae_class: type = AutoencoderKL
+    # Component configs of a tiny random-weight model of this family, by component: what the demo
+    # writes (app/demo.py) and every test builds. Keep the real structure, at a CPU-friendly size.
+    tiny_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    tiny_inpainting_channels: int | None = None  # the demo also writes an inpainting checkpoint with these
+    layouts: tuple[str, ...] = ("file", "folder")  # checkpoint layouts it loads: single file, diffusers folder
     # Components built of 2-D convolutions, whose 4-D weights may rest channels_last (`--channels-last`);
     # text encoders have none, nor has a DiT's transformer (its patch embedding is a linear layer).
     conv_components: tuple[str, ...] = ("unet", "vae")
@@ -124,12 +187,41 @@ class Family:
     samplers: Samplers = field(default_factory=lambda: SD_SAMPLERS)
     default_steps: int = 20
     default_guidance: float = 7.0
+    guidance_range: tuple[float, float] = (1.0, 30.0)  # what the CFG field takes for this family
+    guidance_label: str = "CFG scale"  # what the page calls the field
+    # guidance value -> pipeline-call arguments; None: `guidance_scale=value` (CFG, or Flux's distilled guidance)
+    guidance_call: Callable[[float], dict[str, object]] | None = None
     distilled_guidance: bool = False  # guidance is an input of the model (Flux dev), not CFG
     fp16_ok: bool = True  # False: activations overflow fp16 (Flux); an fp16 request is refused with why
     negative_prompt: bool = True  # False: the pipeline has no unconditional pass to use one in
     max_sequence_length: int | None = None  # T5 tokens per prompt, where the family has T5
-    adapter_arch: str = ""  # what LoRA metadata calls the architecture ("flux" for dev and schnell)
+    # Textual-inversion embeddings (A1111's `embeddings/`): the file holds one tensor per text
+    # encoder under `TextEncoder.embedding_key`. False: the folder is not read for this family.
+    takes_embeddings: bool = True
+    # Tensors that keep their own dtype whatever the model's: fnmatch patterns over
+    # "component.module.tensor" -> dtype (RoPE `inv_freq` in fp32). The load check, the placement
+    # plan, every move, streaming and verify honour them.
+    pinned_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    # A component's groups for `group` offload: None is the generic rule (app/engine/offload.py:
+    # what executes: ModuleList/ModuleDict elements, other children whole, tensors the component
+    # owns itself around its forward); a callable (component name, module) -> [modules] replaces it.
+    blocks: Callable[[str, torch.nn.Module], list[torch.nn.Module]] | None = None
+    latent_stats: Callable[[Any], LatentStats] = vae_latent_stats  # VAE config -> LatentStats
+    preview_rgb: PreviewFactors | None = None  # None: no live preview of the latents
+    # Does this loaded pipeline's denoiser read a mask and masked-image latents (an inpainting checkpoint)?
+    inpainting: Callable[[Any], bool] = lambda pipe: False
+    # --- adapters: what LoRA metadata calls the architecture ("flux" for dev and schnell), its badge,
+    # and the metadata markers (substrings of kohya's `ss_base_model_version` / `modelspec.architecture`):
+    # the synthetic writer writes markers[0] and markers[1], `declared_architecture` and the LoRA
+    # card badge match any of them (the longest match over all families wins).
+    adapter_arch: str = ""
+    adapter_label: str = ""
+    adapter_markers: tuple[str, ...] = ()
+    kohya_ldm_names: bool = False  # kohya's sd-scripts name this UNet's layers with LDM names (SDXL)
+    lora_targets: tuple[str, ...] = ()  # module globs a test LoRA spreads over (every layer kind)
+    demo_lora_targets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the demo's style and detail LoRAs
     folder_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # tells variants' folders apart
+    # The side, in pixels, the loaded model was trained at: the size the page switches to on load.
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
     native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
     # Families whose checkpoints may finish this one's txt2img after a switch point (A1111's refiner):
@@ -138,10 +230,11 @@ class Family:
 
     @property
     def plain_pipeline_class(self) -> type:
-        """diffusers' own pipeline class for this family (files written with it load in any tool)."""
+        """diffusers' own pipeline class for this family (files written with it load in any tool);
+        our own class where diffusers has none of that name."""
         import diffusers
 
-        return getattr(diffusers, self.diffusers_pipeline)
+        return getattr(diffusers, self.diffusers_pipeline, self.pipeline_class)
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -151,6 +244,32 @@ class Family:
     @property
     def lora_arch(self) -> str:
         return self.adapter_arch or self.name
+
+    @property
+    def badge(self) -> str:
+        """The short name a LoRA card shows for adapters of this family's architecture."""
+        return self.adapter_label or self.label
+
+    def pinned_dtype(self, component: str, module: str, tensor: str) -> torch.dtype | None:
+        """The dtype `pinned_dtypes` holds this tensor in, or None (it follows the model's)."""
+        path = ".".join(p for p in (component, module, tensor) if p)
+        return next((d for pattern, d in self.pinned_dtypes.items() if fnmatch.fnmatchcase(path, pattern)), None)
+
+    def check_guidance(self, value: float) -> None:
+        """Refuse a guidance value outside this family's range, naming the range and the field."""
+        low, high = self.guidance_range
+        if not low <= value <= high:
+            raise ValueError(f"{self.label} takes {self.guidance_label} {low:g}…{high:g}, got {value:g}")
+
+    def latents_for_vae(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """Denoised latents -> what the VAE decodes (the one rule `decode` uses; `latents_from_vae` inverts it)."""
+        stats = self.latent_stats(vae.config)
+        return latents * _per_channel(stats.std, latents) / stats.scale + _per_channel(stats.mean, latents)
+
+    def latents_from_vae(self, vae, raw: torch.Tensor) -> torch.Tensor:
+        """What the VAE encoded -> the latents the denoiser works on (the inverse of `latents_for_vae`)."""
+        stats = self.latent_stats(vae.config)
+        return (raw - _per_channel(stats.mean, raw)) * stats.scale / _per_channel(stats.std, raw)
 
     def matches(self, keys: frozenset[str] | set[str]) -> bool:
         """Does a single file with these tensor names hold this family's markers?"""
@@ -163,7 +282,8 @@ class Family:
 
     def call_arguments(self, guidance: float) -> dict[str, object]:
         """The pipeline-call arguments that differ by family (the prompts go as embeddings: app/prompts)."""
-        out: dict[str, object] = {"guidance_scale": guidance}
+        call = self.guidance_call
+        out: dict[str, object] = {"guidance_scale": guidance} if call is None else dict(call(guidance))
         if self.max_sequence_length is not None:
             out["max_sequence_length"] = self.max_sequence_length
         return out
@@ -180,16 +300,38 @@ class Family:
         return out
 
 
-def _registry() -> Mapping[str, Family]:
-    from app.families.flux import FLUX_DEV, FLUX_SCHNELL
-    from app.families.sd15 import SD15
-    from app.families.sdxl import SDXL
+def discover() -> dict[str, Family]:
+    """Every family the modules of this package export (`FAMILIES = (...)` in a module), modules in
+    name order and each module's families in its own order. A name exported twice is a bug."""
+    found: dict[str, Family] = {}
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        for fam in getattr(importlib.import_module(f"{__name__}.{module}"), "FAMILIES", ()):
+            if fam.name in found:
+                raise ImportError(f"model family {fam.name!r} is exported twice (again by app/families/{module}.py)")
+            found[fam.name] = fam
+    return found
 
-    # Flux dev before schnell: dev's markers are schnell's plus the guidance embedder.
-    return {f.name: f for f in (SD15, SDXL, FLUX_DEV, FLUX_SCHNELL)}
+
+# The registry: a plain dict, so a test may register a family of its own for one test (monkeypatch).
+FAMILIES: dict[str, Family] = discover()
 
 
-FAMILIES: Mapping[str, Family] = _registry()
+def detect(keys: frozenset[str] | set[str]) -> Family | None:
+    """The family of a single file's tensor names: of the families whose markers it holds, the one
+    with the most markers (FLUX.1 dev's are schnell's plus the guidance embedder), else None."""
+    matching = [fam for fam in FAMILIES.values() if fam.matches(keys)]
+    return max(matching, key=lambda fam: len(fam.checkpoint_markers), default=None)
+
+
+def adapter_arch_of(text: str) -> tuple[str, str] | None:
+    """(LoRA architecture, badge) named by a LoRA's recorded base model (kohya's `ss_base_model_version`,
+    `modelspec.architecture`), families and foreign architectures alike; the longest marker found wins
+    ("sdxl_base_v1-0" holds both SDXL's "sdxl" and "v1"). None when no marker is in it."""
+    lowered = text.lower()
+    candidates = [(fam.lora_arch, fam.badge, m) for fam in FAMILIES.values() for m in fam.adapter_markers]
+    candidates += [(arch, badge, m) for arch, badge, markers in FOREIGN_ADAPTERS for m in markers]
+    found = [(len(marker), arch, badge) for arch, badge, marker in candidates if marker in lowered]
+    return max(found)[1:] if found else None
 
 
 def family_of_pipeline(class_name: str, folder: Path | None = None) -> Family | None:

@@ -19,14 +19,64 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    FluxImg2ImgPipeline,
+    FluxInpaintPipeline,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    StableDiffusionImg2ImgPipeline,
+)
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
-from app.engine.pipelines import SteadyFluxImg2ImgPipeline, SteadyFluxInpaintPipeline, SteadyFluxPipeline
+from app.engine.pipelines import EnginePipeline
+from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, ComponentFile, Family, TextEncoder
 from app.families.file_layout import FileTensor, module_parts
 from app.families.flux_layout import transformer_layout, xlabs_modules
 from app.families.ldm_layout import LYCORIS, clip_layout, vae_layout
+from app.families.tiny_parts import TINY_CLIP_L, TINY_VAE
+
+
+class _PackedPatches(EnginePipeline):
+    """Flux pipelines denoise 2×2 latent patches packed into a sequence."""
+
+    def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Unpack the (batch, h/2·w/2, 4·channels) sequence of 2×2 patches (FluxPipeline's own rule)."""
+        return self._unpack_latents(latents, height, width, self.vae_scale_factor)
+
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        """FluxPipeline's rule: whole 2×2 patches of latents."""
+        patch = self.vae_scale_factor * 2
+        return 2 * (int(height) // patch), 2 * (int(width) // patch)
+
+    def pack_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        """Spatial noise packed into the sequence of 2×2 patches the transformer denoises."""
+        return self._pack_latents(noise, *noise.shape)
+
+
+class SteadyFluxPipeline(_PackedPatches, VariedNoise, FluxPipeline):
+    """FLUX.1 pipeline whose execution device is set by the engine."""
+
+
+class _FluxStage(_PackedPatches):
+    """Flux's img2img and inpaint run int(steps × strength) steps, as SD's pipelines and A1111 do and
+    as the engine announces (`stage_params`: progress, the NaN check): diffusers' Flux rule skips
+    int(steps − steps × strength) steps instead, one step more at e.g. 3 × 0.7. SD's rule reads
+    only the scheduler, so it serves flow matching as it is."""
+
+    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+
+
+class SteadyFluxImg2ImgPipeline(_FluxStage, FluxImg2ImgPipeline):
+    """FLUX.1 img2img (and hires fix second pass) stage pipeline."""
+
+
+class SteadyFluxInpaintPipeline(_FluxStage, FluxInpaintPipeline):
+    """FLUX.1 inpaint stage pipeline (the regular transformer: the mask blends latents each step)."""
+
 
 T5_TOKENIZER_DIR = ASSETS_DIR / "t5_tokenizer"
 KOHYA_BFL = "kohya (BFL block names)"
@@ -92,6 +142,40 @@ def lora_aliases(transformer):
             yield f"{prefix}{alias.removesuffix('_lora')}", targets, XLABS
 
 
+# Tiny: two double and two single blocks (so block numbering and `group` offload see lists), heads
+# 2 x 8 with rope axes summing to 8, the real 16 latent channels (in_channels = 16 x 2 x 2 patches),
+# T5 with the real vocabulary (the bundled tokenizer).
+_TINY_T5 = dict(vocab_size=32128, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+_TINY_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=8,
+                         num_attention_heads=2, joint_attention_dim=_TINY_T5["d_model"],
+                         pooled_projection_dim=TINY_CLIP_L["hidden_size"], axes_dims_rope=(2, 2, 4))
+_TINY_VAE = dict(TINY_VAE, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                 use_post_quant_conv=False, force_upcast=True)
+# ComfyUI's published latent-preview fit for the 16-channel Flux latents (comfy/latent_formats.py, Flux)
+_PREVIEW = (((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433),
+             (-0.0174, 0.0160, 0.0617), (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115),
+             (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259), (-0.0245, 0.0250, 0.1180),
+             (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
+             (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499),
+             (-0.1262, -0.0982, -0.0778)), (-0.0329, -0.0718, -0.0851))
+# The same spread of layer kinds as SD's test LoRAs, on Flux's transformer (diffusers names):
+# attention q and output, the single blocks' MLP input and output projection, a modulation and an
+# embedder, and CLIP-L.
+_LORA_TARGETS = (
+    "transformer.transformer_blocks.0.attn.to_q", "transformer.transformer_blocks.*.attn.to_out.0",
+    "transformer.transformer_blocks.1.ff.net.2", "transformer.single_transformer_blocks.0.proj_mlp",
+    "transformer.single_transformer_blocks.*.proj_out", "transformer.transformer_blocks.0.norm1.linear",
+    "transformer.context_embedder",
+    "text_encoder.*layers.0.self_attn.q_proj", "text_encoder.*layers.0.mlp.fc1", "text_encoder.*layers.0.layer_norm1",
+)
+_DEMO_LORA_TARGETS = (
+    ("transformer.*attn.to_[qkv]", "transformer.*attn.to_out.0", "transformer.*attn.add_[qkv]_proj",
+     "text_encoder*.self_attn.*_proj", "text_encoder*.mlp.fc[12]"),
+    ("transformer.*ff.net.*", "transformer.*ff_context.net.*", "transformer.*proj_mlp"),
+)
+
 # No Flux Fill (a 384-channel inpainting transformer) here: inpaint blends the regular model's latents.
 _STAGES = MappingProxyType({"img2img": SteadyFluxImg2ImgPipeline, "inpaint": SteadyFluxInpaintPipeline})
 
@@ -127,8 +211,17 @@ def _family(name: str, label: str, dev: bool) -> Family:
         folder_config=MappingProxyType({"transformer/config.json": {"guidance_embeds": dev}}),
         native_size=lambda pipe: pipe.vae.config.sample_size,
         native_modules=lora_aliases,
+        tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev), "vae": _TINY_VAE,
+                                       "text_encoder": TINY_CLIP_L, "text_encoder_2": _TINY_T5}),
+        guidance_label="Distilled CFG Scale" if dev else "CFG scale",
+        preview_rgb=_PREVIEW,
+        adapter_label="Flux",
+        adapter_markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux"),
+        lora_targets=_LORA_TARGETS,
+        demo_lora_targets=_DEMO_LORA_TARGETS,
     )
 
 
 FLUX_DEV = _family("flux-dev", "FLUX.1-dev", dev=True)
 FLUX_SCHNELL = _family("flux-schnell", "FLUX.1-schnell", dev=False)
+FAMILIES = (FLUX_DEV, FLUX_SCHNELL)

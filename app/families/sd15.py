@@ -4,11 +4,27 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline, StableDiffusionPipeline
 from transformers import CLIPTextModel
 
-from app.engine.pipelines import SteadySDImg2ImgPipeline, SteadySDInpaintPipeline, SteadySDPipeline
+from app.engine.pipelines import EnginePipeline
+from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, Family, TextEncoder
-from app.families.ldm_layout import UNET_PREFIX, lora_aliases
+from app.families.ldm_layout import UNET_PREFIX
+from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE
+
+
+class SteadySDPipeline(EnginePipeline, VariedNoise, StableDiffusionPipeline):
+    """SD1.5 pipeline whose execution device is set by the engine."""
+
+
+class SteadySDImg2ImgPipeline(EnginePipeline, StableDiffusionImg2ImgPipeline):
+    """SD1.5 img2img (and hires fix second pass) stage pipeline."""
+
+
+class SteadySDInpaintPipeline(EnginePipeline, StableDiffusionInpaintPipeline):
+    """SD1.5 inpaint stage pipeline (4- or 9-channel UNet)."""
+
 
 _CLIP = TextEncoder("text_encoder", "tokenizer", CLIPTextModel, "cond_stage_model.transformer.text_model.",
                     open_clip=False, lora_prefix="lora_te_", embedding_key="emb_params")
@@ -24,8 +40,23 @@ SD15 = Family(
                         _CLIP.single_file_prefix + "embeddings.token_embedding.weight"),
     high_precision=("conv_in", "conv_out", "time_embedding"),
     config_dir=ASSETS_DIR / "configs" / "sd15",
-    native_modules=lora_aliases,
+    **SD_SHARED,
+    tiny_inpainting_channels=9,  # latents + mask + masked-image latents
+    # SD1.5 mirrors the real layout (attention on top levels, plain bottom level, layers_per_block 2).
+    tiny_configs=MappingProxyType({
+        "unet": dict(TINY_UNET, layers_per_block=2, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                     cross_attention_dim=TINY_CLIP_L["hidden_size"], attention_head_dim=8),
+        "vae": dict(TINY_VAE, scaling_factor=0.18215),
+        "text_encoder": dict(TINY_CLIP_L, num_hidden_layers=5),
+    }),
+    # ComfyUI's published latent-preview fit (comfy/latent_formats.py, SD15)
+    preview_rgb=(((0.3512, 0.2297, 0.3227), (0.3250, 0.4974, 0.2350), (-0.2829, 0.1762, 0.2721),
+                  (-0.2120, -0.2616, -0.7177)), (0.0, 0.0, 0.0)),
+    adapter_label="SD1.5",
+    adapter_markers=("sd_v1", "stable-diffusion-v1", "sd1", "sd_1", "sd 1", "v1"),
     # The safety checker is never loaded (nothing to download, nothing to run).
     pipeline_kwargs=MappingProxyType({"safety_checker": None, "feature_extractor": None,
                                       "requires_safety_checker": False}),
 )
+FAMILIES = (SD15,)

@@ -4,11 +4,32 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from diffusers import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from app.engine.pipelines import SteadySDXLImg2ImgPipeline, SteadySDXLInpaintPipeline, SteadySDXLPipeline
+from app.engine.pipelines import EnginePipeline
+from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, Family, TextEncoder
-from app.families.ldm_layout import UNET_PREFIX, lora_aliases
+from app.families.ldm_layout import UNET_PREFIX
+from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE
+
+
+class SteadySDXLPipeline(EnginePipeline, VariedNoise, StableDiffusionXLPipeline):
+    """SDXL pipeline whose execution device is set by the engine."""
+
+
+class SteadySDXLImg2ImgPipeline(EnginePipeline, StableDiffusionXLImg2ImgPipeline):
+    """SDXL img2img (and hires fix second pass) stage pipeline."""
+
+
+class SteadySDXLInpaintPipeline(EnginePipeline, StableDiffusionXLInpaintPipeline):
+    """SDXL inpaint stage pipeline (4- or 9-channel UNet)."""
+
+
+_TIME_EMBED_DIM = 8
+# The second encoder must be wider than the first: diffusers' single-file loader tells the two
+# apart by the width of their position embeddings and would give both the first one's weights.
+_TINY_CLIP_G = dict(TINY_CLIP_L, hidden_size=64, intermediate_size=96, hidden_act="gelu")
 
 _CLIP_L = TextEncoder("text_encoder", "tokenizer", CLIPTextModel,
                       "conditioner.embedders.0.transformer.text_model.", open_clip=False,
@@ -30,6 +51,24 @@ SDXL = Family(
     high_precision=("conv_in", "conv_out", "time_embedding", "add_embedding", "text_projection"),
     vae_upcast_in_fp16=True,
     config_dir=ASSETS_DIR / "configs" / "sdxl",
-    native_modules=lora_aliases,
     refiner_families=("sdxl",),
+    **SD_SHARED,
+    # layers_per_block 1 (SD1.5's tiny UNet has 2), so the LDM block numbering is exercised for both values
+    tiny_configs=MappingProxyType({
+        "unet": dict(TINY_UNET, layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                     up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+                     cross_attention_dim=TINY_CLIP_L["hidden_size"] + _TINY_CLIP_G["hidden_size"],
+                     attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), use_linear_projection=True,
+                     addition_embed_type="text_time", addition_time_embed_dim=_TIME_EMBED_DIM,
+                     projection_class_embeddings_input_dim=6 * _TIME_EMBED_DIM + _TINY_CLIP_G["projection_dim"]),
+        "vae": dict(TINY_VAE, scaling_factor=0.13025, force_upcast=True),
+        "text_encoder": TINY_CLIP_L,
+        "text_encoder_2": _TINY_CLIP_G,
+    }),
+    # ComfyUI's published latent-preview fit (comfy/latent_formats.py, SDXL)
+    preview_rgb=(((0.3651, 0.4232, 0.4341), (-0.2533, -0.0042, 0.1068), (0.1076, 0.1111, -0.0362),
+                  (-0.3165, -0.2492, -0.2188)), (0.1084, -0.0175, -0.0011)),
+    adapter_markers=("sdxl_base_v1-0", "stable-diffusion-xl-v1-base", "sdxl", "stable-diffusion-xl", "xl"),
+    kohya_ldm_names=True,
 )
+FAMILIES = (SDXL,)

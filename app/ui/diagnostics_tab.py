@@ -75,13 +75,17 @@ def _debug_toggles(ctx: UiContext) -> None:
         move = gr.Checkbox(s.move_debug, label="Move debug (log every tensor move)", elem_id="sd-move-debug")
         strict = gr.Checkbox(s.strict, label="Strict mode (a placement violation fails the transition)",
                              elem_id="sd-strict")
+        forwards = gr.Checkbox(s.strict_forwards, elem_id="sd-strict-forwards",
+                               label="Strict forwards (each layer checks its weights' device and dtype as it runs)")
 
-    def toggle(lora_on, move_on, strict_on):
-        changed = ctx.engine.set_debug(lora_debug=lora_on, move_debug=move_on, strict=strict_on)
-        gr.Info(f"debug: LoRA {changed.lora_debug}, move {changed.move_debug}, strict {changed.strict}")
+    def toggle(lora_on, move_on, strict_on, forwards_on):
+        changed = ctx.engine.set_debug(lora_debug=lora_on, move_debug=move_on, strict=strict_on,
+                                       strict_forwards=forwards_on)
+        gr.Info(f"debug: LoRA {changed.lora_debug}, move {changed.move_debug}, strict {changed.strict}, "
+                f"strict forwards {changed.strict_forwards}")
 
-    for box in (lora, move, strict):
-        box.input(toggle, [lora, move, strict], None, api_visibility="private")
+    for box in (lora, move, strict, forwards):
+        box.input(toggle, [lora, move, strict, forwards], None, api_visibility="private")
 
 
 def _actions(ctx: UiContext) -> None:

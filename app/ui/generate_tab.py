@@ -14,6 +14,7 @@ import gradio as gr
 
 from app.adapters.specs import LoraSpec
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
+from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES
 from app.ui.common import (
     NO_REFINER,
@@ -66,6 +67,22 @@ class GenerateTab:
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
                 self.batch, self.n_iter, self.clip_skip, *self.variation.values(), self.styles,
                 *self.refiner.values()]
+
+
+def family_updates(previous: str | None, current: str | None) -> list:
+    """[sampler, steps, CFG] for a newly loaded model of family `current` after one of `previous`
+    (None: a fresh page). The sampler list is always the loaded family's own (a sampler it lacks would
+    be refused at Generate); when the family changes, its defaults fill the fields: sampler, steps,
+    and the guidance with its name and range ("Distilled CFG Scale" on FLUX.1-dev). Between two
+    models of one family the user's choices stay."""
+    if current is None:
+        return [gr.update()] * 3
+    fam = family(current)
+    if current == previous:
+        return [gr.Dropdown(choices=list(fam.samplers)), gr.update(), gr.update()]
+    low, high = fam.guidance_range
+    return [gr.Dropdown(choices=list(fam.samplers), value=fam.default_sampler), gr.Number(value=fam.default_steps),
+            gr.Number(value=fam.default_guidance, label=fam.guidance_label, info=f"{low:g}…{high:g}")]
 
 
 def native_size_updates(previous: int | None, current: int | None) -> list:
@@ -189,15 +206,17 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
 # --------------------------------------------------------------------------------------- handlers
 def load_checkpoint(ctx: UiContext, name: str, progress) -> list:
     """Load `name` unless it is the loaded model already (re-selecting it, or opening and closing the
-    dropdown, must not reload); returns [status text, width, height]."""
+    dropdown, must not reload); returns [status text, width, height, sampler, steps, CFG] (see
+    `native_size_updates`, `family_updates`)."""
     engine = ctx.engine
     if name == engine.snapshot().model:
-        return [gr.update(), gr.update(), gr.update()]
+        return [gr.update()] * 6
     with user_errors("Loading the model"):
         name = checked_checkpoint(ctx.settings, name)
-        previous = engine.snapshot().native_size
+        before = engine.snapshot()
         snap = run_with_progress(engine, lambda: engine.load_model(name), progress)
-    return [loaded_text(snap), *native_size_updates(previous, snap.native_size)]
+    return [loaded_text(snap), *native_size_updates(before.native_size, snap.native_size),
+            *family_updates(before.arch, snap.arch)]
 
 
 def loaded_text(snap) -> str:
@@ -223,8 +242,8 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
     # the model (or repeated a failure and its toast). After a refusal the dropdown shows the model the
     # engine still holds (`.failure`: a `.then` after an error never runs in Gradio 6.31).
     loaded = tab.model.select(lambda name, progress=PROGRESS: load_checkpoint(ctx, name, progress), tab.model,
-                              [tab.model_status, tab.width, tab.height], show_progress_on=[tab.model_status],
-                              **private)
+                              [tab.model_status, tab.width, tab.height, tab.sampler, tab.steps, tab.cfg],
+                              show_progress_on=[tab.model_status], **private)
     loaded.failure(lambda: gr.Dropdown(value=engine.snapshot().model), None, tab.model, api_visibility="private")
     loaded.success(**redraw).then(lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
     wire_model_options(ctx, tab.options, tab.model_status, **private)
@@ -240,7 +259,9 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
 def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
     """On (re)load show what the engine really holds (another tab or an API client may have changed it):
     the selector lists the engine's wanted LoRAs, set aside ones included, and the cards their state;
-    the notes say why the start-up model is not the first checkpoint, if it is not."""
+    the notes say why the start-up model is not the first checkpoint, if it is not; the sampler,
+    steps, CFG and size fields take the loaded family's defaults, so the page's first Generate works
+    on whatever model loaded first."""
     slots = tab.loras
 
     def on_load():
@@ -248,10 +269,10 @@ def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
         specs = [LoraSpec(s.name, s.unet_strength, te_weight=s.te_strength) for s in snap.lora_states]
         return [gr.Dropdown(choices=checkpoint_names(ctx.settings), value=snap.model), snap.requested_dtype,
                 snap.offload, "\n\n".join(ctx.startup_notes), *native_size_updates(None, snap.native_size),
-                *selection_updates(ctx, specs)]
+                *family_updates(None, snap.arch), *selection_updates(ctx, specs)]
 
     demo.load(on_load, None, [tab.model, tab.dtype, tab.offload, tab.model_status, tab.width, tab.height,
-                              slots.select, *slots.layout],
+                              tab.sampler, tab.steps, tab.cfg, slots.select, *slots.layout],
               api_visibility="private").then(**sync_panel(ctx, slots)).then(
         lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
 

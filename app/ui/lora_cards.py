@@ -22,6 +22,7 @@ from app.adapters.errors import AdapterError, AdapterFormatError
 from app.adapters.matching import MatchReport
 from app.engine.lora_counters import LoraCounters
 from app.engine.snapshot import LoraState
+from app.families import adapter_arch_of
 from app.safetensors_files import SafetensorsFileError, file_sha256, read_header
 
 # Suffix -> algorithm name, checked in order (LoRA last: LoCon/DoRA files also carry lora_down).
@@ -135,20 +136,13 @@ def read_card(name: str, path: Path, short_hash: str | None) -> CardInfo:
                     size_bytes=stat.st_size, modified=stat.st_mtime)
 
 
-# (marker in the recorded base model, badge): kohya writes `ss_base_model_version` ("sd_v1",
-# "sdxl_base_v1-0", "sd_v2_768_v", "flux1"), the model spec `modelspec.architecture`
-# ("stable-diffusion-v1/lora", "stable-diffusion-xl-v1-base/lora"); first match wins.
-_FAMILY_MARKERS = (("sdxl", "SDXL"), ("stable-diffusion-xl", "SDXL"), ("sd_v1", "SD1.5"),
-                   ("stable-diffusion-v1", "SD1.5"), ("sd_v2", "SD2"), ("stable-diffusion-v2", "SD2"),
-                   ("sd3", "SD3"), ("flux", "Flux"))
-
-
 def base_badge(base_model: str | None) -> str:
-    """The short family name a badge shows for a recorded base model; "unknown" when none is recorded."""
+    """The short family name a badge shows for a recorded base model (kohya's `ss_base_model_version`
+    or `modelspec.architecture`), from the families' adapter markers; "unknown" when none is recorded."""
     if not base_model:
         return "unknown"
-    lowered = base_model.lower()
-    return next((badge for marker, badge in _FAMILY_MARKERS if marker in lowered), base_model[:16])
+    found = adapter_arch_of(base_model)
+    return base_model[:16] if found is None else found[1]
 
 
 def _size(n: int) -> str:

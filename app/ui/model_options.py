@@ -14,10 +14,12 @@ import gradio as gr
 
 from app.engine import part_choices
 from app.engine.storage import WEIGHTS_CHOICES
-from app.families import family
+from app.families import FAMILIES, family
 from app.ui.common import PROGRESS, UiContext, run_with_progress, user_errors
 
-_PART_LABELS = {"text_encoder": "CLIP-L text encoder", "text_encoder_2": "T5 text encoder", "vae": "VAE"}
+# One picker per component any family reads from a file of its own; its label is the loaded family's
+# (`ComponentFile.label`: "T5-XXL text encoder (t5xxl_fp16.safetensors)").
+_PICKED = tuple(dict.fromkeys(p.component for fam in FAMILIES.values() for p in fam.parts if p.folder))
 AUTO = "(the one file in its folder)"
 
 
@@ -36,8 +38,7 @@ def build_model_options(ctx: UiContext) -> ModelOptions:
     weights = gr.Radio(list(WEIGHTS_CHOICES), value=ctx.settings.weights, label="Weights", elem_id="sd-weights",
                        info="fp8: large weights rest in 8 bits (about half the memory); LoRAs stay exact")
     with gr.Accordion("Model parts (text encoders, VAE)", open=False, visible=False) as box:
-        parts = {c: gr.Dropdown([], label=label, elem_id=f"sd-part-{c}", interactive=True)
-                 for c, label in _PART_LABELS.items()}
+        parts = {c: gr.Dropdown([], label=c, elem_id=f"sd-part-{c}", interactive=True) for c in _PICKED}
     return ModelOptions(weights, box, parts)
 
 
@@ -47,9 +48,15 @@ def option_updates(ctx: UiContext) -> list:
     snap = ctx.engine.snapshot()
     offered = part_choices.available(ctx.settings, snap.arch) if snap.arch and family(snap.arch).parts else {}
     chosen = part_choices.chosen(ctx.settings, snap.model) if offered else {}
-    pickers = [gr.Dropdown(choices=[AUTO, *offered[c]], value=chosen.get(c, AUTO), visible=True) if c in offered
-               else gr.Dropdown(visible=False) for c in _PART_LABELS]
+    labels = {p.component: p.label for p in family(snap.arch).parts} if offered else {}
+    pickers = [gr.Dropdown(choices=[AUTO, *offered[c]], value=chosen.get(c, AUTO), label=labels[c], visible=True)
+               if c in offered else gr.Dropdown(visible=False) for c in _PICKED]
     return [gr.Radio(value=snap.weights), gr.Accordion(visible=bool(offered)), *pickers]
+
+
+def _part_label(engine, component: str) -> str:
+    arch = engine.snapshot().arch
+    return next((p.label for p in family(arch).parts if p.component == component), component) if arch else component
 
 
 def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdown, **private) -> None:
@@ -66,7 +73,7 @@ def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdow
             with user_errors("Choosing the model parts"):
                 run_with_progress(engine, lambda: engine.set_model_parts({component: None if name == AUTO else name}),
                                   progress)
-            return f"{_PART_LABELS[component]} now **{name}**"
+            return f"{_part_label(engine, component)} now **{name}**"
         return ui_choose
 
     options.weights.input(ui_set_weights, options.weights, status, **private)

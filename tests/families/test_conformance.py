@@ -1,0 +1,302 @@
+"""The family contract's proof: one suite every registered family runs, with strict forwards on.
+
+Parametrised over the registry (`app.families.FAMILIES`), so a new family file is held to it with
+no edit here, plus `toy` (tests/families/toy_family.py), which carries what no registered family
+has yet: a ModuleDict child called by key, a tensor the denoiser owns itself, an fp32-pinned
+buffer. Every engine here runs with strict forwards (`app/engine/strict.py`): each module's
+forward checks that what it holds is on the compute device in the planned compute dtype, so a
+hook on a module whose forward never runs fails the generation that meets it. What it protects,
+per family: each declared checkpoint layout loads the saved weights bit for bit; one seed gives
+one image and the guidance reaches the model; a PEFT LoRA written by peft fuses to the formula
+and comes off bit for bit; every offload mode with weights resting in fp32 and computing in bf16
+draws the same image with zero violations and exactly the planned hooks; fp8 storage keeps its
+bytes with whole components moved and blocks streamed; img2img and inpaint run where the family
+declares them; embeddings never
+shrink a table; Diagnostics and the bug report render. A family's own test file covers only its
+native file formats.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import os
+import shutil
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+import toy_family
+from hook_plan import actual_hooks, expected_hooks
+from PIL import Image
+
+from app.adapters.specs import LoraSpec
+from app.adapters.synthetic import adapter_state_digests, write_demo_loras
+from app.demo import build_tiny_pipeline
+from app.engine import checkpoint_files, models, offload, placement
+from app.engine.generate import GenerateParams
+from app.engine.strict import StrictForwardError
+from app.engine.worker import Engine
+from app.families import FAMILIES, family
+from app.report import build_bug_report
+from app.settings import Settings
+from app.ui import views
+
+CONFORMING = [*FAMILIES, toy_family.NAME]
+STRENGTH = 0.8
+
+
+@pytest.fixture(scope="module")
+def data(demo_dir, tmp_path_factory):
+    """The session's demo models, LoRAs and embeddings (hard links), plus the toy family registered
+    for this module with its diffusers folder and demo LoRAs."""
+    root = tmp_path_factory.mktemp("conformance")
+    for sub in ("models/Stable-diffusion", "models/Lora", "embeddings"):
+        shutil.copytree(demo_dir / sub, root / sub, copy_function=os.link)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(FAMILIES, toy_family.NAME, toy_family.toy_family())
+        toy = build_tiny_pipeline(toy_family.NAME)
+        toy.save_pretrained(root / "models/Stable-diffusion" / f"tiny-{toy_family.NAME}-diffusers")
+        write_demo_loras(root / "models/Lora", toy, toy_family.NAME)
+        yield root
+
+
+@pytest.fixture(scope="module", params=CONFORMING)
+def arch(request, data) -> str:
+    """Module-scoped, so pytest runs every test of one family before the next: each model loads once."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def plain(data):
+    """fp32, nothing offloaded, strict forwards."""
+    eng = Engine(Settings(data_dir=data, device="cpu", strict_forwards=True))
+    yield eng
+    eng.close()
+
+
+def _moving(data, weights: str) -> Engine:
+    """bf16 compute, weights resting in fp32 wherever a mode moves them: every move a real cast on the CPU."""
+    return Engine(Settings(data_dir=data, device="cpu", dtype="bf16", rest_dtype="fp32", weights=weights, strict=True,
+                           strict_forwards=True, history_size=1000))
+
+
+@pytest.fixture(scope="module")
+def moving(data):
+    eng = _moving(data, "full")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def fp8(data):
+    """As `moving`, the large weights stored in fp8 (loaded so: no reload per family)."""
+    eng = _moving(data, "fp8")
+    yield eng
+    eng.close()
+
+
+def checkpoint(arch: str) -> str:
+    return f"tiny-{arch}.safetensors" if "file" in family(arch).layouts else f"tiny-{arch}-diffusers"
+
+
+def params(arch: str, **changes) -> GenerateParams:
+    fam = family(arch)
+    return GenerateParams("a red cube", **{"steps": 2, "width": 64, "height": 64, "seed": 7, "sampler":
+                                           fam.default_sampler, "cfg": fam.default_guidance, **changes})
+
+
+def pixels(images) -> np.ndarray:
+    return np.stack([np.asarray(i.image, dtype=np.int16) for i in images])
+
+
+def test_every_declared_layout_loads_the_saved_weights_bit_for_bit(data, arch):
+    """Single file (the family's own layout: LDM, ComfyUI's all-in-one) and diffusers folder give
+    back every tensor of the tiny model that was written, in fp32, bit for bit, as the family's
+    pipeline class, with the hash of the weights file, the bundled tokenizers' pad tokens and the
+    parts the family leaves out (SD's safety checker) left out; `files` names the weights file first
+    (the one whose hash is its "Model hash")."""
+    fam, saved = family(arch), build_tiny_pipeline(arch)
+    names = {"file": f"tiny-{arch}.safetensors", "folder": f"tiny-{arch}-diffusers"}
+    for layout in fam.layouts:
+        path = data / "models/Stable-diffusion" / names[layout]
+        info = checkpoint_files.CheckpointInfo(path.name, path, layout, 0)
+        loaded = models.load_pipeline(info, torch.float32)
+        pipe = loaded.pipe
+        assert pipe.family is fam and type(pipe) is fam.pipeline_class and loaded.arch == arch
+        assert loaded.files[0] == checkpoint_files.weights_file(info)
+        assert all(getattr(pipe, te.tokenizer).pad_token == te.pad_token for te in fam.text_encoders if te.pad_token)
+        assert all(getattr(pipe, k, None) is None for k, v in fam.pipeline_kwargs.items() if v is None)
+        for component, module in placement.torch_components(saved).items():
+            mine, theirs = getattr(pipe, component).state_dict(), module.state_dict()
+            assert mine.keys() == theirs.keys(), (layout, component)
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine), (layout, component)
+
+
+def test_one_seed_one_image_and_the_guidance_reaches_the_model(plain, arch):
+    """Same seed, same pixels; another seed, other pixels; the infotext names the guidance as the
+    family calls it; where the family has CFG or distilled guidance, another value changes the image;
+    a family without a negative prompt (Flux) is not changed by one, and its infotext does not claim one."""
+    fam = family(arch)
+    plain.load_model(checkpoint(arch))
+    first, again = plain.generate(params(arch)), plain.generate(params(arch))
+    assert np.array_equal(pixels(first), pixels(again))
+    assert not np.array_equal(pixels(first), pixels(plain.generate(params(arch, seed=8))))
+    assert f"{fam.guidance_label}: {fam.default_guidance:g}" in first[0].infotext
+    if fam.distilled_guidance:  # as Forge writes it: no CFG runs
+        assert f"CFG scale: 1, {fam.guidance_label}: {fam.default_guidance:g}" in first[0].infotext
+    if fam.negative_prompt or fam.distilled_guidance:
+        other = plain.generate(params(arch, cfg=fam.default_guidance + 2.5))
+        assert not np.array_equal(pixels(first), pixels(other)), "the guidance did not reach the model"
+    if not fam.negative_prompt:
+        negative = plain.generate(params(arch, negative_prompt="blurry"))
+        assert np.array_equal(pixels(first), pixels(negative))
+        assert "Negative prompt" not in negative[0].infotext and "blurry" not in negative[0].infotext
+
+
+def test_a_peft_lora_written_by_peft_fuses_to_the_formula_and_comes_off_bit_for_bit(plain, arch, data):
+    """peft itself wraps the denoiser's linear layers among the family's LoRA targets and diffusers
+    saves them (alpha in `lora_adapter_metadata`): applied at 0.8 each weight is W0 + 0.8·(α/r)·B·A,
+    and removing it gives back every tensor bit for bit."""
+    peft = pytest.importorskip("peft")
+    fam = family(arch)
+    source = build_tiny_pipeline(arch)
+    denoiser = getattr(source, fam.denoiser)
+    targets = [path for path, module in denoiser.named_modules() if isinstance(module, torch.nn.Linear)
+               and any(fnmatch.fnmatchcase(f"{fam.denoiser}.{path}", glob) for glob in fam.lora_targets)]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    peft.inject_adapter_in_model(config, denoiser)
+    name = f"peft-{arch}"
+    type(source).save_lora_weights(data / "models/Lora", weight_name=f"{name}.safetensors", **{
+        f"{fam.denoiser}_lora_layers": peft.get_peft_model_state_dict(denoiser),
+        f"{fam.denoiser}_lora_adapter_metadata": config.to_dict()})
+    plain.load_model(checkpoint(arch))
+    pipe = plain.pipeline
+    before, digests = {p: getattr(pipe, fam.denoiser).get_submodule(p).weight.detach().clone() for p in targets}, \
+        adapter_state_digests(pipe)
+    plain.set_loras([LoraSpec(name, STRENGTH)])
+    lora = {p: (denoiser.get_submodule(p).lora_A["default"].weight, denoiser.get_submodule(p).lora_B["default"].weight)
+            for p in targets}
+    for path, w0 in before.items():
+        a, b = lora[path]
+        torch.testing.assert_close(getattr(pipe, fam.denoiser).get_submodule(path).weight.detach(),
+                                   w0 + STRENGTH * (8 / 4) * b.detach() @ a.detach(), rtol=1e-5, atol=1e-6)
+    plain.set_loras([])
+    assert adapter_state_digests(pipe) == digests
+
+
+def test_every_offload_mode_with_rest_dtype_other_than_compute_dtype(moving, arch):
+    """bf16 compute, fp32 rest, a LoRA on the denoiser and a text encoder, strict forwards on: every
+    mode draws the same image (model and balanced bit for bit; within three grey levels on average
+    where streamed modes leave neighbours at rest in fp32, or `none` fuses the LoRA into bf16 where
+    the others add it as a bypass), with zero violations and each module carrying exactly its mode's
+    hooks. Pinned tensors stay in their dtype, bit for bit."""
+    moving.load_model(checkpoint(arch))
+    moving.set_loras([LoraSpec(f"demo-style-{arch}", 1.0)])
+    pinned = {(c, p, n): t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(moving.pipeline)
+              if family(arch).pinned_dtype(c, p, n)}
+    images = {}
+    for mode in offload.MODES:
+        snap = moving.set_offload(mode)
+        images[mode] = pixels(moving.generate(params(arch)))
+        snap = moving.snapshot()
+        assert snap.violations == () and snap.violations_found_total == 0, (mode, snap.violations)
+        bypassed = set(moving.lora_stack.bypassed())
+        assert actual_hooks(snap) == expected_hooks(moving.pipeline, mode, bypassed, strict=True), mode
+        current = {(c, p, n): t for c, p, _m, n, t, _ in placement.iter_tensors(moving.pipeline)}
+        assert all(current[k].dtype == v.dtype and torch.equal(current[k], v) for k, v in pinned.items()), mode
+    assert np.array_equal(images["model"], images["balanced"])
+    for mode, image in images.items():  # `none` fuses the LoRA into bf16 weights, the others add it as a bypass
+        assert np.abs(image - images["model"]).mean() < 3.0, mode
+    moving.set_offload("none")
+    moving.set_loras([])
+
+
+def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_streamed_modes(fp8, arch):
+    """fp8 weights with a LoRA (a bypass: nothing is fused into 8 bits): the family's sensitive layers
+    (`high_precision`) stay in bf16; with nothing moved, whole components moved and blocks streamed,
+    the image is the same within rounding, the stored bytes never change, zero violations."""
+    snap = fp8.load_model(checkpoint(arch))
+    assert snap.stored_layers > 0
+    assert fp8.set_loras([LoraSpec(f"demo-style-{arch}", 0.8)]).lora_mode == "bypass"
+    stored = {f"{c}.{p}": t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
+              if t.dtype == placement.STORAGE_DTYPES["fp8"]}
+    sensitive = family(arch).high_precision
+    assert len(stored) == snap.stored_layers and not [k for k in stored if set(k.split(".")) & set(sensitive)]
+    images = {}
+    for mode in ("none", "model", "group"):
+        fp8.set_offload(mode)
+        images[mode] = pixels(fp8.generate(params(arch)))
+        assert fp8.snapshot().violations_found_total == 0, mode
+    now = {f"{c}.{p}": t for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
+           if t.dtype == placement.STORAGE_DTYPES["fp8"]}
+    assert now.keys() == stored.keys() and all(torch.equal(now[k].view(torch.uint8), v.view(torch.uint8))
+                                               for k, v in stored.items())
+    assert all(np.abs(image - images["none"]).mean() < 2.0 for image in images.values())
+    fp8.set_offload("none")
+    fp8.set_loras([])
+
+
+def test_img2img_and_inpaint_run_where_the_family_declares_them(moving, arch):
+    """Each stage pipeline the family declares runs with weights resting in fp32, whole components
+    moved and leaves or blocks streamed, strict forwards on: every transition `ok`, zero violations
+    (tests/test_workflows.py runs the stages in every mode in fp32 and bf16)."""
+    stages = family(arch).stage_pipelines
+    moving.load_model(checkpoint(arch))
+    image, mask = Image.new("RGB", (64, 64), (40, 120, 200)), Image.new("L", (64, 64), 0)
+    mask.paste(255, (16, 16, 48, 48))
+    for mode in ("model", "sequential", "group"):
+        moving.set_offload(mode)
+        start = len(moving.snapshot().history)
+        if "img2img" in stages:
+            assert moving.img2img(params(arch), [image], denoising_strength=0.7)[0].image.size == (64, 64)
+        if "inpaint" in stages:
+            assert moving.inpaint(params(arch), image, mask, denoising_strength=0.9)[0].image.size == (64, 64)
+        rows = moving.snapshot().history[start:]
+        assert rows and all(row.outcome == "ok" and row.violations_found == 0 for row in rows), (mode, rows)
+    moving.set_offload("none")
+
+
+def test_embeddings_load_without_shrinking_a_table(plain, arch):
+    """A family that takes embeddings loads the demo's (one vector pair per text encoder) and every
+    embedding table keeps its rows: T5's 32,128 rows exceed its tokenizer's 32,100 tokens, and
+    resizing to the tokenizer used to cut the spare rows off."""
+    fam = family(arch)
+    snap = plain.load_model(checkpoint(arch))
+    if not fam.takes_embeddings:
+        assert snap.embeddings == ()
+        return
+    assert snap.embeddings, "the demo embedding did not load"
+    fresh = build_tiny_pipeline(arch)
+    for te in fam.text_encoders:
+        rows = getattr(plain.pipeline, te.component).get_input_embeddings().weight.shape[0]
+        original = getattr(fresh, te.component).get_input_embeddings().weight.shape[0]
+        assert rows == max(original, len(getattr(plain.pipeline, te.tokenizer))), te.component
+
+
+def test_diagnostics_and_the_bug_report_render(plain, arch, data):
+    """The Diagnostics tab's tables and the bug report (zip with its PNG card) render for the family."""
+    snap = plain.load_model(checkpoint(arch))
+    assert snap.arch == arch and views.component_rows(snap) and views.module_rows(snap) and views.status_html(snap)
+    with zipfile.ZipFile(io.BytesIO(build_bug_report(plain, plain.settings))) as bundle:
+        assert sorted(bundle.namelist()) == ["card.png", "report.json"]
+
+
+def test_strict_forwards_catch_a_group_hook_on_a_module_whose_forward_never_runs(moving, monkeypatch):
+    """The rule group offload had: every non-ModuleList child is a group. On the toy's ModuleDict it
+    hooks the dict, whose forward never runs, so its Linear computes with its weight at rest (fp32
+    beside bf16 activations; on a GPU, a CPU weight beside CUDA inputs). Strict forwards name it."""
+    def old_rule(component):
+        groups = []
+        for child in component.children():
+            groups.extend(child) if isinstance(child, torch.nn.ModuleList) else groups.append(child)
+        return groups
+
+    moving.load_model(checkpoint(toy_family.NAME))
+    monkeypatch.setattr(offload, "blocks", old_rule)
+    moving.set_offload("group")
+    with pytest.raises(StrictForwardError, match=r"unet\.context_in\.text\.weight is cpu/fp32"):
+        moving.generate(params(toy_family.NAME))
+    monkeypatch.undo()
+    moving.set_offload("none")

@@ -1,0 +1,83 @@
+"""The page follows the loaded family: a fresh page on whatever model loaded first (the tiny FLUX.1-dev,
+first by name) generates with the page as it comes up, and Flux → SD1.5 → Flux switches leave the
+family's own sampler list, sampler, steps and guidance (its name and range), with which Generate
+works each time. Needs Playwright and Debian's chromium (see `browser_kit`); skips without them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from browser_kit import TIMEOUT_MS, choose, generate_and_wait, set_number
+from served_app import free_port, make_ui_data, running_app
+
+from app.engine.worker import Engine
+from app.families import family
+from app.infotext import parse_infotext, read_parameters
+from app.settings import Settings
+
+pytestmark = pytest.mark.browser
+FLUX, SD15 = "tiny-flux-dev.safetensors", "tiny-sd15.safetensors"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, demo_dir):
+    data = make_ui_data(tmp_path_factory.mktemp("browser-families"), demo_dir)
+    settings = Settings(data_dir=data, device="cpu", port=free_port())
+    engine = Engine(settings)
+    try:
+        engine.load_model(FLUX)  # what a fresh start loads first: the first checkpoint by name
+        with running_app(settings, engine) as (server, _engine):
+            yield server.local_url, engine
+    finally:
+        engine.close()
+
+
+def _fields(page) -> dict[str, str]:
+    page.click("#sd-sampler input")
+    offered = page.locator("#sd-sampler li[role=option]").evaluate_all(
+        "options => options.map(o => o.getAttribute('aria-label'))")
+    page.keyboard.press("Escape")
+    return {"sampler": page.input_value("#sd-sampler input"), "steps": page.input_value("#sd-steps input"),
+            "cfg": page.input_value("#sd-cfg input"), "cfg label": page.inner_text("#sd-cfg"),
+            "offered": offered}
+
+
+def _expect_family(page, arch: str) -> None:
+    fam = family(arch)
+    page.wait_for_function(f"document.querySelector('#sd-sampler input').value === {fam.default_sampler!r}",
+                           timeout=TIMEOUT_MS)
+    shown = _fields(page)
+    assert shown["offered"] == list(fam.samplers), shown
+    assert (shown["sampler"], float(shown["steps"]), float(shown["cfg"])) == (
+        fam.default_sampler, fam.default_steps, fam.default_guidance), shown
+    low, high = fam.guidance_range
+    assert fam.guidance_label in shown["cfg label"] and f"{low:g}…{high:g}" in shown["cfg label"], shown
+
+
+def _generate(page, engine, arch: str) -> dict[str, str]:
+    """Generate with the family's sampler and guidance as the page shows them (two steps, to be quick)."""
+    set_number(page, "sd-steps", "2")
+    settings = parse_infotext(read_parameters(generate_and_wait(page, engine))).settings
+    assert engine.snapshot().arch == arch and settings["Sampler"] == family(arch).default_sampler
+    return settings
+
+
+def _load(page, model: str) -> None:
+    choose(page, "sd-model", model)
+    page.wait_for_selector(f"#sd-model-status >> text=Loaded {model}", timeout=TIMEOUT_MS)
+
+
+def test_the_first_generate_works_on_flux_and_switches_keep_a_sampler_each_family_takes(page, served):
+    """Flux dev loaded first: the page offers Flux's samplers with its defaults (Euler, 28 steps,
+    Distilled CFG Scale 3.5) and Generate works as the page comes up; SD1.5 brings SD's list and
+    defaults (Euler a, 20, CFG scale 7); back on Flux, Flux's again; Generate works after each switch."""
+    _url, engine = served
+    page.fill("#sd-prompt textarea", "a red cube")
+    _expect_family(page, "flux-dev")
+    assert _generate(page, engine, "flux-dev")["Distilled CFG Scale"] == "3.5"
+    _load(page, SD15)
+    _expect_family(page, "sd15")
+    assert _generate(page, engine, "sd15")["CFG scale"] == "7"
+    _load(page, FLUX)
+    _expect_family(page, "flux-dev")
+    assert _generate(page, engine, "flux-dev")["Distilled CFG Scale"] == "3.5"
