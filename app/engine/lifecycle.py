@@ -1,7 +1,8 @@
 """The model lifecycle: the steps that make the loaded model match a `Desired`.
 
 Load and swap a checkpoint, place it under an offload mode (plan, move, install the mode's
-hooks), patch LoRAs, run a generation, unload. Only the worker calls these, one at a time, and
+hooks: `Placing`, app/engine/placing.py), patch LoRAs, run a generation, unload. Only the worker
+calls these, one at a time, and
 each step owns its undo: a load that fails leaves the previous model loaded and placed as it
 was; an offload switch that fails puts the previous mode back; a LoRA change is all or nothing
 (the stack's own rollback). `realise` diffs a `Desired` against what is loaded and runs only
@@ -15,7 +16,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import torch
 
@@ -25,7 +25,7 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage, strict
+from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage
 from app.engine.checkpoint_files import ModelLoadError, resolve_checkpoint
 from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
@@ -33,6 +33,7 @@ from app.engine.generate import GenerateParams
 from app.engine.interrupt import stop_checks
 from app.engine.lora_options import allows_partial
 from app.engine.memory import release_memory
+from app.engine.placing import Placing
 from app.engine.snapshot import LoadedFacts
 from app.families import family
 from app.hooks import HookRegistry
@@ -42,10 +43,6 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]
-
-
-class RollbackFailed(RuntimeError):
-    """An undo could not restore the last good state; the engine must enter ERROR."""
 
 
 @dataclass
@@ -67,8 +64,9 @@ class _Loaded:
     stage_pipes: dict[str, object] = field(default_factory=dict)  # img2img/inpaint pipelines on the same components
 
 
-class ModelLifecycle:
-    """Owns the loaded pipeline; the worker's only way to change it."""
+class ModelLifecycle(Placing):
+    """Owns the loaded pipeline; the worker's only way to change it. Where it lives (plan, hooks, parking)
+    is `Placing`'s (app/engine/placing.py)."""
 
     def __init__(self, settings: Settings, device: torch.device, timers: diagnostics.Timers,
                  open_lora: Callable[[str], AdapterFile], progress: ProgressFn, scans: FileScans) -> None:
@@ -138,36 +136,6 @@ class ModelLifecycle:
 
     def culprits(self, exc: BaseException) -> tuple[str, ...]:
         return () if self._loaded is None else self._loaded.stack.culprits(exc)
-
-    # ------------------------------------------------------------------ placement checks
-    def verify_and_repair(self, when: str) -> tuple[list[placement.Violation], int]:
-        """Violations of the plan (the all-CPU one while parked) found now, and how many tensors were moved
-        back. Carried tensors follow the model's own plan: the next stage runs on its execution device."""
-        if self._loaded is None:
-            return [], 0
-        pipe, plan, own = self._loaded.model.pipe, self._parked or self._loaded.plan, self._loaded.plan
-        model_found, carried = placement.verify(pipe, plan), self.carry.verify(own)
-        repaired = placement.sync(pipe, plan, reason=when) if model_found else 0
-        return model_found + carried, repaired + (self.carry.sync(own) if carried else 0)
-
-    # ------------------------------------------------------------------ parking
-    def park(self, reason: str = "park") -> None:
-        """Make room on the GPU for another model (a refiner, a newly loaded one): hooks off, every tensor
-        on the CPU, verified against that all-CPU plan until `unpark` places the model by its own again."""
-        loaded = self._loaded
-        if loaded is None or self._parked is not None:
-            return
-        self._release_hooks(loaded)
-        self._parked = offload.plan_for(loaded.model.pipe, loaded.plan.dtype, torch.device("cpu"), "none")
-        placement.apply_plan(loaded.model.pipe, self._parked, reason=reason)
-
-    def unpark(self) -> None:
-        """Place a parked model by its own plan and offload mode again (a no-op when it is not parked)."""
-        if self._loaded is None or self._parked is None:
-            return
-        self._parked = None
-        self._restore_placement(self._loaded)
-        self._sync_compile(self._loaded)
 
     # ------------------------------------------------------------------ realising a Desired
     def realise(self, want: Desired, loras: tuple[LoraSpec, ...], *, retry_set_aside: bool = False,
@@ -260,30 +228,6 @@ class ModelLifecycle:
         self._swap_in(fresh, dtype, want.offload, want.weights, stored)
         self._progress("applying LoRAs", 2, 3)
 
-    def _plan(self, pipe, dtype: torch.dtype, mode: str, stored: storage.Stored) -> placement.PlacementPlan:
-        rest = self._settings.rest_dtype
-        conv_format = torch.channels_last if self._settings.channels_last else None
-        return offload.plan_for(pipe, dtype, self._device, mode, None if rest is None else placement.DTYPES[rest],
-                                stored, conv_format)
-
-    def _place(self, pipe, plan: placement.PlacementPlan, hooks: HookRegistry, reason: str) -> offload.OffloadStrategy:
-        """Apply a plan and install its offload strategy; on failure no hook of it stays behind."""
-        t0 = time.perf_counter()
-        placement.apply_plan(pipe, plan, reason=reason)
-        pipe.execution_device = plan.device
-        pipe.compute_dtypes = MappingProxyType({name: c.compute.dtype for name, c in plan.components.items()})
-        strategy = offload.make_strategy(pipe, plan, hooks, self._settings.vram_budget_gib,
-                                         self._settings.balanced_watermark)
-        try:
-            strategy.install()
-            strict.apply(self.strict_forwards, hooks, pipe, plan)
-        except BaseException:
-            strategy.remove()
-            hooks.remove_all(strict.HOOK)
-            raise
-        self._timers.record("move", time.perf_counter() - t0)
-        return strategy
-
     def _swap_in(self, fresh: models.LoadedModel, dtype: torch.dtype, mode: str, weights: str,
                  stored: storage.Stored) -> None:
         """Place a freshly loaded model and make it current; the old one stays usable until then.
@@ -320,18 +264,6 @@ class ModelLifecycle:
             del old
             release_memory()
 
-    def set_strict_forwards(self, on: bool) -> None:
-        """Switch the strict-forward check on or off, on the loaded model and every later one."""
-        self.strict_forwards = on
-        if self._loaded is not None:
-            strict.apply(on, self._loaded.hooks, self._loaded.model.pipe, self._loaded.plan)
-
-    @staticmethod
-    def _release_hooks(loaded: _Loaded) -> None:
-        compiled.disable(loaded.model.pipe)
-        loaded.strategy.remove()
-        loaded.hooks.remove_all(strict.HOOK)
-
     def model_hash(self) -> str | None:
         """The loaded model's short hash, waiting for its file to be read if it still is (the first
         image saved after a first load needs it for its infotext)."""
@@ -347,46 +279,6 @@ class ModelLifecycle:
         self._loaded.stack.release()
         self._loaded, self._parked = None, None
         release_memory()
-
-    def _sync_compile(self, loaded: _Loaded) -> None:
-        """(Re)install the compiled UNet path when `--compile` is on. LoRA changes never call this:
-        fused weights are written in place, so compiled graphs stay valid without a recompile."""
-        compiled.disable(loaded.model.pipe)
-        loaded.compile = None
-        if self._settings.compile and not loaded.stored:  # 8-bit weights widen in hooks: eager only
-            loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self._device,
-                                             mode=self._settings.compile_mode, backend=self._settings.compile_backend,
-                                             cache_dir=self._settings.compile_cache_dir,
-                                             # CUDA-graph trees are per thread: record them on the worker.
-                                             background=self._settings.compile_mode == "default")
-
-    def _restore_placement(self, loaded: _Loaded) -> None:
-        """Put a model back to its own plan and offload mode (the undo of parking or a failed move)."""
-        try:
-            loaded.strategy.remove()
-            loaded.strategy = self._place(loaded.model.pipe, loaded.plan, loaded.hooks, reason="rollback")
-            loaded.stack.set_bypass(offload.bypass_components(loaded.plan))
-        except BaseException as exc:
-            raise RollbackFailed(f"could not put the model back to its previous placement: {exc}") from exc
-
-    def _set_offload(self, mode: str) -> None:
-        """Remove the old mode's hooks completely, apply the new plan, install the new hooks."""
-        loaded = self._loaded
-        new_plan = self._plan(loaded.model.pipe, loaded.plan.dtype, mode, loaded.stored)
-        compiled.disable(loaded.model.pipe)
-        loaded.strategy.remove()
-        strategy = None
-        try:
-            strategy = self._place(loaded.model.pipe, new_plan, loaded.hooks, reason=f"offload {mode}")
-            loaded.stack.set_bypass(offload.bypass_components(new_plan))
-        except BaseException:
-            if strategy is not None:
-                strategy.remove()
-            self._restore_placement(loaded)
-            self._sync_compile(loaded)
-            raise
-        loaded.plan, loaded.strategy = new_plan, strategy
-        self._sync_compile(loaded)
 
     # ------------------------------------------------------------------ generation
     def denoise(self, params: GenerateParams, seed: int, on_step: Callable[[int, int], None]) -> list:

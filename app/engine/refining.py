@@ -63,6 +63,12 @@ class Refining:
         if self._refiner is not None:
             self._refiner.unload()
 
+    def _set_strict_forwards(self, on: bool) -> None:
+        """The strict-forward check on or off on the model and on a held refiner (a later one reads Settings)."""
+        self._lifecycle.set_strict_forwards(on)
+        if self._refiner is not None:
+            self._refiner.set_strict_forwards(on)
+
     def _verify_refiner(self, when: str) -> tuple[list, int]:
         return ([], 0) if self._refiner is None else self._refiner.verify_and_repair(f"refiner, {when}")
 

@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,15 +31,16 @@ from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.generating import GENERATIONS, Generating, Job
-from app.engine.lifecycle import ModelLifecycle, RollbackFailed
+from app.engine.lifecycle import ModelLifecycle
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
 from app.engine.refining import Refining, refined
-from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition, build_snapshot
+from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition
 from app.engine.stage_params import HiresParams
 from app.engine.storage import WEIGHTS_CHOICES
 from app.engine.upscaler_slot import UpscalerSlot
 from app.engine.upscaling import Upscaling
+from app.engine.verifying import Verifying
 from app.engine.workflows import Workflows
 from app.settings import DTYPE_CHOICES, Settings
 from app.upscalers.files import UpscalerLibrary
@@ -64,11 +64,12 @@ class _Command:
     stage: bool = False  # one stage of a workflow command: the workflow's job outlives it
 
 
-class Engine(Generating, Workflows, Refining, Upscaling):
+class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
     """Public, blocking API over the command queue. Thread-safe; every call waits for its result.
     Generation, Interrupt and Skip come from `Generating` (app/engine/generating.py); img2img,
     inpaint and hires fix from `Workflows` (app/engine/workflows.py); the refiner from `Refining`
-    (app/engine/refining.py); Extras and the upscaler models from `Upscaling` (app/engine/upscaling.py)."""
+    (app/engine/refining.py); Extras and the upscaler models from `Upscaling` (app/engine/upscaling.py); the
+    checks around every transition and the snapshot it publishes from `Verifying` (app/engine/verifying.py)."""
 
     def __init__(self, settings: Settings) -> None:
         gc_policy.freeze_startup_objects()
@@ -212,7 +213,7 @@ class Engine(Generating, Workflows, Refining, Upscaling):
                                      "strict_forwards": strict_forwards}.items() if v is not None}
         if strict_forwards is not None and strict_forwards != self.settings.strict_forwards:
             self.submit("strict_forwards", "on" if strict_forwards else "off", self._state,
-                        lambda: self._lifecycle.set_strict_forwards(strict_forwards), record=False).result()
+                        lambda: self._set_strict_forwards(strict_forwards), record=False).result()
         self.settings = self.settings.replace(**changes)
         diagnostics.set_debug_logging(self.settings.lora_debug, self.settings.move_debug)
         return self.settings
@@ -371,63 +372,6 @@ class Engine(Generating, Workflows, Refining, Upscaling):
         else:
             command.future.set_exception(error)
         self._scans.begin()  # a model this step loaded: its files are read once its caller has the answer
-
-    def _fail(self, command: _Command, exc: BaseException, before: EngineState) -> str:
-        """Repair what a failed body may have left, record the error; returns the outcome."""
-        rollback_failed = (isinstance(exc, RollbackFailed) or before == EngineState.ERROR
-                           or not self._repair_after_failure(command.name))
-        if rollback_failed:
-            self._state = EngineState.ERROR
-        self._last_error = ErrorRecord(command.name, capped(f"{type(exc).__name__}: {exc}"),
-                                       traceback.format_exc(), time.time())
-        if isinstance(exc, ValueError) and not rollback_failed:
-            # Refused input (every refusal is a ValueError: a sampler the family lacks, an empty mask, a
-            # LoRA that does not fit): the caller shows and logs the message in one line; a traceback
-            # is for bugs. Diagnostics and the bug report keep it all the same (`last_error`).
-            log.debug("%s (%s) refused: %s", command.name, command.detail, capped(str(exc)))
-        else:
-            # The traceback goes to the log as text: a live exc_info would keep its frames (and the
-            # pipelines they reference) alive in any handler that keeps records.
-            log.error("%s (%s) failed: %s\n%s", command.name, command.detail, capped(str(exc)),
-                      self._last_error.traceback)
-        return "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
-
-    def _repair_after_failure(self, command: str) -> bool:
-        """A failed body may have been cut off mid-move: verify and repair once more, never raising.
-        Returns False when even that fails (the engine then enters ERROR)."""
-        try:
-            self._verify_and_repair(f"after failed {command}", strict=False)
-            return True
-        except Exception:  # noqa: BLE001 - reported through the ERROR state and the log
-            log.exception("placement could not be repaired after failed %s", command)
-            return False
-
-    def _verify_and_repair(self, when: str, strict: bool | None = None) -> tuple[int, int]:
-        """Find and repair placement violations; strict mode turns any finding into a failure."""
-        t0 = time.perf_counter()
-        found, repaired = self._lifecycle.verify_and_repair(when)
-        refiner_found, refiner_repaired = self._verify_refiner(when)
-        upscaler_found, upscaler_repaired = self._upscaler.verify_and_repair(when)
-        found, repaired = found + refiner_found + upscaler_found, repaired + refiner_repaired + upscaler_repaired
-        self._timers.record("verify", time.perf_counter() - t0)
-        self._last_violations += tuple(found)
-        self._found_total += len(found)
-        self._repaired_total += repaired
-        if found:
-            log.warning("%d placement violations %s, %d repaired; first: %s", len(found), when, repaired, found[0])
-            if self.settings.strict if strict is None else strict:
-                raise placement.PlacementError(
-                    f"strict mode: {len(found)} placement violations {when} (repaired), first: {found[0]}")
-        return len(found), repaired
-
-    def _publish(self) -> None:
-        self._published = (build_snapshot(
-            state=self._state.value, device=str(self.device), desired=self._desired, facts=self._lifecycle.facts(),
-            rows=self._lifecycle.rows(self._last_violations) + self._upscaler.rows(self._last_violations),
-            upscaler=self._upscaler.facts(), violations=self._last_violations,
-            found_total=self._found_total, repaired_total=self._repaired_total,
-            counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),
-            last_error=self._last_error), self._lifecycle.scan)
 
     # ------------------------------------------------------------------ command bodies (worker only)
     def _set_progress(self, phase: str, step: int, total: int, preview=None) -> None:
