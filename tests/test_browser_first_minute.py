@@ -16,13 +16,9 @@ import time
 import pytest
 from browser_kit import TIMEOUT_MS, close_toasts, outputs, pick_loras, set_number, toasts
 from PIL import Image
-from served_app import MODEL, free_port, make_ui_data, running_app
+from served_app import MODEL, fresh_start
 
-from app.engine.worker import Engine
 from app.infotext import read_parameters
-from app.settings import Settings
-from app.ui.common import checkpoint_names
-from app.ui.serve import load_first_working
 
 pytestmark = pytest.mark.browser
 
@@ -30,15 +26,8 @@ pytestmark = pytest.mark.browser
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, demo_dir):
     """The app as `python launch.py` starts it on the demo models: the first checkpoint that loads."""
-    data = make_ui_data(tmp_path_factory.mktemp("first-minute"), demo_dir)
-    settings = Settings(data_dir=data, device="cpu", port=free_port())
-    engine = Engine(settings)
-    try:
-        assert load_first_working(engine, checkpoint_names(settings), []) is not None
-        with running_app(settings, engine) as (server, _engine):
-            yield server.local_url, engine
-    finally:
-        engine.close()
+    with fresh_start(tmp_path_factory.mktemp("first-minute"), demo_dir) as started:
+        yield started
 
 
 def _image_written(engine, before: int) -> str:
