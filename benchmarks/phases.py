@@ -212,6 +212,8 @@ def fp8_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench)
         rest = {"ours full weights": None if before is None else before - after,
                 "ours fp8 weights": None if loaded is None else loaded - after}
         run.memory["resting"] = {k: None if v is None else round(v, 3) for k, v in rest.items()}
+        if theirs.pipe is None:  # the offload phase freed it; loaded after the resting figures are read
+            theirs.load()
         mine, denoiser = ours.generator(fp8, model, bench, 1), denoiser_of(fp8.pipeline)
         key0, key3, base = ("none", 0, "fp8", 1), ("none", 3, "fp8-bypass", 1), ("none", 0, "eager", 1)
         variants = with_control({key0: Variant(ours.lora_setup(fp8, model, 0), mine, denoiser),
