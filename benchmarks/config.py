@@ -21,7 +21,7 @@ from app.families import family
 
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SECTIONS = ("load", "throughput", "latency", "offload", "compile")
+SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile")
 ARCHS = ("sd15", "sdxl", "flux-dev")  # what --archs takes; a full run without it does SD1.5 and SDXL
 OFFLOAD_CASES = ("model", "balanced", "balanced-3gib", "sequential", "group")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
@@ -65,6 +65,7 @@ class BenchConfig:
     resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024, "flux-dev": 1024})
     budget_gib: float = 3.0
     budget_archs: tuple[str, ...] = ("sd15",)
+    channels_last_rows: bool = True  # the throughput pools' `--channels-last` engine, where the denoiser has convs
 
 
 PRESETS = {

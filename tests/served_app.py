@@ -57,8 +57,8 @@ def write_kohya_lora(path: Path, layers: dict[str, dict[str, tuple[int, int]]], 
 
 
 def make_ui_data(root: Path, demo_dir: Path) -> Path:
-    """A private data folder: the demo models (hard links) plus the synthetic LoRAs above."""
-    for sub in ("models/Stable-diffusion", "embeddings"):
+    """A private data folder: the demo models and upscaler (hard links) plus the synthetic LoRAs above."""
+    for sub in ("models/Stable-diffusion", "models/RealESRGAN", "embeddings"):
         shutil.copytree(demo_dir / sub, root / sub, copy_function=os.link)
     lora_dir = root / "models" / "Lora"
     lora_dir.mkdir(parents=True, exist_ok=True)

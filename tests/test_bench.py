@@ -55,7 +55,7 @@ def test_every_section_has_rows_with_paired_ratios_and_a_control(smoke):
     verdict; or no ratio and a reason when the baseline cannot run (no CUDA here)."""
     _out, results = smoke
     rows = results["rows"]
-    assert {r["section"] for r in rows} == {"throughput", "offload", "compile"}
+    assert {r["section"] for r in rows} == {"throughput", "offload", "compile", "fp8"}
     assert {r["offload"] for r in rows} == {"none", "model", "balanced", "balanced-3gib", "sequential", "group"}
     assert {r["loras"] for r in rows} == {0, 1, 3}
     repeats = results["config"]["repeats"]
@@ -163,11 +163,11 @@ def test_op_counter_sees_the_unet_ops_only():
 
 def test_load_probe_reports_time_cpu_and_memory(data_dir):
     """The child side of a load probe, run in-process on the tiny demo file: our engine's load with its
-    wall time, process CPU time and RSS figures."""
+    wall time, process CPU time and RSS figures, and the engine's start timed apart."""
     spec = {"side": "ours", "arch": "sd15", "data_dir": str(data_dir), "name": "tiny-sd15.safetensors",
             "dtype": "fp32"}
     result = probe.run_load_probe(spec)
-    assert result["load_s"] > 0 and result["cpu_s"] > 0
+    assert result["load_s"] > 0 and result["cpu_s"] > 0 and result["start_s"] > 0
     assert result["peak_rss_gib"] >= result["rss_before_gib"] > 0 and result["rss_anon_gib"] > 0
 
 

@@ -294,6 +294,6 @@ def test_interrupt_in_the_first_pass_keeps_its_image_and_skips_the_hires_pass(en
     (image,) = done["images"]
     assert image.image.size == (64, 64) and image.stopped_at is not None and image.stopped_at < 150
     snap = engine.snapshot()
-    assert snap.history[-1].command == "txt2img" and snap.history[-1].outcome == "ok"
+    assert snap.history[-1].command == "txt2img" and snap.history[-1].outcome == "interrupted"
     assert "hires upscale" not in {row.command for row in snap.history} and snap.state == "READY"
     assert "latents" not in engine._lifecycle.carry

@@ -169,6 +169,14 @@ def load_part(part: ComponentFile, fam: Family, source: Source, checkpoint: Sour
     return model.eval()
 
 
+def source_files(fam: Family, checkpoint_path: Path, choices: Mapping[str, Path], folders: Mapping[str, Path]
+                 ) -> list[Path]:
+    """The files `assemble` reads the family's parts from (headers only are read to find them)."""
+    checkpoint = _open(checkpoint_path)
+    return [find_source(part, checkpoint, choices.get(part.component), folders.get(part.folder)).path
+            for part in fam.parts]
+
+
 def assemble(fam: Family, checkpoint_path: Path, dtype: torch.dtype, choices: Mapping[str, Path],
              folders: Mapping[str, Path]):
     """The family's pipeline from `checkpoint_path` plus separate files (`choices`: component ->

@@ -28,9 +28,8 @@ from PIL import Image
 
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import generate, image_ops, stages
+from app.engine import generate, image_ops, stages, variation
 from app.engine.generate import GeneratedImage, GenerateParams
-from app.engine.generating import Job
 from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
 from app.families import family
@@ -51,12 +50,13 @@ class Workflows:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass. Sizes and steps are checked before anything is queued."""
         self._require_stage("img2img", "hires fix")
+        self.check_upscaler(hires.upscaler, hires=True)
         hires.second_pass(params, self._size_multiple())
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
-                              lambda first, phase, job, passes: self._hires_run(params, hires, first, phase, job,
-                                                                                passes))
+                              lambda first, phase, job, passes, run: self._hires_run(run, hires, first, phase, job,
+                                                                                     passes))
 
     def img2img(self, params: GenerateParams, init_images: Sequence[Image.Image], *, denoising_strength: float = 0.75,
                 resize_mode: str | int = "just resize", mask: Image.Image | None = None, mask_blur: int = 4,
@@ -71,11 +71,15 @@ class Workflows:
                             inpainting_mask_invert)
         source.steps_run(params)
         self._require_stage(source.workflow, source.workflow)
+        if variation.of(params) is not None or params.refiner_checkpoint:
+            raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
+                             f"variation strength and the resize sizes to 0 and clear the refiner for "
+                             f"{source.workflow}")
         detail = (f"{params.steps} steps at {source.denoising_strength:g} {params.width}x{params.height} "
                   f"{source.resize_mode} x{params.batch}x{params.n_iter}")
         return self._workflow(source.workflow, detail, params, owner, source.infotext_pairs(),
-                              lambda first, phase, job, passes: self._init_image_run(params, source, first, phase, job,
-                                                                                     passes))
+                              lambda first, phase, job, passes, run: self._init_image_run(run, source, first, phase,
+                                                                                          job, passes))
 
     def inpaint(self, params: GenerateParams, init_image: Image.Image, mask: Image.Image, **options: Any
                 ) -> list[GeneratedImage]:
@@ -114,17 +118,19 @@ class Workflows:
             if wanted != passes.current:
                 self._run_stage("apply_loras", f"prompt tags for {name}", state.PATCHING,
                                 lambda: self._with_loras(params, passes))
-            job = self._job = Job(owner)
+            job = self._job  # set when the command left the queue (`Engine._serve`)
             try:
-                return self._generate_images(stripped, params.prompt, job,
-                                             lambda first, phase: batch_run(first, phase, job, passes), extra)
+                # A run's own parameters (its variation seeds) with the prompt's tags, which each pass reads.
+                def run_batch(first, phase, run):
+                    return batch_run(first, phase, job, passes, dataclasses.replace(run, prompt=params.prompt))
+                return self._generate_images(stripped, params.prompt, job, run_batch, extra)
             finally:
                 self._job = None
                 self._lifecycle.carry.clear()
                 if passes.current != self._desired.loras:
                     self._run_stage("restore_loras", f"after {name}", state.PATCHING,
                                     lambda: self._realise(self._desired, self._desired.loras))
-        return self.submit(name, detail, state.GENERATING, body, record=False).result()
+        return self.submit(name, detail, state.GENERATING, body, record=False, owner=owner).result()
 
     def _with_loras(self, prompt_params: GenerateParams, passes: _Passes) -> GenerateParams:
         """Patch the model to the desired LoRAs plus `prompt_params`' tags (if that differs from what
@@ -154,12 +160,14 @@ class Workflows:
             latents, stopped = self._denoise_run(params.steps, job, f"first pass, {phase}", lambda on_step: (
                 self._lifecycle.run_on_model(lambda pipe: stages.txt2img_latents(
                     pipe, self._lifecycle.stage_for, stripped, first, on_step), _size(params))))
-            carry.put(plan(), latents=latents)
+            carry.clear()  # no step completed: nothing is carried, nothing decoded
+            if latents is not None:
+                carry.put(plan(), latents=latents)
             return stopped
 
         stopped = self._stage("txt2img", f"first pass {params.width}x{params.height}, seed {first}", first_pass)
         if stopped is not None:
-            return self._decode_carried(params), stopped
+            return (self._decode_carried(params) if "latents" in carry else []), stopped
 
         def upscale():
             size = (second.width, second.height)
@@ -167,11 +175,17 @@ class Workflows:
                 factor = self._lifecycle.pipeline.vae_scale_factor
                 carry.put(plan(), latents=stages.upscale_latents(carry.get("latents"), hires, size, factor))
                 return
-            images = stages.upscale_images(self._decode_carried(params), hires, size)
+            images = self._decode_carried(params)
+            images = self._upscale_to(images, hires.upscaler, size, job, phase) if hires.model \
+                else stages.upscale_images(images, hires, size)
+            if images is None:
+                return True  # Interrupt or Skip between two tiles: the first pass is the result
             carry.put(plan(), latents=self._lifecycle.run_on_model(lambda pipe: stages.encode(pipe, images, first),
                                                                    _size(second)))
 
-        self._stage("hires upscale", f"{hires.upscaler} x{hires.scale:g} -> {second.width}x{second.height}", upscale)
+        if self._stage("hires upscale", f"{hires.upscaler} x{hires.scale:g} -> {second.width}x{second.height}",
+                       upscale):
+            return self._decode_carried(params), params.steps
 
         def second_pass():
             stripped = self._with_loras(second, passes)
@@ -198,6 +212,8 @@ class Workflows:
                 pipe, params, first, on_step, total, strength, **inputs), _size(params), stage=kind)
 
         latents, stopped = self._denoise_run(total, job, phase, run)
+        if latents is None:  # stopped before a step completed
+            return [], stopped
         return self._lifecycle.run_on_model(lambda pipe: generate.decode(pipe, latents), _size(params)), stopped
 
     # ------------------------------------------------------------------ img2img and inpaint

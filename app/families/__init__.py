@@ -90,6 +90,10 @@ class TextEncoder:
     config_class: type[PretrainedConfig] = CLIPTextConfig
     tokenizer_class: type = CLIPTokenizer
     tokenizer_dir: Path = CLIP_TOKENIZER_DIR  # bundled in assets/
+    # How prompts reach the pipeline through it, as A1111 reads it (app/prompts/encode.py):
+    reads: str = "sequence"  # its hidden states are the prompt embeddings; "pooled": its pooled output; "both"
+    layer: str = "last"  # the last layer, normed (clip skip applies); "penultimate": layer -2 unnormed (no clip skip)
+    chunked: bool = True  # 75-token chunks, any number (CLIP); False: one sequence of `max_sequence_length` (T5)
 
 
 @dataclass(frozen=True)
@@ -220,6 +224,9 @@ class Family:
     # The side, in pixels, the loaded model was trained at: the size the page switches to on load.
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
     native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
+    # Families whose checkpoints may finish this one's txt2img after a switch point (A1111's refiner):
+    # both pipelines take diffusers' `denoising_end` / `denoising_start`. Empty: no refiner stage.
+    refiner_families: tuple[str, ...] = ()
 
     @property
     def plain_pipeline_class(self) -> type:
@@ -273,12 +280,10 @@ class Family:
         the LDM layout for SD, the all-in-one layout of `parts` otherwise."""
         return all_in_one_state(pipe, self.parts) if self.parts else to_ldm_state_dict(pipe, self)
 
-    def call_arguments(self, guidance: float, negative_prompt: str) -> dict[str, object]:
-        """The pipeline-call arguments that differ by family."""
+    def call_arguments(self, guidance: float) -> dict[str, object]:
+        """The pipeline-call arguments that differ by family (the prompts go as embeddings: app/prompts)."""
         call = self.guidance_call
         out: dict[str, object] = {"guidance_scale": guidance} if call is None else dict(call(guidance))
-        if self.negative_prompt:
-            out["negative_prompt"] = negative_prompt or None
         if self.max_sequence_length is not None:
             out["max_sequence_length"] = self.max_sequence_length
         return out

@@ -9,8 +9,9 @@ reads (scale, shift). The table below is per module; row ranges come from the mo
 shapes, in the fused order, so the same code serves the 12B model and the tiny demo.
 
 xlabs LoRAs name the same fused projections after their attention processors
-(`double_blocks.N.processor.qkv_lora1` = `img_attn.qkv`, `…lora2` the text stream,
-`single_blocks.N.processor.qkv_lora` = the q/k/v rows of `linear1`): `xlabs_modules` spells them.
+(`double_blocks.N.processor.qkv_lora1` = `img_attn.qkv`, `…lora2` the text stream, `proj_lora1/2` the
+output projections; `single_blocks.N.processor.qkv_lora` = the q/k/v rows of `linear1`, `proj_lora` =
+`linear2`, diffusers' `proj_out`, as diffusers' xlabs converter reads them): `xlabs_modules` spells them.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ _BLOCKS = (("transformer_blocks", "double_blocks", _DOUBLE, _DOUBLE_FUSED),
            ("single_transformer_blocks", "single_blocks", _SINGLE, _SINGLE_FUSED))
 _XLABS_DOUBLE = {"processor.qkv_lora1": "img_attn.qkv", "processor.qkv_lora2": "txt_attn.qkv",
                  "processor.proj_lora1": "img_attn.proj", "processor.proj_lora2": "txt_attn.proj"}
+_XLABS_SINGLE = {"processor.qkv_lora": "linear1", "processor.proj_lora": "linear2"}
 
 
 def _module_rows(transformer: torch.nn.Module) -> dict[str, tuple[str, Rows | None]]:
@@ -96,10 +98,11 @@ def transformer_layout(transformer: torch.nn.Module) -> Layout:
 
 
 def xlabs_modules(transformer: torch.nn.Module) -> dict[str, str]:
-    """xlabs LoRA layer names -> the BFL module (or, for single blocks, `linear1`) they patch."""
+    """xlabs LoRA layer names -> the BFL module they patch (a single block's `qkv_lora` covers only
+    the q/k/v rows of `linear1`, which the caller cuts)."""
     names = {}
-    for i in range(len(transformer.transformer_blocks)):
-        names.update({f"double_blocks.{i}.{k}": f"double_blocks.{i}.{v}" for k, v in _XLABS_DOUBLE.items()})
-    for i in range(len(transformer.single_transformer_blocks)):
-        names[f"single_blocks.{i}.processor.qkv_lora"] = f"single_blocks.{i}.linear1"
+    for blocks, bfl, table in ((transformer.transformer_blocks, "double_blocks", _XLABS_DOUBLE),
+                               (transformer.single_transformer_blocks, "single_blocks", _XLABS_SINGLE)):
+        for i in range(len(blocks)):
+            names.update({f"{bfl}.{i}.{k}": f"{bfl}.{i}.{v}" for k, v in table.items()})
     return names

@@ -19,7 +19,6 @@ native file formats.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import io
 import os
 import shutil
@@ -116,7 +115,8 @@ def test_every_declared_layout_loads_the_saved_weights_bit_for_bit(data, arch):
     """Single file (the family's own layout: LDM, ComfyUI's all-in-one) and diffusers folder give
     back every tensor of the tiny model that was written, in fp32, bit for bit, as the family's
     pipeline class, with the hash of the weights file, the bundled tokenizers' pad tokens and the
-    parts the family leaves out (SD's safety checker) left out."""
+    parts the family leaves out (SD's safety checker) left out; `files` names the weights file first
+    (the one whose hash is its "Model hash")."""
     fam, saved = family(arch), build_tiny_pipeline(arch)
     names = {"file": f"tiny-{arch}.safetensors", "folder": f"tiny-{arch}-diffusers"}
     for layout in fam.layouts:
@@ -125,8 +125,7 @@ def test_every_declared_layout_loads_the_saved_weights_bit_for_bit(data, arch):
         loaded = models.load_pipeline(info, torch.float32)
         pipe = loaded.pipe
         assert pipe.family is fam and type(pipe) is fam.pipeline_class and loaded.arch == arch
-        weights = checkpoint_files.weights_file(info)
-        assert loaded.short_hash == hashlib.sha256(weights.read_bytes()).hexdigest()[:10]
+        assert loaded.files[0] == checkpoint_files.weights_file(info)
         assert all(getattr(pipe, te.tokenizer).pad_token == te.pad_token for te in fam.text_encoders if te.pad_token)
         assert all(getattr(pipe, k, None) is None for k, v in fam.pipeline_kwargs.items() if v is None)
         for component, module in placement.torch_components(saved).items():
@@ -137,7 +136,8 @@ def test_every_declared_layout_loads_the_saved_weights_bit_for_bit(data, arch):
 
 def test_one_seed_one_image_and_the_guidance_reaches_the_model(plain, arch):
     """Same seed, same pixels; another seed, other pixels; the infotext names the guidance as the
-    family calls it; where the family has CFG or distilled guidance, another value changes the image."""
+    family calls it; where the family has CFG or distilled guidance, another value changes the image;
+    a family without a negative prompt (Flux) is not changed by one, and its infotext does not claim one."""
     fam = family(arch)
     plain.load_model(checkpoint(arch))
     first, again = plain.generate(params(arch)), plain.generate(params(arch))
@@ -149,6 +149,10 @@ def test_one_seed_one_image_and_the_guidance_reaches_the_model(plain, arch):
     if fam.negative_prompt or fam.distilled_guidance:
         other = plain.generate(params(arch, cfg=fam.default_guidance + 2.5))
         assert not np.array_equal(pixels(first), pixels(other)), "the guidance did not reach the model"
+    if not fam.negative_prompt:
+        negative = plain.generate(params(arch, negative_prompt="blurry"))
+        assert np.array_equal(pixels(first), pixels(negative))
+        assert "Negative prompt" not in negative[0].infotext and "blurry" not in negative[0].infotext
 
 
 def test_a_peft_lora_written_by_peft_fuses_to_the_formula_and_comes_off_bit_for_bit(plain, arch, data):
