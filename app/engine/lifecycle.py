@@ -11,7 +11,6 @@ the steps that differ.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GenerateParams
 from app.engine.interrupt import stop_checks
 from app.engine.lora_options import allows_partial
+from app.engine.memory import release_memory
 from app.engine.snapshot import LoadedFacts
 from app.families import family
 from app.hooks import HookRegistry
@@ -65,20 +65,6 @@ class _Loaded:
     set_aside: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
     compile: compiled.CompileState | None = None
     stage_pipes: dict[str, object] = field(default_factory=dict)  # img2img/inpaint pipelines on the same components
-
-
-def release_memory() -> None:
-    """Return freed RAM/VRAM to the OS/driver so "unload" really shows up in the numbers."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        # Pinned host blocks (LoRA backups) stay cached by PyTorch's host allocator after they are
-        # freed; its only release is this private binding (CUDA builds only). Suspected cause of the
-        # H100 run's RSS growth over LoRA add/remove cycles (2026-11-26); re-check owed on a GPU.
-        empty_host = getattr(torch._C, "_host_emptyCache", None)
-        if empty_host is not None:
-            empty_host()
-    heap.give_back()
 
 
 class ModelLifecycle:

@@ -27,7 +27,7 @@ import torch
 
 from app import diagnostics
 from app.engine import offload, placement
-from app.engine.lifecycle import release_memory
+from app.engine.memory import release_memory
 from app.engine.placement import ComponentPlan, Placement, PlacementPlan
 from app.hooks import HookRegistry
 from app.safetensors_files import FileIdentity

@@ -103,8 +103,8 @@ def checkpoint(arch: str) -> str:
 
 def params(arch: str, **changes) -> GenerateParams:
     fam = family(arch)
-    return GenerateParams("a red cube", **{"steps": 2, "width": 64, "height": 64, "seed": 7, "sampler":
-                                           fam.default_sampler, "cfg": fam.default_guidance, **changes})
+    return GenerateParams(**{"prompt": "a red cube", "steps": 2, "width": 64, "height": 64, "seed": 7, "sampler":
+                             fam.default_sampler, "cfg": fam.default_guidance, **changes})
 
 
 def pixels(images) -> np.ndarray:
@@ -153,6 +153,40 @@ def test_one_seed_one_image_and_the_guidance_reaches_the_model(plain, arch):
         negative = plain.generate(params(arch, negative_prompt="blurry"))
         assert np.array_equal(pixels(first), pixels(negative))
         assert "Negative prompt" not in negative[0].infotext and "blurry" not in negative[0].infotext
+
+
+def test_prompts_read_as_a1111_and_a_variation_seed_reach_the_model(plain, arch):
+    """Through the family's `TextEncoder` entries: `a (red:1.0) cube` is `a red cube` bit for bit and
+    `(red:1.5)` changes the image (A1111's emphasis reaches its encoders). Through its txt2img class
+    (`VariedNoise`): a variation seed at 0.5 changes the image, the same one again gives it again, and
+    the infotext names it."""
+    plain.load_model(checkpoint(arch))
+    first = pixels(plain.generate(params(arch)))
+    assert np.array_equal(first, pixels(plain.generate(params(arch, prompt="a (red:1.0) cube"))))
+    assert not np.array_equal(first, pixels(plain.generate(params(arch, prompt="a (red:1.5) cube"))))
+    varied = plain.generate(params(arch, subseed=8, subseed_strength=0.5))
+    assert not np.array_equal(first, pixels(varied))
+    assert np.array_equal(pixels(varied), pixels(plain.generate(params(arch, subseed=8, subseed_strength=0.5))))
+    assert "Variation seed: 8, Variation seed strength: 0.5" in varied[0].infotext
+
+
+def test_a_refiner_finishes_where_the_family_takes_one_and_is_refused_elsewhere(plain, arch):
+    """Each family in `refiner_families` refines the family's txt2img from the switch point (its tiny
+    checkpoint as the refiner, strict forwards on both models): every stage `ok`, zero violations, the
+    infotext names the switch point. A family that names none refuses a refiner checkpoint, saying so."""
+    fam = family(arch)
+    plain.load_model(checkpoint(arch))
+    if not fam.refiner_families:
+        with pytest.raises(ValueError, match="have no refiner stage"):
+            plain.generate(params(arch, steps=4, refiner_checkpoint=checkpoint(arch), refiner_switch_at=0.5))
+        return
+    for refiner in fam.refiner_families:
+        start = len(plain.snapshot().history)
+        made = plain.generate(params(arch, steps=4, refiner_checkpoint=checkpoint(refiner), refiner_switch_at=0.5))
+        rows = plain.snapshot().history[start:]
+        assert [r.command for r in rows] == ["txt2img", "refiner load", "refiner", "refiner unload"], rows
+        assert all(r.outcome == "ok" and r.violations_found == 0 for r in rows), rows
+        assert "Refiner switch at: 0.5" in made[0].infotext
 
 
 def test_a_peft_lora_written_by_peft_fuses_to_the_formula_and_comes_off_bit_for_bit(plain, arch, data):
@@ -233,7 +267,9 @@ def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_strea
            if t.dtype == placement.STORAGE_DTYPES["fp8"]}
     assert now.keys() == stored.keys() and all(torch.equal(now[k].view(torch.uint8), v.view(torch.uint8))
                                                for k, v in stored.items())
-    assert all(np.abs(image - images["none"]).mean() < 2.0 for image in images.values())
+    # within three grey levels, as in the offload test: streamed modes run the first step on fp32 latents
+    # (diffusers casts the prompt embeddings to `text_encoder.dtype`, read from a weight resting in fp32)
+    assert all(np.abs(image - images["none"]).mean() < 3.0 for image in images.values())
     fp8.set_offload("none")
     fp8.set_loras([])
 
