@@ -225,6 +225,9 @@ class Family:
     adapter_arch: str = ""
     adapter_label: str = ""
     adapter_markers: tuple[str, ...] = ()
+    # (architecture, fragments of layer names only it has): an adapter with an unmatched layer so named is
+    # refused as made for it, even where its other layers fit by shape (FLUX.1 LoRAs on FLUX.2 Klein 4B).
+    foreign_adapter_layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
     kohya_ldm_names: bool = False  # kohya's sd-scripts name this UNet's layers with LDM names (SDXL)
     lora_targets: tuple[str, ...] = ()  # module globs a test LoRA spreads over (every layer kind)
     demo_lora_targets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the demo's style and detail LoRAs

@@ -180,6 +180,12 @@ _DEMO_LORA_TARGETS = (
      "transformer.*attn.to_qkv_mlp_proj", "text_encoder.*self_attn.[qkvo]_proj"),
     ("transformer.*ff.linear_*", "transformer.*ff_context.linear_*", "text_encoder.*mlp.*_proj"),
 )
+# FLUX.1's per-block modulations, GELU MLPs, single-block q/k/v/MLP split and pooled-text embedder, in
+# every spelling (BFL, kohya, diffusers): FLUX.2 has none, and a FLUX.1 LoRA's attention layers fit the
+# 4B's by shape (both 3072 wide), so such a file is refused by name instead of applied in part.
+_FLUX1_LAYERS = ("img_mod", "txt_mod", "modulation_lin", ".modulation.lin", "norm1.linear", "norm1_linear",
+                 "norm1_context", "ff.net.", "ff_net_", "ff_context.net.", "proj_mlp", "time_text_embed",
+                 "vector_in", "single_transformer_blocks.0.attn.to_q", "single_transformer_blocks_0_attn_to_q")
 _STAGES = MappingProxyType({"img2img": SteadyKleinStagePipeline, "inpaint": SteadyKleinStagePipeline})
 
 
@@ -230,6 +236,7 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
                                        "vae": _TINY_VAE, "text_encoder": _TINY_QWEN3}),
         preview_rgb=_PREVIEW,
         adapter_arch=f"flux2-klein-{size}",
+        foreign_adapter_layers=(("FLUX.1", _FLUX1_LAYERS),),
         adapter_label=f"Klein {size.upper()}",
         adapter_markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}"),
         lora_targets=_LORA_TARGETS,
