@@ -8,6 +8,8 @@ family must do (offload modes, fp8, stages, strict forwards) is the conformance 
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import shutil
@@ -301,3 +303,26 @@ def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_klein_generates(data, weights)
         assert adapter_state_digests(engine.pipeline) == digests
     finally:
         engine.close()
+
+
+def test_the_a1111_img2img_api_reads_init_images_as_references_when_asked(eng, data):
+    """`/sdapi/v1/img2img` with `reference_images: true` on a Klein model is the engine's `edit` bit for bit
+    (the pictures as base64 `init_images`, the answer's infotext naming them); without it, img2img."""
+    from app.a1111 import img2img
+    from app.a1111.schema import Img2ImgRequest
+    from app.a1111.state import ApiState
+    from app.ui.common import UiContext
+
+    eng.load_model(FILE)
+    picture = references()[0]
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    state = ApiState(UiContext(engine=eng, settings=eng.settings), max_waiting=1)
+    body = dict(prompt="a red cube", steps=2, width=64, height=64, seed=7, sampler_name="Euler", cfg_scale=1.0,
+                init_images=[base64.b64encode(buffer.getvalue()).decode()])
+    answer = img2img.run(state, Img2ImgRequest(**body, reference_images=True))
+    made = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer["images"][0]))))
+    assert np.array_equal(made, ours(eng.edit(params(), [picture]))[0])
+    assert "Reference images: 1" in json.loads(answer["info"])["infotexts"][0]
+    plain = img2img.run(state, Img2ImgRequest(**body, denoising_strength=0.5))
+    assert "Reference images" not in json.loads(plain["info"])["infotexts"][0]
