@@ -28,6 +28,7 @@ from app.demo import build_tiny_pipeline
 from app.engine.component_files import CONFIGS_METADATA_KEY
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
+from app.families import family
 from app.settings import Settings
 
 ARCH = "flux2-klein-4b"
@@ -326,3 +327,21 @@ def test_the_a1111_img2img_api_reads_init_images_as_references_when_asked(eng, d
     assert "Reference images: 1" in json.loads(answer["info"])["infotexts"][0]
     plain = img2img.run(state, Img2ImgRequest(**body, denoising_strength=0.5))
     assert "Reference images" not in json.loads(plain["info"])["infotexts"][0]
+
+
+def test_the_img2img_tabs_reference_panel_shows_for_klein_and_runs_the_engines_edit(eng):
+    """The img2img tab's "Reference images" panel is shown while a family that takes them is loaded, and
+    its job (the gallery's pictures, the shared settings) is the engine's `edit`, bit for bit."""
+    from app.ui.common import UiContext
+    from app.ui.img2img_tab import _takes_references
+    from app.ui.workflow_api import edit_job
+
+    eng.load_model(FILE)
+    ctx = UiContext(engine=eng, settings=eng.settings)
+    assert _takes_references(ctx) and not family("sd15").takes_reference_images
+    picture = references()[0]
+    base = ["a red cube", "", "Euler", 2, 1.0, 7, 64, 64, 1]
+    _params, call, _notes = edit_job(ctx, base, [(picture, None)])
+    assert np.array_equal(ours(call(None)), ours(eng.edit(params(), [picture])))
+    with pytest.raises(ValueError, match="add one to four reference images"):
+        edit_job(ctx, base, [])
