@@ -1,7 +1,8 @@
 """The page follows the loaded family: a fresh page on whatever model loaded first (the tiny FLUX.1-dev,
 first by name) generates with the page as it comes up, and Flux → SD1.5 → Flux switches leave the
 family's own sampler list, sampler, steps and guidance (its name and range), with which Generate
-works each time. Needs Playwright and Debian's chromium (see `browser_kit`); skips without them.
+works each time; the hires fix's and the img2img tab's sampler lists are the family's too. Needs
+Playwright and Debian's chromium (see `browser_kit`); skips without them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 from browser_kit import TIMEOUT_MS, choose, generate_and_wait, set_number
 from served_app import free_port, make_ui_data, running_app
 
+from app.engine.stage_params import SAME
 from app.engine.worker import Engine
 from app.families import family
 from app.infotext import parse_infotext, read_parameters
@@ -32,14 +34,31 @@ def served(tmp_path_factory, demo_dir):
         engine.close()
 
 
-def _fields(page) -> dict[str, str]:
-    page.click("#sd-sampler input")
-    offered = page.locator("#sd-sampler li[role=option]").evaluate_all(
+def _offered(page, elem_id: str) -> list[str]:
+    page.click(f"#{elem_id} input")
+    offered = page.locator(f"#{elem_id} li[role=option]").evaluate_all(
         "options => options.map(o => o.getAttribute('aria-label'))")
     page.keyboard.press("Escape")
+    return offered
+
+
+def _fields(page) -> dict[str, str]:
     return {"sampler": page.input_value("#sd-sampler input"), "steps": page.input_value("#sd-steps input"),
             "cfg": page.input_value("#sd-cfg input"), "cfg label": page.inner_text("#sd-cfg"),
-            "offered": offered}
+            "offered": _offered(page, "sd-sampler")}
+
+
+def _other_sampler_lists(page) -> tuple[list[str], str, list[str]]:
+    """(hires sampler list, img2img sampler, img2img sampler list) as the page offers them now."""
+    page.get_by_label("Hires. fix").check()
+    hires = _offered(page, "sd-hires-sampler")
+    page.get_by_label("Hires. fix").uncheck()
+    page.get_by_role("tab", name="img2img").first.click()
+    page.wait_for_selector("#sd-i2i-sampler input", timeout=TIMEOUT_MS)
+    image_to_image = _offered(page, "sd-i2i-sampler")
+    chosen = page.input_value("#sd-i2i-sampler input")
+    page.get_by_role("tab", name="Generate").first.click()
+    return hires, chosen, image_to_image
 
 
 def _expect_family(page, arch: str) -> None:
@@ -52,6 +71,8 @@ def _expect_family(page, arch: str) -> None:
         fam.default_sampler, fam.default_steps, fam.default_guidance), shown
     low, high = fam.guidance_range
     assert fam.guidance_label in shown["cfg label"] and f"{low:g}…{high:g}" in shown["cfg label"], shown
+    hires, chosen, image_to_image = _other_sampler_lists(page)
+    assert hires == [SAME, *fam.samplers] and image_to_image == list(fam.samplers) and chosen in fam.samplers
 
 
 def _generate(page, engine, arch: str) -> dict[str, str]:

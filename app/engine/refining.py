@@ -112,7 +112,8 @@ class Refining:
         except BaseException:
             self._refiner_out()
             raise
-        named[:] = [("Refiner", f"{facts.model} [{facts.model_hash}]"),
+        # the hash of a refiner loaded just now is still being read: its infotext waits for it, as the base's does
+        named[:] = [("Refiner", f"{facts.model} [{refiner.model_hash()}]"),
                     ("Refiner switch at", f"{params.refiner_switch_at:g}")]
 
     def _refiner_pass(self, params: GenerateParams, first: int, total: int, job, phase: str):

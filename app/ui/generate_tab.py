@@ -14,6 +14,7 @@ import gradio as gr
 
 from app.adapters.specs import LoraSpec
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
+from app.engine.stage_params import SAME
 from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES
 from app.ui.common import (
@@ -70,18 +71,20 @@ class GenerateTab:
 
 
 def family_updates(previous: str | None, current: str | None) -> list:
-    """[sampler, steps, CFG] for a newly loaded model of family `current` after one of `previous`
-    (None: a fresh page). The sampler list is always the loaded family's own (a sampler it lacks would
-    be refused at Generate); when the family changes, its defaults fill the fields: sampler, steps,
-    and the guidance with its name and range ("Distilled CFG Scale" on FLUX.1-dev). Between two
-    models of one family the user's choices stay."""
+    """[sampler, hires sampler, steps, CFG] for a newly loaded model of family `current` after one of
+    `previous` (None: a fresh page). The sampler lists are always the loaded family's own (a sampler it
+    lacks would be refused at Generate); when the family changes, its defaults fill the fields: sampler
+    (the hires pass's: the same), steps, and the guidance with its name and range ("Distilled CFG Scale"
+    on FLUX.1-dev). Between two models of one family the user's choices stay."""
     if current is None:
-        return [gr.update()] * 3
+        return [gr.update()] * 4
     fam = family(current)
     if current == previous:
-        return [gr.Dropdown(choices=list(fam.samplers)), gr.update(), gr.update()]
+        return [gr.Dropdown(choices=list(fam.samplers)), gr.Dropdown(choices=[SAME, *fam.samplers]), gr.update(),
+                gr.update()]
     low, high = fam.guidance_range
-    return [gr.Dropdown(choices=list(fam.samplers), value=fam.default_sampler), gr.Number(value=fam.default_steps),
+    return [gr.Dropdown(choices=list(fam.samplers), value=fam.default_sampler),
+            gr.Dropdown(choices=[SAME, *fam.samplers], value=SAME), gr.Number(value=fam.default_steps),
             gr.Number(value=fam.default_guidance, label=fam.guidance_label, info=f"{low:g}…{high:g}")]
 
 
@@ -206,11 +209,11 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
 # --------------------------------------------------------------------------------------- handlers
 def load_checkpoint(ctx: UiContext, name: str, progress) -> list:
     """Load `name` unless it is the loaded model already (re-selecting it, or opening and closing the
-    dropdown, must not reload); returns [status text, width, height, sampler, steps, CFG] (see
+    dropdown, must not reload); returns [status text, width, height, sampler, hires sampler, steps, CFG] (see
     `native_size_updates`, `family_updates`)."""
     engine = ctx.engine
     if name == engine.snapshot().model:
-        return [gr.update()] * 6
+        return [gr.update()] * 7
     with user_errors("Loading the model"):
         name = checked_checkpoint(ctx.settings, name)
         before = engine.snapshot()
@@ -242,7 +245,8 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
     # the model (or repeated a failure and its toast). After a refusal the dropdown shows the model the
     # engine still holds (`.failure`: a `.then` after an error never runs in Gradio 6.31).
     loaded = tab.model.select(lambda name, progress=PROGRESS: load_checkpoint(ctx, name, progress), tab.model,
-                              [tab.model_status, tab.width, tab.height, tab.sampler, tab.steps, tab.cfg],
+                              [tab.model_status, tab.width, tab.height, tab.sampler, tab.hires.sampler, tab.steps,
+                               tab.cfg],
                               show_progress_on=[tab.model_status], **private)
     loaded.failure(lambda: gr.Dropdown(value=engine.snapshot().model), None, tab.model, api_visibility="private")
     loaded.success(**redraw).then(lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
@@ -272,7 +276,7 @@ def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
                 *family_updates(None, snap.arch), *selection_updates(ctx, specs)]
 
     demo.load(on_load, None, [tab.model, tab.dtype, tab.offload, tab.model_status, tab.width, tab.height,
-                              tab.sampler, tab.steps, tab.cfg, slots.select, *slots.layout],
+                              tab.sampler, tab.hires.sampler, tab.steps, tab.cfg, slots.select, *slots.layout],
               api_visibility="private").then(**sync_panel(ctx, slots)).then(
         lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
 

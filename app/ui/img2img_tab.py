@@ -95,6 +95,20 @@ class Img2ImgTab:
     panels: gr.Tabs
     stops: StopControls
 
+    @property
+    def sampler(self) -> gr.Dropdown:
+        return self.settings[2]
+
+
+def family_sampler(ctx: UiContext, current: str):
+    """The loaded family's samplers, keeping `current` where the family has it (else its default): the
+    tab opened after a model switch offers no sampler the model would refuse."""
+    arch = ctx.engine.snapshot().arch
+    if arch is None:
+        return gr.update()
+    fam = family(arch)
+    return gr.Dropdown(choices=list(fam.samplers), value=current if current in fam.samplers else fam.default_sampler)
+
 
 def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> tuple[gr.Image, gr.Number]:
     image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300)
