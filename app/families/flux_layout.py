@@ -40,23 +40,27 @@ _TOP = {
     "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
 # diffusers module (inside a block) -> BFL module; fused ones list their parts in row order.
-_DOUBLE = {
-    "norm1.linear": "img_mod.lin",
-    "norm1_context.linear": "txt_mod.lin",
+# A double block's attention, the same in FLUX.1 and FLUX.2 (klein_layout): norms, output projections, fused q/k/v.
+DOUBLE_ATTENTION = {
     "attn.norm_q": "img_attn.norm.query_norm",
     "attn.norm_k": "img_attn.norm.key_norm",
     "attn.norm_added_q": "txt_attn.norm.query_norm",
     "attn.norm_added_k": "txt_attn.norm.key_norm",
     "attn.to_out.0": "img_attn.proj",
     "attn.to_add_out": "txt_attn.proj",
+}
+DOUBLE_FUSED = {
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+}
+_DOUBLE = {
+    "norm1.linear": "img_mod.lin",
+    "norm1_context.linear": "txt_mod.lin",
+    **DOUBLE_ATTENTION,
     "ff.net.0.proj": "img_mlp.0",
     "ff.net.2": "img_mlp.2",
     "ff_context.net.0.proj": "txt_mlp.0",
     "ff_context.net.2": "txt_mlp.2",
-}
-_DOUBLE_FUSED = {
-    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
 }
 _SINGLE = {
     "norm.linear": "modulation.lin",
@@ -65,7 +69,7 @@ _SINGLE = {
     "proj_out": "linear2",
 }
 _SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
-_BLOCKS = (("transformer_blocks", "double_blocks", _DOUBLE, _DOUBLE_FUSED),
+_BLOCKS = (("transformer_blocks", "double_blocks", _DOUBLE, DOUBLE_FUSED),
            ("single_transformer_blocks", "single_blocks", _SINGLE, _SINGLE_FUSED))
 _XLABS_DOUBLE = {"processor.qkv_lora1": "img_attn.qkv", "processor.qkv_lora2": "txt_attn.qkv",
                  "processor.proj_lora1": "img_attn.proj", "processor.proj_lora2": "txt_attn.proj"}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from app.families.file_layout import FileTensor, Layout
-from app.families.flux_layout import BflNames, bfl_layout
+from app.families.flux_layout import DOUBLE_ATTENTION, DOUBLE_FUSED, BflNames, bfl_layout
 from app.families.ldm_layout import vae_layout as ldm_vae_layout
 
 _TOP = {
@@ -41,20 +41,11 @@ _TOP = {
     "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
 _DOUBLE = {
-    "attn.norm_q": "img_attn.norm.query_norm",
-    "attn.norm_k": "img_attn.norm.key_norm",
-    "attn.norm_added_q": "txt_attn.norm.query_norm",
-    "attn.norm_added_k": "txt_attn.norm.key_norm",
-    "attn.to_out.0": "img_attn.proj",
-    "attn.to_add_out": "txt_attn.proj",
+    **DOUBLE_ATTENTION,
     "ff.linear_in": "img_mlp.0",
     "ff.linear_out": "img_mlp.2",
     "ff_context.linear_in": "txt_mlp.0",
     "ff_context.linear_out": "txt_mlp.2",
-}
-_DOUBLE_FUSED = {
-    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
 }
 _SINGLE = {
     "attn.to_qkv_mlp_proj": "linear1",
@@ -62,7 +53,7 @@ _SINGLE = {
     "attn.norm_q": "norm.query_norm",
     "attn.norm_k": "norm.key_norm",
 }
-FLUX2 = BflNames(_TOP, (("transformer_blocks", "double_blocks", _DOUBLE, _DOUBLE_FUSED),
+FLUX2 = BflNames(_TOP, (("transformer_blocks", "double_blocks", _DOUBLE, DOUBLE_FUSED),
                         ("single_transformer_blocks", "single_blocks", _SINGLE, {})), "FLUX.2")
 # BFL's FLUX.2 VAE keeps the quant convs inside the encoder and decoder (LDM puts them at the top).
 _VAE_MOVED = {"quant_conv.": "encoder.quant_conv.", "post_quant_conv.": "decoder.post_quant_conv."}
