@@ -39,9 +39,9 @@ def row_index(rows: Rows) -> torch.Tensor:
 Layout = Mapping[str, FileTensor]  # model state-dict key -> where it lives in the file
 
 
-def transformers_layout(model: torch.nn.Module) -> Layout:
-    """A transformers text encoder's own names (T5, Qwen3 files use them); a tied weight (T5's
-    `encoder.embed_tokens`, a tied `lm_head`) is its source's and is not read again."""
+def own_names(model) -> dict[str, FileTensor]:
+    """The layout of files that use the model's own (transformers') names: T5, Qwen3. A tied weight
+    (T5's `encoder.embed_tokens` is `shared`) is read once, under the name it is stored by."""
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     return {key: FileTensor(key) for key in model.state_dict() if key not in tied}
 

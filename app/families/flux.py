@@ -34,7 +34,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, ComponentFile, Family, TextEncoder
-from app.families.file_layout import module_parts, transformers_layout
+from app.families.file_layout import module_parts, own_names
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
 from app.families.ldm_layout import clip_layout, vae_layout
 from app.families.tiny_parts import TINY_CLIP_L, TINY_VAE
@@ -97,7 +97,7 @@ _PARTS = (
                   (_CLIP_L.single_file_prefix, ""), "text_model.encoder.layers.0.self_attn.q_proj.weight",
                   clip_layout, folder="text_encoder_dir", config_class=CLIPTextConfig),
     ComponentFile("text_encoder_2", "T5-XXL text encoder (t5xxl_fp16.safetensors)", T5EncoderModel,
-                  (_T5.single_file_prefix, ""), "encoder.block.0.layer.0.SelfAttention.q.weight", transformers_layout,
+                  (_T5.single_file_prefix, ""), "encoder.block.0.layer.0.SelfAttention.q.weight", own_names,
                   folder="text_encoder_dir", config_class=T5Config),
     ComponentFile("vae", "VAE (ae.safetensors)", AutoencoderKL, ("vae.", "first_stage_model.", ""),
                   "decoder.conv_in.weight", vae_layout, folder="vae_dir"),

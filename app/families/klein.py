@@ -33,18 +33,17 @@ from diffusers import (
     Flux2Transformer2DModel,
     StableDiffusionImg2ImgPipeline,
 )
-from transformers import Qwen2TokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, ComponentFile, Family, LatentStats, TextEncoder
-from app.families.file_layout import transformers_layout
+from app.families.file_layout import own_names
 from app.families.flux import SAMPLERS
 from app.families.flux_layout import bfl_aliases
 from app.families.klein_layout import transformer_layout, vae_layout
+from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer
 from app.families.tiny_parts import TINY_VAE
-
-QWEN3_TOKENIZER_DIR = ASSETS_DIR / "qwen3_tokenizer"
 
 
 class _KleinLatents(EnginePipeline):
@@ -122,7 +121,7 @@ def _qwen3(name: str) -> TextEncoder:
     hidden layers 9, 18 and 27 (`reads="text"`); one sequence of up to 512 tokens."""
     return TextEncoder("text_encoder", "tokenizer", Qwen3ForCausalLM, f"text_encoders.{name}.transformer.",
                        open_clip=False, lora_prefix="lora_te_", embedding_key=name, config_class=Qwen3Config,
-                       tokenizer_class=Qwen2TokenizerFast, tokenizer_dir=QWEN3_TOKENIZER_DIR, reads="text",
+                       tokenizer_class=BundledQwen3Tokenizer, tokenizer_dir=QWEN3_TOKENIZER_DIR, reads="text",
                        chunked=False)
 
 
@@ -131,7 +130,7 @@ def _parts(encoder: TextEncoder, file_hint: str) -> tuple[ComponentFile, ...]:
         ComponentFile("transformer", "transformer", Flux2Transformer2DModel, ("model.diffusion_model.", ""),
                       "double_stream_modulation_img.lin.weight", transformer_layout),
         ComponentFile("text_encoder", f"Qwen3 text encoder ({file_hint})", Qwen3ForCausalLM,
-                      (encoder.single_file_prefix, ""), "model.layers.0.self_attn.q_norm.weight", transformers_layout,
+                      (encoder.single_file_prefix, ""), "model.layers.0.self_attn.q_norm.weight", own_names,
                       folder="text_encoder_dir", config_class=Qwen3Config),
         ComponentFile("vae", "VAE (flux2-vae.safetensors)", AutoencoderKLFlux2, ("vae.", ""),
                       "bn.running_mean", vae_layout, folder="vae_dir"),
