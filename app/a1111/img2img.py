@@ -6,6 +6,10 @@ and, with a `mask`, inpaint: `mask_blur` (or the larger of `mask_blur_x/y`), `in
 (0 fill, 1 original, 2 latent noise, 3 latent nothing) and `inpainting_mask_invert`. Inpaint
 repaints at the whole picture's resolution: A1111's "only masked" (`inpaint_full_res`, its
 default) is not built, so it is ignored and the answer's comments say so.
+
+`reference_images: true` (ours: a FLUX.2 Klein model) reads `init_images` as 1-4 reference pictures
+the model edits from or combines (`Engine.edit`), generating at the request's size; a model that takes
+none refuses it by name.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def _run(state: ApiState, req: Img2ImgRequest) -> dict:
     blur = req.mask_blur if req.mask_blur is not None else max(req.mask_blur_x or 0, req.mask_blur_y or 0)
 
     def produce(params: GenerateParams) -> list[GeneratedImage]:
+        if req.reference_images:
+            return state.engine.edit(params, images, owner=txt2img.API_OWNER)
         return state.engine.img2img(
             params, images, denoising_strength=txt2img.field_value(req, "denoising_strength"),
             resize_mode=req.resize_mode or 0, mask=mask, mask_blur=blur, inpainting_fill=req.inpainting_fill or 0,

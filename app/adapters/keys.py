@@ -158,6 +158,7 @@ class KeyTable:
     def __init__(self, pipe, arch: str) -> None:
         fam = family(arch)
         self.arch = fam.lora_arch
+        self.foreign_layers = fam.foreign_adapter_layers
         self.components = frozenset(c for c in fam.components if getattr(pipe, c, None) is not None)
         self._table: dict[str, tuple[Parts, str]] = {}
         ambiguous: set[str] = set()

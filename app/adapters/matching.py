@@ -217,6 +217,11 @@ def declared_architecture(metadata: Mapping[str, str]) -> str | None:
 def _check_fit(name: str, table: KeyTable, parsed: _Parsed, unmatched: list[LayerGroup],
                declared: str | None) -> None:
     arch, fit = table.arch.upper(), len(parsed.layers)
+    for other, names in table.foreign_layers:  # module names only another architecture has (FLUX.1 on FLUX.2)
+        found = next((g.key for g in unmatched for part in names if part in g.key), None)
+        if found is not None:
+            raise LoraApplyError(name, f"is made for {other}, not this {arch} model: its layer {found} names a "
+                                       f"module only {other} has; nothing applied")
     foreign = [c for c in _FOREIGN_COMPONENTS if c not in table.components
                and any(component_named(g.key) == c for g in unmatched)]
     hint = declared.upper() if declared and declared != table.arch else _FOREIGN_COMPONENTS.get(next(iter(foreign), ""))

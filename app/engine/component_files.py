@@ -141,13 +141,17 @@ def _check_shapes(part: ComponentFile, source: Source, want: Mapping[str, tuple[
 
 
 def _reader(handle, source: Source, dtype: torch.dtype):
-    """Read one file tensor in `dtype`. ComfyUI's "scaled" fp8 files store a per-tensor
-    `scale_weight` beside each weight; it is applied while widening."""
+    """Read one file tensor in `dtype`. ComfyUI's scaled fp8 files store a scale beside each 8-bit
+    weight: `scale_weight` (FLUX.1's) or `weight_scale` (its newer layout, FLUX.2's, beside
+    `comfy_quant`), one number or one per output row; it is applied while widening."""
     def read(key: str) -> torch.Tensor:
         tensor = handle.get_tensor(source.prefix + key)
-        scale_key = source.prefix + key.removesuffix("weight") + "scale_weight"
-        if key.endswith("weight") and scale_key in source.keys:
-            tensor = tensor.to(torch.float32) * handle.get_tensor(scale_key).to(torch.float32)
+        stem = source.prefix + key.removesuffix("weight")
+        scale_key = next((k for k in (stem + "scale_weight", stem + "weight_scale") if k in source.keys), None)
+        if key.endswith("weight") and scale_key is not None:
+            scale = handle.get_tensor(scale_key).to(torch.float32)
+            rows = scale.reshape(-1, *(1,) * (tensor.dim() - 1)) if scale.numel() > 1 else scale
+            tensor = tensor.to(torch.float32) * rows
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
     return read
 
@@ -188,4 +192,5 @@ def assemble(fam: Family, checkpoint_path: Path, dtype: torch.dtype, choices: Ma
         components[part.component] = load_part(part, fam, source, checkpoint, dtype)
     index = json.loads((fam.config_dir / "model_index.json").read_text())
     scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(fam.config_dir, subfolder="scheduler")
-    return fam.pipeline_class(scheduler=scheduler, **components, **fam.tokenizers(), **fam.pipeline_kwargs)
+    return fam.pipeline_class(scheduler=scheduler, **components, **fam.tokenizers(), **fam.pipeline_kwargs,
+                              **fam.file_pipeline_kwargs(checkpoint_path))

@@ -301,8 +301,9 @@ def seed_generators(seed: int, count: int, step: int = 1) -> list[torch.Generato
     return [torch.Generator("cpu").manual_seed((seed + i * step) % (MAX_SEED + 1)) for i in range(count)]
 
 
-def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None) -> list[Image.Image]:
-    """Denoise and decode `params.batch` images; image i uses seed `seed + i`.
+def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, **inputs) -> list[Image.Image]:
+    """Denoise and decode `params.batch` images; image i uses seed `seed + i`; `inputs` go to the
+    pipeline call (reference images: `image=[…]`).
 
     `on_step(step, total, latents)` runs after each step (it must only read the latents: the live
     preview projects them with `app.preview.latent_preview`); when it returns True the remaining
@@ -310,7 +311,7 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
-    latents = denoise(pipe, params, seed, on_step, width=params.width, height=params.height)
+    latents = denoise(pipe, params, seed, on_step, width=params.width, height=params.height, **inputs)
     return [] if latents is None else decode(pipe, latents)
 
 

@@ -24,7 +24,7 @@ from app.preview import latent_preview
 
 # The commands that generate: each becomes the current `Job` when it leaves the queue, for all of
 # its stages, so Interrupt and Skip reach every denoising pass of it (img2img, inpaint, hires).
-GENERATIONS = frozenset({"generate", "txt2img_hires", "txt2img_refiner", "img2img", "inpaint"})
+GENERATIONS = frozenset({"generate", "txt2img_hires", "txt2img_refiner", "img2img", "inpaint", "edit"})
 
 
 @dataclass

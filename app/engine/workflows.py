@@ -11,7 +11,9 @@ rolls back like any transition's and ends the workflow. The stages:
   interpolation, or decode → resample → encode) → `hires fix` (img2img pass, decoded);
 * img2img: `img2img encode` (init images resized and encoded) → `img2img`;
 * inpaint: `inpaint encode` (masked content applied, latent mask, masked-image latents for a
-  9-channel UNet) → `inpaint` (decoded and pasted over the original through the blurred mask).
+  9-channel UNet) → `inpaint` (decoded and pasted over the original through the blurred mask);
+* reference editing (families that take reference images: FLUX.2 Klein): `edit` (txt2img with the
+  pictures handed to the pipeline, which encodes them as its model was trained to).
 
 Prompt `<lora:…>` tags apply to their pass only, as in txt2img; the hires pass takes its own
 prompt's tags, so it can run the LoRAs at other strengths. After the workflow the desired LoRAs
@@ -33,6 +35,9 @@ from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
 from app.families import family
+
+# Each reference adds up to 4,096 tokens (1024² / 16²) to every attention of every step.
+MAX_REFERENCES = 4
 
 
 @dataclasses.dataclass
@@ -87,6 +92,23 @@ class Workflows:
         if mask is None:
             raise ValueError("inpaint needs a mask: paint the area to repaint, or upload a mask")
         return self.img2img(params, [init_image], mask=mask, **options)
+
+    def edit(self, params: GenerateParams, references: Sequence[Image.Image], *, owner: str | None = None
+             ) -> list[GeneratedImage]:
+        """Reference editing, for a family that `takes_reference_images` (FLUX.2 Klein): txt2img whose
+        model also reads `references` (1 to `MAX_REFERENCES` pictures, each encoded by the pipeline's
+        rule at up to 1024², their tokens beside the image's), so the prompt edits or combines them.
+        The infotext names how many it read."""
+        arch = self.snapshot().arch
+        if arch is not None and not family(arch).takes_reference_images:
+            raise ValueError(f"{family(arch).label} models take no reference images: use img2img or inpaint")
+        if not 1 <= len(references) <= MAX_REFERENCES:
+            raise ValueError(f"reference editing takes 1 to {MAX_REFERENCES} reference images, got {len(references)}")
+        pictures = tuple(image.convert("RGB") for image in references)
+        detail = f"{params.steps} steps {params.width}x{params.height} {len(pictures)} reference(s) x{params.batch}"
+        return self._workflow("edit", detail, params, owner, (("Reference images", len(pictures)),),
+                              lambda first, phase, job, passes, run: self._edit_run(run, pictures, first, phase, job,
+                                                                                     passes))
 
     @property
     def stage_pipelines(self) -> dict[str, object]:
@@ -147,6 +169,16 @@ class Workflows:
 
     def _stage(self, name: str, detail: str, body):
         return self._run_stage(name, detail, EngineState.GENERATING, body)
+
+    # ------------------------------------------------------------------ reference editing
+    def _edit_run(self, params, pictures: tuple[Image.Image, ...], first: int, phase: str, job, passes: _Passes):
+        """One run of reference editing: one stage, the txt2img pipeline given the pictures."""
+        def edit():
+            stripped = self._with_loras(params, passes)
+            return self._denoise_run(params.steps, job, f"edit, {phase}", lambda on_step: self._lifecycle.run_on_model(
+                lambda pipe: generate.run(pipe, stripped, first, on_step, image=list(pictures)), _size(params)))
+
+        return self._stage("edit", f"{len(pictures)} reference image(s), seed {first}", edit)
 
     # ------------------------------------------------------------------ hires fix
     def _hires_run(self, params, hires: HiresParams, first: int, phase: str, job, passes: _Passes):

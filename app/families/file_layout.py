@@ -39,6 +39,13 @@ def row_index(rows: Rows) -> torch.Tensor:
 Layout = Mapping[str, FileTensor]  # model state-dict key -> where it lives in the file
 
 
+def own_names(model) -> dict[str, FileTensor]:
+    """The layout of files that use the model's own (transformers') names: T5, Qwen3. A tied weight
+    (T5's `encoder.embed_tokens` is `shared`) is read once, under the name it is stored by."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    return {key: FileTensor(key) for key in model.state_dict() if key not in tied}
+
+
 def to_model(layout: Layout, read, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """The model's state dict from a file: `read(key)` returns a file tensor, `shapes` the model's
     shapes. A file tensor read for several model tensors (fused qkv) is read once."""
@@ -60,6 +67,9 @@ def file_shapes(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> dict[s
     out: dict[str, tuple[int, ...]] = {}
     for name, where in layout.items():
         shape = (*shapes[name], *(1,) * where.unit_dims)
+        if not shape:  # a 0-d tensor (a batch norm's step counter) is whole
+            out[where.key] = shape
+            continue
         rows = shape[0] if where.rows is None else max(stop for _start, stop in where.rows)
         if where.key in out:
             rows = max(rows, out[where.key][0])

@@ -34,9 +34,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, ComponentFile, Family, TextEncoder
-from app.families.file_layout import FileTensor, module_parts
-from app.families.flux_layout import transformer_layout, xlabs_modules
-from app.families.ldm_layout import LYCORIS, clip_layout, vae_layout
+from app.families.file_layout import module_parts, own_names
+from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
+from app.families.ldm_layout import clip_layout, vae_layout
 from app.families.tiny_parts import TINY_CLIP_L, TINY_VAE
 
 
@@ -79,8 +79,6 @@ class SteadyFluxInpaintPipeline(_FluxStage, FluxInpaintPipeline):
 
 
 T5_TOKENIZER_DIR = ASSETS_DIR / "t5_tokenizer"
-KOHYA_BFL = "kohya (BFL block names)"
-BFL = "BFL/ComfyUI (diffusion_model.)"
 XLABS = "xlabs"
 
 # CLIP-L gives the pooled vector only, from the first 75-token chunk of the A1111-parsed prompt (as
@@ -92,12 +90,6 @@ _T5 = TextEncoder("text_encoder_2", "tokenizer_2", T5EncoderModel, "text_encoder
                   tokenizer_class=T5TokenizerFast, tokenizer_dir=T5_TOKENIZER_DIR, chunked=False)
 
 
-def _t5_layout(encoder) -> dict[str, FileTensor]:
-    """T5 files use transformers' names; the tied `encoder.embed_tokens` is `shared` and is read once."""
-    tied = set(getattr(encoder, "_tied_weights_keys", None) or {})
-    return {key: FileTensor(key) for key in encoder.state_dict() if key not in tied}
-
-
 _PARTS = (
     ComponentFile("transformer", "transformer", FluxTransformer2DModel, ("model.diffusion_model.", ""),
                   "double_blocks.0.img_attn.qkv.weight", transformer_layout),
@@ -105,7 +97,7 @@ _PARTS = (
                   (_CLIP_L.single_file_prefix, ""), "text_model.encoder.layers.0.self_attn.q_proj.weight",
                   clip_layout, folder="text_encoder_dir", config_class=CLIPTextConfig),
     ComponentFile("text_encoder_2", "T5-XXL text encoder (t5xxl_fp16.safetensors)", T5EncoderModel,
-                  (_T5.single_file_prefix, ""), "encoder.block.0.layer.0.SelfAttention.q.weight", _t5_layout,
+                  (_T5.single_file_prefix, ""), "encoder.block.0.layer.0.SelfAttention.q.weight", own_names,
                   folder="text_encoder_dir", config_class=T5Config),
     ComponentFile("vae", "VAE (ae.safetensors)", AutoencoderKL, ("vae.", "first_stage_model.", ""),
                   "decoder.conv_in.weight", vae_layout, folder="vae_dir"),
@@ -123,16 +115,12 @@ SAMPLERS = MappingProxyType({
 
 
 def lora_aliases(transformer):
-    """(key, parts, spelling) for every BFL module as kohya (`lora_unet_double_blocks_0_img_attn_qkv`),
-    LyCORIS over BFL names, ComfyUI (`diffusion_model.double_blocks.0.img_attn.qkv`) and xlabs
-    (`double_blocks.0.processor.qkv_lora1`) spell it; fused modules list their row slices."""
+    """(key, parts, spelling) for every BFL module (`bfl_aliases`: kohya, LyCORIS, ComfyUI) and as
+    xlabs spells it (`double_blocks.0.processor.qkv_lora1`); fused modules list their row slices."""
+    layout = transformer_layout(transformer)
+    yield from bfl_aliases(transformer, layout)
     parts = {bfl: tuple((("transformer", path), rows) for path, rows in found)
-             for bfl, found in module_parts(transformer_layout(transformer)).items()}
-    for bfl, targets in parts.items():
-        flat = bfl.replace(".", "_")
-        yield f"lora_unet_{flat}", targets, KOHYA_BFL
-        yield f"lycoris_{flat}", targets, LYCORIS
-        yield f"diffusion_model.{bfl}", targets, BFL
+             for bfl, found in module_parts(layout).items()}
     for alias, bfl in xlabs_modules(transformer).items():
         # xlabs' single-block qkv LoRA covers linear1's q, k and v rows, not its MLP rows
         targets = parts[bfl][:3] if bfl.endswith(".linear1") else parts[bfl]

@@ -180,7 +180,7 @@ def unet_module_map(unet: torch.nn.Module) -> dict[str, str]:
 def _vae_key_to_ldm(key: str, num_levels: int) -> str:
     """LDM name of an AutoencoderKL state-dict key (decoder levels are numbered bottom-up in LDM)."""
     parts = key.split(".")
-    if parts[0] in ("quant_conv", "post_quant_conv"):
+    if parts[0] in ("quant_conv", "post_quant_conv", "bn"):  # bn: FLUX.2's latent statistics, top level in BFL's file
         return key
     side, block, rest = parts[0], parts[1], parts[2:]
     if block in ("conv_in", "conv_out"):

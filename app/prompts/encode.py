@@ -29,6 +29,7 @@ import torch
 
 from app.engine.embeddings import token_runs
 from app.families import Family, TextEncoder, family_of
+from app.prompts.as_text import plain_text, text_notes
 from app.prompts.chunks import Tokens, chunk_tokens, sequence_tokens
 
 log = logging.getLogger(__name__)
@@ -39,16 +40,18 @@ CLIP_SKIP_MAX = 12  # A1111's slider: 1 (the last layer) … 12
 class Conditioning:
     """What the pipeline call takes instead of prompt strings (None: this family has no such input)."""
 
-    prompt_embeds: torch.Tensor
+    prompt_embeds: torch.Tensor | None
     pooled: torch.Tensor | None = None
     negative_embeds: torch.Tensor | None = None
     negative_pooled: torch.Tensor | None = None
     notes: tuple[str, ...] = ()
+    prompt: str | None = None  # the prompt as text, for a pipeline that reads it so (`TextEncoder.reads == "text"`)
 
-    def call_arguments(self) -> dict[str, torch.Tensor]:
+    def call_arguments(self) -> dict[str, torch.Tensor | str]:
         named = {"prompt_embeds": self.prompt_embeds, "pooled_prompt_embeds": self.pooled,
-                 "negative_prompt_embeds": self.negative_embeds, "negative_pooled_prompt_embeds": self.negative_pooled}
-        return {name: tensor for name, tensor in named.items() if tensor is not None}
+                 "negative_prompt_embeds": self.negative_embeds, "negative_pooled_prompt_embeds": self.negative_pooled,
+                 "prompt": self.prompt}
+        return {name: value for name, value in named.items() if value is not None}
 
 
 def tokens_for(fam: Family, te: TextEncoder, tokenizer, text: str) -> Tokens:
@@ -153,6 +156,9 @@ def encode_prompts(pipe, prompt: str, negative_prompt: str, clip_skip: int = 1) 
     """Both prompts as the family's pipeline reads them (see the module docstring); the negative only
     where the family uses one. ValueError for a clip skip the model's encoders cannot honour."""
     fam = family_of(pipe)
+    if all(te.reads == "text" for te in fam.text_encoders):  # the pipeline reads it (app/prompts/as_text.py)
+        return Conditioning(None, notes=tuple(text_notes(fam, getattr(pipe, fam.text_encoders[0].tokenizer), prompt,
+                                                         "prompt")), prompt=plain_text(prompt)[0])
     texts = (prompt, negative_prompt) if fam.negative_prompt else (prompt,)
     tokens = [{te.component: tokens_for(fam, te, getattr(pipe, te.tokenizer), text) for te in fam.text_encoders}
               for text in texts]

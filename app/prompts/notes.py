@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from app.adapters.prompt import parse_prompt_loras
 from app.families import Family, family
+from app.prompts.as_text import text_notes
 from app.prompts.encode import cut_note, tokens_for
 
 
@@ -29,4 +30,6 @@ def prompt_notes(fam: Family, prompt: str, negative_prompt: str) -> list[str]:
         texts.append((negative_prompt, "negative prompt"))
     tokenizers = _tokenizers(fam.name)
     return [note for te in fixed for text, what in texts
-            if (note := cut_note(fam, te, tokens_for(fam, te, tokenizers[te.tokenizer], text), what))]
+            for note in (text_notes(fam, tokenizers[te.tokenizer], text, what) if te.reads == "text"
+                         else [cut_note(fam, te, tokens_for(fam, te, tokenizers[te.tokenizer], text), what)])
+            if note]

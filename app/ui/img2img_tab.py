@@ -1,4 +1,5 @@
-"""The "img2img" tab: img2img and inpaint (mask drawn in the image editor or uploaded), each run by
+"""The "img2img" tab: img2img and inpaint (mask drawn in the image editor or uploaded) and, for models
+that take them (FLUX.2 Klein), reference editing from one to four pictures, each run by
 the engine as one transition per stage (see Diagnostics → History), with the live preview,
 Interrupt and Skip of the Generate tab (`generate_run.stream_job`).
 
@@ -26,10 +27,10 @@ from app.ui.generate_run import (
     stream_job,
     wire_stop,
 )
-from app.ui.workflow_api import editor_mask, img2img_job
+from app.ui.workflow_api import edit_job, editor_mask, img2img_job
 
 QUEUE = "loras"  # the lane every engine-changing event shares, in order
-RUN_IMG2IMG, RUN_INPAINT = "Run img2img", "Run inpaint"
+RUN_IMG2IMG, RUN_INPAINT, RUN_EDIT = "Run img2img", "Run inpaint", "Run edit"
 
 
 @dataclass
@@ -156,6 +157,25 @@ def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
              api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
+def _takes_references(ctx: UiContext) -> bool:
+    arch = ctx.engine.snapshot().arch
+    return arch is not None and family(arch).takes_reference_images
+
+
+def _reference_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
+    """Reference editing: one to four pictures the model edits from or combines (FLUX.2 Klein), at the
+    settings' size; no denoising strength, nothing is masked."""
+    pictures = gr.Gallery(type="pil", label="Reference images (1-4)", interactive=True, columns=4, height=240,
+                          elem_id="sd-i2i-references")
+    go = gr.Button(RUN_EDIT, variant="primary", elem_id="sd-i2i-edit-run")
+
+    def edit(request: gr.Request, last, *values):
+        yield from _stream(ctx, request, "edit", RUN_EDIT, lambda: edit_job(ctx, list(values[:9]), values[9]), last)
+
+    go.click(edit, [out.last, *base, pictures], out.run_outputs(go), api_visibility="private",
+             concurrency_id=QUEUE, show_progress_on=[out.gallery])
+
+
 def build_img2img_tab(ctx: UiContext) -> Img2ImgTab:
     """Lay out the tab: shared settings on the left, one sub-tab per workflow, the results on the right
     (built first, unrendered, so every panel's button can write to them) under Interrupt and Skip.
@@ -175,6 +195,12 @@ def build_img2img_tab(ctx: UiContext) -> Img2ImgTab:
                     image, strength = _img2img_panel(ctx, base, out)
                 with gr.Tab("Inpaint", id="i2i-inpaint"):
                     _inpaint_panel(ctx, base, out)
+                # shown for a model that takes reference images, checked at page load and on every panel choice
+                with gr.Tab("Reference images", id="i2i-reference", visible=_takes_references(ctx)) as references:
+                    _reference_panel(ctx, base, out)
         results.render()
+    gr.on([panels.select], lambda: gr.Tab(visible=_takes_references(ctx)), None, references,
+          api_visibility="private")
+    gr.on(None, lambda: gr.Tab(visible=_takes_references(ctx)), None, references, api_visibility="private")
     wire_stop(ctx, stops)
     return Img2ImgTab(base, image, strength, note, panels, stops)

@@ -62,6 +62,16 @@ def img2img_job(ctx: UiContext, base: list, init_image, denoising_strength, resi
     return params, call, notes
 
 
+def edit_job(ctx: UiContext, base: list, references: list) -> tuple[GenerateParams, Callable, tuple]:
+    """Reference editing (a family that takes reference images: FLUX.2 Klein), checked: (request,
+    `call(owner)`, rounding notes). The engine refuses a model that takes none, naming it."""
+    pictures = [item[0] if isinstance(item, (tuple, list)) else item for item in references or ()]
+    if not pictures:
+        raise ValueError("add one to four reference images first")
+    params, _stage, notes = checked(ctx, dict(zip(BASE_FIELDS, base, strict=True)), ())
+    return params, lambda owner: ctx.engine.edit(params, pictures, owner=owner), notes
+
+
 def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
                 inpainting_fill="original", invert=False, progress=None, owner: str | None = None) -> tuple:
     """img2img (no mask) or inpaint for the named API; returns (gallery items, first infotext, details)."""

@@ -39,6 +39,7 @@ from app.engine.generate import GenerateParams
 from app.engine.strict import StrictForwardError
 from app.engine.worker import Engine
 from app.families import FAMILIES, family
+from app.prompts.notes import prompt_notes
 from app.report import build_bug_report
 from app.settings import Settings
 from app.ui import views
@@ -157,13 +158,19 @@ def test_one_seed_one_image_and_the_guidance_reaches_the_model(plain, arch):
 
 def test_prompts_read_as_a1111_and_a_variation_seed_reach_the_model(plain, arch):
     """Through the family's `TextEncoder` entries: `a (red:1.0) cube` is `a red cube` bit for bit and
-    `(red:1.5)` changes the image (A1111's emphasis reaches its encoders). Through its txt2img class
-    (`VariedNoise`): a variation seed at 0.5 changes the image, the same one again gives it again, and
-    the infotext names it."""
+    `(red:1.5)` changes the image (A1111's emphasis reaches its encoders); where the pipeline reads the
+    prompt as text (`reads="text"`: Qwen3 on Klein) the weight is left out, the image is `a red cube`'s and a
+    note says so. Through its txt2img class (`VariedNoise`): a variation seed at 0.5 changes the image, the
+    same one again gives it again, and the infotext names it."""
     plain.load_model(checkpoint(arch))
     first = pixels(plain.generate(params(arch)))
     assert np.array_equal(first, pixels(plain.generate(params(arch, prompt="a (red:1.0) cube"))))
-    assert not np.array_equal(first, pixels(plain.generate(params(arch, prompt="a (red:1.5) cube"))))
+    weighted = pixels(plain.generate(params(arch, prompt="a (red:1.5) cube")))
+    as_text = all(te.reads == "text" for te in family(arch).text_encoders)
+    assert np.array_equal(first, weighted) == as_text
+    if as_text:
+        notes = prompt_notes(family(arch), "a (red:1.5) cube", "")
+        assert len(notes) == 1 and "emphasis weights and BREAK have no effect" in notes[0]
     varied = plain.generate(params(arch, subseed=8, subseed_strength=0.5))
     assert not np.array_equal(first, pixels(varied))
     assert np.array_equal(pixels(varied), pixels(plain.generate(params(arch, subseed=8, subseed_strength=0.5))))
