@@ -16,6 +16,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("NO_PROXY", "localhost,127.0.0.1")
 
 from app.console import quiet_third_party  # noqa: E402
+from app.secret_env import pop_secret  # noqa: E402
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings  # noqa: E402
 
 log = logging.getLogger("steady_diffusion")
@@ -24,15 +25,17 @@ log = logging.getLogger("steady_diffusion")
 def parse_auth(pairs: list[str], auth_file: str | None, auth_env: str | None = None) -> tuple[tuple[str, str], ...]:
     """`user:pass` pairs from the command line, a file and/or an environment variable, one pair per line.
 
-    The variable is removed from the environment once read: processes started later (Gradio's
-    share tunnel) do not inherit it, and unlike `--auth` it never shows in `ps`.
+    The variable is removed from the environment once read (`app.secret_env`): processes started
+    later (Gradio's share tunnel) do not inherit it, `/proc/PID/environ` no longer shows it, and
+    unlike `--auth` it never shows in `ps`.
     """
     lines = list(pairs)
     texts = [Path(auth_file).read_text()] if auth_file else []
     if auth_env:
-        if not os.environ.get(auth_env):
+        secret = pop_secret(auth_env)
+        if not secret:
             raise SystemExit(f"--auth-env {auth_env}: that environment variable is not set or empty")
-        texts.append(os.environ.pop(auth_env))
+        texts.append(secret)
     for text in texts:
         lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     out = []
@@ -105,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "by default on 127.0.0.1 and behind a login")
     p.add_argument("--api-auth", action="append", default=[], metavar="USER:PASS[,USER:PASS]",
                    help="separate logins (HTTP basic) for the A1111 API, as A1111's --api-auth; default: the UI's")
+    p.add_argument("--forwarded-allow-ips", action="append", default=[], metavar="IP[,IP]",
+                   help="reverse proxies trusted to name the client in X-Forwarded-For (for the login throttle); "
+                        "default: none, the connection's own address counts")
     p.add_argument("--queue-size", type=int, default=Settings.queue_size,
                    help="requests that may wait in the queue, all users together")
     p.add_argument("--session-queue-size", type=int, default=Settings.session_queue_size,
@@ -129,6 +135,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         listen=args.listen, port=args.port, share=args.share,
         auth=parse_auth(args.auth, args.auth_file, args.auth_env), no_auth=args.no_auth,
         api=args.api, api_auth=parse_auth([pair for arg in args.api_auth for pair in arg.split(",")], None),
+        forwarded_allow_ips=tuple(ip.strip() for arg in args.forwarded_allow_ips for ip in arg.split(",")
+                                  if ip.strip()),
         queue_size=args.queue_size, session_queue_size=args.session_queue_size,
         max_upload_mib=args.max_upload_mib, lora_cache_mib=args.lora_cache_mib,
     )

@@ -27,10 +27,21 @@ from safetensors.torch import save_file
 from app.engine.models import CONFIGS_METADATA_KEY
 from app.families import FAMILIES, family
 from app.settings import Settings
+from app.upscalers.demo import write_demo_upscaler
 
 EMBEDDING_VECTORS = 2
 
 LoraWriter = Callable[[Path, object, str], None]
+
+
+def _trained_norm(encoder):
+    """Give a CLIP encoder's final norm a bias, as a trained one has: with bias 0 every output token has
+    mean 0, and A1111's emphasis, which rescales by the mean of the output, would divide by ~1e-8."""
+    for name, module in encoder.named_modules():
+        if name.endswith("final_layer_norm") and getattr(module, "bias", None) is not None:
+            with torch.no_grad():
+                module.bias.normal_(0.1, 0.1)
+    return encoder
 
 
 def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None):
@@ -51,7 +62,7 @@ def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None
             "vae": fam.vae_class(**configs["vae"]),
         }
         for te in fam.text_encoders:
-            components[te.component] = te.model_class(te.config_class(**configs[te.component]))
+            components[te.component] = _trained_norm(te.model_class(te.config_class(**configs[te.component])))
     index = json.loads((fam.config_dir / "model_index.json").read_text())
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
     components["scheduler"] = scheduler_cls.from_pretrained(fam.config_dir, subfolder="scheduler")
@@ -102,9 +113,9 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
     LoRA files are not written here: `app/adapters` owns their formats, so a caller passes
     `lora_writer(lora_dir, pipe, arch)`, called once per architecture with that tiny pipeline.
     Returns the written paths by name (`sd15_file`, `sd15_folder`, `sd15_embedding`, ... plus
-    `checkpoints_dir`, `lora_dir`, `embeddings_dir`). With `inpainting` also `<arch>_inpainting_file`, an
-    inpainting checkpoint (a 9-channel UNet) of each family stating `tiny_inpainting_channels`. The
-    command line and the tests write both
+    `checkpoints_dir`, `lora_dir`, `embeddings_dir`, and `upscaler_file`, the tiny upscaler model). With
+    `inpainting` also `<arch>_inpainting_file`, an inpainting checkpoint (a 9-channel UNet) of each family
+    stating `tiny_inpainting_channels`. The command line and the tests write both
     extras; the first start of the app writes neither: one checkpoint per family is all a newcomer
     needs (a folder for a family that loads no single file), and the folders cost 1.0 of the 3.3
     CPU s (2 cores) that writing everything takes.
@@ -135,6 +146,7 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
             paths[f"{arch}_inpainting_file"] = settings.checkpoints_dir / f"tiny-{arch}-inpainting.safetensors"
             write_single_file(build_tiny_pipeline(arch, seed, in_channels=channels), arch,
                               paths[f"{arch}_inpainting_file"])
+    paths["upscaler_file"] = write_demo_upscaler(settings.data_dir / "models", seed)
     return paths
 
 

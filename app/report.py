@@ -6,7 +6,9 @@ pastes into an issue tracker, so a maintainer sees at a glance where every compo
 which tensors violate the plan and which LoRAs misbehave, without opening anything.
 
 Everything goes through `redact()` before it is written: paths inside the data folder become
-relative to it (the folder itself `.`), the home folder becomes `~`, share links and known
+relative to it (the folder itself `.`), the app's and Python's install folders become `<app>`,
+`<site-packages>` and `<python>` (tracebacks name every file they pass through), the home
+folder becomes `~`, share links and known
 secrets (passwords from `--auth` or the generated one) are removed wherever they appear, and
 keys that name secrets are blanked. The card is drawn from the redacted
 dict, so it cannot show more than the JSON.
@@ -24,6 +26,7 @@ import math
 import platform
 import re
 import sys
+import sysconfig
 import time
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -67,6 +70,16 @@ def jsonable(value: Any) -> Any:
     return str(value)  # Path, torch.dtype, torch.device, anything else: its readable form
 
 
+def install_folders() -> list[tuple[str, str]]:
+    """(folder, stand-in) for where the app and Python are installed, the most specific first: a
+    traceback names them in every line, and they tell the reader the user's name and layout."""
+    paths = sysconfig.get_paths()
+    named = {str(Path(__file__).resolve().parents[1]): "<app>", paths["purelib"]: "<site-packages>",
+             paths["platlib"]: "<site-packages>", paths["stdlib"]: "<python>", sys.prefix: "<python>"}
+    return sorted(((folder, name) for folder, name in named.items() if len(folder) > 1),
+                  key=lambda pair: len(pair[0]), reverse=True)
+
+
 def redact(value: Any, secrets: Iterable[str] = (), home: str | None = None, data_dir: str | None = None) -> Any:
     """Return a copy of a JSON-able value that is safe to publish.
 
@@ -77,6 +90,7 @@ def redact(value: Any, secrets: Iterable[str] = (), home: str | None = None, dat
     """
     home = str(Path.home()) if home is None else home
     secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
+    installs = install_folders()
 
     def clean(v: Any) -> Any:
         if isinstance(v, dict):
@@ -91,6 +105,8 @@ def redact(value: Any, secrets: Iterable[str] = (), home: str | None = None, dat
         if data_dir and data_dir != "/":
             v = re.sub(re.escape(data_dir) + r"[/\\]", "", v)
             v = re.sub(re.escape(data_dir) + r"(?![\w.-])", ".", v)
+        for folder, name in installs:
+            v = v.replace(folder, name)
         if home and home != "/":
             v = re.sub(re.escape(home) + r"(?=[/\\]|$|\W)", "~", v)
         return v
@@ -153,7 +169,7 @@ def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), se
         "history": snapshot.history if snapshot is not None else [],
         "lora_counters": snapshot.lora_counters if snapshot is not None else {},
         "errors": errors,
-        "failed_transitions": [h for h in snapshot.history if h.outcome != "ok"] if snapshot is not None else [],
+        "failed_transitions": [h for h in snapshot.history if h.failed] if snapshot is not None else [],
         "memory_timeline": engine.timeline.snapshot() if engine is not None else [],
         "log": list(log_lines),
     }
@@ -328,13 +344,14 @@ def _draw_loras(canvas: _Canvas, snapshot: dict, counters: dict) -> None:
     mode = f", {snapshot['lora_mode']}" if snapshot.get("loras") and snapshot.get("lora_mode") else ""
     canvas.heading(f"LoRAs{mode} (matched layers / unmatched keys / apply errors / runtime errors)")
     weights = {s["name"]: s for s in snapshot.get("loras") or []}
+    aside = {s["name"] for s in snapshot.get("lora_states") or [] if s.get("status") == "set aside"}
     names = list(dict.fromkeys([*weights, *counters]))
     if not names:
         canvas.text("none", colour=_MUTED)
     for name in names:
         c = counters.get(name, {})
         spec = weights.get(name)
-        applied = "not applied" if spec is None else \
+        applied = ("set aside" if name in aside else "not applied") if spec is None else \
             f"weight {_strength(spec, 'unet_weight'):g} / TE {_strength(spec, 'te_weight'):g}"
         line = (f"{name}: {applied} · matched {c.get('matched_layers', 0)} · unmatched {c.get('unmatched_keys', 0)}"
                 f" · apply errors {c.get('apply_errors', 0)} · runtime errors {c.get('runtime_errors', 0)}")
@@ -352,7 +369,7 @@ def _draw_history(canvas: _Canvas, report: dict) -> None:
     if not history:
         canvas.text("none", colour=_MUTED)
     for h in history[-8:]:
-        colour = _INK if h["outcome"] == "ok" else _BAD
+        colour = _BAD if h["outcome"].startswith("failed") else _INK
         fixes = f" · {h['violations_found']} violations, {h['violations_repaired']} repaired" \
             if h["violations_found"] else ""
         canvas.text(f"{h['command']} {h['detail']} -> {h['outcome']} ({h['duration_s']:.2f} s){fixes}", 12, colour)

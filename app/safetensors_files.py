@@ -1,12 +1,14 @@
-"""Safe reading of `.safetensors` headers and file hashes, shared by checkpoints, LoRAs and embeddings.
+"""Safe reading of `.safetensors` headers and file contents, shared by checkpoints, LoRAs and embeddings.
 
 Every file the app opens goes through `read_header` first, so a zero-byte, truncated, lying or
 renamed-pickle file is refused with a message that says which of those it is — before any
 loader sees it, and without ever unpickling anything.
 
-Reading a multi-GB checkpoint end to end (its sha256, a check of every weight) costs seconds on
-every load, more than loading it: `FileFacts` keeps such results per file while its size and
-modification time stay the same — the rule A1111 applies to its hash cache.
+Reading a multi-GB checkpoint end to end (its sha256, a check of every value) costs seconds, more
+than loading it: `scan_file` does both in one sequential read (through the page cache, so the
+process's resident memory does not grow by the file's size as a pass over memory-mapped weights
+would), and `FileFacts` keeps what it found per file while its size and modification time stay the
+same — the rule A1111 applies to its hash cache.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,30 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
 
 
+SMALL_TENSOR = 64  # elements: scalars (alpha) and tiny vectors are read even in a header view
+
+
+def header_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor as the header describes it, without reading the large ones: tensors of up to
+    `SMALL_TENSOR` elements (alphas) are read, the others are `meta` tensors of the right shape and
+    dtype. Enough to match a file against a model by names and shapes, at the cost of its header."""
+    with _opened(path) as handle:
+        out = {}
+        for key in handle.keys():
+            view = handle.get_slice(key)
+            shape = tuple(view.get_shape())
+            if math.prod(shape) <= SMALL_TENSOR:
+                out[key] = handle.get_tensor(key)
+            else:
+                out[key] = torch.empty(shape, dtype=_DTYPES.get(view.get_dtype(), torch.float32), device="meta")
+        return out
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 def _problem(path: Path, exc: Exception) -> str:
     try:
         with open(path, "rb") as handle:
@@ -101,6 +127,88 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Floating dtypes whose values a scan checks, as safetensors names them; fp8 holds no value beyond
+# fp16's range, so only its NaN (e4m3fn: S.1111.111) and Inf/NaN (e5m2: exponent 11111) bit patterns
+# are looked for.
+_FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+_FP8_NOT_FINITE = {"F8_E4M3": 0x7F, "F8_E5M2": 0x7C}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_PIECE = 1 << 20  # bytes read at a time: the resident memory a scan adds is this buffer
+
+
+@dataclass(frozen=True)
+class ValueScan:
+    """What one read of a file found: its sha256, the floating tensors holding NaN or ±Inf, and the
+    largest magnitude of those holding values beyond fp16's range (they overflow when cast to it)."""
+
+    sha256: str
+    nonfinite: tuple[str, ...] = ()
+    largest: dict[str, float] = field(default_factory=dict)
+
+    def not_finite_in(self, dtype: torch.dtype) -> list[str]:
+        """The tensors that hold NaN or ±Inf once cast to `dtype`."""
+        limit = torch.finfo(dtype).max
+        return [*self.nonfinite, *sorted(key for key, value in self.largest.items() if value > limit)]
+
+
+def scan_file(path: Path, stop: threading.Event | None = None) -> ValueScan | None:
+    """The file's sha256 and the verdict on every floating tensor's values, in one sequential read;
+    None when `stop` was set before the end. Each tensor is read in pieces into one reused buffer,
+    hashed and reduced (min/max: NaN propagates through both) as it passes."""
+    digest, buffer = hashlib.sha256(), bytearray(_PIECE)
+    nonfinite, largest = [], {}
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        header = handle.read(int.from_bytes(head, "little"))
+        digest.update(head + header)
+        position = 0
+        for name, kind, begin, end in _spans(path, header):
+            _read(handle, digest, buffer, begin - position, None, stop)  # padding between tensors, if any
+            peak = _read(handle, digest, buffer, end - begin, kind, stop)
+            if peak is None:
+                return None
+            if not math.isfinite(peak):
+                nonfinite.append(name)
+            elif peak > MAX_ABS_VALUE:
+                largest[name] = peak
+            position = end
+        while chunk := handle.read(_PIECE):
+            digest.update(chunk)
+    return ValueScan(digest.hexdigest(), tuple(nonfinite), largest)
+
+
+def _spans(path: Path, header: bytes) -> list[tuple[str, str, int, int]]:
+    """(name, dtype, begin, end) of every tensor, in file order."""
+    try:
+        tensors = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+        spans = [(k, v["dtype"], *map(int, v["data_offsets"])) for k, v in tensors.items()]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise SafetensorsFileError(f"{path.name}: unreadable safetensors header ({exc})") from exc
+    return sorted(spans, key=lambda span: span[2])
+
+
+def _read(handle, digest, buffer: bytearray, size: int, kind: str | None, stop: threading.Event | None
+          ) -> float | None:
+    """Hash the next `size` bytes; for a floating `kind` return their largest magnitude (NaN or Inf
+    if any value is not finite; 0 for other kinds). None when stopped."""
+    peak, step = 0.0, _PIECE - _PIECE % _ITEMSIZE.get(kind, 1)
+    while size > 0:
+        if stop is not None and stop.is_set():
+            return None
+        view = memoryview(buffer)[:min(step, size)]
+        if handle.readinto(view) != len(view):
+            raise SafetensorsFileError(f"{Path(handle.name).name}: the file ended inside a tensor; truncated?")
+        digest.update(view)
+        if kind in _FLOATS:
+            low, high = (v.item() for v in torch.aminmax(torch.frombuffer(view, dtype=_FLOATS[kind])))
+            peak = max(peak, -low, high) if math.isfinite(low + high) else math.nan
+        elif kind in _FP8_NOT_FINITE:
+            mask = _FP8_NOT_FINITE[kind]
+            peak = math.nan if ((torch.frombuffer(view, dtype=torch.uint8) & mask) == mask).any() else peak
+        size -= len(view)
+    return peak
+
+
 @dataclass(frozen=True)
 class FileIdentity:
     """What says a file's contents are unchanged without reading them: resolved path, size, mtime."""
@@ -115,26 +223,19 @@ class FileIdentity:
         stat = resolved.stat()
         return cls(str(resolved), stat.st_size, stat.st_mtime_ns)
 
-    @classmethod
-    def of_folder(cls, folder: Path, files: list[Path]) -> FileIdentity:
-        """A folder of weight files (a diffusers model) as one: total size, newest mtime, so changing
-        any of its files changes the identity."""
-        stats = [f.stat() for f in files]
-        return cls(str(Path(folder).resolve()), sum(s.st_size for s in stats),
-                   max((s.st_mtime_ns for s in stats), default=0))
-
 
 class FileFacts:
-    """Facts about files' contents (a sha256, the dtypes their weights were verified finite in), valid
+    """Facts about files' contents (a `ValueScan`, the configs a header's shapes passed against), valid
     while a file's `FileIdentity` holds; a changed size or mtime drops all of that file's facts.
 
     Kept in `store`, a small JSON file rewritten atomically after each new fact, so they survive a
     restart; None keeps them in memory only. The store is only a cache: an unreadable one is started
     afresh and one that cannot be written is reported once, and in both cases the fact is computed
-    again next time. Thread-safe: a background hash and the loader may record facts concurrently.
+    again next time. Thread-safe: a background scan and the loader may record facts concurrently in
+    one instance (keep one per store in a process, or the last writer drops the other's facts).
     """
 
-    VERSION = 1
+    VERSION = 2  # 2: one `scan` fact (sha256 and values) instead of `sha256` and `finite_dtypes`
 
     def __init__(self, store: Path | None) -> None:
         self._store = store
@@ -191,11 +292,21 @@ class FileFacts:
         check()
         self.put(identity, fact, sorted({*passed, key}))
 
-    def sha256(self, path: Path) -> str:
-        """The file's sha256: from the facts when its identity is unchanged, else read and recorded."""
+    def recorded_scan(self, path: Path) -> ValueScan | None:
+        """The file's `ValueScan` if one was recorded for its current contents (nothing is read)."""
+        known = self.get(FileIdentity.of(path), "scan")
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # an edited store is only a cache miss
+            return ValueScan(str(known["sha256"]), tuple(known["nonfinite"]), dict(known["largest"]))
+        return None
+
+    def scan(self, path: Path, stop: threading.Event | None = None) -> ValueScan | None:
+        """The file's `ValueScan`: the recorded one, else read (None when `stop` cut the read short)
+        and recorded, unless the file changed while it was read."""
         identity = FileIdentity.of(path)
-        digest = self.get(identity, "sha256")
-        if digest is None:
-            digest = file_sha256(path)
-            self.put(identity, "sha256", digest)
-        return digest
+        scan = self.recorded_scan(path)
+        if scan is None:
+            scan = scan_file(path, stop)
+            if scan is not None and FileIdentity.of(path) == identity:
+                self.put(identity, "scan", {"sha256": scan.sha256, "nonfinite": list(scan.nonfinite),
+                                            "largest": scan.largest})
+        return scan

@@ -80,6 +80,9 @@ class Settings:
     queue_size: int = 64  # requests waiting in the app's queue, all sessions together
     session_queue_size: int = 8  # requests one browser tab or client may have pending
     max_upload_mib: int = 16
+    # Reverse proxies whose `X-Forwarded-For` names the client (the login throttle's key); none: the
+    # socket's peer, so a local tunnel or script cannot pose as a new address per password guess.
+    forwarded_allow_ips: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -138,8 +141,18 @@ class Settings:
         return self.data_dir / "part-choices.json"
 
     @property
+    def lora_options_file(self) -> Path:
+        """Per-LoRA choices (partial application allowed), remembered per LoRA name."""
+        return self.data_dir / "lora-options.json"
+
+    @property
     def outputs_dir(self) -> Path:
         return self.data_dir / "outputs"
+
+    @property
+    def styles_file(self) -> Path:
+        """Saved prompt styles, A1111's `styles.csv` (app/styles.py)."""
+        return self.data_dir / "styles.csv"
 
     @property
     def compile_cache_dir(self) -> Path:

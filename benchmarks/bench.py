@@ -88,6 +88,12 @@ def _run_phases(run: phases.ArchRun, bench: Bench) -> dict[str, str]:
         budget = "balanced-3gib" in bench.config.offload_cases and run.model.arch in bench.config.budget_archs
         if bench.wants("offload") and budget:
             phases.budget_phase(run, engine, theirs, bench)
+        if bench.wants("fp8"):  # last: it unloads our full-precision engine to make room
+            try:
+                phases.fp8_phase(run, engine, theirs, bench)
+            except Exception as exc:  # a failure here must not cost the rows the run already measured
+                log.exception("[%s] fp8 phase failed", run.model.arch)
+                run.memory["phase errors"] = {"fp8": f"{type(exc).__name__}: {exc}"[:500]}
     finally:
         ours.close(engine)
         theirs.free()
@@ -111,6 +117,10 @@ def bench_arch(arch: str, bench: Bench, results: dict[str, Any]) -> None:
     results["latency"] += report.latency_rows(run)
     if bench.wants("load"):
         results["load"].append(report.load_row(run))
+    if "resting" in run.memory:
+        results["models"][arch]["resting_vram_gib"] = run.memory["resting"]
+    if "phase errors" in run.memory:
+        results["models"][arch]["phase_errors"] = run.memory["phase errors"]
     results["compile"] += run.compile_info
     shutil.rmtree(model.data_dir)  # an SDXL folder and its LoRAs take ~8 GB
 
@@ -170,6 +180,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="compute dtype (default: the mode's, fp16 on a GPU; bf16 when Flux runs)")
     parser.add_argument("--sections", help=f"comma list of {','.join(SECTIONS)} (proxies: {','.join(PROXY_SECTIONS)})")
     parser.add_argument("--batches", help="comma list of batch sizes (default 1,4; quick and smoke 1)")
+    parser.add_argument("--loras", help="comma list of LoRA counts in the speed rows (default 0,1,3; quick 0,3)")
+    parser.add_argument("--no-channels-last", action="store_true",
+                        help="leave the channels_last engine out of the speed pools (its own device-check section)")
     parser.add_argument("--repeats", type=int, help="ABBA rounds per comparison")
     parser.add_argument("--steps", type=int, help="denoising steps per generation")
     parser.add_argument("--compile-cache", type=Path, help="reuse this compile cache (default: a fresh one)")
@@ -197,7 +210,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, str]:
     archs = _csv(args.archs, ARCHS, "archs") or preset.archs
     sections = _csv(args.sections, SECTIONS, "sections") or preset.sections
     batches = tuple(int(b) for b in _csv(args.batches, ("1", "2", "3", "4", "8"), "batches") or preset.batches)
-    config = dataclasses.replace(preset, archs=archs, sections=sections, batches=batches,
+    loras = tuple(int(n) for n in _csv(args.loras, ("0", "1", "3"), "loras") or preset.lora_counts)
+    config = dataclasses.replace(preset, archs=archs, sections=sections, batches=batches, lora_counts=loras,
+                                 channels_last_rows=not args.no_channels_last,
                                  repeats=args.repeats or preset.repeats, steps=args.steps or preset.steps,
                                  dtype=run_dtype(preset.dtype, archs, args.dtype))
     stem = _stem(preset.mode, archs, preset.archs, sections, preset.sections)

@@ -21,8 +21,9 @@ from app.families import family
 
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SECTIONS = ("load", "throughput", "latency", "offload", "compile")
-ARCHS = ("sd15", "sdxl", "flux-dev", "zimage-turbo")  # what --archs takes; a full run without it does SD1.5 and SDXL
+SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile")
+# what --archs takes; a full run without it does SD1.5 and SDXL
+ARCHS = ("sd15", "sdxl", "flux-dev", "flux2-klein-4b", "zimage-turbo")
 OFFLOAD_CASES = ("model", "balanced", "balanced-3gib", "sequential", "group")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 SEED = 1234
@@ -63,9 +64,10 @@ class BenchConfig:
     device: str
     tiny: bool
     resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024, "flux-dev": 1024,
-                                                                "zimage-turbo": 1024})
+                                                                "flux2-klein-4b": 1024, "zimage-turbo": 1024})
     budget_gib: float = 3.0
     budget_archs: tuple[str, ...] = ("sd15",)
+    channels_last_rows: bool = True  # the throughput pools' `--channels-last` engine, where the denoiser has convs
 
 
 PRESETS = {
@@ -77,7 +79,7 @@ PRESETS = {
     # and every code path are the same.
     "smoke": BenchConfig("smoke", ("sd15", "sdxl"), SECTIONS, (1,), 2, 2, 0, 4, (0, 1, 3), OFFLOAD_CASES,
                          ("reduce-overhead",), "eager", 3, 2, False, "fp32", "cpu", True,
-                         {"sd15": 64, "sdxl": 64, "flux-dev": 64, "zimage-turbo": 64}),
+                         {"sd15": 64, "sdxl": 64, "flux-dev": 64, "flux2-klein-4b": 64, "zimage-turbo": 64}),
 }
 
 

@@ -68,10 +68,15 @@ def call_inputs(arch: str, denoiser: torch.nn.Module, batch: int, latent_side: i
     if family(arch).denoiser == "transformer":
         tokens, text = (latent_side // 2) ** 2, family(arch).max_sequence_length
         guidance = {"guidance": empty(rows)} if cfg.guidance_embeds else {}
+        # FLUX.1 reads a pooled text vector and 3 position axes; FLUX.2 none and 4 axes, with a batch dimension
+        pooled = ({"pooled_projections": empty(rows, cfg.pooled_projection_dim)}
+                  if "pooled_projection_dim" in cfg else {})
+        axes = len(cfg.axes_dims_rope)
+        ids = {"img_ids": empty(tokens, 3), "txt_ids": empty(text, 3)} if axes == 3 else \
+            {"img_ids": empty(rows, tokens, axes), "txt_ids": empty(rows, text, axes)}
         return {"hidden_states": empty(rows, tokens, cfg.in_channels),
-                "encoder_hidden_states": empty(rows, text, cfg.joint_attention_dim),
-                "pooled_projections": empty(rows, cfg.pooled_projection_dim), "timestep": empty(rows),
-                "img_ids": empty(tokens, 3), "txt_ids": empty(text, 3), "return_dict": False, **guidance}
+                "encoder_hidden_states": empty(rows, text, cfg.joint_attention_dim), "timestep": empty(rows),
+                "return_dict": False, **pooled, **ids, **guidance}
     inputs = {"sample": empty(rows, cfg.in_channels, latent_side, latent_side),
               "timestep": torch.tensor(500.0, device="meta"),
               "encoder_hidden_states": empty(rows, _TEXT_TOKENS, cfg.cross_attention_dim), "return_dict": False}

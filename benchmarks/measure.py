@@ -16,7 +16,7 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from app.engine.lifecycle import release_memory
+from app.engine.memory import release_memory
 
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
 

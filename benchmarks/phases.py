@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from app.engine.worker import Engine
 from app.families import family
 from benchmarks import ours
@@ -124,7 +126,8 @@ def throughput_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
     the control (ours without LoRA, twice)."""
     model, counts = run.model, bench.config.lora_counts
     fam = family(model.arch)
-    nhwc = ours.loaded_engine(model, bench, channels_last=True) if fam.denoiser in fam.conv_components else None
+    wanted = bench.config.channels_last_rows and fam.denoiser in fam.conv_components
+    nhwc = ours.loaded_engine(model, bench, channels_last=True) if wanted else None
     try:
         for batch in bench.config.batches:
             pool, mine = f"throughput-b{batch}", ours.generator(engine, model, bench, batch)
@@ -181,6 +184,47 @@ def latency_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Be
                 run.latency.setdefault(side, {}).setdefault(op, []).extend(values)
     engine.set_loras([])
     theirs.to_state(0, False)
+
+
+# ------------------------------------------------------------------------------------ fp8 storage
+def _allocated_gib(bench: Bench) -> float | None:
+    if bench.device.type != "cuda":
+        return None
+    torch.cuda.synchronize(bench.device)
+    return torch.cuda.memory_allocated(bench.device) / 2**30
+
+
+def fp8_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+    """Ours with large weights resting in fp8 (`--weights fp8`, computed in the run's dtype), with no
+    LoRA and with 3 LoRAs as bypass forwards (an 8-bit weight is never fused into), against diffusers
+    eager in one pool. Our full-precision engine is unloaded first, since a third copy of a full-size
+    Flux pipeline does not fit beside diffusers'; what each of our engines holds at rest is the drop
+    in allocated VRAM when it unloads (None on the CPU). The last phase of a run: the main engine
+    stays unloaded."""
+    model = run.model
+    before = _allocated_gib(bench)
+    engine.unload()
+    free_memory()
+    after = _allocated_gib(bench)
+    fp8 = ours.loaded_engine(model, bench, weights="fp8")
+    try:
+        loaded = _allocated_gib(bench)
+        rest = {"ours full weights": None if before is None else before - after,
+                "ours fp8 weights": None if loaded is None else loaded - after}
+        run.memory["resting"] = {k: None if v is None else round(v, 3) for k, v in rest.items()}
+        if theirs.pipe is None:  # the offload phase freed it; loaded after the resting figures are read
+            theirs.load()
+        mine, denoiser = ours.generator(fp8, model, bench, 1), denoiser_of(fp8.pipeline)
+        key0, key3, base = ("none", 0, "fp8", 1), ("none", 3, "fp8-bypass", 1), ("none", 0, "eager", 1)
+        variants = with_control({key0: Variant(ours.lora_setup(fp8, model, 0), mine, denoiser),
+                                 key3: Variant(ours.lora_setup(fp8, model, 3), mine, denoiser),
+                                 base: Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.denoiser)},
+                                key0)
+        _measure(run, bench, "fp8", variants)
+        run.pairings += [Pairing("fp8", "fp8", key0, "ours fp8", base, "diffusers", key0),
+                         Pairing("fp8", "fp8", key3, "ours fp8 + 3 LoRAs bypass", key0, "ours fp8", key0)]
+    finally:
+        ours.close(fp8)
 
 
 # ------------------------------------------------------------------------------------ compiled path

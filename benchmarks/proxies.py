@@ -4,7 +4,8 @@ the same run.
 
 * load: `Engine.load_model` against diffusers' `from_single_file` (offline, `config=` the bundled
   folder), each load in a fresh process (time, process CPU time, peak RSS), in ABBA order with a
-  same-vs-same control; our first load of a file (no cached hash) is a variant of its own;
+  same-vs-same control; our first load of a file (a fresh data folder per probe: nothing learnt
+  about the file before) is a variant of its own;
 * step: aten ops per UNet call (a dispatch mode inside the UNet's hooks) and thread CPU time per
   step (with its user part and the minor page faults), without and with three fused rank-64 LoRAs
   and against diffusers, at a small latent so two cores can afford it;
@@ -23,6 +24,8 @@ FLUX.1-dev's pipeline (16.9 B parameters, 34 GB in bf16) gets the ops section on
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,6 @@ from typing import Any
 import torch
 
 from app.engine.checkpoint_shapes import meta_components
-from app.engine.models import FACTS_FILE
 from app.engine.placement import DTYPES
 from app.families import family
 from app.settings import Settings
@@ -45,8 +47,11 @@ from benchmarks.workload import lora_kinds, lora_targets, single_file_numel, wri
 
 SCHEMA = "steady-diffusion-cpu-proxies/1"
 # Variant -> probe side. "ours" is Engine.load_model with the file's facts cached (any load after the
-# first); the first load hashes and checks the file; the loader alone leaves out the engine's transition.
-LOAD_VARIANTS = {"ours": "ours", "diffusers": "diffusers", "ours, first load (no cached hash)": "ours",
+# first); a first load runs in a data folder of its own, made afresh for each probe (the checkpoint
+# hard-linked in), so nothing an earlier probe learnt about the file is there; the loader alone leaves
+# out the engine's transition.
+FIRST_LOAD = "ours, first load (fresh data folder)"
+LOAD_VARIANTS = {"ours": "ours", "diffusers": "diffusers", FIRST_LOAD: "ours",
                  "ours, loader alone (models.load_pipeline)": "ours-models"}
 CONTROL = control_key(("none", 0, "ours"))[2]
 SECTIONS = ("load", "step", "reweight", "fp8", "ops")
@@ -106,18 +111,22 @@ def _load_spec(model: ProxyModel, side: str, config: ProxyConfig) -> dict[str, A
 
 def load_section(model: ProxyModel, config: ProxyConfig) -> dict[str, Any]:
     """Fresh-process loads of both sides in ABBA order after one warm-up each (page cache warm, our
-    facts written); the first-load variant deletes the facts file before its probe."""
-    facts = model.data_dir / "models" / "Stable-diffusion" / FACTS_FILE
+    facts written, waiting for the background read of the file); a first load gets a fresh data folder."""
     keys = [*LOAD_VARIANTS, CONTROL]
     specs = {key: _load_spec(model, LOAD_VARIANTS.get(key, "ours"), config) for key in keys}
     for side in ("ours", "diffusers"):
-        spawn_load_probe(_load_spec(model, side, config))
+        spawn_load_probe({**_load_spec(model, side, config), "wait_for_scan": True})
     runs: dict[str, list[dict[str, Any]]] = {key: [] for key in keys}
     for round_index in range(config.rounds):
         for key in abba(keys, round_index):
-            if key.startswith("ours, first load"):
-                facts.unlink(missing_ok=True)
-            runs[key].append(spawn_load_probe(specs[key]))
+            if key != FIRST_LOAD:
+                runs[key].append(spawn_load_probe(specs[key]))
+                continue
+            with tempfile.TemporaryDirectory(prefix="first-load-", dir=model.data_dir.parent) as fresh:
+                target = Settings(data_dir=Path(fresh)).checkpoints_dir / model.name
+                target.parent.mkdir(parents=True)
+                os.link(model.path, target)
+                runs[key].append(spawn_load_probe({**specs[key], "data_dir": fresh}))
     return {"arch": model.arch, "file_gib": model.path.stat().st_size / 2**30, "runs": runs,
             "comparisons": _load_comparisons(runs)}
 

@@ -109,6 +109,8 @@ def _row_checks(row: dict[str, Any]) -> list[dict[str, Any]]:
         return [_check("ours no LoRA vs diffusers", where, ratio, ">= 1.0", lambda v: v >= 1.0, verdict)]
     if section == "throughput" and row["loras"] == 3 and row["baseline"] == "ours no LoRA":
         return [_check("ours 3 LoRAs fused vs ours no LoRA", where, ratio, ">= 0.97", lambda v: v >= 0.97, verdict)]
+    if section == "fp8" and row["baseline"] == "ours fp8":
+        return [_check("ours fp8 + 3 LoRA bypasses vs ours fp8", where, ratio, ">= 0.95", lambda v: v >= 0.95, verdict)]
     if section == "offload" and row["offload"] == "balanced":
         return [_check("balanced (ample VRAM) vs ours none", where, ratio, ">= 0.95", lambda v: v >= 0.95, verdict)]
     if section == "compile" and row["loras"] == 0 and row["baseline"] == "diffusers" and row["batch"] == 1:
@@ -203,6 +205,11 @@ def render_markdown(results: dict[str, Any]) -> str:
                     [[r["arch"], r["ours_s"], r["ours_first_s"], r["baseline"], r["baseline_s"], r["baseline_first_s"],
                       r["ratio"], r["control_spread"], r["verdict"], _vram(r["memory"], "load"),
                       _vram(r["memory"], "generate")] for r in results["load"]])
+    resting = [[arch, side, gib] for arch, model in results["models"].items()
+               for side, gib in model.get("resting_vram_gib", {}).items()]
+    if resting:
+        lines += ["## Weights at rest (GiB of VRAM an engine frees when it unloads)", ""]
+        lines += table(["arch", "engine", "GiB"], resting)
     lines += ["## Compiled denoiser", ""]
     lines += table(["arch", "mode", "backend", "phase", "first compile s", "graphs", "recompiles in LoRA ops",
                      "CUDA-graph re-records", "LoRA changes reached output", "warm restart s", "note"],

@@ -54,7 +54,7 @@ def load_pipeline(model: PreparedModel, bench: Bench, to_device: bool = True):
 
 def generator(pipe, model: PreparedModel, bench: Bench, batch: int) -> Callable[[], Any]:
     side = bench.config.resolution[model.arch]
-    family_arguments = family(model.arch).call_arguments(guidance(model.arch), "")
+    family_arguments = family(model.arch).call_arguments(guidance(model.arch))
 
     def generate():
         generators = [torch.Generator("cpu").manual_seed(SEED + i) for i in range(batch)]

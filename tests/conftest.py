@@ -64,10 +64,10 @@ def engine(data_dir):
 
 @pytest.fixture
 def data_dir(demo_dir, tmp_path) -> Path:
-    """A private data folder whose models, LoRAs and embeddings are hard links to the session's demo
+    """A private data folder whose models, LoRAs, upscaler and embeddings are hard links to the session's demo
     files, so a test can add files (a corrupt checkpoint, a new LoRA) or write outputs without
     affecting other tests. Tests must not modify the linked files in place."""
-    for sub in ("models/Stable-diffusion", "models/Lora", "embeddings"):
+    for sub in ("models/Stable-diffusion", "models/Lora", "models/RealESRGAN", "embeddings"):
         source = demo_dir / sub
         if source.is_dir():
             shutil.copytree(source, tmp_path / sub, copy_function=os.link)

@@ -4,6 +4,7 @@ documented behaviour (not from the strategies' code), for the offload tests and 
 from __future__ import annotations
 
 import torch
+from diffusers import DiffusionPipeline
 
 from app.engine.placement import torch_components
 from app.families import family_of
@@ -32,8 +33,9 @@ def _blocks(component: torch.nn.Module, prefix: str = "") -> list[tuple[str, tor
 
 def _group_paths(pipe, name: str, component: torch.nn.Module) -> list[str]:
     """The module paths `group` offload hooks: the family's own `blocks` where it states them (plus
-    the component itself where it owns tensors outside them), else the generic rule above."""
-    grouping = family_of(pipe).blocks
+    the component itself where it owns tensors outside them), else the generic rule above (also on
+    a holder that is no family's pipeline: the upscaler's)."""
+    grouping = family_of(pipe).blocks if isinstance(pipe, DiffusionPipeline) else None
     if grouping is None:
         return [path for path, _block in _blocks(component)]
     paths = {id(m): p for p, m in component.named_modules()}

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from app.engine.worker import Engine
 from app.settings import Settings
-from app.ui.common import UiContext
-from app.ui.serve import auth_policy, start_server, wait_until_ready
+from app.ui.common import UiContext, checkpoint_names
+from app.ui.serve import auth_policy, load_first_working, start_server, wait_until_ready
 
 MODEL = "tiny-sd15.safetensors"
 ATTN = "down_blocks.0.attentions.0.transformer_blocks.0.attn1."
@@ -57,8 +57,8 @@ def write_kohya_lora(path: Path, layers: dict[str, dict[str, tuple[int, int]]], 
 
 
 def make_ui_data(root: Path, demo_dir: Path) -> Path:
-    """A private data folder: the demo models (hard links) plus the synthetic LoRAs above."""
-    for sub in ("models/Stable-diffusion", "embeddings"):
+    """A private data folder: the demo models and upscaler (hard links) plus the synthetic LoRAs above."""
+    for sub in ("models/Stable-diffusion", "models/RealESRGAN", "embeddings"):
         shutil.copytree(demo_dir / sub, root / sub, copy_function=os.link)
     lora_dir = root / "models" / "Lora"
     lora_dir.mkdir(parents=True, exist_ok=True)
@@ -87,3 +87,18 @@ def running_app(settings: Settings, engine: Engine | None = None):
     finally:
         if own:
             engine.close()
+
+
+
+@contextlib.contextmanager
+def fresh_start(root: Path, demo_dir: Path):
+    """The app as `python launch.py` starts it on the demo models (the first checkpoint that loads, by
+    name: the tiny FLUX.1-dev); yields (url, engine)."""
+    settings = Settings(data_dir=make_ui_data(root, demo_dir), device="cpu", port=free_port())
+    engine = Engine(settings)
+    try:
+        assert load_first_working(engine, checkpoint_names(settings), []) is not None
+        with running_app(settings, engine) as (server, _engine):
+            yield server.local_url, engine
+    finally:
+        engine.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import threading
 import time
 import zipfile
@@ -23,6 +24,7 @@ from served_app import MODEL, free_port, make_ui_data, running_app
 from app.a1111.schema import Txt2ImgRequest
 from app.engine.generate import params_from_form
 from app.settings import Settings
+from app.styles import PromptStyle, save_style
 
 webuiapi = pytest.importorskip("webuiapi")
 SDXL = "tiny-sdxl.safetensors"
@@ -136,6 +138,49 @@ def test_txt2img_with_a_lora_tag_applies_it_for_that_request_only(api, app):
     assert np.array_equal(_pixels(again.image), _pixels(plain.image))
 
 
+def test_a1111_emphasis_and_long_prompts_reach_the_picture(api):
+    """Prompts mean what they mean in A1111: `a (cat:1.0)` is `a cat` bit for bit, `(cat:1.5)` is another
+    picture, and words past CLIP's 77th token change the picture (75-token chunks, not a silent cut)."""
+    def picture(prompt: str) -> np.ndarray:
+        return _pixels(api.txt2img(prompt=prompt, seed=5, **SMALL).image)
+
+    plain = picture("a cat")
+    assert np.array_equal(picture("a (cat:1.0)"), plain)
+    assert not np.array_equal(picture("a (cat:1.5)"), plain)
+    words = " ".join(["red"] * 80)  # 80 tokens: what follows is in the second chunk
+    assert not np.array_equal(picture(f"{words} fox"), picture(f"{words} owl"))
+
+
+def test_lora_tags_and_embeddings_work_inside_weighted_parts(api):
+    """A `<lora:…>` tag inside `( … :1.5)` still applies the LoRA (and leaves the weighting to the words),
+    and an embedding's name inside brackets takes the weight like any word."""
+    def made(prompt: str):
+        return api.txt2img(prompt=prompt, seed=6, **SMALL)
+
+    weighted, tagged = made("a (cat:1.5)"), made("a (cat <lora:style:0.8>:1.5)")
+    assert "Lora hashes" in tagged.image.info["parameters"] and "Lora hashes" not in weighted.image.info["parameters"]
+    assert not np.array_equal(_pixels(tagged.image), _pixels(weighted.image))
+    assert not np.array_equal(_pixels(tagged.image), _pixels(made("a cat <lora:style:0.8>").image))
+    embedding = "tiny-sd15-embedding"
+    assert not np.array_equal(_pixels(made(f"a ({embedding}:1.5)").image), _pixels(made(f"a {embedding}").image))
+
+
+def test_clip_skip_is_a1111s_option_and_override_and_is_written_into_the_infotext(api, app):
+    """`CLIP_stop_at_last_layers` per request (`override_settings`) or as the API's option: the picture
+    changes, the infotext carries `Clip skip: 2` (absent at 1, as A1111 writes it), and so does `info`."""
+    one = api.txt2img(prompt="a fox", seed=2, **SMALL)
+    two = api.txt2img(prompt="a fox", seed=2, override_settings={"CLIP_stop_at_last_layers": 2}, **SMALL)
+    assert "Clip skip" not in one.image.info["parameters"] and "Clip skip: 2" in two.image.info["parameters"]
+    assert (one.info["clip_skip"], two.info["clip_skip"]) == (1, 2) and "ignored" not in two.info["comments"]
+    assert not np.array_equal(_pixels(one.image), _pixels(two.image))
+    try:
+        api.set_options({"CLIP_stop_at_last_layers": 2})
+        assert api.get_options()["CLIP_stop_at_last_layers"] == 2
+        assert np.array_equal(_pixels(api.txt2img(prompt="a fox", seed=2, **SMALL).image), _pixels(two.image))
+    finally:
+        api.set_options({"CLIP_stop_at_last_layers": 1})
+
+
 def test_txt2img_echoes_a1111_parameters_and_rounds_sizes_with_a_note(app):
     body = {"prompt": "a fox", "seed": 3, "steps": 2, "width": 100, "height": 64, "batch_size": 2, "n_iter": 1}
     answer = requests.post(f"{app[0]}/sdapi/v1/txt2img", json=body).json()
@@ -144,6 +189,37 @@ def test_txt2img_echoes_a1111_parameters_and_rounds_sizes_with_a_note(app):
     info = json.loads(answer["info"])
     assert info["width"] == 96 and "width 100 → 96" in info["comments"] and info["all_seeds"] == [3, 4]
     assert _png(answer["images"][0]).size == (96, 64)
+
+
+def test_styles_and_variation_seeds_through_the_api(api, app):
+    """`GET /prompt-styles` lists `styles.csv` with A1111's fields; `styles` apply to the prompts as A1111
+    applies them (the infotext holds the styled prompt, `info.styles` the names); `subseed` at
+    `subseed_strength` 1 gives the variation seed's image with A1111's `info` fields; an unknown style
+    is refused by name."""
+    save_style(app[1].settings.styles_file, PromptStyle("frame", "framed, {prompt}", "blurry"))
+    assert requests.get(f"{app[0]}/sdapi/v1/prompt-styles").json() == [
+        {"name": "frame", "prompt": "framed, {prompt}", "negative_prompt": "blurry"}]
+    styled = api.txt2img(prompt="a fox", styles=["frame"], seed=4, **SMALL)
+    assert styled.image.info["parameters"].startswith("framed, a fox\nNegative prompt: blurry\n")
+    assert styled.info["styles"] == ["frame"] and styled.info["all_prompts"] == ["framed, a fox"]
+    varied = api.txt2img(prompt="a fox", seed=4, subseed=11, subseed_strength=1.0, batch_size=2, **SMALL)
+    plain = api.txt2img(prompt="a fox", seed=11, batch_size=2, **SMALL)
+    assert all(np.array_equal(_pixels(a), _pixels(b)) for a, b in zip(varied.images, plain.images, strict=True))
+    assert (varied.info["all_seeds"], varied.info["all_subseeds"], varied.info["subseed_strength"]) == (
+        [4, 4], [11, 12], 1.0)
+    unknown = requests.post(f"{app[0]}/sdapi/v1/txt2img", json={**SMALL, "styles": ["nope"]})
+    assert unknown.status_code == 422 and "'nope'" in unknown.text
+
+
+def test_refiner_fields_run_the_refiner_on_sdxl_and_are_refused_where_there_is_none(api, app):
+    """`refiner_checkpoint` (a title or name) and `refiner_switch_at` finish an SDXL image with the refiner
+    (its infotext names it as A1111 does); on SD1.5, which has no refiner stage, they are refused (422)."""
+    body = {**SMALL, "prompt": "a fox", "seed": 2, "refiner_checkpoint": "tiny-sdxl", "refiner_switch_at": 0.5,
+            "override_settings": {"sd_model_checkpoint": SDXL}}
+    text = json.loads(requests.post(f"{app[0]}/sdapi/v1/txt2img", json=body).json()["info"])["infotexts"][0]
+    assert f"Model: {SDXL}" in text and f"Refiner: {SDXL} [" in text and "Refiner switch at: 0.5" in text
+    refused = requests.post(f"{app[0]}/sdapi/v1/txt2img", json={**SMALL, "refiner_checkpoint": SDXL})
+    assert refused.status_code == 422 and "no refiner stage" in refused.text
 
 
 # ------------------------------------------------------------------------------ img2img, inpaint, hires fix
@@ -195,8 +271,32 @@ def test_txt2img_with_enable_hr_runs_the_hires_fix(api, app):
 
 
 def test_the_upscaler_lists_name_what_the_hires_fix_takes(api):
-    assert [u.get("name") for u in api.get_upscalers()] == ["None", "Lanczos", "Nearest"]
+    listed = api.get_upscalers()
+    assert [u.get("name") for u in listed] == ["None", "Lanczos", "Nearest", "tiny-realesrgan-x4"]
+    assert listed[-1]["model_name"] == "RealESRGAN" and listed[-1]["scale"] == 4
+    assert listed[-1]["model_path"].endswith("models/RealESRGAN/tiny-realesrgan-x4.safetensors")
     assert "Latent (bicubic antialiased)" in [m["name"] for m in api.get_latent_upscale_modes()]
+
+
+def test_extras_through_webuiapi_upscale_with_the_model_and_keep_the_source_infotext(api, app):
+    """`webuiapi`'s `extra_single_image` and `extra_batch_images` with the demo upscaler model: sizes by
+    A1111's rules, the postprocessing text as A1111 writes it (in `html_info` and the PNG) with the source
+    image's `parameters` kept; face restoration is refused with a 422 naming it."""
+    made = api.txt2img(prompt="a fox", seed=4, **SMALL)
+    single = api.extra_single_image(made.image, upscaler_1="tiny-realesrgan-x4", upscaling_resize=2)
+    assert single.image.size == (128, 128)
+    assert single.info == "Postprocess upscale by: 2, Postprocess upscaler: tiny-realesrgan-x4"
+    assert single.image.info["parameters"] == made.image.info["parameters"]
+    assert single.image.info["postprocessing"] == single.info
+    batch = api.extra_batch_images([made.image, made.image], upscaler_1="Lanczos", resize_mode=1,
+                                   upscaling_resize_w=96, upscaling_resize_h=80, upscaler_2="tiny-realesrgan-x4",
+                                   extras_upscaler_2_visibility=0.5)
+    assert [im.size for im in batch.images] == [(96, 80), (96, 80)]
+    assert batch.info == ("Postprocess upscale to: 96x80, Postprocess crop to: 96x80, Postprocess upscaler: Lanczos, "
+                          "Postprocess upscaler 2: tiny-realesrgan-x4")
+    refused = requests.post(f"{app[0]}/sdapi/v1/extra-single-image",
+                            json={"image": webuiapi.raw_b64_img(made.image), "gfpgan_visibility": 0.5}, timeout=60)
+    assert refused.status_code == 422 and "GFPGAN face restoration" in refused.json()["detail"]
 
 
 def test_png_info_reads_our_own_output(api, app):
@@ -237,9 +337,9 @@ def test_options_switch_the_checkpoint_by_any_of_its_names(api, app):
 
 def test_override_settings_switch_for_one_request_and_restore(api, app):
     made = api.txt2img(prompt="a fox", seed=1, override_settings={"sd_model_checkpoint": SDXL,
-                                                                    "CLIP_stop_at_last_layers": 2}, **SMALL)
+                                                                    "sd_vae": "other.safetensors"}, **SMALL)
     assert f"Model: {SDXL}" in made.image.info["parameters"] and made.info["sd_model_name"] == "tiny-sdxl"
-    assert "CLIP_stop_at_last_layers=2 ignored" in made.info["comments"]
+    assert "sd_vae='other.safetensors' ignored" in made.info["comments"]
     assert app[1].snapshot().model == MODEL  # restored afterwards, as A1111 does by default
     try:
         api.txt2img(prompt="a fox", override_settings={"sd_model_checkpoint": SDXL},
@@ -265,15 +365,15 @@ def test_unload_then_reload_or_generate_brings_the_checkpoint_back(api, app):
 
 # ------------------------------------------------------------------------------ progress, interrupt, skip
 class Background:
-    """A txt2img running in a thread, its answer kept."""
+    """A txt2img (or another endpoint's request) running in a thread, its answer kept."""
 
-    def __init__(self, url: str, body: dict) -> None:
+    def __init__(self, url: str, body: dict, endpoint: str = "txt2img") -> None:
         self.answer = None
-        self.thread = threading.Thread(target=self._post, args=(url, body), daemon=True)
+        self.thread = threading.Thread(target=self._post, args=(f"{url}/sdapi/v1/{endpoint}", body), daemon=True)
         self.thread.start()
 
     def _post(self, url: str, body: dict) -> None:
-        self.answer = requests.post(f"{url}/sdapi/v1/txt2img", json=body, timeout=300)
+        self.answer = requests.post(url, json=body, timeout=300)
 
     def progress_when(self, url: str, ready, timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
@@ -315,6 +415,64 @@ def test_skip_ends_one_run_and_the_next_runs(app):
     job.thread.join(120)
     info = json.loads(job.answer.json()["info"])
     assert info["all_seeds"] == [2, 3] and info["interrupted"] is True  # run 1 cut short, run 2 whole
+
+
+def _b64(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _stop_mid_run(app, endpoint: str, body: dict, stop: str, phase: str) -> tuple[int, dict, list]:
+    """Start a long request, send `stop` once its denoising `phase` is 3 steps in; returns (the
+    step the engine had reached when the stop was sent, the answer's info, its images)."""
+    url, engine = app
+    job = Background(url, body, endpoint)
+    job.progress_when(url, lambda p: p["state"]["sampling_step"] >= 3 and phase in (p["textinfo"] or ""))
+    asked_at = engine.snapshot().progress.step
+    assert requests.post(f"{url}/sdapi/v1/{stop}").status_code == 200
+    job.thread.join(120)
+    assert job.answer.status_code == 200, job.answer.text
+    answer = job.answer.json()
+    return asked_at, json.loads(answer["info"]), [_png(b64) for b64 in answer["images"]]
+
+
+def _stopped_at(info: dict) -> list[int]:
+    return [int(n) for n in re.findall(r"stopped at step (\d+)", info["comments"])]
+
+
+@pytest.mark.parametrize(("masked", "stop"), [(False, "interrupt"), (True, "interrupt"), (True, "skip")],
+                         ids=["img2img-interrupt", "inpaint-interrupt", "inpaint-skip"])
+def test_interrupt_and_skip_stop_img2img_and_inpaint_within_one_step(app, masked, stop):
+    """Issue 32: `/interrupt` and `/skip` during an img2img or inpaint run answered 200 while the run
+    went on to step 150 with `interrupted: false`. They must stop the pass within one step, mark the
+    answer interrupted, return the partial image (as txt2img does); an interrupted run is listed so."""
+    body = {"init_images": [_b64(_init_picture())], "prompt": "a fox", "steps": 150, "width": 64, "height": 64,
+            "seed": 4, "denoising_strength": 1.0, "sampler_name": "Euler"}
+    if masked:
+        mask = Image.new("L", (64, 64), 0)
+        mask.paste(255, (16, 16, 48, 48))
+        body |= {"mask": _b64(mask), "mask_blur": 0}
+    kind = "inpaint" if masked else "img2img"
+    asked_at, info, images = _stop_mid_run(app, "img2img", body, stop, kind)
+    (stopped_at,) = _stopped_at(info)
+    assert info["interrupted"] is True and asked_at <= stopped_at <= asked_at + 1 < 150
+    assert len(images) == 1 and images[0].size == (64, 64) and "Steps: 150" in images[0].info["parameters"]
+    rows = [(h.command, h.outcome) for h in app[1].snapshot().history]
+    assert (kind, "interrupted" if stop == "interrupt" else "ok") in rows[-3:]
+
+
+def test_interrupt_reaches_the_hires_pass(app):
+    """The hires fix's second pass is a stage of its own (issue 32: no stop reached it): Interrupt
+    ends it within one step and the answer is the partial image at the hires size."""
+    body = {"prompt": "a fox", "steps": 2, "width": 64, "height": 64, "seed": 6, "sampler_name": "Euler",
+            "enable_hr": True, "hr_scale": 1.5, "hr_upscaler": "Latent", "hr_second_pass_steps": 150,
+            "denoising_strength": 1.0}
+    asked_at, info, images = _stop_mid_run(app, "txt2img", body, "interrupt", "hires pass")
+    (stopped_at,) = _stopped_at(info)
+    assert info["interrupted"] is True and asked_at <= stopped_at <= asked_at + 1 < 150
+    assert images[0].size == (96, 96)
+    assert [h.outcome for h in app[1].snapshot().history if h.command == "hires fix"][-1] == "interrupted"
 
 
 # ------------------------------------------------------------------------------ /steady/v1 extras

@@ -99,8 +99,8 @@ def test_other_refusals(app):
     _refused(requests.post(f"{url}/png-info", json={"image": "not base64!"}), 422, "Invalid encoded image")
     _refused(requests.post(f"{url}/png-info", json={"image": "aGVsbG8="}), 422, "Invalid encoded image")
     _refused(requests.post(f"{url}/options", json={"sd_model_checkpoint": "nope"}), 404, "Model not found")
-    _refused(requests.post(f"{url}/options", json={"CLIP_stop_at_last_layers": 2, "sd_model_checkpoint": "tiny-sdxl"}),
-             422, "CLIP_stop_at_last_layers=2", "nothing changed")
+    _refused(requests.post(f"{url}/options", json={"CLIP_stop_at_last_layers": 13, "sd_model_checkpoint": "tiny-sdxl"}),
+             422, "CLIP_stop_at_last_layers must be a whole number in 1…12", "nothing changed")
     _refused(requests.post(f"{url}/options", json={"no_such_option": 1}), 422, "no_such_option (unknown here)")
     _refused(requests.post(f"{url}/options", json={"steady_offload": "sideways"}), 422, "offload must be one of")
     assert app[1].snapshot().model == MODEL and app[1].snapshot().offload == "none"
@@ -116,6 +116,18 @@ def test_a_cross_site_page_cannot_drive_the_api(app):
     answer = requests.post(f"{app[0]}/sdapi/v1/interrupt", headers={"Sec-Fetch-Site": "cross-site"})
     _refused(answer, 403, "cross-site")
     assert requests.post(f"{app[0]}/sdapi/v1/interrupt", headers={"Sec-Fetch-Site": "none"}).status_code == 200
+
+
+def test_a_cross_origin_post_without_sec_fetch_site_is_refused_whatever_its_content_type(app):
+    """Localhost mode without a login (issue 28): a page of another site may POST text/plain without a
+    preflight, and over plain HTTP its browser sends no Sec-Fetch-Site; its Origin refuses it, for
+    the API and the UI's routes alike. The app's own origin passes."""
+    for path in ("/sdapi/v1/unload-checkpoint", "/sdapi/v1/interrupt", "/gradio_api/queue/join"):
+        answer = requests.post(f"{app[0]}{path}", data="{}", headers={"Origin": "http://evil.example",
+                                                                      "Content-Type": "text/plain"})
+        assert answer.status_code == 403 and "site" in answer.text
+    assert app[1].snapshot().model == MODEL
+    assert requests.post(f"{app[0]}/sdapi/v1/interrupt", headers={"Origin": app[0]}).status_code == 200
 
 
 def test_a_foreign_host_is_refused_by_the_guard(app):

@@ -387,7 +387,10 @@ def test_unmatched_keys_are_counted_and_the_rest_applies(tiny, tmp_path):
     _, report = _fuse(model, [(spec, adapter)])
     assert (report["a"].matched_layers, report["a"].unmatched_keys) == (len(adapter.layers), 4)
     assert report["a"].unmatched_examples == tuple(sorted(extra))[:3]
-    assert report["a"].message.startswith("4 tensors (2 layers) matched nothing in the model, e.g. lora_te_")
+    total = len(adapter.tensors) + len(extra)
+    assert report["a"].total_keys == total and not report["a"].partial
+    assert report["a"].message.startswith(f"4 of its {total} tensors (2 layers) matched nothing in the model, "
+                                          "e.g. lora_te_")
     _assert_fused(model, [(spec, "lora", adapter)])
 
 

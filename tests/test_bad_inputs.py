@@ -49,11 +49,13 @@ from app.engine.checkpoint_files import (
     discover_checkpoints,
     resolve_checkpoint,
 )
+from app.engine.file_scans import not_finite_refusal
 from app.engine.generate import GenerateParams
-from app.engine.models import check_finite_weights, load_pipeline
+from app.engine.models import load_pipeline
 from app.engine.worker import Engine, EngineState
 from app.families import FAMILIES
 from app.paths import UnsafePathError
+from app.safetensors_files import scan_file
 from app.settings import Settings
 
 FAST = dict(tiny.FAST, seed=3)
@@ -289,7 +291,7 @@ def test_partly_matching_lora_applies_and_reports_unmatched_keys(env, ready):
     counters = snap.lora_counters["partial"]
     assert (counters.matched_layers, counters.unmatched_keys) == (1, 2)
     stray = "lora_unet_no_such_block_to_q"
-    assert counters.message == (f"2 tensors (1 layer) matched nothing in the model, e.g. "
+    assert counters.message == (f"2 of its 4 tensors (1 layer) matched nothing in the model, e.g. "
                                 f"{stray}.lora_down.weight, {stray}.lora_up.weight")
     assert snap.history[-1].outcome == "ok"
 
@@ -460,9 +462,6 @@ BAD_CHECKPOINTS = {
                                   r"\(put it in models/Lora\)"),
     "unet_only": (_ckpt_tensors(_unet_only), UnknownArchitectureError,
                   NOT_KNOWN + r": looks like a UNet without its text encoder"),
-    "nan_weights": (_checkpoint_with(float("nan")), ModelLoadError,
-                    r"bad-nan_weights\.safetensors: 1 weight tensors hold NaN or Inf values when loaded in float32, "
-                    r"e\.g\. unet\.conv_in\.weight; refusing it"),
 }
 
 
@@ -478,17 +477,39 @@ def test_bad_checkpoint_is_refused_and_previous_model_stays(env, ready, kind):
     assert f"bad-{kind}" in env.engine.snapshot().last_error.message
 
 
+def test_checkpoint_with_nan_weights_is_refused_once_read_and_at_every_later_load(env):
+    """A first load does not read the weights (file_scans), so a checkpoint holding a NaN loads; once
+    its file is read, every generation with it is refused naming the tensor, and a later load of it
+    is refused before anything is built, leaving the model loaded then as it was."""
+    (env.ckpt_dir / "bad-nan.safetensors").write_bytes(_checkpoint_with(float("nan"))(env))
+    message = (r"bad-nan\.safetensors: 1 weight tensors hold NaN or Inf values when loaded in float32, e\.g\. "
+               r"model\.diffusion_model\.input_blocks\.0\.0\.weight; refusing it")
+    env.engine.load_model("bad-nan.safetensors", dtype="fp32")
+    env.engine.snapshot(wait_for_hash=True)  # the background read is done
+    with pytest.raises(ModelLoadError, match=message):
+        env.engine.generate(GenerateParams("a cat", **FAST))
+    env.engine.load_model(SD15, dtype="fp32")
+    env.engine.set_loras([GOOD])
+    base = Baseline(weights_digest(env.engine.pipeline), SD15, (GOOD,), len(env.engine.snapshot().history))
+    with pytest.raises(ModelLoadError, match=message):
+        env.engine.load_model("bad-nan.safetensors")
+    assert_intact(env, base, failed="load_model")
+
+
 def test_weights_beyond_fp16_range_load_in_fp32_and_are_refused_in_fp16_with_a_hint(env):
-    """A weight of 1e6 fits fp32 but overflows to Inf in fp16. The check runs on the pipeline as
-    loaded; a CPU stores an fp16 request as fp32, so the fp16 case (a GPU load) is checked on the
-    cast pipeline directly: refused with the advice to use bf16 or fp32."""
+    """A weight of 1e6 fits fp32 but overflows to Inf in fp16: the file's read finds it, and the verdict
+    depends on the load dtype (a CPU stores an fp16 request as fp32, so it is asked directly): refused
+    in fp16 with the advice to use bf16 or fp32, accepted in fp32 and bf16."""
     (env.ckpt_dir / "huge.safetensors").write_bytes(_checkpoint_with(1e6)(env))
     info = resolve_checkpoint("huge.safetensors", env.ckpt_dir)
-    pipe = load_pipeline(info, torch.float32).pipe  # fits fp32: no error
-    with pytest.raises(ModelLoadError, match=r"huge\.safetensors: 1 weight tensors hold NaN or Inf values when "
-                                             r"loaded in float16, e\.g\. unet\.conv_in\.weight \(values beyond "
-                                             r"±65504 overflow fp16: try bf16 or fp32\); refusing it"):
-        check_finite_weights(pipe.to(torch.float16), torch.float16, info.name)
+    load_pipeline(info, torch.float32)  # fits fp32: no error
+    scans = {info.path: scan_file(info.path)}
+    assert not_finite_refusal(info.name, scans, torch.float32) is None
+    assert not_finite_refusal(info.name, scans, torch.bfloat16) is None
+    assert re.fullmatch(r"huge\.safetensors: 1 weight tensors hold NaN or Inf values when loaded in float16, e\.g\. "
+                        r"model\.diffusion_model\.input_blocks\.0\.0\.weight \(values beyond ±65504 overflow fp16: "
+                        r"try bf16 or fp32\); refusing it, since every image would come out black",
+                        not_finite_refusal(info.name, scans, torch.float16))
 
 
 @pytest.mark.parametrize("suffix", [".ckpt", ".pt", ".bin", ".pth"])

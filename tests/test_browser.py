@@ -29,7 +29,9 @@ from browser_kit import (
 from PIL import Image
 from served_app import MODEL, STYLE_PREVIEW_RGB, free_port, make_ui_data, running_app
 
+from app.infotext import read_parameters
 from app.settings import Settings
+from app.styles import read_styles
 
 pytestmark = pytest.mark.browser
 
@@ -196,7 +198,8 @@ def _settings_of_a_first_image(page) -> None:
     page.fill("#sd-prompt textarea", "a lighthouse at dusk")
     page.fill("#sd-negative textarea", "blurry, lowres")
     choose(page, "sd-sampler", "DPM++ 2M Karras")
-    for elem_id, value in (("sd-steps", "3"), ("sd-cfg", "6.5"), ("sd-width", "72"), ("sd-seed", "1234")):
+    for elem_id, value in (("sd-steps", "3"), ("sd-cfg", "6.5"), ("sd-width", "72"), ("sd-seed", "1234"),
+                           ("sd-clip_skip", "2")):
         set_number(page, elem_id, value)
     pick_loras(page, ["style"])
     page.wait_for_selector("#sd-lora-card-0 >> text=applied", timeout=TIMEOUT_MS)
@@ -207,7 +210,8 @@ def _settings_of_a_first_image(page) -> None:
 
 def test_png_info_round_trip_gives_the_same_image_bytes(page, served):
     """Generate, drop that PNG on PNG Info, send it to Generate (prompt, negative, sampler, steps, CFG,
-    seed, size and the LoRA with both weights come back), generate again: the same file, byte for byte."""
+    seed, size, clip skip and the LoRA with both weights come back), generate again: the same file, byte
+    for byte."""
     url, engine = served
     _settings_of_a_first_image(page)
     first = generate_and_wait(page, engine)
@@ -224,6 +228,7 @@ def test_png_info_round_trip_gives_the_same_image_bytes(page, served):
     page.wait_for_selector("#sd-lora-status >> text=style", timeout=TIMEOUT_MS)
     assert [(s.name, s.unet_strength, s.te_strength) for s in engine.snapshot().loras] == [("style", 0.6, 0.6)]
     assert page.input_value("#sd-seed input") == "1234" and page.input_value("#sd-width input") == "72"
+    assert page.input_value("#sd-clip_skip input") == "2"
     second = generate_and_wait(page, engine)
     save(page, "pnginfo-sent.png")
     assert second != first and second.read_bytes() == first.read_bytes()
@@ -248,3 +253,26 @@ def test_history_lists_this_session_and_the_outputs_folder(page, served):
     save(page, "history.png")
     page.get_by_label("all outputs").check()
     page.wait_for_selector(f"#sd-history-count >> text={session + 1} image(s) in", timeout=TIMEOUT_MS)
+    # the open image is in this list too: it stays open with its infotext (issue 32: the box went empty,
+    # its placeholder claiming "this PNG carries no infotext")
+    assert page.input_value("#sd-history-infotext textarea").startswith("a red lighthouse on a cliff")
+
+
+def test_a_saved_style_and_a_variation_seed_reach_the_image(page, served):
+    """Save the prompts as a style (it lands in `styles.csv` in A1111's format), pick it, mix in a variation
+    seed and generate: the PNG's infotext carries the styled prompt and the variation pairs."""
+    _url, engine = served
+    page.fill("#sd-prompt textarea", "framed, {prompt}")
+    page.fill("#sd-style-name textarea", "frame")
+    page.click("#sd-style-save")
+    page.wait_for_selector("text=Style 'frame' saved", timeout=TIMEOUT_MS)
+    assert read_styles(engine.settings.styles_file)["frame"].prompt == "framed, {prompt}"
+    page.fill("#sd-prompt textarea", "a fox")
+    choose(page, "sd-styles", "frame")
+    page.keyboard.press("Escape")
+    set_number(page, "sd-steps", "2")
+    page.click("#sd-variation")
+    set_number(page, "sd-subseed", "77")
+    set_number(page, "sd-subseed_strength", "0.4")
+    text = read_parameters(generate_and_wait(page, engine))
+    assert text.startswith("framed, a fox\n") and "Variation seed: 77, Variation seed strength: 0.4" in text

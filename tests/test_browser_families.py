@@ -1,19 +1,19 @@
 """The page follows the loaded family: a fresh page on whatever model loaded first (the tiny FLUX.1-dev,
 first by name) generates with the page as it comes up, and Flux → SD1.5 → Flux switches leave the
 family's own sampler list, sampler, steps and guidance (its name and range), with which Generate
-works each time. Needs Playwright and Debian's chromium (see `browser_kit`); skips without them.
+works each time; the hires fix's and the img2img tab's sampler lists are the family's too. Needs
+Playwright and Debian's chromium (see `browser_kit`); skips without them.
 """
 
 from __future__ import annotations
 
 import pytest
 from browser_kit import TIMEOUT_MS, choose, generate_and_wait, set_number
-from served_app import free_port, make_ui_data, running_app
+from served_app import fresh_start
 
-from app.engine.worker import Engine
+from app.engine.stage_params import SAME
 from app.families import family
 from app.infotext import parse_infotext, read_parameters
-from app.settings import Settings
 
 pytestmark = pytest.mark.browser
 FLUX, SD15 = "tiny-flux-dev.safetensors", "tiny-sd15.safetensors"
@@ -21,28 +21,40 @@ FLUX, SD15 = "tiny-flux-dev.safetensors", "tiny-sd15.safetensors"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, demo_dir):
-    data = make_ui_data(tmp_path_factory.mktemp("browser-families"), demo_dir)
-    settings = Settings(data_dir=data, device="cpu", port=free_port())
-    engine = Engine(settings)
-    try:
-        engine.load_model(FLUX)  # what a fresh start loads first: the first checkpoint by name
-        with running_app(settings, engine) as (server, _engine):
-            yield server.local_url, engine
-    finally:
-        engine.close()
+    """A fresh start: the first checkpoint by name that loads, a tiny FLUX.1-dev (its diffusers folder)."""
+    with fresh_start(tmp_path_factory.mktemp("browser-families"), demo_dir) as started:
+        assert started[1].snapshot().arch == "flux-dev"
+        yield started
+
+
+def _offered(page, elem_id: str) -> list[str]:
+    page.click(f"#{elem_id} input")
+    offered = page.locator(f"#{elem_id} li[role=option]").evaluate_all(
+        "options => options.map(o => o.getAttribute('aria-label'))")
+    page.keyboard.press("Escape")
+    return offered
 
 
 def _fields(page) -> dict[str, str]:
-    page.click("#sd-sampler input")
-    offered = page.locator("#sd-sampler li[role=option]").evaluate_all(
-        "options => options.map(o => o.getAttribute('aria-label'))")
-    page.keyboard.press("Escape")
     return {"sampler": page.input_value("#sd-sampler input"), "steps": page.input_value("#sd-steps input"),
             "cfg": page.input_value("#sd-cfg input"), "cfg label": page.inner_text("#sd-cfg"),
-            "offered": offered}
+            "offered": _offered(page, "sd-sampler")}
 
 
-def _expect_family(page, arch: str) -> None:
+def _other_sampler_lists(page) -> tuple[list[str], str, list[str]]:
+    """(hires sampler list, img2img sampler, img2img sampler list) as the page offers them now."""
+    page.get_by_label("Hires. fix").check()
+    hires = _offered(page, "sd-hires-sampler")
+    page.get_by_label("Hires. fix").uncheck()
+    page.get_by_role("tab", name="img2img").first.click()
+    page.wait_for_selector("#sd-i2i-sampler input", timeout=TIMEOUT_MS)
+    image_to_image = _offered(page, "sd-i2i-sampler")
+    chosen = page.input_value("#sd-i2i-sampler input")
+    page.get_by_role("tab", name="Generate").first.click()
+    return hires, chosen, image_to_image
+
+
+def _expect_family(page, arch: str, other_lists: bool = True) -> None:
     fam = family(arch)
     page.wait_for_function(f"document.querySelector('#sd-sampler input').value === {fam.default_sampler!r}",
                            timeout=TIMEOUT_MS)
@@ -52,6 +64,9 @@ def _expect_family(page, arch: str) -> None:
         fam.default_sampler, fam.default_steps, fam.default_guidance), shown
     low, high = fam.guidance_range
     assert fam.guidance_label in shown["cfg label"] and f"{low:g}…{high:g}" in shown["cfg label"], shown
+    if other_lists:
+        hires, chosen, image_to_image = _other_sampler_lists(page)
+        assert hires == [SAME, *fam.samplers] and image_to_image == list(fam.samplers) and chosen in fam.samplers
 
 
 def _generate(page, engine, arch: str) -> dict[str, str]:
@@ -79,5 +94,5 @@ def test_the_first_generate_works_on_flux_and_switches_keep_a_sampler_each_famil
     _expect_family(page, "sd15")
     assert _generate(page, engine, "sd15")["CFG scale"] == "7"
     _load(page, FLUX)
-    _expect_family(page, "flux-dev")
+    _expect_family(page, "flux-dev", other_lists=False)  # their lists were Flux's at the start
     assert _generate(page, engine, "flux-dev")["Distilled CFG Scale"] == "3.5"

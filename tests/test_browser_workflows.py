@@ -1,8 +1,8 @@
-"""A real headless Chromium runs the img2img tab's three workflows as a user would: upload an init
-image and run img2img, upload it into the image editor, paint a mask with the mouse and inpaint
-(then again with an uploaded mask), and run txt2img with hires fix; and "Send to img2img" from
-History and PNG Info fills that tab. Screenshots as `browser_kit` says (`SD_UPDATE_SCREENSHOTS=1`
-copies them to assets/screenshots/)."""
+"""A real headless Chromium runs the workflows as a user would: upload an init image and run img2img,
+upload it into the image editor, paint a mask with the mouse and inpaint (then again with an uploaded
+mask), tick the Generate tab's hires fix (latent, and with the demo upscaler model); the Extras tab
+upscales an image; and "Send to img2img" from History and PNG Info fills that tab. Screenshots as
+`browser_kit` says (`SD_UPDATE_SCREENSHOTS=1` copies them to assets/screenshots/)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from browser_kit import (
     TIMEOUT_MS,
+    choose,
     close_toasts,
     generate_and_wait,
     open_page,
@@ -26,6 +27,7 @@ from served_app import free_port, make_ui_data, running_app
 
 from app.infotext import read_parameters
 from app.settings import Settings
+from app.upscalers.demo import DEMO_NAME
 
 pytestmark = pytest.mark.browser
 
@@ -83,6 +85,18 @@ def _run(page, button: str, expect: str, redo=None) -> None:
     page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
 
 
+def _img2img_tab(browser, url: str, prompt: str, **fields: str):
+    """A fresh page on the img2img tab, READY, with the prompt and the shared `fields` (steps, seed) filled."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(url)
+    page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
+    page.get_by_role("tab", name="img2img").first.click()
+    page.fill("#sd-i2i-prompt textarea", prompt)
+    for field, value in fields.items():
+        page.fill(f"#sd-i2i-{field} input", value)
+    return page
+
+
 def _paint(page) -> None:
     """Drag the brush across the right half of the picture in the editor."""
     box = page.locator("#sd-inpaint-editor canvas").first.bounding_box()
@@ -100,13 +114,7 @@ def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures)
     stroke are the init image's: the overlay) and from an uploaded one; hires fix at twice the size.
     Every stage shows up in the engine's history, all `ok` in strict mode."""
     url, engine = served
-    page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    page.goto(url)
-    page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
-    page.get_by_role("tab", name="img2img").first.click()
-    page.fill("#sd-i2i-prompt textarea", "a yellow flower")
-    for field, value in (("steps", "4"), ("seed", "42")):
-        page.fill(f"#sd-i2i-{field} input", value)
+    page = _img2img_tab(browser, url, "a yellow flower", steps="4", seed="42")
     page.locator("#sd-i2i-image input[type=file]").set_input_files(str(pictures / "init.png"))
     page.get_by_label("crop and resize").first.check()
     _run(page, "sd-i2i-run", "Resize mode: crop and resize")
@@ -135,14 +143,58 @@ def test_img2img_inpaint_and_hires_fix_in_the_browser(browser, served, pictures)
     page.get_by_label("fill", exact=True).check()
     _run(page, "sd-inpaint-run", "Masked content: fill")
 
-    page.get_by_role("tab", name="Hires fix").click()
-    page.fill("#sd-hires-hires_steps input", "3")
-    _run(page, "sd-hires-run", "Hires upscale: 2")
+    page.get_by_role("tab", name="Generate").first.click()  # the hires fix is A1111's checkbox there
+    page.get_by_label("Hires. fix").check()
+    for elem_id, value in (("sd-hires-hires_steps", "3"), ("sd-steps", "4"), ("sd-seed", "42")):
+        set_number(page, elem_id, value)
+    page.fill("#sd-prompt textarea", "a yellow flower")
+    generate_and_wait(page, engine)
+    page.wait_for_function("document.querySelector('#sd-infotext textarea').value.includes('Hires upscale: 2')",
+                           timeout=TIMEOUT_MS)
     image, text = _last_output(engine)
     assert image.size == (128, 128) and "Hires upscaler: Latent" in text and "Size: 64x64" in text
     save(page, "hires-fix.png")
     history = engine.snapshot().history
     assert STAGES <= {row.command for row in history}
+    assert all(row.outcome == "ok" and row.violations_found == 0 for row in history)
+    page.close()
+
+
+def test_hires_fix_with_the_upscaler_model_and_an_extras_upscale(browser, served, pictures):
+    """The hires fix with the demo upscaler model picked from its list writes `Hires upscaler: <model>` at
+    twice the size; the Extras tab upscales an uploaded image ×2 with the model, Lanczos blended in as
+    upscaler 2, and shows A1111's postprocessing text, which the saved PNG carries. In strict mode every
+    stage is `ok` with no violation."""
+    url, engine = served
+    page = open_page(browser, url, engine)
+    page.get_by_label("Hires. fix").check()
+    for elem_id, value in (("sd-hires-hires_steps", "2"), ("sd-steps", "2"), ("sd-seed", "5")):
+        set_number(page, elem_id, value)
+    choose(page, "sd-hires-upscaler", DEMO_NAME)
+    page.fill("#sd-prompt textarea", "a red kite")
+    generate_and_wait(page, engine)
+    page.wait_for_function(f"document.querySelector('#sd-infotext textarea').value.includes('Hires upscaler: "
+                           f"{DEMO_NAME}')", timeout=TIMEOUT_MS)
+    image, _text = _last_output(engine)
+    assert image.size == (128, 128)
+
+    page.get_by_role("tab", name="Extras").click()
+    page.locator("#sd-extras-image input[type=file]").set_input_files(str(pictures / "init.png"))
+    page.wait_for_selector("#sd-extras-image img", timeout=TIMEOUT_MS)
+    choose(page, "sd-extras-upscaler-2", "Lanczos")
+    page.fill("#sd-extras-extras_upscaler_2_visibility input", "0.5")
+    page.click("#sd-extras-run")
+    expected = f"Postprocess upscale by: 2, Postprocess upscaler: {DEMO_NAME}, Postprocess upscaler 2: Lanczos"
+    page.wait_for_function(f"document.querySelector('#sd-extras-infotext textarea').value === {expected!r} "
+                           "|| document.querySelector('[data-testid=toast-text]') !== null", timeout=TIMEOUT_MS)
+    assert not toasts(page)
+    page.wait_for_selector("#sd-extras-gallery img", timeout=TIMEOUT_MS)
+    save(page, "extras.png")
+    saved = sorted((engine.settings.outputs_dir / "extras-images").rglob("*.png"))[-1]
+    with Image.open(saved) as upscaled:
+        assert upscaled.size == (192, 128) and upscaled.text["postprocessing"] == expected
+    history = engine.snapshot().history
+    assert {"hires upscale", "upscale"} <= {row.command for row in history}
     assert all(row.outcome == "ok" and row.violations_found == 0 for row in history)
     page.close()
 

@@ -125,6 +125,40 @@ def _linear_out(pipe) -> torch.Tensor:
         return pipe.unet(torch.ones(2, 8)).clone()
 
 
+class _TextMix(torch.nn.Module):
+    """A "UNet" reading `encoder_hidden_states` as the real one does (keyword, (batch, tokens, features))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, sample, encoder_hidden_states):
+        return self.proj(sample) + encoder_hidden_states.mean(dim=1)
+
+
+def test_prompt_lengths_past_the_cap_run_eager_with_a_note():
+    """A1111 prompts come in 77-token chunks, each chunk count a new input length: only the first
+    MAX_TEXT_LENGTHS lengths compile, longer prompts run eager (same output) and the status says so,
+    so long prompts never recompile without bound nor use up the image sizes."""
+    pipe = SimpleNamespace(unet=_TextMix(), _execution_device=torch.device("cpu"), family=family("sd15"))
+    state = compiled.enable(pipe, backend="eager", background=False, device="cpu")
+    try:
+        sample = torch.ones(2, 8)
+        outs = []
+        for chunks in range(1, compiled.MAX_TEXT_LENGTHS + 3):
+            text = torch.full((2, 77 * chunks, 8), float(chunks))
+            with torch.no_grad():
+                outs.append(pipe.unet(sample, encoder_hidden_states=text))
+        assert state.status().shapes_ready == compiled.MAX_TEXT_LENGTHS
+        assert "more than 3 lengths" in state.note
+        with torch.no_grad():  # a compiled length still runs compiled; the eager ones gave the same values
+            pipe.unet(sample, encoder_hidden_states=torch.ones(2, 77, 8))
+            assert torch.equal(outs[-1], type(pipe.unet).forward(pipe.unet, sample, torch.full((2, 77 * 5, 8), 5.0)))
+        assert state.status().shapes_ready == compiled.MAX_TEXT_LENGTHS
+    finally:
+        compiled.disable(pipe)
+
+
 def test_background_compile_keeps_generating_eagerly_until_ready():
     """With background=True a new shape starts a compile on a helper thread and the calls meanwhile run
     eager (no waiting); the status says "compiling" with the ~1 min hint; once ready, calls go compiled."""
@@ -235,6 +269,7 @@ def _cuda_pipe():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_long  # minutes of compiling: the device check's compile section
 def test_cuda_graphs_survive_lora_changes(tmp_path):
     """Inductor + CUDA graphs: LoRA add/re-weight/remove change the output with no new graph and no
     CUDA-graph re-recording; removing all LoRAs restores the original output exactly."""
@@ -259,6 +294,7 @@ def test_cuda_graphs_survive_lora_changes(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_long  # minutes of compiling: the device check's compile section
 def test_background_compile_then_replays_on_the_calling_thread():
     """The engine's shape without CUDA graphs: the compile runs on a helper thread, replays happen on
     the worker thread and match eager. (CUDA-graph trees belong to the thread that records them, so

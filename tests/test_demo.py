@@ -27,7 +27,7 @@ def _image(pipe, prompt: str) -> np.ndarray:
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(0)
     size = family_of(pipe).native_size(pipe)  # 64 for every tiny model
-    return pipe(prompt, num_inference_steps=2, generator=generator, output_type="np", height=size,
+    return pipe(prompt=prompt, num_inference_steps=2, generator=generator, output_type="np", height=size,
                 width=size).images[0]
 
 

@@ -52,6 +52,7 @@ def _its(pipe) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_long  # the device check's Flux section measures the same (benchmarks/devicecheck.py)
 @pytest.mark.timeout(1800)
 def test_flux_full_size_ours_vs_diffusers():
     from diffusers import FluxPipeline

@@ -1,6 +1,8 @@
 """Flux LoRA formats, each written here from its documented key names (PEFT's by peft itself), fused
 to W0 + w·scale·ΔW on every targeted module — each q/k/v (and MLP) slice of a fused BFL projection
-included — restored bit-exactly, and equal as bypass forwards (sequential/group offload)."""
+included — restored bit-exactly, and equal as bypass forwards (sequential/group offload). One set of
+ground-truth factors is written in every layout the tools use (kohya, ComfyUI, OneTrainer, diffusers,
+xlabs), text encoders included, and each must apply whole."""
 
 from __future__ import annotations
 
@@ -239,3 +241,138 @@ def test_bypass_equals_fused_and_fp32_glora_on_bf16(tmp_path, dtype):
         out = layer_output(module)
         assert module(torch.zeros(1, module.in_features, dtype=dtype)).dtype == dtype
         assert float((out - fused_out[part]).abs().max()) <= tolerance * float(fused_out[part].abs().max()), part
+
+
+# ------------------------------------------------------------ one set of factors, every layout
+# BFL module (or a text-encoder module) -> (component, diffusers parts in row order). One rank-4
+# factor pair per entry is the ground truth; each layout below writes it under its own names,
+# fused modules whole (BFL names) or cut into the parts' rows (diffusers names), as the tools do.
+TRUTH = {
+    "double_blocks.0.img_attn.qkv": ("transformer", FUSED["double_blocks.0.img_attn.qkv"]),
+    "double_blocks.0.txt_attn.qkv": ("transformer", FUSED["double_blocks.0.txt_attn.qkv"]),
+    "double_blocks.1.img_attn.proj": ("transformer", ("transformer_blocks.1.attn.to_out.0",)),
+    "double_blocks.1.txt_attn.proj": ("transformer", ("transformer_blocks.1.attn.to_add_out",)),
+    "single_blocks.1.linear1": ("transformer", FUSED["single_blocks.1.linear1"]),
+    "single_blocks.0.linear2": ("transformer", ("single_transformer_blocks.0.proj_out",)),
+    "clip:encoder.layers.0.self_attn.q_proj": ("text_encoder", ("encoder.layers.0.self_attn.q_proj",)),
+    "clip:encoder.layers.1.mlp.fc1": ("text_encoder", ("encoder.layers.1.mlp.fc1",)),
+    "t5:encoder.block.0.layer.0.SelfAttention.q": ("text_encoder_2", ("encoder.block.0.layer.0.SelfAttention.q",)),
+    "t5:encoder.block.1.layer.1.DenseReluDense.wi_0": ("text_encoder_2",
+                                                       ("encoder.block.1.layer.1.DenseReluDense.wi_0",)),
+}
+_XLABS = {"double_blocks.0.img_attn.qkv": "double_blocks.0.processor.qkv_lora1",
+          "double_blocks.0.txt_attn.qkv": "double_blocks.0.processor.qkv_lora2",
+          "double_blocks.1.img_attn.proj": "double_blocks.1.processor.proj_lora1",
+          "double_blocks.1.txt_attn.proj": "double_blocks.1.processor.proj_lora2",
+          "single_blocks.1.linear1": "single_blocks.1.processor.qkv_lora",
+          "single_blocks.0.linear2": "single_blocks.0.processor.proj_lora"}
+
+
+def _bfl_names(kohya_te: dict[str, str], dotted_te: dict[str, str] | None, kohya: bool):
+    """Key of each TRUTH entry: BFL names (`lora_unet_…` or `diffusion_model.…`), text encoders by prefix."""
+    def name(entry: str) -> str:
+        encoder, _, path = entry.rpartition(":")
+        if not encoder:
+            return f"lora_unet_{path.replace('.', '_')}" if kohya else f"diffusion_model.{path}"
+        path = f"text_model.{path}" if encoder == "clip" else path
+        return f"{kohya_te[encoder]}{path.replace('.', '_')}" if kohya else f"{dotted_te[encoder]}{path}"
+    return name
+
+
+# layout -> (key of a TRUTH entry or None to cut it into diffusers parts, down/up suffixes, alpha?, entries)
+LAYOUTS = {
+    # kohya sd-scripts (networks/lora_flux.py): CLIP-L `lora_te1_`, T5 `lora_te3_`
+    "kohya": (_bfl_names({"clip": "lora_te1_", "t5": "lora_te3_"}, None, True), ("lora_down", "lora_up"), True),
+    # ComfyUI: `diffusion_model.` BFL names, text encoders by their all-in-one names, either suffix pair
+    "comfyui_lora_A": (_bfl_names({}, {"clip": "text_encoders.clip_l.transformer.",
+                                       "t5": "text_encoders.t5xxl.transformer."}, False), ("lora_A", "lora_B"), True),
+    "comfyui_lora_down": (_bfl_names({}, {"clip": "text_encoders.clip_l.transformer.",
+                                          "t5": "text_encoders.t5xxl.transformer."}, False),
+                          ("lora_down", "lora_up"), True),
+    # OneTrainer: diffusers names per part (`lora_transformer_`), CLIP-L `lora_te1_`, T5 `lora_te2_`
+    "onetrainer": (None, ("lora_down", "lora_up"), True),
+    # ai-toolkit / diffusers: `transformer.`, `text_encoder.`, `text_encoder_2.` + diffusers names, no alpha
+    "diffusers": (None, ("lora_A", "lora_B"), False),
+    # xlabs: processor names, `.down`/`.up`, no alpha, no text encoders; single `qkv_lora` = q, k, v rows only
+    "xlabs": (lambda entry: _XLABS[entry], ("down", "up"), False),
+}
+_PART_PREFIX = {"onetrainer": {"transformer": "lora_transformer_", "text_encoder": "lora_te1_text_model_",
+                               "text_encoder_2": "lora_te2_"},
+                "diffusers": {"transformer": "transformer.", "text_encoder": "text_encoder.text_model.",
+                              "text_encoder_2": "text_encoder_2."}}
+
+
+def _truth(pipe) -> dict[str, tuple[str, tuple[tuple[str, slice], ...], torch.Tensor, torch.Tensor]]:
+    """Per TRUTH entry: component, each part with its rows of the whole, and the (down, up) factors."""
+    out = {}
+    g = torch.Generator().manual_seed(21)
+    for entry, (component, parts) in TRUTH.items():
+        shapes = [getattr(pipe, component).get_submodule(p).weight.shape for p in parts]
+        rows, start = [], 0
+        for part, shape in zip(parts, shapes, strict=True):
+            rows.append((part, slice(start, start + shape[0])))
+            start += shape[0]
+        down = torch.randn(RANK, shapes[0][1], generator=g, dtype=torch.float64) * 0.3
+        out[entry] = (component, tuple(rows), down, torch.randn(start, RANK, generator=g, dtype=torch.float64) * 0.3)
+    return out
+
+
+def _layout_file(layout: str, truth) -> tuple[dict[str, torch.Tensor], dict[tuple[str, str], torch.Tensor]]:
+    """The file's tensors (fp32) and the float64 ΔW = scale·B@A each diffusers module must receive."""
+    name, (down_suffix, up_suffix), alpha = LAYOUTS[layout]
+    scale = ALPHA / RANK if alpha else 1.0
+    tensors, expected = {}, {}
+    for entry, (component, rows, down, up) in truth.items():
+        if layout == "xlabs" and entry not in _XLABS:
+            continue
+        if layout == "xlabs" and entry.endswith("linear1"):
+            rows = rows[:3]  # xlabs' single-block LoRA: linear1's q, k, v rows, never proj_mlp's
+        if name is not None:
+            keys = [(name(entry), down, up[: rows[-1][1].stop])]
+        else:
+            prefix = _PART_PREFIX[layout][component]
+            keys = [(f"{prefix}{part.replace('.', '_') if prefix.endswith('_') else part}", down, up[cut])
+                    for part, cut in rows]
+        for key, d, u in keys:
+            tensors.update({f"{key}.{down_suffix}.weight": d.float(), f"{key}.{up_suffix}.weight": u.float()})
+            if alpha:
+                tensors[f"{key}.alpha"] = torch.tensor(ALPHA)
+        expected.update({(component, part): scale * up[cut] @ down for part, cut in rows})
+    return tensors, expected
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_flux_layout_fuses_to_the_formula_and_restores(pipe, tmp_path, layout):
+    """One set of ground-truth factors written the way each tool writes a Flux LoRA — kohya, ComfyUI
+    (both suffix pairs, CLIP-L as `text_encoders.clip_l.transformer.text_model.…`, T5 as
+    `text_encoders.t5xxl.transformer.…`), OneTrainer (T5 as `lora_te2_`), ai-toolkit/diffusers and
+    xlabs (single-block `proj_lora` = linear2 = `proj_out`) — applies whole: every targeted module
+    (each row slice of a fused one, proj_out, the CLIP-L and T5 layers) equals the float64
+    W0 + w·scale·B@A within fp32 rounding, nothing else moves, no tensor is left unmatched, and
+    removal restores every bit."""
+    components = ("transformer", "text_encoder", "text_encoder_2")
+    pristine = {(c, k): v.clone() for c in components for k, v in getattr(pipe, c).state_dict().items()}
+    tensors, expected = _layout_file(layout, _truth(pipe))
+    stack, report, _ = _apply(pipe, tmp_path, layout, tensors)
+    assert (report.unmatched_keys, report.matched_layers) == (0, len(expected)), report
+    fused = {c: getattr(pipe, c).state_dict() for c in components}
+    for (component, key), original in pristine.items():
+        module, now = key.removesuffix(".weight"), fused[component][key]
+        if (component, module) not in expected or not key.endswith(".weight"):
+            assert torch.equal(now, original), f"{component}.{key} changed but no layer targets it"
+            continue
+        reference = original.double() + STRENGTH * expected[(component, module)]
+        error = float((now.double() - reference).abs().max())
+        assert error <= 4 * torch.finfo(torch.float32).eps * float(reference.abs().max()), (component, key, error)
+    stack.reconcile((), {})
+    for (component, key), original in pristine.items():
+        assert torch.equal(fused[component][key], original), f"{component}.{key} not restored"
+
+
+def test_the_layouts_reach_proj_out_and_both_text_encoders():
+    """Guards the test above: its ground truth covers linear2 (`proj_out`), a fused q/k/v+MLP projection,
+    CLIP-L and T5, so a layout that dropped any of them would fail there."""
+    parts = {(c, p) for c, ps in TRUTH.values() for p in ps}
+    assert ("transformer", "single_transformer_blocks.0.proj_out") in parts
+    assert ("transformer", "single_transformer_blocks.1.proj_mlp") in parts
+    assert {c for c, _ in parts} == {"transformer", "text_encoder", "text_encoder_2"}

@@ -5,8 +5,9 @@ A Hypothesis state machine drives one `Engine` through random sequences of load_
 set_dtype, set_offload, set_loras (set / append / remove / re-weight, every adapter algorithm,
 strengths 0, negative and above 1, separate text-encoder strengths), prompt `<lora:…>` tags (for one generation only),
 set_debug toggles (strict included), generate, the stage workflows (txt2img with hires fix whose hires
-prompt re-weights a LoRA for the second pass, img2img, inpaint; each stage its own transition)
-and unload, while a plain model of the desired
+prompt re-weights a LoRA for the second pass and whose upscaler may be the demo upscaler model, img2img,
+inpaint; each stage its own transition), Extras upscales with that model (loaded on use, with or without a
+checkpoint), unload_upscaler and unload, while a plain model of the desired
 state predicts what the engine must show. Some actions must be refused: a list holding a LoRA
 made for the other architecture or missing from the folder (refused whole, nothing changes), a
 generation with no model loaded. Switching architecture with LoRAs set loads the model without
@@ -26,7 +27,10 @@ the ones that do not fit (set aside, re-applied on switching back). After every 
   bypassed layers are the fresh fuse's patched layers, and each one's output on a probe input
   equals the fresh fuse's within the dtype's rounding;
 * hooks: each module carries exactly the named hooks its offload mode plans (tests/hook_plan.py),
-  plus `lora.bypass` on the bypassed layers — nothing piles up across switches.
+  plus `lora.bypass` on the bypassed layers — nothing piles up across switches;
+* the upscaler: loaded exactly when the model of the desired state says (used since the last unload or
+  dtype change), placed as its own plan says for the current offload mode and its dtype rule, with that
+  mode's hooks, and its weights bit-equal to the file's cast to that dtype.
 
 Runs are deterministic (`derandomize=True`, no example database) with a fixed budget of at
 least 2,000 engine transitions on the CPU; the `gpu` variant runs at least 500 on CUDA across
@@ -41,10 +45,12 @@ import hashlib
 import os
 import re
 import shutil
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_form import pick
 from hook_plan import actual_hooks, expected_hooks
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -61,9 +67,26 @@ from app.diagnostics import set_debug_logging
 from app.engine import offload, placement, storage
 from app.engine.generate import GenerateParams
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, HiresParams
+from app.engine.upscaler_slot import COMPONENT
 from app.engine.worker import Engine, EngineState
 from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings
+from app.upscalers import arch as upscaler_arch
+from app.upscalers import files as upscaler_files
+from app.upscalers.demo import DEMO_FOLDER, DEMO_NAME
+from app.upscalers.extras import ExtrasParams
+from app.upscalers.spandrel_import import SpandrelMissing, spandrel
+
+
+def _upscalers_installed() -> bool:
+    try:
+        spandrel()
+        return True
+    except SpandrelMissing:  # the `upscalers` extra is not installed (.ci/run installs it): no upscaler actions
+        return False
+
+
+UPSCALING = _upscalers_installed()
 
 ARCHS = ("sd15", "sdxl", "flux-dev", "zimage-turbo")
 MODELS = {arch: f"tiny-{arch}.safetensors" for arch in ARCHS}
@@ -90,7 +113,9 @@ ACTION_WEIGHTS = {
     "set_loras": 5, "append_lora": 6, "remove_lora": 4, "reweight_lora": 6, "set_offload": 5,
     "set_debug": 3, "generate": 2, "set_dtype": 1, "set_weights": 1, "load_model": 1, "unload": 1,
     "refused_set_loras": 1, "hires": 1, "img2img": 1, "inpaint": 1,
+    "upscale": int(UPSCALING), "unload_upscaler": int(UPSCALING),
 }
+HIRES_UPSCALERS = ("Latent", "Latent (nearest)", "Lanczos", *((DEMO_NAME,) if UPSCALING else ()))
 WORKFLOW_ROWS = {"hires": ("txt2img_hires", "hires fix"), "img2img": ("img2img", "img2img"),
                  "inpaint": ("inpaint", "inpaint")}  # (command name, last stage's row)
 WEIGHTED_ACTIONS = tuple(a for a, n in ACTION_WEIGHTS.items() for _ in range(n))
@@ -100,7 +125,7 @@ def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
     """A data folder with the demo checkpoints (hard links) and one adapter file per entry of
     `ADAPTERS` and architecture, written against the same tiny pipelines the checkpoints hold
     (a DiT has no convolutions and no LDM names: the Tucker and LDM-named entries are left out)."""
-    for sub in ("models/Stable-diffusion", "embeddings"):
+    for sub in ("models/Stable-diffusion", "embeddings", f"models/{DEMO_FOLDER}"):
         shutil.copytree(demo_dir / sub, target / sub, copy_function=os.link)
     lora_dir = target / "models" / "Lora"
     for arch in ARCHS:
@@ -262,6 +287,8 @@ class FuzzConfig:
     stats: collections.Counter
     usable: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     refused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    upscaler_file: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the demo upscaler's tensors
+    upscaler_model: object = None  # spandrel's descriptor of it (for its dtype rule)
 
     def __post_init__(self) -> None:
         """Sort every adapter file, per loaded architecture, into usable or refused by asking the
@@ -279,6 +306,10 @@ class FuzzConfig:
                     refused.append(name)
             assert set(lora_names(self.data_dir, arch)) <= set(usable), refused
             self.usable[arch], self.refused[arch] = tuple(usable), tuple(refused)
+        if UPSCALING:
+            path = self.data_dir / "models" / DEMO_FOLDER / f"{DEMO_NAME}.safetensors"
+            self.upscaler_file = upscaler_files.read_state_dict(path)
+            self.upscaler_model = upscaler_arch.describe(self.upscaler_file, DEMO_NAME)
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -302,6 +333,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.debug = {"lora_debug": False, "move_debug": False, "strict": False}
         self.expect_failure = False
         self.last_command = ""
+        self.upscaler_for: str | None = None  # the dtype request the upscaler was loaded under; None: not loaded
 
     def teardown(self) -> None:
         try:
@@ -316,6 +348,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.config.stats[command] += 1
         self.config.stats["transitions"] += 1
         self.last_command, self.expect_failure = row or command, expect_failure
+
+    def _requested(self, dtype: str) -> None:
+        """A new dtype request drops the upscaler (it is read again in the new dtype at its next use)."""
+        if self.upscaler_for is not None and self.upscaler_for != dtype:
+            self.upscaler_for = None
+        self.requested = dtype
 
     def _usable(self) -> tuple[str, ...]:
         return self.config.usable[self.arch]
@@ -356,7 +394,7 @@ class EngineMachine(RuleBasedStateMachine):
         self._count("load_model")
         self.engine.load_model(MODELS[arch], dtype=dtype)
         self.model, self.arch = MODELS[arch], arch
-        self.requested = dtype or self.requested
+        self._requested(dtype or self.requested)
         self.applied = self._fitting(self.desired, arch)
         if len(self.applied) < len(self.desired):
             self.config.stats["set_aside"] += 1
@@ -420,7 +458,7 @@ class EngineMachine(RuleBasedStateMachine):
         dtype = data.draw(st.sampled_from(self.config.dtypes), label="dtype")
         self._count("set_dtype")
         self.engine.set_dtype(dtype)
-        self.requested = dtype
+        self._requested(dtype)
         self.applied = self._fitting(self.desired, self.arch) if self.model else ()
 
     def _do_load_model(self, data) -> None:
@@ -483,12 +521,34 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _do_hires(self, data) -> None:
         """Hires fix; a tag in the hires prompt sets that LoRA's strength for the second pass only."""
-        upscaler = data.draw(st.sampled_from(("Latent", "Latent (nearest)", "Lanczos")), label="upscaler")
+        upscaler = data.draw(st.sampled_from(HIRES_UPSCALERS), label="upscaler")
 
         def run(params, tags):
             prompt = _tagged(params, tags).prompt if tags else ""
             return self.engine.generate(params, hires=HiresParams(1.25, upscaler, 0, 0.5, prompt=prompt))
         self._workflow(data, "hires", run)
+        if upscaler == DEMO_NAME and self.model is not None:
+            self.upscaler_for = self.requested
+            self.config.stats["hires_model"] += 1
+
+    def _do_upscale(self, data) -> None:
+        """Extras with the demo upscaler model (loaded on use, checkpoint or not): by a factor or to a
+        size (cropped), sometimes blended with Lanczos."""
+        to_size = data.draw(st.booleans(), label="scale to")
+        factor = data.draw(st.sampled_from((1.5, 2.0, 4.0)), label="factor")
+        second = data.draw(st.sampled_from(("None", "Lanczos")), label="upscaler 2")
+        params = ExtrasParams(DEMO_NAME, int(to_size), factor, 96, 80, True, second, 0.5)
+        self._count("upscale")
+        [result] = self.engine.extras([INIT_IMAGE], params)
+        width, height = INIT_IMAGE.size
+        want = (96, 80) if to_size else (int(width * factor) // 8 * 8, int(height * factor) // 8 * 8)
+        assert result.image.size == want and f"Postprocess upscaler: {DEMO_NAME}" in result.infotext
+        self.upscaler_for = self.requested
+
+    def _do_unload_upscaler(self, data) -> None:
+        self._count("unload_upscaler")
+        self.engine.unload_upscaler()
+        self.upscaler_for = None
 
     def _do_img2img(self, data) -> None:
         mode = data.draw(st.sampled_from(RESIZE_MODES), label="resize mode")
@@ -560,8 +620,33 @@ class EngineMachine(RuleBasedStateMachine):
         fused = refs.fused_digests(self.model, snap.dtype, self.arch, specs, self.weights) if specs else {}
         bypass = offload.MODES[self.offload].streams_weights or self.weights != "full"
         stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
-        assert actual_hooks(snap) == expected_hooks(self.engine.pipeline, self.offload, set(fused) if bypass else set(),
-                                                    {(c, p) for c, paths in stored.items() for p in paths}, strict=True)
+        model_hooks = {where: names for where, names in actual_hooks(snap).items() if where[0] != COMPONENT}
+        assert model_hooks == expected_hooks(self.engine.pipeline, self.offload, set(fused) if bypass else set(),
+                                             {(c, p) for c, paths in stored.items() for p in paths}, strict=True)
+
+    @invariant()
+    def the_upscaler_is_loaded_placed_and_hooked_as_planned(self) -> None:
+        """Loaded exactly when used since the last unload or dtype change; every tensor at its plan's
+        placement for the current offload mode in its dtype rule's dtype, bit-equal to the file's cast to
+        it; the mode's hooks and no others."""
+        snap, slot = self.engine.snapshot(), self.engine.upscaler_slot
+        if self.upscaler_for is None:
+            assert snap.upscaler is None and slot.model is None, snap.upscaler
+            return
+        wanted = placement.resolve_dtype(self.upscaler_for, self.engine.device)
+        dtype = upscaler_arch.compute_dtype(self.config.upscaler_model, wanted)
+        assert (snap.upscaler.name, snap.upscaler.offload, snap.upscaler.dtype) == \
+            (DEMO_NAME, self.offload, placement.dtype_name(dtype))
+        compute = placement.Placement(self.engine.device, dtype)
+        rest = placement.Placement(torch.device("cpu"), dtype) if offload.MODES[self.offload].moves_weights else compute
+        plan = placement.PlacementPlan(self.engine.device, dtype, self.offload,
+                                       {COMPONENT: placement.ComponentPlan(rest=rest, compute=compute)})
+        holder = types.SimpleNamespace(components={COMPONENT: slot.model})
+        assert placement.verify(holder, plan.with_resident(slot.plan.resident)) == []
+        for name, tensor in slot.model.state_dict().items():
+            assert torch.equal(_bits(tensor), _bits(self.config.upscaler_file[name].to(dtype))), name
+        upscaler_hooks = {where: names for where, names in actual_hooks(snap).items() if where[0] == COMPONENT}
+        assert upscaler_hooks == expected_hooks(holder, self.offload)
 
 
 INIT_IMAGE = Image.new("RGB", (80, 48), (40, 140, 90))
@@ -608,24 +693,26 @@ def test_fuzz_engine_api_cpu(fuzz_data, record_property):
     record_property("fuzz_stats", dict(config.stats))
     print(f"fuzz cpu: {dict(config.stats)}, reference fuses {refs.fuses}")
     assert config.stats["transitions"] >= CPU_MIN_TRANSITIONS, dict(config.stats)
+    upscaling = ("upscale", "unload_upscaler") if UPSCALING else ()
     for action in ("set_loras", "set_offload", "set_dtype", "set_weights", "load_model", "unload", "generate",
-                   "set_debug", "refused", "hires", "img2img", "inpaint"):
+                   "set_debug", "refused", "hires", "img2img", "inpaint", *upscaling):
         assert config.stats[action] >= 20, (action, dict(config.stats))
     assert config.stats["set_aside"] >= 5, dict(config.stats)  # loads that set foreign LoRAs aside
+    assert config.stats["hires_model"] >= 5 or not UPSCALING, dict(config.stats)
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(1200)
 def test_fuzz_engine_api_gpu(fuzz_data, record_property):
-    """≥500 random transitions on CUDA across every offload mode in fp16 and bf16: the same
+    """≥500 random transitions (60 in the fast form) on CUDA across every offload mode in fp16 and bf16: the same
     invariants, bit-exact too — weights rest on the CPU or the GPU depending on the mode, but
     fusion always runs on the GPU, so the same list must give the same bits in every mode."""
     refs = References(fuzz_data, "cuda")
     config = FuzzConfig(fuzz_data, "cuda", ("fp16", "bf16"), refs, collections.Counter())
     try:
-        run_fuzz(config, 14, 70)
+        run_fuzz(config, *pick((14, 70), (3, 30)))
     finally:
         refs.close()
     record_property("fuzz_stats", dict(config.stats))
     print(f"fuzz gpu: {dict(config.stats)}")
-    assert config.stats["transitions"] >= 500, dict(config.stats)
+    assert config.stats["transitions"] >= pick(500, 60), dict(config.stats)

@@ -16,6 +16,7 @@ import gc
 import numpy as np
 import pytest
 import torch
+from gpu_form import SEQUENCE_CASES, skip_outside
 
 from app.adapters.specs import LoraSpec
 from app.engine.generate import GenerateParams
@@ -86,6 +87,7 @@ def test_sdnext_sequence_in_every_offload_mode(full_model, dtype):
     the same images everywhere. The tolerance is half the change a 1.0 → 1.1 strength step makes, so a
     LoRA that one mode failed to apply (or restore) cannot hide in it."""
     arch, data_dir = full_model
+    skip_outside(SEQUENCE_CASES, pytest, arch, dtype)
     runs, snap, _ = in_every_mode(data_dir, arch, dtype, _sequence, {
         "switching": ("sequential", "group", "balanced"), "switching back": ("model", "none", "sequential")})
     assert snap.last_error is None and snap.violations_found_total == 0

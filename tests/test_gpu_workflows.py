@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_form import WORKFLOW_CASES, skip_outside
 from PIL import Image
-from test_gpu_sequences import LORA, full_model, in_every_mode  # noqa: F401 - full_model: the fixture
+from test_gpu_sequences import LORA, SIZE, STEPS, full_model, in_every_mode  # noqa: F401 - full_model: the fixture
 
 from app.adapters.specs import LoraSpec
 from app.engine.generate import GenerateParams
@@ -22,13 +23,13 @@ from app.engine.worker import Engine
 
 pytestmark = pytest.mark.gpu
 
-PARAMS = GenerateParams("a lighthouse", steps=4, seed=7, width=512, height=512, sampler="Euler")
-HIRES = HiresParams(scale=1.5, steps=4, denoising_strength=0.5, prompt=f"a lighthouse <lora:{LORA}:0.5>")
+PARAMS = GenerateParams("a lighthouse", steps=STEPS, seed=7, width=SIZE, height=SIZE, sampler="Euler")
+HIRES = HiresParams(scale=1.5, steps=STEPS, denoising_strength=0.5, prompt=f"a lighthouse <lora:{LORA}:0.5>")
 
 
 def _mask() -> Image.Image:
-    mask = Image.new("L", (512, 512), 0)
-    mask.paste(255, (128, 128, 384, 384))
+    mask = Image.new("L", (SIZE, SIZE), 0)
+    mask.paste(255, (SIZE // 4, SIZE // 4, SIZE * 3 // 4, SIZE * 3 // 4))
     return mask
 
 
@@ -60,6 +61,7 @@ def test_workflow_sequence_in_every_offload_mode(full_model, dtype):  # noqa: F8
     """Strict mode on CUDA: zero violations, all rows ok, stage pipelines on the loaded weights, and
     the same images in every mode (fp16 0.3, bf16 1.5 grey levels mean, as for txt2img)."""
     arch, data_dir = full_model
+    skip_outside(WORKFLOW_CASES, pytest, arch, dtype)
     runs, snap, shared = in_every_mode(data_dir, arch, dtype, _sequence,
                                        {"switching": ("sequential", "group", "balanced")}, _shares_weights)
     assert snap.last_error is None and snap.violations_found_total == 0

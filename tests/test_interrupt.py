@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 from tiny import CHECKPOINTS
 
 from app.engine.generate import GenerateParams
@@ -63,7 +64,7 @@ def test_interrupt_stops_within_two_steps_and_keeps_the_partial_image(loaded):
     assert not image.complete and asked_at <= image.stopped_at <= asked_at + 2
     assert image.path.is_file()
     snap = loaded.snapshot()
-    assert snap.state == "READY" and snap.history[-1].outcome == "ok" and snap.progress is None
+    assert snap.state == "READY" and snap.history[-1].outcome == "interrupted" and snap.progress is None
 
 
 def test_interrupt_can_drop_what_was_reached(loaded):
@@ -112,3 +113,54 @@ def test_a_queued_generation_can_be_cancelled_by_its_owner_before_it_starts(load
     assert isinstance(queued.error, GenerationCancelled) and queued.result is None
     first.join()
     assert [h.command for h in loaded.snapshot().history].count("generate") == 1
+
+
+def _stop_at(engine, module, call: int, before: bool):
+    """A torch hook on `module` that asks the engine to stop on its `call`-th forward (before or after it):
+    a stop at an exact point of a step, whatever the machine's speed."""
+    calls = [0]
+
+    def stop(*_args) -> None:
+        calls[0] += 1
+        if calls[0] == call:
+            engine.interrupt()
+
+    return module.register_forward_pre_hook(stop) if before else module.register_forward_hook(stop)
+
+
+def test_a_stop_inside_a_step_keeps_the_last_complete_steps_image(loaded):
+    """Interrupt reaches inside a step (issue 28, finding 8): asked in the middle of step 2 (before
+    the UNet's up blocks), it lands at the next block and the image is the one of step 1 — bit for
+    bit the image of a stop asked between steps 1 and 2. The engine is READY, the weights unchanged,
+    and the per-pass `control.interrupt` hooks are gone."""
+    unet = loaded._lifecycle.pipeline.unet
+    weights = {k: v.clone() for k, v in unet.state_dict().items()}
+    params = GenerateParams("a cat", **dict(LONG, steps=6))
+    handle = _stop_at(loaded, unet, 1, before=False)  # after step 1's UNet call: lands between steps
+    try:
+        (between,) = loaded.generate(params)
+    finally:
+        handle.remove()
+    handle = _stop_at(loaded, unet.up_blocks[0], 2, before=True)  # inside step 2
+    try:
+        (inside,) = loaded.generate(params)
+    finally:
+        handle.remove()
+    assert between.stopped_at == inside.stopped_at == 1
+    assert between.image.tobytes() == inside.image.tobytes()
+    assert loaded.snapshot().state == "READY"
+    assert all(torch.equal(weights[k], v) for k, v in unet.state_dict().items())
+    assert loaded._lifecycle._loaded.hooks.counts()["control.interrupt"] == 0
+
+
+def test_a_stop_before_the_first_step_ends_keeps_nothing(loaded):
+    """Stopped inside step 1 no step completed: no image is kept, the engine is READY and the next
+    generation runs in full."""
+    unet = loaded._lifecycle.pipeline.unet
+    handle = _stop_at(loaded, unet.down_blocks[1], 1, before=True)
+    try:
+        assert loaded.generate(GenerateParams("a cat", **LONG)) == []
+    finally:
+        handle.remove()
+    assert loaded.snapshot().state == "READY"
+    assert loaded.generate(GenerateParams("a cat", **dict(LONG, steps=2)))[0].complete

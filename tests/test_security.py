@@ -150,15 +150,17 @@ def test_embedded_config_that_cannot_build_is_refused_with_the_reason(data_dir, 
         models.load_pipeline(info, torch.float32)
 
 
-def test_file_that_is_not_sd15_sized_is_refused_against_the_bundled_config(data_dir, no_building):
+def test_file_that_is_not_sd15_sized_is_refused_against_the_bundled_config(data_dir):
     """Without an embedded config the full-size SD1.5 config applies: a file holding every SD1.5
-    tensor name but tiny tensors is refused by shape before an 860M-parameter UNet is built."""
+    tensor name but tiny tensors is refused by shape, naming the tensors. (The bundled config is
+    trusted and diffusers builds it on the meta device, so no 860M-parameter UNet is allocated; our
+    meta build runs only to explain diffusers' refusal.)"""
     names = expected_shapes("sd15", family("sd15").config_dir)
     path = data_dir / "models" / "Stable-diffusion" / "small.safetensors"
     save_file({name: torch.zeros(2) for name in names}, str(path))
     info = checkpoint_files.resolve_checkpoint(path.name, path.parent)
     with pytest.raises(ModelLoadError, match=r"small\.safetensors: \d+ tensors do not have the shapes the "
-                                             r"SD15 architecture asks for .*refused before building anything"):
+                                             r"SD15 architecture asks for .*; refused"):
         models.load_pipeline(info, torch.float32)
 
 
@@ -206,10 +208,18 @@ def test_prompt_longer_than_the_cap_is_refused_with_the_limit():
 
 def test_work_per_request_is_capped_with_the_cap_named():
     """16 images of 2048² at 150 steps passed every per-field limit; the product is now capped."""
-    with pytest.raises(ValueError, match=rf"batch x width x height x steps = 16 x 2048 x 2048 x 150 = "
-                                         rf"10,066,329,600 is over the per-request cap of {MAX_PIXEL_STEPS:,}"):
+    with pytest.raises(ValueError, match=rf"batch count x batch x width x height x steps = 1 x 16 x 2048 x 2048 x "
+                                         rf"150 = 10,066,329,600 is over the per-request cap of {MAX_PIXEL_STEPS:,}"):
         GenerateParams("a fox", steps=150, width=2048, height=2048, batch=16)
     GenerateParams("a fox", steps=1, width=2048, height=2048, batch=16)  # the GPU OOM test's request
+
+
+def test_the_batch_count_counts_in_the_cap():
+    """`n_iter` (batch count, up to 100) multiplied the capped work by up to 100: 4 x 1024² x 150
+    steps fits once, not twice."""
+    GenerateParams("a fox", steps=150, width=1024, height=1024, batch=4)
+    with pytest.raises(ValueError, match=r"= 2 x 4 x 1024 x 1024 x 150 = 1,258,291,200 is over the per-request cap"):
+        GenerateParams("a fox", steps=150, width=1024, height=1024, batch=4, n_iter=2)
 
 
 # ------------------------------------------------------------------------- 6. absurd values

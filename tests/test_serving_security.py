@@ -12,7 +12,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,6 +31,7 @@ from app.ui.login_throttle import LoginThrottle
 gradio_client = pytest.importorskip("gradio_client")
 USER, PASSWORD = "alice", "correct-horse-battery"
 BAD_NAME = b"\xff\xfe-not-utf8.safetensors"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +46,11 @@ def app(tmp_path_factory, demo_dir):
         yield server, engine, settings
 
 
-def _http(app, address: str = "10.0.0.1", login: bool = True) -> httpx.Client:
-    """A raw HTTP client posing as `address` (uvicorn takes X-Forwarded-For from a loopback peer)."""
-    client = httpx.Client(base_url=app[0].local_url, timeout=30, headers={"X-Forwarded-For": address})
+def _http(app, address: str = "127.0.0.1", login: bool = True) -> httpx.Client:
+    """A raw HTTP client connecting from `address` (any 127.x address is this machine's loopback, and
+    the login throttle keys on the connection's own address)."""
+    client = httpx.Client(base_url=app[0].local_url, timeout=30,
+                          transport=httpx.HTTPTransport(local_address=address))
     if login:
         assert client.post("/login", data={"username": USER, "password": PASSWORD}).status_code == 200
     return client
@@ -54,9 +60,15 @@ def _fn_index(app, name: str) -> int:
     return next(i for i, fn in app[0].demo.fns.items() if fn.api_name == name)
 
 
-def _join(client: httpx.Client, fn_index: int, session: str = "s1", data=(), **headers) -> httpx.Response:
+def _join(client: httpx.Client, fn_index: int, session: str = "s1", data=(), trigger: int | None = None,
+          **headers) -> httpx.Response:
     return client.post("/gradio_api/queue/join", headers=headers,
-                       json={"data": list(data), "fn_index": fn_index, "session_hash": session})
+                       json={"data": list(data), "fn_index": fn_index, "session_hash": session, "trigger_id": trigger})
+
+
+def _trigger(app, fn_index: int) -> int:
+    """The component whose event runs the handler (what Gradio's page sends as `trigger_id`)."""
+    return app[0].demo.fns[fn_index].targets[0][0]
 
 
 # ------------------------------------------------------------------------------------ login
@@ -88,14 +100,14 @@ def test_throttle_memory_is_bounded(monkeypatch):
 def test_wrong_passwords_are_throttled_per_address_and_others_can_still_log_in(app):
     """870 wrong passwords a second were accepted; now an address gets 5 tries, then 429 with
     Retry-After, even for the right password. Another address logs in normally."""
-    attacker = _http(app, "10.0.0.66", login=False)
+    attacker = _http(app, "127.0.0.66", login=False)
     codes = [attacker.post("/login", data={"username": USER, "password": f"guess{i}"}).status_code
              for i in range(40)]
     assert codes[:5] == [400] * 5 and set(codes[5:]) == {429}
     refused = attacker.post("/login", data={"username": USER, "password": PASSWORD})
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
-    assert "too many failed logins from 10.0.0.66" in refused.json()["detail"]
-    _http(app, "10.0.0.67")  # logs in (asserted inside)
+    assert "too many failed logins from 127.0.0.66" in refused.json()["detail"]
+    _http(app, "127.0.0.67")  # logs in (asserted inside)
 
 
 def test_password_can_come_from_an_environment_variable(monkeypatch):
@@ -109,6 +121,18 @@ def test_password_can_come_from_an_environment_variable(monkeypatch):
     assert "SD_TEST_AUTH" not in os.environ
     with pytest.raises(SystemExit, match="--auth-env SD_TEST_AUTH: that environment variable is not set"):
         settings_from_args(build_parser().parse_args(["--auth-env", "SD_TEST_AUTH"]))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="Linux's /proc shows the start-up environment")
+def test_the_password_leaves_proc_environ_too():
+    """`os.environ.pop` left the password in `/proc/PID/environ` (the kernel shows the environment the
+    process started with); the start-up copy is wiped as well (issue 28, finding 9)."""
+    code = ("import os, launch; launch.parse_auth([], None, 'SD_TEST_AUTH');"
+            "print(b'hunter22' in open('/proc/self/environ', 'rb').read(), 'SD_TEST_AUTH' in os.environ)")
+    env = dict(os.environ, SD_TEST_AUTH="bob:hunter22", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split() == ["False", "False"], result.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------- Host, CORS
@@ -132,13 +156,19 @@ def test_bound_host_names_are_served(app, name):
 # ------------------------------------------------------------------------ UI-only handlers
 def test_ui_only_handlers_are_refused_to_scripts_and_cross_site_pages(app):
     """`free_memory` (the Diagnostics tab's unload) by fn_index or by its route name, from a script
-    or a cross-site page, is refused: the model stays loaded."""
+    or a cross-site page, is refused: the model stays loaded. A logged-in script that fakes the
+    page's `Sec-Fetch-Site: same-origin` is refused too unless it names the button's own event."""
     client = _http(app)
     unload = _fn_index(app, "free_memory")
-    for response in (_join(client, unload), _join(client, unload, **{"Sec-Fetch-Site": "cross-site"}),
-                     client.post("/gradio_api/call/free_memory", json={"data": []}),
-                     _join(client, unload, Origin="http://evil.example")):
+    for response in (_join(client, unload), client.post("/gradio_api/call/free_memory", json={"data": []})):
         assert response.status_code == 403 and "belongs to the app's page" in response.json()["detail"]
+    for response in (_join(client, unload, **{"Sec-Fetch-Site": "cross-site"}),
+                     _join(client, unload, Origin="http://evil.example")):
+        assert response.status_code == 403 and "another site" in response.json()["detail"]
+    other = _trigger(app, _fn_index(app, "toggle"))
+    for trigger in (None, other):
+        faked = _join(client, unload, trigger=trigger, **{"Sec-Fetch-Site": "same-origin"})
+        assert faked.status_code == 403 and "runs only for its own events" in faked.json()["detail"]
     assert app[1].snapshot().state == EngineState.READY.value and app[1].snapshot().model == MODEL
 
 
@@ -147,17 +177,16 @@ def test_ui_only_handlers_still_run_for_the_apps_own_page(app):
     are accepted: here the debug toggle, which changes no tensor."""
     client = _http(app)
     toggle = _fn_index(app, "toggle")
-    port = app[0].demo.server_port
+    port, box = app[0].demo.server_port, _trigger(app, toggle)
     off = [False, False, False]
-    same_origin = _join(client, toggle, session="page1", data=off, **{"Sec-Fetch-Site": "same-origin"})
-    plain_http = _join(client, toggle, session="page2", data=off, Origin=f"http://127.0.0.1:{port}")
+    same_origin = _join(client, toggle, session="page1", data=off, trigger=box, **{"Sec-Fetch-Site": "same-origin"})
+    plain_http = _join(client, toggle, session="page2", data=off, trigger=box, Origin=f"http://127.0.0.1:{port}")
     assert same_origin.status_code == plain_http.status_code == 200 and "event_id" in same_origin.json()
 
 
 def test_documented_api_keeps_working_for_scripts(app):
     """gradio_client through the login: the public endpoints answer as before."""
-    client = gradio_client.Client(app[0].local_url, auth=(USER, PASSWORD), verbose=False,
-                                  headers={"X-Forwarded-For": "10.0.0.2"})
+    client = gradio_client.Client(app[0].local_url, auth=(USER, PASSWORD), verbose=False)
     assert client.predict(api_name="/snapshot")["state"] == EngineState.READY.value
 
 
@@ -195,8 +224,7 @@ def test_uploads_over_the_cap_are_refused(app):
 
 def test_prompt_over_the_cap_is_refused_through_the_api(app):
     """A prompt past the cap is refused with the limit in the message; the engine never runs it."""
-    client = gradio_client.Client(app[0].local_url, auth=(USER, PASSWORD), verbose=False,
-                                  headers={"X-Forwarded-For": "10.0.0.3"})
+    client = gradio_client.Client(app[0].local_url, auth=(USER, PASSWORD), verbose=False)
     with pytest.raises(Exception, match="the limit is 16,000 characters"):
         client.predict(prompt="x" * 20_000, api_name="/generate")
 
@@ -206,8 +234,7 @@ def test_non_utf8_names_neither_stop_the_app_nor_break_listings(app):
     """The app started with a non-UTF-8 checkpoint and LoRA present; a second one added while it
     runs is skipped too, and the listings still answer."""
     os.link(app[2].lora_dir / "style.safetensors", os.path.join(os.fsencode(app[2].lora_dir), b"\xe9t\xe9.safetensors"))
-    client = gradio_client.Client(app[0].local_url, auth=(USER, PASSWORD), verbose=False,
-                                  headers={"X-Forwarded-For": "10.0.0.4"})
+    client = gradio_client.Client(app[0].local_url, auth=(USER, PASSWORD), verbose=False)
     assert "style" in client.predict(api_name="/list_loras")
     assert MODEL in client.predict(api_name="/list_models")
 
@@ -221,3 +248,14 @@ def test_bug_report_paths_are_relative_to_the_data_folder(app):
         text = bundle.read("report.json").decode()
     assert str(settings.data_dir) not in text
     assert "not found in models/Stable-diffusion" in text and json.loads(text)["settings"]["data_dir"] == "."
+
+
+def test_bug_report_tracebacks_do_not_show_where_the_app_and_python_live(app):
+    """Tracebacks named the install folders in every line (the user's name, their layout); they read
+    `<app>/…`, `<site-packages>/…` now (issue 28, finding 9)."""
+    server, engine, settings = app
+    with pytest.raises(ValueError):
+        engine.load_model("no-such-model.safetensors")
+    with zipfile.ZipFile(io.BytesIO(build_bug_report(engine, settings))) as bundle:
+        text = bundle.read("report.json").decode()
+    assert 'File \\"<app>/app/engine/' in text and str(ROOT) not in text and sys.prefix not in text

@@ -63,9 +63,9 @@ def _generate(client, seed: int, prompt: str = "a fox") -> tuple[np.ndarray, str
 def test_endpoints_have_their_documented_names(client):
     """Scripts depend on these names: a UI handler must never take one (Gradio would rename ours `_1`)."""
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
-    assert {"/generate", "/interrupt", "/skip", "/set_loras", "/set_offload", "/set_dtype", "/set_weights",
-            "/set_model_parts", "/load_model", "/unload", "/set_debug", "/snapshot", "/list_models", "/list_loras",
-            "/inspect_lora", "/bug_report"} <= names
+    assert {"/generate", "/interrupt", "/skip", "/set_loras", "/set_lora_partial", "/set_offload", "/set_dtype",
+            "/set_weights", "/set_model_parts", "/load_model", "/unload", "/set_debug", "/snapshot", "/list_models",
+            "/list_loras", "/inspect_lora", "/bug_report"} <= names
     assert not [n for n in names if re.search(r"_\d+$", n)]
 
 
@@ -104,7 +104,7 @@ def test_out_of_range_settings_are_refused_with_their_range(client, field, value
 def test_nan_cfg_in_raw_json_is_refused(app):
     """JSON clients can send NaN (Python's json does); it is refused like any other bad number."""
     url = app[0].local_url + "gradio_api/call/generate"
-    body = json.dumps({"data": ["a fox", "", "Euler", 2, float("nan"), 5, 64, 64, 1, 1]}).encode()
+    body = json.dumps({"data": ["a fox", "", "Euler", 2, float("nan"), 5, 64, 64, 1, 1, 1]}).encode()
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as answer:
         event = json.loads(answer.read())["event_id"]
@@ -121,18 +121,46 @@ def test_sizes_round_down_to_the_model_multiple_with_a_note(client):
     assert _generate(client, seed=5)[2][0]["notes"] == []
 
 
-def test_an_engine_failure_is_whole_once_and_one_traceback_in_the_log(client, caplog, capfd):
-    """A refusal inside the engine reaches the client whole (the `<lora:…>` tag included) and the
-    console/log gets exactly one traceback (the engine's), not Gradio's second copy."""
+def test_clip_skip_is_a_generation_setting_written_into_the_infotext(client):
+    """The page's (and its API's) clip skip reaches the picture and the infotext as A1111 writes it."""
+    one, text_one, _ = _generate(client, seed=4)
+    images, text_two, _ = client.predict(prompt="a fox", sampler="Euler", steps=2, cfg=5.0, seed=4, width=64,
+                                         height=64, clip_skip=2, api_name="/generate")
+    with Image.open(images[0]["image"]) as im:
+        assert not np.array_equal(np.asarray(im.convert("RGB")), one)
+    assert "Clip skip" not in text_one and "Clip skip: 2" in text_two
+
+
+def _tracebacks(caplog, capfd) -> int:
+    printed = capfd.readouterr().err
+    return printed.count("Traceback (most recent call last)") + sum(
+        "Traceback (most recent call last)" in r.getMessage() or r.exc_info is not None for r in caplog.records)
+
+
+def test_a_refusal_is_whole_and_one_log_line_and_a_bug_keeps_its_traceback(app, client, caplog, capfd, monkeypatch):
+    """A refusal inside the engine reaches the client whole (the `<lora:…>` tag included) and the log
+    gets one line at INFO, no traceback and nothing at ERROR (issue 32: a refused sampler or an empty
+    mask printed 40 lines at ERROR). A real failure (a bug) keeps exactly one traceback, the engine's,
+    not Gradio's second copy."""
     caplog.set_level(logging.INFO)
     capfd.readouterr()
     with pytest.raises(gradio_client.exceptions.AppError) as refused:
         client.predict(**dict(GOOD, prompt="a fox <lora:style:x>"), api_name="/generate")
-    assert str(refused.value) == "generate failed: prompt tag '<lora:style:x>': 'x' is not a number"
-    printed = capfd.readouterr().err
-    tracebacks = printed.count("Traceback (most recent call last)") + sum(
-        "Traceback (most recent call last)" in r.getMessage() or r.exc_info is not None for r in caplog.records)
-    assert tracebacks == 1
+    message = "prompt tag '<lora:style:x>': 'x' is not a number"
+    assert str(refused.value) == f"generate failed: {message}"
+    assert _tracebacks(caplog, capfd) == 0
+    said = [r for r in caplog.records if message in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and all(r.levelno < logging.WARNING for r in caplog.records)
+    caplog.clear()
+
+    def bug(*_args, **_kwargs):
+        raise ZeroDivisionError("a bug in the denoising loop")
+
+    monkeypatch.setattr(app[1]._lifecycle, "denoise", bug)
+    with pytest.raises(gradio_client.exceptions.AppError, match="a bug in the denoising loop"):
+        client.predict(**GOOD, api_name="/generate")
+    assert _tracebacks(caplog, capfd) == 1
+    assert [r.name for r in caplog.records if r.levelno >= logging.ERROR] == ["app.engine.worker"]
 
 
 def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_cannot_match(app):
@@ -144,15 +172,18 @@ def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_ca
     sdxl_hash = file_sha256(settings.checkpoints_dir / "tiny-sdxl.safetensors")[:10]
     text = ("a fox <lora:style:0.5:1.5> <lora:missing:1>\nNegative prompt: blurry\nSteps: 28, Sampler: DPM++ 2M, "
             f"Schedule type: Karras, CFG scale: 6.5, Seed: 99, Size: 832x1216, Model hash: {sdxl_hash}, "
-            "Model: renamed_elsewhere, Denoising strength: 0.4, Version: v1.10.1")
+            "Model: renamed_elsewhere, Denoising strength: 0.4, Clip skip: 2, Version: v1.10.1")
     plan = plan_send(ctx, parse_infotext(text))
     assert plan.fields == {"prompt": "a fox", "negative": "blurry", "steps": 28, "cfg": 6.5, "seed": 99, "width": 832,
-                           "height": 1216, "sampler": "DPM++ 2M Karras", "denoising_strength": 0.4}
+                           "height": 1216, "sampler": "DPM++ 2M Karras", "denoising_strength": 0.4, "clip_skip": 2,
+                           "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0,  # no variation
+                           "refiner_checkpoint": "None"}
     assert plan.checkpoint == "tiny-sdxl.safetensors"
     assert [(s.name, s.unet_strength, s.te_strength) for s in plan.loras] == [("style", 1.5, 0.5)]
     assert plan.notes == (f"LoRA missing is not in {settings.lora_dir}",)
     loaded = engine.snapshot()
     plan = plan_send(ctx, parse_infotext(f"a\nSteps: 2, Sampler: LCM, Seed: 1, Model hash: {loaded.model_hash}"))
+    assert plan.fields["clip_skip"] == 1  # no `Clip skip` means 1, as A1111 reads it
     assert plan.checkpoint is None and len(plan.notes) == 1 and plan.notes[0].startswith("sampler 'LCM' is not")
     plan = plan_send(ctx, parse_infotext("a\nSteps: 2, Seed: 1, Model hash: 0123456789, Model: nowhere"))
     assert plan.checkpoint is None
@@ -429,3 +460,21 @@ def test_weight_storage_switches_through_the_api_and_back(client):
     assert client.predict(api_name="/snapshot")["stored_layers"] == 0
     with pytest.raises(Exception, match="weights must be one of full, fp8"):
         client.predict("int4", api_name="/set_weights")
+
+
+def test_memory_timeline_labels_of_close_transitions_do_not_overlap():
+    """Issue 32: transitions a second apart wrote their labels on top of each other. Each label now
+    takes the first free row; every label drawn is clear of the others (and of the axis label)."""
+    samples = [{"t": float(t), "ram_mib": 900.0 + t} for t in range(61)]
+    for t, name in ((10, "load_model"), (11, "set_loras"), (12, "generate"), (13, "set_offload"), (58, "unload")):
+        samples[t]["marker"] = name
+    svg = views.timeline_svg(samples)
+    drawn = re.findall(r"<text x='([\d.]+)' y='(\d+)' font-size='10' fill='#bc4c00'>([^<]+)</text>", svg)
+    assert sorted(name for _x, _y, name in drawn) == ["generate", "load_model", "set_loras", "set_offload", "unload"]
+    boxes = [(float(x), float(x) + len(name) * views._CHAR_PX, int(y)) for x, y, name in drawn]
+    boxes.append((4.0, 70.0, 24))  # the top axis label
+    for i, (left, right, y) in enumerate(boxes):
+        for other_left, other_right, other_y in boxes[i + 1:]:
+            assert y != other_y or right <= other_left or other_right <= left, svg
+    assert all(float(x) + len(n) * views._CHAR_PX <= 760 for x, _y, n in drawn)  # none runs off the right edge
+

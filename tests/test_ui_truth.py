@@ -67,7 +67,7 @@ def test_interrupt_stops_this_clients_job_within_two_steps_and_not_another_clien
     assert image["complete"] is False and asked_at <= image["stopped_at"] <= asked_at + 2
     assert "Seed: 3" in infotext and image["file"].endswith(".png")
     snap = engine.snapshot()
-    assert snap.state == "READY" and not snap.generating and snap.history[-1].outcome == "ok"
+    assert snap.state == "READY" and not snap.generating and snap.history[-1].outcome == "interrupted"
     assert client.predict(api_name="/interrupt") == {"stopped": False, "state": "READY"}  # nothing left to stop
 
 
@@ -105,7 +105,7 @@ def test_a_cancelled_request_stops_its_job_in_the_engine(app, client):
         assert time.monotonic() < deadline, "the cancelled job is still generating"
         time.sleep(0.05)
     last = engine.snapshot().history[-1]
-    assert (last.command, last.outcome) == ("generate", "ok") and last.duration_s < 30
+    assert (last.command, last.outcome) == ("generate", "interrupted") and last.duration_s < 30
     assert _outputs(engine) == before
 
 

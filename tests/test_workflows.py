@@ -154,7 +154,7 @@ def test_settings_out_of_range_are_refused_before_anything_runs(engine):
         (lambda: engine.generate(big, hires=HiresParams(scale=2)), "over the limit of 2048"),
         (lambda: engine.generate(dataclasses.replace(PARAMS, steps=1), hires=HiresParams(denoising_strength=0.5)),
          "run no step"),
-        (lambda: HiresParams(upscaler="4x-UltraSharp"), "unknown hires upscaler"),
+        (lambda: engine.generate(PARAMS, hires=HiresParams(upscaler="4x-UltraSharp")), "unknown hires upscaler"),
         (lambda: HiresParams(scale=8), "hires_scale must be a number in 1…4"),
         (lambda: engine.img2img(PARAMS, [image], denoising_strength=0.2), "run no step"),
         (lambda: engine.img2img(PARAMS, [image], resize_mode="stretch"), "resize mode must be one of"),
@@ -294,6 +294,6 @@ def test_interrupt_in_the_first_pass_keeps_its_image_and_skips_the_hires_pass(en
     (image,) = done["images"]
     assert image.image.size == (64, 64) and image.stopped_at is not None and image.stopped_at < 150
     snap = engine.snapshot()
-    assert snap.history[-1].command == "txt2img" and snap.history[-1].outcome == "ok"
+    assert snap.history[-1].command == "txt2img" and snap.history[-1].outcome == "interrupted"
     assert "hires upscale" not in {row.command for row in snap.history} and snap.state == "READY"
     assert "latents" not in engine._lifecycle.carry

@@ -7,6 +7,7 @@ message naming every refused field (both rule sets: the request's and the workfl
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from PIL import Image
@@ -19,10 +20,15 @@ BASE = dict(prompt="a fox", sampler="Euler", steps=3, cfg=5.0, seed=11, width=64
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, demo_dir):
+def served(tmp_path_factory, demo_dir):
     data = make_ui_data(tmp_path_factory.mktemp("workflows-api"), demo_dir)
-    with running_app(Settings(data_dir=data, device="cpu", port=free_port())) as (server, _engine):
-        yield gradio_client.Client(server.local_url, verbose=False)
+    with running_app(Settings(data_dir=data, device="cpu", port=free_port())) as (server, engine):
+        yield server, engine
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return gradio_client.Client(served[0].local_url, verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +78,24 @@ def test_refused_values_come_back_in_one_message(client, pictures):
         client.predict(**BASE, hires_scale=9, hires_upscaler="Latent", hires_steps=0, denoising_strength=0.5,
                        hires_sampler="Use same sampler", hires_prompt="", hires_negative_prompt="",
                        api_name="/txt2img_hires")
+
+
+def test_a_clients_interrupt_stops_its_inpaint(served, client, pictures):
+    """A script's `/inpaint` is its own job: its `/interrupt` stops it (issue 32: no stop reached an
+    inpaint; the run is listed as interrupted) and the answer still carries the image reached;
+    another client's `/interrupt` does not touch it."""
+    engine = served[1]
+    job = client.submit(**{**BASE, "steps": 150}, init_image=gradio_client.handle_file(pictures["init"]),
+                        denoising_strength=1.0, resize_mode="just resize",
+                        mask=gradio_client.handle_file(pictures["mask"]), mask_blur=0, inpainting_fill="original",
+                        inpainting_mask_invert=False, api_name="/inpaint")
+    deadline = time.monotonic() + 60
+    while (engine.snapshot().progress is None or engine.snapshot().progress.step < 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stranger = gradio_client.Client(served[0].local_url, verbose=False)
+    assert stranger.predict(api_name="/interrupt")["stopped"] is False
+    assert client.predict(api_name="/interrupt")["stopped"] is True
+    _images, text, _details = job.result(timeout=120)
+    assert "Steps: 150" in text
+    assert [h.outcome for h in engine.snapshot().history if h.command == "inpaint"][-1] == "interrupted"
+

@@ -2,9 +2,9 @@
 
 Open WebUI, SillyTavern, chat bots and `webuiapi` scripts drive image backends through A1111's
 REST API; this package speaks it beside the Gradio UI, on the same port, behind the same request
-guard (Host allow-list, body caps) and a login (see `auth`). Every call reaches the model through
-the engine's queue like the UI's, with the UI's input rules. Our own extras live under
-`/steady/v1/...` (`steady`).
+guard (Host allow-list, the login checked before a body is read, per-route body caps; see `auth`).
+Every call reaches the model through the engine's queue like the UI's, with the UI's input rules.
+Our own extras live under `/steady/v1/...` (`steady`).
 
 `install_api` adds the routes to the launched Gradio app. They go in front of Gradio's own routes:
 Gradio has built its app by then, and the routes carry their own error handling (`errors`).
@@ -19,12 +19,25 @@ from app.a1111.steady import steady_router
 from app.settings import Settings
 from app.ui.common import UiContext
 
-API_PREFIX = "/sdapi/"
+GATED_PREFIXES = ("/sdapi/", "/steady/")  # behind the API's login, checked by the request guard
+# The routes that take base64 images in their JSON; every other route has the guard's 1 MiB cap.
+IMAGE_ROUTES = ("/sdapi/v1/img2img", "/sdapi/v1/png-info", "/sdapi/v1/extra-single-image",
+                "/sdapi/v1/extra-batch-images")
 
 
 def api_body_bytes(settings: Settings) -> int:
     """The largest API request body: an image of `--max-upload-mib` in base64 (4/3 larger) plus the JSON around it."""
     return settings.max_upload_mib * 2**20 * 4 // 3 + 2**16
+
+
+def body_limits(settings: Settings) -> tuple[tuple[str, int], ...]:
+    """The guard's per-route body caps for the API (`GuardPolicy.body_limits`)."""
+    return tuple((route, api_body_bytes(settings)) for route in IMAGE_ROUTES)
+
+
+def api_gate(settings: Settings, ui_logins: tuple[tuple[str, str], ...]) -> BasicAuth:
+    """The API's login, for the request guard to check before a body is read."""
+    return BasicAuth(api_logins(settings, ui_logins))
 
 
 def install_api(app, ctx: UiContext, ui_logins: tuple[tuple[str, str], ...]) -> str:
@@ -33,11 +46,9 @@ def install_api(app, ctx: UiContext, ui_logins: tuple[tuple[str, str], ...]) -> 
     if not api_enabled(settings, ui_logins):
         return ("A1111 API (/sdapi/v1) is off: the app is reachable without a login. Add --api-auth USER:PASS "
                 "(or --auth) to serve it behind one, or --api to serve it open.")
-    logins = api_logins(settings, ui_logins)
     state = ApiState(ctx, max_waiting=settings.session_queue_size)
-    auth = BasicAuth(logins)
-    app.router.routes[0:0] = [*sdapi_router(state, auth).routes, *steady_router(state, auth).routes]
-    return _describe(settings, logins)
+    app.router.routes[0:0] = [*sdapi_router(state).routes, *steady_router(state).routes]
+    return _describe(settings, api_logins(settings, ui_logins))
 
 
 def _describe(settings: Settings, logins: tuple[tuple[str, str], ...]) -> str:

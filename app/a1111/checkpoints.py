@@ -70,7 +70,7 @@ def resolve(settings: Settings, snap: Snapshot, asked: object) -> str:
 
 def current_title(state: ApiState) -> str | None:
     """`sd_model_checkpoint`: the loaded checkpoint, else the one the next txt2img would load."""
-    snap = state.engine.snapshot()
+    snap = state.engine.snapshot(wait_for_hash=True)
     if snap.model:
         return title(snap.model, snap.model_hash)
     return next_model(state)

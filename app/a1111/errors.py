@@ -14,6 +14,7 @@ the server log only.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,12 +23,16 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.adapters.errors import AdapterError
 from app.engine.checkpoint_files import CheckpointNotFoundError, ModelLoadError
 from app.engine.worker import EngineBusy
 
 log = logging.getLogger(__name__)
+MAX_ERRORS = 10  # validation errors shown per refusal
+MAX_TEXT = 200  # characters of each part of one
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 # The first entry whose type matches decides the status; `ValueError` is refused input (limits,
 # names), anything unlisted is a server-side failure. A broken checkpoint is a ValueError subclass
@@ -50,21 +55,38 @@ class ApiError(HTTPException):
 
 def error_response(status: int, error: str, detail: Any, errors: str, headers: Mapping[str, str] | None = None,
                    body: Any = "") -> JSONResponse:
-    """The JSON body A1111's API middleware returns for any failure."""
-    content = {"error": error, "detail": detail, "body": body, "errors": errors}
+    """The JSON body A1111's API middleware returns for any failure (heap addresses taken out)."""
+    content = {"error": error, "detail": _no_addresses(detail), "body": body, "errors": _no_addresses(errors)}
     return JSONResponse(jsonable_encoder(content), status_code=status, headers=dict(headers) if headers else None)
+
+
+def _no_addresses(value: Any) -> Any:
+    """`value` with `<... at 0x7f…>` addresses removed from its text: they help an attacker defeat ASLR."""
+    return _ADDRESS.sub("", value) if isinstance(value, str) else value
 
 
 def status_for(exc: BaseException) -> int:
     return next((status for kind, status in STATUS_BY_TYPE if isinstance(exc, kind)), 500)
 
 
+def validation_detail(errors: list[dict]) -> tuple[list[dict], str]:
+    """FastAPI's validation errors as a small answer and one bounded line: at most `MAX_ERRORS`
+    entries, each its place, message and type only. The offending input is never echoed (a
+    million empty objects once came back as a 159 MB answer and a 114 MB log line), nor anything
+    not JSON (NaN in an integer field once made the answer itself fail with a 500)."""
+    shown = [{"loc": [str(part)[:MAX_TEXT] for part in e["loc"][:8]], "msg": str(e["msg"])[:MAX_TEXT],
+              "type": str(e["type"])[:MAX_TEXT]} for e in errors[:MAX_ERRORS]]
+    summary = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in shown)
+    more = len(errors) - len(shown)
+    return shown, summary + (f"; and {more} more" if more > 0 else "")
+
+
 def _answer(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, RequestValidationError):
-        log.info("A1111 API %s %s refused: %s", request.method, request.url.path, exc.errors())
-        summary = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return error_response(422, "RequestValidationError", exc.errors(), summary, body=exc.body)
-    if isinstance(exc, HTTPException):
+        detail, summary = validation_detail(exc.errors())
+        log.info("A1111 API %s %s refused: %s", request.method, request.url.path, summary)
+        return error_response(422, "RequestValidationError", detail, summary)
+    if isinstance(exc, StarletteHTTPException):  # FastAPI's own and Starlette's (a body that does not parse)
         if exc.status_code != 401:  # a missing login is routine for clients that wait for the challenge
             log.info("A1111 API %s %s refused (%d): %s", request.method, request.url.path, exc.status_code, exc.detail)
         return error_response(exc.status_code, "HTTPException", exc.detail, f"{exc.status_code}: {exc.detail}",

@@ -6,13 +6,18 @@ and, with a `mask`, inpaint: `mask_blur` (or the larger of `mask_blur_x/y`), `in
 (0 fill, 1 original, 2 latent noise, 3 latent nothing) and `inpainting_mask_invert`. Inpaint
 repaints at the whole picture's resolution: A1111's "only masked" (`inpaint_full_res`, its
 default) is not built, so it is ignored and the answer's comments say so.
+
+`reference_images: true` (ours: a FLUX.2 Klein model) reads `init_images` as 1-4 reference pictures
+the model edits from or combines (`Engine.edit`), generating at the request's size; a model that takes
+none refuses it by name.
 """
 
 from __future__ import annotations
 
+from app import heap
 from app.a1111 import txt2img
 from app.a1111.errors import ApiError
-from app.a1111.pnginfo import decode_image
+from app.a1111.pnginfo import decode_images
 from app.a1111.schema import Img2ImgRequest
 from app.a1111.state import ApiState
 from app.engine.generate import GeneratedImage, GenerateParams
@@ -21,14 +26,26 @@ ONLY_MASKED = ("inpaint_full_res (only masked) is not supported: the whole pictu
 
 
 def run(state: ApiState, req: Img2ImgRequest) -> dict:
-    """The whole request, blocking (run it in the API's lane)."""
+    """The whole request, blocking (run it in the API's lane). The decoded pictures live only in
+    `_run`'s frame; the heap's pages they took go back to the OS afterwards (`heap.give_back`: the
+    process keeps freed memory for reuse otherwise, and 4 inputs of 4096² are 256 MiB)."""
+    try:
+        return _run(state, req)
+    finally:
+        heap.give_back()
+
+
+def _run(state: ApiState, req: Img2ImgRequest) -> dict:
     if not req.init_images:
         raise ApiError(422, "img2img needs init_images: a list of base64 images (data: URLs work too)")
-    images = [decode_image(data) for data in req.init_images]
-    mask = decode_image(req.mask) if req.mask else None
+    sent = [(data, f"init_images[{i}]") for i, data in enumerate(req.init_images)]
+    decoded = decode_images(sent + ([(req.mask, "mask")] if req.mask else []))
+    images, mask = (decoded[:-1], decoded[-1]) if req.mask else (decoded, None)
     blur = req.mask_blur if req.mask_blur is not None else max(req.mask_blur_x or 0, req.mask_blur_y or 0)
 
     def produce(params: GenerateParams) -> list[GeneratedImage]:
+        if req.reference_images:
+            return state.engine.edit(params, images, owner=txt2img.API_OWNER)
         return state.engine.img2img(
             params, images, denoising_strength=txt2img.field_value(req, "denoising_strength"),
             resize_mode=req.resize_mode or 0, mask=mask, mask_blur=blur, inpainting_fill=req.inpainting_fill or 0,

@@ -1,8 +1,9 @@
 """`GET/POST /sdapi/v1/options`: the settings A1111 clients read and write, in A1111's names.
 
 A1111 has hundreds of options; this app has a handful. GET answers the checkpoint
-(`sd_model_checkpoint`, what every client reads), the A1111 options whose value here is fixed
-(clip skip 1, automatic VAE, PNG samples, the live-preview interval) and our own engine settings
+(`sd_model_checkpoint`, what every client reads), the clip skip API requests use unless they
+override it (`CLIP_stop_at_last_layers`, 1–12; the UI has its own per-generation slider), the A1111
+options whose value here is fixed (automatic VAE, PNG samples, the live-preview interval) and our own engine settings
 under `steady_` keys: `steady_dtype` (auto, fp16, bf16, fp32) and `steady_offload` (the offload
 mode). POST accepts any of those keys: a new checkpoint, dtype or offload mode goes through the
 engine like the UI's choice; a fixed option sent back with its own value is fine (Open WebUI posts
@@ -17,23 +18,25 @@ from typing import Any
 from app.a1111 import checkpoints
 from app.a1111.errors import ApiError
 from app.a1111.state import ApiState
+from app.engine.generate import LIMITS
 from app.settings import Settings
 
-OVERRIDABLE = "sd_model_checkpoint"  # the one option `override_settings` can change for one request
+OVERRIDABLE = "sd_model_checkpoint"  # `override_settings` switches the checkpoint for one request …
+CLIP_SKIP = "CLIP_stop_at_last_layers"  # … and the clip skip (read by `txt2img.plan`)
 DTYPE, OFFLOAD = "steady_dtype", "steady_offload"
 
 
 def fixed_options(settings: Settings) -> dict[str, Any]:
     """A1111 options whose value cannot change here, as A1111 names them."""
-    return {"CLIP_stop_at_last_layers": 1, "sd_vae": "Automatic", "samples_format": "png", "samples_save": True,
+    return {"sd_vae": "Automatic", "samples_format": "png", "samples_save": True,
             "live_previews_enable": settings.preview_every > 0,
             "show_progress_every_n_steps": settings.preview_every or -1}
 
 
 def current(state: ApiState) -> dict[str, Any]:
     snap = state.engine.snapshot()
-    return {OVERRIDABLE: checkpoints.current_title(state), **fixed_options(state.ctx.settings),
-            DTYPE: snap.requested_dtype, OFFLOAD: snap.offload}
+    return {OVERRIDABLE: checkpoints.current_title(state), CLIP_SKIP: state.clip_skip,
+            **fixed_options(state.ctx.settings), DTYPE: snap.requested_dtype, OFFLOAD: snap.offload}
 
 
 def unsupported_overrides(settings: Settings, overrides: Mapping[str, Any]) -> Iterator[str]:
@@ -41,7 +44,7 @@ def unsupported_overrides(settings: Settings, overrides: Mapping[str, Any]) -> I
     clients send their clip skip or VAE along with every request, and the picture is still made."""
     fixed = fixed_options(settings)
     for key, value in overrides.items():
-        if key != OVERRIDABLE and fixed.get(key, object()) != value:
+        if key not in (OVERRIDABLE, CLIP_SKIP) and fixed.get(key, object()) != value:
             yield f"override_settings {key}={value!r} ignored: this app cannot change it per request"
 
 
@@ -51,6 +54,11 @@ def _refusals(state: ApiState, changes: Mapping[str, Any]) -> list[str]:
     problems = [f"{key} (unknown here)" for key in changes if key not in known]
     problems += [f"{key}={changes[key]!r} (fixed at {value!r} in this app)" for key, value in fixed.items()
                  if key in changes and changes[key] != value]
+    if CLIP_SKIP in changes:
+        try:
+            LIMITS["clip_skip"].check(CLIP_SKIP, changes[CLIP_SKIP])
+        except ValueError as exc:
+            problems.append(str(exc))
     return problems
 
 
@@ -59,8 +67,10 @@ def apply(state: ApiState, changes: Mapping[str, Any]) -> None:
     problems = _refusals(state, changes)
     if problems:
         raise ApiError(422, f"options not accepted, nothing changed: {'; '.join(problems)}. Settable here: "
-                            f"{OVERRIDABLE}, {DTYPE}, {OFFLOAD}")
-    engine, snap = state.engine, state.engine.snapshot()
+                            f"{OVERRIDABLE}, {CLIP_SKIP}, {DTYPE}, {OFFLOAD}")
+    if CLIP_SKIP in changes:
+        state.clip_skip = int(changes[CLIP_SKIP])
+    engine, snap = state.engine, state.engine.snapshot(wait_for_hash=True)
     name = checkpoints.resolve(state.ctx.settings, snap, changes[OVERRIDABLE]) if OVERRIDABLE in changes else None
     dtype = changes.get(DTYPE)
     if name is not None and name != snap.model:

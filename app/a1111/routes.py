@@ -9,15 +9,17 @@ generation runs, the UI's too, as A1111's do (it has one job at a time and so do
 
 from __future__ import annotations
 
-from typing import Any
+from fastapi import APIRouter
 
-from fastapi import APIRouter, Depends
-
-from app.a1111 import checkpoints, img2img, listings, options, pnginfo, progress, txt2img
-from app.a1111.auth import BasicAuth
+from app.a1111 import checkpoints, extras, img2img, listings, options, pnginfo, progress, txt2img
 from app.a1111.errors import A1111Route
 from app.a1111.schema import (
     EmbeddingsResponse,
+    ExtrasBatchImagesRequest,
+    ExtrasBatchImagesResponse,
+    ExtrasSingleImageRequest,
+    ExtrasSingleImageResponse,
+    FreeDict,
     ImageToImageResponse,
     Img2ImgRequest,
     LoraItem,
@@ -25,6 +27,7 @@ from app.a1111.schema import (
     PNGInfoRequest,
     PNGInfoResponse,
     ProgressResponse,
+    PromptStyleItem,
     SamplerItem,
     SchedulerItem,
     ScriptsList,
@@ -34,14 +37,17 @@ from app.a1111.schema import (
     UpscalerItem,
 )
 from app.a1111.state import ApiState
-from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS
+from app.engine.stage_params import LATENT_UPSCALERS
+from app.styles import read_styles
 
 
 def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState) -> None:
     """Check the numbers (and the hires fix's) before the request waits in the lane or switches a checkpoint."""
     arch = state.engine.snapshot().arch
-    txt2img.plan(req, arch)
+    txt2img.plan(req, arch, state.ctx.settings.styles_file, state.clip_skip)
     txt2img.hires(req, arch)
+    if req.enable_hr:  # a model upscaler must be in a folder now
+        state.engine.check_upscaler(req.hr_upscaler or "Latent", hires=True)
 
 
 def _generation(router: APIRouter, state: ApiState) -> None:
@@ -54,6 +60,16 @@ def _generation(router: APIRouter, state: ApiState) -> None:
     async def image2img(req: Img2ImgRequest) -> dict:
         _refuse_bad_input(req, state)
         return await state.run("img2img", lambda: img2img.run(state, req))
+
+    @router.post("/extra-single-image", response_model=ExtrasSingleImageResponse)
+    async def extra_single_image(req: ExtrasSingleImageRequest) -> dict:
+        extras.params(req)  # refuse bad numbers before the request waits in the lane
+        return await state.run("extras", lambda: extras.single(state, req))
+
+    @router.post("/extra-batch-images", response_model=ExtrasBatchImagesResponse)
+    async def extra_batch_images(req: ExtrasBatchImagesRequest) -> dict:
+        extras.params(req)
+        return await state.run("extras", lambda: extras.batch(state, req))
 
     @router.post("/png-info", response_model=PNGInfoResponse)
     def png_info(req: PNGInfoRequest) -> dict:
@@ -81,7 +97,7 @@ def _model_control(router: APIRouter, state: ApiState) -> None:
         return options.current(state)
 
     @router.post("/options")
-    async def set_options(changes: dict[str, Any]) -> None:
+    async def set_options(changes: FreeDict) -> None:
         await state.run("options", lambda: options.apply(state, changes))
 
     @router.post("/unload-checkpoint")
@@ -109,7 +125,7 @@ def _listings(router: APIRouter, state: ApiState) -> None:
 
     @router.get("/sd-models", response_model=list[SDModelItem])
     def sd_models() -> list[dict]:
-        return checkpoints.sd_models(ctx.settings, state.engine.snapshot())
+        return checkpoints.sd_models(ctx.settings, state.engine.snapshot(wait_for_hash=True))
 
     @router.get("/loras", response_model=list[LoraItem])
     def loras() -> list[dict]:
@@ -123,6 +139,10 @@ def _listings(router: APIRouter, state: ApiState) -> None:
     def schedulers() -> list[dict]:
         return listings.schedulers()
 
+    @router.get("/prompt-styles", response_model=list[PromptStyleItem])
+    def prompt_styles() -> list[dict]:
+        return [style._asdict() for style in read_styles(ctx.settings.styles_file).values()]
+
     @router.get("/embeddings", response_model=EmbeddingsResponse)
     def embeddings() -> dict:
         return listings.embeddings(ctx)
@@ -131,16 +151,15 @@ def _listings(router: APIRouter, state: ApiState) -> None:
     def memory() -> dict:
         return listings.memory(state.engine.snapshot().device)
 
-    _probed_by_clients(router)
+    _probed_by_clients(router, state)
 
 
-def _probed_by_clients(router: APIRouter) -> None:
+def _probed_by_clients(router: APIRouter, state: ApiState) -> None:
     """Lists clients ask for while setting up (SillyTavern, `webuiapi`, Krita's hires and upscaler menus)."""
     @router.get("/upscalers", response_model=list[UpscalerItem])
     def upscalers() -> list[dict]:
-        """The hires fix's pixel resamplers, as A1111 lists its upscalers ("None" first)."""
-        return [{"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": None}
-                for name in ("None", *PIXEL_UPSCALERS)]
+        """"None", the resamplers and the upscaler model files, as A1111 lists its upscalers."""
+        return extras.upscalers(state)
 
     @router.get("/latent-upscale-modes")
     def latent_upscale_modes() -> list[dict]:
@@ -155,8 +174,9 @@ def _probed_by_clients(router: APIRouter) -> None:
         return {"txt2img": [], "img2img": []}
 
 
-def sdapi_router(state: ApiState, auth: BasicAuth) -> APIRouter:
-    router = APIRouter(prefix="/sdapi/v1", route_class=A1111Route, dependencies=[Depends(auth)])
+def sdapi_router(state: ApiState) -> APIRouter:
+    """The routes; their login is checked by the request guard before a body is read (`auth`)."""
+    router = APIRouter(prefix="/sdapi/v1", route_class=A1111Route)
     _generation(router, state)
     _model_control(router, state)
     _listings(router, state)

@@ -10,24 +10,52 @@ the ones that would change the picture and ignores the rest (see the README).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+from app.engine.generate import LIMITS, MAX_PROMPT_CHARS
+
+# Every field's shape is bounded, so that refusing a hostile body is cheap and its answer small:
+# pydantic checks a list's or dict's length before its items, so a million `{}` in `styles` is one
+# error, found at once. Prompts may run past the engine's own cap (which refuses them with its own
+# message) but not without end; names are short; a free-form dict (`override_settings`, scripts)
+# holds few entries and nests only a few levels.
+MAX_NAME_CHARS = 1024
+MAX_ITEMS = 64
+MAX_DEPTH = 8
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+Prompt = Annotated[str, StringConstraints(max_length=4 * MAX_PROMPT_CHARS)]
+
+
+def _shallow(value: Any, depth: int = 0) -> Any:
+    """Refuse JSON nested deeper than `MAX_DEPTH` levels below a field."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for child in children:
+        _shallow(child, depth + 1)
+    return value
+
+
+Free = Annotated[Any, AfterValidator(_shallow)]
+FreeDict = Annotated[dict[Name, Free], Field(max_length=MAX_ITEMS)]
+Images = Annotated[list[str], Field(max_length=int(LIMITS["batch"].high))]  # one per image of a batch at most
 
 
 class Txt2ImgRequest(BaseModel):
     """`POST /sdapi/v1/txt2img`."""
 
-    prompt: str | None = ""
-    negative_prompt: str | None = ""
-    styles: list[str] | None = None
+    prompt: Prompt | None = ""
+    negative_prompt: Prompt | None = ""
+    styles: Annotated[list[Name], Field(max_length=MAX_ITEMS)] | None = None
     seed: int | None = -1
     subseed: int | None = -1
     subseed_strength: float | None = 0
     seed_resize_from_h: int | None = -1
     seed_resize_from_w: int | None = -1
-    sampler_name: str | None = None
-    scheduler: str | None = None
+    sampler_name: Name | None = None
+    scheduler: Name | None = None
     batch_size: int | None = 1
     n_iter: int | None = 1
     steps: int | None = 50
@@ -45,40 +73,44 @@ class Txt2ImgRequest(BaseModel):
     s_tmax: float | None = None
     s_tmin: float | None = None
     s_noise: float | None = None
-    override_settings: dict[str, Any] | None = None
+    override_settings: FreeDict | None = None
     override_settings_restore_afterwards: bool | None = True
-    refiner_checkpoint: str | None = None
+    refiner_checkpoint: Name | None = None
     refiner_switch_at: float | None = None
     disable_extra_networks: bool | None = False
     firstpass_image: str | None = None
-    comments: dict | None = None
+    comments: FreeDict | None = None
     enable_hr: bool | None = False
     firstphase_width: int | None = 0
     firstphase_height: int | None = 0
     hr_scale: float | None = 2.0
-    hr_upscaler: str | None = None
+    hr_upscaler: Name | None = None
     hr_second_pass_steps: int | None = 0
     hr_resize_x: int | None = 0
     hr_resize_y: int | None = 0
-    hr_checkpoint_name: str | None = None
-    hr_sampler_name: str | None = None
-    hr_scheduler: str | None = None
-    hr_prompt: str | None = ""
-    hr_negative_prompt: str | None = ""
-    force_task_id: str | None = None
-    sampler_index: str | None = "Euler"
-    script_name: str | None = None
-    script_args: list | None = Field(default_factory=list)
+    hr_checkpoint_name: Name | None = None
+    hr_sampler_name: Name | None = None
+    hr_scheduler: Name | None = None
+    hr_prompt: Prompt | None = ""
+    hr_negative_prompt: Prompt | None = ""
+    force_task_id: Name | None = None
+    sampler_index: Name | None = "Euler"
+    script_name: Name | None = None
+    script_args: Annotated[list[Free], Field(max_length=MAX_ITEMS)] | None = Field(default_factory=list)
     send_images: bool | None = True
     save_images: bool | None = False
-    alwayson_scripts: dict | None = Field(default_factory=dict)
-    infotext: str | None = None
+    alwayson_scripts: FreeDict | None = Field(default_factory=dict)
+    infotext: Prompt | None = None
+
+    def echoed(self) -> dict:
+        """The request as the answer's `parameters` carries it back."""
+        return self.model_dump()
 
 
 class Img2ImgRequest(Txt2ImgRequest):
     """`POST /sdapi/v1/img2img`: txt2img's fields plus A1111's img2img ones, with its defaults."""
 
-    init_images: list[str] | None = None
+    init_images: Images | None = None
     resize_mode: int | None = 0
     image_cfg_scale: float | None = None
     mask: str | None = None
@@ -93,6 +125,15 @@ class Img2ImgRequest(Txt2ImgRequest):
     initial_noise_multiplier: float | None = None
     latent_mask: str | None = None
     include_init_images: bool | None = False
+    # Ours (A1111 has no such model): `init_images` are reference pictures (1-4) a FLUX.2 Klein model edits
+    # from or combines, at the request's size; `denoising_strength`, `resize_mode` and `mask` are not used.
+    reference_images: bool | None = False
+
+    def echoed(self) -> dict:
+        """As A1111: the pictures sent (init images, mask) come back only with `include_init_images`."""
+        if self.include_init_images:
+            return self.model_dump()
+        return self.model_dump(exclude={"init_images", "mask"}) | {"init_images": None, "mask": None}
 
 
 class TextToImageResponse(BaseModel):
@@ -121,6 +162,12 @@ class ProgressResponse(BaseModel):
     state: dict
     current_image: str | None = None
     textinfo: str | None = None
+
+
+class PromptStyleItem(BaseModel):
+    name: str
+    prompt: str | None
+    negative_prompt: str | None
 
 
 class SamplerItem(BaseModel):
@@ -186,3 +233,47 @@ class UpscalerItem(BaseModel):
 class ScriptsList(BaseModel):
     txt2img: list | None = None
     img2img: list | None = None
+
+
+class ExtrasBaseRequest(BaseModel):
+    """A1111's Extras fields (`/extra-single-image`, `/extra-batch-images`): `resize_mode` 0 scales by
+    `upscaling_resize`, 1 to `upscaling_resize_w/h` (cropped with `upscaling_crop`)."""
+
+    resize_mode: int | None = 0
+    show_extras_results: bool | None = True
+    gfpgan_visibility: float | None = 0
+    codeformer_visibility: float | None = 0
+    codeformer_weight: float | None = 0
+    upscaling_resize: float | None = 2
+    upscaling_resize_w: int | None = 512
+    upscaling_resize_h: int | None = 512
+    upscaling_crop: bool | None = True
+    upscaler_1: Name | None = "None"
+    upscaler_2: Name | None = "None"
+    extras_upscaler_2_visibility: float | None = 0
+    upscale_first: bool | None = False
+
+
+class ExtrasSingleImageRequest(ExtrasBaseRequest):
+    image: str = Field(default="", description="The base64 encoded image (a data: URL works too)")
+
+
+class ExtrasSingleImageResponse(BaseModel):
+    html_info: str
+    image: str | None = None
+
+
+class FileData(BaseModel):
+    data: str = Field(description="The base64 encoded image")
+    name: Name = ""
+
+
+class ExtrasBatchImagesRequest(ExtrasBaseRequest):
+    # At most a batch's worth per request: the API's image decoder caps the pixels of a request too.
+    imageList: Annotated[list[FileData], Field(max_length=int(LIMITS["batch"].high))] = Field(  # noqa: N815
+        default_factory=list)  # A1111's field name
+
+
+class ExtrasBatchImagesResponse(BaseModel):
+    html_info: str
+    images: list[str]

@@ -59,6 +59,7 @@ class ApiState:
     job: JobRecord = field(default_factory=JobRecord)
     last_model: str | None = None  # the checkpoint to load back after an unload (A1111 reloads on demand)
     seen_since: float | None = None  # when `/progress` first saw the engine busy with a job not the API's
+    clip_skip: int = 1  # A1111's `CLIP_stop_at_last_layers` for API requests that do not override it
     _waiting: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Response
 
-from app.a1111.auth import BasicAuth
 from app.a1111.errors import A1111Route
 from app.a1111.state import ApiState
 from app.report import build_bug_report, jsonable
 
 
-def steady_router(state: ApiState, auth: BasicAuth) -> APIRouter:
-    router = APIRouter(prefix="/steady/v1", route_class=A1111Route, dependencies=[Depends(auth)])
+def steady_router(state: ApiState) -> APIRouter:
+    router = APIRouter(prefix="/steady/v1", route_class=A1111Route)
     ctx = state.ctx
 
     def snapshot():

@@ -3,28 +3,32 @@
 The numbers go through `params_from_form`, the rule set the UI uses, so the API has the UI's
 limits (steps 1–150, sizes 64–2048 rounded down to the family's multiple, the prompt and
 pixel-step caps) and its messages. `<lora:…>` tags in the prompt apply to this request only, as
-the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fields). Features this
-app does not have (face restoration, tiling, hires to a fixed size, scripts, refiners, variation
-seeds, infotext-filled requests) are refused with a 422
-that names them instead of silently producing a different picture; sampler tuning (`eta`,
-`s_churn` …), styles and saving switches are ignored. Images always go to the outputs folder too,
+the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fields); `subseed`,
+`subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles` names saved
+styles (`styles.csv`, applied as A1111 applies them); `refiner_checkpoint` (a checkpoint's name or
+title) finishes the image after `refiner_switch_at` (default 0.8). Features this app does not have (face
+restoration, tiling, hires to a fixed size, scripts, infotext-filled requests) are refused with a
+422 that names them instead of silently producing a different picture; sampler tuning (`eta`,
+`s_churn` …) and saving switches are ignored. Images always go to the outputs folder too,
 as the engine saves every image it makes.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from PIL import Image, PngImagePlugin
 
 from app.a1111 import checkpoints
 from app.a1111.errors import ApiError
-from app.a1111.options import OVERRIDABLE, unsupported_overrides
+from app.a1111.options import CLIP_SKIP, OVERRIDABLE, unsupported_overrides
 from app.a1111.schema import Txt2ImgRequest
 from app.a1111.state import ApiState
 from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
@@ -32,6 +36,7 @@ from app.engine.stage_params import SAME, HiresParams
 from app.families import family
 from app.infotext import parse_infotext
 from app.report import app_version
+from app.styles import apply_styles
 
 API_OWNER = "a1111-api"  # the engine's job owner for API generations
 # A1111's names for the samplers we share with it (`/sdapi/v1/samplers` lists them as aliases).
@@ -47,8 +52,7 @@ UNSUPPORTED = (("restore_faces", "face restoration"), ("tiling", "tiling"),
                ("hr_resize_y", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_checkpoint_name", "another checkpoint for the hires pass"),
                ("script_name", "scripts"), ("alwayson_scripts", "always-on scripts (extensions)"),
-               ("refiner_checkpoint", "a refiner"), ("firstpass_image", "a first-pass image"),
-               ("subseed_strength", "variation seeds (subseed_strength)"),
+               ("firstpass_image", "a first-pass image"),
                ("infotext", "filling the request from infotext (send the fields instead)"))
 
 
@@ -79,15 +83,27 @@ def field_value(req: Txt2ImgRequest, field: str) -> Any:
     return type(req).model_fields[field].get_default(call_default_factory=True) if value is None else value
 
 
-def plan(req: Txt2ImgRequest, arch: str | None) -> tuple[GenerateParams, tuple[str, ...]]:
-    """The engine's parameters and rounding notes; refuses unsupported features and out-of-range values."""
+def plan(req: Txt2ImgRequest, arch: str | None, styles_file: Path,
+         clip_skip: int = 1) -> tuple[GenerateParams, tuple[str, ...]]:
+    """The engine's parameters and notes (rounding, a cut prompt); refuses unsupported features and
+    out-of-range values. `styles` (names in `styles_file`) are applied to the prompts as A1111 applies
+    them; `clip_skip` is the API's option, which `override_settings` may override."""
     asked = list(dict.fromkeys(what for field, what in UNSUPPORTED if getattr(req, field)))
     if asked:
         raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
     fields = {"prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "steps", "cfg": "cfg_scale",
-              "seed": "seed", "width": "width", "height": "height", "batch": "batch_size", "n_iter": "n_iter"}
+              "seed": "seed", "width": "width", "height": "height", "batch": "batch_size", "n_iter": "n_iter",
+              "subseed": "subseed", "subseed_strength": "subseed_strength"}
     values = {ours: field_value(req, theirs) for ours, theirs in fields.items()}
+    values["prompt"], values["negative_prompt"] = apply_styles(styles_file, req.styles or [], values["prompt"],
+                                                               values["negative_prompt"])
+    for field in ("seed_resize_from_w", "seed_resize_from_h"):  # A1111 sends -1 for "off"; ours is 0
+        value = field_value(req, field)
+        values[field] = 0 if isinstance(value, int) and value < 0 else value
+    if req.refiner_switch_at is not None:
+        values["refiner_switch_at"] = req.refiner_switch_at
     values["sampler"] = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
+    values["clip_skip"] = (req.override_settings or {}).get(CLIP_SKIP, clip_skip)
     return params_from_form(values, arch)
 
 
@@ -106,7 +122,9 @@ def hires(req: Txt2ImgRequest, arch: str | None) -> HiresParams | None:
 
 def asked_checkpoint(state: ApiState, req: Txt2ImgRequest) -> str | None:
     asked = (req.override_settings or {}).get(OVERRIDABLE)
-    return None if asked is None else checkpoints.resolve(state.ctx.settings, state.engine.snapshot(), asked)
+    if asked is None:
+        return None
+    return checkpoints.resolve(state.ctx.settings, state.engine.snapshot(wait_for_hash=True), asked)
 
 
 @dataclass(frozen=True)
@@ -117,6 +135,7 @@ class Outcome:
     images: list[GeneratedImage]
     model: str | None
     model_hash: str | None
+    styles: tuple[str, ...] = ()  # the styles applied to the prompts (A1111's `styles` field)
 
 
 def run(state: ApiState, req: Txt2ImgRequest,
@@ -130,26 +149,31 @@ def run(state: ApiState, req: Txt2ImgRequest,
         params, owner=API_OWNER, hires=hires(req, state.engine.snapshot().arch)))
 
     def generate() -> Outcome:
-        params, rounding = plan(req, state.engine.snapshot().arch)
+        params, rounding = plan(req, state.engine.snapshot().arch, state.ctx.settings.styles_file, state.clip_skip)
+        if req.refiner_checkpoint not in (None, "", "None", "none"):  # A1111's spellings of "no refiner"
+            params = dataclasses.replace(params, refiner_checkpoint=checkpoints.resolve(
+                state.ctx.settings, state.engine.snapshot(), req.refiner_checkpoint))
         notes.extend(rounding)
         images = produce(params)
         if wanted is not None and images and parse_infotext(images[0].infotext).settings.get("Model") != wanted:
             raise ApiError(409, f"another client switched the checkpoint away from {wanted} during this request; "
                                 "send it again")
-        snap = state.engine.snapshot()
-        return Outcome(params, images, snap.model, snap.model_hash)
+        snap = state.engine.snapshot(wait_for_hash=True)
+        return Outcome(params, images, snap.model, snap.model_hash, tuple(req.styles or ()))
 
     outcome, restore_notes = checkpoints.with_checkpoint(
         state, wanted, field_value(req, "override_settings_restore_afterwards"), generate)
     images = [encode_png(im.image, im.infotext) for im in outcome.images] if field_value(req, "send_images") else []
-    return {"images": images, "parameters": req.model_dump(),
+    return {"images": images, "parameters": req.echoed(),
             "info": info_json(state, outcome, notes + restore_notes)}
 
 
-def encode_png(image: Image.Image, infotext: str) -> str:
-    """Base64 PNG carrying the infotext in its `parameters` chunk, as A1111 sends images."""
+def encode_png(image: Image.Image, infotext: str, chunks: Mapping[str, str] | None = None) -> str:
+    """Base64 PNG carrying the infotext in its `parameters` chunk, as A1111 sends images (`chunks`: the
+    text chunks to carry instead, as Extras sends its postprocessing text beside the source's)."""
     meta = PngImagePlugin.PngInfo()
-    meta.add_text("parameters", infotext)
+    for key, value in ({"parameters": infotext} if chunks is None else chunks).items():
+        meta.add_text(key, value)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", pnginfo=meta)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
@@ -161,23 +185,33 @@ def _denoising(images: list[GeneratedImage]) -> float | None:
     return None if value is None else float(value)
 
 
+def _stop_notes(images: list[GeneratedImage]) -> list[str]:
+    """Where an Interrupt or Skip cut an image short (A1111 says only `interrupted`)."""
+    return [f"seed {im.seed}: stopped at step {im.stopped_at} of its pass" for im in images if not im.complete]
+
+
 def info_json(state: ApiState, outcome: Outcome, notes: list[str]) -> str:
     """A1111's `info`: the JSON of its `Processed` object, with the keys clients read."""
     params, images = outcome.params, outcome.images
+    notes = [*notes, *_stop_notes(images)]
     seeds = [im.seed for im in images]
+    subseeds = [-1 if im.subseed is None else im.subseed for im in images]
     count = len(images)
     info = {
         "prompt": params.prompt, "all_prompts": [params.prompt] * count,
         "negative_prompt": params.negative_prompt, "all_negative_prompts": [params.negative_prompt] * count,
         "seed": seeds[0] if seeds else params.seed, "all_seeds": seeds,
-        "subseed": -1, "all_subseeds": [-1] * count, "subseed_strength": 0,
+        "subseed": subseeds[0] if subseeds else params.subseed, "all_subseeds": subseeds,
+        "subseed_strength": params.subseed_strength,
         "width": params.width, "height": params.height, "sampler_name": params.sampler, "cfg_scale": params.cfg,
         "steps": params.steps, "batch_size": params.batch, "restore_faces": False, "face_restoration_model": None,
         "sd_model_name": checkpoints.model_name(outcome.model or ""), "sd_model_hash": outcome.model_hash,
-        "sd_vae_name": None, "sd_vae_hash": None, "seed_resize_from_w": -1, "seed_resize_from_h": -1,
+        "sd_vae_name": None, "sd_vae_hash": None, "seed_resize_from_w": params.seed_resize_from_w or -1,
+        "seed_resize_from_h": params.seed_resize_from_h or -1,
         "denoising_strength": _denoising(images), "extra_generation_params": {}, "index_of_first_image": 0,
-        "infotexts": [im.infotext for im in images], "styles": [], "job_timestamp": state.job.timestamp,
-        "clip_skip": 1, "is_using_inpainting_conditioning": False, "version": app_version(),
+        "infotexts": [im.infotext for im in images], "styles": list(outcome.styles),
+        "job_timestamp": state.job.timestamp,
+        "clip_skip": params.clip_skip, "is_using_inpainting_conditioning": False, "version": app_version(),
         "comments": "\n".join(notes), "interrupted": any(not im.complete for im in images),
     }
     return json.dumps(info)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from app.adapters.errors import AdapterFormatError
 from app.adapters.specs import LoraSpec, check_strength
 from app.paths import resolve_under, utf8_names
-from app.safetensors_files import SafetensorsFileError, file_sha256, read_header, refuse_bad_values
+from app.safetensors_files import SafetensorsFileError, file_sha256, header_tensors, read_header, refuse_bad_values
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
@@ -126,10 +126,34 @@ class LoraLibrary:
             check_strength(spec.name, "UNet strength", spec.unet_strength)  # again: a spec can be forced
             check_strength(spec.name, "text-encoder strength", spec.te_strength)
 
-    def open(self, name: str) -> AdapterFile:
+    def _key(self, name: str) -> tuple[Path, tuple]:
         path = self.path_for(name)
         stat = path.stat()
-        key = (str(path), stat.st_mtime_ns, stat.st_size)
+        return path, (str(path), stat.st_mtime_ns, stat.st_size)
+
+    def cached(self, name: str) -> bool:
+        """Whether `name`'s current file is in the cache (`open` reads nothing)."""
+        try:
+            return self._key(name)[1] in self._cache
+        except (OSError, ValueError):
+            return False
+
+    def header_view(self, name: str) -> AdapterFile:
+        """The file as its header describes it (`header_tensors`: large tensors are `meta`), neither
+        hashed nor cached: enough to refuse a LoRA that does not fit a model while reading only its
+        header (four refused 1 GiB files were read whole and took RSS from 538 to 4,630 MiB)."""
+        path = self.path_for(name)
+        try:
+            tensors = header_tensors(path)
+            _keys, metadata = read_header(path)
+        except SafetensorsFileError as exc:
+            raise AdapterFormatError(str(exc)) from None
+        if not tensors:
+            raise AdapterFormatError(f"{path.name}: contains no tensors")
+        return AdapterFile(name, path, tensors, metadata, "", path.stat().st_size, _peft_sidecar(path))
+
+    def open(self, name: str) -> AdapterFile:
+        path, key = self._key(name)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]

@@ -9,7 +9,12 @@ look keys up exactly. The spellings (each tagged, so a report can say which layo
   names: LDM block names as sd-scripts writes them for SDXL, BFL names for Flux), `lora_te_`/
   `lora_te1_` for the first text encoder (diffusers' `convert_state_dict_to_kohya` writes
   `lora_te1_` even for SD1.5), then the family's prefix for each encoder (`lora_te2_`, Flux's
-  T5 `lora_te3_`); OneTrainer's `lora_transformer_` for a DiT's diffusers names;
+  T5 `lora_te3_` as sd-scripts writes it) and `lora_te<i>_` for the i-th encoder, as OneTrainer
+  numbers them (Flux's T5 `lora_te2_`; ComfyUI and Forge read both); OneTrainer's
+  `lora_transformer_` for a DiT's diffusers names;
+* ComfyUI: a text-encoder layer by its name in the family's all-in-one single file, dotted
+  (`text_encoders.clip_l.transformer.text_model.…`, `text_encoders.t5xxl.transformer.encoder.…`
+  on Flux), where that file keeps transformers' names (not SDXL's OpenCLIP layout);
 * LyCORIS: `lycoris_` + the UNet path with `_`;
 * diffusers / PEFT: dotted paths behind `unet.`/`text_encoder.`/`text_encoder_2.`, or bare
   (PEFT's own `save_pretrained`, after `base_model.model.`); a bare text-encoder path is the same
@@ -49,6 +54,7 @@ Parts = tuple[tuple[Target, Rows | None], ...]  # the modules one adapter layer 
 # Spelling tags, as the per-file report names them.
 KOHYA = "kohya"
 DIFFUSERS = "diffusers/PEFT"
+SINGLE_FILE = "ComfyUI (single-file names)"
 PEFT_BARE = "PEFT (bare module names)"
 LEGACY = "diffusers legacy attention processors"
 DOTTED_SPELLINGS = frozenset({DIFFUSERS, PEFT_BARE, LEGACY})
@@ -155,6 +161,7 @@ class KeyTable:
     def __init__(self, pipe, arch: str) -> None:
         fam = family(arch)
         self.arch = fam.lora_arch
+        self.foreign_layers = fam.foreign_adapter_layers
         self.components = frozenset(c for c in fam.components if getattr(pipe, c, None) is not None)
         self._table: dict[str, tuple[Parts, str]] = {}
         ambiguous: set[str] = set()
@@ -181,14 +188,16 @@ class KeyTable:
             for legacy in _legacy_spellings(path):
                 yield from ((f"{p}{legacy}", parts, LEGACY) for p in (f"{fam.denoiser}.", ""))
         yield from fam.native_modules(denoiser)
-        for te in fam.text_encoders:
+        for number, te in enumerate(fam.text_encoders, start=1):
             if te.component in self.components:
-                prefixes = tuple(dict.fromkeys((*_FIRST_TE_PREFIXES, te.lora_prefix) if te is fam.text_encoders[0]
-                                               else (te.lora_prefix,)))
-                yield from self._text_encoder_aliases(te.component, getattr(pipe, te.component), prefixes)
+                first = _FIRST_TE_PREFIXES if number == 1 else ()
+                kohya = tuple(dict.fromkeys((*first, f"lora_te{number}_", te.lora_prefix)))
+                dotted = (f"{te.component}.",) + (() if te.open_clip else (te.single_file_prefix,))
+                yield from self._text_encoder_aliases(te.component, getattr(pipe, te.component), kohya, dotted)
 
     @staticmethod
-    def _text_encoder_aliases(comp: str, encoder: torch.nn.Module, kohya_prefixes: tuple[str, ...]):
+    def _text_encoder_aliases(comp: str, encoder: torch.nn.Module, kohya_prefixes: tuple[str, ...],
+                              dotted_prefixes: tuple[str, ...]):
         for path, module in encoder.named_modules():
             if not path or getattr(module, "weight", None) is None:
                 continue
@@ -197,7 +206,8 @@ class KeyTable:
                 for prefix in kohya_prefixes:
                     yield f"{prefix}{spelled.replace('.', '_')}", parts, KOHYA
                 yield f"lycoris_{spelled.replace('.', '_')}", parts, LYCORIS  # LyCORIS's own wrapper
-                yield f"{comp}.{spelled}", parts, DIFFUSERS
+                for prefix in dotted_prefixes:
+                    yield f"{prefix}{spelled}", parts, DIFFUSERS if prefix == f"{comp}." else SINGLE_FILE
                 yield spelled, parts, PEFT_BARE
                 for legacy in _legacy_spellings(spelled):
                     yield from ((f"{p}{legacy}", parts, LEGACY) for p in (f"{comp}.", ""))

@@ -10,10 +10,14 @@ writes for SD1.5 too). A file is refused whole, never half-applied, when
 * any layer that resolves has the wrong shape for its module;
 * it has layers for a component this model lacks (a second text encoder on SD1.5, a transformer);
 * its metadata names another architecture and part of it matches nothing here;
-* it matches nothing at all.
+* it matches nothing at all;
+* less than half of its tensors match, unless the user allows this LoRA to apply in part: such a
+  file is usually another model's or a layout we do not read, and applying the rest quietly
+  changes the picture in a way nobody trained.
 
 Tensors that match nothing beside layers that fit are not fatal (trainers add layers other
-checkpoints lack): they are counted, and the report names the first few.
+checkpoints lack): they are counted, and the report names the first few (the patcher logs a
+warning when such a LoRA is applied).
 """
 
 from __future__ import annotations
@@ -56,10 +60,11 @@ class MatchReport:
     """What one file means for one model: the LoRA card, `inspect_lora` and the counters show it.
 
     `unmatched_keys` counts the file's tensors (safetensors keys) that reached no module — a
-    count in layers hid how much was dropped, since a layer holds two to five tensors.
-    `scale_source` says where the layers' scale came from (alpha tensors, PEFT metadata or
-    `adapter_config.json`, absent), `fits` the architecture the file fits, `declared` the one its
-    metadata names (None when it names none)."""
+    count in layers hid how much was dropped, since a layer holds two to five tensors — of its
+    `total_keys`. `scale_source` says where the layers' scale came from (alpha tensors, PEFT
+    metadata or `adapter_config.json`, absent), `fits` the architecture the file fits, `declared`
+    the one its metadata names (None when it names none). `partial`: less than half of its tensors
+    match, and it was accepted only because the user allows this LoRA to apply in part."""
 
     matched_layers: int
     unmatched_keys: int
@@ -69,6 +74,8 @@ class MatchReport:
     unmatched_examples: tuple[str, ...] = ()
     fits: str = ""
     declared: str | None = None
+    total_keys: int = 0
+    partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,10 +103,11 @@ class _Parsed:
     redundant: list[str] = field(default_factory=list)  # fused layers whose split layers are in the file too
 
 
-def match_adapter(name: str, file: AdapterFile, table: KeyTable,
-                  module_for: Callable[[Target], torch.nn.Module]) -> PreparedAdapter:
+def match_adapter(name: str, file: AdapterFile, table: KeyTable, module_for: Callable[[Target], torch.nn.Module],
+                  *, allow_partial: bool = False) -> PreparedAdapter:
     """Parse and shape-check every layer of `file` against the model `table` was built from;
-    raise `LoraApplyError` (naming the LoRA) when it does not fit, before any write."""
+    raise `LoraApplyError` (naming the LoRA) when it does not fit, before any write. A file of
+    which less than half the tensors match fits only with `allow_partial`."""
     groups = table.group(file.tensors)
     try:
         _refuse_unsupported(file)
@@ -110,13 +118,23 @@ def match_adapter(name: str, file: AdapterFile, table: KeyTable,
     declared = declared_architecture(file.metadata)
     _check_fit(name, table, parsed, unmatched, declared)
     keys = sorted(k for g in unmatched for k in g.file_keys)
+    partial = 2 * len(keys) > len(file.tensors)
+    if partial and not allow_partial:
+        raise LoraApplyError(name, _partial_refusal(table.arch, keys, len(file.tensors), len(parsed.layers)))
     if keys:
         log.debug("LoRA %s: %d unmatched tensors: %s", name, len(keys), ", ".join(keys))
     report = MatchReport(len(parsed.layers), len(keys),
-                         _message(table.arch, keys, len(unmatched), declared, parsed.redundant),
+                         _message(table.arch, keys, len(file.tensors), len(unmatched), declared, parsed.redundant),
                          _layout(parsed.spellings), _scale_source(parsed.scale_sources),
-                         tuple(keys[:UNMATCHED_EXAMPLES]), table.arch.upper(), declared)
+                         tuple(keys[:UNMATCHED_EXAMPLES]), table.arch.upper(), declared, len(file.tensors), partial)
     return PreparedAdapter(file, parsed.layers, report)
+
+
+def _partial_refusal(arch: str, keys: list[str], total: int, layers: int) -> str:
+    return (f"only {total - len(keys)} of its {total} tensors match this {arch.upper()} model ({len(keys)} match "
+            f"nothing, e.g. {', '.join(keys[:UNMATCHED_EXAMPLES])}): less than half, so it is likely made for "
+            f"another model or written in a layout not read here; nothing applied. Allow partial application "
+            f"for this LoRA to apply the {_count(layers, 'layer')} that match")
 
 
 def _parse(groups: list[LayerGroup], scales: PeftScales,
@@ -207,6 +225,11 @@ def declared_architecture(metadata: Mapping[str, str]) -> str | None:
 def _check_fit(name: str, table: KeyTable, parsed: _Parsed, unmatched: list[LayerGroup],
                declared: str | None) -> None:
     arch, fit = table.arch.upper(), len(parsed.layers)
+    for other, names in table.foreign_layers:  # module names only another architecture has (FLUX.1 on FLUX.2)
+        found = next((g.key for g in unmatched for part in names if part in g.key), None)
+        if found is not None:
+            raise LoraApplyError(name, f"is made for {other}, not this {arch} model: its layer {found} names a "
+                                       f"module only {other} has; nothing applied")
     foreign = [c for c in _FOREIGN_COMPONENTS if c not in table.components
                and any(component_named(g.key) == c for g in unmatched)]
     hint = declared.upper() if declared and declared != table.arch else _FOREIGN_COMPONENTS.get(next(iter(foreign), ""))
@@ -228,14 +251,14 @@ def _check_fit(name: str, table: KeyTable, parsed: _Parsed, unmatched: list[Laye
                                    f"model{made_for}; nothing applied")
 
 
-def _message(arch: str, keys: list[str], layers: int, declared: str | None, redundant: list[str]) -> str:
+def _message(arch: str, keys: list[str], total: int, layers: int, declared: str | None, redundant: list[str]) -> str:
     parts = []
     if redundant:
         parts.append(f"{_count(len(redundant), 'fused layer')} (e.g. {redundant[0]}) also written split into its "
                      "parts: the split layers were read, as diffusers reads them")
     if keys:
-        parts.append(f"{_count(len(keys), 'tensor')} ({_count(layers, 'layer')}) matched nothing in the model, "
-                     "e.g. " + ", ".join(keys[:UNMATCHED_EXAMPLES]))
+        parts.append(f"{len(keys)} of its {_count(total, 'tensor')} ({_count(layers, 'layer')}) matched nothing in "
+                     "the model, e.g. " + ", ".join(keys[:UNMATCHED_EXAMPLES]))
     if declared and declared != arch:
         parts.append(f"its metadata names {declared.upper()}, but every layer fits this {arch.upper()} model")
     return "; ".join(parts)

@@ -1,17 +1,20 @@
-"""A single-file checkpoint's config checked against the tensor shapes in its header, before building.
+"""A single-file checkpoint's config checked against the tensor shapes in its header.
 
 A config decides how much memory the model takes; the file only says what its tensors hold. When
 the two disagree diffusers first builds the model the config describes (random weights, full
 size) and only then finds the mismatch: a 12 MB file whose embedded config asked for
-`block_out_channels=[4096, 8192, …]` drove the process past 10 GiB before failing. So the config
-is built on the meta device (names and shapes, no memory), laid out as the LDM file would be, and
-compared with the header's shapes; a real checkpoint is compared with the bundled full-size
-config, which refuses files that are not SD1.5/SDXL-sized.
+`block_out_channels=[4096, 8192, …]` drove the process past 10 GiB before failing. So a config the
+file brings (or one we adapted to it) is built on the meta device (names and shapes, no memory),
+laid out as the LDM file would be, and compared with the header's shapes before anything is built.
 
 Even a meta build costs Python objects per layer, and a config can ask for any number of layers
 (`layers_per_block=100000`). A model needs one file tensor per parameter (OpenCLIP keeps q, k
 and v in one), so building stops as soon as it registers more than three parameters per tensor
 the file holds: the check costs at most what the file's header already describes.
+
+A config we ship is bounded (the full-size architecture) and diffusers builds it on the meta
+device anyway, so a real checkpoint is compared with the pipeline diffusers built from it
+(`check_loaded_shapes`): the same verdict without building the model twice.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from diffusers import AutoencoderKL
 
 from app.families import family
-from app.families.ldm_layout import to_ldm_state_dict
+from app.families.ldm_layout import ldm_shapes, to_ldm_state_dict
 
 PARAMETERS_PER_TENSOR = 3  # OpenCLIP stores q, k, v as one in_proj tensor
 _SHOWN = 3
@@ -93,15 +96,28 @@ def expected_shapes(arch: str, config_dir: Path, max_parameters: int | None = No
 
 def check_header_shapes(arch: str, config_dir: Path, shapes: dict[str, tuple[int, ...]], source: str) -> None:
     """Refuse unless the file (`shapes`, from its header) holds every tensor `source` (the config's
-    description, for messages) asks for, each with the shape it asks for."""
-    expected = expected_shapes(arch, config_dir, PARAMETERS_PER_TENSOR * len(shapes))
+    description, for messages) asks for, each with the shape it asks for: checked before building,
+    on the meta device, for a config we did not ship."""
+    _compare(arch, expected_shapes(arch, config_dir, PARAMETERS_PER_TENSOR * len(shapes)), shapes, source)
+
+
+def check_loaded_shapes(pipe, arch: str, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """The same check against the pipeline diffusers built from a config we ship: its size is bounded
+    and diffusers builds it on the meta device, so nothing is gained by building it twice (a third
+    of the load), while diffusers, which loads single files non-strictly, would leave a tensor the
+    file lacks at its random or meta initial value. Reads shapes only, never a weight."""
+    _compare(arch, ldm_shapes(pipe, family(arch)), shapes, source)
+
+
+def _compare(arch: str, expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
+             source: str) -> None:
     missing = sorted(expected.keys() - shapes.keys())
     if missing:
         raise CheckpointShapeError(f"{len(missing)} tensors of the {arch} pipeline are missing from the file "
                                    f"(e.g. {', '.join(missing[:_SHOWN])})")
-    wrong = sorted(key for key, shape in expected.items() if shapes[key] != shape)
+    wrong = sorted(key for key, shape in expected.items() if tuple(shapes[key]) != shape)
     if wrong:
         examples = "; ".join(f"{key}: the file holds {list(shapes[key])}, {source} expects {list(expected[key])}"
                              for key in wrong[:_SHOWN])
         raise CheckpointShapeError(f"{len(wrong)} tensors do not have the shapes {source} asks for ({examples}); "
-                                   "refused before building anything")
+                                   "refused")

@@ -25,8 +25,10 @@ A LoRA change must leave both counts unchanged; tests and the benchmark assert i
 
 Compiled artifacts survive restarts through torch's own caches (app/engine/compile_cache.py).
 
-Each distinct signature (image size, batch) compiles once, up to torch's recompile limit (8); later
-sizes stay eager and the status says so. A background compile runs one extra UNet forward beside the
+Each distinct signature (image size, batch, prompt length) compiles once, up to torch's recompile
+limit (8); later ones stay eager and the status says so. Prompts come in 77-token chunks: only the
+first `MAX_TEXT_LENGTHS` prompt lengths compile, longer tails run eager with a note (padding to a
+bucket would change the image). A background compile runs one extra UNet forward beside the
 generation in flight, so it needs that much more VRAM; on a small GPU prefer `background=False`.
 
 One compiled UNet per process: `close()` calls `torch._dynamo.reset()`, which drops every compiled
@@ -53,6 +55,7 @@ from app.families import family_of
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("reduce-overhead", "default")
+MAX_TEXT_LENGTHS = 3  # distinct prompt lengths (chunk counts) compiled; others run eager
 FIRST_COMPILE_HINT = "the first compile takes ~1 min for SD1.5 and ~2-3 min for SDXL; seconds when cached"
 
 
@@ -83,6 +86,12 @@ def signature_key(args: tuple, kwargs: dict) -> tuple:
     devices, and plain values (flags such as `return_dict`). Runs on every UNet call, hence the
     hand-written walk (a few microseconds) instead of a generic pytree flatten."""
     return _leaf_key(args), _leaf_key(kwargs)
+
+
+def _text_length(key: tuple) -> int | None:
+    """A signature's prompt length: axis 1 of its `encoder_hidden_states` keyword's recorded shape."""
+    leaf = dict(key[1][1]).get("encoder_hidden_states", ((),))
+    return leaf[0][1] if isinstance(leaf[0], torch.Size) and len(leaf[0]) == 3 else None
 
 
 def describe_call(args: tuple, kwargs: dict) -> str:
@@ -185,6 +194,8 @@ class CompileState:
         self._max_shapes = int(getattr(torch._dynamo.config, "recompile_limit", 8))
         self._ready: dict[tuple, str] = {}  # signature -> label
         self._failed: dict[tuple, str] = {}  # signature -> "label: error"
+        self._lengths: set[int] = set()  # text lengths compiled or being compiled
+        self._long = False  # a text length past MAX_TEXT_LENGTHS ran eager
         self._seconds: dict[str, float] = {}  # label -> wall time of its first (compiling) call
         self._warming: tuple[str, float] | None = None  # (label, monotonic start) of the compile in flight
         self._thread: threading.Thread | None = None
@@ -251,6 +262,8 @@ class CompileState:
             note += "; failed: " + "; ".join(failed.values()) + " (those sizes run eager)"
         if len(ready) + len(failed) >= self._max_shapes:
             note += f"; {self._max_shapes} sizes compiled, the torch limit: further sizes run eager"
+        if self._long:
+            note += f"; prompts of more than {MAX_TEXT_LENGTHS} lengths (77-token chunk counts): the others run eager"
         return phase, note
 
     # ------------------------------------------------------------------ dispatch
@@ -276,6 +289,10 @@ class CompileState:
         return self._compiled(*args, **kwargs)
 
     def _may_compile(self, key: tuple) -> bool:
+        length = _text_length(key)
+        if length is not None and length not in self._lengths and len(self._lengths) >= MAX_TEXT_LENGTHS:
+            self._long = True
+            return False
         busy = self._thread is not None and self._thread.is_alive()
         known = key in self._ready or key in self._failed
         full = len(self._ready) + len(self._failed) >= self._max_shapes
@@ -285,6 +302,7 @@ class CompileState:
         """Compile (when new) and run the compiled forward for exactly this call; returns its output.
         A failure is recorded against the signature (which then stays eager) and re-raised."""
         key, label = signature_key(args, kwargs), describe_call(args, kwargs)
+        self._lengths.add(_text_length(key))
         started = time.perf_counter()
         try:
             with self._run_lock:

@@ -140,25 +140,22 @@ def _check_shapes(part: ComponentFile, source: Source, want: Mapping[str, tuple[
                                    f"the shapes its config asks for ({shown}); refused before building anything")
 
 
-# ComfyUI's "scaled" fp8 files store a per-tensor scale beside a weight: `scale_weight` in the
-# older layout (with a `scaled_fp8` marker), `weight_scale` in the newer one (with `comfy_quant`).
-_SCALE_SUFFIXES = ("scale_weight", "weight_scale")
-
-
 def _reader(handle, source: Source, dtype: torch.dtype):
-    """Read one file tensor in `dtype`, a scaled fp8 weight multiplied by its scale while widening.
-    A scale of another shape (NVFP4/MXFP8 block scales) is refused: it is not one factor per tensor."""
+    """Read one file tensor in `dtype`. ComfyUI's scaled fp8 files store a scale beside each 8-bit
+    weight: `scale_weight` (FLUX.1's) or `weight_scale` (its newer layout, FLUX.2's and Z-Image's,
+    beside `comfy_quant`), one number or one per output row; it is applied while widening. Any other
+    count (NVFP4/MXFP8 block scales) is refused by name: it is not a factor per tensor or row."""
     def read(key: str) -> torch.Tensor:
         tensor = handle.get_tensor(source.prefix + key)
         stem = source.prefix + key.removesuffix("weight")
-        scale_key = next((stem + s for s in _SCALE_SUFFIXES if key.endswith("weight") and stem + s in source.keys),
-                         None)
-        if scale_key is not None:
+        scale_key = next((k for k in (stem + "scale_weight", stem + "weight_scale") if k in source.keys), None)
+        if key.endswith("weight") and scale_key is not None:
             scale = handle.get_tensor(scale_key).to(torch.float32)
-            if scale.numel() != 1:
-                raise CheckpointShapeError(f"{scale_key} holds {scale.numel()} scales (a block-quantised format); "
-                                           "only one scale per fp8 tensor is supported")
-            tensor = tensor.to(torch.float32) * scale
+            if scale.numel() not in (1, tensor.shape[0]):
+                raise CheckpointShapeError(f"{scale_key} holds {scale.numel()} scales for {tensor.shape[0]} rows (a "
+                                           "block-quantised format): only one scale per tensor or row is supported")
+            rows = scale.reshape(-1, *(1,) * (tensor.dim() - 1)) if scale.numel() > 1 else scale
+            tensor = tensor.to(torch.float32) * rows
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
     return read
 
@@ -180,6 +177,14 @@ def load_part(part: ComponentFile, fam: Family, source: Source, checkpoint: Sour
     return model.eval()
 
 
+def source_files(fam: Family, checkpoint_path: Path, choices: Mapping[str, Path], folders: Mapping[str, Path]
+                 ) -> list[Path]:
+    """The files `assemble` reads the family's parts from (headers only are read to find them)."""
+    checkpoint = _open(checkpoint_path)
+    return [find_source(part, checkpoint, choices.get(part.component), folders.get(part.folder)).path
+            for part in fam.parts]
+
+
 def assemble(fam: Family, checkpoint_path: Path, dtype: torch.dtype, choices: Mapping[str, Path],
              folders: Mapping[str, Path]):
     """The family's pipeline from `checkpoint_path` plus separate files (`choices`: component ->
@@ -191,4 +196,5 @@ def assemble(fam: Family, checkpoint_path: Path, dtype: torch.dtype, choices: Ma
         components[part.component] = load_part(part, fam, source, checkpoint, dtype)
     index = json.loads((fam.config_dir / "model_index.json").read_text())
     scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(fam.config_dir, subfolder="scheduler")
-    return fam.pipeline_class(scheduler=scheduler, **components, **fam.tokenizers(), **fam.pipeline_kwargs)
+    return fam.pipeline_class(scheduler=scheduler, **components, **fam.tokenizers(), **fam.pipeline_kwargs,
+                              **fam.file_pipeline_kwargs(checkpoint_path))

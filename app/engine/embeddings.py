@@ -38,6 +38,21 @@ def _token_names(name: str, count: int) -> list[str]:
     return [name] + [f"{name}_{i}" for i in range(1, count)]
 
 
+def token_runs(tokenizer) -> dict[int, tuple[int, ...]]:
+    """The token a prompt names a multi-vector embedding by (`foo`) -> the ids of all its vectors
+    (`foo`, `foo_1`, …), as `load_embedding` added them; what diffusers' `maybe_convert_prompt`
+    expands, for the prompt encoder (`app.prompts`), which tokenizes without the pipeline."""
+    added = tokenizer.added_tokens_encoder
+    runs = {}
+    for name, first in added.items():
+        count = 1
+        while f"{name}_{count}" in added:
+            count += 1
+        if count > 1:
+            runs[first] = tuple(added[token] for token in _token_names(name, count))
+    return runs
+
+
 def _add_vectors(tokenizer, encoder, tokens: list[str], vectors: torch.Tensor) -> None:
     """The new tokens' rows, added to the table only where the tokenizer outgrows it: a table may
     hold more rows than its tokenizer has tokens (T5's 32,128 for 32,100, Qwen3's 151,936 for

@@ -13,7 +13,7 @@ import logging
 import math
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -21,8 +21,12 @@ from pathlib import Path
 import torch
 from PIL import Image, PngImagePlugin
 
+from app.engine import variation
+from app.engine.interrupt import StepInterrupted
 from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
+from app.prompts.encode import CLIP_SKIP_MAX, encode_prompts
+from app.prompts.notes import prompt_notes
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +84,18 @@ LIMITS: dict[str, Range] = {
     "height": Range(64, 2048),
     "batch": Range(1, 16),
     "n_iter": Range(1, 100, hint="batch count"),
+    "clip_skip": Range(1, CLIP_SKIP_MAX, hint="1 = the last layer"),
+    # A1111's variation seed (app/engine/variation.py) and "resize seed from" (0: the image's own size).
+    "subseed": Range(-1, MAX_SEED, hint="-1 = random"),
+    "subseed_strength": Range(0, 1, whole=False, hint="0 = off"),
+    "seed_resize_from_w": Range(0, 2048, hint="0 = off"),
+    "seed_resize_from_h": Range(0, 2048, hint="0 = off"),
+    # A1111's refiner: the share of the noise schedule the base model denoises (app/engine/refining.py).
+    "refiner_switch_at": Range(0.01, 1, whole=False, hint="1 = no refiner"),
 }
+# Fields a form or request may leave out, and their values (the others are required).
+OPTIONAL = {"n_iter": 1, "clip_skip": 1, "subseed": -1, "subseed_strength": 0, "seed_resize_from_w": 0,
+            "seed_resize_from_h": 0, "refiner_switch_at": 0.8}
 DEFAULT_SIZE_MULTIPLE = 8  # sizes with no model loaded; a family states its own (`Family.size_multiple`)
 
 
@@ -96,6 +111,13 @@ class GenerateParams:
     batch: int = 1  # images per denoising run (A1111 "batch size")
     sampler: str = "Euler a"
     n_iter: int = 1  # runs one after another, seeds continuing (A1111 "batch count"); Skip ends one
+    clip_skip: int = 1  # A1111's "Clip skip": read the text encoder's layer -N (app/prompts/encode.py)
+    subseed: int = -1  # variation seed (A1111's names), mixed in at `subseed_strength` (0: off)
+    subseed_strength: float = 0.0
+    seed_resize_from_w: int = 0  # draw the noise as for this size (both > 0), pasted centred
+    seed_resize_from_h: int = 0
+    refiner_checkpoint: str = ""  # a checkpoint that finishes the txt2img after `refiner_switch_at` ("": none)
+    refiner_switch_at: float = 0.8
 
     def __post_init__(self) -> None:
         for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
@@ -109,11 +131,17 @@ class GenerateParams:
         for side in (self.width, self.height):
             if side % DEFAULT_SIZE_MULTIPLE:
                 raise ValueError(f"width and height must be multiples of {DEFAULT_SIZE_MULTIPLE}, got {side}")
-        work = self.batch * self.width * self.height * self.steps
-        if work > MAX_PIXEL_STEPS:
-            raise ValueError(f"batch x width x height x steps = {self.batch} x {self.width} x {self.height} x "
-                             f"{self.steps} = {work:,} is over the per-request cap of {MAX_PIXEL_STEPS:,}; "
-                             "use fewer images, steps or pixels")
+        check_work(self.n_iter, self.batch, self.width, self.height, self.steps)
+
+
+def check_work(runs: int, batch: int, width: int, height: int, steps: int, what: str = "") -> None:
+    """The per-request cap of `MAX_PIXEL_STEPS` on a pass of `runs` (batch count) x `batch` images of
+    `width` x `height` at `steps`: a batch count of 100 once multiplied the cap's time, answer and disk by 100."""
+    work = runs * batch * width * height * steps
+    if work > MAX_PIXEL_STEPS:
+        raise ValueError(f"{what}{': ' if what else ''}batch count x batch x width x height x steps = {runs} x {batch} "
+                         f"x {width} x {height} x {steps} = {work:,} is over the per-request cap of "
+                         f"{MAX_PIXEL_STEPS:,}; use fewer images, runs, steps or pixels")
 
 
 def round_size(field: str, value: int, arch: str | None) -> tuple[int, str]:
@@ -137,7 +165,7 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
     problems, checked = [], {}
     for field, rule in LIMITS.items():
         try:
-            checked[field] = rule.check(field, values.get(field, 1 if field == "n_iter" else None))
+            checked[field] = rule.check(field, values.get(field, OPTIONAL.get(field)))
         except ValueError as exc:
             problems.append(str(exc))
     if problems:
@@ -147,7 +175,10 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
         checked[field], note = round_size(field, checked[field], arch)
         notes.append(note)
     params = GenerateParams(str(values.get("prompt") or ""), str(values.get("negative_prompt") or ""),
-                            sampler=str(values.get("sampler")), **checked)
+                            sampler=str(values.get("sampler")),
+                            refiner_checkpoint=str(values.get("refiner_checkpoint") or ""), **checked)
+    if arch is not None:
+        notes += prompt_notes(family(arch), params.prompt, params.negative_prompt)
     return params, tuple(n for n in notes if n)
 
 
@@ -190,6 +221,7 @@ class GeneratedImage:
     infotext: str
     path: Path | None = None
     stopped_at: int | None = None  # the step an Interrupt or Skip stopped the denoising at (None: ran all)
+    subseed: int | None = None  # the variation seed mixed in (None: none)
 
     @property
     def complete(self) -> bool:
@@ -202,7 +234,7 @@ class RunContext:
     `LoraUse(name, unet, short_hash, te)` entries (plain tuples in that order work too)."""
 
     model_name: str
-    model_hash: str
+    model_hash: str | None  # None: the file could not be read, and the pair is left out as A1111 does
     loras: tuple[tuple, ...] = ()
     arch: str | None = None  # the family, for how guidance is written
 
@@ -215,18 +247,23 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
     """A1111-style `parameters` text (see `app.infotext`), so other tools and our PNG Info read it back.
     A guidance-distilled family (Flux dev) writes what Forge writes: `CFG scale: 1` (no CFG runs) and
     the guidance as `Distilled CFG Scale`. `extra` holds a workflow's own pairs (`Denoising
-    strength`, `Hires upscale`, …), written after `Model` as A1111 writes them."""
-    distilled = ctx.arch is not None and family(ctx.arch).distilled_guidance
+    strength`, `Hires upscale`, …), written after `Model` as A1111 writes them. A family that has no
+    negative prompt (Flux) ran without it, so none is written: a reader must not believe it counted."""
+    fam = family(ctx.arch) if ctx.arch is not None else None
+    distilled = fam is not None and fam.distilled_guidance
+    negative = params.negative_prompt if fam is None or fam.negative_prompt else ""
     guidance = [("CFG scale", "1"), ("Distilled CFG Scale", f"{params.cfg:g}")] if distilled \
         else [("CFG scale", f"{params.cfg:g}")]
     settings = [("Steps", params.steps), ("Sampler", params.sampler), *guidance, ("Seed", seed),
                 ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name),
-                *extra]
+                *extra, *([("Clip skip", params.clip_skip)] if params.clip_skip > 1 else [])]
+    settings = [(key, value) for key, value in settings if value is not None]
     loras = tuple(LoraUse(*entry) for entry in ctx.loras)
-    return format_infotext(params.prompt, params.negative_prompt, settings, loras)
+    return format_infotext(params.prompt, negative, settings, loras)
 
 
-def _scheduler_for(pipe, sampler: str):
+def scheduler_for(pipe, sampler: str):
+    """A fresh scheduler for `sampler` on the pipeline's scheduler config; a sampler its family lacks is refused."""
     fam = family_of(pipe)
     if sampler not in fam.samplers:
         raise ValueError(f"{fam.label} has no sampler {sampler!r}; choose one of {', '.join(fam.samplers)}")
@@ -257,14 +294,16 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
 StepCallback = Callable[[int, int, torch.Tensor], bool]
 
 
-def seed_generators(seed: int, count: int) -> list[torch.Generator]:
-    """One CPU generator per image, image i seeded with `seed + i`: the same seed gives the same image
-    whatever the batch position, device or offload mode."""
-    return [torch.Generator("cpu").manual_seed((seed + i) % (MAX_SEED + 1)) for i in range(count)]
+def seed_generators(seed: int, count: int, step: int = 1) -> list[torch.Generator]:
+    """One CPU generator per image, image i seeded with `seed + i·step`: the same seed gives the same image
+    whatever the batch position, device or offload mode (step 0: every image keeps the seed, as A1111's
+    images do when a variation seed is mixed in)."""
+    return [torch.Generator("cpu").manual_seed((seed + i * step) % (MAX_SEED + 1)) for i in range(count)]
 
 
-def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None) -> list[Image.Image]:
-    """Denoise and decode `params.batch` images; image i uses seed `seed + i`.
+def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, **inputs) -> list[Image.Image]:
+    """Denoise and decode `params.batch` images; image i uses seed `seed + i`; `inputs` go to the
+    pipeline call (reference images: `image=[…]`).
 
     `on_step(step, total, latents)` runs after each step (it must only read the latents: the live
     preview projects them with `app.preview.latent_preview`); when it returns True the remaining
@@ -272,25 +311,29 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
-    return decode(pipe, denoise(pipe, params, seed, on_step, width=params.width, height=params.height))
+    latents = denoise(pipe, params, seed, on_step, width=params.width, height=params.height, **inputs)
+    return [] if latents is None else decode(pipe, latents)
 
 
 def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, total: int | None = None,
-            **inputs) -> torch.Tensor:
+            **inputs) -> torch.Tensor | None:
     """The denoising loop of any of our pipelines (txt2img, or a stage pipeline given its `inputs`:
     init latents, strength, mask); returns the latents spatial, (batch, channels, h, w), as the VAE
     and the next stage read them (Flux's packed patches unpacked). `total` is the
     number of steps the loop really runs (an img2img pass runs `steps × strength`), for `on_step`
-    and the NaN check."""
+    and the NaN check. A stop inside a step returns the last complete step's latents, or None when
+    no step had completed (nothing to keep)."""
     fam = family_of(pipe)
     _check_size(fam, params)
     fam.check_guidance(params.cfg)
-    pipe.scheduler = _scheduler_for(pipe, params.sampler)
+    pipe.scheduler = scheduler_for(pipe, params.sampler)
     total = params.steps if total is None else total
     watch = _FiniteWatch(total)
+    reached = {}  # the latents after the last complete step, kept for a stop inside the next one
 
     def step_end(_pipe, step, _timestep, kwargs):
         watch.observe(step + 1, kwargs["latents"])
+        reached["latents"] = kwargs["latents"]
         if on_step is not None and on_step(step + 1, total, pipe.spatial_latents(kwargs["latents"], params.height,
                                                                                   params.width)):
             _pipe._interrupt = True
@@ -298,26 +341,35 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
     # tensors could not be patched in place afterwards.
-    with torch.no_grad():
-        latents = pipe(
-            prompt=params.prompt,
-            num_inference_steps=params.steps,
-            num_images_per_prompt=params.batch,
-            generator=seed_generators(seed, params.batch),
-            output_type="latent",
-            callback_on_step_end=step_end,
-            **fam.call_arguments(params.cfg, params.negative_prompt),
-            **inputs,
-        ).images
-    watch.settle()
+    try:
+        with torch.no_grad(), variation.drawing_with(pipe, variation.of(params)):
+            prompts = encode_prompts(pipe, params.prompt, params.negative_prompt, params.clip_skip)
+            latents = pipe(
+                num_inference_steps=params.steps,
+                num_images_per_prompt=params.batch,
+                generator=seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1),
+                output_type="latent",
+                callback_on_step_end=step_end,
+                **prompts.call_arguments(),
+                **fam.call_arguments(params.cfg),
+                **inputs,
+            ).images
+    except StepInterrupted:  # a stop inside a step (`app.engine.interrupt`): the last complete step counts
+        latents = reached.get("latents")
+        if latents is None:
+            return None
+    else:
+        watch.settle()
     return pipe.spatial_latents(latents, params.height, params.width)
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int) -> Path:
-    """Write `outputs/<date>/<nnnnn>-<seed>.png` with the infotext in the `parameters` chunk."""
+def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int,
+             chunks: Mapping[str, str] | None = None) -> Path:
+    """Write `outputs/<date>/<nnnnn>-<seed>.png` with the infotext in the `parameters` chunk (`chunks`:
+    the text chunks to write instead, as Extras writes A1111's `postprocessing` beside the source's)."""
     folder = outputs_dir / datetime.now().strftime("%Y-%m-%d")
     folder.mkdir(parents=True, exist_ok=True)
     index = len(list(folder.glob("*.png")))
@@ -326,6 +378,7 @@ def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int) -> Pat
         index += 1
         path = folder / f"{index:05d}-{seed}.png"
     meta = PngImagePlugin.PngInfo()
-    meta.add_text("parameters", text)
+    for key, value in ({"parameters": text} if chunks is None else chunks).items():
+        meta.add_text(key, value)
     image.save(path, pnginfo=meta)
     return path

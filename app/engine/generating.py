@@ -14,12 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.adapters.prompt import merge_prompt_loras
-from app.engine import generate
+from app.engine import generate, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
+from app.engine.interrupt import StepInterrupted
 from app.engine.snapshot import EngineState
 from app.families import family
 from app.infotext import LoraUse
 from app.preview import latent_preview
+
+# The commands that generate: each becomes the current `Job` when it leaves the queue, for all of
+# its stages, so Interrupt and Skip reach every denoising pass of it (img2img, inpaint, hires).
+GENERATIONS = frozenset({"generate", "txt2img_hires", "txt2img_refiner", "img2img", "inpaint", "edit"})
 
 
 @dataclass
@@ -28,6 +33,11 @@ class Job:
 
     owner: str | None
     stop: str | None = None  # "interrupt" (keep what is there) | "drop" | "skip" (this run only)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether an Interrupt ended it (a Skip ends one run only): its history row says so."""
+        return self.stop in ("interrupt", "drop")
 
 
 class GenerationCancelled(RuntimeError):
@@ -41,7 +51,7 @@ class Generating:
         """Take `owner`'s generations that still wait in the queue off it (their callers get
         `GenerationCancelled`); a closed tab or client leaves no work behind. Returns how many."""
         with self._wake:
-            mine = [c for c in self._queue if c is not None and c.owner == owner and c.name == "generate"]
+            mine = [c for c in self._queue if c is not None and c.owner == owner and c.name in GENERATIONS]
             for command in mine:
                 self._queue.remove(command)
         for command in mine:
@@ -60,6 +70,11 @@ class Generating:
         job.stop = "interrupt" if keep_partial else "drop"
         return True
 
+    def runs_for(self, owner: str) -> bool:
+        """Whether a generation of `owner` is running now (the page keeps its stop buttons live by it)."""
+        job = self._job
+        return job is not None and job.owner == owner
+
     def skip(self, *, owner: str | None = None) -> bool:
         """End the current run of a batch count early (its images decoded as they are) and go on
         with the next one. Returns whether a generation was running for that owner."""
@@ -74,6 +89,7 @@ class Generating:
         list plus the tags for the run and back to the desired list afterwards."""
         if self._lifecycle.pipeline is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
+        self._release_refiner()  # a txt2img without one: the memory a held refiner takes goes back
         saved_prompt = params.prompt  # tags stay in the saved prompt, as A1111 writes it
         params, wanted = merge_prompt_loras(params, self._desired.loras)
         self.library.validate_specs(wanted)
@@ -92,26 +108,33 @@ class Generating:
 
     def _generate_images(self, params: GenerateParams, saved_prompt: str, job: Job, batch_run=None,
                          extra: tuple[tuple[str, object], ...] = ()) -> list[GeneratedImage]:
-        """`params.n_iter` runs of `batch_run(first_seed, phase)` -> (images, stopped_at) (default: one
-        txt2img denoising), each image saved with its infotext (`extra`: the workflow's own pairs)."""
+        """`params.n_iter` runs of `batch_run(first_seed, phase, run_params)` -> (images, stopped_at) (default:
+        one txt2img denoising), each image saved with its infotext (`extra`: the workflow's own pairs).
+        `run_params` are the run's own: its variation seeds go on over the batch count, while every image
+        keeps the seed when one is mixed in (A1111's rule, `variation`)."""
         facts = self._lifecycle.facts()
         seed = generate.resolve_seed(params.seed)
+        params = variation.resolved(params)
+        step = 0 if variation.varies(params) else 1
         applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
                         for s in facts.loras)
-        ctx = RunContext(facts.model, facts.model_hash, applied, facts.arch)
-        saved = dataclasses.replace(params, prompt=saved_prompt)
-        batch_run = batch_run or (lambda first, phase: self._denoise_run(
-            params.steps, job, phase, lambda on_step: self._lifecycle.denoise(params, first, on_step)))
+        ctx = None  # made when the first image is saved: after a first load its file may still be being hashed
+        batch_run = batch_run or (lambda first, phase, run_params: self._denoise_run(
+            params.steps, job, phase, lambda on_step: self._lifecycle.denoise(run_params, first, on_step)))
         out = []
         for run in range(params.n_iter):
-            first = seed + run * params.batch
-            images, stopped_at = batch_run(first, f"denoising, run {run + 1}/{params.n_iter}")
+            first, run_params = seed + run * params.batch * step, variation.for_run(params, run)
+            saved = dataclasses.replace(run_params, prompt=saved_prompt)
+            images, stopped_at = batch_run(first, f"denoising, run {run + 1}/{params.n_iter}", run_params)
             if job.stop == "drop":
                 return []
-            for i, image in enumerate(images):
-                text = generate.infotext(saved, first + i, ctx, extra)
-                path = generate.save_png(image, text, self.settings.outputs_dir, first + i)
-                out.append(GeneratedImage(image, first + i, text, path, stopped_at))
+            for i, image in enumerate(images or ()):  # none when a stop came before the first step ended
+                ctx = ctx or RunContext(facts.model, self._lifecycle.model_hash(), applied, facts.arch)
+                image_seed = first + i * step
+                text = generate.infotext(saved, image_seed, ctx, (*variation.infotext_pairs(run_params, i), *extra))
+                path = generate.save_png(image, text, self.settings.outputs_dir, image_seed)
+                out.append(GeneratedImage(image, image_seed, text, path, stopped_at,
+                                          variation.subseed_of(run_params, i)))
             if job.stop == "interrupt":
                 break
             job.stop = None  # a Skip ends this run only
@@ -120,21 +143,35 @@ class Generating:
     def _denoise_run(self, total: int, job: Job, phase: str, run) -> tuple[Any, int | None]:
         """One denoising pass of `total` steps, `run(on_step)`; returns its result and the step it was
         stopped at (None: all ran). Every `preview_every` steps the progress carries a cheap preview
-        of the latents."""
-        reached, arch = 0, self._lifecycle.facts().arch
+        of the latents. A stop lands between two steps (`on_step`) or inside one, before the next
+        block of the model (`interrupt.stop_checks`); the latents reached are then decoded as they are,
+        unless the stop drops them (the result is then None)."""
+        reached, ending, arch = 0, False, self._lifecycle.facts().arch
         previews = family(arch).preview_rgb is not None  # no factors: no preview
 
         def on_step(step: int, total: int, latents) -> bool:
-            nonlocal reached
+            nonlocal reached, ending
             reached = step
             every = self.settings.preview_every
             shown = previews and every and step % every == 0 and step < total
             self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
-            return job.stop is not None
+            ending = job.stop is not None
+            return ending
+
+        def stop_inside() -> bool:
+            """True once for a stop inside the denoising; a decode of what was reached runs on (a drop stops it)."""
+            nonlocal ending
+            if job.stop is None or ((ending or reached == total) and job.stop != "drop"):
+                return False
+            ending = True
+            return True
 
         self._set_progress(phase, 0, total)
         try:
-            result = run(on_step)
+            with self._lifecycle.interruptible(stop_inside):
+                result = run(on_step)
+        except StepInterrupted:  # dropped mid-decode: nothing to keep
+            result = None
         except generate.NonFiniteLatentsError as exc:
             self._attribute_non_finite(exc)
             raise

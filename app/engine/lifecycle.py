@@ -1,7 +1,8 @@
 """The model lifecycle: the steps that make the loaded model match a `Desired`.
 
 Load and swap a checkpoint, place it under an offload mode (plan, move, install the mode's
-hooks), patch LoRAs, run a generation, unload. Only the worker calls these, one at a time, and
+hooks: `Placing`, app/engine/placing.py), patch LoRAs, run a generation, unload. Only the worker
+calls these, one at a time, and
 each step owns its undo: a load that fails leaves the previous model loaded and placed as it
 was; an offload switch that fails puts the previous mode back; a LoRA change is all or nothing
 (the stack's own rollback). `realise` diffs a `Desired` against what is loaded and runs only
@@ -10,12 +11,11 @@ the steps that differ.
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import torch
 
@@ -25,10 +25,16 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage, strict
-from app.engine.checkpoint_files import resolve_checkpoint
+from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage
+from app.engine.checkpoint_files import ModelLoadError, resolve_checkpoint
 from app.engine.desired import Desired
+from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GenerateParams
+from app.engine.interrupt import stop_checks
+from app.engine.lora_options import allows_partial
+from app.engine.memory import release_memory
+from app.engine.placing import Placing
+from app.engine.snapshot import LoadedFacts
 from app.families import family
 from app.hooks import HookRegistry
 from app.safetensors_files import FileIdentity
@@ -39,16 +45,13 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]
 
 
-class RollbackFailed(RuntimeError):
-    """An undo could not restore the last good state; the engine must enter ERROR."""
-
-
 @dataclass
 class _Loaded:
     """The current model and everything applied to it (lifecycle-private)."""
 
     model: models.LoadedModel
     identity: FileIdentity  # the checkpoint's size and mtime at load: a changed file is reloaded
+    scan: ModelScan  # its files' hash and value check, read in the background
     plan: placement.PlacementPlan
     hooks: HookRegistry
     stack: LoraStack
@@ -61,45 +64,20 @@ class _Loaded:
     stage_pipes: dict[str, object] = field(default_factory=dict)  # img2img/inpaint pipelines on the same components
 
 
-@dataclass(frozen=True)
-class LoadedFacts:
-    """What the snapshot shows about the loaded model."""
-
-    model: str
-    arch: str
-    model_hash: str
-    native_size: int  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
-    dtype: torch.dtype
-    offload: str
-    loras: tuple[LoraSpec, ...]
-    lora_mode: str  # "fused", "bypass" or "fused + bypass"
-    embeddings: tuple[str, ...]
-    set_aside: Mapping[str, str]
-    weights: str  # "full" or the storage dtype of the large weights
-    stored_layers: int  # layers whose weight rests in that dtype
-    bytes_saved: int  # against holding them in the compute dtype
-    lora_backups: str  # originals held for fused LoRAs: layers, size, where (LoraStack.backup_summary)
-
-
-def release_memory() -> None:
-    """Return freed RAM/VRAM to the OS/driver so "unload" really shows up in the numbers."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    heap.give_back()
-
-
-class ModelLifecycle:
-    """Owns the loaded pipeline; the worker's only way to change it."""
+class ModelLifecycle(Placing):
+    """Owns the loaded pipeline; the worker's only way to change it. Where it lives (plan, hooks, parking)
+    is `Placing`'s (app/engine/placing.py)."""
 
     def __init__(self, settings: Settings, device: torch.device, timers: diagnostics.Timers,
-                 open_lora: Callable[[str], AdapterFile], progress: ProgressFn) -> None:
+                 open_lora: Callable[[str], AdapterFile], progress: ProgressFn, scans: FileScans) -> None:
         self._settings = settings
         self._device = device
         self._timers = timers
         self._open_lora = open_lora
         self._progress = progress
         self._loaded: _Loaded | None = None
+        self._parked: placement.PlacementPlan | None = None  # the all-CPU plan while parked (`park`)
+        self._scans = scans  # reads a loaded model's files after its load (the worker begins them)
         self.strict_forwards = settings.strict_forwards  # the `debug.strict` check on every forward (strict.py)
         self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
 
@@ -111,6 +89,11 @@ class ModelLifecycle:
     @property
     def stack(self) -> LoraStack | None:
         return None if self._loaded is None else self._loaded.stack
+
+    @property
+    def scan(self) -> ModelScan | None:
+        """The loaded model's background file read (its hash and weight check)."""
+        return None if self._loaded is None else self._loaded.scan
 
     @property
     def plan(self) -> placement.PlacementPlan | None:
@@ -128,7 +111,7 @@ class ModelLifecycle:
         pipe, bypass = loaded.model.pipe, loaded.stack.bypass_components
         patched = {component for component, _ in loaded.stack.patched_modules()}
         modes = sorted({"bypass" if c in bypass else "fused" for c in patched}) or ["fused"]
-        return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.model.short_hash,
+        return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.scan.short_hash(),
                            pipe.family.native_size(pipe), loaded.plan.dtype,
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
                            dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
@@ -139,8 +122,8 @@ class ModelLifecycle:
         loaded = self._loaded
         if loaded is None:
             return ()
-        return diagnostics.placement_rows(loaded.model.pipe, loaded.plan, loaded.stack.patched_modules(),
-                                          list(violations), loaded.hooks)
+        return diagnostics.placement_rows(loaded.model.pipe, self._parked or loaded.plan,
+                                          loaded.stack.patched_modules(), list(violations), loaded.hooks)
 
     def compile_status(self) -> compiled.CompileStatus | None:
         loaded = self._loaded
@@ -154,16 +137,6 @@ class ModelLifecycle:
     def culprits(self, exc: BaseException) -> tuple[str, ...]:
         return () if self._loaded is None else self._loaded.stack.culprits(exc)
 
-    # ------------------------------------------------------------------ placement checks
-    def verify_and_repair(self, when: str) -> tuple[list[placement.Violation], int]:
-        """Violations of the plan found now, and how many tensors were moved back."""
-        if self._loaded is None:
-            return [], 0
-        pipe, plan = self._loaded.model.pipe, self._loaded.plan
-        model_found, carried = placement.verify(pipe, plan), self.carry.verify(plan)
-        repaired = placement.sync(pipe, plan, reason=when) if model_found else 0
-        return model_found + carried, repaired + (self.carry.sync(plan) if carried else 0)
-
     # ------------------------------------------------------------------ realising a Desired
     def realise(self, want: Desired, loras: tuple[LoraSpec, ...], *, retry_set_aside: bool = False,
                 set_aside_unfit: bool = False) -> tuple[dict[str, MatchReport], dict[str, str]]:
@@ -175,8 +148,10 @@ class ModelLifecycle:
         fit or the step fails. Returns the match report of each LoRA applied and the LoRAs set aside.
 
         Whatever the steps freed (a parked model, host copies moved to the GPU, LoRA backups) goes
-        back to the OS afterwards: the C heap keeps freed memory for reuse until told (app/heap.py)."""
+        back to the OS afterwards: the C heap keeps freed memory for reuse until told (app/heap.py).
+        A parked model is placed back first."""
         try:
+            self.unpark()
             return self._realise_steps(want, loras, retry_set_aside, set_aside_unfit)
         finally:
             heap.give_back()
@@ -227,7 +202,7 @@ class ModelLifecycle:
         matched against the model (no write), then the fitting ones are applied in one step."""
         loaded = self._loaded
         set_aside: dict[str, str] = {}
-        applied = {s.name for s in loaded.stack.applied}  # fit already (a re-weight checks nothing again)
+        applied = loaded.stack.still_fitting()  # fit already (a re-weight checks nothing again)
         for spec in specs:
             if spec.name in applied:
                 continue
@@ -245,37 +220,13 @@ class ModelLifecycle:
         info = resolve_checkpoint(want.model, self._settings.checkpoints_dir)
         self._progress(f"loading {info.name}", 0, 3)
         t0 = time.perf_counter()
-        fresh = models.load_pipeline(info, dtype, part_choices.part_files(self._settings, info.name))
+        fresh = models.load_pipeline(info, dtype, part_choices.part_files(self._settings, info.name), self._scans)
         stored = storage.layers_to_store(fresh.pipe, family(fresh.arch), want.weights)
         storage.store(fresh.pipe, stored)
         self._timers.record("load", time.perf_counter() - t0)
         self._progress(f"placing {info.name}", 1, 3)
         self._swap_in(fresh, dtype, want.offload, want.weights, stored)
         self._progress("applying LoRAs", 2, 3)
-
-    def _plan(self, pipe, dtype: torch.dtype, mode: str, stored: storage.Stored) -> placement.PlacementPlan:
-        rest = self._settings.rest_dtype
-        conv_format = torch.channels_last if self._settings.channels_last else None
-        return offload.plan_for(pipe, dtype, self._device, mode, None if rest is None else placement.DTYPES[rest],
-                                stored, conv_format)
-
-    def _place(self, pipe, plan: placement.PlacementPlan, hooks: HookRegistry, reason: str) -> offload.OffloadStrategy:
-        """Apply a plan and install its offload strategy; on failure no hook of it stays behind."""
-        t0 = time.perf_counter()
-        placement.apply_plan(pipe, plan, reason=reason)
-        pipe.execution_device = plan.device
-        pipe.compute_dtypes = MappingProxyType({name: c.compute.dtype for name, c in plan.components.items()})
-        strategy = offload.make_strategy(pipe, plan, hooks, self._settings.vram_budget_gib,
-                                         self._settings.balanced_watermark)
-        try:
-            strategy.install()
-            strict.apply(self.strict_forwards, hooks, pipe, plan)
-        except BaseException:
-            strategy.remove()
-            hooks.remove_all(strict.HOOK)
-            raise
-        self._timers.record("move", time.perf_counter() - t0)
-        return strategy
 
     def _swap_in(self, fresh: models.LoadedModel, dtype: torch.dtype, mode: str, weights: str,
                  stored: storage.Stored) -> None:
@@ -286,46 +237,37 @@ class ModelLifecycle:
         """
         old = self._loaded
         plan, hooks = self._plan(fresh.pipe, dtype, mode, stored), HookRegistry()
-        parked = False
         try:
             if old is not None and self._device.type != "cpu":
-                self._release_hooks(old)
-                parked = True
-                cpu_plan = offload.plan_for(old.model.pipe, old.plan.dtype, torch.device("cpu"), "none")
-                placement.apply_plan(old.model.pipe, cpu_plan, reason="park previous model")
+                self.park("park previous model")
             embedded = embeddings.load_all(fresh.pipe, fresh.arch, self._settings.embeddings_dir)
             strategy = self._place(fresh.pipe, plan, hooks, reason="load")
             storage.install_dequant(hooks, fresh.pipe, stored, fresh.pipe.compute_dtypes)
         except BaseException:
             del fresh
-            if parked:
-                self._restore_placement(old)
+            self.unpark()
             release_memory()
             raise
         if old is not None:
             self._release_hooks(old)
             old.stack.release()
+        self._parked = None
         fresh.pipe.set_progress_bar_config(disable=True)
         stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan),
-                          gpu_backups=self._settings.lora_backups == "gpu")
-        self._loaded = _Loaded(fresh, FileIdentity.of(fresh.info.path), plan, hooks, stack, embedded, strategy, weights,
-                               stored)
+                          gpu_backups=self._settings.lora_backups == "gpu",
+                          allows_partial=lambda name: allows_partial(self._settings, name))
+        scan = self._scans.start(fresh.info.name, models.facts_store(fresh.info), fresh.files)  # after the load
+        self._loaded = _Loaded(fresh, FileIdentity.of(fresh.info.path), scan, plan, hooks, stack, embedded, strategy,
+                               weights, stored)
         self._sync_compile(self._loaded)
         if old is not None:  # a first load has nothing to give back, and a full gc pass costs ~0.3 s
             del old
             release_memory()
 
-    def set_strict_forwards(self, on: bool) -> None:
-        """Switch the strict-forward check on or off, on the loaded model and every later one."""
-        self.strict_forwards = on
-        if self._loaded is not None:
-            strict.apply(on, self._loaded.hooks, self._loaded.model.pipe, self._loaded.plan)
-
-    @staticmethod
-    def _release_hooks(loaded: _Loaded) -> None:
-        compiled.disable(loaded.model.pipe)
-        loaded.strategy.remove()
-        loaded.hooks.remove_all(strict.HOOK)
+    def model_hash(self) -> str | None:
+        """The loaded model's short hash, waiting for its file to be read if it still is (the first
+        image saved after a first load needs it for its infotext)."""
+        return None if self._loaded is None else self._loaded.scan.short_hash(wait=True)
 
     def unload(self) -> None:
         """Drop the loaded model and give its memory back. With nothing loaded there is nothing to
@@ -335,59 +277,28 @@ class ModelLifecycle:
             return
         self._release_hooks(self._loaded)
         self._loaded.stack.release()
-        self._loaded = None
+        self._loaded, self._parked = None, None
         release_memory()
-
-    def _sync_compile(self, loaded: _Loaded) -> None:
-        """(Re)install the compiled UNet path when `--compile` is on. LoRA changes never call this:
-        fused weights are written in place, so compiled graphs stay valid without a recompile."""
-        compiled.disable(loaded.model.pipe)
-        loaded.compile = None
-        if self._settings.compile and not loaded.stored:  # 8-bit weights widen in hooks: eager only
-            loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self._device,
-                                             mode=self._settings.compile_mode, backend=self._settings.compile_backend,
-                                             cache_dir=self._settings.compile_cache_dir,
-                                             # CUDA-graph trees are per thread: record them on the worker.
-                                             background=self._settings.compile_mode == "default")
-
-    def _restore_placement(self, loaded: _Loaded) -> None:
-        """Put a model back to its own plan and offload mode (the undo of parking or a failed move)."""
-        try:
-            loaded.strategy.remove()
-            loaded.strategy = self._place(loaded.model.pipe, loaded.plan, loaded.hooks, reason="rollback")
-            loaded.stack.set_bypass(offload.bypass_components(loaded.plan))
-        except BaseException as exc:
-            raise RollbackFailed(f"could not put the model back to its previous placement: {exc}") from exc
-
-    def _set_offload(self, mode: str) -> None:
-        """Remove the old mode's hooks completely, apply the new plan, install the new hooks."""
-        loaded = self._loaded
-        new_plan = self._plan(loaded.model.pipe, loaded.plan.dtype, mode, loaded.stored)
-        compiled.disable(loaded.model.pipe)
-        loaded.strategy.remove()
-        strategy = None
-        try:
-            strategy = self._place(loaded.model.pipe, new_plan, loaded.hooks, reason=f"offload {mode}")
-            loaded.stack.set_bypass(offload.bypass_components(new_plan))
-        except BaseException:
-            if strategy is not None:
-                strategy.remove()
-            self._restore_placement(loaded)
-            self._sync_compile(loaded)
-            raise
-        loaded.plan, loaded.strategy = new_plan, strategy
-        self._sync_compile(loaded)
 
     # ------------------------------------------------------------------ generation
     def denoise(self, params: GenerateParams, seed: int, on_step: Callable[[int, int], None]) -> list:
         """Run one generation; afterwards every component is back at its resting placement."""
-        return self.run_on_model(lambda pipe: generate.decode(pipe, stages.txt2img_latents(
-            pipe, self.stage_for, params, seed, on_step)), f"{params.batch}x{params.width}x{params.height}")
+        def txt2img(pipe):
+            latents = stages.txt2img_latents(pipe, self.stage_for, params, seed, on_step)
+            return [] if latents is None else generate.decode(pipe, latents)  # None: stopped before a step
+        return self.run_on_model(txt2img, f"{params.batch}x{params.width}x{params.height}")
 
     def stage_for(self, kind: str):
         """The loaded model's `kind` stage pipeline (built once per model, on its components)."""
         loaded = self._loaded
         return stages.stage_on(loaded.model.pipe, family(loaded.model.arch), loaded.stage_pipes, kind)
+
+    def interruptible(self, should_stop: Callable[[], bool]) -> contextlib.AbstractContextManager:
+        """A stop checked before every block while entered (`stop_checks`); not on a compiled model."""
+        loaded = self._loaded
+        if loaded is None or loaded.compile is not None:
+            return contextlib.nullcontext()
+        return stop_checks(loaded.hooks, loaded.model.pipe, should_stop)
 
     def run_on_model(self, work: Callable[[object], object], size: str, stage: str | None = None):
         """`work(pipeline)` (the loaded pipeline, or the `stage` pipeline on its components); afterwards
@@ -396,6 +307,9 @@ class ModelLifecycle:
         loaded = self._loaded
         if loaded is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
+        refusal = loaded.scan.refusal(loaded.plan.dtype)  # known once its files are read
+        if refusal:
+            raise ModelLoadError(refusal)
         t0 = time.perf_counter()
         try:
             return work(loaded.model.pipe if stage is None else self.stage_for(stage))

@@ -53,6 +53,11 @@ class LoraCounterBook:
         old = self._counters.get(name, LoraCounters())
         self._update(name, apply_errors=old.apply_errors + 1, message=message)
 
+    def set_aside(self, name: str, reason: str) -> None:
+        """A LoRA that does not fit the loaded model is set aside, not failed: its reason is kept, no
+        apply error is counted (it applies again on a model it fits, and a count would stay behind)."""
+        self._update(name, message=reason)
+
     def matched(self, reports: Mapping[str, object]) -> None:
         """Record each applied LoRA's match report (`matched_layers`, `unmatched_keys`, `message`)."""
         for name, report in reports.items():

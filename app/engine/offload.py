@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+from diffusers import DiffusionPipeline
 
 from app.engine import placement
 from app.engine.placement import PlacementPlan
@@ -240,6 +242,12 @@ def blocks(component: torch.nn.Module) -> list[torch.nn.Module]:
     return groups
 
 
+def family_blocks(pipe) -> Callable[[str, torch.nn.Module], list[torch.nn.Module]] | None:
+    """The family's own grouping (`Family.blocks`); None for the generic rule, which is also the rule for
+    a holder that is no family's pipeline (the upscaler slot's one component)."""
+    return family_of(pipe).blocks if isinstance(pipe, DiffusionPipeline) else None
+
+
 def own_tensors(component: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose tensors a component's own forward reads outside its groups: the component
     itself (Z-Image's pad tokens) and its tensor containers; streamed around the component's forward."""
@@ -271,7 +279,7 @@ class GroupOffload(OffloadStrategy):
         """One `offload.stream` hook per group (the family's `blocks`, else the generic `blocks`) and,
         where the component owns tensors outside its groups, one on the component for those."""
         self._move_inputs_at_entry()
-        grouping = family_of(self.pipe).blocks
+        grouping = family_blocks(self.pipe)
         for name, component in placement.torch_components(self.pipe).items():
             plan, paths = self.plan.components[name], {id(m): p for p, m in component.named_modules()}
             groups = [(g, list(g.modules())) for g in (grouping(name, component) if grouping else blocks(component))]

@@ -14,7 +14,8 @@ encoded itself, so diffusers' own VAE encode (which casts the SDXL VAE in place)
 
 `spatial_latents` gives the denoised latents as (batch, channels, h, w), the shape the VAE and the
 live preview read; a family whose pipeline denoises another shape (Flux's packed 2×2 patches)
-overrides it.
+overrides it, with `latent_grid` and `pack_noise`. A family's txt2img class also mixes in
+`app.engine.variation.VariedNoise` (A1111's variation seeds for its first noise), which reads those two.
 """
 
 from __future__ import annotations
@@ -42,3 +43,11 @@ class EnginePipeline:
     def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The denoised latents as (batch, channels, h, w); SD pipelines denoise them so already."""
         return latents
+
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, columns) of the latents of an image of `height` × `width` pixels (the pipeline's rule)."""
+        return int(height) // self.vae_scale_factor, int(width) // self.vae_scale_factor
+
+    def pack_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        """Spatial noise in the layout the pipeline denoises: SD's is spatial."""
+        return noise

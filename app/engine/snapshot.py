@@ -12,11 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import torch
+
 from app import diagnostics
 from app.adapters.specs import LoraSpec
 from app.engine import compiled, placement
 from app.engine.desired import Desired
-from app.engine.lifecycle import LoadedFacts
+from app.engine.upscaler_slot import UpscalerFacts
 
 
 class EngineState(str, enum.Enum):
@@ -38,10 +40,15 @@ class Transition:
     state: str
     started: float
     duration_s: float
-    outcome: str  # "ok" | "failed, rolled back" | "failed, engine in ERROR"
+    outcome: str  # "ok" | "interrupted" | "failed, rolled back" | "failed, engine in ERROR"
     violations_found: int
     violations_repaired: int
     error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """An interrupted generation ended as asked: only a failure counts as one."""
+        return self.outcome.startswith("failed")
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ class Snapshot:
     state: str
     model: str | None = None
     arch: str | None = None
-    model_hash: str | None = None
+    model_hash: str | None = None  # None also while a first load's file is being read (file_scans)
     native_size: int | None = None  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
     device: str = "cpu"
     dtype: str | None = None
@@ -101,10 +108,36 @@ class Snapshot:
     last_error: ErrorRecord | None = None
     progress: Progress | None = None
     embeddings: tuple[str, ...] = ()
+    upscaler: UpscalerFacts | None = None  # the upscaler model loaded (Extras, hires fix), if any
     compile: compiled.CompileStatus | None = None
     queued: int = 0  # commands waiting behind the one running
     generating: bool = False  # a generation is running (Interrupt and Skip apply)
     taken_at: float = 0.0
+
+    @property
+    def model_key(self) -> str | None:
+        """What names the loaded model in a cache: its hash, or its name while the hash is being read."""
+        return self.model_hash or self.model
+
+
+@dataclass(frozen=True)
+class LoadedFacts:
+    """What the snapshot shows about the loaded model."""
+
+    model: str
+    arch: str
+    model_hash: str | None  # None while the file is being read (file_scans)
+    native_size: int  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
+    dtype: torch.dtype
+    offload: str
+    loras: tuple[LoraSpec, ...]
+    lora_mode: str  # "fused", "bypass" or "fused + bypass"
+    embeddings: tuple[str, ...]
+    set_aside: Mapping[str, str]
+    weights: str  # "full" or the storage dtype of the large weights
+    stored_layers: int  # layers whose weight rests in that dtype
+    bytes_saved: int  # against holding them in the compute dtype
+    lora_backups: str  # originals held for fused LoRAs: layers, size, where (LoraStack.backup_summary)
 
 
 def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,
@@ -127,16 +160,17 @@ def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,
 
 
 def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFacts | None, rows, violations,
+                   upscaler: UpscalerFacts | None,
                    found_total: int, repaired_total: int, counters: MappingProxyType, timers: dict,
                    history: tuple[Transition, ...], last_error: ErrorRecord | None) -> Snapshot:
     common = dict(state=state, device=device, requested_dtype=desired.dtype, offload=desired.offload,
-                  weights=desired.weights,
+                  weights=desired.weights, upscaler=upscaler, placement=rows,
                   violations=violations, violations_found_total=found_total, violations_repaired_total=repaired_total,
                   lora_counters=counters, timers=MappingProxyType(timers), history=history, last_error=last_error,
                   lora_states=lora_states(desired.loras, facts, counters), taken_at=time.time())
     if facts is None:
         return Snapshot(**common)
     return Snapshot(model=facts.model, arch=facts.arch, model_hash=facts.model_hash, native_size=facts.native_size,
-                    dtype=placement.dtype_name(facts.dtype), loras=facts.loras, placement=rows,
+                    dtype=placement.dtype_name(facts.dtype), loras=facts.loras,
                     lora_mode=facts.lora_mode, embeddings=facts.embeddings, stored_layers=facts.stored_layers,
                     bytes_saved=facts.bytes_saved, lora_backups=facts.lora_backups, **common)

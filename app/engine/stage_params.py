@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from app.engine.generate import LIMITS, MAX_PIXEL_STEPS, SCHEDULERS, GenerateParams, Range
+from app.engine import variation
+from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams, Range, check_work
 
 # A1111's order: `resize_mode` 0, 1, 2 and `inpainting_fill` 0, 1, 2, 3 index these.
 RESIZE_MODES = ("just resize", "crop and resize", "resize and fill")
@@ -31,9 +32,8 @@ LATENT_UPSCALERS: Mapping[str, tuple[str, bool]] = {
 # Plain resamplers in pixel space (decode, resize, encode again), as A1111 names them.
 PIXEL_UPSCALERS: Mapping[str, Image.Resampling] = {"Lanczos": Image.Resampling.LANCZOS,
                                                    "Nearest": Image.Resampling.NEAREST}
-# ESRGAN-class models are not offered: spandrel (the well-kept reader of ESRGAN .safetensors/.pth
-# files that A1111 and ComfyUI use) needs torchvision, and installing it replaces the CPU torch
-# build with a CUDA one (checked with pip's dry run, torch 2.13.0+cpu -> 2.14.1 + 2 GB of CUDA).
+# The built-in upscalers; any other name is an upscaler model file (ESRGAN, RealESRGAN, SwinIR, DAT, …),
+# which the engine looks up before queueing (`Engine.check_upscaler`; `Engine.hires_upscalers` lists all).
 UPSCALERS = (*LATENT_UPSCALERS, *PIXEL_UPSCALERS)
 SAME = "Use same sampler"  # A1111's hires sampler choice meaning "the first pass's"
 
@@ -43,16 +43,6 @@ STAGE_LIMITS: dict[str, Range] = {
     "hires_steps": Range(0, 150, hint="0 = as many as the first pass"),
     "mask_blur": Range(0, 64),
 }
-
-
-def _check_pixel_steps(batch: int, width: int, height: int, steps: int, what: str) -> None:
-    """The per-request cap of `generate.MAX_PIXEL_STEPS`, for a pass whose size or steps differ from
-    the request's own (a hires pass at twice the size does four times the work per step)."""
-    work = batch * width * height * steps
-    if work > MAX_PIXEL_STEPS:
-        raise ValueError(f"{what}: batch x width x height x steps = {batch} x {width} x {height} x {steps} = "
-                         f"{work:,} is over the per-request cap of {MAX_PIXEL_STEPS:,}; use fewer images, steps "
-                         "or pixels")
 
 
 def _steps_run(steps: int, strength: float, what: str) -> int:
@@ -88,12 +78,17 @@ class HiresParams:
             STAGE_LIMITS[field].check(field, value)
         if self.sampler != SAME and self.sampler not in SCHEDULERS:
             raise ValueError(f"unknown hires sampler {self.sampler!r}; choose {SAME!r} or one of {sorted(SCHEDULERS)}")
-        if self.upscaler not in UPSCALERS:
-            raise ValueError(f"unknown hires upscaler {self.upscaler!r}; choose one of {', '.join(UPSCALERS)}")
+        if not isinstance(self.upscaler, str) or not self.upscaler.strip():
+            raise ValueError(f"the hires upscaler must be named: one of {', '.join(UPSCALERS)} or an upscaler model")
 
     @property
     def latent(self) -> bool:
         return self.upscaler in LATENT_UPSCALERS
+
+    @property
+    def model(self) -> bool:
+        """An upscaler model file rather than a built-in upscaler."""
+        return self.upscaler not in UPSCALERS
 
     def target_size(self, params: GenerateParams, multiple: int) -> tuple[int, int]:
         """The second pass's size: the first pass's times `scale`, rounded down to the family's
@@ -113,8 +108,9 @@ class HiresParams:
         width, height = self.target_size(params, multiple)
         steps = self.steps or params.steps
         _steps_run(steps, self.denoising_strength, "hires fix")
-        _check_pixel_steps(params.batch, width, height, steps, "hires fix")
-        return dataclasses.replace(params, width=width, height=height, steps=steps,
+        check_work(params.n_iter, params.batch, width, height, steps, "hires fix")
+        # The second pass is noised from the seed alone: a variation seed shapes the first pass's noise.
+        return dataclasses.replace(variation.without(params), width=width, height=height, steps=steps,
                                    sampler=params.sampler if self.sampler == SAME else self.sampler,
                                    prompt=self.prompt or params.prompt,
                                    negative_prompt=self.negative_prompt or params.negative_prompt)

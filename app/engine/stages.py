@@ -76,16 +76,20 @@ def inpainting_checkpoint(pipe) -> bool:
     return family_of(pipe).inpainting(pipe)
 
 
-def txt2img_latents(pipe, stage_for, params: GenerateParams, seed: int, on_step: StepCallback | None = None
-                    ) -> torch.Tensor:
-    """txt2img's denoised latents. An inpainting checkpoint (its denoiser also reads a mask and the
-    masked-image latents) runs as A1111 runs it: its conditioning is a blank picture (0.5 grey)
-    masked whole, and the `stage_for("inpaint")` pipeline denoises from pure noise (strength 1)."""
+def txt2img_latents(pipe, stage_for, params: GenerateParams, seed: int, on_step: StepCallback | None = None,
+                    total: int | None = None, **inputs) -> torch.Tensor | None:
+    """txt2img's denoised latents (None: stopped before a step completed); `total` and `inputs` as
+    `generate.denoise` takes them (the refiner's base pass stops at `denoising_end`). An inpainting
+    checkpoint (its denoiser also reads a mask and the masked-image latents) runs as A1111 runs it:
+    its conditioning is a blank picture (0.5 grey) masked whole, and the `stage_for("inpaint")`
+    pipeline denoises from pure noise (strength 1)."""
+    total = params.steps if total is None else total
     if not inpainting_checkpoint(pipe):
-        return generate.denoise(pipe, params, seed, on_step, width=params.width, height=params.height)
+        return generate.denoise(pipe, params, seed, on_step, total, width=params.width, height=params.height,
+                                **inputs)
     blank = unmasked_inputs(pipe, params, seed)
-    return denoise_stage(stage_for("inpaint"), params, seed, on_step, params.steps, 1.0,
-                         blank["masked_image_latents"], **blank)
+    return denoise_stage(stage_for("inpaint"), params, seed, on_step, total, 1.0, blank["masked_image_latents"],
+                         **blank, **inputs)
 
 
 def unmasked_inputs(pipe, params: GenerateParams, seed: int) -> dict[str, torch.Tensor]:
@@ -195,7 +199,7 @@ def inpaint_inputs(pipe, source: InitImages, params: GenerateParams, seed: int,
 
 
 def denoise_stage(pipe, params: GenerateParams, seed: int, on_step: StepCallback, total: int,
-                  strength: float, latents: torch.Tensor, **inputs) -> torch.Tensor:
+                  strength: float, latents: torch.Tensor, **inputs) -> torch.Tensor | None:
     """The img2img/inpaint pass: our `generate.denoise` on a stage pipeline, started from the spatial
     `latents` (the pipeline casts them to its dtype, adds noise for `strength` from the seed's
     generators and, for Flux, packs them into patches)."""

@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -27,18 +26,24 @@ from app import diagnostics, gc_policy
 from app.adapters.errors import AdapterError, LoraApplyError
 from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
-from app.engine import part_choices, placement
+from app.engine import lora_options, part_choices, placement
 from app.engine.desired import Desired
+from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
-from app.engine.generating import Generating, Job
-from app.engine.lifecycle import ModelLifecycle, RollbackFailed
+from app.engine.generating import GENERATIONS, Generating, Job
+from app.engine.lifecycle import ModelLifecycle
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
-from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition, build_snapshot
+from app.engine.refining import Refining, refined
+from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition
 from app.engine.stage_params import HiresParams
 from app.engine.storage import WEIGHTS_CHOICES
+from app.engine.upscaler_slot import UpscalerSlot
+from app.engine.upscaling import Upscaling
+from app.engine.verifying import Verifying
 from app.engine.workflows import Workflows
 from app.settings import DTYPE_CHOICES, Settings
+from app.upscalers.files import UpscalerLibrary
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +61,15 @@ class _Command:
     future: Future
     record: bool = True
     owner: str | None = None  # who may cancel it while it waits (generations)
+    stage: bool = False  # one stage of a workflow command: the workflow's job outlives it
 
 
-class Engine(Generating, Workflows):
+class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
     """Public, blocking API over the command queue. Thread-safe; every call waits for its result.
     Generation, Interrupt and Skip come from `Generating` (app/engine/generating.py); img2img,
-    inpaint and hires fix from `Workflows` (app/engine/workflows.py)."""
+    inpaint and hires fix from `Workflows` (app/engine/workflows.py); the refiner from `Refining`
+    (app/engine/refining.py); Extras and the upscaler models from `Upscaling` (app/engine/upscaling.py); the
+    checks around every transition and the snapshot it publishes from `Verifying` (app/engine/verifying.py)."""
 
     def __init__(self, settings: Settings) -> None:
         gc_policy.freeze_startup_objects()
@@ -75,7 +83,11 @@ class Engine(Generating, Workflows):
         self._counters = LoraCounterBook(self.library.exists, settings.max_lora_errors)
         self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
         self._timers = diagnostics.Timers()
-        self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress)
+        self._scans = FileScans()
+        self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress,
+                                         self._scans)
+        self.upscalers = UpscalerLibrary(settings.data_dir / "models")
+        self._upscaler = UpscalerSlot(settings, self.device, self._timers)  # a component verified with the model
         self._found_total = 0
         self._repaired_total = 0
         self._last_error: ErrorRecord | None = None
@@ -83,8 +95,10 @@ class Engine(Generating, Workflows):
         self._last_violations: tuple[placement.Violation, ...] = ()
         self._job: Job | None = None
         self.timeline = diagnostics.MemoryTimeline()
-        self._snapshot = Snapshot(state=EngineState.EMPTY.value, device=str(self.device),
-                                  requested_dtype=settings.dtype, offload=settings.offload)
+        # The published snapshot and its model's file read, as one pair: the hash may come after publishing.
+        self._published: tuple[Snapshot, ModelScan | None] = (
+            Snapshot(state=EngineState.EMPTY.value, device=str(self.device), requested_dtype=settings.dtype,
+                     offload=settings.offload), None)
         diagnostics.set_debug_logging(settings.lora_debug, settings.move_debug)
         self._worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
         self._worker.start()
@@ -141,13 +155,41 @@ class Engine(Generating, Workflows):
         return self._change("set_loras", capped(detail), EngineState.PATCHING, lambda d: d.replace(loras=specs),
                             enable_loras=True, retry_set_aside=True, set_aside_unfit=set_aside_unfit)
 
+    def set_lora_partial(self, name: str, allowed: bool) -> Snapshot:
+        """Allow (or no longer allow) the LoRA `name` to apply when less than half of its tensors match
+        the loaded model; remembered per LoRA in the data folder. The wanted list is applied again at
+        once the page's way: a LoRA now allowed leaves the set-aside list, one no longer allowed joins it."""
+        self.library.path_for(name)  # only a LoRA of the library is remembered
+        allowed = bool(allowed)
+
+        def body() -> None:
+            before = lora_options.allows_partial(self.settings, name)
+            lora_options.set_allow_partial(self.settings, name, allowed)
+            if self._lifecycle.pipeline is None:
+                return
+            try:
+                self._realise(self._desired, self._desired.loras, set_aside_unfit=True)
+            except BaseException:
+                lora_options.set_allow_partial(self.settings, name, before)
+                raise
+        return self._call("set_lora_partial", capped(f"{name}={allowed}"), EngineState.PATCHING, body)
+
+    def lora_partial_allowed(self, name: str) -> bool:
+        """Whether `name` may apply in part (what `set_lora_partial` remembered); reads no tensor."""
+        return lora_options.allows_partial(self.settings, name)
+
     def unload(self) -> Snapshot:
         return self._change("unload", "", EngineState.MOVING, lambda d: d.replace(model=None))
 
     def generate(self, params: GenerateParams, *, owner: str | None = None,
                  hires: HiresParams | None = None) -> list[GeneratedImage]:
         """Generate `params.n_iter` × `params.batch` images; `owner` names who may interrupt it. With
-        `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`)."""
+        `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`); with
+        a refiner checkpoint in `params`, A1111's refiner (`Refining.txt2img_refined`)."""
+        if refined(params):
+            if hires is not None:
+                raise ValueError("the refiner and the hires fix do not run together yet: use one of them")
+            return self.txt2img_refined(params, owner=owner)
         if hires is not None:
             return self.txt2img_hires(params, hires, owner=owner)
         detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
@@ -161,7 +203,7 @@ class Engine(Generating, Workflows):
         (it reads the model) but is not a transition, so it leaves no history row.
         """
         return self.submit("inspect_lora", name, EngineState.READY,
-                           lambda: self._lifecycle.inspect(name, self.library.open(name)), record=False).result()
+                           lambda: self._lifecycle.inspect(name, self._read_lora(name)), record=False).result()
 
     def set_debug(self, *, lora_debug: bool | None = None, move_debug: bool | None = None,
                   strict: bool | None = None, strict_forwards: bool | None = None) -> Settings:
@@ -171,16 +213,20 @@ class Engine(Generating, Workflows):
                                      "strict_forwards": strict_forwards}.items() if v is not None}
         if strict_forwards is not None and strict_forwards != self.settings.strict_forwards:
             self.submit("strict_forwards", "on" if strict_forwards else "off", self._state,
-                        lambda: self._lifecycle.set_strict_forwards(strict_forwards), record=False).result()
+                        lambda: self._set_strict_forwards(strict_forwards), record=False).result()
         self.settings = self.settings.replace(**changes)
         diagnostics.set_debug_logging(self.settings.lora_debug, self.settings.move_debug)
         return self.settings
 
-    def snapshot(self) -> Snapshot:
-        """The last published snapshot with the live state, progress and queue length laid over it."""
-        return dataclasses.replace(self._snapshot, state=self._state.value, progress=self._progress,
+    def snapshot(self, wait_for_hash: bool = False) -> Snapshot:
+        """The last published snapshot with the live state, progress and queue length laid over it, and
+        its model's hash once the background read of its file has it (after a first load it is None
+        until then, unless `wait_for_hash`: for what names a model by its hash, as A1111's API does)."""
+        published, scan = self._published
+        return dataclasses.replace(published, state=self._state.value, progress=self._progress,
                                    compile=self._lifecycle.compile_status(), queued=len(self._queue),
-                                   generating=self._job is not None)
+                                   generating=self._job is not None,
+                                   model_hash=published.model_hash or (scan and scan.short_hash(wait_for_hash)))
 
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
                record: bool = True, owner: str | None = None) -> Future:
@@ -199,6 +245,7 @@ class Engine(Generating, Workflows):
             self._queue.append(None)
             self._wake.notify()
         self._worker.join(timeout=60)
+        self._scans.close()
 
     @property
     def pipeline(self):
@@ -224,7 +271,7 @@ class Engine(Generating, Workflows):
     def _run_stage(self, name: str, detail: str, state: EngineState, body: Callable[[], Any]) -> Any:
         """Run `body` now, on the worker, as a transition of its own: one stage of a workflow command
         (verify/repair before and after, its history row, a published snapshot); raises its error."""
-        command = _Command(name, detail, state, body, Future())
+        command = _Command(name, detail, state, body, Future(), stage=True)
         self._run_transition(command)
         return command.future.result()
 
@@ -237,9 +284,12 @@ class Engine(Generating, Workflows):
         """A mutation: realise the next `Desired` and commit it only if that succeeded."""
         def body() -> None:
             want = change(self._desired)
+            if want.model is None:
+                self._release_refiner()
             if enable_loras:
                 self._counters.enable_all()
             self._realise(want, want.loras, **realise_options)
+            self._upscaler.follow(want.dtype, want.offload)
             self._desired = want
         return self._call(name, detail, state, body)
 
@@ -255,7 +305,7 @@ class Engine(Generating, Workflows):
             self.library.forget(exc.lora_name)  # a refused file leaves nothing resident
             raise
         for name, reason in set_aside.items():
-            self._counters.apply_failed(name, reason)
+            self._counters.set_aside(name, reason)
             self.library.forget(name)
         self._counters.matched(reports)
 
@@ -265,7 +315,7 @@ class Engine(Generating, Workflows):
                 while not self._queue:
                     self._wake.wait()
                 command = self._queue.popleft()
-                if command is not None and command.name == "generate":
+                if command is not None and command.name in GENERATIONS:
                     # Interrupt can reach it from the moment it leaves the queue (cancel_queued before).
                     self._job = Job(command.owner)
             if command is None:
@@ -274,13 +324,20 @@ class Engine(Generating, Workflows):
                 self._run_transition(command)
             else:
                 self._run_query(command)
+            del command  # what it holds (an img2img's decoded pictures) must not wait for the next command
 
-    @staticmethod
-    def _run_query(command: _Command) -> None:
+    def _run_query(self, command: _Command) -> None:
+        """Run a command outside the state machine (a query, or a workflow whose stages are the
+        transitions); a workflow's job ends with it, before its caller hears back."""
         try:
-            command.future.set_result(command.body())
+            value, error = command.body(), None
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-            command.future.set_exception(exc)
+            value, error = None, exc
+        self._job = None
+        if error is None:
+            command.future.set_result(value)
+        else:
+            command.future.set_exception(error)
 
     def _run_transition(self, command: _Command) -> None:
         before = self._state
@@ -294,13 +351,14 @@ class Engine(Generating, Workflows):
             value = command.body()
             more_found, more_repaired = self._verify_and_repair(f"after {command.name}")
             found, repaired = found + more_found, repaired + more_repaired
-            outcome = "ok"
+            outcome = "interrupted" if self._job is not None and self._job.interrupted else "ok"
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's future
             error = exc
             outcome = self._fail(command, exc, before)
         finally:
             self._progress = None
-            self._job = None  # set when a generation left the queue
+            if not command.stage:
+                self._job = None  # set when a generation left the queue
         if outcome != "failed, engine in ERROR":
             self._state = EngineState.READY if self._lifecycle.pipeline is not None else EngineState.EMPTY
         duration = time.perf_counter() - t0
@@ -313,52 +371,7 @@ class Engine(Generating, Workflows):
             command.future.set_result(value)
         else:
             command.future.set_exception(error)
-
-    def _fail(self, command: _Command, exc: BaseException, before: EngineState) -> str:
-        """Repair what a failed body may have left, record the error; returns the outcome."""
-        rollback_failed = (isinstance(exc, RollbackFailed) or before == EngineState.ERROR
-                           or not self._repair_after_failure(command.name))
-        if rollback_failed:
-            self._state = EngineState.ERROR
-        self._last_error = ErrorRecord(command.name, capped(f"{type(exc).__name__}: {exc}"),
-                                       traceback.format_exc(), time.time())
-        # The traceback goes to the log as text: a live exc_info would keep its frames (and the
-        # pipelines they reference) alive in any handler that keeps records.
-        log.error("%s (%s) failed: %s\n%s", command.name, command.detail, capped(str(exc)), self._last_error.traceback)
-        return "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
-
-    def _repair_after_failure(self, command: str) -> bool:
-        """A failed body may have been cut off mid-move: verify and repair once more, never raising.
-        Returns False when even that fails (the engine then enters ERROR)."""
-        try:
-            self._verify_and_repair(f"after failed {command}", strict=False)
-            return True
-        except Exception:  # noqa: BLE001 - reported through the ERROR state and the log
-            log.exception("placement could not be repaired after failed %s", command)
-            return False
-
-    def _verify_and_repair(self, when: str, strict: bool | None = None) -> tuple[int, int]:
-        """Find and repair placement violations; strict mode turns any finding into a failure."""
-        t0 = time.perf_counter()
-        found, repaired = self._lifecycle.verify_and_repair(when)
-        self._timers.record("verify", time.perf_counter() - t0)
-        self._last_violations += tuple(found)
-        self._found_total += len(found)
-        self._repaired_total += repaired
-        if found:
-            log.warning("%d placement violations %s, %d repaired; first: %s", len(found), when, repaired, found[0])
-            if self.settings.strict if strict is None else strict:
-                raise placement.PlacementError(
-                    f"strict mode: {len(found)} placement violations {when} (repaired), first: {found[0]}")
-        return len(found), repaired
-
-    def _publish(self) -> None:
-        self._snapshot = build_snapshot(
-            state=self._state.value, device=str(self.device), desired=self._desired, facts=self._lifecycle.facts(),
-            rows=self._lifecycle.rows(self._last_violations), violations=self._last_violations,
-            found_total=self._found_total, repaired_total=self._repaired_total,
-            counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),
-            last_error=self._last_error)
+        self._scans.begin()  # a model this step loaded: its files are read once its caller has the answer
 
     # ------------------------------------------------------------------ command bodies (worker only)
     def _set_progress(self, phase: str, step: int, total: int, preview=None) -> None:
@@ -370,7 +383,19 @@ class Engine(Generating, Workflows):
     def _open_lora(self, name: str):
         """Read a LoRA file; a read failure is that LoRA's apply error (counted under its name)."""
         try:
-            return self.library.open(name)
+            return self._read_lora(name)
+        except LoraApplyError:
+            raise
         except (AdapterError, OSError) as exc:
             raise LoraApplyError(name, str(exc)) from exc
+
+    def _read_lora(self, name: str):
+        """A file not read yet is first matched against the model from its header alone, so one that
+        does not fit is refused without a byte of its tensors read (nothing of it stays in memory)."""
+        if not self.library.cached(name) and self._lifecycle.pipeline is not None:
+            try:
+                self._lifecycle.inspect(name, self.library.header_view(name))
+            except (NotImplementedError, RuntimeError):  # a check that needs tensor values: the full read decides
+                pass
+        return self.library.open(name)
 

@@ -11,7 +11,9 @@ rolls back like any transition's and ends the workflow. The stages:
   interpolation, or decode → resample → encode) → `hires fix` (img2img pass, decoded);
 * img2img: `img2img encode` (init images resized and encoded) → `img2img`;
 * inpaint: `inpaint encode` (masked content applied, latent mask, masked-image latents for a
-  9-channel UNet) → `inpaint` (decoded and pasted over the original through the blurred mask).
+  9-channel UNet) → `inpaint` (decoded and pasted over the original through the blurred mask);
+* reference editing (families that take reference images: FLUX.2 Klein): `edit` (txt2img with the
+  pictures handed to the pipeline, which encodes them as its model was trained to).
 
 Prompt `<lora:…>` tags apply to their pass only, as in txt2img; the hires pass takes its own
 prompt's tags, so it can run the LoRAs at other strengths. After the workflow the desired LoRAs
@@ -28,12 +30,14 @@ from PIL import Image
 
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import generate, image_ops, stages
+from app.engine import generate, image_ops, stages, variation
 from app.engine.generate import GeneratedImage, GenerateParams
-from app.engine.generating import Job
 from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
 from app.families import family
+
+# Each reference adds up to 4,096 tokens (1024² / 16²) to every attention of every step.
+MAX_REFERENCES = 4
 
 
 @dataclasses.dataclass
@@ -51,12 +55,13 @@ class Workflows:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass. Sizes and steps are checked before anything is queued."""
         self._require_stage("img2img", "hires fix")
+        self.check_upscaler(hires.upscaler, hires=True)
         hires.second_pass(params, self._size_multiple())
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
-                              lambda first, phase, job, passes: self._hires_run(params, hires, first, phase, job,
-                                                                                passes))
+                              lambda first, phase, job, passes, run: self._hires_run(run, hires, first, phase, job,
+                                                                                     passes))
 
     def img2img(self, params: GenerateParams, init_images: Sequence[Image.Image], *, denoising_strength: float = 0.75,
                 resize_mode: str | int = "just resize", mask: Image.Image | None = None, mask_blur: int = 4,
@@ -71,11 +76,15 @@ class Workflows:
                             inpainting_mask_invert)
         source.steps_run(params)
         self._require_stage(source.workflow, source.workflow)
+        if variation.of(params) is not None or params.refiner_checkpoint:
+            raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
+                             f"variation strength and the resize sizes to 0 and clear the refiner for "
+                             f"{source.workflow}")
         detail = (f"{params.steps} steps at {source.denoising_strength:g} {params.width}x{params.height} "
                   f"{source.resize_mode} x{params.batch}x{params.n_iter}")
         return self._workflow(source.workflow, detail, params, owner, source.infotext_pairs(),
-                              lambda first, phase, job, passes: self._init_image_run(params, source, first, phase, job,
-                                                                                     passes))
+                              lambda first, phase, job, passes, run: self._init_image_run(run, source, first, phase,
+                                                                                          job, passes))
 
     def inpaint(self, params: GenerateParams, init_image: Image.Image, mask: Image.Image, **options: Any
                 ) -> list[GeneratedImage]:
@@ -83,6 +92,23 @@ class Workflows:
         if mask is None:
             raise ValueError("inpaint needs a mask: paint the area to repaint, or upload a mask")
         return self.img2img(params, [init_image], mask=mask, **options)
+
+    def edit(self, params: GenerateParams, references: Sequence[Image.Image], *, owner: str | None = None
+             ) -> list[GeneratedImage]:
+        """Reference editing, for a family that `takes_reference_images` (FLUX.2 Klein): txt2img whose
+        model also reads `references` (1 to `MAX_REFERENCES` pictures, each encoded by the pipeline's
+        rule at up to 1024², their tokens beside the image's), so the prompt edits or combines them.
+        The infotext names how many it read."""
+        arch = self.snapshot().arch
+        if arch is not None and not family(arch).takes_reference_images:
+            raise ValueError(f"{family(arch).label} models take no reference images: use img2img or inpaint")
+        if not 1 <= len(references) <= MAX_REFERENCES:
+            raise ValueError(f"reference editing takes 1 to {MAX_REFERENCES} reference images, got {len(references)}")
+        pictures = tuple(image.convert("RGB") for image in references)
+        detail = f"{params.steps} steps {params.width}x{params.height} {len(pictures)} reference(s) x{params.batch}"
+        return self._workflow("edit", detail, params, owner, (("Reference images", len(pictures)),),
+                              lambda first, phase, job, passes, run: self._edit_run(run, pictures, first, phase, job,
+                                                                                     passes))
 
     @property
     def stage_pipelines(self) -> dict[str, object]:
@@ -114,17 +140,19 @@ class Workflows:
             if wanted != passes.current:
                 self._run_stage("apply_loras", f"prompt tags for {name}", state.PATCHING,
                                 lambda: self._with_loras(params, passes))
-            job = self._job = Job(owner)
+            job = self._job  # set when the command left the queue (`Engine._serve`)
             try:
-                return self._generate_images(stripped, params.prompt, job,
-                                             lambda first, phase: batch_run(first, phase, job, passes), extra)
+                # A run's own parameters (its variation seeds) with the prompt's tags, which each pass reads.
+                def run_batch(first, phase, run):
+                    return batch_run(first, phase, job, passes, dataclasses.replace(run, prompt=params.prompt))
+                return self._generate_images(stripped, params.prompt, job, run_batch, extra)
             finally:
                 self._job = None
                 self._lifecycle.carry.clear()
                 if passes.current != self._desired.loras:
                     self._run_stage("restore_loras", f"after {name}", state.PATCHING,
                                     lambda: self._realise(self._desired, self._desired.loras))
-        return self.submit(name, detail, state.GENERATING, body, record=False).result()
+        return self.submit(name, detail, state.GENERATING, body, record=False, owner=owner).result()
 
     def _with_loras(self, prompt_params: GenerateParams, passes: _Passes) -> GenerateParams:
         """Patch the model to the desired LoRAs plus `prompt_params`' tags (if that differs from what
@@ -142,6 +170,16 @@ class Workflows:
     def _stage(self, name: str, detail: str, body):
         return self._run_stage(name, detail, EngineState.GENERATING, body)
 
+    # ------------------------------------------------------------------ reference editing
+    def _edit_run(self, params, pictures: tuple[Image.Image, ...], first: int, phase: str, job, passes: _Passes):
+        """One run of reference editing: one stage, the txt2img pipeline given the pictures."""
+        def edit():
+            stripped = self._with_loras(params, passes)
+            return self._denoise_run(params.steps, job, f"edit, {phase}", lambda on_step: self._lifecycle.run_on_model(
+                lambda pipe: generate.run(pipe, stripped, first, on_step, image=list(pictures)), _size(params)))
+
+        return self._stage("edit", f"{len(pictures)} reference image(s), seed {first}", edit)
+
     # ------------------------------------------------------------------ hires fix
     def _hires_run(self, params, hires: HiresParams, first: int, phase: str, job, passes: _Passes):
         """One run of the hires fix: three stages. A first pass stopped by Interrupt or Skip is
@@ -154,12 +192,14 @@ class Workflows:
             latents, stopped = self._denoise_run(params.steps, job, f"first pass, {phase}", lambda on_step: (
                 self._lifecycle.run_on_model(lambda pipe: stages.txt2img_latents(
                     pipe, self._lifecycle.stage_for, stripped, first, on_step), _size(params))))
-            carry.put(plan(), latents=latents)
+            carry.clear()  # no step completed: nothing is carried, nothing decoded
+            if latents is not None:
+                carry.put(plan(), latents=latents)
             return stopped
 
         stopped = self._stage("txt2img", f"first pass {params.width}x{params.height}, seed {first}", first_pass)
         if stopped is not None:
-            return self._decode_carried(params), stopped
+            return (self._decode_carried(params) if "latents" in carry else []), stopped
 
         def upscale():
             size = (second.width, second.height)
@@ -167,11 +207,17 @@ class Workflows:
                 factor = self._lifecycle.pipeline.vae_scale_factor
                 carry.put(plan(), latents=stages.upscale_latents(carry.get("latents"), hires, size, factor))
                 return
-            images = stages.upscale_images(self._decode_carried(params), hires, size)
+            images = self._decode_carried(params)
+            images = self._upscale_to(images, hires.upscaler, size, job, phase) if hires.model \
+                else stages.upscale_images(images, hires, size)
+            if images is None:
+                return True  # Interrupt or Skip between two tiles: the first pass is the result
             carry.put(plan(), latents=self._lifecycle.run_on_model(lambda pipe: stages.encode(pipe, images, first),
                                                                    _size(second)))
 
-        self._stage("hires upscale", f"{hires.upscaler} x{hires.scale:g} -> {second.width}x{second.height}", upscale)
+        if self._stage("hires upscale", f"{hires.upscaler} x{hires.scale:g} -> {second.width}x{second.height}",
+                       upscale):
+            return self._decode_carried(params), params.steps
 
         def second_pass():
             stripped = self._with_loras(second, passes)
@@ -198,6 +244,8 @@ class Workflows:
                 pipe, params, first, on_step, total, strength, **inputs), _size(params), stage=kind)
 
         latents, stopped = self._denoise_run(total, job, phase, run)
+        if latents is None:  # stopped before a step completed
+            return [], stopped
         return self._lifecycle.run_on_model(lambda pipe: generate.decode(pipe, latents), _size(params)), stopped
 
     # ------------------------------------------------------------------ img2img and inpaint

@@ -90,6 +90,12 @@ class TextEncoder:
     config_class: type[PretrainedConfig] = CLIPTextConfig
     tokenizer_class: type = CLIPTokenizer
     tokenizer_dir: Path = CLIP_TOKENIZER_DIR  # bundled in assets/
+    # How prompts reach the pipeline through it, as A1111 reads it (app/prompts/encode.py):
+    # its hidden states are the prompt embeddings; "pooled": its pooled output; "both"; "text": the pipeline
+    # reads the prompt as text itself (an LLM encoder through its chat template: app/prompts/as_text.py)
+    reads: str = "sequence"
+    layer: str = "last"  # the last layer, normed (clip skip applies); "penultimate": layer -2 unnormed (no clip skip)
+    chunked: bool = True  # 75-token chunks, any number (CLIP); False: one sequence of `max_sequence_length` (T5)
 
 
 @dataclass(frozen=True)
@@ -180,6 +186,9 @@ class Family:
     conv_components: tuple[str, ...] = ("unet", "vae")
     marker_prefixes: tuple[str, ...] = ("",)  # checkpoint_markers may sit under any of these
     parts: tuple[ComponentFile, ...] = ()  # empty: diffusers' single-file loader reads the file
+    # Pipeline arguments a single file of `parts` implies, from its path (FLUX.2 Klein: distilled unless
+    # named "…base…"); a diffusers folder states them in its model_index.json.
+    file_pipeline_kwargs: Callable[[Path], Mapping[str, object]] = lambda path: {}
     samplers: Samplers = field(default_factory=lambda: SD_SAMPLERS)
     default_steps: int = 20
     default_guidance: float = 7.0
@@ -194,6 +203,9 @@ class Family:
     # Textual-inversion embeddings (A1111's `embeddings/`): the file holds one tensor per text
     # encoder under `TextEncoder.embedding_key`. False: the folder is not read for this family.
     takes_embeddings: bool = True
+    # The txt2img pipeline edits from reference images (`image=[…]`, FLUX.2 Klein): the img2img tab offers
+    # a "reference images" input and the A1111 img2img API reads `init_images` so with `reference_images`.
+    takes_reference_images: bool = False
     # Tensors that keep their own dtype whatever the model's: fnmatch patterns over
     # "component.module.tensor" -> dtype (RoPE `inv_freq` in fp32). The load check, the placement
     # plan, every move, streaming and verify honour them.
@@ -213,6 +225,9 @@ class Family:
     adapter_arch: str = ""
     adapter_label: str = ""
     adapter_markers: tuple[str, ...] = ()
+    # (architecture, fragments of layer names only it has): an adapter with an unmatched layer so named is
+    # refused as made for it, even where its other layers fit by shape (FLUX.1 LoRAs on FLUX.2 Klein 4B).
+    foreign_adapter_layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
     kohya_ldm_names: bool = False  # kohya's sd-scripts name this UNet's layers with LDM names (SDXL)
     lora_targets: tuple[str, ...] = ()  # module globs a test LoRA spreads over (every layer kind)
     demo_lora_targets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the demo's style and detail LoRAs
@@ -220,6 +235,9 @@ class Family:
     # The side, in pixels, the loaded model was trained at: the size the page switches to on load.
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
     native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
+    # Families whose checkpoints may finish this one's txt2img after a switch point (A1111's refiner):
+    # both pipelines take diffusers' `denoising_end` / `denoising_start`. Empty: no refiner stage.
+    refiner_families: tuple[str, ...] = ()
 
     @property
     def plain_pipeline_class(self) -> type:
@@ -273,12 +291,10 @@ class Family:
         the LDM layout for SD, the all-in-one layout of `parts` otherwise."""
         return all_in_one_state(pipe, self.parts) if self.parts else to_ldm_state_dict(pipe, self)
 
-    def call_arguments(self, guidance: float, negative_prompt: str) -> dict[str, object]:
-        """The pipeline-call arguments that differ by family."""
+    def call_arguments(self, guidance: float) -> dict[str, object]:
+        """The pipeline-call arguments that differ by family (the prompts go as embeddings: app/prompts)."""
         call = self.guidance_call
         out: dict[str, object] = {"guidance_scale": guidance} if call is None else dict(call(guidance))
-        if self.negative_prompt:
-            out["negative_prompt"] = negative_prompt or None
         if self.max_sequence_length is not None:
             out["max_sequence_length"] = self.max_sequence_length
         return out

@@ -67,6 +67,9 @@ def file_shapes(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> dict[s
     out: dict[str, tuple[int, ...]] = {}
     for name, where in layout.items():
         shape = (*shapes[name], *(1,) * where.unit_dims)
+        if not shape:  # a 0-d tensor (a batch norm's step counter) is whole
+            out[where.key] = shape
+            continue
         rows = shape[0] if where.rows is None else max(stop for _start, stop in where.rows)
         if where.key in out:
             rows = max(rows, out[where.key][0])

@@ -10,6 +10,9 @@ bare or under `model.diffusion_model.`) with the text encoders in `models/text_e
 (`clip_l.safetensors`, `t5xxl_fp16.safetensors`, …) and the VAE in `models/VAE` (`ae.safetensors`),
 or as the ComfyUI/Forge all-in-one (`model.diffusion_model.`, `text_encoders.clip_l.transformer.`,
 `text_encoders.t5xxl.transformer.`, `vae.`). `parts` says how each component is found and named.
+LoRAs name the text encoders by those all-in-one prefixes too (ComfyUI), by `lora_te1_`/`lora_te3_`
+(sd-scripts) and by position, T5 as `lora_te2_` (OneTrainer): `app.adapters.keys` derives all three
+from `_CLIP_L` and `_T5`; the transformer's BFL and xlabs spellings are `lora_aliases` below.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from diffusers import (
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
 from app.engine.pipelines import EnginePipeline
+from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, ComponentFile, Family, TextEncoder
 from app.families.file_layout import module_parts, own_names
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
-from app.families.flux_layout import transformer_layout, xlabs_modules
-from app.families.ldm_layout import LYCORIS, clip_layout
+from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
+from app.families.ldm_layout import clip_layout
 from app.families.tiny_parts import TINY_CLIP_L
 
 
@@ -42,8 +46,17 @@ class _PackedPatches(EnginePipeline):
         """Unpack the (batch, h/2·w/2, 4·channels) sequence of 2×2 patches (FluxPipeline's own rule)."""
         return self._unpack_latents(latents, height, width, self.vae_scale_factor)
 
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        """FluxPipeline's rule: whole 2×2 patches of latents."""
+        patch = self.vae_scale_factor * 2
+        return 2 * (int(height) // patch), 2 * (int(width) // patch)
 
-class SteadyFluxPipeline(_PackedPatches, FluxPipeline):
+    def pack_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        """Spatial noise packed into the sequence of 2×2 patches the transformer denoises."""
+        return self._pack_latents(noise, *noise.shape)
+
+
+class SteadyFluxPipeline(_PackedPatches, VariedNoise, FluxPipeline):
     """FLUX.1 pipeline whose execution device is set by the engine."""
 
 
@@ -65,15 +78,15 @@ class SteadyFluxInpaintPipeline(_FluxStage, FluxInpaintPipeline):
 
 
 T5_TOKENIZER_DIR = ASSETS_DIR / "t5_tokenizer"
-KOHYA_BFL = "kohya (BFL block names)"
-BFL = "BFL/ComfyUI (diffusion_model.)"
 XLABS = "xlabs"
 
+# CLIP-L gives the pooled vector only, from the first 75-token chunk of the A1111-parsed prompt (as
+# Forge reads it); T5 the sequence, cut at `max_sequence_length` with a note.
 _CLIP_L = TextEncoder("text_encoder", "tokenizer", CLIPTextModel, "text_encoders.clip_l.transformer.", open_clip=False,
-                      lora_prefix="lora_te1_", embedding_key="clip_l")
+                      lora_prefix="lora_te1_", embedding_key="clip_l", reads="pooled")
 _T5 = TextEncoder("text_encoder_2", "tokenizer_2", T5EncoderModel, "text_encoders.t5xxl.transformer.", open_clip=False,
                   lora_prefix="lora_te3_", embedding_key="t5", config_class=T5Config,
-                  tokenizer_class=T5TokenizerFast, tokenizer_dir=T5_TOKENIZER_DIR)
+                  tokenizer_class=T5TokenizerFast, tokenizer_dir=T5_TOKENIZER_DIR, chunked=False)
 
 
 _PARTS = (
@@ -90,21 +103,17 @@ _PARTS = (
 
 
 def lora_aliases(transformer):
-    """(key, parts, spelling) for every BFL module as kohya (`lora_unet_double_blocks_0_img_attn_qkv`),
-    LyCORIS over BFL names, ComfyUI (`diffusion_model.double_blocks.0.img_attn.qkv`) and xlabs
-    (`double_blocks.0.processor.qkv_lora1`) spell it; fused modules list their row slices."""
+    """(key, parts, spelling) for every BFL module (`bfl_aliases`: kohya, LyCORIS, ComfyUI) and as
+    xlabs spells it (`double_blocks.0.processor.qkv_lora1`); fused modules list their row slices."""
+    layout = transformer_layout(transformer)
+    yield from bfl_aliases(transformer, layout)
     parts = {bfl: tuple((("transformer", path), rows) for path, rows in found)
-             for bfl, found in module_parts(transformer_layout(transformer)).items()}
-    for bfl, targets in parts.items():
-        flat = bfl.replace(".", "_")
-        yield f"lora_unet_{flat}", targets, KOHYA_BFL
-        yield f"lycoris_{flat}", targets, LYCORIS
-        yield f"diffusion_model.{bfl}", targets, BFL
+             for bfl, found in module_parts(layout).items()}
     for alias, bfl in xlabs_modules(transformer).items():
         # xlabs' single-block qkv LoRA covers linear1's q, k and v rows, not its MLP rows
-        targets = parts[bfl] if bfl.endswith("qkv") or bfl.endswith("proj") else parts[bfl][:3]
-        # `qkv_lora.down.weight` ends like diffusers' legacy `to_q_lora.down.weight`, so the key
-        # splitter hands the single-block layer over without its `_lora`.
+        targets = parts[bfl][:3] if bfl.endswith(".linear1") else parts[bfl]
+        # `qkv_lora.down.weight` / `proj_lora.down.weight` end like diffusers' legacy
+        # `to_q_lora.down.weight`, so the key splitter hands single-block layers over without `_lora`.
         for prefix in ("", "diffusion_model."):
             yield f"{prefix}{alias.removesuffix('_lora')}", targets, XLABS
 

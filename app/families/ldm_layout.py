@@ -180,7 +180,7 @@ def unet_module_map(unet: torch.nn.Module) -> dict[str, str]:
 def _vae_key_to_ldm(key: str, num_levels: int) -> str:
     """LDM name of an AutoencoderKL state-dict key (decoder levels are numbered bottom-up in LDM)."""
     parts = key.split(".")
-    if parts[0] in ("quant_conv", "post_quant_conv"):
+    if parts[0] in ("quant_conv", "post_quant_conv", "bn"):  # bn: FLUX.2's latent statistics, top level in BFL's file
         return key
     side, block, rest = parts[0], parts[1], parts[2:]
     if block in ("conv_in", "conv_out"):
@@ -281,16 +281,27 @@ def ldm_plan(pipe, family) -> list[LdmTensor]:
     return plan
 
 
-def to_ldm_state_dict(pipe, family) -> dict[str, torch.Tensor]:
-    """The pipeline's weights as one LDM single-file state dict (SD1.5 or SDXL layout)."""
+def to_ldm_state_dict(pipe, family, view: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """The pipeline's weights as one LDM single-file state dict (SD1.5 or SDXL layout), each component
+    tensor taken through `view` first (None: as it is)."""
     states = {}
     result = {}
     for entry in ldm_plan(pipe, family):
         if entry.component not in states:
-            states[entry.component] = getattr(pipe, entry.component).state_dict()
+            state = getattr(pipe, entry.component).state_dict()
+            states[entry.component] = state if view is None else {k: view(t) for k, t in state.items()}
         tensors = [states[entry.component][s] for s in entry.sources]
         result[entry.key] = _LAYOUTS[entry.layout](tensors)
     return result
+
+
+def ldm_shapes(pipe, family) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor `to_ldm_state_dict` would write, worked out on meta stand-ins: no
+    weight is read, so a loaded model's weights that are still memory-mapped stay on disk (the fused
+    OpenCLIP q/k/v alone would otherwise read 0.3 GB of an SDXL file)."""
+    meta = to_ldm_state_dict(pipe, family, lambda t: t.to("meta"))
+    return {key: tuple(tensor.shape) for key, tensor in meta.items()}
 
 
 def _unet_plan(unet: torch.nn.Module) -> list[LdmTensor]:

@@ -8,12 +8,13 @@ from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipe
 from transformers import CLIPTextModel
 
 from app.engine.pipelines import EnginePipeline
+from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, Family, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
 from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE
 
 
-class SteadySDPipeline(EnginePipeline, StableDiffusionPipeline):
+class SteadySDPipeline(EnginePipeline, VariedNoise, StableDiffusionPipeline):
     """SD1.5 pipeline whose execution device is set by the engine."""
 
 

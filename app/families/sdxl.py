@@ -8,12 +8,13 @@ from diffusers import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaint
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from app.engine.pipelines import EnginePipeline
+from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, Family, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
 from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE
 
 
-class SteadySDXLPipeline(EnginePipeline, StableDiffusionXLPipeline):
+class SteadySDXLPipeline(EnginePipeline, VariedNoise, StableDiffusionXLPipeline):
     """SDXL pipeline whose execution device is set by the engine."""
 
 
@@ -32,9 +33,10 @@ _TINY_CLIP_G = dict(TINY_CLIP_L, hidden_size=64, intermediate_size=96, hidden_ac
 
 _CLIP_L = TextEncoder("text_encoder", "tokenizer", CLIPTextModel,
                       "conditioner.embedders.0.transformer.text_model.", open_clip=False,
-                      lora_prefix="lora_te1_", embedding_key="clip_l")
+                      lora_prefix="lora_te1_", embedding_key="clip_l", layer="penultimate")
 _CLIP_G = TextEncoder("text_encoder_2", "tokenizer_2", CLIPTextModelWithProjection, "conditioner.embedders.1.model.",
-                      open_clip=True, lora_prefix="lora_te2_", embedding_key="clip_g", pad_token="!")
+                      open_clip=True, lora_prefix="lora_te2_", embedding_key="clip_g", pad_token="!",
+                      reads="both", layer="penultimate")
 
 SDXL = Family(
     name="sdxl",
@@ -49,6 +51,7 @@ SDXL = Family(
     high_precision=("conv_in", "conv_out", "time_embedding", "add_embedding", "text_projection"),
     vae_upcast_in_fp16=True,
     config_dir=ASSETS_DIR / "configs" / "sdxl",
+    refiner_families=("sdxl",),
     **SD_SHARED,
     # layers_per_block 1 (SD1.5's tiny UNet has 2), so the LDM block numbering is exercised for both values
     tiny_configs=MappingProxyType({

@@ -9,7 +9,7 @@
     c.predict(True, False, api_name="/interrupt")  # stops it between two steps; job.result() has the partial image
 
 Endpoints: generate, interrupt, skip, img2img, inpaint, txt2img_hires (app/ui/workflow_api.py), set_loras,
-set_offload, set_dtype, load_model, unload, set_debug,
+set_lora_partial, set_offload, set_dtype, load_model, unload, set_debug,
 list_models, list_loras, inspect_lora, snapshot, bug_report (the last one is the Diagnostics tab's button).
 These are independent of the UI layout (which can change freely) and never take `gr.State`,
 which `gradio_client` cannot send. Every name is validated against its folder; every failure
@@ -63,6 +63,12 @@ def _state_endpoints(ctx: UiContext) -> None:
         way) is set aside with its reason in `lora_states` while the others apply."""
         return _change(ctx, "set_loras",
                        lambda: engine.set_loras(specs_from_json(loras), set_aside_unfit=bool(set_aside_unfit)))
+
+    @gr.api(api_name="set_lora_partial", concurrency_id="loras")
+    def set_lora_partial(name: str, allowed: bool) -> dict:
+        """Allow (true) or no longer allow (false) the LoRA `name` to apply when less than half of its tensors
+        match the loaded model; remembered per LoRA. The wanted list is applied again, the page's way."""
+        return _change(ctx, "set_lora_partial", lambda: engine.set_lora_partial(name, bool(allowed)))
 
     @gr.api(api_name="set_offload", concurrency_id="loras")
     def set_offload(mode: str) -> dict:
@@ -129,7 +135,7 @@ def _read_endpoints(ctx: UiContext) -> None:
         with user_errors("inspect_lora", browser=False):
             path = ctx.engine.library.path_for(name)
             card = ctx.cards.card(name, path)
-            fit = ctx.cards.fit(ctx.engine, name, path, ctx.engine.snapshot().model_hash)
+            fit = ctx.cards.fit(ctx.engine, name, path, ctx.engine.snapshot().model_key)
         return {"card": jsonable(card), "fit": jsonable(fit)}
 
 
@@ -164,16 +170,16 @@ def _generate_endpoint(ctx: UiContext) -> None:
         inputs = [gr.Textbox(label="prompt"), gr.Textbox("", label="negative_prompt"),
                   gr.Dropdown(list(SCHEDULERS), value=defaults.sampler, label="sampler"),
                   *(gr.Number(getattr(defaults, name), label=name)
-                    for name in ("steps", "cfg", "seed", "width", "height", "batch", "n_iter"))]
+                    for name in ("steps", "cfg", "seed", "width", "height", "batch", "n_iter", "clip_skip"))]
         outputs = [gr.Gallery(label="images", format="png"), gr.Textbox(label="infotext"), gr.JSON(label="details")]
         trigger = gr.Button("generate")
 
-    def generate(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, n_iter,
+    def generate(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, n_iter, clip_skip,
                  request: gr.Request, progress=PROGRESS):
         with user_errors("generate", browser=False):
             params, notes = generate_params(ctx, prompt, negative_prompt, sampler, steps, cfg, seed, width, height,
-                                            batch, n_iter)
-        job = Generation(ctx.engine, params, owner_of(request))
+                                            batch, n_iter, clip_skip)
+        job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner), owner_of(request))
         with contextlib.closing(job.follow(progress, API_POLL_S)) as snapshots:
             for _snap in snapshots:
                 yield gr.skip(), gr.skip(), gr.skip()
@@ -185,10 +191,12 @@ def _generate_endpoint(ctx: UiContext) -> None:
 
     trigger.click(generate, inputs, outputs, api_name="generate", concurrency_id="loras",
                   api_description="Generate with the engine's current LoRAs plus any <lora:name:w> prompt tags; "
-                                  "n_iter runs (A1111's batch count) of `batch` images each. Returns (images, "
+                                  "n_iter runs (A1111's batch count) of `batch` images each; A1111's emphasis "
+                                  "syntax and BREAK; clip_skip 1-12. Returns (images, "
                                   "infotext of the first image, [{seed, infotext, file, complete, stopped_at, "
                                   "notes}]); notes say what was rounded (sizes go down to the model's multiple of "
-                                  "8); an interrupted image has complete false and the step it stopped at.")
+                                  "8) or cut (a prompt longer than a T5 encoder reads); an interrupted image has "
+                                  "complete false and the step it stopped at.")
 
 
 def register_api(ctx: UiContext) -> None:

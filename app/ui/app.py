@@ -1,4 +1,4 @@
-"""`build_app`: the Blocks with the engine status line, the two tabs and the named API.
+"""`build_app`: the Blocks with the engine status line, the tabs and the named API.
 
 The status line above the tabs is refreshed every second from `engine.snapshot()` (cheap: an
 immutable object plus the live state), so whatever the engine is doing — loading, patching,
@@ -15,14 +15,16 @@ from app.ui import views
 from app.ui.api import register_api
 from app.ui.common import UiContext
 from app.ui.diagnostics_tab import build_diagnostics_tab, refresh
-from app.ui.generate_run import wire_cancel_on_leave
+from app.ui.extras_tab import build_extras_tab
+from app.ui.generate_run import owner_of, stop_buttons, wire_cancel_on_leave
 from app.ui.generate_tab import build_generate_tab, wire_page_load
 from app.ui.history_tab import build_history_tab
-from app.ui.img2img_tab import build_img2img_tab
+from app.ui.img2img_tab import build_img2img_tab, family_sampler
 from app.ui.pnginfo_tab import build_pnginfo_tab
 from app.ui.send_to import senders
 
 CSS_PATH = Path(__file__).resolve().parents[2] / "assets" / "ui.css"
+JS_PATH = CSS_PATH.with_name("ui.js")  # keyboard habits: Ctrl+Enter runs a prompt, Enter applies a LoRA weight
 STATUS_REFRESH_S = 1.0
 
 
@@ -34,7 +36,8 @@ def theme() -> gr.themes.Base:
 
 def launch_kwargs() -> dict:
     """Look-and-feel arguments Gradio 6 takes at `launch()`, not in `Blocks()`."""
-    return {"theme": theme(), "css_paths": [CSS_PATH] if CSS_PATH.is_file() else None}
+    return {"theme": theme(), "css_paths": [CSS_PATH] if CSS_PATH.is_file() else None,
+            "js": JS_PATH.read_text(encoding="utf-8") if JS_PATH.is_file() else None}
 
 
 def build_app(ctx: UiContext) -> gr.Blocks:
@@ -48,7 +51,10 @@ def build_app(ctx: UiContext) -> gr.Blocks:
             with gr.Tab("Generate", id="generate") as generate_tab:
                 tab = build_generate_tab(ctx)
             with gr.Tab("img2img", id="img2img") as img2img_tab:
-                sends = senders(tab, build_img2img_tab(ctx), tabs)
+                i2i = build_img2img_tab(ctx)
+                sends = senders(tab, i2i, tabs)
+            with gr.Tab("Extras", id="extras") as extras_tab:
+                extras = build_extras_tab(ctx)
             with gr.Tab("PNG Info", id="pnginfo") as pnginfo_tab:
                 build_pnginfo_tab(ctx, sends)
             with gr.Tab("History", id="history") as history_tab:
@@ -56,14 +62,23 @@ def build_app(ctx: UiContext) -> gr.Blocks:
             with gr.Tab("Diagnostics", id="diagnostics") as diagnostics_tab:
                 diag = build_diagnostics_tab(ctx)
         ticker = gr.Timer(STATUS_REFRESH_S)
-        ticker.tick(lambda: views.status_html(ctx.engine.snapshot()), None, status, api_visibility="private",
-                    show_progress="hidden")
+        stops = [*tab.stops.buttons, *i2i.stops.buttons]
+
+        def tick(request: gr.Request) -> list:
+            """The status line, and every tab's Interrupt and Skip live while this page's job runs."""
+            running = ctx.engine.runs_for(owner_of(request))
+            return [views.status_html(ctx.engine.snapshot()), *stop_buttons(running) * 2]
+
+        ticker.tick(tick, None, [status, *stops], api_visibility="private", show_progress="hidden")
         refresh_diagnostics = dict(fn=lambda *filters: refresh(ctx, *filters), inputs=diag.refresh_inputs,
                                    outputs=diag.refresh_outputs, api_visibility="private", show_progress="hidden")
         diagnostics_tab.select(lambda: gr.Timer(active=True), None, diag.timer, api_visibility="private")
         diagnostics_tab.select(**refresh_diagnostics)
         history_tab.select(**refresh_history)
-        for other in (generate_tab, img2img_tab, pnginfo_tab, history_tab):
+        extras_tab.select(extras.refresh, None, extras.dropdowns, api_visibility="private", show_progress="hidden")
+        img2img_tab.select(lambda current: family_sampler(ctx, current), i2i.sampler, i2i.sampler,
+                           api_visibility="private", show_progress="hidden")
+        for other in (generate_tab, img2img_tab, extras_tab, pnginfo_tab, history_tab):
             other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)
         wire_cancel_on_leave(ctx, demo)

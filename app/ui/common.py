@@ -29,6 +29,7 @@ from app.engine.worker import Engine
 from app.paths import UnsafePathError, resolve_under
 from app.safetensors_files import file_sha256
 from app.settings import Settings
+from app.styles import apply_styles
 from app.ui.lora_cards import CardCache
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ MAX_LORAS = 8  # slots on the Generate tab; the API takes any number
 # Gradio finds a progress tracker by a parameter *default* that is a `gr.Progress`, and only among
 # positional parameters; handlers with `*values` therefore put `progress=PROGRESS` first.
 PROGRESS = gr.Progress()
+NO_REFINER = "None"  # the refiner choice meaning none (A1111 spells it so too)
 
 
 class FileHashes:
@@ -186,11 +188,22 @@ def specs_from_json(items: Any) -> list[LoraSpec]:
 
 
 def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed, width, height, batch,
-                    n_iter=1) -> tuple[GenerateParams, tuple[str, ...]]:
-    """Form/API values -> (parameters, rounding notes) by the one rule set in `generate.LIMITS`;
-    sizes round to the loaded model family's multiple."""
+                    n_iter=1, clip_skip=1, subseed=-1, subseed_strength=0, seed_resize_from_w=0,
+                    seed_resize_from_h=0, styles=(), refiner_checkpoint=NO_REFINER,
+                    refiner_switch_at=0.8) -> tuple[GenerateParams, tuple[str, ...]]:
+    """Form/API values -> (parameters, notes: rounding, a cut prompt) by the one rule set in
+    `generate.LIMITS`; sizes round to the loaded model family's multiple. The chosen `styles` (names
+    in `styles.csv`) are applied to the prompts first, as A1111 applies them (`app.styles`); a refiner
+    must be one of the checkpoints (never a path)."""
+    refiner = "" if refiner_checkpoint in (None, "", NO_REFINER) else checked_checkpoint(ctx.settings,
+                                                                                        refiner_checkpoint)
+    prompt, negative = apply_styles(ctx.settings.styles_file, list(styles or ()), str(prompt or ""),
+                                    str(negative or ""))
     values = dict(prompt=prompt, negative_prompt=negative, sampler=sampler, steps=steps, cfg=cfg, seed=seed,
-                  width=width, height=height, batch=batch, n_iter=n_iter)
+                  width=width, height=height, batch=batch, n_iter=n_iter, clip_skip=clip_skip, subseed=subseed,
+                  subseed_strength=subseed_strength, seed_resize_from_w=seed_resize_from_w,
+                  seed_resize_from_h=seed_resize_from_h, refiner_checkpoint=refiner,
+                  refiner_switch_at=refiner_switch_at)
     return params_from_form(values, ctx.engine.snapshot().arch)
 
 

@@ -1,14 +1,17 @@
 """Running a generation from the page: busy state, live previews, Interrupt and Skip, cancel on leave.
 
-The Generate handler is a generator. While the engine works it yields every `POLL_S`: the newest
-live preview of the latents (`Snapshot.progress.preview`, scaled up to the image size) into the
-gallery, and the step and the engine's queue on the Generate button. Yielding often is also what
+The Generate handler (and the img2img tab's, through `stream_job`) is a generator. While the
+engine works it yields every `POLL_S`: the newest live preview of the latents
+(`Snapshot.progress.preview`, scaled up to the image size) into the gallery, and the step and the
+engine's queue on the run button. Yielding often is also what
 makes a job stoppable from outside: Gradio closes a generator handler whose page went away (tab
 closed, reload) or whose API client cancelled, and that close interrupts the job in the engine
 (`Generation.follow`); `demo.unload` does the same when a page's heartbeat stops.
 
 A job belongs to Gradio's session hash (one per page load, one per `gradio_client.Client`):
 Interrupt, Skip and a closed tab stop only what that session started, never another user's job.
+Each tab has its own Interrupt and Skip, live while any job of the page runs (the status line's
+timer keeps them so: an img2img started on its tab can be stopped from the Generate tab too).
 The Interrupt button keeps the partial images (A1111's way) unless "drop partial result" is
 ticked; a job whose page or client went away is dropped, since nobody is there to see it and a
 half-denoised PNG would claim all its steps in History.
@@ -19,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import gradio as gr
 from PIL import Image
@@ -38,6 +42,7 @@ from app.ui.common import (
     report_progress,
     user_errors,
 )
+from app.ui.hires_fields import hires_from_form
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, panel_unchanged, panel_view, selected_specs, sync_selection
 
 log = logging.getLogger(__name__)
@@ -52,11 +57,12 @@ def owner_of(request: gr.Request | None) -> str:
 
 
 class Generation:
-    """`engine.generate` for one owner on a helper thread, followed snapshot by snapshot."""
+    """An engine generation (`call(owner)`: txt2img, img2img, inpaint, hires fix) for one owner on a
+    helper thread, followed snapshot by snapshot."""
 
-    def __init__(self, engine: Engine, params: GenerateParams, owner: str) -> None:
+    def __init__(self, engine: Engine, call: Callable[[str], list[GeneratedImage]], owner: str) -> None:
         self.engine, self.owner = engine, owner
-        self._call = EngineCall(lambda: engine.generate(params, owner=owner))
+        self._call = EngineCall(lambda: call(owner))
 
     def follow(self, progress: gr.Progress | None, every: float = POLL_S) -> Iterator[Snapshot]:
         """A snapshot at once, then every `every` seconds until the engine returns. Closed before that
@@ -86,46 +92,76 @@ class Generation:
 
 
 @dataclass
-class RunControls:
-    """Generate and the buttons that stop it."""
+class StopControls:
+    """Interrupt and Skip of one tab (each tab has them, as in A1111; any of them stops this page's job)."""
 
-    go: gr.Button
     interrupt: gr.Button
     skip: gr.Button
     drop: gr.Checkbox
 
     @property
     def buttons(self) -> list:
-        return [self.go, self.interrupt, self.skip]
+        return [self.interrupt, self.skip]
 
 
-def build_run_controls() -> RunControls:
-    go = gr.Button("Generate", variant="primary", elem_id="sd-generate")
+def build_stop_controls(prefix: str = "sd") -> StopControls:
     with gr.Row(equal_height=True, elem_classes="sd-run-controls"):
-        interrupt = gr.Button("■ Interrupt", size="sm", interactive=False, min_width=90, elem_id="sd-interrupt")
-        skip = gr.Button("⇥ Skip", size="sm", interactive=False, min_width=70, elem_id="sd-skip")
-        drop = gr.Checkbox(False, label="drop partial result", min_width=150, elem_id="sd-drop-partial")
-    return RunControls(go, interrupt, skip, drop)
+        interrupt = gr.Button("■ Interrupt", size="sm", interactive=False, min_width=90, elem_id=f"{prefix}-interrupt")
+        skip = gr.Button("⇥ Skip", size="sm", interactive=False, min_width=70, elem_id=f"{prefix}-skip")
+        drop = gr.Checkbox(False, label="drop partial result", min_width=150, elem_id=f"{prefix}-drop-partial")
+    return StopControls(interrupt, skip, drop)
 
 
-def _buttons(snap: Snapshot | None) -> list:
-    """Generate busy (its step and the engine's queue on it) with Interrupt and Skip live; or all idle."""
+def stop_buttons(running: bool) -> list:
+    """Interrupt and Skip live (while this page's job runs) or idle."""
+    return [gr.Button(interactive=running, variant="stop" if running else "secondary"),
+            gr.Button(interactive=running)]
+
+
+def run_buttons(snap: Snapshot | None, label: str) -> list:
+    """The run button busy (its step and the engine's queue on it) with Interrupt and Skip live; or all idle."""
     if snap is None:
-        return [gr.Button("Generate", interactive=True), gr.Button(interactive=False, variant="secondary"),
-                gr.Button(interactive=False)]
+        return [gr.Button(label, interactive=True), *stop_buttons(False)]
     step = f" {snap.progress.step}/{snap.progress.total}" if snap.progress and snap.progress.total else ""
     waiting = f" · {snap.queued} waiting in the engine" if snap.queued else ""
-    return [gr.Button(f"Generating…{step}{waiting}", interactive=False), gr.Button(interactive=True, variant="stop"),
-            gr.Button(interactive=True)]
+    return [gr.Button(f"Generating…{step}{waiting}", interactive=False), *stop_buttons(True)]
 
 
-def _preview(snap: Snapshot, params: GenerateParams) -> gr.Gallery:
+def _preview(snap: Snapshot, size: tuple[int, int]) -> gr.Gallery:
     """The latent preview, one picture per image of the batch, scaled to the image size and labelled as
     a preview (the gallery's label goes back to "Images" with the result)."""
     caption = f"preview · step {snap.progress.step}/{snap.progress.total}"
-    items = [(picture.resize((params.width, params.height), Image.Resampling.BILINEAR), caption)
-             for picture in snap.progress.preview]
+    items = [(picture.resize(size, Image.Resampling.BILINEAR), caption) for picture in snap.progress.preview]
     return gr.Gallery(items, label=f"Live preview (latents) · step {snap.progress.step}/{snap.progress.total}")
+
+
+def stream_job(job: Generation, size: tuple[int, int], action: str, frame: Callable[[Any, Snapshot | None], list],
+               last: list) -> Generator[list, None, list[GeneratedImage]]:
+    """Follow `job`, yielding `frame(gallery, snap)` (a fresh live preview, else `gr.skip()`) until it
+    returns its images; `frame(…, None)` is the idle frame. A failure is one toast and leaves the
+    gallery as it was: the `last` result comes back where a preview had replaced it. No progress bar
+    while denoising: Gradio draws it over the gallery, which would hide the previews; the step shows
+    on the run button and in the status line instead."""
+    shown = None
+    with contextlib.closing(job.follow(None)) as snapshots:
+        for snap in snapshots:
+            preview = snap.progress.preview if snap.progress else None
+            fresh = preview is not None and preview is not shown
+            shown = preview if fresh else shown
+            yield frame(_preview(snap, size) if fresh else gr.skip(), snap)
+    try:
+        with user_errors(action):
+            return job.images()
+    except gr.Error:
+        yield frame(gr.skip() if shown is None else gr.Gallery(last, label=GALLERY_LABEL), None)
+        raise
+
+
+def result_gallery(images: list[GeneratedImage], steps: int) -> gr.Gallery:
+    """The images, labelled with the step an Interrupt or Skip stopped them at."""
+    cut = sorted({im.stopped_at for im in images if not im.complete})
+    label = GALLERY_LABEL + (f" — stopped early at step {', '.join(map(str, cut))} of {steps}" if cut else "")
+    return gr.Gallery(gallery_items(images), label=label)
 
 
 def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
@@ -139,47 +175,37 @@ def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
             "(kept as they were).")
 
 
-def _generate(ctx: UiContext, request: gr.Request, progress=PROGRESS, *args):
+def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hires_values: tuple, infos: list,
+              slot_names: list, values: tuple):
     """Check the settings, hand the engine the LoRA selection if it differs from its wanted list, then
-    generate, streaming previews; the size fields then show the size used, with the notes."""
-    settings, slot_names, values = args[:10], args[10], args[11:]
+    generate (with the hires fix when ticked), streaming previews; the size fields then show the size
+    used, with the notes. `infos`: the last result's (its gallery comes back after a failure)."""
     with user_errors("Generation"):
         params, notes = generate_params(ctx, *settings)
+        hires = hires_from_form(*hires_values)
         sync_selection(ctx, selected_specs(list(slot_names), values), progress)
-    job, shown, keep = Generation(ctx.engine, params, owner_of(request)), None, gr.skip()
-    # No progress bar while denoising: Gradio draws it over the gallery, which would hide the previews;
-    # the step shows on the Generate button and in the status line instead.
-    with contextlib.closing(job.follow(None)) as snapshots:
-        for snap in snapshots:
-            preview = snap.progress.preview if snap.progress else None
-            fresh = preview is not None and preview is not shown
-            shown = preview if fresh else shown
-            yield [_preview(snap, params) if fresh else keep, *[keep] * 6, *_buttons(snap),
-                   *panel_unchanged()]
-    try:
-        with user_errors("Generation"):
-            images = job.images()
-    except gr.Error:
-        yield [gr.Gallery([], label=GALLERY_LABEL), *[keep] * 6, *_buttons(None), *panel_view(ctx, list(slot_names))]
-        raise
-    infos = [{"seed": im.seed, "infotext": im.infotext} for im in images]
+    job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner, hires=hires),
+                     owner_of(request))
+    keep = [gr.skip()] * 6
+
+    def frame(gallery, snap):
+        view = panel_unchanged() if snap is not None else panel_view(ctx, list(slot_names))
+        return [gallery, *keep, *run_buttons(snap, "Generate"), *view]
+
+    last = [info["item"] for info in infos or [] if "item" in info]
+    images = yield from stream_job(job, (params.width, params.height), "Generation", frame, last)
+    shown = gallery_items(images)
+    infos = [{"seed": im.seed, "infotext": im.infotext, "item": item} for im, item in zip(images, shown, strict=True)]
     note = "\n\n".join(filter(None, [*(f"ℹ️ {n}" for n in notes), _stop_note(images, params)]))
     first = infos[0] if infos else {"seed": None, "infotext": ""}
-    cut = sorted({im.stopped_at for im in images if not im.complete})
-    label = GALLERY_LABEL + (f" — stopped early at step {', '.join(map(str, cut))} of {params.steps}" if cut else "")
-    gallery = gr.Gallery(gallery_items(images), label=label)
-    yield [gallery, first["infotext"], infos, first["seed"], params.width, params.height, note, *_buttons(None),
-           *panel_view(ctx, list(slot_names))]
+    yield [result_gallery(images, params.steps), first["infotext"], infos, first["seed"], params.width,
+           params.height, note, *run_buttons(None, "Generate"), *panel_view(ctx, list(slot_names))]
 
 
-def wire_generate(ctx: UiContext, controls: RunControls, settings: list, slots: LoraSlots, results: list) -> None:
-    """Generate (in the LoRA lane, after any LoRA change the user made) and its Interrupt and Skip
-    (in a lane of their own, so they run while it does). `results`: gallery, infotext, the images'
-    infos, the chosen seed, width, height and the settings note."""
+def wire_stop(ctx: UiContext, stops: StopControls) -> None:
+    """Interrupt and Skip (in a lane of their own, so they run while the job does): this page's job,
+    whichever tab started it."""
     engine = ctx.engine
-
-    def ui_generate(request: gr.Request, progress=PROGRESS, *args):
-        yield from _generate(ctx, request, progress, *args)
 
     def ui_interrupt(drop: bool, request: gr.Request) -> None:
         if not engine.interrupt(keep_partial=not drop, owner=owner_of(request)):
@@ -189,12 +215,28 @@ def wire_generate(ctx: UiContext, controls: RunControls, settings: list, slots: 
         if not engine.skip(owner=owner_of(request)):
             gr.Info("Nothing of this page is running: nothing to skip.")
 
-    controls.go.click(ui_generate, [*settings, slots.slot_names, *slots.sliders],
-                      [*results, *controls.buttons, *slots.view], api_visibility="private", concurrency_id=LORA_QUEUE,
-                      show_progress_on=[results[0]])
     stop = dict(api_visibility="private", concurrency_id=STOP_QUEUE, concurrency_limit=None, show_progress="hidden")
-    controls.interrupt.click(ui_interrupt, controls.drop, None, **stop)
-    controls.skip.click(ui_skip, None, None, **stop)
+    stops.interrupt.click(ui_interrupt, stops.drop, None, **stop)
+    stops.skip.click(ui_skip, None, None, **stop)
+
+
+def wire_generate(ctx: UiContext, go: gr.Button, stops: StopControls, fields: tuple[list, list], slots: LoraSlots,
+                  results: list) -> None:
+    """Generate (in the LoRA lane, after any LoRA change the user made) and its Interrupt and Skip.
+    `fields`: the settings and the hires fix's fields; `results`: gallery, infotext, the images' infos,
+    the chosen seed, width, height and the settings note."""
+    settings, hires = fields
+    split = (len(settings), len(settings) + len(hires))
+
+    def ui_generate(request: gr.Request, progress=PROGRESS, *args):
+        infos, slot_names, *values = args[split[1]:]
+        yield from _generate(ctx, request, progress, args[:split[0]], args[split[0]:split[1]], infos, slot_names,
+                             tuple(values))
+
+    go.click(ui_generate, [*settings, *hires, results[2], slots.slot_names, *slots.sliders],
+             [*results, go, *stops.buttons, *slots.view], api_visibility="private", concurrency_id=LORA_QUEUE,
+             show_progress_on=[results[0]])
+    wire_stop(ctx, stops)
 
 
 def wire_cancel_on_leave(ctx: UiContext, demo: gr.Blocks) -> None:

@@ -14,13 +14,24 @@ import gradio as gr
 
 from app.adapters.specs import LoraSpec
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
+from app.engine.stage_params import SAME
 from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES
-from app.ui.common import PROGRESS, UiContext, checked_checkpoint, checkpoint_names, run_with_progress, user_errors
-from app.ui.generate_run import GALLERY_LABEL, build_run_controls, wire_generate
+from app.ui.common import (
+    NO_REFINER,
+    PROGRESS,
+    UiContext,
+    checked_checkpoint,
+    checkpoint_names,
+    run_with_progress,
+    user_errors,
+)
+from app.ui.generate_run import GALLERY_LABEL, StopControls, build_stop_controls, wire_generate
+from app.ui.hires_fields import HiresFields, build_hires_fields
 from app.ui.lora_browser import build_lora_browser
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection_updates, sync_panel, wire_loras
 from app.ui.model_options import ModelOptions, build_model_options, option_updates, wire_model_options
+from app.ui.styles_panel import build_styles_row
 
 
 @dataclass
@@ -42,29 +53,38 @@ class GenerateTab:
     height: gr.Number
     batch: gr.Number
     n_iter: gr.Number
+    clip_skip: gr.Number
     note: gr.Markdown
     options: ModelOptions
+    variation: dict[str, gr.Number]  # subseed, subseed_strength, seed_resize_from_w/h (A1111's names)
+    styles: gr.Dropdown
+    refiner: dict[str, gr.components.Component]  # refiner_checkpoint, refiner_switch_at
+    hires: HiresFields
+    stops: StopControls
 
     @property
     def settings(self) -> list:
         """The fields a generation reads, in `generate_params` order."""
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
-                self.batch, self.n_iter]
+                self.batch, self.n_iter, self.clip_skip, *self.variation.values(), self.styles,
+                *self.refiner.values()]
 
 
 def family_updates(previous: str | None, current: str | None) -> list:
-    """[sampler, steps, CFG] for a newly loaded model of family `current` after one of `previous`
-    (None: a fresh page). The sampler list is always the loaded family's own (a sampler it lacks would
-    be refused at Generate); when the family changes, its defaults fill the fields: sampler, steps,
-    and the guidance with its name and range ("Distilled CFG Scale" on FLUX.1-dev). Between two
-    models of one family the user's choices stay."""
+    """[sampler, hires sampler, steps, CFG] for a newly loaded model of family `current` after one of
+    `previous` (None: a fresh page). The sampler lists are always the loaded family's own (a sampler it
+    lacks would be refused at Generate); when the family changes, its defaults fill the fields: sampler
+    (the hires pass's: the same), steps, and the guidance with its name and range ("Distilled CFG Scale"
+    on FLUX.1-dev). Between two models of one family the user's choices stay."""
     if current is None:
-        return [gr.update()] * 3
+        return [gr.update()] * 4
     fam = family(current)
     if current == previous:
-        return [gr.Dropdown(choices=list(fam.samplers)), gr.update(), gr.update()]
+        return [gr.Dropdown(choices=list(fam.samplers)), gr.Dropdown(choices=[SAME, *fam.samplers]), gr.update(),
+                gr.update()]
     low, high = fam.guidance_range
-    return [gr.Dropdown(choices=list(fam.samplers), value=fam.default_sampler), gr.Number(value=fam.default_steps),
+    return [gr.Dropdown(choices=list(fam.samplers), value=fam.default_sampler),
+            gr.Dropdown(choices=[SAME, *fam.samplers], value=SAME), gr.Number(value=fam.default_steps),
             gr.Number(value=fam.default_guidance, label=fam.guidance_label, info=f"{low:g}…{high:g}")]
 
 
@@ -75,6 +95,13 @@ def native_size_updates(previous: int | None, current: int | None) -> list:
     if current is None or current == previous:
         return [gr.update(), gr.update()]
     return [gr.update(value=current), gr.update(value=current)]
+
+
+def without_size_note(note: str | None, field: str) -> str:
+    """The settings note without its rounding line for `field` ("ℹ️ width 100 → 96: …"): once the
+    user edits that field, the note about the old value is stale (the other lines stay)."""
+    kept = [part for part in (note or "").split("\n\n") if not part.startswith(f"ℹ️ {field} ")]
+    return "\n\n".join(kept)
 
 
 # ----------------------------------------------------------------------------------------- layout
@@ -108,8 +135,33 @@ def _settings_fields() -> list:
         height = _number("height", "Height", defaults.height, 8)
         batch = _number("batch", "Batch size", defaults.batch, 1)
         n_iter = _number("n_iter", "Batch count", defaults.n_iter, 1)
+        # A1111's "Clip skip": CLIP reads its layer -N; SDXL reads its penultimate layer whatever this says.
+        clip_skip = _number("clip_skip", "Clip skip", defaults.clip_skip, 1)
     note = gr.Markdown(elem_id="sd-settings-note")  # rounding, "stopped early" and "sent from an infotext" notes
-    return [prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, note]
+    return [prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, clip_skip, note]
+
+
+def _variation_fields() -> dict[str, gr.Number]:
+    """A1111's "Extra" seed options: a variation seed mixed in at a strength, and the size to draw the noise as."""
+    with gr.Accordion("Variation seed", open=False, elem_id="sd-variation"):
+        with gr.Row(equal_height=True):
+            fields = {"subseed": _number("subseed", "Variation seed", -1, 1),
+                      "subseed_strength": _number("subseed_strength", "Variation strength", 0, 0.05)}
+        with gr.Row(equal_height=True):
+            fields["seed_resize_from_w"] = _number("seed_resize_from_w", "Resize seed from width", 0, 8)
+            fields["seed_resize_from_h"] = _number("seed_resize_from_h", "Resize seed from height", 0, 8)
+    return fields
+
+
+def _refiner_fields(ctx: UiContext) -> dict[str, gr.components.Component]:
+    """A1111's refiner: a checkpoint that finishes the image after the switch point (SDXL)."""
+    with gr.Accordion("Refiner", open=False, elem_id="sd-refiner"):
+        with gr.Row(equal_height=True):
+            checkpoint = gr.Dropdown([NO_REFINER, *checkpoint_names(ctx.settings)], value=NO_REFINER, scale=3,
+                                     label="Refiner checkpoint", elem_id="sd-refiner-checkpoint",
+                                     info="finishes the image after the switch point (SDXL base models)")
+            switch_at = _number("refiner_switch_at", "Switch at", GenerateParams("").refiner_switch_at, 0.05)
+    return {"refiner_checkpoint": checkpoint, "refiner_switch_at": switch_at}
 
 
 def build_generate_tab(ctx: UiContext) -> GenerateTab:
@@ -118,27 +170,36 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
     options = build_model_options(ctx)
     with gr.Row():
         with gr.Column(scale=3):
-            prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, note = _settings_fields()
+            prompt, negative, sampler, steps, cfg, width, height, batch, n_iter, clip_skip, note = _settings_fields()
+            styles = build_styles_row(ctx, prompt, negative)
             with gr.Row(equal_height=True):
                 seed = _number("seed", "Seed", -1, 1, scale=4)
                 random_seed = gr.Button("⚄ random", scale=0, min_width=80)
                 reuse_seed = gr.Button("♻ reuse", scale=0, min_width=80, elem_id="sd-reuse-seed")
+            variation = _variation_fields()
+            hires = build_hires_fields(ctx)
+            refiner = _refiner_fields(ctx)
             loras = build_lora_panel(ctx)
             build_lora_browser(ctx, prompt, loras)
         with gr.Column(scale=2):
-            controls = build_run_controls()
+            go = gr.Button("Generate", variant="primary", elem_id="sd-generate")
+            stops = build_stop_controls()
             gallery = gr.Gallery(label=GALLERY_LABEL, columns=2, height=420, elem_id="sd-gallery", format="png",
                                  object_fit="contain", buttons=["download", "download_all", "fullscreen"])
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
-                      height, batch, n_iter, note, options)
+                      height, batch, n_iter, clip_skip, note, options, variation, styles, refiner, hires, stops)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
     # Progress and a failure's "Error" mark go on the gallery only; the message itself is one toast.
-    wire_generate(ctx, controls, tab.settings, loras, [gallery, infotext, infos, chosen_seed, width, height, note])
+    wire_generate(ctx, go, stops, (tab.settings, hires.inputs), loras,
+                  [gallery, infotext, infos, chosen_seed, width, height, note])
     gallery.select(_select_image, [infos], [infotext, chosen_seed], api_visibility="private")
+    for field, box in (("width", width), ("height", height)):
+        box.input(lambda text, f=field: without_size_note(text, f), note, note, api_visibility="private",
+                  show_progress="hidden")
     random_seed.click(lambda: -1, None, seed, api_visibility="private")
     reuse_seed.click(lambda s, current: current if s is None else s, [chosen_seed, seed], seed,
                      api_visibility="private")
@@ -148,11 +209,11 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
 # --------------------------------------------------------------------------------------- handlers
 def load_checkpoint(ctx: UiContext, name: str, progress) -> list:
     """Load `name` unless it is the loaded model already (re-selecting it, or opening and closing the
-    dropdown, must not reload); returns [status text, width, height, sampler, steps, CFG] (see
+    dropdown, must not reload); returns [status text, width, height, sampler, hires sampler, steps, CFG] (see
     `native_size_updates`, `family_updates`)."""
     engine = ctx.engine
     if name == engine.snapshot().model:
-        return [gr.update()] * 6
+        return [gr.update()] * 7
     with user_errors("Loading the model"):
         name = checked_checkpoint(ctx.settings, name)
         before = engine.snapshot()
@@ -184,15 +245,19 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
     # the model (or repeated a failure and its toast). After a refusal the dropdown shows the model the
     # engine still holds (`.failure`: a `.then` after an error never runs in Gradio 6.31).
     loaded = tab.model.select(lambda name, progress=PROGRESS: load_checkpoint(ctx, name, progress), tab.model,
-                              [tab.model_status, tab.width, tab.height, tab.sampler, tab.steps, tab.cfg],
+                              [tab.model_status, tab.width, tab.height, tab.sampler, tab.hires.sampler, tab.steps,
+                               tab.cfg],
                               show_progress_on=[tab.model_status], **private)
     loaded.failure(lambda: gr.Dropdown(value=engine.snapshot().model), None, tab.model, api_visibility="private")
     loaded.success(**redraw).then(lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
     wire_model_options(ctx, tab.options, tab.model_status, **private)
     tab.dtype.input(ui_set_dtype, tab.dtype, tab.model_status, **private).success(**redraw)
     tab.offload.input(ui_set_offload, tab.offload, tab.model_status, **private).success(**redraw)
-    refresh.click(lambda: gr.Dropdown(choices=checkpoint_names(ctx.settings)), None, tab.model,
-                  api_visibility="private")
+    def ui_refresh():
+        names = checkpoint_names(ctx.settings)
+        return gr.Dropdown(choices=names), gr.Dropdown(choices=[NO_REFINER, *names])
+
+    refresh.click(ui_refresh, None, [tab.model, tab.refiner["refiner_checkpoint"]], api_visibility="private")
 
 
 def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
@@ -211,7 +276,7 @@ def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
                 *family_updates(None, snap.arch), *selection_updates(ctx, specs)]
 
     demo.load(on_load, None, [tab.model, tab.dtype, tab.offload, tab.model_status, tab.width, tab.height,
-                              tab.sampler, tab.steps, tab.cfg, slots.select, *slots.layout],
+                              tab.sampler, tab.hires.sampler, tab.steps, tab.cfg, slots.select, *slots.layout],
               api_visibility="private").then(**sync_panel(ctx, slots)).then(
         lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
 

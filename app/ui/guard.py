@@ -2,18 +2,25 @@
 
 Gradio answers any `Host`, lets anyone who can reach the queue call any handler by its
 `fn_index` (including the UI's own "free memory" and debug switches, which the API docs hide),
-reads request bodies of any size, limits the queue only per app and lets a password be guessed
-as fast as the server answers (870 tries a second were measured). This layer, outermost so that
-nothing it refuses reaches Gradio's CORS handling:
+reads and parses request bodies before it checks the login, echoes a request's `Origin` in its
+CORS headers and lets a password be guessed as fast as the server answers (870 tries a second were
+measured). This layer, outermost so that nothing it refuses reaches Gradio, in this order:
 
 - in localhost mode answers only to the bound host names (`127.0.0.1:PORT`, `localhost:PORT`,
   `[::1]:PORT`), so a DNS-rebinding page cannot talk to the app under its own name;
-- throttles logins per client address (`LoginThrottle`);
-- refuses request bodies over `MAX_BODY_BYTES` (uploads are bounded by Gradio's own `max_file_size`);
+- refuses a state-changing request (any method but GET/HEAD/OPTIONS) that a browser made for
+  another site's page, whatever its content type: `Sec-Fetch-Site` other than `same-origin`/`none`,
+  or, where a browser sends no such header (plain HTTP), an `Origin` other than `Host`;
+- checks the login before a single byte of the body is read: the A1111 API's and FastAPI's schema
+  through `gate`, every other POST but `/login` through the UI's session cookie;
+- throttles logins per client address (`LoginThrottle`): the socket's peer, or the address a proxy
+  named with `--forwarded-allow-ips` forwards (see `trust_proxies`);
+- caps request bodies per route (`body_limits`, `Content-Length` refused up front);
 - lets a UI-only handler run only for a request from the app's own page in a browser
-  (`Sec-Fetch-Site: same-origin`, or where browsers send no such header over plain HTTP, an
-  `Origin` equal to `Host`); scripts use the documented API, which does the same things;
-- caps the requests one session may have pending (Gradio's `max_size` caps the whole queue).
+  (`ui_only.py`); scripts use the documented API, which does the same things;
+- caps the requests one session may have pending (Gradio's `max_size` caps the whole queue);
+- drops every `Access-Control-*` header from answers: the app's page is its own origin and needs
+  none, so no other origin is ever allowed to read an answer with the user's cookie.
 """
 
 from __future__ import annotations
@@ -27,34 +34,43 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
+from starlette.requests import cookie_parser
 
 from app.ui.login_throttle import LoginThrottle
+from app.ui.ui_only import API_PREFIX, private_handler_refusal
 
 log = logging.getLogger(__name__)
-API_PREFIX = "/gradio_api"
 QUEUE_JOIN = f"{API_PREFIX}/queue/join"
-UPLOAD = f"{API_PREFIX}/upload"
-# Routes that name the handler they run: /call/<name>, /call/v2/<name>, /run/<name>, /api/<name>.
-NAMED_ROUTES = tuple(f"{API_PREFIX}/{route}/" for route in ("call/v2", "call", "run", "api"))
+UPLOAD = f"{API_PREFIX}/upload"  # multipart, streamed to disk by Gradio within its `max_file_size`
 # JSON bodies are small: both prompts at their 16,000-character cap fit in 400 KB even fully \u-escaped.
 MAX_BODY_BYTES = 1 << 20
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# FastAPI's schema of every route, the A1111 API's included: behind the API's login like the API.
+SCHEMA_PATHS = ("/openapi.json", "/docs", "/redoc")
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 @dataclass(frozen=True)
 class GuardPolicy:
-    """`allowed_hosts` None means any `Host` (`--listen` and share links, where a login is required)."""
+    """`allowed_hosts` None means any `Host` (`--listen` and share links, where a login is required).
+
+    `gated_prefixes` are routes with their own login (the A1111 API): `gate(scope)` answers for
+    them before the body is read, with a refusal to send or None to let the request on.
+    `body_limits` caps bodies by path prefix (first match wins; other routes `MAX_BODY_BYTES`)."""
 
     allowed_hosts: frozenset[str] | None
     session_queue_size: int
-    # REST routes outside Gradio that take images in JSON (the A1111 API's png-info): their bodies
-    # may reach `large_body_bytes`, and they name no Gradio handler, so only the size is checked.
-    large_body_prefixes: tuple[str, ...] = ()
-    large_body_bytes: int = MAX_BODY_BYTES
+    gated_prefixes: tuple[str, ...] = ()
+    gate: Callable[[Scope], ASGIApp | None] | None = None
+    body_limits: tuple[tuple[str, int], ...] = ()
+
+    def body_limit(self, path: str) -> int:
+        return next((limit for prefix, limit in self.body_limits if path.startswith(prefix)), MAX_BODY_BYTES)
 
 
 def loopback_hosts(port: int) -> frozenset[str]:
@@ -62,30 +78,64 @@ def loopback_hosts(port: int) -> frozenset[str]:
 
 
 class RequestGuard:
-    """ASGI middleware around the Gradio app of `demo` (see the module docstring)."""
+    """ASGI middleware around the Gradio app of `demo` (see the module docstring). `gradio_app`
+    holds the UI's logins and session tokens (Gradio's `auth`, `tokens`, `cookie_id`)."""
 
-    def __init__(self, app, demo, policy: GuardPolicy, throttle: LoginThrottle | None = None) -> None:
+    def __init__(self, app: ASGIApp, demo, policy: GuardPolicy, gradio_app=None,
+                 throttle: LoginThrottle | None = None) -> None:
         self.app = app
         self.demo = demo
         self.policy = policy
+        self.gradio_app = gradio_app
         self.throttle = throttle or LoginThrottle()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        allowed = self.policy.allowed_hosts
-        if allowed is not None and headers.get("host") not in allowed:
-            await _refuse(send, 403, f"this server answers only to {', '.join(sorted(allowed))}")
+        refusal = self._refusal_before_body(scope, Headers(scope=scope))
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
+        send = _without_cors(send)
         path = scope["path"]
-        if scope["method"] != "POST" or path.startswith(UPLOAD):
+        if scope["method"] in SAFE_METHODS or path.startswith(UPLOAD):
             await self.app(scope, receive, send)
         elif path.rstrip("/") == "/login":
             await self._login(scope, receive, send)
         else:
-            await self._call(scope, receive, send, headers)
+            await self._call(scope, receive, send)
+
+    def _refusal_before_body(self, scope: Scope, headers: Headers) -> ASGIApp | None:
+        """Host, cross-site, login and declared size: everything decided from the request line and headers."""
+        allowed = self.policy.allowed_hosts
+        if allowed is not None and headers.get("host") not in allowed:
+            return _refused(403, f"this server answers only to {', '.join(sorted(allowed))}")
+        path, method = scope["path"], scope["method"]
+        if self.policy.gate is not None and (path.startswith(self.policy.gated_prefixes) or path in SCHEMA_PATHS):
+            answer = self.policy.gate(scope)  # the API's login, and its own cross-site rule
+            if answer is not None:
+                return answer
+        elif method not in SAFE_METHODS:
+            if cross_site(headers):
+                return _refused(403, "a web page of another site cannot send requests that change anything here")
+            if path.rstrip("/") != "/login" and not self._ui_session(headers):
+                return _refused(401, "Not authenticated: log in first")
+        declared = headers.get("content-length", "")
+        limit = self.policy.body_limit(path)
+        if declared.isdigit() and int(declared) > limit:
+            return _refused(413, f"request body over {limit:,} bytes")
+        return None
+
+    def _ui_session(self, headers: Headers) -> bool:
+        """Whether the request carries a logged-in UI session (or the UI has no login): Gradio's own
+        check, made here so that nothing is read or parsed for a client that has not logged in."""
+        app = self.gradio_app
+        if app is None or app.auth is None:
+            return True
+        cookies = cookie_parser(headers.get("cookie", ""))
+        token = cookies.get(f"access-token-{app.cookie_id}") or cookies.get(f"access-token-unsecure-{app.cookie_id}")
+        return token is not None and token in app.tokens
 
     async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Each attempt counts as a failure until Gradio answers 200, so parallel guesses are throttled too."""
@@ -93,8 +143,8 @@ class RequestGuard:
         wait = self.throttle.begin(client, time.monotonic())
         if wait > 0:
             log.warning("login from %s refused: throttled for %.0f s more", client, wait)
-            await _refuse(send, 429, f"too many failed logins from {client}; try again in {math.ceil(wait)} s",
-                          [(b"retry-after", str(math.ceil(wait)).encode())])
+            await _refused(429, f"too many failed logins from {client}; try again in {math.ceil(wait)} s",
+                           [(b"retry-after", str(math.ceil(wait)).encode())])(scope, receive, send)
             return
         status = {}
 
@@ -103,35 +153,35 @@ class RequestGuard:
                 status["code"] = message["status"]
             await send(message)
 
-        await self.app(scope, receive, watch)
+        await self._call(scope, receive, watch)
         if status.get("code") == 200:
             self.throttle.succeeded(client)
         else:
             log.warning("failed login from %s", client)
 
-    async def _call(self, scope: Scope, receive: Receive, send: Send, headers: Headers) -> None:
-        large = scope["path"].startswith(self.policy.large_body_prefixes)
-        limit = self.policy.large_body_bytes if large else MAX_BODY_BYTES
+    async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.policy.body_limit(scope["path"])
         body = await _read_body(receive, limit)
         if body is None:
-            await _refuse(send, 413, f"request body over {limit:,} bytes")
+            await _refused(413, f"request body over {limit:,} bytes")(scope, receive, send)
             return
-        refusal = None if large else self._refusal(scope["path"], headers, body)
+        refusal = self._refusal(scope["path"], Headers(scope=scope), body)
         if refusal is not None:
-            await _refuse(send, *refusal)
+            await _refused(*refusal)(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 
     def _refusal(self, path: str, headers: Headers, body: bytes) -> tuple[int, str] | None:
+        if not path.startswith(API_PREFIX):
+            return None
         try:
             data = json.loads(body or b"{}")
         except ValueError:
             return None  # Gradio answers malformed JSON itself
         data = data if isinstance(data, dict) else {}
-        fn = self._handler(path, data.get("fn_index"))
-        if fn is not None and fn.api_visibility == "private" and not _from_own_page(headers):
-            return 403, (f"handler {fn.api_name!r} belongs to the app's page; scripts use the documented API "
-                         "(the 'Use via API' link)")
+        refusal = private_handler_refusal(self.demo, path, data, headers)
+        if refusal is not None:
+            return 403, refusal
         session = data.get("session_hash")
         if path.rstrip("/") == QUEUE_JOIN and isinstance(session, str):
             pending = len(self.demo._queue.pending_event_ids_session.get(session, ()))  # Gradio's own record
@@ -140,24 +190,27 @@ class RequestGuard:
                              f"have (--session-queue-size); wait for them to finish")
         return None
 
-    def _handler(self, path: str, fn_index):
-        """The handler a request would run: by `fn_index` when given (Gradio prefers it), else by route name."""
-        if isinstance(fn_index, int):
-            return self.demo.fns.get(fn_index)
-        route = next((r for r in NAMED_ROUTES if path.startswith(r)), None)
-        if route is None:
-            return None
-        name = path[len(route):].strip("/").split("/")[0]
-        return next((fn for fn in self.demo.fns.values() if fn.api_name == name), None)
 
-
-def _from_own_page(headers: Headers) -> bool:
-    """A request made by the app's own page in a browser (which a cross-site page cannot fake)."""
+def cross_site(headers: Headers) -> bool:
+    """Whether a browser sent this for another site's page. `Sec-Fetch-Site` cannot be set by a page;
+    over plain HTTP (where browsers omit it) the `Origin` a browser adds to every POST must name this
+    host. Scripts and API clients send neither, and pass."""
     site = headers.get("sec-fetch-site")
     if site is not None:
-        return site == "same-origin"
+        return site not in ("same-origin", "none")
     origin = headers.get("origin")
-    return origin is not None and urlsplit(origin).netloc == headers.get("host")
+    return origin is not None and urlsplit(origin).netloc != headers.get("host")
+
+
+def _without_cors(send: Send) -> Send:
+    """`send` minus any `Access-Control-*` header Gradio's CORS layer added (see the module docstring)."""
+    async def filtered(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [(k, v) for k, v in message.get("headers", [])
+                                              if not k.lower().startswith(b"access-control-")]}
+        await send(message)
+
+    return filtered
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
@@ -190,12 +243,17 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _refuse(send: Send, status: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    """A JSON `{"detail": ...}` answer, the shape Gradio's own refusals have."""
+def _refused(status: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None) -> ASGIApp:
+    """A JSON `{"detail": ...}` answer, the shape Gradio's own refusals have. A body left unread is
+    discarded by the server as it arrives (nothing of it is kept), so the client still reads the answer."""
     payload = json.dumps({"detail": detail}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
-    await send({"type": "http.response.body", "body": payload})
+
+    async def answer(_scope: Scope, _receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
+        await send({"type": "http.response.body", "body": payload})
+
+    return answer
 
 
 def install(app, demo, policy: GuardPolicy) -> RequestGuard:
@@ -206,6 +264,6 @@ def install(app, demo, policy: GuardPolicy) -> RequestGuard:
     to put a layer outside Gradio's. Requests already in flight finish on the old stack.
     """
     stack = app.middleware_stack or app.build_middleware_stack()
-    guard = RequestGuard(stack, demo, policy)
+    guard = RequestGuard(stack, demo, policy, gradio_app=app)
     app.middleware_stack = guard
     return guard

@@ -44,13 +44,18 @@ def build_history_tab(ctx: UiContext, sends: Senders) -> dict:
         with gr.Column(scale=1, min_width=160):
             add_send_buttons(ctx, sends, text, selected, count, "sd-history-send")
 
-    def fill(chosen: str):
+    def fill(chosen: str, open_path: str | None):
+        """The list for `chosen`. An image open in the gallery stays open, with its infotext, where the
+        new list holds it (switching the source must not lose it); otherwise nothing is selected."""
         found = list_outputs(ctx.settings.outputs_dir, ctx.started if chosen == SCOPES[0] else None)
-        shown = found[:LIMIT]
+        shown = [str(p) for p in found[:LIMIT]]
         where = html.escape(str(ctx.settings.outputs_dir))
         cut = f", showing the newest {LIMIT}" if len(found) > LIMIT else ""
         note = f"{len(found)} image(s) {'since the app started' if chosen == SCOPES[0] else 'in'} `{where}`{cut}"
-        return [(str(p), p.parent.name + "/" + p.name) for p in shown], [str(p) for p in shown], note, "", None
+        items = [(p, Path(p).parent.name + "/" + Path(p).name) for p in shown]
+        if open_path in shown:
+            return gr.Gallery(items, selected_index=shown.index(open_path)), shown, note, gr.skip(), open_path
+        return gr.Gallery(items, selected_index=None), shown, note, gr.Textbox(value="", placeholder=""), None
 
     def pick(shown: list[str], evt: gr.SelectData):
         """(infotext, path): a missing infotext is said in the placeholder, never as text a send would read."""
@@ -58,11 +63,11 @@ def build_history_tab(ctx: UiContext, sends: Senders) -> dict:
             return "", None
         try:
             found, why = read_parameters(Path(shown[evt.index])), "(this PNG carries no infotext)"
-        except OSError as exc:  # deleted since the list was drawn; sending it says so in a toast
+        except (OSError, ValueError) as exc:  # deleted since the list was drawn (a send says so in a toast)
             found, why = "", f"(cannot read it: {exc})"
         return gr.Textbox(value=found or "", placeholder=why), shown[evt.index]
 
-    refresh_args = dict(fn=fill, inputs=scope, outputs=[gallery, paths, count, text, selected],
+    refresh_args = dict(fn=fill, inputs=[scope, selected], outputs=[gallery, paths, count, text, selected],
                         api_visibility="private", show_progress="hidden")
     scope.input(**refresh_args)
     refresh.click(**refresh_args)

@@ -1,5 +1,7 @@
-"""The "img2img" tab: img2img, inpaint (mask drawn in the image editor or uploaded) and txt2img
-with hires fix, each run by the engine as one transition per stage (see Diagnostics → History).
+"""The "img2img" tab: img2img and inpaint (mask drawn in the image editor or uploaded) and, for models
+that take them (FLUX.2 Klein), reference editing from one to four pictures, each run by
+the engine as one transition per stage (see Diagnostics → History), with the live preview,
+Interrupt and Skip of the Generate tab (`generate_run.stream_job`).
 
 The tab only draws: numbers are checked by the engine's rule sets (the same as the API's,
 `app.ui.workflow_api`), LoRAs are the engine's current ones plus any `<lora:…>` prompt tags.
@@ -12,21 +14,52 @@ from dataclasses import dataclass
 import gradio as gr
 
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
-from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, STAGE_LIMITS, UPSCALERS
-from app.ui.common import PROGRESS, UiContext
-from app.ui.workflow_api import editor_mask, run_hires, run_img2img
+from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, STAGE_LIMITS
+from app.families import family
+from app.ui.common import UiContext, gallery_items, user_errors
+from app.ui.generate_run import (
+    Generation,
+    StopControls,
+    build_stop_controls,
+    owner_of,
+    result_gallery,
+    run_buttons,
+    stream_job,
+    wire_stop,
+)
+from app.ui.workflow_api import edit_job, editor_mask, img2img_job
 
 QUEUE = "loras"  # the lane every engine-changing event shares, in order
+RUN_IMG2IMG, RUN_INPAINT, RUN_EDIT = "Run img2img", "Run inpaint", "Run edit"
 
 
 @dataclass
 class _Outputs:
+    """Where the tab's runs show: the gallery (live previews, then the result), the infotext, the last
+    result (it comes back after a failure), Interrupt and Skip."""
+
     gallery: gr.Gallery
     infotext: gr.Textbox
+    last: gr.State
+    stops: StopControls
 
-    @property
-    def all(self) -> list:
-        return [self.gallery, self.infotext]
+    def run_outputs(self, go: gr.Button) -> list:
+        return [self.gallery, self.infotext, self.last, go, *self.stops.buttons]
+
+
+def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepare, last: list):
+    """Run the checked job `prepare()` returns (params, call(owner), notes) as this page's, streaming
+    previews into the gallery and the step on the run button, as Generate does."""
+    with user_errors(action):
+        params, call, _notes = prepare()
+    job = Generation(ctx.engine, call, owner_of(request))
+
+    def frame(gallery, snap) -> list:
+        return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label)]
+
+    images = yield from stream_job(job, (params.width, params.height), action, frame, last)
+    yield [result_gallery(images, params.steps), images[0].infotext if images else "", gallery_items(images),
+           *run_buttons(None, label)]
 
 
 def _number(field: str, label: str, value: float, step: float, panel: str = "i2i") -> gr.Number:
@@ -60,6 +93,21 @@ class Img2ImgTab:
     strength: gr.Number
     note: gr.Markdown
     panels: gr.Tabs
+    stops: StopControls
+
+    @property
+    def sampler(self) -> gr.Dropdown:
+        return self.settings[2]
+
+
+def family_sampler(ctx: UiContext, current: str):
+    """The loaded family's samplers, keeping `current` where the family has it (else its default): the
+    tab opened after a model switch offers no sampler the model would refuse."""
+    arch = ctx.engine.snapshot().arch
+    if arch is None:
+        return gr.update()
+    fam = family(arch)
+    return gr.Dropdown(choices=list(fam.samplers), value=current if current in fam.samplers else fam.default_sampler)
 
 
 def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> tuple[gr.Image, gr.Number]:
@@ -67,10 +115,15 @@ def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> tuple[gr.Image,
     with gr.Row():
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode", elem_id="sd-i2i-resize")
         strength = _number("denoising_strength", "Denoising strength", 0.75, 0.05)
-    go = gr.Button("Run img2img", variant="primary", elem_id="sd-i2i-run")
-    go.click(lambda progress=PROGRESS, *v: run_img2img(ctx, list(v[:9]), *v[9:], progress=progress)[:2],
-             [*base, image, strength, resize], out.all, api_visibility="private", concurrency_id=QUEUE,
-             show_progress_on=[out.gallery])
+    go = gr.Button(RUN_IMG2IMG, variant="primary", elem_id="sd-i2i-run")
+
+    def img2img(request: gr.Request, last, *values):
+        init, strength_v, resize_v = values[9:]
+        yield from _stream(ctx, request, "img2img", RUN_IMG2IMG,
+                           lambda: img2img_job(ctx, list(values[:9]), init, strength_v, resize_v), last)
+
+    go.click(img2img, [out.last, *base, image, strength, resize], out.run_outputs(go), api_visibility="private",
+             concurrency_id=QUEUE, show_progress_on=[out.gallery])
     return image, strength
 
 
@@ -88,44 +141,52 @@ def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
         blur = _number("mask_blur", "Mask blur", 4, 1, "inpaint")
         strength = _number("denoising_strength", "Denoising strength", 0.75, 0.05, "inpaint")
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode")
-    go = gr.Button("Run inpaint", variant="primary", elem_id="sd-inpaint-run")
+    go = gr.Button(RUN_INPAINT, variant="primary", elem_id="sd-inpaint-run")
 
-    def inpaint(progress=PROGRESS, *values):
-        edited, upload, strength_v, resize_v, blur_v, fill_v, invert_v = values[9:]
+    def prepare(base_values, edited, upload, strength_v, resize_v, blur_v, fill_v, invert_v):
         image, painted = editor_mask(edited)
         mask = upload if upload is not None else painted
         if image is not None and mask is None:
-            raise gr.Error("Inpaint failed: paint the area to repaint, or upload a mask", print_exception=False)
-        return run_img2img(ctx, list(values[:9]), image, strength_v, resize_v, mask, blur_v, fill_v, invert_v,
-                           progress=progress)[:2]
+            raise ValueError("paint the area to repaint, or upload a mask")
+        return img2img_job(ctx, base_values, image, strength_v, resize_v, mask, blur_v, fill_v, invert_v)
 
-    go.click(inpaint, [*base, editor, uploaded, strength, resize, blur, fill, invert], out.all,
+    def inpaint(request: gr.Request, last, *values):
+        yield from _stream(ctx, request, "inpaint", RUN_INPAINT, lambda: prepare(list(values[:9]), *values[9:]), last)
+
+    go.click(inpaint, [out.last, *base, editor, uploaded, strength, resize, blur, fill, invert], out.run_outputs(go),
              api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
-def _hires_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
-    with gr.Row():
-        scale = _number("hires_scale", "Upscale by", 2.0, 0.25, "hires")
-        upscaler = gr.Dropdown(list(UPSCALERS), value="Latent", label="Upscaler", elem_id="sd-hires-upscaler")
-        steps = _number("hires_steps", "Hires steps", 0, 1, "hires")
-        strength = _number("denoising_strength", "Denoising strength", 0.7, 0.05, "hires")
-    sampler = gr.Dropdown([SAME, *SCHEDULERS], value=SAME, label="Hires sampler", elem_id="sd-hires-sampler")
-    prompt = gr.Textbox(label="Hires prompt (empty: the prompt; its <lora:…> tags set this pass's LoRAs)",
-                        elem_id="sd-hires-prompt")
-    negative = gr.Textbox(label="Hires negative prompt (empty: the negative prompt)")
-    go = gr.Button("Run txt2img + hires fix", variant="primary", elem_id="sd-hires-run")
-    go.click(lambda progress=PROGRESS, *v: run_hires(ctx, list(v[:9]), *v[9:], progress=progress)[:2],
-             [*base, scale, upscaler, steps, strength, sampler, prompt, negative], out.all, api_visibility="private",
+def _takes_references(ctx: UiContext) -> bool:
+    arch = ctx.engine.snapshot().arch
+    return arch is not None and family(arch).takes_reference_images
+
+
+def _reference_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
+    """Reference editing: one to four pictures the model edits from or combines (FLUX.2 Klein), at the
+    settings' size; no denoising strength, nothing is masked."""
+    pictures = gr.Gallery(type="pil", label="Reference images (1-4)", interactive=True, columns=4, height=240,
+                          elem_id="sd-i2i-references")
+    go = gr.Button(RUN_EDIT, variant="primary", elem_id="sd-i2i-edit-run")
+
+    def edit(request: gr.Request, last, *values):
+        yield from _stream(ctx, request, "edit", RUN_EDIT, lambda: edit_job(ctx, list(values[:9]), values[9]), last)
+
+    go.click(edit, [out.last, *base, pictures], out.run_outputs(go), api_visibility="private",
              concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
 def build_img2img_tab(ctx: UiContext) -> Img2ImgTab:
     """Lay out the tab: shared settings on the left, one sub-tab per workflow, the results on the right
-    (built first, unrendered, so every panel's button can write to them)."""
-    out = _Outputs(gr.Gallery(label="Images", columns=2, height=420, elem_id="sd-i2i-gallery", format="png",
-                              object_fit="contain", render=False),
-                   gr.Textbox(label="Infotext", lines=6, buttons=["copy"], elem_id="sd-i2i-infotext", render=False))
+    (built first, unrendered, so every panel's button can write to them) under Interrupt and Skip.
+    The hires fix is the Generate tab's checkbox, as in A1111."""
     with gr.Row():
+        with gr.Column(scale=2, render=False) as results:
+            stops = build_stop_controls("sd-i2i")
+            out = _Outputs(gr.Gallery(label="Images", columns=2, height=420, elem_id="sd-i2i-gallery", format="png",
+                                      object_fit="contain"),
+                           gr.Textbox(label="Infotext", lines=6, buttons=["copy"], elem_id="sd-i2i-infotext"),
+                           gr.State([]), stops)
         with gr.Column(scale=3):
             base = _settings()
             note = gr.Markdown(elem_id="sd-i2i-note")  # what "send to img2img" filled in, or could not
@@ -134,9 +195,12 @@ def build_img2img_tab(ctx: UiContext) -> Img2ImgTab:
                     image, strength = _img2img_panel(ctx, base, out)
                 with gr.Tab("Inpaint", id="i2i-inpaint"):
                     _inpaint_panel(ctx, base, out)
-                with gr.Tab("Hires fix", id="i2i-hires"):
-                    _hires_panel(ctx, base, out)
-        with gr.Column(scale=2):
-            out.gallery.render()
-            out.infotext.render()
-    return Img2ImgTab(base, image, strength, note, panels)
+                # shown for a model that takes reference images, checked at page load and on every panel choice
+                with gr.Tab("Reference images", id="i2i-reference", visible=_takes_references(ctx)) as references:
+                    _reference_panel(ctx, base, out)
+        results.render()
+    gr.on([panels.select], lambda: gr.Tab(visible=_takes_references(ctx)), None, references,
+          api_visibility="private")
+    gr.on(None, lambda: gr.Tab(visible=_takes_references(ctx)), None, references, api_visibility="private")
+    wire_stop(ctx, stops)
+    return Img2ImgTab(base, image, strength, note, panels, stops)

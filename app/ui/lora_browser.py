@@ -82,7 +82,7 @@ def filtered(entries: list[Entry], query: str, sort: str) -> list[Entry]:
 def fitting(ctx: UiContext, entries: list[Entry]) -> tuple[list[Entry], str]:
     """The entries the engine accepts for the loaded model, and a note on what could not be decided."""
     snap = ctx.engine.snapshot()
-    if snap.model_hash is None:
+    if snap.model is None:
         return entries, "No model is loaded: every LoRA is listed."
     kept, unknown = [], 0
     for entry in entries:
@@ -90,7 +90,7 @@ def fitting(ctx: UiContext, entries: list[Entry]) -> tuple[list[Entry], str]:
             continue
         try:
             path = ctx.engine.library.path_for(entry.name)
-            fit = ctx.cards.fit(ctx.engine, entry.name, path, snap.model_hash, ask=snap.state == "READY")
+            fit = ctx.cards.fit(ctx.engine, entry.name, path, snap.model_key, ask=snap.state == "READY")
         except OSError:  # gone since the listing
             continue
         unknown += fit is None

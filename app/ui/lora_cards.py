@@ -216,13 +216,13 @@ class CardCache:
             self._cards[key] = card
         return card
 
-    def fit(self, engine, name: str, path: Path, model_hash: str | None, ask: bool = True) -> Fit | None:
+    def fit(self, engine, name: str, path: Path, model_key: str | None, ask: bool = True) -> Fit | None:
         """What the engine's `inspect_lora` says about `name` on the loaded model; a refusal becomes an
         "error" fit. With `ask=False` only a known answer is given (None when there is none), so a
         caller never waits behind a running generation for it."""
-        if model_hash is None:
+        if model_key is None:
             return Fit("warn", "no model loaded yet: fit not checked")
-        key = (model_hash, *self._identity(path))
+        key = (model_key, *self._identity(path))
         with self._lock:
             if key in self._fits or not ask:
                 return self._fits.get(key)

@@ -11,6 +11,10 @@ The panel keeps no policy of its own: every selected LoRA goes to the engine
 rest aside with its reason; the cards then draw the engine's `lora_states` and counters. Other
 parts of the page (the LoRA browser, "send to Generate", a model load) select LoRAs through
 `selection_updates` followed by `sync_panel`, the same path as a pick in the selector.
+
+Each card has the LoRA's "apply in part" box: the engine refuses a LoRA of which less than half the
+tensors match the loaded model unless the user allows it, once, for that LoRA (remembered by the
+engine in the data folder, `Engine.set_lora_partial`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from app.ui.lora_cards import card_markdown, state_badge
 
 log = logging.getLogger(__name__)
 LORA_QUEUE = "loras"  # one ordered lane for selection changes, slider moves and generate's LoRA sync
+PARTIAL_LABEL = "Apply even when less than half of its tensors match this model (remembered for this LoRA)"
 
 
 @dataclass
@@ -41,6 +46,7 @@ class LoraSlots:
     cards: list[gr.Markdown]
     unet: list[gr.Slider]
     te: list[gr.Slider]
+    partial: list[gr.Checkbox]
     slot_names: gr.State
 
     @property
@@ -50,7 +56,7 @@ class LoraSlots:
     @property
     def layout(self) -> list:
         """What `slot_updates` writes, in its order."""
-        return [*self.groups, *self.cards, *self.sliders, self.slot_names]
+        return [*self.groups, *self.cards, *self.sliders, *self.partial, self.slot_names]
 
     @property
     def view(self) -> list:
@@ -92,7 +98,7 @@ def build_lora_panel(ctx: UiContext) -> LoraSlots:
                                  info=f"a slider move re-weights at once; range {lo:g}…{hi:g} (API: any finite)")
             refresh = gr.Button("↻", scale=0, min_width=44, elem_id="sd-lora-refresh")
         status = gr.Markdown(elem_id="sd-lora-status")
-        groups, cards, unet, te = [], [], [], []
+        groups, cards, unet, te, partial = [], [], [], [], []
         for i in range(MAX_LORAS):
             with gr.Group(visible=False, elem_classes="sd-lora-card") as group:
                 cards.append(gr.Markdown(elem_id=f"sd-lora-card-{i}"))
@@ -101,8 +107,10 @@ def build_lora_panel(ctx: UiContext) -> LoraSlots:
                 with gr.Accordion("Text-encoder weight", open=False):
                     te.append(gr.Slider(lo, hi, value=1.0, step=0.05, label="Text-encoder weight",
                                         interactive=True, elem_id=f"sd-lora-te-{i}"))
+                partial.append(gr.Checkbox(False, label=PARTIAL_LABEL, interactive=True,
+                                           elem_id=f"sd-lora-partial-{i}"))
             groups.append(group)
-    return LoraSlots(select, refresh, status, groups, cards, unet, te, gr.State([]))
+    return LoraSlots(select, refresh, status, groups, cards, unet, te, partial, gr.State([]))
 
 
 def slot_updates(ctx: UiContext, names: list[str], weights: dict[str, tuple[float, float]]) -> list:
@@ -110,13 +118,14 @@ def slot_updates(ctx: UiContext, names: list[str], weights: dict[str, tuple[floa
 
     Cards say "asking the engine…" until the follow-up `sync_panel` draws the engine's answer."""
     names = list(names or [])[:MAX_LORAS]
-    groups, cards, unet, te = [], [], [], []
+    groups, cards, unet, te, partial = [], [], [], [], []
     for i in range(MAX_LORAS):
         if i >= len(names):
             groups.append(gr.Group(visible=False))
             cards.append(gr.Markdown())
             unet.append(gr.Slider())
             te.append(gr.Slider())
+            partial.append(gr.Checkbox())
             continue
         name = names[i]
         groups.append(gr.Group(visible=True))
@@ -124,7 +133,8 @@ def slot_updates(ctx: UiContext, names: list[str], weights: dict[str, tuple[floa
         u, t = weights.get(name, (1.0, 1.0))
         unet.append(gr.Slider(value=u, label=f"{name} — UNet weight"))
         te.append(gr.Slider(value=t, label=f"{name} — text-encoder weight"))
-    return [*groups, *cards, *unet, *te, names]
+        partial.append(gr.Checkbox(value=ctx.engine.lora_partial_allowed(name)))
+    return [*groups, *cards, *unet, *te, *partial, names]
 
 
 def selection_updates(ctx: UiContext, specs: list[LoraSpec]) -> list:
@@ -149,7 +159,7 @@ def _badge(ctx: UiContext, name: str, snap: Snapshot) -> str:
     fit = None
     if state is not None and state.status == "applied":
         try:
-            fit = ctx.cards.fit(ctx.engine, name, ctx.engine.library.path_for(name), snap.model_hash,
+            fit = ctx.cards.fit(ctx.engine, name, ctx.engine.library.path_for(name), snap.model_key,
                                 ask=snap.state == "READY")
         except OSError:  # the file went away after it was applied: the badge alone still holds
             fit = None
@@ -203,6 +213,25 @@ def sync_panel(ctx: UiContext, slots: LoraSlots) -> dict:
                 concurrency_id=LORA_QUEUE, show_progress_on=[slots.status])
 
 
+def allow_partial_event(ctx: UiContext, slots: LoraSlots, slot: int) -> dict:
+    """Event arguments for one card's "apply in part" box: the engine remembers the choice for that
+    LoRA and applies the wanted list again; then the page's selection is handed over as usual."""
+
+    def toggle(allowed, progress=PROGRESS, slot_names=(), *values):
+        problem = ""
+        try:
+            name = list(slot_names)[slot]
+            run_with_progress(ctx.engine, lambda: ctx.engine.set_lora_partial(name, bool(allowed)), progress)
+            sync_selection(ctx, selected_specs(list(slot_names), values), progress)
+        except (EngineCallError, ValueError, IndexError) as exc:  # a vanished file, a full queue, a stale slot
+            log.info("partial application not changed: %s", exc)
+            problem = str(exc)
+        return panel_view(ctx, list(slot_names), problem)
+
+    return dict(fn=toggle, inputs=[slots.partial[slot], slots.slot_names, *slots.sliders], outputs=slots.view,
+                api_visibility="private", concurrency_id=LORA_QUEUE, show_progress_on=[slots.status])
+
+
 def wire_loras(ctx: UiContext, slots: LoraSlots) -> None:
     private = dict(api_visibility="private", concurrency_id=LORA_QUEUE)
 
@@ -213,5 +242,7 @@ def wire_loras(ctx: UiContext, slots: LoraSlots) -> None:
                        **private).then(**sync_panel(ctx, slots))
     for slider in slots.sliders:
         slider.release(**sync_panel(ctx, slots))
+    for slot, box in enumerate(slots.partial):
+        box.input(**allow_partial_event(ctx, slots, slot))
     slots.refresh.click(lambda: gr.Dropdown(choices=ctx.engine.library.names()), None, slots.select,
                         api_visibility="private")

@@ -61,7 +61,7 @@ def build_pnginfo_tab(ctx: UiContext, sends: Senders) -> None:
             return "", ""
         try:
             found = read_parameters(path) or ""
-        except OSError as exc:  # not an image Pillow can open
+        except (OSError, ValueError) as exc:  # unreadable, or text over the caps of `app.png_text`
             return "", f"⚠ {html.escape(str(exc))}"
         return found, read_text(found)
 

@@ -13,23 +13,32 @@ settings then stay as they were, and the note says why.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
-from PIL import Image
 
 from app.adapters.specs import LoraSpec
 from app.engine import checkpoint_files
 from app.engine.generate import SCHEDULERS
+from app.image_inputs import open_checked
 from app.infotext import Infotext, parse_infotext
-from app.ui.common import MAX_LORAS, PROGRESS, UiContext, run_with_progress, user_errors
+from app.ui.common import MAX_LORAS, NO_REFINER, PROGRESS, UiContext, run_with_progress, user_errors
 from app.ui.generate_tab import GenerateTab, loaded_text
 from app.ui.img2img_tab import Img2ImgTab
 from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
 
 # Plan field -> infotext key; numbers are parsed, the rest taken as text.
-_NUMBERS = {"steps": "Steps", "cfg": "CFG scale", "seed": "Seed", "denoising_strength": "Denoising strength"}
+_NUMBERS = {"steps": "Steps", "cfg": "CFG scale", "seed": "Seed", "denoising_strength": "Denoising strength",
+            "clip_skip": "Clip skip", "subseed": "Variation seed", "subseed_strength": "Variation seed strength",
+            "refiner_switch_at": "Refiner switch at"}
+_REFINER = re.compile(r"(?P<name>.*?)(?: \[(?P<hash>[0-9a-fA-F]+)\])?")  # A1111's "name [short hash]"
+# "W x H" infotext keys -> the two plan fields they fill.
+_SIZES = {"Size": ("width", "height"), "Seed resize from": ("seed_resize_from_w", "seed_resize_from_h")}
+# Fields an infotext without them resets, so the sent settings make the same image: no variation mixed
+# in, and clip skip 1 (A1111 writes no `Clip skip` at 1, and reads its absence so).
+_RESET = {"clip_skip": 1, "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0}
 # The fields both tabs' settings lists start with, in that order.
 _FIELDS = ("prompt", "negative", "sampler", "steps", "cfg", "seed", "width", "height")
 NO_INFOTEXT = ("⚠ No infotext came with it: the settings were left as they were (other tools, screenshots and "
@@ -55,16 +64,18 @@ def _number(text: str, key: str, notes: list[str]) -> float | int | None:
     return int(value) if value.is_integer() else value
 
 
-def _settings_fields(settings: dict[str, str], notes: list[str]) -> dict[str, object]:
-    fields: dict[str, object] = {}
+def fields_from_infotext(settings: dict[str, str], notes: list[str]) -> dict[str, object]:
+    """The plan fields an infotext's settings give; what cannot be read is named in `notes`."""
+    fields: dict[str, object] = dict(_RESET)
     for field, key in _NUMBERS.items():
         if key in settings and (value := _number(settings[key], key, notes)) is not None:
             fields[field] = value
-    width, sep, height = settings.get("Size", "").partition("x")
-    if sep:
-        for field, text in (("width", width), ("height", height)):
-            if (value := _number(text, "Size", notes)) is not None:
-                fields[field] = value
+    for key, pair in _SIZES.items():
+        first, sep, second = settings.get(key, "").partition("x")
+        if sep:
+            for field, text in zip(pair, (first, second), strict=True):
+                if (value := _number(text, key, notes)) is not None:
+                    fields[field] = value
     sampler, schedule = settings.get("Sampler", ""), settings.get("Schedule type", "")
     match = next((s for s in (f"{sampler} {schedule}", sampler) if s in SCHEDULERS), None)
     if match:
@@ -93,9 +104,21 @@ def find_checkpoint(ctx: UiContext, model_hash: str, model_name: str) -> tuple[s
     return None, f"checkpoint {wanted or '(not recorded)'} is not among yours; kept {snap.model or 'none'}"
 
 
+def _refiner_field(ctx: UiContext, settings: dict[str, str], notes: list[str]) -> str:
+    """The refiner choice an infotext's `Refiner: name [hash]` names, found as the checkpoint is; none
+    when it names none (so the sent settings make the same image)."""
+    named = _REFINER.fullmatch(settings.get("Refiner", "").strip())
+    if not named or not named["name"]:
+        return NO_REFINER
+    found, note = find_checkpoint(ctx, named["hash"] or "", named["name"])
+    notes.append(note and f"refiner: {note}")
+    return found or NO_REFINER
+
+
 def plan_send(ctx: UiContext, info: Infotext) -> SendPlan:
     notes: list[str] = []
-    fields = {"prompt": info.prompt, "negative": info.negative_prompt, **_settings_fields(info.settings, notes)}
+    fields = {"prompt": info.prompt, "negative": info.negative_prompt, **fields_from_infotext(info.settings, notes),
+              "refiner_checkpoint": _refiner_field(ctx, info.settings, notes)}
     checkpoint, note = find_checkpoint(ctx, info.settings.get("Model hash", ""), info.settings.get("Model", ""))
     notes.append(note)
     known = set(ctx.engine.library.names())
@@ -133,18 +156,21 @@ class Senders:
 def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Senders:
     """Generate and img2img as send targets; `tabs` are the app's top-level tabs."""
     return Senders(generate, (
-        SendTarget("generate", "Generate", dict(zip(_FIELDS, generate.settings, strict=False)), generate.note,
-                   ((tabs, "generate"),)),
+        SendTarget("generate", "Generate", {**dict(zip(_FIELDS, generate.settings, strict=False)),
+                                            "clip_skip": generate.clip_skip, **generate.variation,
+                                            **generate.refiner}, generate.note, ((tabs, "generate"),)),
         SendTarget("img2img", "img2img", {**dict(zip(_FIELDS, img2img.settings, strict=False)),
                                           "denoising_strength": img2img.strength}, img2img.note,
                    ((tabs, "img2img"), (img2img.panels, "i2i-img2img")), img2img.image)))
 
 
 def readable_picture(path: str | None) -> str | None:
-    """`path` once Pillow has decoded it whole, so a deleted or broken file fails here, in the sender's one
-    toast. The path itself goes on (Gradio copies the file): a re-encoded copy could differ."""
+    """`path` once it has passed the input checks (`app.image_inputs`: PNG, JPEG or WebP within the
+    pixel cap, from its header) and decoded whole, so a deleted, broken or oversized file fails here,
+    in the sender's one toast. The path itself goes on (Gradio copies the file): a re-encoded copy
+    could differ."""
     if path:
-        with Image.open(path) as picture:
+        with open_checked(Path(path).read_bytes(), Path(path).name) as picture:
             picture.load()
     return path or None
 

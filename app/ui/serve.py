@@ -9,7 +9,8 @@ Only the outputs folder is added to Gradio's `allowed_paths`: generated images a
 there; models and LoRAs are only ever addressed by name through the engine. The queue is bounded
 (`--queue-size` for the app, `--session-queue-size` per session), REST routes cannot bypass it
 (`api_open=False`), uploads are capped (`--max-upload-mib`), and `guard.py` adds what Gradio
-lacks: the Host check in localhost mode, login backoff, body caps, UI-only handlers kept to the UI.
+lacks: the Host check in localhost mode, the login before any body is read, login backoff keyed on
+the socket's peer (`trust_proxies`), body caps, UI-only handlers kept to the UI, no CORS.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from dataclasses import dataclass
 
 import gradio as gr
 import psutil
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from app.a1111 import API_PREFIX, api_body_bytes, install_api
+from app.a1111 import GATED_PREFIXES, api_gate, body_limits, install_api
 from app.diagnostics import RecentLogHandler
 from app.engine.worker import Engine
 from app.settings import Settings
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names
-from app.ui.guard import GuardPolicy, install, loopback_hosts
+from app.ui.guard import UPLOAD, GuardPolicy, install, loopback_hosts
 
 log = logging.getLogger(__name__)
 GENERATED_USER = "steady"
@@ -93,9 +95,27 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
         max_file_size=settings.max_upload_mib * 2**20, **launch_kwargs())
     exposed = settings.listen or settings.share
     print(install_api(app, ctx, policy.credentials), flush=True)
+    upload = (UPLOAD, settings.max_upload_mib * 2**20 + 2**16)  # one file and its multipart framing
     install(app, demo, GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
-                                   large_body_prefixes=(API_PREFIX,), large_body_bytes=api_body_bytes(settings)))
+                                   gated_prefixes=GATED_PREFIXES, gate=api_gate(settings, policy.credentials),
+                                   body_limits=(upload, *body_limits(settings))))
+    trust_proxies(demo.server.config, settings.forwarded_allow_ips)
     return Server(demo, local_url, share_url, policy)
+
+
+def trust_proxies(config, addresses: tuple[str, ...]) -> None:
+    """Take a client's address from `X-Forwarded-For` only when the connection comes from one of
+    `addresses` (`--forwarded-allow-ips`); otherwise the address is the socket's peer.
+
+    uvicorn, as Gradio starts it, trusts the header from any loopback connection, and every reverse
+    proxy, tunnel or script on the same machine connects from loopback: with a new header value per
+    try, 300 password guesses went past the login throttle. uvicorn builds each connection's app
+    from `config.loaded_app`, so replacing its outermost proxy-header layer applies from the next
+    connection on.
+    """
+    app = config.loaded_app
+    inner = app.app if isinstance(app, ProxyHeadersMiddleware) else app
+    config.loaded_app = ProxyHeadersMiddleware(inner, trusted_hosts=list(addresses)) if addresses else inner
 
 
 def wait_until_ready(url: str, timeout_s: float = 30.0) -> None:

@@ -34,6 +34,10 @@ def loras_text(snap: Snapshot) -> str:
     return ", ".join(f"{s.name} {s.unet_strength:g}/{s.te_strength:g}" for s in snap.loras) or "none"
 
 
+def _shortened(text: str) -> str:
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
+
+
 def not_applied_html(snap: Snapshot) -> list[str]:
     """Each wanted LoRA the engine did not apply (set aside or disabled), with its reason, shortened;
     the whole reason is the tooltip."""
@@ -41,15 +45,27 @@ def not_applied_html(snap: Snapshot) -> list[str]:
     for s in snap.lora_states:
         if s.status in ("applied", "no model loaded"):
             continue
-        short = s.reason if len(s.reason) <= REASON_CHARS else s.reason[:REASON_CHARS - 1] + "…"
         out.append(f"<span class='sd-aside' title='{html.escape(s.reason, quote=True)}'>⊘ {html.escape(s.name)} "
-                   f"{html.escape(s.status)}: {html.escape(short)}</span>")
+                   f"{html.escape(s.status)}: {html.escape(_shortened(s.reason))}</span>")
+    return out
+
+
+def applied_in_part_html(snap: Snapshot) -> list[str]:
+    """Each applied LoRA of which some tensors matched nothing in the model, with the count and the
+    first keys (shortened; the whole message is the tooltip): a LoRA that lost layers is never quiet."""
+    out = []
+    for s in snap.loras:
+        counters = snap.lora_counters.get(s.name)
+        if counters is not None and counters.unmatched_keys:
+            out.append(f"<span class='sd-partial' title='{html.escape(counters.message, quote=True)}'>⚠ "
+                       f"{html.escape(s.name)} applied in part: {html.escape(_shortened(counters.message))}</span>")
     return out
 
 
 def status_html(snap: Snapshot) -> str:
     """The always-visible engine line: state pill, progress and queue, model, placement policy, LoRAs
-    (applied, then those set aside or disabled with the reason), violations."""
+    (applied, those applied without some of their tensors, then those set aside or disabled with the
+    reason), violations."""
     state = snap.state
     css = {"ERROR": "error", "EMPTY": "empty"}.get(state, "busy" if state in _BUSY_STATES else "idle")
     progress = ""
@@ -63,13 +79,14 @@ def status_html(snap: Snapshot) -> str:
         f"model <b>{model}</b>" + (f" ({snap.arch})" if snap.arch else ""),
         f"{snap.device} · {snap.dtype or snap.requested_dtype} · offload {snap.offload}",
         f"LoRAs {html.escape(loras_text(snap))}" + (f" ({snap.lora_mode})" if snap.loras else ""),
+        *applied_in_part_html(snap),
         *not_applied_html(snap),
     ]
     if snap.violations_found_total:
         parts.append(f"<span class='sd-bad'>violations found {snap.violations_found_total}, "
                      f"repaired {snap.violations_repaired_total}</span>")
     # In ERROR, and when EMPTY because the last command failed (a checkpoint that would not load), say why.
-    failed_last = bool(snap.history) and snap.history[-1].outcome != "ok"
+    failed_last = bool(snap.history) and snap.history[-1].failed
     if snap.last_error is not None and (snap.state == "ERROR" or (snap.state == "EMPTY" and failed_last)):
         parts.append(f"<span class='sd-bad'>{html.escape(snap.last_error.command)}: "
                      f"{html.escape(snap.last_error.message)}</span>")
@@ -160,6 +177,43 @@ def _series_path(points: Sequence[tuple[float, float]], x0: float, span: float, 
     return "M" + " L".join(coords) if coords else ""
 
 
+_LABEL_ROW = 12  # px between rows of transition labels (font size 10)
+_CHAR_PX = 6.0  # a generous width per character at font size 10, so labels never touch
+
+
+def marker_rows(marks: Sequence[tuple[float, str]], width: int, rows: int) -> list[int | None]:
+    """The row each transition label goes in: the first row (from the top) whose last label ends left
+    of it, so close transitions stack instead of overlapping; None where every row is taken (that
+    label is then only the line's tooltip). Row 1 starts right of the axis label drawn there."""
+    ends = [0.0, 70.0, *[0.0] * (rows - 2)][:rows]
+    placed: list[int | None] = []
+    for x, label in marks:
+        left, right = _label_span(x, label, width)
+        row = next((i for i, end in enumerate(ends) if left >= end + 4), None)
+        if row is not None:
+            ends[row] = right
+        placed.append(row)
+    return placed
+
+
+def _label_span(x: float, label: str, width: int) -> tuple[float, float]:
+    """Where a label at line `x` is drawn: right of the line, or left of it near the right edge."""
+    size = len(label) * _CHAR_PX
+    return (x + 2, x + 2 + size) if x + 2 + size <= width else (x - 2 - size, x - 2)
+
+
+def _markers(marks: Sequence[tuple[float, str]], width: int, height: int) -> str:
+    out = []
+    for (x, label), row in zip(marks, marker_rows(marks, width, max(1, (height - 30) // _LABEL_ROW)), strict=True):
+        name = html.escape(label)
+        out.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='0' y2='{height}' stroke='#bc4c00' stroke-dasharray='3,3'>"
+                   f"<title>{name}</title></line>")
+        if row is not None:
+            left = _label_span(x, label, width)[0]
+            out.append(f"<text x='{left:.1f}' y='{_LABEL_ROW * (row + 1)}' font-size='10' fill='#bc4c00'>{name}</text>")
+    return "".join(out)
+
+
 def timeline_svg(samples: Sequence[dict], width: int = 760, height: int = 180) -> str:
     """RAM (and VRAM where present) over the sampled window, one dashed line per transition.
 
@@ -181,16 +235,14 @@ def timeline_svg(samples: Sequence[dict], width: int = 760, height: int = 180) -
         lines.append(f"<path d='{path}' fill='none' stroke='{colours[label]}' stroke-width='2'/>")
     for s in samples:
         if s.get("marker"):
-            x = (s["t"] - x0) / span * width
-            marks.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='0' y2='{height}' stroke='#bc4c00' "
-                         f"stroke-dasharray='3,3'/><text x='{x + 2:.1f}' y='12' font-size='10' fill='#bc4c00'>"
-                         f"{html.escape(s['marker'])}</text>")
+            marks.append(((s["t"] - x0) / span * width, s["marker"]))
     axis = (f"<text x='4' y='{height - 4}' font-size='10' fill='#57606a'>{lo:,.0f} MiB</text>"
-            f"<text x='4' y='24' font-size='10' fill='#57606a'>{hi:,.0f} MiB</text>")
+            f"<text x='4' y='{2 * _LABEL_ROW}' font-size='10' fill='#57606a'>{hi:,.0f} MiB</text>")
     legend = " ".join(f"<span style='color:{colours[label]}'>■ {label}</span>" for label in present)
     last = samples[-1]
     now = ", ".join(f"{label} {last[key]:,.0f} MiB" for label, key in present.items() if key in last)
     return (f"<div id='sd-timeline'><div class='sd-muted'>{legend} — now: {now}; last {span:.0f} s; "
             f"dashed lines = transitions</div>"
             f"<svg viewBox='0 0 {width} {height}' width='100%' height='{height}' role='img' "
-            f"style='background:#f6f8fa;border-radius:6px'>{axis}{''.join(marks)}{''.join(lines)}</svg></div>")
+            f"style='background:#f6f8fa;border-radius:6px'>{axis}{_markers(marks, width, height)}{''.join(lines)}"
+            "</svg></div>")

@@ -3,17 +3,21 @@
 Numbers go through the one rule set (`generate.LIMITS` via `params_from_form`, the workflow
 fields via `stage_params.STAGE_LIMITS`), every refusal of one request in one message. The named
 endpoints (`/img2img`, `/inpaint`, `/txt2img_hires`) take plain values and images, as `/generate`
-does, so `gradio_client` scripts can call them; they are events on hidden components because
-they return files.
+does, so `gradio_client` scripts can call them (and stop them with `/interrupt` and `/skip`: a job
+is its client's); they are events on hidden components because they return files.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import gradio as gr
 
 from app.engine.generate import SCHEDULERS, GenerateParams, params_from_form
-from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, UPSCALERS, HiresParams, stage_values
+from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, stage_values
 from app.ui.common import PROGRESS, UiContext, gallery_items, run_with_progress, user_errors
+from app.ui.generate_run import owner_of
+from app.ui.hires_fields import hires_params
 
 # The request's own fields, in the order every handler and endpoint takes them.
 BASE_FIELDS = ("prompt", "negative_prompt", "sampler", "steps", "cfg", "seed", "width", "height", "batch")
@@ -41,33 +45,53 @@ def _answer(images, notes) -> tuple:
     return gallery_items(images), images[0].infotext if images else "", details
 
 
+def img2img_job(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
+                inpainting_fill="original", invert=False) -> tuple[GenerateParams, Callable, tuple]:
+    """img2img (no mask) or inpaint, checked: (request, `call(owner)` running it on the engine, rounding
+    notes). Every refusal is a ValueError before anything is queued."""
+    if init_image is None:
+        raise ValueError("upload an init image first")
+    values = {**dict(zip(BASE_FIELDS, base, strict=True)), "denoising_strength": denoising_strength,
+              "mask_blur": mask_blur}
+    params, stage, notes = checked(ctx, values, ("denoising_strength", "mask_blur"))
+
+    def call(owner: str | None) -> list:
+        return ctx.engine.img2img(params, [init_image], denoising_strength=stage["denoising_strength"],
+                                  resize_mode=resize_mode, mask=mask, mask_blur=stage["mask_blur"],
+                                  inpainting_fill=inpainting_fill, inpainting_mask_invert=bool(invert), owner=owner)
+    return params, call, notes
+
+
+def edit_job(ctx: UiContext, base: list, references: list) -> tuple[GenerateParams, Callable, tuple]:
+    """Reference editing (a family that takes reference images: FLUX.2 Klein), checked: (request,
+    `call(owner)`, rounding notes). The engine refuses a model that takes none, naming it."""
+    pictures = [item[0] if isinstance(item, (tuple, list)) else item for item in references or ()]
+    if not pictures:
+        raise ValueError("add one to four reference images first")
+    params, _stage, notes = checked(ctx, dict(zip(BASE_FIELDS, base, strict=True)), ())
+    return params, lambda owner: ctx.engine.edit(params, pictures, owner=owner), notes
+
+
 def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
-                inpainting_fill="original", invert=False, progress=None, browser: bool = True) -> tuple:
-    """img2img (no mask) or inpaint; returns (gallery items, first infotext, details)."""
-    action = "img2img" if mask is None else "Inpaint"
-    with user_errors(action, browser=browser):
-        if init_image is None:
-            raise ValueError("upload an init image first")
-        values = {**dict(zip(BASE_FIELDS, base, strict=True)), "denoising_strength": denoising_strength,
-                  "mask_blur": mask_blur}
-        params, stage, notes = checked(ctx, values, ("denoising_strength", "mask_blur"))
-        images = run_with_progress(ctx.engine, lambda: ctx.engine.img2img(
-            params, [init_image], denoising_strength=stage["denoising_strength"], resize_mode=resize_mode, mask=mask,
-            mask_blur=stage["mask_blur"], inpainting_fill=inpainting_fill, inpainting_mask_invert=bool(invert)),
-            progress)
+                inpainting_fill="original", invert=False, progress=None, owner: str | None = None) -> tuple:
+    """img2img (no mask) or inpaint for the named API; returns (gallery items, first infotext, details)."""
+    with user_errors("img2img" if mask is None else "inpaint", browser=False):
+        _params, call, notes = img2img_job(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur,
+                                           inpainting_fill, invert)
+        images = run_with_progress(ctx.engine, lambda: call(owner), progress)
     return _answer(images, notes)
 
 
 def run_hires(ctx: UiContext, base: list, scale, upscaler, steps, denoising_strength, sampler, prompt, negative,
-              progress=None, browser: bool = True) -> tuple:
-    """txt2img with hires fix; returns (gallery items, first infotext, details)."""
-    with user_errors("Hires fix", browser=browser):
+              progress=None, owner: str | None = None) -> tuple:
+    """txt2img with hires fix for the named API; returns (gallery items, first infotext, details)."""
+    with user_errors("Hires fix", browser=False):
         values = {**dict(zip(BASE_FIELDS, base, strict=True)), "hires_scale": scale, "hires_steps": steps,
                   "denoising_strength": denoising_strength}
         params, stage, notes = checked(ctx, values, ("hires_scale", "hires_steps", "denoising_strength"))
-        hires = HiresParams(stage["hires_scale"], str(upscaler), stage["hires_steps"], stage["denoising_strength"],
-                            str(sampler or SAME), str(prompt or ""), str(negative or ""))
-        images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params, hires=hires), progress)
+        hires = hires_params(stage, upscaler, sampler, prompt, negative)
+        images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params, hires=hires, owner=owner),
+                                   progress)
     return _answer(images, notes)
 
 
@@ -108,7 +132,9 @@ def register_workflow_api(ctx: UiContext) -> None:
                                                                    label="inpainting_fill")
         invert = gr.Checkbox(False, label="inpainting_mask_invert")
         hires = [gr.Number(2.0, label="hires_scale"),
-                 gr.Dropdown(list(UPSCALERS), value="Latent", label="hires_upscaler"),
+                 # any name: a model file added after start is checked by the engine, not by the list
+                 gr.Dropdown(ctx.engine.hires_upscalers(), value="Latent", label="hires_upscaler",
+                             allow_custom_value=True),
                  gr.Number(0, label="hires_steps"), gr.Number(0.7, label="denoising_strength"),
                  gr.Dropdown([SAME, *SCHEDULERS], value=SAME, label="hires_sampler"),
                  gr.Textbox("", label="hires_prompt"), gr.Textbox("", label="hires_negative_prompt")]
@@ -117,25 +143,26 @@ def register_workflow_api(ctx: UiContext) -> None:
 
     # Named parameters (not *values): gradio_client takes keyword arguments by these names.
     def img2img(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
-                denoising_strength, resize_mode, progress=PROGRESS):
+                denoising_strength, resize_mode, request: gr.Request, progress=PROGRESS):
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
-        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, progress=progress, browser=False)
+        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, progress=progress,
+                           owner=owner_of(request))
 
     def inpaint(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
                 denoising_strength, resize_mode, mask, mask_blur, inpainting_fill, inpainting_mask_invert,
-                progress=PROGRESS):
+                request: gr.Request, progress=PROGRESS):
         if mask is None:
             raise gr.Error("inpaint failed: a mask is required (white repaints)", print_exception=False)
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
         return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
-                           inpainting_mask_invert, progress=progress, browser=False)
+                           inpainting_mask_invert, progress=progress, owner=owner_of(request))
 
     def txt2img_hires(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, hires_scale,
                       hires_upscaler, hires_steps, denoising_strength, hires_sampler, hires_prompt,
-                      hires_negative_prompt, progress=PROGRESS):
+                      hires_negative_prompt, request: gr.Request, progress=PROGRESS):
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
         return run_hires(ctx, base, hires_scale, hires_upscaler, hires_steps, denoising_strength, hires_sampler,
-                         hires_prompt, hires_negative_prompt, progress=progress, browser=False)
+                         hires_prompt, hires_negative_prompt, progress=progress, owner=owner_of(request))
 
     common = dict(concurrency_id="loras")
     buttons[0].click(img2img, [*base, image, strength, resize], outputs, api_name="img2img", **common,

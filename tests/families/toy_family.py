@@ -19,6 +19,7 @@ import torch
 from diffusers import ModelMixin, StableDiffusionPipeline, UNet2DConditionModel
 
 from app.engine.pipelines import EnginePipeline
+from app.engine.variation import VariedNoise
 from app.families import family
 
 NAME = "toy"
@@ -61,8 +62,8 @@ class ToyUNet(UNet2DConditionModel):
 ToyUNet.__init__.__signature__ = inspect.signature(UNet2DConditionModel.__init__)
 
 
-class ToyPipeline(EnginePipeline, StableDiffusionPipeline):
-    """The toy family's pipeline: SD1.5's, with the toy denoiser."""
+class ToyPipeline(EnginePipeline, VariedNoise, StableDiffusionPipeline):
+    """The toy family's pipeline: SD1.5's, with the toy denoiser (and variation seeds, as every txt2img class)."""
 
 
 def toy_family():

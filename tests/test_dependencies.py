@@ -1,0 +1,157 @@
+"""A clean install starts: every third-party module `app/` imports is a declared runtime dependency.
+
+What it protects (issue 32): `pip install -e . && python launch.py` died with `No module named
+'accelerate'` because only the test extras pulled accelerate in (through peft), so the suite never
+saw it missing. The static check reads every import under `app/` (functions included) and the
+distributions that provide each module (`importlib.metadata`, so `PIL` is Pillow and `pynvml` is
+nvidia-ml-py) and compares them with `[project].dependencies` in `pyproject.toml`. The install
+test builds a fresh virtual environment with the README's first command (CPU torch first, as
+`.ci/run` does, so the multi-GB CUDA build is never pulled) and asks the launched app for its page.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from served_app import free_port
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the check needs no other parser
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = Path("/opt/wheels")  # where this machine keeps the CPU torch wheel (.ci/run uses it the same way)
+
+
+def imported_modules(package: Path) -> dict[str, set[str]]:
+    """Top-level module name -> the files under `package` that import it (absolute imports only;
+    imports inside functions count: a lazy import fails as surely, only later)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(package.parent)))
+    return found
+
+
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def declared_dependencies(pyproject: Path) -> set[str]:
+    """The distribution names in `[project].dependencies`, normalised."""
+    specs = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]
+    return {_normalised(re.split(r"[\s<>=!~;\[(]", spec, maxsplit=1)[0]) for spec in specs}
+
+
+def undeclared_imports(modules: dict[str, set[str]], declared: set[str], first_party: set[str]) -> dict[str, str]:
+    """Each imported third-party module no declared distribution provides -> why, naming a file."""
+    providers = importlib.metadata.packages_distributions()
+    missing = {}
+    for module, files in sorted(modules.items()):
+        if module in sys.stdlib_module_names or module in first_party or module == "__future__":
+            continue
+        dists = {_normalised(d) for d in providers.get(module, [])}
+        if not dists & declared:
+            where = sorted(files)[0]
+            missing[module] = (f"{where} imports {module}, provided by {', '.join(sorted(dists))}, which is not in "
+                               "[project].dependencies" if dists else f"{where} imports {module}, which no installed "
+                               "distribution provides")
+    return missing
+
+
+def _first_party() -> set[str]:
+    """Names of this repository's own top-level modules and packages (app, benchmarks, launch …)."""
+    return {p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+
+
+def test_every_third_party_module_app_imports_is_a_declared_dependency():
+    missing = undeclared_imports(imported_modules(ROOT / "app"), declared_dependencies(ROOT / "pyproject.toml"),
+                                 _first_party())
+    assert missing == {}, "\n".join(missing.values())
+
+
+def test_the_check_catches_accelerate_missing_from_the_dependencies(tmp_path):
+    """The bug of issue 32 itself: with accelerate taken out of pyproject.toml's dependencies (it is
+    still installed here, through the test extras) the check names it and the file importing it."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    without = re.sub(r'^\s*"accelerate[^"]*",.*\n', "", text, flags=re.MULTILINE)
+    assert without != text
+    (tmp_path / "pyproject.toml").write_text(without, encoding="utf-8")
+    missing = undeclared_imports(imported_modules(ROOT / "app"), declared_dependencies(tmp_path / "pyproject.toml"),
+                                 _first_party())
+    assert list(missing) == ["accelerate"]
+    assert "app/engine/component_files.py imports accelerate" in missing["accelerate"]
+
+
+def _pip(venv_python: Path, *args: str) -> None:
+    """The running interpreter's pip installing into the new venv (`--python`: no pip bootstrapped into
+    it, which would cost seconds); no bytecode compiled, the app's first import does what it needs."""
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv_python), "install",
+                           "--disable-pip-version-check", "--no-compile", "-q", *args],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def _install_app(venv_python: Path) -> None:
+    """CPU torch, then `pip install -e .`, as `.ci/run` does: with this machine's local CPU wheel in
+    the same pip call (one resolution: 25 s of CPU instead of 35), else from PyTorch's CPU index
+    first. Either way `pip install -e .` keeps that torch."""
+    wheels = sorted(WHEELS.glob(f"torch-{importlib.metadata.version('torch').split('+')[0]}+cpu*.whl"))
+    if wheels:
+        _pip(venv_python, str(wheels[-1]), "-e", str(ROOT))
+        return
+    _pip(venv_python, "torch", "--index-url", "https://download.pytorch.org/whl/cpu")
+    _pip(venv_python, "-e", str(ROOT))
+
+
+def _wait_for_page(url: str, process: subprocess.Popen, timeout: float = 300) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"launch.py exited with {process.returncode}"
+        try:
+            if requests.get(f"{url}/gradio_api/info", timeout=5).ok:
+                return requests.get(url, timeout=10).text
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the app did not answer on {url} within {timeout} s")
+
+
+@pytest.mark.install
+def test_a_fresh_venv_with_pip_install_e_dot_starts_the_app(tmp_path):
+    """The README's `pip install -e . && python launch.py` in a new virtual environment (no extras,
+    nothing from this one; pip's cache allowed) serves its page with the demo models."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    _install_app(python)
+    port, data = free_port(), tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env |= {"HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "NO_PROXY": "localhost,127.0.0.1"}
+    log = (tmp_path / "launch.log").open("w")
+    process = subprocess.Popen([str(python), str(ROOT / "launch.py"), "--data-dir", str(data), "--create-data-dir",
+                                "--port", str(port), "--device", "cpu"], cwd=tmp_path, env=env, stdout=log,
+                               stderr=subprocess.STDOUT)
+    try:
+        page = _wait_for_page(f"http://127.0.0.1:{port}", process)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; its output:\n{(tmp_path / 'launch.log').read_text()[-3000:]}") from None
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+    assert "Steady Diffusion" in page
