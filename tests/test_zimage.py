@@ -226,7 +226,7 @@ def test_defaults_samplers_and_sizes(engine):
     sigma schedule; sizes in multiples of 16; fp16 refused with the reason."""
     turbo, base = family(TURBO), family(BASE)
     assert (turbo.default_steps, turbo.default_guidance, base.default_steps, base.default_guidance) == (8, 1.0, 50, 5.0)
-    assert turbo.call_arguments(1.0, "x") == {"guidance_scale": 0.0, "negative_prompt": "x", "max_sequence_length": 512}
+    assert turbo.call_arguments(1.0) == {"guidance_scale": 0.0, "max_sequence_length": 512}
     engine.load_model(f"tiny-{TURBO}.safetensors")
     for sampler in turbo.samplers:
         image = engine.generate(GenerateParams("a cat", steps=2, cfg=1.0, seed=1, width=64, height=64,

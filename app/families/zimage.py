@@ -36,6 +36,7 @@ from diffusers import (
 from diffusers.image_processor import VaeImageProcessor
 
 from app.engine.pipelines import EnginePipeline
+from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, ComponentFile, Family
 from app.families.file_layout import module_parts
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
@@ -48,8 +49,8 @@ COMFY = "ComfyUI (diffusion_model., original names)"
 AI_TOOLKIT = "ai-toolkit (diffusion_model., diffusers names)"
 
 
-class SteadyZImagePipeline(EnginePipeline, ZImagePipeline):
-    """Z-Image pipeline whose execution device is set by the engine."""
+class SteadyZImagePipeline(EnginePipeline, VariedNoise, ZImagePipeline):
+    """Z-Image pipeline whose execution device is set by the engine, with A1111's variation seeds."""
 
 
 class _ZImageStage(EnginePipeline):

@@ -46,11 +46,12 @@ class Conditioning:
     negative_pooled: torch.Tensor | None = None
     notes: tuple[str, ...] = ()
     prompt: str | None = None  # the prompt as text, for a pipeline that reads it so (`TextEncoder.reads == "text"`)
+    negative_prompt: str | None = None  # the negative prompt so, where the family uses one (Z-Image)
 
     def call_arguments(self) -> dict[str, torch.Tensor | str]:
         named = {"prompt_embeds": self.prompt_embeds, "pooled_prompt_embeds": self.pooled,
                  "negative_prompt_embeds": self.negative_embeds, "negative_pooled_prompt_embeds": self.negative_pooled,
-                 "prompt": self.prompt}
+                 "prompt": self.prompt, "negative_prompt": self.negative_prompt}
         return {name: value for name, value in named.items() if value is not None}
 
 
@@ -152,13 +153,24 @@ def _side(pipe, fam: Family, tokens: dict[str, Tokens], clip_skip: int, chunks: 
     return torch.cat(parts, dim=-1), pooled
 
 
+def _as_text(pipe, fam: Family, prompt: str, negative_prompt: str) -> Conditioning:
+    """Both prompts as plain text for a pipeline that encodes them itself, the negative only where the
+    family uses one, with the notes `text_notes` writes."""
+    tokenizer = getattr(pipe, fam.text_encoders[0].tokenizer)
+    notes = text_notes(fam, tokenizer, prompt, "prompt")
+    negative = None
+    if fam.negative_prompt:
+        notes += text_notes(fam, tokenizer, negative_prompt, "negative prompt")
+        negative = plain_text(negative_prompt)[0]
+    return Conditioning(None, notes=tuple(notes), prompt=plain_text(prompt)[0], negative_prompt=negative)
+
+
 def encode_prompts(pipe, prompt: str, negative_prompt: str, clip_skip: int = 1) -> Conditioning:
     """Both prompts as the family's pipeline reads them (see the module docstring); the negative only
     where the family uses one. ValueError for a clip skip the model's encoders cannot honour."""
     fam = family_of(pipe)
     if all(te.reads == "text" for te in fam.text_encoders):  # the pipeline reads it (app/prompts/as_text.py)
-        return Conditioning(None, notes=tuple(text_notes(fam, getattr(pipe, fam.text_encoders[0].tokenizer), prompt,
-                                                         "prompt")), prompt=plain_text(prompt)[0])
+        return _as_text(pipe, fam, prompt, negative_prompt)
     texts = (prompt, negative_prompt) if fam.negative_prompt else (prompt,)
     tokens = [{te.component: tokens_for(fam, te, getattr(pipe, te.tokenizer), text) for te in fam.text_encoders}
               for text in texts]
