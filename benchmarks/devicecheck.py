@@ -90,6 +90,10 @@ PLAN = (
             "storage with none and 3 LoRAs as bypass, every offload mode; resting VRAM", 200,
             ("--archs", "flux2-klein-4b", "--sections", "throughput,fp8,offload", "--batches", "1", "--loras", "0,3",
              "--repeats", "2", "--steps", "4")),
+    Section("zimage", "h", "Z-Image Turbo 1024² bf16, 8 steps, no CFG, vs ZImagePipeline (none, 3 fused LoRAs, "
+            "PEFT), fp8 storage with none and 3 LoRAs as bypass, every offload mode; resting VRAM", 300,
+            ("--archs", "zimage-turbo", "--sections", "throughput,fp8,offload", "--batches", "1", "--loras", "0,3",
+             "--repeats", "2", "--steps", "8")),
 )
 
 
