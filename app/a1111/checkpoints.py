@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from app.a1111.errors import ApiError
-from app.a1111.state import ApiState
+from app.a1111.state import API_OWNER, ApiState
 from app.engine import checkpoint_files
 from app.engine.snapshot import Snapshot
 from app.settings import Settings
@@ -69,10 +69,12 @@ def resolve(settings: Settings, snap: Snapshot, asked: object) -> str:
 
 
 def current_title(state: ApiState) -> str | None:
-    """`sd_model_checkpoint`: the loaded checkpoint, else the one the next txt2img would load."""
+    """`sd_model_checkpoint`: the API's own checkpoint (`POST /options`), else the loaded one, else the one
+    the next txt2img would load."""
     snap = state.engine.snapshot()
-    if snap.model:
-        return title(snap.model, snap.model_hash)
+    model = state.ctx.desired_for(API_OWNER).model
+    if model:
+        return title(model, snap.model_hash if model == snap.model else None)
     return next_model(state)
 
 
@@ -84,26 +86,30 @@ def next_model(state: ApiState) -> str | None:
     return found[0].name if found else None
 
 
-def ensure_model(state: ApiState, wanted: str | None) -> None:
-    """Load `wanted` (or, with none asked and none loaded, `next_model`), as A1111 loads on demand."""
+def ensure_model(state: ApiState, wanted: str | None) -> str:
+    """Load `wanted`, else the API's own checkpoint (`POST /options`), else keep the loaded one, else load
+    `next_model`, as A1111 loads on demand; returns the checkpoint the request runs on."""
     loaded = state.engine.snapshot().model
-    target = wanted or loaded or next_model(state)
+    target = wanted or state.ctx.desired_for(API_OWNER).model or next_model(state)
     if target is None:
         raise ApiError(409, f"no checkpoint loaded and none found in {state.ctx.settings.checkpoints_dir}")
     if target != loaded:
         state.engine.load_model(target)
+    return target
 
 
-def with_checkpoint(state: ApiState, wanted: str | None, restore: bool, call: Callable[[], T]) -> tuple[T, list[str]]:
-    """Run `call` with `wanted` loaded; afterwards load the previous checkpoint back when `restore`.
+def with_checkpoint(state: ApiState, wanted: str | None, restore: bool,
+                    call: Callable[[str], T]) -> tuple[T, list[str]]:
+    """Run `call(checkpoint)` with `wanted` (or the API's checkpoint) loaded; afterwards load the previous
+    checkpoint back when `restore`.
 
     Returns the call's result and notes for the client. A failed restore does not throw the
     images away: the engine has recorded it (history, last error) and the note says so."""
     before = state.engine.snapshot().model
-    ensure_model(state, wanted)
+    target = ensure_model(state, wanted)
     notes: list[str] = []
     try:
-        result = call()
+        result = call(target)
     finally:
         switched = wanted is not None and before is not None and before != wanted
         if restore and switched and state.engine.snapshot().model == wanted:

@@ -16,7 +16,7 @@ from typing import Any
 
 from app.a1111 import checkpoints
 from app.a1111.errors import ApiError
-from app.a1111.state import ApiState
+from app.a1111.state import API_OWNER, ApiState
 from app.settings import Settings
 
 OVERRIDABLE = "sd_model_checkpoint"  # the one option `override_settings` can change for one request
@@ -31,9 +31,9 @@ def fixed_options(settings: Settings) -> dict[str, Any]:
 
 
 def current(state: ApiState) -> dict[str, Any]:
-    snap = state.engine.snapshot()
+    own = state.ctx.desired_for(API_OWNER)
     return {OVERRIDABLE: checkpoints.current_title(state), **fixed_options(state.ctx.settings),
-            DTYPE: snap.requested_dtype, OFFLOAD: snap.offload}
+            DTYPE: own.dtype, OFFLOAD: own.offload}
 
 
 def unsupported_overrides(settings: Settings, overrides: Mapping[str, Any]) -> Iterator[str]:
@@ -70,3 +70,4 @@ def apply(state: ApiState, changes: Mapping[str, Any]) -> None:
     offload = changes.get(OFFLOAD)
     if offload is not None and offload != snap.offload:
         engine.set_offload(offload)
+    state.ctx.sessions.record(API_OWNER, model=name, dtype=dtype, offload=offload)  # the API's own, from now on

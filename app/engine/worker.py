@@ -8,6 +8,11 @@ verify/repair placement *before* (so a stray tensor never reaches a forward pass
 verify/repair *after*, record a history row, publish an immutable snapshot. A body that fails
 leaves the model and the `Desired` as they were (each lifecycle step owns its undo); if an undo
 itself fails the engine enters ERROR and only a load or unload leaves it.
+
+A generation may carry its own `Desired` (a tab's panel, an API session's choices): before it
+runs, a `reconcile` transition makes the model match it, and the engine then holds that state
+for that owner (`Snapshot.desired`, `Snapshot.held_for`) until the next job asks for another.
+The queue (`app/engine/queue.py`) takes waiting jobs grouped by what they need, fairly.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from app import diagnostics, gc_policy
@@ -34,6 +38,7 @@ from app.engine.generating import Generating, Job
 from app.engine.lifecycle import ModelLifecycle, RollbackFailed
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
+from app.engine.queue import Command, CommandQueue, EngineBusy
 from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition, build_snapshot
 from app.engine.stage_params import HiresParams
 from app.engine.storage import WEIGHTS_CHOICES
@@ -43,19 +48,7 @@ from app.settings import DTYPE_CHOICES, Settings
 log = logging.getLogger(__name__)
 
 
-class EngineBusy(RuntimeError):
-    """The command queue is full (`Settings.queue_size`): nothing was queued."""
-
-
-@dataclass
-class _Command:
-    name: str
-    detail: str
-    state: EngineState
-    body: Callable[[], Any]
-    future: Future
-    record: bool = True
-    owner: str | None = None  # who may cancel it while it waits (generations)
+__all__ = ["Engine", "EngineBusy"]
 
 
 class Engine(Generating, Workflows):
@@ -68,10 +61,10 @@ class Engine(Generating, Workflows):
         self.settings = settings
         self.device = placement.resolve_device(settings.device)
         self.library = LoraLibrary(settings.lora_dir, cache_bytes=settings.lora_cache_mib * 2**20)
-        self._queue: collections.deque[_Command | None] = collections.deque()
-        self._wake = threading.Condition()
+        self._queue = CommandQueue(settings.queue_size)
         self._state = EngineState.EMPTY
         self._desired = Desired(dtype=settings.dtype, offload=settings.offload, weights=settings.weights)
+        self._held_for: str | None = None  # the owner whose job last set `_desired` (None: a direct change)
         self._counters = LoraCounterBook(self.library.exists, settings.max_lora_errors)
         self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
         self._timers = diagnostics.Timers()
@@ -84,7 +77,7 @@ class Engine(Generating, Workflows):
         self._job: Job | None = None
         self.timeline = diagnostics.MemoryTimeline()
         self._snapshot = Snapshot(state=EngineState.EMPTY.value, device=str(self.device),
-                                  requested_dtype=settings.dtype, offload=settings.offload)
+                                  requested_dtype=settings.dtype, offload=settings.offload, desired=self._desired)
         diagnostics.set_debug_logging(settings.lora_debug, settings.move_debug)
         self._worker = threading.Thread(target=self._serve, name="engine-worker", daemon=True)
         self._worker.start()
@@ -167,14 +160,16 @@ class Engine(Generating, Workflows):
     def unload(self) -> Snapshot:
         return self._change("unload", "", EngineState.MOVING, lambda d: d.replace(model=None))
 
-    def generate(self, params: GenerateParams, *, owner: str | None = None,
-                 hires: HiresParams | None = None) -> list[GeneratedImage]:
+    def generate(self, params: GenerateParams, *, owner: str | None = None, hires: HiresParams | None = None,
+                 desired: Desired | None = None) -> list[GeneratedImage]:
         """Generate `params.n_iter` × `params.batch` images; `owner` names who may interrupt it. With
-        `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`)."""
+        `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`).
+        With `desired` the model is first made to match it (None: as the engine holds it now)."""
         if hires is not None:
-            return self.txt2img_hires(params, hires, owner=owner)
+            return self.txt2img_hires(params, hires, owner=owner, desired=desired)
         detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
-        future = self.submit("generate", detail, EngineState.GENERATING, lambda: self._do_generate(params), owner=owner)
+        future = self.submit("generate", detail, EngineState.GENERATING, lambda: self._do_generate(params), owner=owner,
+                             desired=desired)
         return future.result()
 
     def inspect_lora(self, name: str):
@@ -201,22 +196,20 @@ class Engine(Generating, Workflows):
                                    compile=self._lifecycle.compile_status(), queued=len(self._queue),
                                    generating=self._job is not None)
 
+    def snapshots(self) -> tuple[Snapshot, ...]:
+        """One snapshot per engine: this one (an `EnginePool` has several)."""
+        return (self.snapshot(),)
+
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
-               record: bool = True, owner: str | None = None) -> Future:
-        """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine."""
+               record: bool = True, owner: str | None = None, desired: Desired | None = None) -> Future:
+        """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine.
+        A command with `desired` runs after a `reconcile` transition has made the model match it."""
         future: Future = Future()
-        with self._wake:
-            if len(self._queue) >= self.settings.queue_size:
-                raise EngineBusy(f"the engine already has {len(self._queue)} commands waiting; try again when "
-                                 "they are done")
-            self._queue.append(_Command(name, detail, state, body, future, record, owner))
-            self._wake.notify()
+        self._queue.put(Command(name, detail, state, body, future, record, owner, desired))
         return future
 
     def close(self) -> None:
-        with self._wake:
-            self._queue.append(None)
-            self._wake.notify()
+        self._queue.close()
         self._worker.join(timeout=60)
 
     @property
@@ -243,7 +236,7 @@ class Engine(Generating, Workflows):
     def _run_stage(self, name: str, detail: str, state: EngineState, body: Callable[[], Any]) -> Any:
         """Run `body` now, on the worker, as a transition of its own: one stage of a workflow command
         (verify/repair before and after, its history row, a published snapshot); raises its error."""
-        command = _Command(name, detail, state, body, Future())
+        command = Command(name, detail, state, body, Future())
         self._run_transition(command)
         return command.future.result()
 
@@ -259,7 +252,7 @@ class Engine(Generating, Workflows):
             if enable_loras:
                 self._counters.enable_all()
             self._realise(want, want.loras, **realise_options)
-            self._desired = want
+            self._desired, self._held_for = want, None
         return self._call(name, detail, state, body)
 
     def _realise(self, want: Desired, loras: tuple[LoraSpec, ...], **options: bool) -> None:
@@ -280,28 +273,24 @@ class Engine(Generating, Workflows):
 
     def _serve(self) -> None:
         while True:
-            with self._wake:
-                while not self._queue:
-                    self._wake.wait()
-                command = self._queue.popleft()
-                if command is not None and command.name == "generate":
-                    # Interrupt can reach it from the moment it leaves the queue (cancel_queued before).
-                    self._job = Job(command.owner)
+            command = self._queue.take(self._desired, self._taken)
             if command is None:
                 return
+            if command.desired is not None and not self._reconciled(command, self._job):
+                continue
             if command.record:
                 self._run_transition(command)
             else:
                 self._run_query(command)
 
     @staticmethod
-    def _run_query(command: _Command) -> None:
+    def _run_query(command: Command) -> None:
         try:
             command.future.set_result(command.body())
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
             command.future.set_exception(exc)
 
-    def _run_transition(self, command: _Command) -> None:
+    def _run_transition(self, command: Command) -> None:
         before = self._state
         self._state = command.state
         started, t0 = time.time(), time.perf_counter()
@@ -333,7 +322,7 @@ class Engine(Generating, Workflows):
         else:
             command.future.set_exception(error)
 
-    def _fail(self, command: _Command, exc: BaseException, before: EngineState) -> str:
+    def _fail(self, command: Command, exc: BaseException, before: EngineState) -> str:
         """Repair what a failed body may have left, record the error; returns the outcome."""
         rollback_failed = (isinstance(exc, RollbackFailed) or before == EngineState.ERROR
                            or not self._repair_after_failure(command.name))
@@ -377,7 +366,7 @@ class Engine(Generating, Workflows):
             rows=self._lifecycle.rows(self._last_violations), violations=self._last_violations,
             found_total=self._found_total, repaired_total=self._repaired_total,
             counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),
-            last_error=self._last_error)
+            last_error=self._last_error, held_for=self._held_for)
 
     # ------------------------------------------------------------------ command bodies (worker only)
     def _set_progress(self, phase: str, step: int, total: int, preview=None) -> None:

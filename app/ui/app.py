@@ -56,7 +56,7 @@ def build_app(ctx: UiContext) -> gr.Blocks:
             with gr.Tab("Diagnostics", id="diagnostics") as diagnostics_tab:
                 diag = build_diagnostics_tab(ctx)
         ticker = gr.Timer(STATUS_REFRESH_S)
-        ticker.tick(lambda: views.status_html(ctx.engine.snapshot()), None, status, api_visibility="private",
+        ticker.tick(lambda: views.engines_html(ctx.engine.snapshots()), None, status, api_visibility="private",
                     show_progress="hidden")
         refresh_diagnostics = dict(fn=lambda *filters: refresh(ctx, *filters), inputs=diag.refresh_inputs,
                                    outputs=diag.refresh_outputs, api_visibility="private", show_progress="hidden")
@@ -67,5 +67,5 @@ def build_app(ctx: UiContext) -> gr.Blocks:
             other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)
         wire_cancel_on_leave(ctx, demo)
-        demo.load(lambda: views.status_html(ctx.engine.snapshot()), None, status, api_visibility="private")
+        demo.load(lambda: views.engines_html(ctx.engine.snapshots()), None, status, api_visibility="private")
     return demo

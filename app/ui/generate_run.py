@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import gradio as gr
 from PIL import Image
 
+from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import Snapshot
 from app.engine.worker import Engine
@@ -33,12 +34,15 @@ from app.ui.common import (
     PROGRESS,
     EngineCall,
     UiContext,
+    checked_checkpoint,
     gallery_items,
     generate_params,
+    generation_lane,
     report_progress,
     user_errors,
 )
-from app.ui.lora_panel import LORA_QUEUE, LoraSlots, panel_unchanged, panel_view, selected_specs, sync_selection
+from app.ui.lora_panel import LoraSlots, panel_unchanged, panel_view, selected_specs, sync_selection
+from app.ui.sessions import checked
 
 log = logging.getLogger(__name__)
 GALLERY_LABEL = "Images"
@@ -52,11 +56,12 @@ def owner_of(request: gr.Request | None) -> str:
 
 
 class Generation:
-    """`engine.generate` for one owner on a helper thread, followed snapshot by snapshot."""
+    """`engine.generate` for one owner, with the state it carries, on a helper thread, followed snapshot by
+    snapshot."""
 
-    def __init__(self, engine: Engine, params: GenerateParams, owner: str) -> None:
+    def __init__(self, engine: Engine, params: GenerateParams, owner: str, desired: Desired | None = None) -> None:
         self.engine, self.owner = engine, owner
-        self._call = EngineCall(lambda: engine.generate(params, owner=owner))
+        self._call = EngineCall(lambda: engine.generate(params, owner=owner, desired=desired))
 
     def follow(self, progress: gr.Progress | None, every: float = POLL_S) -> Iterator[Snapshot]:
         """A snapshot at once, then every `every` seconds until the engine returns. Closed before that
@@ -141,12 +146,15 @@ def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
 
 def _generate(ctx: UiContext, request: gr.Request, progress=PROGRESS, *args):
     """Check the settings, hand the engine the LoRA selection if it differs from its wanted list, then
-    generate, streaming previews; the size fields then show the size used, with the notes."""
-    settings, slot_names, values = args[:10], args[10], args[11:]
+    generate with this tab's whole state (its panel), streaming previews; the size fields then show the
+    size used, with the notes."""
+    settings, panel, slot_names, values = args[:10], args[10:14], args[14], args[15:]
     with user_errors("Generation"):
         params, notes = generate_params(ctx, *settings)
-        sync_selection(ctx, selected_specs(list(slot_names), values), progress)
-    job, shown, keep = Generation(ctx.engine, params, owner_of(request)), None, gr.skip()
+        specs = selected_specs(list(slot_names), values)
+        desired = panel_desired(ctx, *panel, specs)
+        sync_selection(ctx, specs, progress)
+    job, shown, keep = Generation(ctx.engine, params, owner_of(request), desired), None, gr.skip()
     # No progress bar while denoising: Gradio draws it over the gallery, which would hide the previews;
     # the step shows on the Generate button and in the status line instead.
     with contextlib.closing(job.follow(None)) as snapshots:
@@ -172,10 +180,21 @@ def _generate(ctx: UiContext, request: gr.Request, progress=PROGRESS, *args):
            *panel_view(ctx, list(slot_names))]
 
 
-def wire_generate(ctx: UiContext, controls: RunControls, settings: list, slots: LoraSlots, results: list) -> None:
-    """Generate (in the LoRA lane, after any LoRA change the user made) and its Interrupt and Skip
-    (in a lane of their own, so they run while it does). `results`: gallery, infotext, the images'
-    infos, the chosen seed, width, height and the settings note."""
+def panel_desired(ctx: UiContext, model, dtype, offload, weights, specs) -> Desired:
+    """The tab's whole state from its panel (checkpoint, dtype, offload, weight storage, the LoRA cards);
+    a field the page has no value for yet follows what the engine holds."""
+    held = ctx.engine.snapshot().desired
+    return checked(held.replace(model=checked_checkpoint(ctx.settings, model) if model else held.model,
+                                dtype=dtype or held.dtype, offload=offload or held.offload,
+                                weights=weights or held.weights, loras=tuple(specs)))
+
+
+def wire_generate(ctx: UiContext, controls: RunControls, settings: list, panel: list, slots: LoraSlots,
+                  results: list) -> None:
+    """Generate (in the generation lane, with the tab's `panel` state: checkpoint, dtype, offload, weight
+    storage, and its LoRA cards) and its Interrupt and Skip (in a lane of their own, so they run while it
+    does). `results`: gallery, infotext, the images' infos, the chosen seed, width, height and the settings
+    note."""
     engine = ctx.engine
 
     def ui_generate(request: gr.Request, progress=PROGRESS, *args):
@@ -189,8 +208,8 @@ def wire_generate(ctx: UiContext, controls: RunControls, settings: list, slots: 
         if not engine.skip(owner=owner_of(request)):
             gr.Info("Nothing of this page is running: nothing to skip.")
 
-    controls.go.click(ui_generate, [*settings, slots.slot_names, *slots.sliders],
-                      [*results, *controls.buttons, *slots.view], api_visibility="private", concurrency_id=LORA_QUEUE,
+    controls.go.click(ui_generate, [*settings, *panel, slots.slot_names, *slots.sliders],
+                      [*results, *controls.buttons, *slots.view], api_visibility="private", **generation_lane(ctx),
                       show_progress_on=[results[0]])
     stop = dict(api_visibility="private", concurrency_id=STOP_QUEUE, concurrency_limit=None, show_progress="hidden")
     controls.interrupt.click(ui_interrupt, controls.drop, None, **stop)
@@ -201,6 +220,7 @@ def wire_cancel_on_leave(ctx: UiContext, demo: gr.Blocks) -> None:
     """A page that closes or reloads stops (and drops) what it was generating."""
     def leave(request: gr.Request) -> None:
         owner = owner_of(request)
+        ctx.sessions.forget(owner)
         if ctx.engine.cancel_queued(owner) or ctx.engine.interrupt(keep_partial=False, owner=owner):
             log.info("generation of session %s dropped: its page closed", owner)
 

@@ -45,6 +45,11 @@ class GenerateTab:
     options: ModelOptions
 
     @property
+    def panel(self) -> list:
+        """The tab's own state a generation carries besides its LoRA cards, in `panel_desired` order."""
+        return [self.model, self.dtype, self.offload, self.options.weights]
+
+    @property
     def settings(self) -> list:
         """The fields a generation reads, in `generate_params` order."""
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
@@ -120,7 +125,8 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
     # Progress and a failure's "Error" mark go on the gallery only; the message itself is one toast.
-    wire_generate(ctx, controls, tab.settings, loras, [gallery, infotext, infos, chosen_seed, width, height, note])
+    wire_generate(ctx, controls, tab.settings, tab.panel, loras,
+                  [gallery, infotext, infos, chosen_seed, width, height, note])
     gallery.select(_select_image, [infos], [infotext, chosen_seed], api_visibility="private")
     random_seed.click(lambda: -1, None, seed, api_visibility="private")
     reuse_seed.click(lambda s, current: current if s is None else s, [chosen_seed, seed], seed,

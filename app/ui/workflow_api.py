@@ -4,7 +4,7 @@ Numbers go through the one rule set (`generate.LIMITS` via `params_from_form`, t
 fields via `stage_params.STAGE_LIMITS`), every refusal of one request in one message. The named
 endpoints (`/img2img`, `/inpaint`, `/txt2img_hires`) take plain values and images, as `/generate`
 does, so `gradio_client` scripts can call them; they are events on hidden components because
-they return files.
+they return files. A named endpoint's job carries its client's state (`app/ui/sessions.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import gradio as gr
 
 from app.engine.generate import SCHEDULERS, GenerateParams, params_from_form
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, UPSCALERS, HiresParams, stage_values
-from app.ui.common import PROGRESS, UiContext, gallery_items, run_with_progress, user_errors
+from app.ui.common import PROGRESS, UiContext, gallery_items, generation_lane, run_with_progress, user_errors
+from app.ui.generate_run import owner_of
 
 # The request's own fields, in the order every handler and endpoint takes them.
 BASE_FIELDS = ("prompt", "negative_prompt", "sampler", "steps", "cfg", "seed", "width", "height", "batch")
@@ -42,8 +43,10 @@ def _answer(images, notes) -> tuple:
 
 
 def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
-                inpainting_fill="original", invert=False, progress=None, browser: bool = True) -> tuple:
-    """img2img (no mask) or inpaint; returns (gallery items, first infotext, details)."""
+                inpainting_fill="original", invert=False, progress=None, browser: bool = True,
+                owner: str | None = None) -> tuple:
+    """img2img (no mask) or inpaint, with `owner`'s state (None: the engine's); returns (gallery items, first
+    infotext, details)."""
     action = "img2img" if mask is None else "Inpaint"
     with user_errors(action, browser=browser):
         if init_image is None:
@@ -53,21 +56,23 @@ def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resi
         params, stage, notes = checked(ctx, values, ("denoising_strength", "mask_blur"))
         images = run_with_progress(ctx.engine, lambda: ctx.engine.img2img(
             params, [init_image], denoising_strength=stage["denoising_strength"], resize_mode=resize_mode, mask=mask,
-            mask_blur=stage["mask_blur"], inpainting_fill=inpainting_fill, inpainting_mask_invert=bool(invert)),
-            progress)
+            mask_blur=stage["mask_blur"], inpainting_fill=inpainting_fill, inpainting_mask_invert=bool(invert),
+            owner=owner, desired=None if owner is None else ctx.desired_for(owner)), progress)
     return _answer(images, notes)
 
 
 def run_hires(ctx: UiContext, base: list, scale, upscaler, steps, denoising_strength, sampler, prompt, negative,
-              progress=None, browser: bool = True) -> tuple:
-    """txt2img with hires fix; returns (gallery items, first infotext, details)."""
+              progress=None, browser: bool = True, owner: str | None = None) -> tuple:
+    """txt2img with hires fix, with `owner`'s state (None: the engine's); returns (gallery items, first
+    infotext, details)."""
     with user_errors("Hires fix", browser=browser):
         values = {**dict(zip(BASE_FIELDS, base, strict=True)), "hires_scale": scale, "hires_steps": steps,
                   "denoising_strength": denoising_strength}
         params, stage, notes = checked(ctx, values, ("hires_scale", "hires_steps", "denoising_strength"))
         hires = HiresParams(stage["hires_scale"], str(upscaler), stage["hires_steps"], stage["denoising_strength"],
                             str(sampler or SAME), str(prompt or ""), str(negative or ""))
-        images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params, hires=hires), progress)
+        images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(
+            params, hires=hires, owner=owner, desired=None if owner is None else ctx.desired_for(owner)), progress)
     return _answer(images, notes)
 
 
@@ -117,27 +122,29 @@ def register_workflow_api(ctx: UiContext) -> None:
 
     # Named parameters (not *values): gradio_client takes keyword arguments by these names.
     def img2img(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
-                denoising_strength, resize_mode, progress=PROGRESS):
+                denoising_strength, resize_mode, request: gr.Request, progress=PROGRESS):
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
-        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, progress=progress, browser=False)
+        return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, progress=progress, browser=False,
+                           owner=owner_of(request))
 
     def inpaint(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
                 denoising_strength, resize_mode, mask, mask_blur, inpainting_fill, inpainting_mask_invert,
-                progress=PROGRESS):
+                request: gr.Request, progress=PROGRESS):
         if mask is None:
             raise gr.Error("inpaint failed: a mask is required (white repaints)", print_exception=False)
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
         return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
-                           inpainting_mask_invert, progress=progress, browser=False)
+                           inpainting_mask_invert, progress=progress, browser=False, owner=owner_of(request))
 
     def txt2img_hires(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, hires_scale,
                       hires_upscaler, hires_steps, denoising_strength, hires_sampler, hires_prompt,
-                      hires_negative_prompt, progress=PROGRESS):
+                      hires_negative_prompt, request: gr.Request, progress=PROGRESS):
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
         return run_hires(ctx, base, hires_scale, hires_upscaler, hires_steps, denoising_strength, hires_sampler,
-                         hires_prompt, hires_negative_prompt, progress=progress, browser=False)
+                         hires_prompt, hires_negative_prompt, progress=progress, browser=False,
+                         owner=owner_of(request))
 
-    common = dict(concurrency_id="loras")
+    common = generation_lane(ctx)
     buttons[0].click(img2img, [*base, image, strength, resize], outputs, api_name="img2img", **common,
                      api_description="img2img from one init image (A1111 resize modes); returns (images, infotext, "
                                      "[{seed, infotext, file, notes}]).")

@@ -1,0 +1,158 @@
+"""One engine per device behind one dispatcher: `--devices cuda:0,cuda:1`, `--devices all`.
+
+Why several engines and not one engine over several GPUs: an engine's promise (one writer, every
+tensor verified against its plan) holds per model copy, so each device gets a whole `Engine` of its
+own: its worker, queue, placement plan, verify and history, its own Diagnostics section. The pool
+only decides where a job goes and forwards the calls the UI and the APIs make:
+
+* a job (generate, img2img, inpaint, hires fix) carries its `Desired`; it goes to an engine that
+  holds that state already (model and LoRA set: nothing to reload or re-patch) unless that engine
+  has more than `AFFINITY_SLACK` jobs more in hand than the least busy one; else to the least busy
+  engine, one holding the same checkpoint first. "Holds" counts the jobs already sent to an engine:
+  its last one's state is what it will hold when the new job's turn comes;
+* Interrupt, Skip and a closed tab's cancel reach every engine, and each stops only that owner's job,
+  so they reach the engine running it;
+* the page's changes (load a model, set LoRAs, dtype, offload) go to the first engine, whose answer
+  the panel draws; each job then reconciles on the engine it runs on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from app.engine.desired import Desired
+from app.engine.snapshot import Snapshot
+from app.engine.worker import Engine
+from app.settings import Settings
+
+T = TypeVar("T")
+AFFINITY_SLACK = 1  # jobs more than the least busy engine an engine holding the state may have and still get it
+
+
+def resolve_devices(devices: tuple[str, ...]) -> tuple[str, ...]:
+    """`("all",)` -> every CUDA device (the CPU when there is none); anything else as given."""
+    if tuple(devices) != ("all",):
+        return tuple(devices)
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return tuple(f"cuda:{i}" for i in range(count)) or ("cpu",)
+
+
+def make_engine(settings: Settings) -> Engine | EnginePool:
+    """One `Engine` on `settings.device`, or a pool when `settings.devices` names more than one."""
+    devices = resolve_devices(settings.devices) if settings.devices else (settings.device,)
+    if len(devices) == 1:
+        return Engine(settings.replace(device=devices[0], devices=()))
+    return EnginePool(settings, devices)
+
+
+def _on_first(name: str):
+    def call(self, *args, **kwargs):
+        return getattr(self.primary, name)(*args, **kwargs)
+    call.__name__ = name
+    call.__doc__ = (f"`Engine.{name}` on the first engine: the page draws its answer, and every job reconciles "
+                    "on the engine it runs on.")
+    return call
+
+
+class EnginePool:
+    """The calls of `Engine` the UI and the APIs make, over one engine per device (module docstring)."""
+
+    def __init__(self, settings: Settings, devices: tuple[str, ...]) -> None:
+        self.settings = settings
+        self.engines = tuple(Engine(settings.replace(device=device, devices=())) for device in devices)
+        self._lock = threading.Lock()
+        self._in_hand = [0] * len(self.engines)  # jobs sent to each engine and not answered yet
+        self._last: list[Desired | None] = [None] * len(self.engines)  # the state of the last job sent to each
+
+    @property
+    def primary(self) -> Engine:
+        return self.engines[0]
+
+    @property
+    def library(self):
+        return self.primary.library
+
+    @property
+    def timeline(self):
+        return self.primary.timeline
+
+    load_model = _on_first("load_model")
+    set_dtype = _on_first("set_dtype")
+    set_weights = _on_first("set_weights")
+    set_model_parts = _on_first("set_model_parts")
+    set_offload = _on_first("set_offload")
+    set_loras = _on_first("set_loras")
+    set_lora_partial = _on_first("set_lora_partial")
+    lora_partial_allowed = _on_first("lora_partial_allowed")
+    inspect_lora = _on_first("inspect_lora")
+    unload = _on_first("unload")
+    snapshot = _on_first("snapshot")
+
+    def snapshots(self) -> tuple[Snapshot, ...]:
+        return tuple(engine.snapshot() for engine in self.engines)
+
+    def in_hand(self) -> tuple[int, ...]:
+        """Jobs each engine has been sent and not answered yet (running or waiting)."""
+        with self._lock:
+            return tuple(self._in_hand)
+
+    # ------------------------------------------------------------------ jobs
+    def generate(self, params, *, owner: str | None = None, hires=None, desired: Desired | None = None):
+        return self._dispatch(desired, lambda engine, want: engine.generate(params, owner=owner, hires=hires,
+                                                                            desired=want))
+
+    def img2img(self, params, init_images, *, desired: Desired | None = None, **options):
+        return self._dispatch(desired, lambda engine, want: engine.img2img(params, init_images, desired=want,
+                                                                           **options))
+
+    def choose(self, want: Desired) -> int:
+        """The engine for a job needing `want` (see the module docstring); the caller holds the lock."""
+        holds = [self._last[i] if self._in_hand[i] else engine.snapshot().desired
+                 for i, engine in enumerate(self.engines)]
+        least = min(self._in_hand)
+        holders = [i for i, held in enumerate(holds) if want.same_as(held)
+                   and self._in_hand[i] <= least + AFFINITY_SLACK]
+        if holders:
+            return min(holders, key=lambda i: (self._in_hand[i], i))
+        return min(range(len(self.engines)),
+                   key=lambda i: (self._in_hand[i], holds[i].model_key() != want.model_key(), i))
+
+    def _dispatch(self, desired: Desired | None, call: Callable[[Engine, Desired], T]) -> T:
+        """Run `call(engine, want)` on the chosen engine; `want` is `desired` completed from the first
+        engine's state (a job that names no state or no model follows what the page set there)."""
+        held = self.primary.snapshot().desired
+        want = held if desired is None else desired
+        want = want if want.model else want.replace(model=held.model)
+        with self._lock:
+            index = self.choose(want)
+            self._in_hand[index] += 1
+            self._last[index] = want
+        try:
+            return call(self.engines[index], want)
+        finally:
+            with self._lock:
+                self._in_hand[index] -= 1
+
+    # ------------------------------------------------------------------ stopping, every engine
+    def interrupt(self, *, keep_partial: bool = True, owner: str | None = None) -> bool:
+        return any([engine.interrupt(keep_partial=keep_partial, owner=owner) for engine in self.engines])
+
+    def skip(self, *, owner: str | None = None) -> bool:
+        return any([engine.skip(owner=owner) for engine in self.engines])
+
+    def cancel_queued(self, owner: str) -> int:
+        return sum(engine.cancel_queued(owner) for engine in self.engines)
+
+    def set_debug(self, **switches: Any) -> Settings:
+        for engine in self.engines:
+            engine.set_debug(**switches)
+        self.settings = self.settings.replace(**{k: v for k, v in switches.items() if v is not None})
+        return self.settings
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
