@@ -5,11 +5,13 @@ tensor verified against its plan) holds per model copy, so each device gets a wh
 own: its worker, queue, placement plan, verify and history, its own Diagnostics section. The pool
 only decides where a job goes and forwards the calls the UI and the APIs make:
 
-* a job (generate, img2img, inpaint, hires fix) carries its `Desired`; it goes to an engine that
-  holds that state already (model and LoRA set: nothing to reload or re-patch) unless that engine
-  has more than `AFFINITY_SLACK` jobs more in hand than the least busy one; else to the least busy
-  engine, one holding the same checkpoint first. "Holds" counts the jobs already sent to an engine:
-  its last one's state is what it will hold when the new job's turn comes;
+* a job (generate, img2img, inpaint, hires fix) carries its `Desired`; it goes to the engine where
+  it costs least, counted in jobs: the jobs already in hand there, plus `REPATCH_COST` when that
+  engine holds the checkpoint with other LoRAs (a re-patch, milliseconds on a GPU) or `RELOAD_COST`
+  when it holds another checkpoint, dtype or storage. So an engine holding the job's model and
+  LoRA set gets it when it is among the least busy, a second identical job goes to an idle engine
+  rather than wait, and a job waits behind one job rather than reload a model. "Holds" counts the
+  jobs already sent to an engine: its last one's state is what it will hold when the new one's turn comes;
 * Interrupt, Skip and a closed tab's cancel reach every engine, and each stops only that owner's job,
   so they reach the engine running it;
 * the page's changes (load a model, set LoRAs, dtype, offload) go to the first engine, whose answer
@@ -28,7 +30,8 @@ from app.engine.worker import Engine
 from app.settings import Settings
 
 T = TypeVar("T")
-AFFINITY_SLACK = 1  # jobs more than the least busy engine an engine holding the state may have and still get it
+REPATCH_COST = 0.5  # in jobs waiting: what re-patching LoRAs (or re-placing for another offload mode) is worth
+RELOAD_COST = 1.5  # in jobs waiting: what loading another checkpoint (or dtype, or storage) is worth
 
 
 def resolve_devices(devices: tuple[str, ...]) -> tuple[str, ...]:
@@ -111,15 +114,12 @@ class EnginePool:
 
     def choose(self, want: Desired) -> int:
         """The engine for a job needing `want` (see the module docstring); the caller holds the lock."""
-        holds = [self._last[i] if self._in_hand[i] else engine.snapshot().desired
-                 for i, engine in enumerate(self.engines)]
-        least = min(self._in_hand)
-        holders = [i for i, held in enumerate(holds) if want.same_as(held)
-                   and self._in_hand[i] <= least + AFFINITY_SLACK]
-        if holders:
-            return min(holders, key=lambda i: (self._in_hand[i], i))
-        return min(range(len(self.engines)),
-                   key=lambda i: (self._in_hand[i], holds[i].model_key() != want.model_key(), i))
+        def cost(index: int) -> float:
+            held = self._last[index] if self._in_hand[index] else self.engines[index].snapshot().desired
+            if want.same_as(held):
+                return self._in_hand[index]
+            return self._in_hand[index] + (REPATCH_COST if want.model_key() == held.model_key() else RELOAD_COST)
+        return min(range(len(self.engines)), key=lambda i: (cost(i), i))
 
     def _dispatch(self, desired: Desired | None, call: Callable[[Engine, Desired], T]) -> T:
         """Run `call(engine, want)` on the chosen engine; `want` is `desired` completed from the first
