@@ -86,27 +86,31 @@ def next_model(state: ApiState) -> str | None:
     return found[0].name if found else None
 
 
-def ensure_model(state: ApiState, wanted: str | None) -> str:
-    """Load `wanted`, else the API's own checkpoint (`POST /options`), else keep the loaded one, else load
-    `next_model`, as A1111 loads on demand; returns the checkpoint the request runs on."""
-    loaded = state.engine.snapshot().model
+def target_model(state: ApiState, wanted: str | None) -> str:
+    """The checkpoint a request runs on: `wanted`, else the API's own (`POST /options`), else the loaded
+    one, else `next_model`, as A1111 loads on demand; 409 when there is none at all."""
     target = wanted or state.ctx.desired_for(API_OWNER).model or next_model(state)
     if target is None:
         raise ApiError(409, f"no checkpoint loaded and none found in {state.ctx.settings.checkpoints_dir}")
-    if target != loaded:
-        state.engine.load_model(target)
     return target
+
+
+def ensure_model(state: ApiState, wanted: str | None) -> None:
+    """Load `target_model` now (`/reload-checkpoint`); a generation needs no such step, its job loads it."""
+    target = target_model(state, wanted)
+    if target != state.engine.snapshot().model:
+        state.engine.load_model(target)
 
 
 def with_checkpoint(state: ApiState, wanted: str | None, restore: bool,
                     call: Callable[[str], T]) -> tuple[T, list[str]]:
-    """Run `call(checkpoint)` with `wanted` (or the API's checkpoint) loaded; afterwards load the previous
-    checkpoint back when `restore`.
+    """Run `call(checkpoint)` for `wanted` (or the API's checkpoint; the job carries it and the engine loads
+    it before the job); afterwards load the previous checkpoint back when `restore`.
 
     Returns the call's result and notes for the client. A failed restore does not throw the
     images away: the engine has recorded it (history, last error) and the note says so."""
     before = state.engine.snapshot().model
-    target = ensure_model(state, wanted)
+    target = target_model(state, wanted)
     notes: list[str] = []
     try:
         result = call(target)
