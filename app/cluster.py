@@ -20,8 +20,8 @@ sends its request once more to a live replica and, if that fails too, answers 50
 node reads the same `--data-dir` (a shared folder, or the same files at the same path).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Serve's ingress re-declares the routes, and FastAPI must see
+# the request models as classes there, not as strings, to read them from the body.
 import argparse
 import hashlib
 import logging
@@ -56,7 +56,9 @@ def state_key(body: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-@serve.deployment(ray_actor_options={"num_gpus": 1}, max_ongoing_requests=4)
+# One request at a time per replica: a busy replica is offered none, so Serve's router sends the next to a
+# free one, preferring one that holds its state (the engine would only queue it).
+@serve.deployment(ray_actor_options={"num_gpus": 1}, max_ongoing_requests=1)
 class EngineReplica:
     """One engine on this replica's device, loaded with the first checkpoint, behind the app's own handlers."""
 

@@ -42,7 +42,7 @@ def data(tmp_path_factory, demo_dir) -> Path:
 @pytest.fixture(scope="module")
 def cluster(data):
     """A local Ray instance with two CPU replicas of one torch thread each; yields the API's base URL."""
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -92,7 +92,8 @@ def test_replicas_answer_with_the_apps_images_two_at_once(cluster, data, tmp_pat
     assert json.loads(answer.json()["info"])["infotexts"] == json.loads(reference["info"])["infotexts"]
     replicas, out = _replicas(), {}
     assert len(replicas) == 2
-    long = [dict(BODY, steps=150, prompt=f"a fox <lora:demo-{kind}-sd15:1>") for kind in ("style", "detail")]
+    long = [dict(BODY, steps=150, width=128, height=128, prompt=f"a fox <lora:demo-{kind}-sd15:1>")
+            for kind in ("style", "detail")]
     threads = [threading.Thread(target=_post, args=(cluster, body, out, i)) for i, body in enumerate(long)]
     for thread in threads:
         thread.start()

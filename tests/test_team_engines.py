@@ -28,6 +28,7 @@ from app.engine.queue import MAX_PASSES, Command, pick
 from app.engine.snapshot import EngineState
 from app.engine.worker import Engine
 from app.settings import Settings
+from app.ui import views
 
 SD15, SDXL = "tiny-sd15.safetensors", "tiny-sdxl.safetensors"
 STYLE = (LoraSpec("demo-style-sd15", 0.8),)
@@ -96,6 +97,7 @@ def test_a_job_runs_with_the_state_it_carries_whatever_the_engine_held(engine):
     assert all(np.array_equal(x, y) for x, y in zip(alone, carried, strict=True))
     snap = engine.snapshot()
     assert snap.model == SD15 and snap.held_for == "alice" and snap.desired.same_as(want)
+    assert "for session alice" in views.status_html(snap)  # the header says for whom
     reconcile = [h for h in snap.history if h.command == "reconcile"][-1]
     assert reconcile.outcome == "ok" and "for alice" in reconcile.detail and "demo-style-sd15" in reconcile.detail
     plain = _pixels(engine.generate(_params(), owner="bob", desired=Desired(model=SD15)))
