@@ -77,10 +77,12 @@ class EnginePool:
 
     @property
     def library(self):
+        """The first engine's LoRA library: every engine reads the same folder."""
         return self.primary.library
 
     @property
     def timeline(self):
+        """Process memory over time (one process for all engines), sampled by the first engine."""
         return self.primary.timeline
 
     load_model = _on_first("load_model")

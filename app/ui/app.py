@@ -48,7 +48,7 @@ def build_app(ctx: UiContext) -> gr.Blocks:
             with gr.Tab("Generate", id="generate") as generate_tab:
                 tab = build_generate_tab(ctx)
             with gr.Tab("img2img", id="img2img") as img2img_tab:
-                sends = senders(tab, build_img2img_tab(ctx), tabs)
+                sends = senders(tab, build_img2img_tab(ctx, tab.state_inputs), tabs)
             with gr.Tab("PNG Info", id="pnginfo") as pnginfo_tab:
                 build_pnginfo_tab(ctx, sends)
             with gr.Tab("History", id="history") as history_tab:

@@ -71,7 +71,7 @@ class Generation:
         finished = False
         try:
             while True:
-                snap = self.engine.snapshot()
+                snap = self.snapshot()
                 report_progress(snap, progress)
                 yield snap
                 if self._call.wait(every):
@@ -80,6 +80,11 @@ class Generation:
         finally:
             if not finished:
                 self._abandon()
+
+    def snapshot(self) -> Snapshot:
+        """The snapshot of the engine running this owner's job (with `--devices`, any of them), else the first's."""
+        snaps = self.engine.snapshots()
+        return next((s for s in snaps if s.generating and s.held_for == self.owner), snaps[0])
 
     def _abandon(self) -> None:
         """Drop this owner's job: off the engine's queue if it still waits, stopped if it runs."""
@@ -113,14 +118,19 @@ def build_run_controls() -> RunControls:
     return RunControls(go, interrupt, skip, drop)
 
 
-def _buttons(snap: Snapshot | None) -> list:
-    """Generate busy (its step and the engine's queue on it) with Interrupt and Skip live; or all idle."""
+def _buttons(snap: Snapshot | None, owner: str | None = None) -> list:
+    """Generate busy (its step and the engine's queue on it, or "Waiting…" while another session's job
+    runs) with Interrupt and Skip live; or all idle."""
     if snap is None:
         return [gr.Button("Generate", interactive=True), gr.Button(interactive=False, variant="secondary"),
                 gr.Button(interactive=False)]
-    step = f" {snap.progress.step}/{snap.progress.total}" if snap.progress and snap.progress.total else ""
     waiting = f" · {snap.queued} waiting in the engine" if snap.queued else ""
-    return [gr.Button(f"Generating…{step}{waiting}", interactive=False), gr.Button(interactive=True, variant="stop"),
+    if snap.generating and snap.held_for != owner:
+        label = f"Waiting for the engine…{waiting}"
+    else:
+        step = f" {snap.progress.step}/{snap.progress.total}" if snap.progress and snap.progress.total else ""
+        label = f"Generating…{step}{waiting}"
+    return [gr.Button(label, interactive=False), gr.Button(interactive=True, variant="stop"),
             gr.Button(interactive=True)]
 
 
@@ -148,21 +158,21 @@ def _generate(ctx: UiContext, request: gr.Request, progress=PROGRESS, *args):
     """Check the settings, hand the engine the LoRA selection if it differs from its wanted list, then
     generate with this tab's whole state (its panel), streaming previews; the size fields then show the
     size used, with the notes."""
-    settings, panel, slot_names, values = args[:10], args[10:14], args[14], args[15:]
+    settings, slot_names = args[:10], args[14]
     with user_errors("Generation"):
         params, notes = generate_params(ctx, *settings)
-        specs = selected_specs(list(slot_names), values)
-        desired = panel_desired(ctx, *panel, specs)
-        sync_selection(ctx, specs, progress)
+        desired = desired_from_panel(ctx, args[10:])
+        sync_selection(ctx, desired.loras, progress)
     job, shown, keep = Generation(ctx.engine, params, owner_of(request), desired), None, gr.skip()
     # No progress bar while denoising: Gradio draws it over the gallery, which would hide the previews;
     # the step shows on the Generate button and in the status line instead.
     with contextlib.closing(job.follow(None)) as snapshots:
         for snap in snapshots:
-            preview = snap.progress.preview if snap.progress else None
+            mine = snap.generating and snap.held_for == job.owner  # never another session's latents
+            preview = snap.progress.preview if snap.progress and mine else None
             fresh = preview is not None and preview is not shown
             shown = preview if fresh else shown
-            yield [_preview(snap, params) if fresh else keep, *[keep] * 6, *_buttons(snap),
+            yield [_preview(snap, params) if fresh else keep, *[keep] * 6, *_buttons(snap, job.owner),
                    *panel_unchanged()]
     try:
         with user_errors("Generation"):
@@ -189,12 +199,18 @@ def panel_desired(ctx: UiContext, model, dtype, offload, weights, specs) -> Desi
                                 weights=weights or held.weights, loras=tuple(specs)))
 
 
-def wire_generate(ctx: UiContext, controls: RunControls, settings: list, panel: list, slots: LoraSlots,
+def desired_from_panel(ctx: UiContext, values) -> Desired:
+    """`panel_desired` from the values of `GenerateTab.state_inputs`: checkpoint, dtype, offload, weight
+    storage, the LoRA slots' names and their sliders."""
+    model, dtype, offload, weights, slot_names, *sliders = values
+    return panel_desired(ctx, model, dtype, offload, weights, selected_specs(list(slot_names), tuple(sliders)))
+
+
+def wire_generate(ctx: UiContext, controls: RunControls, settings: list, state: list, slots: LoraSlots,
                   results: list) -> None:
-    """Generate (in the generation lane, with the tab's `panel` state: checkpoint, dtype, offload, weight
-    storage, and its LoRA cards) and its Interrupt and Skip (in a lane of their own, so they run while it
-    does). `results`: gallery, infotext, the images' infos, the chosen seed, width, height and the settings
-    note."""
+    """Generate (in the generation lane, with the tab's `state`: `GenerateTab.state_inputs`) and its
+    Interrupt and Skip (in a lane of their own, so they run while it does). `results`: gallery, infotext,
+    the images' infos, the chosen seed, width, height and the settings note."""
     engine = ctx.engine
 
     def ui_generate(request: gr.Request, progress=PROGRESS, *args):
@@ -208,7 +224,7 @@ def wire_generate(ctx: UiContext, controls: RunControls, settings: list, panel: 
         if not engine.skip(owner=owner_of(request)):
             gr.Info("Nothing of this page is running: nothing to skip.")
 
-    controls.go.click(ui_generate, [*settings, *panel, slots.slot_names, *slots.sliders],
+    controls.go.click(ui_generate, [*settings, *state],
                       [*results, *controls.buttons, *slots.view], api_visibility="private", **generation_lane(ctx),
                       show_progress_on=[results[0]])
     stop = dict(api_visibility="private", concurrency_id=STOP_QUEUE, concurrency_limit=None, show_progress="hidden")

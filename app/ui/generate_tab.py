@@ -45,9 +45,11 @@ class GenerateTab:
     options: ModelOptions
 
     @property
-    def panel(self) -> list:
-        """The tab's own state a generation carries besides its LoRA cards, in `panel_desired` order."""
-        return [self.model, self.dtype, self.offload, self.options.weights]
+    def state_inputs(self) -> list:
+        """The page's own state every generation on it carries (`desired_from_panel` reads them): checkpoint,
+        dtype, offload, weight storage, the LoRA cards."""
+        return [self.model, self.dtype, self.offload, self.options.weights, self.loras.slot_names,
+                *self.loras.sliders]
 
     @property
     def settings(self) -> list:
@@ -125,7 +127,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
     # Progress and a failure's "Error" mark go on the gallery only; the message itself is one toast.
-    wire_generate(ctx, controls, tab.settings, tab.panel, loras,
+    wire_generate(ctx, controls, tab.settings, tab.state_inputs, loras,
                   [gallery, infotext, infos, chosen_seed, width, height, note])
     gallery.select(_select_image, [infos], [infotext, chosen_seed], api_visibility="private")
     random_seed.click(lambda: -1, None, seed, api_visibility="private")

@@ -2,7 +2,8 @@
 with hires fix, each run by the engine as one transition per stage (see Diagnostics → History).
 
 The tab only draws: numbers are checked by the engine's rule sets (the same as the API's,
-`app.ui.workflow_api`), LoRAs are the engine's current ones plus any `<lora:…>` prompt tags.
+`app.ui.workflow_api`). Each run carries the page's own state (the Generate tab's checkpoint,
+dtype, offload, weight storage and LoRA cards) plus any `<lora:…>` prompt tags.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import gradio as gr
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, STAGE_LIMITS, UPSCALERS
 from app.ui.common import PROGRESS, UiContext
+from app.ui.generate_run import desired_from_panel
 from app.ui.workflow_api import editor_mask, run_hires, run_img2img
 
 QUEUE = "loras"  # the lane every engine-changing event shares, in order
@@ -62,19 +64,26 @@ class Img2ImgTab:
     panels: gr.Tabs
 
 
-def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> tuple[gr.Image, gr.Number]:
+def _page_state(ctx: UiContext, values: tuple):
+    """The `state` argument of a run: the page's panel, read from the last inputs (`GenerateTab.state_inputs`)."""
+    return lambda: desired_from_panel(ctx, values)
+
+
+def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> tuple[gr.Image, gr.Number]:
     image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300)
     with gr.Row():
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode", elem_id="sd-i2i-resize")
         strength = _number("denoising_strength", "Denoising strength", 0.75, 0.05)
     go = gr.Button("Run img2img", variant="primary", elem_id="sd-i2i-run")
-    go.click(lambda progress=PROGRESS, *v: run_img2img(ctx, list(v[:9]), *v[9:], progress=progress)[:2],
-             [*base, image, strength, resize], out.all, api_visibility="private", concurrency_id=QUEUE,
+    n = len(page)
+    go.click(lambda progress=PROGRESS, *v: run_img2img(ctx, list(v[:9]), *v[9:-n], progress=progress,
+                                                       state=_page_state(ctx, v[-n:]))[:2],
+             [*base, image, strength, resize, *page], out.all, api_visibility="private", concurrency_id=QUEUE,
              show_progress_on=[out.gallery])
     return image, strength
 
 
-def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
+def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> None:
     editor = gr.ImageEditor(type="pil", label="Image and mask (paint the area to repaint)", elem_id="sd-inpaint-editor",
                             brush=gr.Brush(colors=["#ffffff"], color_mode="fixed", default_size=12),
                             height=360, layers=False, transforms=(), format="png")  # lossless: the pixels outside
@@ -91,19 +100,19 @@ def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
     go = gr.Button("Run inpaint", variant="primary", elem_id="sd-inpaint-run")
 
     def inpaint(progress=PROGRESS, *values):
-        edited, upload, strength_v, resize_v, blur_v, fill_v, invert_v = values[9:]
+        edited, upload, strength_v, resize_v, blur_v, fill_v, invert_v = values[9:9 + 7]
         image, painted = editor_mask(edited)
         mask = upload if upload is not None else painted
         if image is not None and mask is None:
             raise gr.Error("Inpaint failed: paint the area to repaint, or upload a mask", print_exception=False)
         return run_img2img(ctx, list(values[:9]), image, strength_v, resize_v, mask, blur_v, fill_v, invert_v,
-                           progress=progress)[:2]
+                           progress=progress, state=_page_state(ctx, values[9 + 7:]))[:2]
 
-    go.click(inpaint, [*base, editor, uploaded, strength, resize, blur, fill, invert], out.all,
+    go.click(inpaint, [*base, editor, uploaded, strength, resize, blur, fill, invert, *page], out.all,
              api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
-def _hires_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
+def _hires_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> None:
     with gr.Row():
         scale = _number("hires_scale", "Upscale by", 2.0, 0.25, "hires")
         upscaler = gr.Dropdown(list(UPSCALERS), value="Latent", label="Upscaler", elem_id="sd-hires-upscaler")
@@ -114,14 +123,17 @@ def _hires_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
                         elem_id="sd-hires-prompt")
     negative = gr.Textbox(label="Hires negative prompt (empty: the negative prompt)")
     go = gr.Button("Run txt2img + hires fix", variant="primary", elem_id="sd-hires-run")
-    go.click(lambda progress=PROGRESS, *v: run_hires(ctx, list(v[:9]), *v[9:], progress=progress)[:2],
-             [*base, scale, upscaler, steps, strength, sampler, prompt, negative], out.all, api_visibility="private",
-             concurrency_id=QUEUE, show_progress_on=[out.gallery])
+    n = len(page)
+    go.click(lambda progress=PROGRESS, *v: run_hires(ctx, list(v[:9]), *v[9:-n], progress=progress,
+                                                     state=_page_state(ctx, v[-n:]))[:2],
+             [*base, scale, upscaler, steps, strength, sampler, prompt, negative, *page], out.all,
+             api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
-def build_img2img_tab(ctx: UiContext) -> Img2ImgTab:
+def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
     """Lay out the tab: shared settings on the left, one sub-tab per workflow, the results on the right
-    (built first, unrendered, so every panel's button can write to them)."""
+    (built first, unrendered, so every panel's button can write to them). `page`: the Generate tab's
+    `state_inputs`, the state every run carries."""
     out = _Outputs(gr.Gallery(label="Images", columns=2, height=420, elem_id="sd-i2i-gallery", format="png",
                               object_fit="contain", render=False),
                    gr.Textbox(label="Infotext", lines=6, buttons=["copy"], elem_id="sd-i2i-infotext", render=False))
@@ -131,11 +143,11 @@ def build_img2img_tab(ctx: UiContext) -> Img2ImgTab:
             note = gr.Markdown(elem_id="sd-i2i-note")  # what "send to img2img" filled in, or could not
             with gr.Tabs() as panels:
                 with gr.Tab("img2img", id="i2i-img2img"):
-                    image, strength = _img2img_panel(ctx, base, out)
+                    image, strength = _img2img_panel(ctx, base, out, page)
                 with gr.Tab("Inpaint", id="i2i-inpaint"):
-                    _inpaint_panel(ctx, base, out)
+                    _inpaint_panel(ctx, base, out, page)
                 with gr.Tab("Hires fix", id="i2i-hires"):
-                    _hires_panel(ctx, base, out)
+                    _hires_panel(ctx, base, out, page)
         with gr.Column(scale=2):
             out.gallery.render()
             out.infotext.render()

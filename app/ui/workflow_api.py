@@ -9,8 +9,11 @@ they return files. A named endpoint's job carries its client's state (`app/ui/se
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import gradio as gr
 
+from app.engine.desired import Desired
 from app.engine.generate import SCHEDULERS, GenerateParams, params_from_form
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, UPSCALERS, HiresParams, stage_values
 from app.ui.common import PROGRESS, UiContext, gallery_items, generation_lane, run_with_progress, user_errors
@@ -44,9 +47,9 @@ def _answer(images, notes) -> tuple:
 
 def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
                 inpainting_fill="original", invert=False, progress=None, browser: bool = True,
-                owner: str | None = None) -> tuple:
-    """img2img (no mask) or inpaint, with `owner`'s state (None: the engine's); returns (gallery items, first
-    infotext, details)."""
+                owner: str | None = None, state: Callable[[], Desired] | None = None) -> tuple:
+    """img2img (no mask) or inpaint for `owner` with the state `state()` gives (the page's panel, a client's
+    choices; None: as the engine holds it); returns (gallery items, first infotext, details)."""
     action = "img2img" if mask is None else "Inpaint"
     with user_errors(action, browser=browser):
         if init_image is None:
@@ -54,26 +57,35 @@ def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resi
         values = {**dict(zip(BASE_FIELDS, base, strict=True)), "denoising_strength": denoising_strength,
                   "mask_blur": mask_blur}
         params, stage, notes = checked(ctx, values, ("denoising_strength", "mask_blur"))
+        desired = state() if state else None
         images = run_with_progress(ctx.engine, lambda: ctx.engine.img2img(
             params, [init_image], denoising_strength=stage["denoising_strength"], resize_mode=resize_mode, mask=mask,
             mask_blur=stage["mask_blur"], inpainting_fill=inpainting_fill, inpainting_mask_invert=bool(invert),
-            owner=owner, desired=None if owner is None else ctx.desired_for(owner)), progress)
+            owner=owner, desired=desired), progress)
     return _answer(images, notes)
 
 
 def run_hires(ctx: UiContext, base: list, scale, upscaler, steps, denoising_strength, sampler, prompt, negative,
-              progress=None, browser: bool = True, owner: str | None = None) -> tuple:
-    """txt2img with hires fix, with `owner`'s state (None: the engine's); returns (gallery items, first
-    infotext, details)."""
+              progress=None, browser: bool = True, owner: str | None = None,
+              state: Callable[[], Desired] | None = None) -> tuple:
+    """txt2img with hires fix for `owner` with the state `state()` gives (as `run_img2img`); returns (gallery
+    items, first infotext, details)."""
     with user_errors("Hires fix", browser=browser):
         values = {**dict(zip(BASE_FIELDS, base, strict=True)), "hires_scale": scale, "hires_steps": steps,
                   "denoising_strength": denoising_strength}
         params, stage, notes = checked(ctx, values, ("hires_scale", "hires_steps", "denoising_strength"))
         hires = HiresParams(stage["hires_scale"], str(upscaler), stage["hires_steps"], stage["denoising_strength"],
                             str(sampler or SAME), str(prompt or ""), str(negative or ""))
+        desired = state() if state else None
         images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(
-            params, hires=hires, owner=owner, desired=None if owner is None else ctx.desired_for(owner)), progress)
+            params, hires=hires, owner=owner, desired=desired), progress)
     return _answer(images, notes)
+
+
+def _client(ctx: UiContext, request: gr.Request) -> dict:
+    """The owner and state arguments of a named endpoint's job: its client's own (`app/ui/sessions.py`)."""
+    owner = owner_of(request)
+    return {"owner": owner, "state": lambda: ctx.desired_for(owner)}
 
 
 def editor_mask(edited) -> tuple[object, object]:
@@ -125,7 +137,7 @@ def register_workflow_api(ctx: UiContext) -> None:
                 denoising_strength, resize_mode, request: gr.Request, progress=PROGRESS):
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
         return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, progress=progress, browser=False,
-                           owner=owner_of(request))
+                           **_client(ctx, request))
 
     def inpaint(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, init_image,
                 denoising_strength, resize_mode, mask, mask_blur, inpainting_fill, inpainting_mask_invert,
@@ -134,7 +146,7 @@ def register_workflow_api(ctx: UiContext) -> None:
             raise gr.Error("inpaint failed: a mask is required (white repaints)", print_exception=False)
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
         return run_img2img(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
-                           inpainting_mask_invert, progress=progress, browser=False, owner=owner_of(request))
+                           inpainting_mask_invert, progress=progress, browser=False, **_client(ctx, request))
 
     def txt2img_hires(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, hires_scale,
                       hires_upscaler, hires_steps, denoising_strength, hires_sampler, hires_prompt,
@@ -142,7 +154,7 @@ def register_workflow_api(ctx: UiContext) -> None:
         base = [prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch]
         return run_hires(ctx, base, hires_scale, hires_upscaler, hires_steps, denoising_strength, hires_sampler,
                          hires_prompt, hires_negative_prompt, progress=progress, browser=False,
-                         owner=owner_of(request))
+                         **_client(ctx, request))
 
     common = generation_lane(ctx)
     buttons[0].click(img2img, [*base, image, strength, resize], outputs, api_name="img2img", **common,
