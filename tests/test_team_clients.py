@@ -106,3 +106,37 @@ def test_three_clients_interleave_and_each_gets_its_own_image(tmp_path, demo_dir
     assert held.violations_found_total == 0 and held.held_for is not None
     print(f"{len(made)} interleaved generations, {len(reconciles)} reconciles "
           f"({sum('LOADING' == h.state for h in reconciles)} with a model switch)")
+
+
+def test_a_pages_state_is_its_panel_and_a_scripts_is_what_it_chose(tmp_path, demo_dir):
+    """A page's generation carries its panel (fields it has no value for yet follow the engine); a script's
+    carries what its own set_* calls chose; a closed or long-unheard-of session falls back to the engine;
+    a checkpoint outside the folder or an unknown offload mode is refused before anything is queued."""
+    from types import SimpleNamespace
+
+    from app.adapters.specs import LoraSpec
+    from app.engine.desired import Desired
+    from app.engine.snapshot import Snapshot
+    from app.ui.common import UiContext
+    from app.ui.generate_run import panel_desired
+    from app.ui.sessions import SessionStates
+
+    held = Desired(model=SD15, offload="model", loras=(LoraSpec("someone-elses", 1.0),))
+    settings = Settings(data_dir=private_data(demo_dir, tmp_path / "data"), device="cpu")
+    ctx = UiContext(SimpleNamespace(snapshot=lambda: Snapshot(state="READY", desired=held)), settings,
+                    sessions=SessionStates(limit=2))
+    mine = (LoraSpec("demo-style-sdxl", 0.5),)
+    assert panel_desired(ctx, None, None, None, None, mine) == held.replace(loras=mine)
+    assert panel_desired(ctx, SDXL, "bf16", "none", "fp8", ()) == Desired(SDXL, "bf16", "none", "fp8", ())
+    for bad, message in (("../tiny-sd15.safetensors", "checkpoint"), ("nope.safetensors", "not in")):
+        with pytest.raises(ValueError, match=message):
+            panel_desired(ctx, bad, None, None, None, ())
+    with pytest.raises(ValueError, match="offload must be one of none, model"):
+        panel_desired(ctx, None, None, "cloud", None, ())
+    ctx.sessions.record("s1", model=SDXL, loras=mine)
+    assert ctx.desired_for("s1") == held.replace(model=SDXL, loras=mine)
+    ctx.sessions.record("s2", dtype="bf16")
+    ctx.sessions.record("s3", dtype="fp16")  # past the limit: s1, unheard of longest, is forgotten
+    assert ctx.desired_for("s1") == held and ctx.desired_for("s3").dtype == "fp16"
+    ctx.sessions.forget("s3")
+    assert ctx.desired_for("s3") == held

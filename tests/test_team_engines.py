@@ -23,10 +23,11 @@ import torch
 from app.adapters.specs import LoraSpec
 from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
-from app.engine.pool import EnginePool, make_engine
+from app.engine.pool import EnginePool, make_engine, resolve_devices
 from app.engine.queue import MAX_PASSES, Command, pick
 from app.engine.snapshot import EngineState
 from app.engine.worker import Engine
+from app.report import collect_report
 from app.settings import Settings
 from app.ui import views
 
@@ -164,6 +165,10 @@ def _sched(engine: Engine) -> tuple[float, float]:
     return int(run) / 1e9, int(queued) / 1e9
 
 
+def _jobs(engine: Engine) -> int:
+    return sum(h.command == "generate" for h in engine.snapshot().history)
+
+
 def _last_job(engine: Engine):
     return [h for h in engine.snapshot().history if h.command == "generate"][-1]
 
@@ -211,12 +216,30 @@ def test_a_job_goes_to_the_engine_holding_its_model(pool):
     pool.engines[0].load_model(SD15)
     pool.engines[1].load_model(SDXL)
     loads = [e.snapshot().timers["load"].count for e in pool.engines]
+    jobs = [_jobs(e) for e in pool.engines]
     pool.generate(_params(), owner="x", desired=Desired(model=SDXL))
-    assert _last_job(pool.engines[1]).started > _last_job(pool.engines[0]).started
+    assert [_jobs(e) for e in pool.engines] == [jobs[0], jobs[1] + 1]
     pool.generate(_params(), owner="s", desired=Desired(model=SD15, loras=STYLE))
+    assert [_jobs(e) for e in pool.engines] == [jobs[0] + 1, jobs[1] + 1]
     assert pool.engines[0].snapshot().held_for == "s" and pool.engines[0].snapshot().loras == STYLE
     assert [e.snapshot().timers["load"].count for e in pool.engines] == loads
     assert pool.engines[1].snapshot().model == SDXL
+    header = views.engines_html(pool.snapshots())  # one status line per engine, each saying for whom
+    assert "engine 1 " in header and "id='sd-status-1'" in header and "for session x" in header
+    report = collect_report(pool, pool.settings)  # the bug report has every engine
+    assert report["snapshot"]["model"] == SD15 and [s["model"] for s in report["other_engines"]] == [SDXL]
+
+
+def test_devices_flag_makes_one_engine_per_device():
+    """`--devices cpu,cpu` reaches the settings; `all` stands alone; one device is a plain engine."""
+    from launch import build_parser, settings_from_args
+
+    assert settings_from_args(build_parser().parse_args(["--devices", "cpu, cpu"])).devices == ("cpu", "cpu")
+    with pytest.raises(ValueError, match="just all"):
+        Settings(devices=("all", "cpu"))
+    assert resolve_devices(("cuda:1", "cpu")) == ("cuda:1", "cpu")
+    every_gpu = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    assert resolve_devices(("all",)) == (every_gpu or ("cpu",))
 
 
 def test_interrupt_reaches_the_engine_running_that_owners_job(pool):

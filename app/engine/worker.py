@@ -191,10 +191,10 @@ class Engine(Generating, Workflows):
         return self.settings
 
     def snapshot(self) -> Snapshot:
-        """The last published snapshot with the live state, progress and queue length laid over it."""
+        """The last published snapshot with the live state, progress, queue length and holder laid over it."""
         return dataclasses.replace(self._snapshot, state=self._state.value, progress=self._progress,
                                    compile=self._lifecycle.compile_status(), queued=len(self._queue),
-                                   generating=self._job is not None)
+                                   generating=self._job is not None, held_for=self._held_for)
 
     def snapshots(self) -> tuple[Snapshot, ...]:
         """One snapshot per engine: this one (an `EnginePool` has several)."""
