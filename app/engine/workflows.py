@@ -31,6 +31,7 @@ from PIL import Image
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
 from app.engine import generate, image_ops, stages, variation
+from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
@@ -50,8 +51,8 @@ class _Passes:
 class Workflows:
     """The multi-stage workflows of `Engine` (see the module docstring)."""
 
-    def txt2img_hires(self, params: GenerateParams, hires: HiresParams, *,
-                      owner: str | None = None) -> list[GeneratedImage]:
+    def txt2img_hires(self, params: GenerateParams, hires: HiresParams, *, owner: str | None = None,
+                      desired: Desired | None = None) -> list[GeneratedImage]:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass. Sizes and steps are checked before anything is queued."""
         self._require_stage("img2img", "hires fix")
@@ -61,17 +62,18 @@ class Workflows:
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
                               lambda first, phase, job, passes, run: self._hires_run(run, hires, first, phase, job,
-                                                                                     passes))
+                                                                                     passes), desired)
 
     def img2img(self, params: GenerateParams, init_images: Sequence[Image.Image], *, denoising_strength: float = 0.75,
                 resize_mode: str | int = "just resize", mask: Image.Image | None = None, mask_blur: int = 4,
                 inpainting_fill: str | int = "original", inpainting_mask_invert: bool = False,
-                owner: str | None = None) -> list[GeneratedImage]:
+                owner: str | None = None, desired: Desired | None = None) -> list[GeneratedImage]:
         """A1111's `/sdapi/v1/img2img`: start from `init_images` (batch item i from image i mod their
         number) resized to `params`' size by `resize_mode`, denoised by `denoising_strength`; with a
         `mask` it is inpaint (white repaints; `inpainting_fill` is what the masked area starts from).
         Modes and fills take A1111's names or its indices. An inpainting checkpoint (9-channel UNet)
-        runs img2img as inpaint with the whole picture masked, as A1111 does."""
+        runs img2img as inpaint with the whole picture masked, as A1111 does. `owner` and `desired` as
+        `Engine.generate`'s."""
         source = InitImages(tuple(init_images), denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
                             inpainting_mask_invert)
         source.steps_run(params)
@@ -84,7 +86,7 @@ class Workflows:
                   f"{source.resize_mode} x{params.batch}x{params.n_iter}")
         return self._workflow(source.workflow, detail, params, owner, source.infotext_pairs(),
                               lambda first, phase, job, passes, run: self._init_image_run(run, source, first, phase,
-                                                                                          job, passes))
+                                                                                          job, passes), desired)
 
     def inpaint(self, params: GenerateParams, init_image: Image.Image, mask: Image.Image, **options: Any
                 ) -> list[GeneratedImage]:
@@ -93,12 +95,12 @@ class Workflows:
             raise ValueError("inpaint needs a mask: paint the area to repaint, or upload a mask")
         return self.img2img(params, [init_image], mask=mask, **options)
 
-    def edit(self, params: GenerateParams, references: Sequence[Image.Image], *, owner: str | None = None
-             ) -> list[GeneratedImage]:
+    def edit(self, params: GenerateParams, references: Sequence[Image.Image], *, owner: str | None = None,
+             desired: Desired | None = None) -> list[GeneratedImage]:
         """Reference editing, for a family that `takes_reference_images` (FLUX.2 Klein): txt2img whose
         model also reads `references` (1 to `MAX_REFERENCES` pictures, each encoded by the pipeline's
         rule at up to 1024², their tokens beside the image's), so the prompt edits or combines them.
-        The infotext names how many it read."""
+        The infotext names how many it read. `owner` and `desired` as `Engine.generate`'s."""
         arch = self.snapshot().arch
         if arch is not None and not family(arch).takes_reference_images:
             raise ValueError(f"{family(arch).label} models take no reference images: use img2img or inpaint")
@@ -108,7 +110,7 @@ class Workflows:
         detail = f"{params.steps} steps {params.width}x{params.height} {len(pictures)} reference(s) x{params.batch}"
         return self._workflow("edit", detail, params, owner, (("Reference images", len(pictures)),),
                               lambda first, phase, job, passes, run: self._edit_run(run, pictures, first, phase, job,
-                                                                                     passes))
+                                                                                     passes), desired)
 
     @property
     def stage_pipelines(self) -> dict[str, object]:
@@ -127,7 +129,7 @@ class Workflows:
         return generate.DEFAULT_SIZE_MULTIPLE if arch is None else family(arch).size_multiple
 
     def _workflow(self, name: str, detail: str, params: GenerateParams, owner: str | None,
-                  extra: tuple[tuple[str, object], ...], batch_run) -> list[GeneratedImage]:
+                  extra: tuple[tuple[str, object], ...], batch_run, desired: Desired | None) -> list[GeneratedImage]:
         """Queue the workflow as one command; on the worker its stages run as transitions. The first
         pass's prompt tags are applied first (`apply_loras`), so the infotext names their hashes."""
         state = EngineState
@@ -152,7 +154,7 @@ class Workflows:
                 if passes.current != self._desired.loras:
                     self._run_stage("restore_loras", f"after {name}", state.PATCHING,
                                     lambda: self._realise(self._desired, self._desired.loras))
-        return self.submit(name, detail, state.GENERATING, body, record=False, owner=owner).result()
+        return self.submit(name, detail, state.GENERATING, body, record=False, owner=owner, desired=desired).result()
 
     def _with_loras(self, prompt_params: GenerateParams, passes: _Passes) -> GenerateParams:
         """Patch the model to the desired LoRAs plus `prompt_params`' tags (if that differs from what
