@@ -9,6 +9,7 @@ holds goes to that engine, and Interrupt stops the job of the one who asked, on 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import threading
@@ -114,6 +115,21 @@ def test_a_job_whose_state_cannot_be_reached_fails_alone(engine):
         engine.generate(_params(), owner="eve", desired=Desired(model="no-such.safetensors"))
     assert engine.snapshot().desired == before and engine.snapshot().state == "READY"
     assert len(engine.generate(_params(), owner="bob", desired=before)) == 1
+
+
+def test_a_refiner_job_carries_its_state_and_is_checked_against_it(engine):
+    """A txt2img with a refiner carrying SDXL runs while the engine holds SD1.5 (a family without a refiner
+    stage: a check against the held model would refuse it) and makes the bytes it makes with SDXL loaded
+    directly; the engine then holds SDXL for its owner."""
+    refined = dataclasses.replace(_params(), refiner_checkpoint=SDXL, refiner_switch_at=0.5)
+    engine.load_model(SDXL)
+    engine.set_loras(())
+    alone = engine.generate(refined)
+    engine.load_model(SD15)
+    carried = engine.generate(refined, owner="rita", desired=Desired(model=SDXL))
+    assert all(np.array_equal(x, y) for x, y in zip(_pixels(alone), _pixels(carried), strict=True))
+    assert f"Refiner: {SDXL}" in carried[0].infotext
+    assert engine.snapshot().model == SDXL and engine.snapshot().held_for == "rita"
 
 
 def test_waiting_jobs_run_grouped_by_state_and_fairly(engine):

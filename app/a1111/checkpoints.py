@@ -100,12 +100,7 @@ def arch_of(state: ApiState, model: str) -> str | None:
     else read from the checkpoint's header, as the job's reconcile loads it only after the planning.
     None when it cannot be read: the load then says why."""
     snap = state.engine.snapshot()
-    if model == snap.model:
-        return snap.arch
-    try:
-        return models.checkpoint_arch(checkpoint_files.resolve_checkpoint(model, state.ctx.settings.checkpoints_dir))
-    except (checkpoint_files.ModelLoadError, OSError):
-        return None
+    return snap.arch if model == snap.model else models.planned_arch(state.ctx.settings.checkpoints_dir, model)
 
 
 def ensure_model(state: ApiState, wanted: str | None) -> None:

@@ -40,6 +40,7 @@ from app.engine.checkpoint_files import (
     UnsupportedCheckpointFormatError,
     detect_architecture,
     read_safetensors_header,
+    resolve_checkpoint,
     weights_file,
 )
 from app.engine.checkpoint_shapes import CheckpointShapeError, check_header_shapes, check_loaded_shapes
@@ -155,6 +156,14 @@ def checkpoint_arch(info: CheckpointInfo) -> str:
         return detect_architecture(keys)
     except UnknownArchitectureError as exc:
         raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
+
+
+def planned_arch(checkpoints_dir: Path, model: str) -> str | None:
+    """`checkpoint_arch` of the checkpoint named `model`, or None when it cannot be read (its load says why)."""
+    try:
+        return checkpoint_arch(resolve_checkpoint(model, checkpoints_dir))
+    except (ModelLoadError, OSError):
+        return None
 
 
 def _pipeline_kwargs(arch: str, dtype: torch.dtype) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -111,7 +111,7 @@ class CommandQueue:
                 on_take(command)
             return command
 
-    def cancel(self, owner: str, names: tuple[str, ...]) -> list[Command]:
+    def cancel(self, owner: str, names: Collection[str]) -> list[Command]:
         """Take `owner`'s waiting commands named in `names` off the queue; returns them."""
         with self._wake:
             mine = [c for c in self._items if c is not None and c.owner == owner and c.name in names]

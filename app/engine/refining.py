@@ -45,7 +45,7 @@ class Refining:
         """txt2img finished by `params.refiner_checkpoint` after `params.refiner_switch_at` of the schedule;
         `owner` and `desired` as `Engine.generate`'s (the refiner takes the base model's dtype, offload and
         storage from the `Desired` the job reconciled to)."""
-        arch = self.snapshot().arch
+        arch = self._arch_for(desired)
         if arch is not None and not family(arch).refiner_families:
             raise ValueError(f"{family(arch).label} models have no refiner stage; clear the refiner checkpoint")
         named: list[tuple[str, object]] = []  # "Refiner" and "Refiner switch at", once the refiner has run

@@ -30,7 +30,7 @@ from PIL import Image
 
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import generate, image_ops, stages, variation
+from app.engine import generate, image_ops, models, stages, variation
 from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import EngineState
@@ -55,9 +55,10 @@ class Workflows:
                       desired: Desired | None = None) -> list[GeneratedImage]:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass. Sizes and steps are checked before anything is queued."""
-        self._require_stage("img2img", "hires fix")
+        arch = self._arch_for(desired)
+        self._require_stage(arch, "img2img", "hires fix")
         self.check_upscaler(hires.upscaler, hires=True)
-        hires.second_pass(params, self._size_multiple())
+        hires.second_pass(params, _size_multiple(arch))
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
@@ -77,7 +78,7 @@ class Workflows:
         source = InitImages(tuple(init_images), denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
                             inpainting_mask_invert)
         source.steps_run(params)
-        self._require_stage(source.workflow, source.workflow)
+        self._require_stage(self._arch_for(desired), source.workflow, source.workflow)
         if variation.of(params) is not None or params.refiner_checkpoint:
             raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
                              f"variation strength and the resize sizes to 0 and clear the refiner for "
@@ -101,7 +102,7 @@ class Workflows:
         model also reads `references` (1 to `MAX_REFERENCES` pictures, each encoded by the pipeline's
         rule at up to 1024², their tokens beside the image's), so the prompt edits or combines them.
         The infotext names how many it read. `owner` and `desired` as `Engine.generate`'s."""
-        arch = self.snapshot().arch
+        arch = self._arch_for(desired)
         if arch is not None and not family(arch).takes_reference_images:
             raise ValueError(f"{family(arch).label} models take no reference images: use img2img or inpaint")
         if not 1 <= len(references) <= MAX_REFERENCES:
@@ -118,15 +119,20 @@ class Workflows:
         return self._lifecycle.stage_pipelines
 
     # ------------------------------------------------------------------ the command (worker side)
-    def _require_stage(self, kind: str, what: str) -> None:
-        """Refuse, before queueing, a workflow the loaded family has no stage pipeline for (Flux)."""
-        arch = self.snapshot().arch
+    def _arch_for(self, desired: Desired | None) -> str | None:
+        """The family a job is checked for before it is queued: that of the model its `desired` names (read
+        from the checkpoint's header when another one is loaded: the job's reconcile loads it), else the
+        loaded one's."""
+        snap = self.snapshot()
+        if desired is None or not desired.model or desired.model == snap.model:
+            return snap.arch
+        return models.planned_arch(self.settings.checkpoints_dir, desired.model)
+
+    @staticmethod
+    def _require_stage(arch: str | None, kind: str, what: str) -> None:
+        """Refuse, before queueing, a workflow the family `arch` has no stage pipeline for (Flux)."""
         if arch is not None and kind not in family(arch).stage_pipelines:
             raise ValueError(f"{what} is not available for {family(arch).label} models yet")
-
-    def _size_multiple(self) -> int:
-        arch = self.snapshot().arch
-        return generate.DEFAULT_SIZE_MULTIPLE if arch is None else family(arch).size_multiple
 
     def _workflow(self, name: str, detail: str, params: GenerateParams, owner: str | None,
                   extra: tuple[tuple[str, object], ...], batch_run, desired: Desired | None) -> list[GeneratedImage]:
@@ -187,7 +193,7 @@ class Workflows:
         """One run of the hires fix: three stages. A first pass stopped by Interrupt or Skip is
         decoded and returned as it is (no second pass), as A1111 does."""
         carry, plan = self._lifecycle.carry, lambda: self._lifecycle.plan
-        second = hires.second_pass(params, self._size_multiple())
+        second = hires.second_pass(params, _size_multiple(self.snapshot().arch))
 
         def first_pass():
             stripped = self._with_loras(params, passes)
@@ -291,6 +297,10 @@ class Workflows:
 
 def _size(params: GenerateParams) -> str:
     return f"{params.batch}x{params.width}x{params.height}"
+
+
+def _size_multiple(arch: str | None) -> int:
+    return generate.DEFAULT_SIZE_MULTIPLE if arch is None else family(arch).size_multiple
 
 
 def _no_model() -> None:
