@@ -63,6 +63,11 @@ def _on_first(name: str):
     return call
 
 
+def _of_first(name: str, doc: str) -> property:
+    """The first engine's attribute `name`, read-only: one object every engine shares the meaning of."""
+    return property(lambda self: getattr(self.primary, name), doc=doc)
+
+
 class EnginePool:
     """The calls of `Engine` the UI and the APIs make, over one engine per device (module docstring)."""
 
@@ -77,16 +82,10 @@ class EnginePool:
     def primary(self) -> Engine:
         return self.engines[0]
 
-    @property
-    def library(self):
-        """The first engine's LoRA library: every engine reads the same folder."""
-        return self.primary.library
-
-    @property
-    def timeline(self):
-        """Process memory over time (one process for all engines), sampled by the first engine."""
-        return self.primary.timeline
-
+    library = _of_first("library", "The first engine's LoRA library: every engine reads the same folder.")
+    upscalers = _of_first("upscalers", "The first engine's upscaler library: every engine reads the same folder.")
+    timeline = _of_first("timeline", "Process memory over time (one process for all engines), sampled by the "
+                                     "first engine.")
     load_model = _on_first("load_model")
     set_dtype = _on_first("set_dtype")
     set_weights = _on_first("set_weights")
@@ -101,11 +100,6 @@ class EnginePool:
     hires_upscalers = _on_first("hires_upscalers")
     extras_upscalers = _on_first("extras_upscalers")
     check_upscaler = _on_first("check_upscaler")
-
-    @property
-    def upscalers(self):
-        """The first engine's upscaler library: every engine reads the same folder."""
-        return self.primary.upscalers
 
     def unload_upscaler(self) -> Snapshot:
         """Every engine gives its upscaler's memory back; the first one's snapshot, as `Engine`'s."""
