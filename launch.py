@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--create-data-dir", action="store_true", help="create --data-dir when it does not exist")
     p.add_argument("--model", default=None, help="checkpoint name to load at start (default: the first found)")
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 …")
+    p.add_argument("--devices", default=None, metavar="LIST",
+                   help="one engine per device, each job sent to the one holding its model and LoRAs: "
+                        "cuda:0,cuda:1 (or all: every GPU; cpu,cpu for tests); replaces --device")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weights dtype; auto = bf16 on GPUs that support it, else fp16 on CUDA, fp32 on CPU")
     p.add_argument("--offload", default="none", choices=OFFLOAD_CHOICES, help="offload mode at start")
@@ -125,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
-        data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype, offload=args.offload, weights=args.weights,
+        data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype,
+        devices=tuple(d.strip() for d in args.devices.split(",")) if args.devices else (),
+        offload=args.offload, weights=args.weights,
         lora_backups=args.lora_backups,
         vram_budget_gib=args.vram_budget, balanced_watermark=args.vram_watermark,
         compile=args.compile, compile_mode=args.compile_mode, channels_last=args.channels_last,

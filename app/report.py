@@ -171,6 +171,7 @@ def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), se
         "errors": errors,
         "failed_transitions": [h for h in snapshot.history if h.failed] if snapshot is not None else [],
         "memory_timeline": engine.timeline.snapshot() if engine is not None else [],
+        "other_engines": engine.snapshots()[1:] if engine is not None else (),  # --devices: one snapshot each
         "log": list(log_lines),
     }
     all_secrets = [pw for _user, pw in (*settings.auth, *settings.api_auth)] + list(secrets)

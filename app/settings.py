@@ -39,6 +39,9 @@ class Settings:
 
     data_dir: Path = Path(".")
     device: str = "auto"  # "auto" = cuda when available, else cpu
+    # One engine per entry ("cuda:0", "cuda:1", "cpu"; ("all",): every GPU) behind a dispatcher
+    # (app/engine/pool.py); empty: one engine on `device`.
+    devices: tuple[str, ...] = ()
     dtype: str = "auto"
     offload: str = "none"
     vram_budget_gib: float | None = None
@@ -109,6 +112,9 @@ class Settings:
                               ("max_upload_mib", 1)):
             if getattr(self, name) < minimum:
                 raise ValueError(f"{name} must be at least {minimum}, got {getattr(self, name)}")
+        if any(not isinstance(d, str) or not d.strip() for d in self.devices) or (
+                "all" in self.devices and len(self.devices) > 1):
+            raise ValueError(f"devices must be device names (cuda:0, cpu …) or just all, got {self.devices!r}")
         if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
             raise ValueError(f"the VRAM budget must be a positive number of GiB, got {self.vram_budget_gib}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())

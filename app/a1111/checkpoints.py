@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from app.a1111.errors import ApiError
-from app.a1111.state import ApiState
-from app.engine import checkpoint_files
+from app.a1111.state import API_OWNER, ApiState
+from app.engine import checkpoint_files, models
 from app.engine.snapshot import Snapshot
 from app.settings import Settings
 
@@ -69,10 +69,12 @@ def resolve(settings: Settings, snap: Snapshot, asked: object) -> str:
 
 
 def current_title(state: ApiState) -> str | None:
-    """`sd_model_checkpoint`: the loaded checkpoint, else the one the next txt2img would load."""
+    """`sd_model_checkpoint`: the API's own checkpoint (`POST /options`), else the loaded one, else the one
+    the next txt2img would load."""
     snap = state.engine.snapshot(wait_for_hash=True)
-    if snap.model:
-        return title(snap.model, snap.model_hash)
+    model = state.ctx.desired_for(API_OWNER).model
+    if model:
+        return title(model, snap.model_hash if model == snap.model else None)
     return next_model(state)
 
 
@@ -84,26 +86,42 @@ def next_model(state: ApiState) -> str | None:
     return found[0].name if found else None
 
 
-def ensure_model(state: ApiState, wanted: str | None) -> None:
-    """Load `wanted` (or, with none asked and none loaded, `next_model`), as A1111 loads on demand."""
-    loaded = state.engine.snapshot().model
-    target = wanted or loaded or next_model(state)
+def target_model(state: ApiState, wanted: str | None) -> str:
+    """The checkpoint a request runs on: `wanted`, else the API's own (`POST /options`), else the loaded
+    one, else `next_model`, as A1111 loads on demand; 409 when there is none at all."""
+    target = wanted or state.ctx.desired_for(API_OWNER).model or next_model(state)
     if target is None:
         raise ApiError(409, f"no checkpoint loaded and none found in {state.ctx.settings.checkpoints_dir}")
-    if target != loaded:
+    return target
+
+
+def arch_of(state: ApiState, model: str) -> str | None:
+    """The family a request for `model` is planned for (its sizes, sampler, defaults): the loaded model's,
+    else read from the checkpoint's header, as the job's reconcile loads it only after the planning.
+    None when it cannot be read: the load then says why."""
+    snap = state.engine.snapshot()
+    return snap.arch if model == snap.model else models.planned_arch(state.ctx.settings.checkpoints_dir, model)
+
+
+def ensure_model(state: ApiState, wanted: str | None) -> None:
+    """Load `target_model` now (`/reload-checkpoint`); a generation needs no such step, its job loads it."""
+    target = target_model(state, wanted)
+    if target != state.engine.snapshot().model:
         state.engine.load_model(target)
 
 
-def with_checkpoint(state: ApiState, wanted: str | None, restore: bool, call: Callable[[], T]) -> tuple[T, list[str]]:
-    """Run `call` with `wanted` loaded; afterwards load the previous checkpoint back when `restore`.
+def with_checkpoint(state: ApiState, wanted: str | None, restore: bool,
+                    call: Callable[[str], T]) -> tuple[T, list[str]]:
+    """Run `call(checkpoint)` for `wanted` (or the API's checkpoint; the job carries it and the engine loads
+    it before the job); afterwards load the previous checkpoint back when `restore`.
 
     Returns the call's result and notes for the client. A failed restore does not throw the
     images away: the engine has recorded it (history, last error) and the note says so."""
     before = state.engine.snapshot().model
-    ensure_model(state, wanted)
+    target = target_model(state, wanted)
     notes: list[str] = []
     try:
-        result = call()
+        result = call(target)
     finally:
         switched = wanted is not None and before is not None and before != wanted
         if restore and switched and state.engine.snapshot().model == wanted:

@@ -19,7 +19,8 @@ from app.a1111 import txt2img
 from app.a1111.errors import ApiError
 from app.a1111.pnginfo import decode_images
 from app.a1111.schema import Img2ImgRequest
-from app.a1111.state import ApiState
+from app.a1111.state import API_OWNER, ApiState
+from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 
 ONLY_MASKED = ("inpaint_full_res (only masked) is not supported: the whole picture was repainted at its size")
@@ -43,13 +44,13 @@ def _run(state: ApiState, req: Img2ImgRequest) -> dict:
     images, mask = (decoded[:-1], decoded[-1]) if req.mask else (decoded, None)
     blur = req.mask_blur if req.mask_blur is not None else max(req.mask_blur_x or 0, req.mask_blur_y or 0)
 
-    def produce(params: GenerateParams) -> list[GeneratedImage]:
+    def produce(params: GenerateParams, desired: Desired) -> list[GeneratedImage]:
         if req.reference_images:
-            return state.engine.edit(params, images, owner=txt2img.API_OWNER)
+            return state.engine.edit(params, images, owner=API_OWNER, desired=desired)
         return state.engine.img2img(
             params, images, denoising_strength=txt2img.field_value(req, "denoising_strength"),
             resize_mode=req.resize_mode or 0, mask=mask, mask_blur=blur, inpainting_fill=req.inpainting_fill or 0,
-            inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=txt2img.API_OWNER)
+            inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=API_OWNER, desired=desired)
 
     notes = (ONLY_MASKED,) if mask is not None and req.inpaint_full_res else ()
     return txt2img.run(state, req, produce, notes)

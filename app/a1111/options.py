@@ -17,7 +17,7 @@ from typing import Any
 
 from app.a1111 import checkpoints
 from app.a1111.errors import ApiError
-from app.a1111.state import ApiState
+from app.a1111.state import API_OWNER, ApiState
 from app.engine.generate import LIMITS
 from app.settings import Settings
 
@@ -34,9 +34,9 @@ def fixed_options(settings: Settings) -> dict[str, Any]:
 
 
 def current(state: ApiState) -> dict[str, Any]:
-    snap = state.engine.snapshot()
+    own = state.ctx.desired_for(API_OWNER)
     return {OVERRIDABLE: checkpoints.current_title(state), CLIP_SKIP: state.clip_skip,
-            **fixed_options(state.ctx.settings), DTYPE: snap.requested_dtype, OFFLOAD: snap.offload}
+            **fixed_options(state.ctx.settings), DTYPE: own.dtype, OFFLOAD: own.offload}
 
 
 def unsupported_overrides(settings: Settings, overrides: Mapping[str, Any]) -> Iterator[str]:
@@ -80,3 +80,4 @@ def apply(state: ApiState, changes: Mapping[str, Any]) -> None:
     offload = changes.get(OFFLOAD)
     if offload is not None and offload != snap.offload:
         engine.set_offload(offload)
+    state.ctx.sessions.record(API_OWNER, model=name, dtype=dtype, offload=offload)  # the API's own, from now on

@@ -11,6 +11,11 @@ backlog of API calls cannot starve the thread pool the UI's handlers run in; pas
 The job record (`JobRecord`) is what `/progress` reports beside the engine's own progress: when
 the current API job started (for the ETA), what it was asked to do and whether an Interrupt or
 Skip was sent, the fields of A1111's `shared.state`.
+
+The API's own state (what `POST /options` chose: checkpoint, `steady_dtype`, `steady_offload`) is
+kept under `API_OWNER` beside the Gradio sessions' (`UiContext.sessions`): every API generation
+carries it, with no LoRA but its prompt tags (`txt2img.desired_for`), so a browser tab's LoRA panel
+never reaches an API image and a UI user's model switch does not move a checkpoint the API chose.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ import anyio
 
 from app.a1111.errors import ApiError
 from app.ui.common import UiContext
+from app.ui.sessions import API_OWNER
+
+__all__ = ["API_OWNER", "ApiState", "JobRecord"]
 
 T = TypeVar("T")
 

@@ -30,7 +30,8 @@ from app.a1111 import checkpoints
 from app.a1111.errors import ApiError
 from app.a1111.options import CLIP_SKIP, OVERRIDABLE, unsupported_overrides
 from app.a1111.schema import Txt2ImgRequest
-from app.a1111.state import ApiState
+from app.a1111.state import API_OWNER, ApiState
+from app.engine.desired import Desired
 from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
 from app.engine.stage_params import SAME, HiresParams
 from app.families import family
@@ -38,7 +39,6 @@ from app.infotext import parse_infotext
 from app.report import app_version
 from app.styles import apply_styles
 
-API_OWNER = "a1111-api"  # the engine's job owner for API generations
 # A1111's names for the samplers we share with it (`/sdapi/v1/samplers` lists them as aliases).
 SAMPLER_ALIASES: dict[str, list[str]] = {
     "Euler": ["k_euler"], "Euler a": ["k_euler_a", "k_euler_ancestral"], "DPM++ 2M": ["k_dpmpp_2m"],
@@ -120,6 +120,12 @@ def hires(req: Txt2ImgRequest, arch: str | None) -> HiresParams | None:
                        prompt=field_value(req, "hr_prompt"), negative_prompt=field_value(req, "hr_negative_prompt"))
 
 
+def desired_for(state: ApiState, model: str) -> Desired:
+    """The whole state an API generation carries: `model`, the API's own dtype and offload (`POST /options`;
+    else the engine's), and no LoRA but its prompt's tags, as in A1111."""
+    return state.ctx.desired_for(API_OWNER).replace(model=model, loras=())
+
+
 def asked_checkpoint(state: ApiState, req: Txt2ImgRequest) -> str | None:
     asked = (req.override_settings or {}).get(OVERRIDABLE)
     if asked is None:
@@ -139,27 +145,28 @@ class Outcome:
 
 
 def run(state: ApiState, req: Txt2ImgRequest,
-        produce: Callable[[GenerateParams], list[GeneratedImage]] | None = None, notes: tuple[str, ...] = ()) -> dict:
+        produce: Callable[[GenerateParams, Desired], list[GeneratedImage]] | None = None,
+        notes: tuple[str, ...] = ()) -> dict:
     """The whole request, blocking (run it in the API's lane): checkpoint, generation, restore, answer.
-    `produce` makes the images from the checked parameters (default: txt2img, with hires fix when
-    asked; img2img passes its own); `notes` go to the answer's comments."""
+    `produce` makes the images from the checked parameters and the state they carry (default: txt2img,
+    with hires fix when asked; img2img passes its own); `notes` go to the answer's comments."""
     wanted = asked_checkpoint(state, req)
     notes = [*notes, *unsupported_overrides(state.ctx.settings, req.override_settings or {})]
-    produce = produce or (lambda params: state.engine.generate(
-        params, owner=API_OWNER, hires=hires(req, state.engine.snapshot().arch)))
+    produce = produce or (lambda params, desired: state.engine.generate(
+        params, owner=API_OWNER, hires=hires(req, checkpoints.arch_of(state, desired.model)), desired=desired))
 
-    def generate() -> Outcome:
-        params, rounding = plan(req, state.engine.snapshot().arch, state.ctx.settings.styles_file, state.clip_skip)
+    def generate(model: str) -> Outcome:
+        params, rounding = plan(req, checkpoints.arch_of(state, model), state.ctx.settings.styles_file,
+                                state.clip_skip)
         if req.refiner_checkpoint not in (None, "", "None", "none"):  # A1111's spellings of "no refiner"
             params = dataclasses.replace(params, refiner_checkpoint=checkpoints.resolve(
                 state.ctx.settings, state.engine.snapshot(), req.refiner_checkpoint))
         notes.extend(rounding)
-        images = produce(params)
-        if wanted is not None and images and parse_infotext(images[0].infotext).settings.get("Model") != wanted:
-            raise ApiError(409, f"another client switched the checkpoint away from {wanted} during this request; "
-                                "send it again")
+        images = produce(params, desired_for(state, model))
+        ran = parse_infotext(images[0].infotext).settings if images else {}
         snap = state.engine.snapshot(wait_for_hash=True)
-        return Outcome(params, images, snap.model, snap.model_hash, tuple(req.styles or ()))
+        return Outcome(params, images, model, ran.get("Model hash", snap.model_hash if snap.model == model else None),
+                       tuple(req.styles or ()))
 
     outcome, restore_notes = checkpoints.with_checkpoint(
         state, wanted, field_value(req, "override_settings_restore_afterwards"), generate)

@@ -6,6 +6,11 @@ against what is loaded and runs only the steps that differ: reload for a new mod
 re-place for an offload mode, re-patch for LoRAs), and only then commits it. A step that fails
 leaves the previous `Desired` and the model as they were, so the two never drift apart.
 
+A generation carries the whole `Desired` it needs (a browser tab's panel, an API session's
+choices, an A1111 request's checkpoint and prompt tags): the worker reconciles to it before the
+job runs, so what one user asked for never reaches another user's image (`Engine.generate(...,
+desired=...)`), and the queue groups waiting jobs by it (`app/engine/queue.py`).
+
 Debug switches are not part of it: they touch no tensor and must take effect at once, also in
 the middle of a long generation, so they stay in `Settings` (`Engine.set_debug`).
 """
@@ -28,3 +33,21 @@ class Desired:
 
     def replace(self, **changes) -> Desired:
         return dataclasses.replace(self, **changes)
+
+    def model_key(self) -> tuple:
+        """What a change of needs a reload: the checkpoint, its dtype and the weight storage."""
+        return self.model, self.dtype, self.weights
+
+    def loras_key(self) -> tuple[tuple[str, float, float], ...]:
+        """The LoRA list by strengths (`LoraSpec("a", 1)` and `LoraSpec("a", 1, 1, 1)` are the same LoRA set)."""
+        return tuple((s.name, s.unet_strength, s.te_strength) for s in self.loras)
+
+    def same_as(self, other: Desired | None) -> bool:
+        """Whether realising `other` after this one would change nothing."""
+        return other is not None and (self.model_key(), self.offload, self.loras_key()) == (
+            other.model_key(), other.offload, other.loras_key())
+
+    def describe(self) -> str:
+        """One line for the history and the status line: model, dtype, offload, storage, LoRAs."""
+        loras = ", ".join(f"{n}:{u:g}/{t:g}" for n, u, t in self.loras_key()) or "no LoRAs"
+        return f"{self.model or 'no model'} {self.dtype} offload {self.offload} weights {self.weights}; {loras}"

@@ -10,6 +10,7 @@ queue is taken off it by `cancel_queued`.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,8 @@ from app.adapters.prompt import merge_prompt_loras
 from app.engine import generate, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.interrupt import StepInterrupted
+from app.engine.lora_counters import capped
+from app.engine.queue import Command
 from app.engine.snapshot import EngineState
 from app.families import family
 from app.infotext import LoraUse
@@ -50,10 +53,7 @@ class Generating:
     def cancel_queued(self, owner: str) -> int:
         """Take `owner`'s generations that still wait in the queue off it (their callers get
         `GenerationCancelled`); a closed tab or client leaves no work behind. Returns how many."""
-        with self._wake:
-            mine = [c for c in self._queue if c is not None and c.owner == owner and c.name in GENERATIONS]
-            for command in mine:
-                self._queue.remove(command)
+        mine = self._queue.cancel(owner, GENERATIONS)
         for command in mine:
             command.future.set_exception(GenerationCancelled(f"generation cancelled by {owner} before it started"))
         return len(mine)
@@ -82,6 +82,31 @@ class Generating:
         if job is None or (owner is not None and job.owner != owner):
             return False
         job.stop = "skip"
+        return True
+
+    def _taken(self, command: Command) -> None:
+        """Interrupt can reach a generation from the moment it leaves the queue (`cancel_queued` before)."""
+        self._job = Job(command.owner) if command.name in GENERATIONS else None
+
+    def _reconciled(self, command: Command, job: Job | None) -> bool:
+        """Make the model match the `Desired` a job carries, as a `reconcile` transition of its own (the
+        UI's way: a LoRA that does not fit is set aside; a job naming no model runs on the one held). False
+        when that failed: the job's caller gets the error and the job does not run."""
+        want = command.desired if command.desired.model else command.desired.replace(model=self._desired.model)
+        if not want.same_as(self._desired):
+            state = EngineState.LOADING if want.model_key() != self._desired.model_key() else EngineState.PATCHING
+
+            def adopt() -> None:
+                self._realise(want, want.loras, set_aside_unfit=True)
+                self._upscaler.follow(want.dtype, want.offload)
+                self._desired, self._held_for = want, command.owner
+            step = Command("reconcile", capped(f"for {command.owner or 'a caller'}: {want.describe()}"), state, adopt,
+                           Future())
+            self._run_transition(step)
+            if step.future.exception() is not None:
+                command.future.set_exception(step.future.exception())
+                return False
+        self._held_for, self._job = command.owner, job
         return True
 
     def _do_generate(self, params: GenerateParams) -> list[GeneratedImage]:

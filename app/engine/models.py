@@ -40,6 +40,7 @@ from app.engine.checkpoint_files import (
     UnsupportedCheckpointFormatError,
     detect_architecture,
     read_safetensors_header,
+    resolve_checkpoint,
     weights_file,
 )
 from app.engine.checkpoint_shapes import CheckpointShapeError, check_header_shapes, check_loaded_shapes
@@ -95,19 +96,12 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | N
     """
     parts = parts or PartFiles()
     facts = FileFacts(None) if scans is None else scans.facts(facts_store(info))
+    arch = checkpoint_arch(info)
     if info.kind == "folder":
-        if not weights_file(info).is_file():
-            raise ModelLoadError(f"{info.name}: no denoiser weights (unet/ or transformer/ "
-                                 "diffusion_pytorch_model.safetensors) in the folder")
-        arch = _folder_arch(info)
         _validate_folder_weights(info)
         load = _load_folder
     else:
-        keys, metadata = read_safetensors_header(info.path)
-        try:
-            arch = detect_architecture(keys)
-        except UnknownArchitectureError as exc:
-            raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
+        _keys, metadata = read_safetensors_header(info.path)
         load = _parts_loader(parts) if family(arch).parts else _single_file_loader(metadata, facts)
     if dtype == torch.float16 and not family(arch).fp16_ok:
         raise ModelLoadError(f"{info.name}: {family(arch).label} overflows in fp16 (activations beyond ±65504 "
@@ -147,6 +141,29 @@ def _weight_files(info: CheckpointInfo, arch: str, parts: PartFiles) -> tuple[Pa
     else:
         found = []
     return tuple(dict.fromkeys([first, *found]))
+
+
+def checkpoint_arch(info: CheckpointInfo) -> str:
+    """The family of a checkpoint from its header or `model_index.json` alone (no weight read): what a
+    request planned before its model is loaded (the A1111 API's) is checked against."""
+    if info.kind == "folder":
+        if not weights_file(info).is_file():
+            raise ModelLoadError(f"{info.name}: no denoiser weights (unet/ or transformer/ "
+                                 "diffusion_pytorch_model.safetensors) in the folder")
+        return _folder_arch(info)
+    keys, _metadata = read_safetensors_header(info.path)
+    try:
+        return detect_architecture(keys)
+    except UnknownArchitectureError as exc:
+        raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
+
+
+def planned_arch(checkpoints_dir: Path, model: str) -> str | None:
+    """`checkpoint_arch` of the checkpoint named `model`, or None when it cannot be read (its load says why)."""
+    try:
+        return checkpoint_arch(resolve_checkpoint(model, checkpoints_dir))
+    except (ModelLoadError, OSError):
+        return None
 
 
 def _pipeline_kwargs(arch: str, dtype: torch.dtype) -> dict[str, Any]:

@@ -112,6 +112,8 @@ class Snapshot:
     compile: compiled.CompileStatus | None = None
     queued: int = 0  # commands waiting behind the one running
     generating: bool = False  # a generation is running (Interrupt and Skip apply)
+    desired: Desired = field(default_factory=Desired)  # what the engine holds now (the last one realised)
+    held_for: str | None = None  # whose job asked for it (a session or API client; None: a direct change)
     taken_at: float = 0.0
 
     @property
@@ -162,12 +164,14 @@ def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,
 def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFacts | None, rows, violations,
                    upscaler: UpscalerFacts | None,
                    found_total: int, repaired_total: int, counters: MappingProxyType, timers: dict,
-                   history: tuple[Transition, ...], last_error: ErrorRecord | None) -> Snapshot:
+                   history: tuple[Transition, ...], last_error: ErrorRecord | None,
+                   held_for: str | None = None) -> Snapshot:
     common = dict(state=state, device=device, requested_dtype=desired.dtype, offload=desired.offload,
                   weights=desired.weights, upscaler=upscaler, placement=rows,
                   violations=violations, violations_found_total=found_total, violations_repaired_total=repaired_total,
                   lora_counters=counters, timers=MappingProxyType(timers), history=history, last_error=last_error,
-                  lora_states=lora_states(desired.loras, facts, counters), taken_at=time.time())
+                  lora_states=lora_states(desired.loras, facts, counters), desired=desired, held_for=held_for,
+                  taken_at=time.time())
     if facts is None:
         return Snapshot(**common)
     return Snapshot(model=facts.model, arch=facts.arch, model_hash=facts.model_hash, native_size=facts.native_size,

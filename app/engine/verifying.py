@@ -79,4 +79,4 @@ class Verifying:
             upscaler=self._upscaler.facts(), violations=self._last_violations,
             found_total=self._found_total, repaired_total=self._repaired_total,
             counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),
-            last_error=self._last_error), self._lifecycle.scan)
+            last_error=self._last_error, held_for=self._held_for), self._lifecycle.scan)

@@ -8,6 +8,11 @@ verify/repair placement *before* (so a stray tensor never reaches a forward pass
 verify/repair *after*, record a history row, publish an immutable snapshot. A body that fails
 leaves the model and the `Desired` as they were (each lifecycle step owns its undo); if an undo
 itself fails the engine enters ERROR and only a load or unload leaves it.
+
+A generation may carry its own `Desired` (a tab's panel, an API session's choices): before it
+runs, a `reconcile` transition makes the model match it, and the engine then holds that state
+for that owner (`Snapshot.desired`, `Snapshot.held_for`) until the next job asks for another.
+The queue (`app/engine/queue.py`) takes waiting jobs grouped by what they need, fairly.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from app import diagnostics, gc_policy
@@ -30,10 +34,11 @@ from app.engine import lora_options, part_choices, placement
 from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
-from app.engine.generating import GENERATIONS, Generating, Job
+from app.engine.generating import Generating, Job
 from app.engine.lifecycle import ModelLifecycle
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
+from app.engine.queue import Command, CommandQueue, EngineBusy
 from app.engine.refining import Refining, refined
 from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition
 from app.engine.stage_params import HiresParams
@@ -48,20 +53,7 @@ from app.upscalers.files import UpscalerLibrary
 log = logging.getLogger(__name__)
 
 
-class EngineBusy(RuntimeError):
-    """The command queue is full (`Settings.queue_size`): nothing was queued."""
-
-
-@dataclass
-class _Command:
-    name: str
-    detail: str
-    state: EngineState
-    body: Callable[[], Any]
-    future: Future
-    record: bool = True
-    owner: str | None = None  # who may cancel it while it waits (generations)
-    stage: bool = False  # one stage of a workflow command: the workflow's job outlives it
+__all__ = ["Engine", "EngineBusy"]
 
 
 class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
@@ -76,10 +68,10 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         self.settings = settings
         self.device = placement.resolve_device(settings.device)
         self.library = LoraLibrary(settings.lora_dir, cache_bytes=settings.lora_cache_mib * 2**20)
-        self._queue: collections.deque[_Command | None] = collections.deque()
-        self._wake = threading.Condition()
+        self._queue = CommandQueue(settings.queue_size)
         self._state = EngineState.EMPTY
         self._desired = Desired(dtype=settings.dtype, offload=settings.offload, weights=settings.weights)
+        self._held_for: str | None = None  # the owner whose job last set `_desired` (None: a direct change)
         self._counters = LoraCounterBook(self.library.exists, settings.max_lora_errors)
         self._history: collections.deque[Transition] = collections.deque(maxlen=settings.history_size)
         self._timers = diagnostics.Timers()
@@ -181,19 +173,21 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
     def unload(self) -> Snapshot:
         return self._change("unload", "", EngineState.MOVING, lambda d: d.replace(model=None))
 
-    def generate(self, params: GenerateParams, *, owner: str | None = None,
-                 hires: HiresParams | None = None) -> list[GeneratedImage]:
+    def generate(self, params: GenerateParams, *, owner: str | None = None, hires: HiresParams | None = None,
+                 desired: Desired | None = None) -> list[GeneratedImage]:
         """Generate `params.n_iter` × `params.batch` images; `owner` names who may interrupt it. With
         `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`); with
-        a refiner checkpoint in `params`, A1111's refiner (`Refining.txt2img_refined`)."""
+        a refiner checkpoint in `params`, A1111's refiner (`Refining.txt2img_refined`). With `desired` the
+        model is first made to match it (None: as the engine holds it now)."""
         if refined(params):
             if hires is not None:
                 raise ValueError("the refiner and the hires fix do not run together yet: use one of them")
-            return self.txt2img_refined(params, owner=owner)
+            return self.txt2img_refined(params, owner=owner, desired=desired)
         if hires is not None:
-            return self.txt2img_hires(params, hires, owner=owner)
+            return self.txt2img_hires(params, hires, owner=owner, desired=desired)
         detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
-        future = self.submit("generate", detail, EngineState.GENERATING, lambda: self._do_generate(params), owner=owner)
+        future = self.submit("generate", detail, EngineState.GENERATING, lambda: self._do_generate(params), owner=owner,
+                             desired=desired)
         return future.result()
 
     def inspect_lora(self, name: str):
@@ -219,31 +213,29 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         return self.settings
 
     def snapshot(self, wait_for_hash: bool = False) -> Snapshot:
-        """The last published snapshot with the live state, progress and queue length laid over it, and
-        its model's hash once the background read of its file has it (after a first load it is None
+        """The last published snapshot with the live state, progress, queue length and holder laid over it,
+        and its model's hash once the background read of its file has it (after a first load it is None
         until then, unless `wait_for_hash`: for what names a model by its hash, as A1111's API does)."""
         published, scan = self._published
         return dataclasses.replace(published, state=self._state.value, progress=self._progress,
                                    compile=self._lifecycle.compile_status(), queued=len(self._queue),
-                                   generating=self._job is not None,
+                                   generating=self._job is not None, held_for=self._held_for,
                                    model_hash=published.model_hash or (scan and scan.short_hash(wait_for_hash)))
 
+    def snapshots(self) -> tuple[Snapshot, ...]:
+        """One snapshot per engine: this one (an `EnginePool` has several)."""
+        return (self.snapshot(),)
+
     def submit(self, name: str, detail: str, state: EngineState, body: Callable[[], Any],
-               record: bool = True, owner: str | None = None) -> Future:
-        """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine."""
+               record: bool = True, owner: str | None = None, desired: Desired | None = None) -> Future:
+        """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine.
+        A command with `desired` runs after a `reconcile` transition has made the model match it."""
         future: Future = Future()
-        with self._wake:
-            if len(self._queue) >= self.settings.queue_size:
-                raise EngineBusy(f"the engine already has {len(self._queue)} commands waiting; try again when "
-                                 "they are done")
-            self._queue.append(_Command(name, detail, state, body, future, record, owner))
-            self._wake.notify()
+        self._queue.put(Command(name, detail, state, body, future, record, owner, desired))
         return future
 
     def close(self) -> None:
-        with self._wake:
-            self._queue.append(None)
-            self._wake.notify()
+        self._queue.close()
         self._worker.join(timeout=60)
         self._scans.close()
 
@@ -271,7 +263,7 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
     def _run_stage(self, name: str, detail: str, state: EngineState, body: Callable[[], Any]) -> Any:
         """Run `body` now, on the worker, as a transition of its own: one stage of a workflow command
         (verify/repair before and after, its history row, a published snapshot); raises its error."""
-        command = _Command(name, detail, state, body, Future(), stage=True)
+        command = Command(name, detail, state, body, Future(), stage=True)
         self._run_transition(command)
         return command.future.result()
 
@@ -290,7 +282,7 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
                 self._counters.enable_all()
             self._realise(want, want.loras, **realise_options)
             self._upscaler.follow(want.dtype, want.offload)
-            self._desired = want
+            self._desired, self._held_for = want, None
         return self._call(name, detail, state, body)
 
     def _realise(self, want: Desired, loras: tuple[LoraSpec, ...], **options: bool) -> None:
@@ -311,22 +303,18 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
 
     def _serve(self) -> None:
         while True:
-            with self._wake:
-                while not self._queue:
-                    self._wake.wait()
-                command = self._queue.popleft()
-                if command is not None and command.name in GENERATIONS:
-                    # Interrupt can reach it from the moment it leaves the queue (cancel_queued before).
-                    self._job = Job(command.owner)
+            command = self._queue.take(self._desired, self._taken)
             if command is None:
                 return
+            if command.desired is not None and not self._reconciled(command, self._job):
+                continue
             if command.record:
                 self._run_transition(command)
             else:
                 self._run_query(command)
             del command  # what it holds (an img2img's decoded pictures) must not wait for the next command
 
-    def _run_query(self, command: _Command) -> None:
+    def _run_query(self, command: Command) -> None:
         """Run a command outside the state machine (a query, or a workflow whose stages are the
         transitions); a workflow's job ends with it, before its caller hears back."""
         try:
@@ -339,7 +327,7 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         else:
             command.future.set_exception(error)
 
-    def _run_transition(self, command: _Command) -> None:
+    def _run_transition(self, command: Command) -> None:
         before = self._state
         self._state = command.state
         started, t0 = time.time(), time.perf_counter()

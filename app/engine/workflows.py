@@ -30,7 +30,8 @@ from PIL import Image
 
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import generate, image_ops, stages, variation
+from app.engine import generate, image_ops, models, stages, variation
+from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
@@ -50,32 +51,34 @@ class _Passes:
 class Workflows:
     """The multi-stage workflows of `Engine` (see the module docstring)."""
 
-    def txt2img_hires(self, params: GenerateParams, hires: HiresParams, *,
-                      owner: str | None = None) -> list[GeneratedImage]:
+    def txt2img_hires(self, params: GenerateParams, hires: HiresParams, *, owner: str | None = None,
+                      desired: Desired | None = None) -> list[GeneratedImage]:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass. Sizes and steps are checked before anything is queued."""
-        self._require_stage("img2img", "hires fix")
+        arch = self._arch_for(desired)
+        self._require_stage(arch, "img2img", "hires fix")
         self.check_upscaler(hires.upscaler, hires=True)
-        hires.second_pass(params, self._size_multiple())
+        hires.second_pass(params, _size_multiple(arch))
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
                               lambda first, phase, job, passes, run: self._hires_run(run, hires, first, phase, job,
-                                                                                     passes))
+                                                                                     passes), desired)
 
     def img2img(self, params: GenerateParams, init_images: Sequence[Image.Image], *, denoising_strength: float = 0.75,
                 resize_mode: str | int = "just resize", mask: Image.Image | None = None, mask_blur: int = 4,
                 inpainting_fill: str | int = "original", inpainting_mask_invert: bool = False,
-                owner: str | None = None) -> list[GeneratedImage]:
+                owner: str | None = None, desired: Desired | None = None) -> list[GeneratedImage]:
         """A1111's `/sdapi/v1/img2img`: start from `init_images` (batch item i from image i mod their
         number) resized to `params`' size by `resize_mode`, denoised by `denoising_strength`; with a
         `mask` it is inpaint (white repaints; `inpainting_fill` is what the masked area starts from).
         Modes and fills take A1111's names or its indices. An inpainting checkpoint (9-channel UNet)
-        runs img2img as inpaint with the whole picture masked, as A1111 does."""
+        runs img2img as inpaint with the whole picture masked, as A1111 does. `owner` and `desired` as
+        `Engine.generate`'s."""
         source = InitImages(tuple(init_images), denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
                             inpainting_mask_invert)
         source.steps_run(params)
-        self._require_stage(source.workflow, source.workflow)
+        self._require_stage(self._arch_for(desired), source.workflow, source.workflow)
         if variation.of(params) is not None or params.refiner_checkpoint:
             raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
                              f"variation strength and the resize sizes to 0 and clear the refiner for "
@@ -84,7 +87,7 @@ class Workflows:
                   f"{source.resize_mode} x{params.batch}x{params.n_iter}")
         return self._workflow(source.workflow, detail, params, owner, source.infotext_pairs(),
                               lambda first, phase, job, passes, run: self._init_image_run(run, source, first, phase,
-                                                                                          job, passes))
+                                                                                          job, passes), desired)
 
     def inpaint(self, params: GenerateParams, init_image: Image.Image, mask: Image.Image, **options: Any
                 ) -> list[GeneratedImage]:
@@ -93,13 +96,13 @@ class Workflows:
             raise ValueError("inpaint needs a mask: paint the area to repaint, or upload a mask")
         return self.img2img(params, [init_image], mask=mask, **options)
 
-    def edit(self, params: GenerateParams, references: Sequence[Image.Image], *, owner: str | None = None
-             ) -> list[GeneratedImage]:
+    def edit(self, params: GenerateParams, references: Sequence[Image.Image], *, owner: str | None = None,
+             desired: Desired | None = None) -> list[GeneratedImage]:
         """Reference editing, for a family that `takes_reference_images` (FLUX.2 Klein): txt2img whose
         model also reads `references` (1 to `MAX_REFERENCES` pictures, each encoded by the pipeline's
         rule at up to 1024², their tokens beside the image's), so the prompt edits or combines them.
-        The infotext names how many it read."""
-        arch = self.snapshot().arch
+        The infotext names how many it read. `owner` and `desired` as `Engine.generate`'s."""
+        arch = self._arch_for(desired)
         if arch is not None and not family(arch).takes_reference_images:
             raise ValueError(f"{family(arch).label} models take no reference images: use img2img or inpaint")
         if not 1 <= len(references) <= MAX_REFERENCES:
@@ -108,7 +111,7 @@ class Workflows:
         detail = f"{params.steps} steps {params.width}x{params.height} {len(pictures)} reference(s) x{params.batch}"
         return self._workflow("edit", detail, params, owner, (("Reference images", len(pictures)),),
                               lambda first, phase, job, passes, run: self._edit_run(run, pictures, first, phase, job,
-                                                                                     passes))
+                                                                                     passes), desired)
 
     @property
     def stage_pipelines(self) -> dict[str, object]:
@@ -116,18 +119,23 @@ class Workflows:
         return self._lifecycle.stage_pipelines
 
     # ------------------------------------------------------------------ the command (worker side)
-    def _require_stage(self, kind: str, what: str) -> None:
-        """Refuse, before queueing, a workflow the loaded family has no stage pipeline for (Flux)."""
-        arch = self.snapshot().arch
+    def _arch_for(self, desired: Desired | None) -> str | None:
+        """The family a job is checked for before it is queued: that of the model its `desired` names (read
+        from the checkpoint's header when another one is loaded: the job's reconcile loads it), else the
+        loaded one's."""
+        snap = self.snapshot()
+        if desired is None or not desired.model or desired.model == snap.model:
+            return snap.arch
+        return models.planned_arch(self.settings.checkpoints_dir, desired.model)
+
+    @staticmethod
+    def _require_stage(arch: str | None, kind: str, what: str) -> None:
+        """Refuse, before queueing, a workflow the family `arch` has no stage pipeline for (Flux)."""
         if arch is not None and kind not in family(arch).stage_pipelines:
             raise ValueError(f"{what} is not available for {family(arch).label} models yet")
 
-    def _size_multiple(self) -> int:
-        arch = self.snapshot().arch
-        return generate.DEFAULT_SIZE_MULTIPLE if arch is None else family(arch).size_multiple
-
     def _workflow(self, name: str, detail: str, params: GenerateParams, owner: str | None,
-                  extra: tuple[tuple[str, object], ...], batch_run) -> list[GeneratedImage]:
+                  extra: tuple[tuple[str, object], ...], batch_run, desired: Desired | None) -> list[GeneratedImage]:
         """Queue the workflow as one command; on the worker its stages run as transitions. The first
         pass's prompt tags are applied first (`apply_loras`), so the infotext names their hashes."""
         state = EngineState
@@ -152,7 +160,7 @@ class Workflows:
                 if passes.current != self._desired.loras:
                     self._run_stage("restore_loras", f"after {name}", state.PATCHING,
                                     lambda: self._realise(self._desired, self._desired.loras))
-        return self.submit(name, detail, state.GENERATING, body, record=False, owner=owner).result()
+        return self.submit(name, detail, state.GENERATING, body, record=False, owner=owner, desired=desired).result()
 
     def _with_loras(self, prompt_params: GenerateParams, passes: _Passes) -> GenerateParams:
         """Patch the model to the desired LoRAs plus `prompt_params`' tags (if that differs from what
@@ -185,7 +193,7 @@ class Workflows:
         """One run of the hires fix: three stages. A first pass stopped by Interrupt or Skip is
         decoded and returned as it is (no second pass), as A1111 does."""
         carry, plan = self._lifecycle.carry, lambda: self._lifecycle.plan
-        second = hires.second_pass(params, self._size_multiple())
+        second = hires.second_pass(params, _size_multiple(self.snapshot().arch))
 
         def first_pass():
             stripped = self._with_loras(params, passes)
@@ -289,6 +297,10 @@ class Workflows:
 
 def _size(params: GenerateParams) -> str:
     return f"{params.batch}x{params.width}x{params.height}"
+
+
+def _size_multiple(arch: str | None) -> int:
+    return generate.DEFAULT_SIZE_MULTIPLE if arch is None else family(arch).size_multiple
 
 
 def _no_model() -> None:

@@ -18,6 +18,11 @@ comes back as an error message, never as a half-applied state.
 A generation belongs to the client that asked for it (its Gradio session): `/interrupt` and
 `/skip` stop that client's job unless `any_owner` is set, and a client that cancels its job
 (`job.cancel()`) or disconnects stops it in the engine too, dropping what it reached.
+
+Each client has its own state (`app/ui/sessions.py`): what its `/set_loras`, `/load_model`,
+`/set_dtype`, `/set_offload` and `/set_weights` chose is applied at once and remembered for it, and
+its `/generate`, `/img2img`, `/inpaint` and `/txt2img_hires` carry that whole state, so another
+client's choices never reach its images. What it never chose follows the engine.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from app.ui.common import (
     checkpoint_names,
     gallery_items,
     generate_params,
+    generation_lane,
     run_with_progress,
     snapshot_summary,
     specs_from_json,
@@ -46,10 +52,13 @@ from app.ui.workflow_api import register_workflow_api
 API_POLL_S = 0.5  # how often a running /generate looks for a cancelled client
 
 
-def _change(ctx: UiContext, action: str, call) -> dict:
-    """Run one engine change for a script: the error text goes back unescaped (no browser shows it)."""
+def _change(ctx: UiContext, action: str, call, request: gr.Request | None = None, **chosen) -> dict:
+    """Run one engine change for a script: the error text goes back unescaped (no browser shows it). Once
+    it succeeded, `chosen` is remembered as that client's state."""
     with user_errors(action, browser=False):
         run_with_progress(ctx.engine, call, None)
+    if chosen:
+        ctx.sessions.record(owner_of(request), **chosen)
     return snapshot_summary(ctx)
 
 
@@ -57,12 +66,14 @@ def _state_endpoints(ctx: UiContext) -> None:
     engine = ctx.engine
 
     @gr.api(api_name="set_loras", concurrency_id="loras")
-    def set_loras(loras: list[dict], set_aside_unfit: bool = False) -> dict:
+    def set_loras(loras: list[dict], set_aside_unfit: bool = False, request: gr.Request = None) -> dict:
         """Apply exactly this list: [{"name", "weight", "unet_weight"?, "te_weight"?}]; [] removes all. A LoRA
         that does not fit the loaded model refuses the whole list, or with `set_aside_unfit` (the page's
         way) is set aside with its reason in `lora_states` while the others apply."""
-        return _change(ctx, "set_loras",
-                       lambda: engine.set_loras(specs_from_json(loras), set_aside_unfit=bool(set_aside_unfit)))
+        with user_errors("set_loras", browser=False):
+            specs = specs_from_json(loras)
+        return _change(ctx, "set_loras", lambda: engine.set_loras(specs, set_aside_unfit=bool(set_aside_unfit)),
+                       request, loras=specs)
 
     @gr.api(api_name="set_lora_partial", concurrency_id="loras")
     def set_lora_partial(name: str, allowed: bool) -> dict:
@@ -71,19 +82,19 @@ def _state_endpoints(ctx: UiContext) -> None:
         return _change(ctx, "set_lora_partial", lambda: engine.set_lora_partial(name, bool(allowed)))
 
     @gr.api(api_name="set_offload", concurrency_id="loras")
-    def set_offload(mode: str) -> dict:
+    def set_offload(mode: str, request: gr.Request = None) -> dict:
         """Offload mode: none, model, sequential, balanced or group."""
-        return _change(ctx, "set_offload", lambda: engine.set_offload(mode))
+        return _change(ctx, "set_offload", lambda: engine.set_offload(mode), request, offload=mode)
 
     @gr.api(api_name="set_dtype", concurrency_id="loras")
-    def set_dtype(dtype: str) -> dict:
+    def set_dtype(dtype: str, request: gr.Request = None) -> dict:
         """Weights dtype: auto, fp16, bf16 or fp32 (reloads the checkpoint)."""
-        return _change(ctx, "set_dtype", lambda: engine.set_dtype(dtype))
+        return _change(ctx, "set_dtype", lambda: engine.set_dtype(dtype), request, dtype=dtype)
 
     @gr.api(api_name="set_weights", concurrency_id="loras")
-    def set_weights(weights: str) -> dict:
+    def set_weights(weights: str, request: gr.Request = None) -> dict:
         """Weight storage: full, or fp8 (large weights rest in 8 bits; reloads the checkpoint)."""
-        return _change(ctx, "set_weights", lambda: engine.set_weights(weights))
+        return _change(ctx, "set_weights", lambda: engine.set_weights(weights), request, weights=weights)
 
     @gr.api(api_name="set_model_parts", concurrency_id="loras")
     def set_model_parts(parts: dict) -> dict:
@@ -95,9 +106,10 @@ def _state_endpoints(ctx: UiContext) -> None:
         return _change(ctx, "set_model_parts", lambda: engine.set_model_parts(parts))
 
     @gr.api(api_name="load_model", concurrency_id="loras")
-    def load_model(name: str) -> dict:
-        """Load a checkpoint by the name `list_models` returns."""
-        return _change(ctx, "load_model", lambda: engine.load_model(checked_checkpoint(ctx.settings, name)))
+    def load_model(name: str, request: gr.Request = None) -> dict:
+        """Load a checkpoint by the name `list_models` returns (and keep it for this client's generations)."""
+        return _change(ctx, "load_model", lambda: engine.load_model(checked_checkpoint(ctx.settings, name)), request,
+                       model=name)
 
     @gr.api(api_name="unload", concurrency_id="loras")
     def unload() -> dict:
@@ -179,7 +191,9 @@ def _generate_endpoint(ctx: UiContext) -> None:
         with user_errors("generate", browser=False):
             params, notes = generate_params(ctx, prompt, negative_prompt, sampler, steps, cfg, seed, width, height,
                                             batch, n_iter, clip_skip)
-        job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner), owner_of(request))
+        owner = owner_of(request)
+        desired = ctx.desired_for(owner)
+        job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner, desired=desired), owner)
         with contextlib.closing(job.follow(progress, API_POLL_S)) as snapshots:
             for _snap in snapshots:
                 yield gr.skip(), gr.skip(), gr.skip()
@@ -189,8 +203,9 @@ def _generate_endpoint(ctx: UiContext) -> None:
                     "complete": im.complete, "stopped_at": im.stopped_at, "notes": list(notes)} for im in images]
         yield gallery_items(images), images[0].infotext if images else "", details
 
-    trigger.click(generate, inputs, outputs, api_name="generate", concurrency_id="loras",
-                  api_description="Generate with the engine's current LoRAs plus any <lora:name:w> prompt tags; "
+    trigger.click(generate, inputs, outputs, api_name="generate", **generation_lane(ctx),
+                  api_description="Generate with this client's state (what its set_* calls chose, else the "
+                                  "engine's) plus any <lora:name:w> prompt tags; "
                                   "n_iter runs (A1111's batch count) of `batch` images each; A1111's emphasis "
                                   "syntax and BREAK; clip_skip 1-12. Returns (images, "
                                   "infotext of the first image, [{seed, infotext, file, complete, stopped_at, "

@@ -51,7 +51,7 @@ def build_app(ctx: UiContext) -> gr.Blocks:
             with gr.Tab("Generate", id="generate") as generate_tab:
                 tab = build_generate_tab(ctx)
             with gr.Tab("img2img", id="img2img") as img2img_tab:
-                i2i = build_img2img_tab(ctx)
+                i2i = build_img2img_tab(ctx, tab.state_inputs)
                 sends = senders(tab, i2i, tabs)
             with gr.Tab("Extras", id="extras") as extras_tab:
                 extras = build_extras_tab(ctx)
@@ -65,9 +65,9 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         stops = [*tab.stops.buttons, *i2i.stops.buttons]
 
         def tick(request: gr.Request) -> list:
-            """The status line, and every tab's Interrupt and Skip live while this page's job runs."""
+            """Every engine's status line, and every tab's Interrupt and Skip live while this page's job runs."""
             running = ctx.engine.runs_for(owner_of(request))
-            return [views.status_html(ctx.engine.snapshot()), *stop_buttons(running) * 2]
+            return [views.engines_html(ctx.engine.snapshots()), *stop_buttons(running) * 2]
 
         ticker.tick(tick, None, [status, *stops], api_visibility="private", show_progress="hidden")
         refresh_diagnostics = dict(fn=lambda *filters: refresh(ctx, *filters), inputs=diag.refresh_inputs,
@@ -82,5 +82,5 @@ def build_app(ctx: UiContext) -> gr.Blocks:
             other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)
         wire_cancel_on_leave(ctx, demo)
-        demo.load(lambda: views.status_html(ctx.engine.snapshot()), None, status, api_visibility="private")
+        demo.load(lambda: views.engines_html(ctx.engine.snapshots()), None, status, api_visibility="private")
     return demo

@@ -31,9 +31,11 @@ from app.safetensors_files import file_sha256
 from app.settings import Settings
 from app.styles import apply_styles
 from app.ui.lora_cards import CardCache
+from app.ui.sessions import SessionStates
 
 log = logging.getLogger(__name__)
 POLL_S = 0.15
+JOBS_PER_ENGINE = 4  # generations Gradio lets through at once per engine: the engine groups those waiting
 MAX_LORAS = 8  # slots on the Generate tab; the API takes any number
 # Gradio finds a progress tracker by a parameter *default* that is a `gr.Progress`, and only among
 # positional parameters; handlers with `*values` therefore put `progress=PROGRESS` first.
@@ -63,9 +65,9 @@ class FileHashes:
 
 @dataclass
 class UiContext:
-    """The engine plus what the UI keeps beside it: log capture for reports, secrets to redact, file
-    caches, when the session started (the History tab's "this session") and start-up notes (why the
-    first checkpoint was not the one loaded)."""
+    """The engine (or an `EnginePool`) plus what the UI keeps beside it: log capture for reports, secrets
+    to redact, file caches, when the session started (the History tab's "this session"), start-up notes
+    (why the first checkpoint was not the one loaded) and each session's own desired state."""
 
     engine: Engine
     settings: Settings
@@ -75,6 +77,11 @@ class UiContext:
     hashes: FileHashes = field(default_factory=FileHashes)
     started: float = field(default_factory=time.time)
     startup_notes: list[str] = field(default_factory=list)
+    sessions: SessionStates = field(default_factory=SessionStates)
+
+    def desired_for(self, owner: str):
+        """The whole state `owner`'s next generation carries (`app/ui/sessions.py`)."""
+        return self.sessions.desired(owner, self.engine.snapshot().desired)
 
 
 class EngineCallError(Exception):
@@ -144,6 +151,12 @@ def run_with_progress(engine: Engine, call: Callable[[], Any], progress: gr.Prog
     while not running.wait(POLL_S):
         report_progress(engine.snapshot(), progress)
     return running.result()
+
+
+def generation_lane(ctx: UiContext) -> dict:
+    """Event arguments of the lane every generation shares: several at once, so each engine has jobs
+    waiting to group by the state they carry (each carries its own, so their order cannot mix them)."""
+    return dict(concurrency_id="generate", concurrency_limit=JOBS_PER_ENGINE * len(ctx.engine.snapshots()))
 
 
 def checkpoint_names(settings: Settings) -> list[str]:

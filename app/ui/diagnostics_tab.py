@@ -34,10 +34,13 @@ class DiagnosticsTab:
     refresh_inputs: list
 
 
-def refresh(ctx: UiContext, component: str, text: str, only_violations: bool, only_patched: bool) -> list:
-    """Everything the tab shows, from one snapshot (so the tables agree with each other)."""
+def refresh(ctx: UiContext, engine: int | None, component: str, text: str, only_violations: bool,
+            only_patched: bool) -> list:
+    """Everything the tab shows, from one snapshot of the chosen `engine` (its index with `--devices`; each
+    engine has its own plan, verify and history), so the tables agree with each other."""
     ctx.engine.timeline.sample()
-    snap = ctx.engine.snapshot()
+    snaps = ctx.engine.snapshots()
+    snap = snaps[engine if engine is not None and 0 <= engine < len(snaps) else 0]
     rows, matching = views.module_rows(snap, component, text, only_violations, only_patched)
     gpu, gpu_note = views.gpu_rows(diagnostics.gpu_stats())
     memory = diagnostics.process_memory()
@@ -127,6 +130,9 @@ def export_bug_report(ctx: UiContext) -> tuple[str, str]:
 def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
     """Lay out the tab; every display is an output of one `refresh` so a tick is a single snapshot."""
     _debug_toggles(ctx)
+    snaps = ctx.engine.snapshots()
+    which = gr.Dropdown([(f"engine {i} · {snap.device}", i) for i, snap in enumerate(snaps)], value=0,
+                        label="Engine", visible=len(snaps) > 1, elem_id="sd-diag-engine")
     state = gr.HTML(elem_id="sd-diag-state")
     history = _table(views.HISTORY_HEADERS, "sd-history", "Engine history (newest first)", 260,
                      ["9%", "11%", "31%", "11%", "9%", "17%", "12%"])
@@ -150,12 +156,12 @@ def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
     error = gr.Code(label="Last error (with traceback)", language=None, lines=8, elem_id="sd-last-error")
     outputs = [state, history, summary, component, loras, modules, modules_note, gpu, gpu_note, timers, timeline,
                error]
-    inputs = [component, text, only_bad, only_patched]
+    inputs = [which, component, text, only_bad, only_patched]
     timer = gr.Timer(REFRESH_S, active=False)
     tick = dict(fn=lambda *a: refresh(ctx, *a), inputs=inputs, outputs=outputs, api_visibility="private",
                 show_progress="hidden")
     timer.tick(**tick)
-    for control in (component, only_bad, only_patched):
+    for control in (which, component, only_bad, only_patched):
         control.input(**tick)
     text.submit(**tick)
     return DiagnosticsTab(timer, outputs, inputs)

@@ -10,6 +10,9 @@ closed, reload) or whose API client cancelled, and that close interrupts the job
 
 A job belongs to Gradio's session hash (one per page load, one per `gradio_client.Client`):
 Interrupt, Skip and a closed tab stop only what that session started, never another user's job.
+It carries that session's whole state (the page's panel: checkpoint, dtype, offload, weight
+storage, LoRA cards; `panel_desired`), which the engine reconciles to before it runs; while
+another session's job runs, the run button says it waits and no other session's preview shows.
 Each tab has its own Interrupt and Skip, live while any job of the page runs (the status line's
 timer keeps them so: an img2img started on its tab can be stopped from the Generate tab too).
 The Interrupt button keeps the partial images (A1111's way) unless "drop partial result" is
@@ -29,6 +32,7 @@ from typing import Any
 import gradio as gr
 from PIL import Image
 
+from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import Snapshot
 from app.engine.worker import Engine
@@ -37,13 +41,16 @@ from app.ui.common import (
     PROGRESS,
     EngineCall,
     UiContext,
+    checked_checkpoint,
     gallery_items,
     generate_params,
+    generation_lane,
     report_progress,
     user_errors,
 )
 from app.ui.hires_fields import hires_from_form
-from app.ui.lora_panel import LORA_QUEUE, LoraSlots, panel_unchanged, panel_view, selected_specs, sync_selection
+from app.ui.lora_panel import LoraSlots, panel_unchanged, panel_view, selected_specs, sync_selection
+from app.ui.sessions import checked
 
 log = logging.getLogger(__name__)
 GALLERY_LABEL = "Images"
@@ -57,8 +64,8 @@ def owner_of(request: gr.Request | None) -> str:
 
 
 class Generation:
-    """An engine generation (`call(owner)`: txt2img, img2img, inpaint, hires fix) for one owner on a
-    helper thread, followed snapshot by snapshot."""
+    """An engine generation (`call(owner)`: txt2img, img2img, inpaint, hires fix, with the state it carries)
+    for one owner on a helper thread, followed snapshot by snapshot."""
 
     def __init__(self, engine: Engine, call: Callable[[str], list[GeneratedImage]], owner: str) -> None:
         self.engine, self.owner = engine, owner
@@ -72,7 +79,7 @@ class Generation:
         finished = False
         try:
             while True:
-                snap = self.engine.snapshot()
+                snap = self.snapshot()
                 report_progress(snap, progress)
                 yield snap
                 if self._call.wait(every):
@@ -81,6 +88,15 @@ class Generation:
         finally:
             if not finished:
                 self._abandon()
+
+    def snapshot(self) -> Snapshot:
+        """The snapshot of the engine running this owner's job (with `--devices`, any of them), else the first's."""
+        snaps = self.engine.snapshots()
+        return next((s for s in snaps if self.runs_in(s)), snaps[0])
+
+    def runs_in(self, snap: Snapshot) -> bool:
+        """Whether `snap` shows this owner's job running (never another session's latents or step)."""
+        return snap.generating and snap.held_for == self.owner
 
     def _abandon(self) -> None:
         """Drop this owner's job: off the engine's queue if it still waits, stopped if it runs."""
@@ -118,12 +134,16 @@ def stop_buttons(running: bool) -> list:
             gr.Button(interactive=running)]
 
 
-def run_buttons(snap: Snapshot | None, label: str) -> list:
-    """The run button busy (its step and the engine's queue on it) with Interrupt and Skip live; or all idle."""
+def run_buttons(snap: Snapshot | None, label: str, mine: bool = True) -> list:
+    """The run button busy (its step and the engine's queue on it) with Interrupt and Skip live; or
+    "Waiting for the engine…" while another session's job runs (not `mine`: nothing of this page to
+    stop yet); or all idle."""
     if snap is None:
         return [gr.Button(label, interactive=True), *stop_buttons(False)]
-    step = f" {snap.progress.step}/{snap.progress.total}" if snap.progress and snap.progress.total else ""
     waiting = f" · {snap.queued} waiting in the engine" if snap.queued else ""
+    if snap.generating and not mine:
+        return [gr.Button(f"Waiting for the engine…{waiting}", interactive=False), *stop_buttons(False)]
+    step = f" {snap.progress.step}/{snap.progress.total}" if snap.progress and snap.progress.total else ""
     return [gr.Button(f"Generating…{step}{waiting}", interactive=False), *stop_buttons(True)]
 
 
@@ -137,15 +157,15 @@ def _preview(snap: Snapshot, size: tuple[int, int]) -> gr.Gallery:
 
 def stream_job(job: Generation, size: tuple[int, int], action: str, frame: Callable[[Any, Snapshot | None], list],
                last: list) -> Generator[list, None, list[GeneratedImage]]:
-    """Follow `job`, yielding `frame(gallery, snap)` (a fresh live preview, else `gr.skip()`) until it
-    returns its images; `frame(…, None)` is the idle frame. A failure is one toast and leaves the
-    gallery as it was: the `last` result comes back where a preview had replaced it. No progress bar
-    while denoising: Gradio draws it over the gallery, which would hide the previews; the step shows
-    on the run button and in the status line instead."""
+    """Follow `job`, yielding `frame(gallery, snap)` (a fresh live preview of this job, never another
+    session's, else `gr.skip()`) until it returns its images; `frame(…, None)` is the idle frame. A
+    failure is one toast and leaves the gallery as it was: the `last` result comes back where a preview
+    had replaced it. No progress bar while denoising: Gradio draws it over the gallery, which would hide
+    the previews; the step shows on the run button and in the status line instead."""
     shown = None
     with contextlib.closing(job.follow(None)) as snapshots:
         for snap in snapshots:
-            preview = snap.progress.preview if snap.progress else None
+            preview = snap.progress.preview if snap.progress and job.runs_in(snap) else None
             fresh = preview is not None and preview is not shown
             shown = preview if fresh else shown
             yield frame(_preview(snap, size) if fresh else gr.skip(), snap)
@@ -176,21 +196,24 @@ def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
 
 
 def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hires_values: tuple, infos: list,
-              slot_names: list, values: tuple):
+              state: tuple):
     """Check the settings, hand the engine the LoRA selection if it differs from its wanted list, then
-    generate (with the hires fix when ticked), streaming previews; the size fields then show the size
-    used, with the notes. `infos`: the last result's (its gallery comes back after a failure)."""
+    generate (with the hires fix when ticked) with this tab's whole state (`state`: the values of
+    `GenerateTab.state_inputs`), streaming previews; the size fields then show the size used, with the
+    notes. `infos`: the last result's (its gallery comes back after a failure)."""
+    slot_names = state[4]
     with user_errors("Generation"):
         params, notes = generate_params(ctx, *settings)
         hires = hires_from_form(*hires_values)
-        sync_selection(ctx, selected_specs(list(slot_names), values), progress)
-    job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner, hires=hires),
+        desired = desired_from_panel(ctx, state)
+        sync_selection(ctx, desired.loras, progress)
+    job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner, hires=hires, desired=desired),
                      owner_of(request))
     keep = [gr.skip()] * 6
 
     def frame(gallery, snap):
         view = panel_unchanged() if snap is not None else panel_view(ctx, list(slot_names))
-        return [gallery, *keep, *run_buttons(snap, "Generate"), *view]
+        return [gallery, *keep, *run_buttons(snap, "Generate", snap is not None and job.runs_in(snap)), *view]
 
     last = [info["item"] for info in infos or [] if "item" in info]
     images = yield from stream_job(job, (params.width, params.height), "Generation", frame, last)
@@ -200,6 +223,22 @@ def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hi
     first = infos[0] if infos else {"seed": None, "infotext": ""}
     yield [result_gallery(images, params.steps), first["infotext"], infos, first["seed"], params.width,
            params.height, note, *run_buttons(None, "Generate"), *panel_view(ctx, list(slot_names))]
+
+
+def panel_desired(ctx: UiContext, model, dtype, offload, weights, specs) -> Desired:
+    """The tab's whole state from its panel (checkpoint, dtype, offload, weight storage, the LoRA cards);
+    a field the page has no value for yet follows what the engine holds."""
+    held = ctx.engine.snapshot().desired
+    return checked(held.replace(model=checked_checkpoint(ctx.settings, model) if model else held.model,
+                                dtype=dtype or held.dtype, offload=offload or held.offload,
+                                weights=weights or held.weights, loras=tuple(specs)))
+
+
+def desired_from_panel(ctx: UiContext, values) -> Desired:
+    """`panel_desired` from the values of `GenerateTab.state_inputs`: checkpoint, dtype, offload, weight
+    storage, the LoRA slots' names and their sliders."""
+    model, dtype, offload, weights, slot_names, *sliders = values
+    return panel_desired(ctx, model, dtype, offload, weights, selected_specs(list(slot_names), tuple(sliders)))
 
 
 def wire_stop(ctx: UiContext, stops: StopControls) -> None:
@@ -220,21 +259,20 @@ def wire_stop(ctx: UiContext, stops: StopControls) -> None:
     stops.skip.click(ui_skip, None, None, **stop)
 
 
-def wire_generate(ctx: UiContext, go: gr.Button, stops: StopControls, fields: tuple[list, list], slots: LoraSlots,
-                  results: list) -> None:
-    """Generate (in the LoRA lane, after any LoRA change the user made) and its Interrupt and Skip.
-    `fields`: the settings and the hires fix's fields; `results`: gallery, infotext, the images' infos,
-    the chosen seed, width, height and the settings note."""
-    settings, hires = fields
+def wire_generate(ctx: UiContext, go: gr.Button, stops: StopControls, fields: tuple[list, list, list],
+                  slots: LoraSlots, results: list) -> None:
+    """Generate (in the generation lane) and its Interrupt and Skip. `fields`: the settings, the hires
+    fix's fields and the tab's state (`GenerateTab.state_inputs`); `results`: gallery, infotext, the
+    images' infos, the chosen seed, width, height and the settings note."""
+    settings, hires, state = fields
     split = (len(settings), len(settings) + len(hires))
 
     def ui_generate(request: gr.Request, progress=PROGRESS, *args):
-        infos, slot_names, *values = args[split[1]:]
-        yield from _generate(ctx, request, progress, args[:split[0]], args[split[0]:split[1]], infos, slot_names,
-                             tuple(values))
+        infos, *values = args[split[1]:]
+        yield from _generate(ctx, request, progress, args[:split[0]], args[split[0]:split[1]], infos, tuple(values))
 
-    go.click(ui_generate, [*settings, *hires, results[2], slots.slot_names, *slots.sliders],
-             [*results, go, *stops.buttons, *slots.view], api_visibility="private", concurrency_id=LORA_QUEUE,
+    go.click(ui_generate, [*settings, *hires, results[2], *state],
+             [*results, go, *stops.buttons, *slots.view], api_visibility="private", **generation_lane(ctx),
              show_progress_on=[results[0]])
     wire_stop(ctx, stops)
 
@@ -243,6 +281,7 @@ def wire_cancel_on_leave(ctx: UiContext, demo: gr.Blocks) -> None:
     """A page that closes or reloads stops (and drops) what it was generating."""
     def leave(request: gr.Request) -> None:
         owner = owner_of(request)
+        ctx.sessions.forget(owner)
         if ctx.engine.cancel_queued(owner) or ctx.engine.interrupt(keep_partial=False, owner=owner):
             log.info("generation of session %s dropped: its page closed", owner)
 

@@ -63,6 +63,13 @@ class GenerateTab:
     stops: StopControls
 
     @property
+    def state_inputs(self) -> list:
+        """The page's own state every generation on it carries (`desired_from_panel` reads them): checkpoint,
+        dtype, offload, weight storage, the LoRA cards."""
+        return [self.model, self.dtype, self.offload, self.options.weights, self.loras.slot_names,
+                *self.loras.sliders]
+
+    @property
     def settings(self) -> list:
         """The fields a generation reads, in `generate_params` order."""
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
@@ -194,7 +201,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
     # Progress and a failure's "Error" mark go on the gallery only; the message itself is one toast.
-    wire_generate(ctx, go, stops, (tab.settings, hires.inputs), loras,
+    wire_generate(ctx, go, stops, (tab.settings, hires.inputs, tab.state_inputs), loras,
                   [gallery, infotext, infos, chosen_seed, width, height, note])
     gallery.select(_select_image, [infos], [infotext, chosen_seed], api_visibility="private")
     for field, box in (("width", width), ("height", height)):

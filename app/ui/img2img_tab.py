@@ -4,7 +4,8 @@ the engine as one transition per stage (see Diagnostics → History), with the l
 Interrupt and Skip of the Generate tab (`generate_run.stream_job`).
 
 The tab only draws: numbers are checked by the engine's rule sets (the same as the API's,
-`app.ui.workflow_api`), LoRAs are the engine's current ones plus any `<lora:…>` prompt tags.
+`app.ui.workflow_api`). Each run carries the page's own state (the Generate tab's checkpoint,
+dtype, offload, weight storage and LoRA cards) plus any `<lora:…>` prompt tags.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from app.ui.generate_run import (
     Generation,
     StopControls,
     build_stop_controls,
+    desired_from_panel,
     owner_of,
     result_gallery,
     run_buttons,
@@ -47,15 +49,16 @@ class _Outputs:
         return [self.gallery, self.infotext, self.last, go, *self.stops.buttons]
 
 
-def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepare, last: list):
-    """Run the checked job `prepare()` returns (params, call(owner), notes) as this page's, streaming
-    previews into the gallery and the step on the run button, as Generate does."""
+def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepare, last: list, page: tuple):
+    """Run the checked job `prepare(desired)` returns (params, call(owner), notes) as this page's, with
+    the page's state (`page`: the values of the Generate tab's `state_inputs`), streaming previews into
+    the gallery and the step on the run button, as Generate does."""
     with user_errors(action):
-        params, call, _notes = prepare()
+        params, call, _notes = prepare(desired_from_panel(ctx, page))
     job = Generation(ctx.engine, call, owner_of(request))
 
     def frame(gallery, snap) -> list:
-        return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label)]
+        return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label, snap is not None and job.runs_in(snap))]
 
     images = yield from stream_job(job, (params.width, params.height), action, frame, last)
     yield [result_gallery(images, params.steps), images[0].infotext if images else "", gallery_items(images),
@@ -110,7 +113,7 @@ def family_sampler(ctx: UiContext, current: str):
     return gr.Dropdown(choices=list(fam.samplers), value=current if current in fam.samplers else fam.default_sampler)
 
 
-def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> tuple[gr.Image, gr.Number]:
+def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> tuple[gr.Image, gr.Number]:
     image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300)
     with gr.Row():
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode", elem_id="sd-i2i-resize")
@@ -118,16 +121,16 @@ def _img2img_panel(ctx: UiContext, base: list, out: _Outputs) -> tuple[gr.Image,
     go = gr.Button(RUN_IMG2IMG, variant="primary", elem_id="sd-i2i-run")
 
     def img2img(request: gr.Request, last, *values):
-        init, strength_v, resize_v = values[9:]
-        yield from _stream(ctx, request, "img2img", RUN_IMG2IMG,
-                           lambda: img2img_job(ctx, list(values[:9]), init, strength_v, resize_v), last)
+        init, strength_v, resize_v = values[9:12]
+        yield from _stream(ctx, request, "img2img", RUN_IMG2IMG, lambda desired: img2img_job(
+            ctx, list(values[:9]), init, strength_v, resize_v, desired=desired), last, values[12:])
 
-    go.click(img2img, [out.last, *base, image, strength, resize], out.run_outputs(go), api_visibility="private",
-             concurrency_id=QUEUE, show_progress_on=[out.gallery])
+    go.click(img2img, [out.last, *base, image, strength, resize, *page], out.run_outputs(go),
+             api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
     return image, strength
 
 
-def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
+def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> None:
     editor = gr.ImageEditor(type="pil", label="Image and mask (paint the area to repaint)", elem_id="sd-inpaint-editor",
                             brush=gr.Brush(colors=["#ffffff"], color_mode="fixed", default_size=12),
                             height=360, layers=False, transforms=(), format="png")  # lossless: the pixels outside
@@ -143,18 +146,20 @@ def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode")
     go = gr.Button(RUN_INPAINT, variant="primary", elem_id="sd-inpaint-run")
 
-    def prepare(base_values, edited, upload, strength_v, resize_v, blur_v, fill_v, invert_v):
+    def prepare(desired, base_values, edited, upload, strength_v, resize_v, blur_v, fill_v, invert_v):
         image, painted = editor_mask(edited)
         mask = upload if upload is not None else painted
         if image is not None and mask is None:
             raise ValueError("paint the area to repaint, or upload a mask")
-        return img2img_job(ctx, base_values, image, strength_v, resize_v, mask, blur_v, fill_v, invert_v)
+        return img2img_job(ctx, base_values, image, strength_v, resize_v, mask, blur_v, fill_v, invert_v,
+                           desired=desired)
 
     def inpaint(request: gr.Request, last, *values):
-        yield from _stream(ctx, request, "inpaint", RUN_INPAINT, lambda: prepare(list(values[:9]), *values[9:]), last)
+        yield from _stream(ctx, request, "inpaint", RUN_INPAINT,
+                           lambda desired: prepare(desired, list(values[:9]), *values[9:16]), last, values[16:])
 
-    go.click(inpaint, [out.last, *base, editor, uploaded, strength, resize, blur, fill, invert], out.run_outputs(go),
-             api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
+    go.click(inpaint, [out.last, *base, editor, uploaded, strength, resize, blur, fill, invert, *page],
+             out.run_outputs(go), api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
 def _takes_references(ctx: UiContext) -> bool:
@@ -162,7 +167,7 @@ def _takes_references(ctx: UiContext) -> bool:
     return arch is not None and family(arch).takes_reference_images
 
 
-def _reference_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
+def _reference_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> None:
     """Reference editing: one to four pictures the model edits from or combines (FLUX.2 Klein), at the
     settings' size; no denoising strength, nothing is masked."""
     pictures = gr.Gallery(type="pil", label="Reference images (1-4)", interactive=True, columns=4, height=240,
@@ -170,16 +175,19 @@ def _reference_panel(ctx: UiContext, base: list, out: _Outputs) -> None:
     go = gr.Button(RUN_EDIT, variant="primary", elem_id="sd-i2i-edit-run")
 
     def edit(request: gr.Request, last, *values):
-        yield from _stream(ctx, request, "edit", RUN_EDIT, lambda: edit_job(ctx, list(values[:9]), values[9]), last)
+        yield from _stream(ctx, request, "edit", RUN_EDIT,
+                           lambda desired: edit_job(ctx, list(values[:9]), values[9], desired=desired), last,
+                           values[10:])
 
-    go.click(edit, [out.last, *base, pictures], out.run_outputs(go), api_visibility="private",
+    go.click(edit, [out.last, *base, pictures, *page], out.run_outputs(go), api_visibility="private",
              concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
-def build_img2img_tab(ctx: UiContext) -> Img2ImgTab:
+def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
     """Lay out the tab: shared settings on the left, one sub-tab per workflow, the results on the right
     (built first, unrendered, so every panel's button can write to them) under Interrupt and Skip.
-    The hires fix is the Generate tab's checkbox, as in A1111."""
+    The hires fix is the Generate tab's checkbox, as in A1111. `page`: the Generate tab's
+    `state_inputs`, the state every run carries."""
     with gr.Row():
         with gr.Column(scale=2, render=False) as results:
             stops = build_stop_controls("sd-i2i")
@@ -192,12 +200,12 @@ def build_img2img_tab(ctx: UiContext) -> Img2ImgTab:
             note = gr.Markdown(elem_id="sd-i2i-note")  # what "send to img2img" filled in, or could not
             with gr.Tabs() as panels:
                 with gr.Tab("img2img", id="i2i-img2img"):
-                    image, strength = _img2img_panel(ctx, base, out)
+                    image, strength = _img2img_panel(ctx, base, out, page)
                 with gr.Tab("Inpaint", id="i2i-inpaint"):
-                    _inpaint_panel(ctx, base, out)
+                    _inpaint_panel(ctx, base, out, page)
                 # shown for a model that takes reference images, checked at page load and on every panel choice
                 with gr.Tab("Reference images", id="i2i-reference", visible=_takes_references(ctx)) as references:
-                    _reference_panel(ctx, base, out)
+                    _reference_panel(ctx, base, out, page)
         results.render()
     gr.on([panels.select], lambda: gr.Tab(visible=_takes_references(ctx)), None, references,
           api_visibility="private")

@@ -31,6 +31,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.a1111 import GATED_PREFIXES, api_gate, body_limits, install_api
 from app.diagnostics import RecentLogHandler
+from app.engine.pool import make_engine
 from app.engine.worker import Engine
 from app.settings import Settings
 from app.ui.app import build_app, launch_kwargs
@@ -228,7 +229,7 @@ def serve(settings: Settings, initial_model: str | None = None, create_demo: boo
     log_capture = install_log_capture()
     if create_demo:
         _ensure_demo(settings)
-    engine = Engine(settings)
+    engine = make_engine(settings)  # one per --devices entry behind a dispatcher, else one
     names = checkpoint_names(settings)
     policy = auth_policy(settings)
     ctx = UiContext(engine, settings, log_capture.lines, tuple(p for _u, p in policy.credentials))

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 from app.engine.snapshot import Snapshot
+from app.ui.sessions import API_OWNER
 
 HISTORY_HEADERS = ["time", "command", "detail", "state", "duration s", "outcome", "violations found/repaired"]
 SUMMARY_HEADERS = ["component", "modules", "params", "MiB", "devices", "dtypes", "LoRA-patched", "offload",
@@ -62,10 +63,24 @@ def applied_in_part_html(snap: Snapshot) -> list[str]:
     return out
 
 
-def status_html(snap: Snapshot) -> str:
-    """The always-visible engine line: state pill, progress and queue, model, placement policy, LoRAs
-    (applied, those applied without some of their tensors, then those set aside or disabled with the
-    reason), violations."""
+def holder_text(owner: str | None) -> str:
+    """Who asked for what an engine holds: a Gradio session (shortened), the A1111 API, or a direct change."""
+    if owner is None:
+        return "set directly"
+    return "for the A1111 API" if owner == API_OWNER else f"for session {owner[:8]}"
+
+
+def engines_html(snaps: tuple[Snapshot, ...]) -> str:
+    """The status line of every engine (one per device with `--devices`), numbered when there are several."""
+    if len(snaps) == 1:
+        return status_html(snaps[0])
+    return "".join(status_html(snap, index) for index, snap in enumerate(snaps))
+
+
+def status_html(snap: Snapshot, index: int | None = None) -> str:
+    """The always-visible engine line: state pill, progress and queue, model, placement policy, whose job
+    the engine holds that state for, LoRAs (applied, those applied without some of their tensors, then
+    those set aside or disabled with the reason), violations. `index`: the engine's number in a pool."""
     state = snap.state
     css = {"ERROR": "error", "EMPTY": "empty"}.get(state, "busy" if state in _BUSY_STATES else "idle")
     progress = ""
@@ -75,9 +90,10 @@ def status_html(snap: Snapshot) -> str:
         progress += f" · {snap.queued} waiting"
     model = html.escape(snap.model or "no model loaded")
     parts = [
-        f"<span class='sd-state sd-{css}'>{state}</span>{progress}",
+        ("" if index is None else f"engine {index} ") + f"<span class='sd-state sd-{css}'>{state}</span>{progress}",
         f"model <b>{model}</b>" + (f" ({snap.arch})" if snap.arch else ""),
-        f"{snap.device} · {snap.dtype or snap.requested_dtype} · offload {snap.offload}",
+        f"{snap.device} · {snap.dtype or snap.requested_dtype} · offload {snap.offload}"
+        + (f" · {html.escape(holder_text(snap.held_for))}" if snap.model else ""),
         f"LoRAs {html.escape(loras_text(snap))}" + (f" ({snap.lora_mode})" if snap.loras else ""),
         *applied_in_part_html(snap),
         *not_applied_html(snap),
@@ -90,7 +106,8 @@ def status_html(snap: Snapshot) -> str:
     if snap.last_error is not None and (snap.state == "ERROR" or (snap.state == "EMPTY" and failed_last)):
         parts.append(f"<span class='sd-bad'>{html.escape(snap.last_error.command)}: "
                      f"{html.escape(snap.last_error.message)}</span>")
-    return "<div class='sd-status' id='sd-status'>" + " · ".join(parts) + "</div>"
+    elem_id = "sd-status" if not index else f"sd-status-{index}"
+    return f"<div class='sd-status' id='{elem_id}'>" + " · ".join(parts) + "</div>"
 
 
 def history_rows(snap: Snapshot, limit: int = 25) -> list[list]:

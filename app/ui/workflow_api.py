@@ -4,7 +4,8 @@ Numbers go through the one rule set (`generate.LIMITS` via `params_from_form`, t
 fields via `stage_params.STAGE_LIMITS`), every refusal of one request in one message. The named
 endpoints (`/img2img`, `/inpaint`, `/txt2img_hires`) take plain values and images, as `/generate`
 does, so `gradio_client` scripts can call them (and stop them with `/interrupt` and `/skip`: a job
-is its client's); they are events on hidden components because they return files.
+is its client's); they are events on hidden components because they return files. A named
+endpoint's job carries its client's state (`app/ui/sessions.py`), a tab's run its page's.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from collections.abc import Callable
 
 import gradio as gr
 
+from app.engine.desired import Desired
 from app.engine.generate import SCHEDULERS, GenerateParams, params_from_form
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, stage_values
-from app.ui.common import PROGRESS, UiContext, gallery_items, run_with_progress, user_errors
+from app.ui.common import PROGRESS, UiContext, gallery_items, generation_lane, run_with_progress, user_errors
 from app.ui.generate_run import owner_of
 from app.ui.hires_fields import hires_params
 
@@ -46,9 +48,11 @@ def _answer(images, notes) -> tuple:
 
 
 def img2img_job(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
-                inpainting_fill="original", invert=False) -> tuple[GenerateParams, Callable, tuple]:
-    """img2img (no mask) or inpaint, checked: (request, `call(owner)` running it on the engine, rounding
-    notes). Every refusal is a ValueError before anything is queued."""
+                inpainting_fill="original", invert=False, desired: Desired | None = None
+                ) -> tuple[GenerateParams, Callable, tuple]:
+    """img2img (no mask) or inpaint, checked: (request, `call(owner)` running it on the engine with the
+    state `desired` (None: as the engine holds it), rounding notes). Every refusal is a ValueError
+    before anything is queued."""
     if init_image is None:
         raise ValueError("upload an init image first")
     values = {**dict(zip(BASE_FIELDS, base, strict=True)), "denoising_strength": denoising_strength,
@@ -58,41 +62,52 @@ def img2img_job(ctx: UiContext, base: list, init_image, denoising_strength, resi
     def call(owner: str | None) -> list:
         return ctx.engine.img2img(params, [init_image], denoising_strength=stage["denoising_strength"],
                                   resize_mode=resize_mode, mask=mask, mask_blur=stage["mask_blur"],
-                                  inpainting_fill=inpainting_fill, inpainting_mask_invert=bool(invert), owner=owner)
+                                  inpainting_fill=inpainting_fill, inpainting_mask_invert=bool(invert), owner=owner,
+                                  desired=desired)
     return params, call, notes
 
 
-def edit_job(ctx: UiContext, base: list, references: list) -> tuple[GenerateParams, Callable, tuple]:
+def edit_job(ctx: UiContext, base: list, references: list, desired: Desired | None = None
+             ) -> tuple[GenerateParams, Callable, tuple]:
     """Reference editing (a family that takes reference images: FLUX.2 Klein), checked: (request,
-    `call(owner)`, rounding notes). The engine refuses a model that takes none, naming it."""
+    `call(owner)` with the state `desired`, rounding notes). The engine refuses a model that takes
+    none, naming it."""
     pictures = [item[0] if isinstance(item, (tuple, list)) else item for item in references or ()]
     if not pictures:
         raise ValueError("add one to four reference images first")
     params, _stage, notes = checked(ctx, dict(zip(BASE_FIELDS, base, strict=True)), ())
-    return params, lambda owner: ctx.engine.edit(params, pictures, owner=owner), notes
+    return params, lambda owner: ctx.engine.edit(params, pictures, owner=owner, desired=desired), notes
 
 
 def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
                 inpainting_fill="original", invert=False, progress=None, owner: str | None = None) -> tuple:
-    """img2img (no mask) or inpaint for the named API; returns (gallery items, first infotext, details)."""
+    """img2img (no mask) or inpaint for the named API, with `owner`'s state; returns (gallery items, first
+    infotext, details)."""
     with user_errors("img2img" if mask is None else "inpaint", browser=False):
         _params, call, notes = img2img_job(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur,
-                                           inpainting_fill, invert)
+                                           inpainting_fill, invert, _client_state(ctx, owner))
         images = run_with_progress(ctx.engine, lambda: call(owner), progress)
     return _answer(images, notes)
 
 
 def run_hires(ctx: UiContext, base: list, scale, upscaler, steps, denoising_strength, sampler, prompt, negative,
               progress=None, owner: str | None = None) -> tuple:
-    """txt2img with hires fix for the named API; returns (gallery items, first infotext, details)."""
+    """txt2img with hires fix for the named API, with `owner`'s state; returns (gallery items, first infotext,
+    details)."""
     with user_errors("Hires fix", browser=False):
         values = {**dict(zip(BASE_FIELDS, base, strict=True)), "hires_scale": scale, "hires_steps": steps,
                   "denoising_strength": denoising_strength}
         params, stage, notes = checked(ctx, values, ("hires_scale", "hires_steps", "denoising_strength"))
         hires = hires_params(stage, upscaler, sampler, prompt, negative)
-        images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params, hires=hires, owner=owner),
-                                   progress)
+        desired = _client_state(ctx, owner)
+        images = run_with_progress(ctx.engine, lambda: ctx.engine.generate(params, hires=hires, owner=owner,
+                                                                           desired=desired), progress)
     return _answer(images, notes)
+
+
+def _client_state(ctx: UiContext, owner: str | None) -> Desired | None:
+    """The state a named endpoint's job carries: its client's own (`app/ui/sessions.py`; None: no client)."""
+    return None if owner is None else ctx.desired_for(owner)
 
 
 def editor_mask(edited) -> tuple[object, object]:
@@ -164,7 +179,7 @@ def register_workflow_api(ctx: UiContext) -> None:
         return run_hires(ctx, base, hires_scale, hires_upscaler, hires_steps, denoising_strength, hires_sampler,
                          hires_prompt, hires_negative_prompt, progress=progress, owner=owner_of(request))
 
-    common = dict(concurrency_id="loras")
+    common = generation_lane(ctx)
     buttons[0].click(img2img, [*base, image, strength, resize], outputs, api_name="img2img", **common,
                      api_description="img2img from one init image (A1111 resize modes); returns (images, infotext, "
                                      "[{seed, infotext, file, notes}]).")
