@@ -75,18 +75,6 @@ from app.upscalers import arch as upscaler_arch
 from app.upscalers import files as upscaler_files
 from app.upscalers.demo import DEMO_FOLDER, DEMO_NAME
 from app.upscalers.extras import ExtrasParams
-from app.upscalers.spandrel_import import SpandrelMissing, spandrel
-
-
-def _upscalers_installed() -> bool:
-    try:
-        spandrel()
-        return True
-    except SpandrelMissing:  # the `upscalers` extra is not installed (.ci/run installs it): no upscaler actions
-        return False
-
-
-UPSCALING = _upscalers_installed()
 
 ARCHS = ("sd15", "sdxl", "flux-dev", "zimage-turbo", "flux2-klein-4b")
 MODELS = {arch: f"tiny-{arch}.safetensors" for arch in ARCHS}
@@ -113,9 +101,9 @@ ACTION_WEIGHTS = {
     "set_loras": 5, "append_lora": 6, "remove_lora": 4, "reweight_lora": 6, "set_offload": 5,
     "set_debug": 3, "generate": 2, "set_dtype": 1, "set_weights": 1, "load_model": 1, "unload": 1,
     "refused_set_loras": 1, "hires": 1, "img2img": 1, "inpaint": 1,
-    "upscale": int(UPSCALING), "unload_upscaler": int(UPSCALING),
+    "upscale": 1, "unload_upscaler": 1,
 }
-HIRES_UPSCALERS = ("Latent", "Latent (nearest)", "Lanczos", *((DEMO_NAME,) if UPSCALING else ()))
+HIRES_UPSCALERS = ("Latent", "Latent (nearest)", "Lanczos", DEMO_NAME)
 WORKFLOW_ROWS = {"hires": ("txt2img_hires", "hires fix"), "img2img": ("img2img", "img2img"),
                  "inpaint": ("inpaint", "inpaint")}  # (command name, last stage's row)
 WEIGHTED_ACTIONS = tuple(a for a, n in ACTION_WEIGHTS.items() for _ in range(n))
@@ -309,10 +297,9 @@ class FuzzConfig:
                     refused.append(name)
             assert set(lora_names(self.data_dir, arch)) <= set(usable), refused
             self.usable[arch], self.refused[arch] = tuple(usable), tuple(refused)
-        if UPSCALING:
-            path = self.data_dir / "models" / DEMO_FOLDER / f"{DEMO_NAME}.safetensors"
-            self.upscaler_file = upscaler_files.read_state_dict(path)
-            self.upscaler_model = upscaler_arch.describe(self.upscaler_file, DEMO_NAME)
+        path = self.data_dir / "models" / DEMO_FOLDER / f"{DEMO_NAME}.safetensors"
+        self.upscaler_file = upscaler_files.read_state_dict(path)
+        self.upscaler_model = upscaler_arch.describe(self.upscaler_file, DEMO_NAME)
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -696,12 +683,11 @@ def run_cpu_fuzz(fuzz_data: Path, record_property, archs: tuple[str, ...]) -> No
     record_property("fuzz_stats", dict(config.stats))
     print(f"fuzz cpu: {dict(config.stats)}, reference fuses {refs.fuses}")
     assert config.stats["transitions"] >= CPU_MIN_TRANSITIONS, dict(config.stats)
-    upscaling = ("upscale", "unload_upscaler") if UPSCALING else ()
     for action in ("set_loras", "set_offload", "set_dtype", "set_weights", "load_model", "unload", "generate",
-                   "set_debug", "refused", "hires", "img2img", "inpaint", *upscaling):
+                   "set_debug", "refused", "hires", "img2img", "inpaint", "upscale", "unload_upscaler"):
         assert config.stats[action] >= 10, (action, dict(config.stats))
     assert config.stats["set_aside"] >= 3, dict(config.stats)  # loads that set foreign LoRAs aside
-    assert config.stats["hires_model"] >= 2 or not UPSCALING, dict(config.stats)
+    assert config.stats["hires_model"] >= 2, dict(config.stats)
 
 
 @pytest.mark.timeout(1200)  # passing: ~230 s in an xdist worker; a failure adds up to 5 min of shrinking

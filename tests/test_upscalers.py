@@ -29,12 +29,7 @@ from app.ui.extras_tab import run_extras
 from app.upscalers import arch, files, tiling
 from app.upscalers.demo import DEMO_NAME
 from app.upscalers.extras import ExtrasParams
-from app.upscalers.spandrel_import import SpandrelMissing, spandrel
 
-try:
-    spandrel()
-except SpandrelMissing as missing:  # the `upscalers` extra is not installed (.ci/run installs it)
-    pytest.skip(str(missing), allow_module_level=True)
 SEAM_TOLERANCE = 1e-6  # [0, 1] units: float rounding of convolutions over different extents, no more
 
 

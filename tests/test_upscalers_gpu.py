@@ -23,7 +23,6 @@ from app.engine.upscaler_slot import COMPONENT
 from app.engine.worker import Engine
 from app.settings import OFFLOAD_CHOICES, Settings
 from app.upscalers.extras import ExtrasParams
-from app.upscalers.spandrel_import import spandrel
 
 pytestmark = pytest.mark.gpu
 NAME = "4x-random-rrdbnet"
@@ -32,7 +31,6 @@ SMALL_GPU_BYTES = 4 * 2**30  # a 4 GiB card: what "fits a small GPU" means here
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    spandrel()
     esrgan = importlib.import_module("spandrel.architectures.ESRGAN")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -1,6 +1,5 @@
 """ESRGAN-class upscaler models (ESRGAN, RealESRGAN, SwinIR, DAT, … read by spandrel): finding and
-reading their files (`files`), importing spandrel where torchvision does not match torch
-(`spandrel_import`), what spandrel makes of a file and the dtype it runs in (`arch`), tiled upscaling
+reading their files (`files`), what spandrel makes of a file and the dtype it runs in (`arch`), tiled upscaling
 with overlap (`tiling`), the Extras settings and infotext (`extras`) and the tiny demo file (`demo`).
 The engine owns the loaded model as one more placed component: `app.engine.upscaler_slot`.
 """

@@ -8,9 +8,8 @@ restore a whole picture are upscalers here: inpainting and face-restoration mode
 
 from __future__ import annotations
 
+import spandrel
 import torch
-
-from app.upscalers.spandrel_import import spandrel
 
 PURPOSES = ("SR", "Restoration")  # spandrel's purposes of models that enlarge or clean a whole image
 
@@ -22,17 +21,16 @@ class UpscalerFormatError(ValueError):
 def describe(state_dict: dict[str, torch.Tensor], name: str):
     """spandrel's `ImageModelDescriptor` for the tensors (the model on the CPU, in eval mode, weights
     loaded as stored), or `UpscalerFormatError`."""
-    sp = spandrel()
     try:
-        descriptor = sp.MAIN_REGISTRY.load(state_dict)
-    except sp.UnsupportedModelError:
+        descriptor = spandrel.MAIN_REGISTRY.load(state_dict)
+    except spandrel.UnsupportedModelError:
         raise UpscalerFormatError(f"upscaler {name!r}: spandrel recognises no architecture in these tensors "
                                   f"({len(state_dict)} tensors, e.g. {next(iter(state_dict), 'none')})") from None
     except (KeyError, ValueError, RuntimeError, AssertionError, TypeError, IndexError) as exc:
         raise UpscalerFormatError(f"upscaler {name!r}: its tensors do not build the architecture they resemble "
                                   f"({type(exc).__name__}: {exc})") from None
     purpose = getattr(descriptor, "purpose", None)
-    if not isinstance(descriptor, sp.ImageModelDescriptor) or purpose not in PURPOSES:
+    if not isinstance(descriptor, spandrel.ImageModelDescriptor) or purpose not in PURPOSES:
         raise UpscalerFormatError(f"upscaler {name!r}: a {descriptor.architecture.name} model for {purpose}, "
                                   "not an upscaler")
     if (descriptor.input_channels, descriptor.output_channels) != (3, 3):
