@@ -5,8 +5,9 @@ What it protects (issue 32): `pip install -e . && python launch.py` died with `N
 saw it missing. The static check reads every import under `app/` (functions included) and the
 distributions that provide each module (`importlib.metadata`, so `PIL` is Pillow and `pynvml` is
 nvidia-ml-py) and compares them with `[project].dependencies` in `pyproject.toml`. The install
-test builds a fresh virtual environment with the README's first command (CPU torch first, as
-`.ci/run` does, so the multi-GB CUDA build is never pulled) and asks the launched app for its page.
+test builds a fresh virtual environment holding only torch and torchvision (linked from this one: a
+user without a GPU installs that pair first, as the README says), runs the README's `pip install -e .`
+and asks the launched app for its page.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from served_app import free_port
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the check needs no other parser
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEELS = Path("/opt/wheels")  # where this machine keeps the CPU torch wheel (.ci/run uses it the same way)
 
 
 def imported_modules(package: Path) -> dict[str, set[str]]:
@@ -106,16 +106,39 @@ def _pip(venv_python: Path, *args: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def _install_app(venv_python: Path) -> None:
-    """CPU torch, then `pip install -e .`, as `.ci/run` does: with this machine's local CPU wheel in
-    the same pip call (one resolution: 25 s of CPU instead of 35), else from PyTorch's CPU index
-    first. Either way `pip install -e .` keeps that torch."""
-    wheels = sorted(WHEELS.glob(f"torch-{importlib.metadata.version('torch').split('+')[0]}+cpu*.whl"))
-    if wheels:
-        _pip(venv_python, str(wheels[-1]), "-e", str(ROOT))
-        return
-    _pip(venv_python, "torch", "--index-url", "https://download.pytorch.org/whl/cpu")
-    _pip(venv_python, "-e", str(ROOT))
+def _closure(names: tuple[str, ...]) -> set[str]:
+    """The installed distributions `names` need, themselves included (markers evaluated here)."""
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        dist = importlib.metadata.distribution(todo.pop())
+        key = dist.metadata["Name"].lower().replace("_", "-")
+        if key in seen:
+            continue
+        seen.add(key)
+        for text in dist.requires or ():
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return seen
+
+
+def _link_torch_pair(venv_python: Path, folder: Path) -> None:
+    """torch and torchvision, and what they need, linked from this environment into `folder`, which the
+    venv reads through a .pth file. A user without a GPU installs that pair first from PyTorch's index
+    (the README), and copying its gigabytes would cost minutes; everything else is installed afresh."""
+    folder.mkdir()
+    for name in _closure(("torch", "torchvision")):
+        dist = importlib.metadata.distribution(name)
+        for top in {Path(str(f)).parts[0] for f in dist.files or () if not str(f).startswith("..")}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (folder / top).exists():
+                (folder / top).symlink_to(source)
+    site = subprocess.run([str(venv_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "torch_pair.pth").write_text(f"{folder}\n")
 
 
 def _wait_for_page(url: str, process: subprocess.Popen, timeout: float = 300) -> str:
@@ -133,12 +156,13 @@ def _wait_for_page(url: str, process: subprocess.Popen, timeout: float = 300) ->
 
 @pytest.mark.install
 def test_a_fresh_venv_with_pip_install_e_dot_starts_the_app(tmp_path):
-    """The README's `pip install -e . && python launch.py` in a new virtual environment (no extras,
-    nothing from this one; pip's cache allowed) serves its page with the demo models."""
+    """The README's `pip install -e . && python launch.py` in a new virtual environment (no extras, nothing
+    from this one but the torch/torchvision pair; pip's cache allowed) serves its page with the demo models."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    _install_app(python)
+    _link_torch_pair(python, tmp_path / "torch-pair")
+    _pip(python, "-e", str(ROOT))
     port, data = free_port(), tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "NO_PROXY": "localhost,127.0.0.1"}
