@@ -16,7 +16,8 @@ from served_app import LORAS, write_kohya_lora
 
 from app.engine.checkpoint_files import ModelLoadError
 from app.engine.worker import Engine
-from app.report import build_bug_report, jsonable, placement_colour, redact, render_card
+from app.report import build_bug_report, jsonable, redact
+from app.report_card import placement_colour, render_card
 from app.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
