@@ -42,6 +42,27 @@ def test_each_transition_records_a_history_row(engine):
     assert snap.state == EngineState.EMPTY.value and snap.model is None
 
 
+def test_a_snapshot_that_shows_a_job_ended_shows_its_history_row(engine, monkeypatch):
+    """A client polls until `generating` is false, then reads how the job ended: that row must be
+    there already (it was the previous job's row while the worker was still recording this one). The
+    recording is slowed down so a snapshot taken in the middle of it is certain to be seen."""
+    import threading
+    import time
+
+    engine.load_model("tiny-sd15.safetensors")
+    sample = engine.timeline.sample
+    monkeypatch.setattr(engine.timeline, "sample", lambda name: (time.sleep(0.3), sample(name)))
+    job = threading.Thread(target=engine.generate, args=(GenerateParams("a cat", seed=1, **FAST),))
+    job.start()
+    while not engine.snapshot().generating:
+        assert job.is_alive(), "the generation ended before it was seen running"
+        time.sleep(0.001)
+    while (snap := engine.snapshot()).generating:
+        time.sleep(0.001)
+    job.join()
+    assert snap.history[-1].command == "generate" and snap.progress is None
+
+
 def test_failed_load_of_corrupt_file_keeps_previous_model(engine, data_dir):
     """A corrupt checkpoint fails in LOADING; the previous model stays loaded, READY and usable."""
     engine.load_model("tiny-sd15.safetensors")

@@ -335,26 +335,28 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         error, value = None, None
         self._last_violations = ()  # the snapshot shows what this transition found (and repaired)
         try:
-            found, repaired = self._verify_and_repair(f"before {command.name}")
-            value = command.body()
-            more_found, more_repaired = self._verify_and_repair(f"after {command.name}")
-            found, repaired = found + more_found, repaired + more_repaired
-            outcome = "interrupted" if self._job is not None and self._job.interrupted else "ok"
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's future
-            error = exc
-            outcome = self._fail(command, exc, before)
+            try:
+                found, repaired = self._verify_and_repair(f"before {command.name}")
+                value = command.body()
+                more_found, more_repaired = self._verify_and_repair(f"after {command.name}")
+                found, repaired = found + more_found, repaired + more_repaired
+                outcome = "interrupted" if self._job is not None and self._job.interrupted else "ok"
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's future
+                error = exc
+                outcome = self._fail(command, exc, before)
+            if outcome != "failed, engine in ERROR":
+                self._state = EngineState.READY if self._lifecycle.pipeline is not None else EngineState.EMPTY
+            duration = time.perf_counter() - t0
+            self._timers.record(command.name, duration)
+            self._history.append(Transition(command.name, command.detail, command.state.value, started, duration,
+                                            outcome, found, repaired, None if error is None else capped(str(error))))
+            self.timeline.sample(command.name)
+            self._publish()
         finally:
+            # Only now, with its history row published: a snapshot that shows the job ended shows how.
             self._progress = None
             if not command.stage:
                 self._job = None  # set when a generation left the queue
-        if outcome != "failed, engine in ERROR":
-            self._state = EngineState.READY if self._lifecycle.pipeline is not None else EngineState.EMPTY
-        duration = time.perf_counter() - t0
-        self._timers.record(command.name, duration)
-        self._history.append(Transition(command.name, command.detail, command.state.value, started, duration,
-                                        outcome, found, repaired, None if error is None else capped(str(error))))
-        self.timeline.sample(command.name)
-        self._publish()
         if error is None:
             command.future.set_result(value)
         else:

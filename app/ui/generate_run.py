@@ -69,19 +69,24 @@ class Generation:
 
     def __init__(self, engine: Engine, call: Callable[[str], list[GeneratedImage]], owner: str) -> None:
         self.engine, self.owner = engine, owner
-        self._call = EngineCall(lambda: call(owner))
+        self._start = lambda: EngineCall(lambda: call(owner))
+        self._call: EngineCall | None = None
 
     def follow(self, progress: gr.Progress | None, every: float = POLL_S) -> Iterator[Snapshot]:
         """A snapshot at once, then every `every` seconds until the engine returns. Closed before that
-        (the page or the API client went away), it stops this owner's job. The first yield comes
-        before any wait: Gradio can close a generator only once it has yielded, so a cancel that
-        arrives during the first step must find one to close."""
+        (the page or the API client went away), it stops this owner's job.
+
+        The job is handed to the engine only when Gradio resumes the generator after its first yield:
+        Gradio registers a generator (so that a client's cancel can close it) only once its first
+        yield has been processed, and a job started earlier could run unclosable steps for nobody."""
         finished = False
         try:
             while True:
                 snap = self.snapshot()
                 report_progress(snap, progress)
                 yield snap
+                if self._call is None:
+                    self._call = self._start()
                 if self._call.wait(every):
                     break
             finished = True
