@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -178,10 +179,16 @@ def test_ui_only_handlers_still_run_for_the_apps_own_page(app):
     client = _http(app)
     toggle = _fn_index(app, "toggle")
     port, box = app[0].demo.server_port, _trigger(app, toggle)
-    off = [False, False, False]
-    same_origin = _join(client, toggle, session="page1", data=off, trigger=box, **{"Sec-Fetch-Site": "same-origin"})
-    plain_http = _join(client, toggle, session="page2", data=off, trigger=box, Origin=f"http://127.0.0.1:{port}")
-    assert same_origin.status_code == plain_http.status_code == 200 and "event_id" in same_origin.json()
+    engine = app[1]
+    for session, on, headers in (("page1", True, {"Sec-Fetch-Site": "same-origin"}),
+                                 ("page2", False, {"Origin": f"http://127.0.0.1:{port}"})):
+        switches = [on, False, False, False]  # LoRA debug, move debug, strict, strict forwards
+        response = _join(client, toggle, session=session, data=switches, trigger=box, **headers)
+        assert response.status_code == 200 and "event_id" in response.json()
+        deadline = time.monotonic() + 30
+        while engine.settings.lora_debug is not on:  # the handler ran: the engine has the switch as sent
+            assert time.monotonic() < deadline, f"the page's own call ({headers}) never ran"
+            time.sleep(0.05)
 
 
 def test_documented_api_keeps_working_for_scripts(app):

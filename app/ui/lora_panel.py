@@ -217,7 +217,7 @@ def allow_partial_event(ctx: UiContext, slots: LoraSlots, slot: int) -> dict:
     """Event arguments for one card's "apply in part" box: the engine remembers the choice for that
     LoRA and applies the wanted list again; then the page's selection is handed over as usual."""
 
-    def toggle(allowed, progress=PROGRESS, slot_names=(), *values):
+    def allow_partial(allowed, progress=PROGRESS, slot_names=(), *values):
         problem = ""
         try:
             name = list(slot_names)[slot]
@@ -228,7 +228,7 @@ def allow_partial_event(ctx: UiContext, slots: LoraSlots, slot: int) -> dict:
             problem = str(exc)
         return panel_view(ctx, list(slot_names), problem)
 
-    return dict(fn=toggle, inputs=[slots.partial[slot], slots.slot_names, *slots.sliders], outputs=slots.view,
+    return dict(fn=allow_partial, inputs=[slots.partial[slot], slots.slot_names, *slots.sliders], outputs=slots.view,
                 api_visibility="private", concurrency_id=LORA_QUEUE, show_progress_on=[slots.status])
 
 
