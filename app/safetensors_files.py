@@ -118,13 +118,24 @@ def refuse_bad_values(path: Path, tensors: dict[str, torch.Tensor], error: type[
                         "(no half-precision file can hold it; the values are corrupt); refused")
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, streamed (checkpoints are several GB)."""
+def file_sha256(path: Path, skip_header: bool = False) -> str:
+    """Hex sha256 of a file, streamed (checkpoints are several GB); with `skip_header`, of the bytes
+    after its safetensors header only (see `lora_short_hash`)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
+        if skip_header:
+            handle.seek(8 + int.from_bytes(handle.read(8), "little"))
         while chunk := handle.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def lora_short_hash(path: Path) -> str:
+    """A LoRA's short hash as A1111 writes it in `Lora hashes` (and Civitai's "AutoV3" looks it up):
+    the first 12 hex digits of the sha256 of the tensor bytes after the header (kohya's addnet hash),
+    so editing a file's metadata keeps its hash. Computed, never taken from the file's own
+    `sshs_model_hash` metadata, which nothing checks."""
+    return file_sha256(path, skip_header=True)[:12]
 
 
 # Floating dtypes whose values a scan checks, as safetensors names them; fp8 holds no value beyond

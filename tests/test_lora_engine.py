@@ -235,6 +235,27 @@ def test_prompt_tags_apply_to_one_generation_and_stay_in_the_saved_prompt(engine
     assert "Lora" not in untagged.infotext
 
 
+def test_lora_hash_is_a1111s_and_a_metadata_edit_keeps_it_but_counts_as_another_file(engine, tiny):
+    """`Lora hashes` carries A1111's short hash (kohya's addnet hash: sha256 of the bytes after the
+    safetensors header, 12 digits), the one Civitai looks LoRAs up by, not the whole file's. A file
+    rewritten with the same tensors and other metadata keeps that hash, yet is not the same adapter
+    to the patcher: metadata may carry the alpha."""
+    import hashlib
+
+    written = _write(engine, tiny, "style", targets=ATTENTION)
+    data = written.path.read_bytes()
+    addnet = hashlib.sha256(data[8 + int.from_bytes(data[:8], "little"):]).hexdigest()[:12]
+    assert addnet != hashlib.sha256(data).hexdigest()[:12]
+    engine.load_model(CHECKPOINTS["sd15"])
+    (image,) = _generate(engine, prompt="a cat <lora:style:0.6>")
+    assert f'Lora hashes: "style: {addnet}"' in image.infotext
+    first = read_adapter("style", written.path)
+    save_file(dict(written.tensors), str(written.path), metadata={**written.metadata, "ss_output_name": "renamed"})
+    edited = read_adapter("style", written.path)
+    assert edited.short_hash == first.short_hash == addnet and written.path.read_bytes() != data
+    assert not first.same_as(edited) and edited.same_as(read_adapter("style", written.path))
+
+
 # ----------------------------------------------------------------------- diagnostics and reach
 def test_snapshot_lists_loras_on_patched_modules_and_counts_matches(engine, tiny):
     """Diagnostics: each placement row names the LoRAs fused into that module (in list order) and

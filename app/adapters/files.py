@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from app.adapters.errors import AdapterFormatError
 from app.adapters.specs import LoraSpec, check_strength
 from app.paths import resolve_under, utf8_names
-from app.safetensors_files import SafetensorsFileError, file_sha256, header_tensors, read_header, refuse_bad_values
+from app.safetensors_files import SafetensorsFileError, header_tensors, lora_short_hash, read_header, refuse_bad_values
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
@@ -35,9 +35,15 @@ class AdapterFile:
     path: Path
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
-    short_hash: str
+    short_hash: str  # A1111's: of the tensor bytes only (`lora_short_hash`)
     size_bytes: int
     sidecar_config: str | None = None  # PEFT's adapter_config.json beside the file, as text
+
+    def same_as(self, other: AdapterFile) -> bool:
+        """Whether `other` would patch exactly as this does: the same tensors (the hash), and the same
+        metadata and sidecar, which may carry the alpha (a metadata edit keeps A1111's hash)."""
+        return (self.short_hash, self.metadata, self.sidecar_config) == (other.short_hash, other.metadata,
+                                                                          other.sidecar_config)
 
     @property
     def resident_bytes(self) -> int:
@@ -56,7 +62,7 @@ def read_adapter(name: str, path: Path) -> AdapterFile:
     if not tensors:
         raise AdapterFormatError(f"{path.name}: contains no tensors")
     refuse_bad_values(path, tensors, AdapterFormatError)
-    return AdapterFile(name, path, tensors, metadata, file_sha256(path)[:12], path.stat().st_size,
+    return AdapterFile(name, path, tensors, metadata, lora_short_hash(path), path.stat().st_size,
                        _peft_sidecar(path))
 
 

@@ -199,7 +199,7 @@ class LoraStack:
     def _reusable(self, name: str, file: AdapterFile | None = None) -> PreparedAdapter | None:
         """The prepared adapter of an applied LoRA, while its file (when given) and its allowance hold."""
         old = self._prepared.get(name)
-        if old is None or (file is not None and old.file.short_hash != file.short_hash):
+        if old is None or (file is not None and not old.file.same_as(file)):
             return None
         return None if old.report.partial and not self._allows_partial(name) else old
 

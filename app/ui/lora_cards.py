@@ -23,7 +23,7 @@ from app.adapters.matching import MatchReport
 from app.engine.lora_counters import LoraCounters
 from app.engine.snapshot import LoraState
 from app.families import adapter_arch_of
-from app.safetensors_files import SafetensorsFileError, file_sha256, read_header
+from app.safetensors_files import SafetensorsFileError, lora_short_hash, read_header
 
 # Suffix -> algorithm name, checked in order (LoRA last: LoCon/DoRA files also carry lora_down).
 _ALGO_MARKERS = (("hada_w1", "LoHa"), ("lokr_w", "LoKr"), ("oft_blocks", "OFT"), ("a1.weight", "GLoRA"),
@@ -211,7 +211,7 @@ class CardCache:
             card = self._cards.get(key)
         if card is not None and (card.short_hash or not hashed):
             return card
-        card = read_card(name, path, file_sha256(path)[:12] if hashed else None)
+        card = read_card(name, path, lora_short_hash(path) if hashed else None)
         with self._lock:
             self._cards[key] = card
         return card
