@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 
+import gradio as gr
 import numpy as np
 import pytest
 import torch
@@ -30,6 +31,7 @@ from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
 from app.families import family
 from app.settings import Settings
+from app.ui.generate_tab import family_updates
 
 ARCH = "flux2-klein-4b"
 FILE, FOLDER = f"tiny-{ARCH}.safetensors", f"tiny-{ARCH}-diffusers"
@@ -100,6 +102,22 @@ def test_txt2img_equals_flux2_klein_pipeline_distilled_and_base(eng, oracle, dat
     eng.load_model(base.name)
     assert not eng.pipeline.config.is_distilled
     assert not np.array_equal(ours(eng.generate(params(cfg=4.0))), distilled_cfg4)
+
+
+def test_the_page_fills_in_the_base_models_steps_and_guidance(eng, data):
+    """The model cards: distilled 4 steps without guidance, base 50 steps at guidance 4. Loading a base
+    checkpoint after a distilled one (one family) fills steps and guidance in; another distilled
+    checkpoint keeps the user's."""
+    distilled = eng.load_model(FILE)
+    base = data / "models/Stable-diffusion" / "tiny-flux-2-klein-base-4b-defaults.safetensors"
+    os.link(data / "models/Stable-diffusion" / FILE, base)
+    undistilled = eng.load_model(base.name)
+    assert (distilled.defaults, undistilled.defaults) == ((4, 1.0), (50, 4.0))
+    *_samplers, steps, guidance = family_updates(distilled, undistilled)
+    assert (steps.value, guidance.value) == (50, 4.0)
+    *_samplers, steps, guidance = family_updates(undistilled, distilled)
+    assert (steps.value, guidance.value) == (4, 1.0)
+    assert family_updates(distilled, distilled)[2:] == [gr.update(), gr.update()]
 
 
 def test_reference_editing_equals_flux2_klein_pipeline(eng, oracle):

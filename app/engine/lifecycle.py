@@ -112,7 +112,7 @@ class ModelLifecycle(Placing):
         patched = {component for component, _ in loaded.stack.patched_modules()}
         modes = sorted({"bypass" if c in bypass else "fused" for c in patched}) or ["fused"]
         return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.scan.short_hash(),
-                           pipe.family.native_size(pipe), loaded.plan.dtype,
+                           pipe.family.native_size(pipe), pipe.family.defaults_for(pipe), loaded.plan.dtype,
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
                            dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
                            storage.bytes_saved(pipe, loaded.stored, pipe.compute_dtypes),

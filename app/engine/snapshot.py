@@ -87,6 +87,7 @@ class Snapshot:
     arch: str | None = None
     model_hash: str | None = None  # None also while a first load's file is being read (file_scans)
     native_size: int | None = None  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
+    defaults: tuple[int, float] | None = None  # the steps and guidance the page fills in for this model
     device: str = "cpu"
     dtype: str | None = None
     requested_dtype: str = "auto"
@@ -130,6 +131,7 @@ class LoadedFacts:
     arch: str
     model_hash: str | None  # None while the file is being read (file_scans)
     native_size: int  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
+    defaults: tuple[int, float]  # Family.defaults_for
     dtype: torch.dtype
     offload: str
     loras: tuple[LoraSpec, ...]
@@ -175,6 +177,6 @@ def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFa
     if facts is None:
         return Snapshot(**common)
     return Snapshot(model=facts.model, arch=facts.arch, model_hash=facts.model_hash, native_size=facts.native_size,
-                    dtype=placement.dtype_name(facts.dtype), loras=facts.loras,
+                    defaults=facts.defaults, dtype=placement.dtype_name(facts.dtype), loras=facts.loras,
                     lora_mode=facts.lora_mode, embeddings=facts.embeddings, stored_layers=facts.stored_layers,
                     bytes_saved=facts.bytes_saved, lora_backups=facts.lora_backups, **common)

@@ -235,6 +235,9 @@ class Family:
     # The side, in pixels, the loaded model was trained at: the size the page switches to on load.
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
     native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
+    # (steps, guidance) for a loaded pipeline where checkpoints of one family want other settings (FLUX.2
+    # Klein's undistilled "base": 50 steps, guidance 4); None: `default_steps`, `default_guidance`.
+    loaded_defaults: Callable[[Any], tuple[int, float]] | None = None
     # Families whose checkpoints may finish this one's txt2img after a switch point (A1111's refiner):
     # both pipelines take diffusers' `denoising_end` / `denoising_start`. Empty: no refiner stage.
     refiner_families: tuple[str, ...] = ()
@@ -260,6 +263,10 @@ class Family:
     def badge(self) -> str:
         """The short name a LoRA card shows for adapters of this family's architecture."""
         return self.adapter_label or self.label
+
+    def defaults_for(self, pipe) -> tuple[int, float]:
+        """The steps and guidance the page fills in when `pipe` is loaded."""
+        return self.loaded_defaults(pipe) if self.loaded_defaults else (self.default_steps, self.default_guidance)
 
     def pinned_dtype(self, component: str, module: str, tensor: str) -> torch.dtype | None:
         """The dtype `pinned_dtypes` holds this tensor in, or None (it follows the model's)."""

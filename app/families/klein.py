@@ -111,6 +111,11 @@ class SteadyKleinStagePipeline(_KleinLatents, Flux2KleinInpaintPipeline):
         return super().__call__(image=self._patchify_latents(image), mask_image=mask_image, **kwargs)
 
 
+def _defaults(pipe) -> tuple[int, float]:
+    """The model cards' settings: 4 steps without guidance (distilled), 50 steps at guidance 4 (base)."""
+    return (4, 1.0) if pipe.config.is_distilled else (50, 4.0)
+
+
 def _distilled_flag(path: Path) -> Mapping[str, object]:
     """BFL and ComfyUI name the undistilled checkpoints "…klein-base…"; every other Klein file is distilled."""
     return {"is_distilled": "base" not in path.name.lower()}
@@ -214,6 +219,7 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         samplers=SAMPLERS,
         default_steps=4,
         default_guidance=1.0,
+        loaded_defaults=_defaults,
         fp16_ok=False,
         # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to
         # diffusers) and the final layers in the compute dtype, as peers do.

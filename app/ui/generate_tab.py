@@ -14,6 +14,7 @@ import gradio as gr
 
 from app.adapters.specs import LoraSpec
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
+from app.engine.snapshot import Snapshot
 from app.engine.stage_params import SAME
 from app.families import family
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES
@@ -77,22 +78,26 @@ class GenerateTab:
                 *self.refiner.values()]
 
 
-def family_updates(previous: str | None, current: str | None) -> list:
-    """[sampler, hires sampler, steps, CFG] for a newly loaded model of family `current` after one of
-    `previous` (None: a fresh page). The sampler lists are always the loaded family's own (a sampler it
+def family_updates(previous: Snapshot | None, current: Snapshot) -> list:
+    """[sampler, hires sampler, steps, CFG] for the model `current` shows loaded after the one `previous`
+    showed (None: a fresh page). The sampler lists are always the loaded family's own (a sampler it
     lacks would be refused at Generate); when the family changes, its defaults fill the fields: sampler
     (the hires pass's: the same), steps, and the guidance with its name and range ("Distilled CFG Scale"
-    on FLUX.1-dev). Between two models of one family the user's choices stay."""
-    if current is None:
+    on FLUX.1-dev). Between two models of one family the user's choices stay, unless the two want other
+    steps and guidance (FLUX.2 Klein distilled and base): then those two are filled in."""
+    if current.arch is None:
         return [gr.update()] * 4
-    fam = family(current)
-    if current == previous:
-        return [gr.Dropdown(choices=list(fam.samplers)), gr.Dropdown(choices=[SAME, *fam.samplers]), gr.update(),
-                gr.update()]
+    fam = family(current.arch)
+    steps, guidance = current.defaults
+    samplers = [gr.Dropdown(choices=list(fam.samplers)), gr.Dropdown(choices=[SAME, *fam.samplers])]
+    if previous is not None and current.arch == previous.arch:
+        if current.defaults == previous.defaults:
+            return [*samplers, gr.update(), gr.update()]
+        return [*samplers, gr.Number(value=steps), gr.Number(value=guidance)]
     low, high = fam.guidance_range
     return [gr.Dropdown(choices=list(fam.samplers), value=fam.default_sampler),
-            gr.Dropdown(choices=[SAME, *fam.samplers], value=SAME), gr.Number(value=fam.default_steps),
-            gr.Number(value=fam.default_guidance, label=fam.guidance_label, info=f"{low:g}…{high:g}")]
+            gr.Dropdown(choices=[SAME, *fam.samplers], value=SAME), gr.Number(value=steps),
+            gr.Number(value=guidance, label=fam.guidance_label, info=f"{low:g}…{high:g}")]
 
 
 def native_size_updates(previous: int | None, current: int | None) -> list:
@@ -226,7 +231,7 @@ def load_checkpoint(ctx: UiContext, name: str, progress) -> list:
         before = engine.snapshot()
         snap = run_with_progress(engine, lambda: engine.load_model(name), progress)
     return [loaded_text(snap), *native_size_updates(before.native_size, snap.native_size),
-            *family_updates(before.arch, snap.arch)]
+            *family_updates(before, snap)]
 
 
 def loaded_text(snap) -> str:
@@ -280,7 +285,7 @@ def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
         specs = [LoraSpec(s.name, s.unet_strength, te_weight=s.te_strength) for s in snap.lora_states]
         return [gr.Dropdown(choices=checkpoint_names(ctx.settings), value=snap.model), snap.requested_dtype,
                 snap.offload, "\n\n".join(ctx.startup_notes), *native_size_updates(None, snap.native_size),
-                *family_updates(None, snap.arch), *selection_updates(ctx, specs)]
+                *family_updates(None, snap), *selection_updates(ctx, specs)]
 
     demo.load(on_load, None, [tab.model, tab.dtype, tab.offload, tab.model_status, tab.width, tab.height,
                               tab.sampler, tab.hires.sampler, tab.steps, tab.cfg, slots.select, *slots.layout],
