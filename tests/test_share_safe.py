@@ -20,6 +20,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import psutil
@@ -43,6 +44,7 @@ class Served:
     url: str
     port: int
     engine: Engine
+    demo: object  # the Gradio Blocks served
 
     def client(self, address: str = "127.0.0.1", login: bool = True, **options) -> httpx.Client:
         """An HTTP client connecting from `address` (every 127.x address is loopback), with basic auth."""
@@ -71,8 +73,8 @@ def app(tmp_path_factory, demo_dir):
     port = free_port()
     settings = Settings(data_dir=data, device="cpu", port=port, listen=True, auth=((USER, PASSWORD),),
                         forwarded_allow_ips=(PROXY,))
-    with running_app(settings) as (_server, engine):
-        yield Served(f"http://127.0.0.1:{port}", port, engine)
+    with running_app(settings) as (server, engine):
+        yield Served(f"http://127.0.0.1:{port}", port, engine, server.demo)
 
 
 def _rss_mib() -> float:
@@ -266,6 +268,38 @@ def test_the_ui_sends_no_bomb_to_img2img(tmp_path):
     with pytest.raises(ValueError, match="bomb.png: 13376x13376 is 178,917,376 pixels"):
         readable_picture(str(bomb))
     assert _rss_mib() - before < 50
+
+
+def _ui_client(app) -> httpx.Client:
+    client = app.client(login=False)
+    assert client.post("/login", data={"username": USER, "password": PASSWORD}).status_code == 200
+    return client
+
+
+def test_uploads_are_checked_as_input_images_before_gradio_decodes_them(app):
+    """Gradio decodes what the page uploads (the img2img and inpaint tabs, Extras, the gradio API's
+    img2img) within Pillow's own limit only: the 132-byte bomb above became 715 MB there. Every upload is
+    now checked as the A1111 API's images are; a refused one is deleted before anything can use it, and a
+    file Gradio would fetch itself (a data: URL, another server's address) is refused."""
+    client = _ui_client(app)
+    before = _rss_mib()
+    refused = client.post("/gradio_api/upload", files=[("files", ("bomb.png", _png_claiming(13376, 13376))),
+                                                       ("files", ("fine.png", _png(Image.new("RGB", (8, 8)))))])
+    _small_answer(refused, 400, "bomb.png: 13376x13376 is 178,917,376 pixels")
+    assert _rss_mib() - before < 50
+    kept = [Path(p) for p in app.demo.upload_file_set if Path(p).name in ("bomb.png", "fine.png")]
+    assert kept and not any(path.exists() for path in kept)  # both files of the refused upload are gone
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, format="BMP")
+    _small_answer(client.post("/gradio_api/upload", files={"files": ("tiny.bmp", buffer.getvalue())}), 400,
+                  "not a PNG, JPEG or WebP image")
+    (good,) = client.post("/gradio_api/upload", files={"files": ("good.png", _png(Image.new("RGB", (8, 8))))}).json()
+    assert Path(good).is_file()
+    fetched = {"url": "data:image/png;base64," + _b64(_png_claiming(13376, 13376)),
+               "meta": {"_type": "gradio.FileData"}}
+    join = client.post("/gradio_api/queue/join", json={"data": [fetched], "fn_index": 0, "session_hash": "s"},
+                       headers={"Origin": app.url})
+    assert join.status_code == 400 and "uploaded first" in join.text
 
 
 @pytest.mark.parametrize("kind", ["BMP", "EPS", "GIF"])

@@ -31,11 +31,13 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 
+from app.image_inputs import ImageInputError, open_checked
 from app.ui.login_throttle import LoginThrottle
 from app.ui.ui_only import API_PREFIX, private_handler_refusal
 
@@ -99,8 +101,10 @@ class RequestGuard:
             return
         send = _without_cors(send)
         path = scope["path"]
-        if scope["method"] in SAFE_METHODS or path.startswith(UPLOAD):
+        if scope["method"] in SAFE_METHODS:
             await self.app(scope, receive, send)
+        elif path.startswith(UPLOAD):
+            await self._upload(scope, receive, send)
         elif path.rstrip("/") == "/login":
             await self._login(scope, receive, send)
         else:
@@ -159,6 +163,30 @@ class RequestGuard:
         else:
             log.warning("failed login from %s", client)
 
+    async def _upload(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Gradio streams an upload to disk and answers with the saved paths; its components then decode
+        the files with Pillow's own limits (179 M pixels). Every file this app takes is an input image, so
+        each saved file is checked here as the A1111 API's images are (`app.image_inputs`: PNG, JPEG or
+        WebP, within the pixel cap, PNG text within its caps) before anyone can use it; a refused upload's
+        files are deleted and it is answered 400 with the reason."""
+        start, chunks = {}, []
+
+        async def hold(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, hold)
+        body = b"".join(chunks)
+        problem = refused_upload(body) if start.get("status") == 200 else None
+        if problem is not None:
+            log.info("upload refused: %s", problem)
+            await _refused(400, problem)(scope, receive, send)
+            return
+        await send(start)
+        await send({"type": "http.response.body", "body": body})
+
     async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.policy.body_limit(scope["path"])
         body = await _read_body(receive, limit)
@@ -182,6 +210,8 @@ class RequestGuard:
         refusal = private_handler_refusal(self.demo, path, data, headers)
         if refusal is not None:
             return 403, refusal
+        if fetches_a_file(data.get("data")):
+            return 400, "files must be uploaded first (gradio_client's handle_file does), not sent as a URL"
         session = data.get("session_hash")
         if path.rstrip("/") == QUEUE_JOIN and isinstance(session, str):
             pending = len(self.demo._queue.pending_event_ids_session.get(session, ()))  # Gradio's own record
@@ -189,6 +219,33 @@ class RequestGuard:
                 return 429, (f"this session already has {pending} requests pending, the most one session may "
                              f"have (--session-queue-size); wait for them to finish")
         return None
+
+
+def refused_upload(answer: bytes) -> str | None:
+    """Why the files of Gradio's upload `answer` (a JSON list of saved paths) are refused (they are then
+    deleted), or None when each is an image the app takes."""
+    try:
+        paths = [Path(p) for p in json.loads(answer)]
+    except (ValueError, TypeError):
+        return None  # not a list of saved files: nothing was kept
+    for path in paths:
+        try:
+            open_checked(path.read_bytes(), f"the uploaded file {path.name}").close()
+        except (ImageInputError, OSError) as exc:
+            for saved in paths:
+                saved.unlink(missing_ok=True)
+            return str(exc)
+    return None
+
+
+def fetches_a_file(value) -> bool:
+    """Whether a request's data holds a file Gradio would fetch itself (a `url` without a `path`: a
+    `data:` URL or another server's address) rather than one uploaded here, which the upload check saw."""
+    if isinstance(value, dict):
+        if isinstance(value.get("url"), str) and not value.get("path"):
+            return True
+        return any(fetches_a_file(v) for v in value.values())
+    return isinstance(value, list) and any(fetches_a_file(v) for v in value)
 
 
 def cross_site(headers: Headers) -> bool:
