@@ -25,7 +25,8 @@ from app.engine import variation
 from app.engine.interrupt import StepInterrupted
 from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
-from app.prompts.encode import CLIP_SKIP_MAX, encode_prompts
+from app.prompts.editing import EditedPass, not_edited_note
+from app.prompts.encode import CLIP_SKIP_MAX
 from app.prompts.notes import prompt_notes
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,7 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
                             refiner_checkpoint=str(values.get("refiner_checkpoint") or ""), **checked)
     if arch is not None:
         notes += prompt_notes(family(arch), params.prompt, params.negative_prompt)
+        notes.append(not_edited_note(family(arch), params.prompt, params.negative_prompt, params.steps))
     return params, tuple(n for n in notes if n)
 
 
@@ -316,13 +318,15 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
 
 
 def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, total: int | None = None,
-            **inputs) -> torch.Tensor | None:
+            first_pass_steps: int | None = None, **inputs) -> torch.Tensor | None:
     """The denoising loop of any of our pipelines (txt2img, or a stage pipeline given its `inputs`:
     init latents, strength, mask); returns the latents spatial, (batch, channels, h, w), as the VAE
     and the next stage read them (Flux's packed patches unpacked). `total` is the
     number of steps the loop really runs (an img2img pass runs `steps × strength`), for `on_step`
     and the NaN check. A stop inside a step returns the last complete step's latents, or None when
-    no step had completed (nothing to keep)."""
+    no step had completed (nothing to keep). A prompt that edits itself (`[from:to:when]`, `[a|b]`)
+    changes its conditioning between steps (`app/prompts/editing.py`); `first_pass_steps`: this is the
+    hires pass after a first pass of that many steps, which A1111's schedules count from."""
     fam = family_of(pipe)
     _check_size(fam, params)
     fam.check_guidance(params.cfg)
@@ -331,25 +335,32 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     watch = _FiniteWatch(total)
     reached = {}  # the latents after the last complete step, kept for a stop inside the next one
 
+    edits = EditedPass(pipe, fam, params.prompt, params.negative_prompt, params.clip_skip, params.steps,
+                       params.batch, first_pass_steps)
+
     def step_end(_pipe, step, _timestep, kwargs):
         watch.observe(step + 1, kwargs["latents"])
         reached["latents"] = kwargs["latents"]
         if on_step is not None and on_step(step + 1, total, pipe.spatial_latents(kwargs["latents"], params.height,
                                                                                   params.width)):
             _pipe._interrupt = True
+        if edits.edited:
+            with torch.no_grad():
+                edits.swap(step, kwargs)
         return kwargs
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
     # tensors could not be patched in place afterwards.
     try:
         with torch.no_grad(), variation.drawing_with(pipe, variation.of(params)):
-            prompts = encode_prompts(pipe, params.prompt, params.negative_prompt, params.clip_skip)
+            prompts = edits.first
             latents = pipe(
                 num_inference_steps=params.steps,
                 num_images_per_prompt=params.batch,
                 generator=seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1),
                 output_type="latent",
                 callback_on_step_end=step_end,
+                **({"callback_on_step_end_tensor_inputs": ["latents", *edits.callback_inputs]} if edits.edited else {}),
                 **prompts.call_arguments(),
                 **fam.call_arguments(params.cfg),
                 **inputs,

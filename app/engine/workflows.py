@@ -229,7 +229,8 @@ class Workflows:
 
         def second_pass():
             stripped = self._with_loras(second, passes)
-            kind, inputs = "img2img", {"latents": carry.get("latents")}
+            # A1111's prompt edits count the hires pass's steps on from the first pass's (app/prompts/schedule.py)
+            kind, inputs = "img2img", {"latents": carry.get("latents"), "first_pass_steps": params.steps}
             if stages.inpainting_checkpoint(self._lifecycle.pipeline):  # as A1111: masked whole, a blank picture
                 kind = "inpaint"
                 inputs.update(self._lifecycle.run_on_model(lambda pipe: stages.unmasked_inputs(pipe, second, first),
