@@ -121,20 +121,22 @@ class _Reader:
                     return None
         if not self._expect(":"):
             return None
-        second_start = self.pos
-        number = _NUMBER.match(self.text, self.pos)
-        if number and self.text.startswith("]", number.end()):
-            self.pos = number.end() + 1
-            return [_Scheduled((), tuple(first), number.group(1))]
-        self.pos = second_start
+        when = self._when()
+        if when is not None:
+            return [_Scheduled((), tuple(first), when)]
         second = self.sequence(":]")
         if not self._expect(":"):
             return None
+        when = self._when()
+        return None if when is None else [_Scheduled(tuple(first), tuple(second), when)]
+
+    def _when(self) -> str | None:
+        """A number, spaces around it allowed, closing the bracket: read past the `]`; else None, unmoved."""
         number = _NUMBER.match(self.text, self.pos)
-        if number and self.text.startswith("]", number.end()):
-            self.pos = number.end() + 1
-            return [_Scheduled(tuple(first), tuple(second), number.group(1))]
-        return None
+        if number is None or not self.text.startswith("]", number.end()):
+            return None
+        self.pos = number.end() + 1
+        return number.group(1)
 
 
 def parse(text: str) -> tuple:
