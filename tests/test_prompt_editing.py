@@ -109,6 +109,10 @@ def test_an_edited_prompt_through_the_engine_keeps_its_text_in_the_infotext(engi
     (plain,) = engine.generate(GenerateParams("a cat", **fast))
     assert edited.infotext.startswith("a [cat:dog:0.5]\n")
     assert not np.array_equal(np.asarray(edited.image), np.asarray(plain.image))
+    engine.set_dtype("bf16")  # the swapped embeddings take the pipeline's dtype: no mixed-dtype matmul
+    engine.set_offload("sequential")
+    engine.generate(GenerateParams("a [cat|dog] [bird:fish:1]", **fast))
+    assert engine.snapshot().violations == ()
 
 
 def test_a_family_that_cannot_follow_an_edit_says_what_it_reads():

@@ -83,6 +83,10 @@ class EditedPass:
 
     @property
     def first(self) -> Conditioning:
+        """The first step's conditioning; every later one is encoded now too, so the text encoders run
+        before the denoiser as in any pass (under offload they are not brought back mid-pass)."""
+        for index in range(len(self._entries)):
+            self._conditioning(index)
         return self._conditioning(0)
 
     def _conditioning(self, index: int) -> Conditioning:
