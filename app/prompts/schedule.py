@@ -28,7 +28,7 @@ from dataclasses import dataclass
 _NUMBER = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*")
 _SYNTAX = frozenset("[]():|\\")
 _MAX_DEPTH = 32  # brackets nested deeper are text
-_WORK_PER_CHAR = 64  # reader steps per character of the prompt before it is read as written
+_WORK_PER_CHAR = 16  # reader steps per character of the prompt before it is read as written
 
 
 class _TooComplex(Exception):
