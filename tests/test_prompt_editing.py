@@ -146,3 +146,16 @@ def test_the_stage_passes_follow_the_edit(engine):
 
         edited = run("a [cat:dog:2] x")
         assert not np.array_equal(edited, run("a cat x")) and not np.array_equal(edited, run("a dog x")), extra
+
+
+def test_the_refiner_goes_on_counting_the_base_passs_steps(engine):
+    """With the base as its own refiner and a deterministic sampler, switching at 0.5 gives the base's
+    image bit for bit (`test_a1111_extras`); with `[cat:dog:1]` that holds only if the refiner's pass
+    reads the schedule from the base pass's step count on (A1111 runs one sampler loop): steps 0-1
+    `cat` in the base pass, 2-3 `dog` in the refiner's."""
+    engine.load_model(CHECKPOINTS["sdxl"])
+    params = GenerateParams("a [cat:dog:1] x", seed=5, steps=4, width=64, height=64, cfg=5.0, sampler="Euler")
+    (alone,) = engine.generate(params)
+    (refined,) = engine.generate(dataclasses.replace(params, refiner_checkpoint=CHECKPOINTS["sdxl"],
+                                                     refiner_switch_at=0.5))
+    assert np.array_equal(np.asarray(refined.image), np.asarray(alone.image))

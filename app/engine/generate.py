@@ -318,7 +318,7 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
 
 
 def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, total: int | None = None,
-            first_pass_steps: int | None = None, **inputs) -> torch.Tensor | None:
+            first_pass_steps: int | None = None, steps_before: int = 0, **inputs) -> torch.Tensor | None:
     """The denoising loop of any of our pipelines (txt2img, or a stage pipeline given its `inputs`:
     init latents, strength, mask); returns the latents spatial, (batch, channels, h, w), as the VAE
     and the next stage read them (Flux's packed patches unpacked). `total` is the
@@ -326,7 +326,8 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     and the NaN check. A stop inside a step returns the last complete step's latents, or None when
     no step had completed (nothing to keep). A prompt that edits itself (`[from:to:when]`, `[a|b]`)
     changes its conditioning between steps (`app/prompts/editing.py`); `first_pass_steps`: this is the
-    hires pass after a first pass of that many steps, which A1111's schedules count from."""
+    hires pass after a first pass of that many steps, which A1111's schedules count from;
+    `steps_before`: steps of the same schedule already run (the refiner's pass after the base's)."""
     fam = family_of(pipe)
     _check_size(fam, params)
     fam.check_guidance(params.cfg)
@@ -336,7 +337,7 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     reached = {}  # the latents after the last complete step, kept for a stop inside the next one
 
     edits = EditedPass(pipe, fam, params.prompt, params.negative_prompt, params.clip_skip, params.steps,
-                       params.batch, first_pass_steps)
+                       params.batch, first_pass_steps, steps_before)
 
     def step_end(_pipe, step, _timestep, kwargs):
         watch.observe(step + 1, kwargs["latents"])

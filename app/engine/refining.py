@@ -98,7 +98,8 @@ class Refining:
         self._stage("refiner load", params.refiner_checkpoint, lambda: self._refiner_in(params, named))
         try:
             return self._stage("refiner", f"{refiner_steps} steps from {params.refiner_switch_at:g}",
-                               lambda: self._refiner_pass(kept["params"], first, refiner_steps, job, phase))
+                               lambda: self._refiner_pass(kept["params"], first, base_steps, refiner_steps, job,
+                                                          phase))
         finally:
             self._run_stage("refiner unload", params.refiner_checkpoint, EngineState.MOVING, self._refiner_out)
 
@@ -125,7 +126,7 @@ class Refining:
         named[:] = [("Refiner", f"{facts.model} [{refiner.model_hash()}]"),
                     ("Refiner switch at", f"{params.refiner_switch_at:g}")]
 
-    def _refiner_pass(self, params: GenerateParams, first: int, total: int, job, phase: str):
+    def _refiner_pass(self, params: GenerateParams, first: int, base_steps: int, total: int, job, phase: str):
         """The refiner's img2img pipeline from the carried latents, no noise added (`denoising_start`), then
         its own VAE decodes. Its noise comes from the seed alone: a variation shaped the base's."""
         refiner, latents = self._refiner, self._lifecycle.carry.get("latents")
@@ -133,7 +134,8 @@ class Refining:
 
         def run(on_step):
             return refiner.run_on_model(lambda pipe: stages.denoise_stage(
-                pipe, plain, first, on_step, total, 1.0, latents, denoising_start=params.refiner_switch_at),
+                pipe, plain, first, on_step, total, 1.0, latents, denoising_start=params.refiner_switch_at,
+                steps_before=base_steps),
                 _size(params), stage="img2img")
 
         refined, stopped = self._denoise_run(total, job, f"refiner, {phase}", run)

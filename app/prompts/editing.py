@@ -63,12 +63,15 @@ class EditedPass:
     """The conditionings of one pass and the callback's swap (`swap`), for `steps` steps of `pipe`."""
 
     def __init__(self, pipe, fam: Family, prompt: str, negative_prompt: str, clip_skip: int, steps: int,
-                 images: int, first_pass_steps: int | None = None) -> None:
+                 images: int, first_pass_steps: int | None = None, steps_before: int = 0) -> None:
+        """`steps_before`: sampler steps of this schedule already run (the SDXL refiner goes on from the
+        base pass's count, as A1111's one sampler loop does)."""
         self._pipe, self._clip_skip, self._images = pipe, clip_skip, images
         entries = edited_texts(prompt, negative_prompt, steps, first_pass_steps)
         self._entries = entries if editable(fam, type(pipe)) else entries[:1]
         self._encoded: dict[tuple[str, str], Conditioning] = {}
-        self._current = 0
+        self._before = steps_before
+        self._current = self._index(steps_before)
 
     @property
     def edited(self) -> bool:
@@ -87,7 +90,7 @@ class EditedPass:
         before the denoiser as in any pass (under offload they are not brought back mid-pass)."""
         for index in range(len(self._entries)):
             self._conditioning(index)
-        return self._conditioning(0)
+        return self._conditioning(self._current)
 
     def _conditioning(self, index: int) -> Conditioning:
         _end, prompt, negative = self._entries[index]
@@ -98,8 +101,7 @@ class EditedPass:
     def swap(self, done: int, tensors: dict) -> None:
         """After step `done` (from 0), put the conditioning of step `done + 1` into `tensors` (the
         callback's), laid out as the tensors it replaces."""
-        step = done + 1
-        index = next((i for i, (end, *_texts) in enumerate(self._entries) if step <= end), len(self._entries) - 1)
+        index = self._index(self._before + done + 1)
         if index == self._current:
             return
         self._current = index
@@ -107,6 +109,10 @@ class EditedPass:
         tensors["prompt_embeds"] = self._laid_out(new.prompt_embeds, new.negative_embeds, tensors["prompt_embeds"])
         if POOLED_INPUT in tensors:
             tensors[POOLED_INPUT] = self._laid_out(new.pooled, new.negative_pooled, tensors[POOLED_INPUT])
+
+    def _index(self, step: int) -> int:
+        """The entry the sampler's step `step` (from 0) reads."""
+        return next((i for i, (end, *_texts) in enumerate(self._entries) if step <= end), len(self._entries) - 1)
 
     def _laid_out(self, positive: torch.Tensor, negative: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         """`positive` (and `negative`, first, under CFG) repeated per image, on `like`'s device and dtype."""
