@@ -261,3 +261,18 @@ def test_send_to_img2img_from_history_and_png_info(browser, served, pictures):
     assert page.input_value("#sd-i2i-prompt textarea") == "a red barn at noon"  # left as it was
     assert toasts(page) == []
     page.close()
+
+
+def test_a_refused_upload_says_why_in_the_page(browser, served, tmp_path):
+    """A picture the input checks refuse (here a BMP: only PNG, JPEG and WebP are decoded) is turned
+    away as it uploads, and the page says why in a toast instead of showing it; img2img then asks for
+    an init image instead of running on nothing."""
+    url, _engine = served
+    bmp = tmp_path / "scan.bmp"
+    Image.new("RGB", (32, 32), (10, 20, 30)).save(bmp)
+    page = _img2img_tab(browser, url, "a yellow flower", steps="2")
+    page.locator("#sd-i2i-image input[type=file]").set_input_files(str(bmp))
+    page.wait_for_selector("[data-testid=toast-text]", timeout=TIMEOUT_MS)
+    assert any("not a PNG, JPEG or WebP image" in t for t in toasts(page)), toasts(page)
+    assert page.locator("#sd-i2i-image img").count() == 0
+    page.close()
