@@ -7,7 +7,8 @@ buffer. Every engine here runs with strict forwards (`app/engine/strict.py`): ea
 forward checks that what it holds is on the compute device in the planned compute dtype, so a
 hook on a module whose forward never runs fails the generation that meets it. What it protects,
 per family: each declared checkpoint layout loads the saved weights bit for bit; one seed gives
-one image and the guidance reaches the model; a PEFT LoRA written by peft fuses to the formula
+one image and the guidance reaches the model; the compiled denoiser draws the eager latents and
+LoRAs change it without a recompile; a PEFT LoRA written by peft fuses to the formula
 and comes off bit for bit; every offload mode with weights resting in fp32 and computing in bf16
 draws the same image with zero violations and exactly the planned hooks; fp8 storage keeps its
 bytes with whole components moved and blocks streamed; img2img and inpaint run where the family
@@ -31,11 +32,13 @@ import toy_family
 from hook_plan import actual_hooks, expected_hooks
 from PIL import Image
 
+from app.adapters.files import read_adapter
+from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests, write_demo_loras
 from app.demo import build_tiny_pipeline
-from app.engine import checkpoint_files, models, offload, placement
-from app.engine.generate import GenerateParams
+from app.engine import checkpoint_files, compiled, models, offload, placement
+from app.engine.generate import GenerateParams, denoise
 from app.engine.strict import StrictForwardError
 from app.engine.worker import Engine
 from app.families import FAMILIES, family
@@ -225,6 +228,35 @@ def test_a_peft_lora_written_by_peft_fuses_to_the_formula_and_comes_off_bit_for_
                                    w0 + STRENGTH * (8 / 4) * b.detach() @ a.detach(), rtol=1e-5, atol=1e-6)
     plain.set_loras([])
     assert adapter_state_digests(pipe) == digests
+
+
+def test_the_compiled_denoiser_draws_the_eager_latents_and_loras_do_not_recompile(arch, data):
+    """The compiled path (`app/engine/compiled.py`: torch.compile of the family's denoiser; here dynamo
+    with its `eager` backend, inductor on a GPU) gives the eager latents bit for bit; the demo style
+    LoRA fused in changes them and fused out restores them, without a new graph (fusing writes in
+    place, so dynamo's guards hold)."""
+    fam = family(arch)
+    pipe = fam.pipeline_class(**build_tiny_pipeline(arch).components)
+    request = params(arch)
+
+    def run() -> torch.Tensor:
+        return denoise(pipe, request, request.seed, width=request.width, height=request.height)
+
+    eager = run()
+    state = compiled.enable(pipe, backend="eager", background=False, device="cpu")
+    try:
+        assert torch.equal(run(), eager)
+        graphs = state.compiles
+        assert graphs >= 1
+        name = f"demo-style-{arch}"
+        files = {name: read_adapter(name, data / "models/Lora" / f"{name}.safetensors")}
+        stack = LoraStack(pipe, arch)
+        stack.reconcile([LoraSpec(name, STRENGTH)], files)
+        assert not torch.equal(run(), eager)
+        stack.reconcile([], files)
+        assert torch.equal(run(), eager) and state.compiles == graphs
+    finally:
+        compiled.disable(pipe)
 
 
 def test_every_offload_mode_with_rest_dtype_other_than_compute_dtype(moving, arch):
