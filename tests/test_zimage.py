@@ -267,3 +267,30 @@ def test_hires_fix_live_preview_and_interrupt(engine):
     thread.join(timeout=120)
     stopped = result["images"][0].stopped_at
     assert stopped is not None and stopped <= progress.step + 2
+
+
+def test_compiled_path_compiles_three_caption_lengths_and_runs_the_rest_eager():
+    """Every prompt gives the transformer captions of another token count, and each count would be a
+    new graph: the compiled path (dynamo's eager backend here, inductor on a GPU) compiles the first
+    `MAX_TEXT_LENGTHS` and runs the others eager with a note, so new prompts never recompile past
+    torch's limit; compiled or not, the latents are the eager ones bit for bit."""
+    from app.demo import build_tiny_pipeline
+    from app.engine import compiled
+
+    fam = family("zimage-turbo")
+    pipe = fam.pipeline_class(**build_tiny_pipeline("zimage-turbo").components)
+    prompts = ["a", "a cat", "a red cat", "a red cat on", "a red cat on a mat"]
+
+    def run(prompt: str) -> torch.Tensor:
+        request = GenerateParams(prompt, steps=2, width=64, height=64, cfg=fam.default_guidance,
+                                 sampler=fam.default_sampler, seed=3)
+        return generate.denoise(pipe, request, 3, width=64, height=64)
+
+    eager = [run(p) for p in prompts]
+    state = compiled.enable(pipe, backend="eager", background=False, device="cpu")
+    try:
+        assert all(torch.equal(run(p), e) for p, e in zip(prompts, eager, strict=True))
+        assert state.status().shapes_ready == compiled.MAX_TEXT_LENGTHS
+        assert "more than 3 lengths" in state.note
+    finally:
+        compiled.disable(pipe)

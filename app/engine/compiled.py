@@ -26,9 +26,10 @@ A LoRA change must leave both counts unchanged; tests and the benchmark assert i
 Compiled artifacts survive restarts through torch's own caches (app/engine/compile_cache.py).
 
 Each distinct signature (image size, batch, prompt length) compiles once, up to torch's recompile
-limit (8); later ones stay eager and the status says so. Prompts come in 77-token chunks: only the
-first `MAX_TEXT_LENGTHS` prompt lengths compile, longer tails run eager with a note (padding to a
-bucket would change the image). A background compile runs one extra UNet forward beside the
+limit (8); later ones stay eager and the status says so. Only the first `MAX_TEXT_LENGTHS` prompt
+lengths compile (77-token chunk counts for CLIP; a family whose denoiser reads its prompt otherwise
+says how to read its length, `Family.prompt_length`: Z-Image's token counts), the others run eager
+with a note (padding to a bucket would change the image: Z-Image pads captions with a learned token). A background compile runs one extra UNet forward beside the
 generation in flight, so it needs that much more VRAM; on a small GPU prefer `background=False`.
 
 One compiled UNet per process: `close()` calls `torch._dynamo.reset()`, which drops every compiled
@@ -42,6 +43,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,10 +90,11 @@ def signature_key(args: tuple, kwargs: dict) -> tuple:
     return _leaf_key(args), _leaf_key(kwargs)
 
 
-def _text_length(key: tuple) -> int | None:
-    """A signature's prompt length: axis 1 of its `encoder_hidden_states` keyword's recorded shape."""
-    leaf = dict(key[1][1]).get("encoder_hidden_states", ((),))
-    return leaf[0][1] if isinstance(leaf[0], torch.Size) and len(leaf[0]) == 3 else None
+def encoder_states_length(args: tuple, kwargs: dict) -> int | None:
+    """A denoiser call's prompt length: axis 1 of its `encoder_hidden_states` (UNets, FLUX); a family
+    whose denoiser takes its prompt otherwise says how to read it (`Family.prompt_length`)."""
+    states = kwargs.get("encoder_hidden_states")
+    return states.shape[1] if isinstance(states, torch.Tensor) and states.dim() == 3 else None
 
 
 def describe_call(args: tuple, kwargs: dict) -> str:
@@ -181,7 +184,8 @@ class CompileState:
     """
 
     def __init__(self, unet: torch.nn.Module, *, mode: str = "reduce-overhead", backend="inductor",
-                 background: bool = True, mega_cache: Path | None = None, blocked_note: str = "") -> None:
+                 background: bool = True, mega_cache: Path | None = None, blocked_note: str = "",
+                 prompt_length: Callable[[tuple, dict], int | None] = encoder_states_length) -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
         self.unet = unet
@@ -194,6 +198,7 @@ class CompileState:
         self._max_shapes = int(getattr(torch._dynamo.config, "recompile_limit", 8))
         self._ready: dict[tuple, str] = {}  # signature -> label
         self._failed: dict[tuple, str] = {}  # signature -> "label: error"
+        self._prompt_length = prompt_length
         self._lengths: set[int] = set()  # text lengths compiled or being compiled
         self._long = False  # a text length past MAX_TEXT_LENGTHS ran eager
         self._seconds: dict[str, float] = {}  # label -> wall time of its first (compiling) call
@@ -263,7 +268,7 @@ class CompileState:
         if len(ready) + len(failed) >= self._max_shapes:
             note += f"; {self._max_shapes} sizes compiled, the torch limit: further sizes run eager"
         if self._long:
-            note += f"; prompts of more than {MAX_TEXT_LENGTHS} lengths (77-token chunk counts): the others run eager"
+            note += f"; prompts of more than {MAX_TEXT_LENGTHS} lengths: the others run eager"
         return phase, note
 
     # ------------------------------------------------------------------ dispatch
@@ -276,7 +281,7 @@ class CompileState:
                 return self._run_compiled(args, kwargs)
             finally:
                 self._run_lock.release()
-        if self._may_compile(key):
+        if self._may_compile(key, self._prompt_length(args, kwargs)):
             if not self._background:
                 return self.warm(*args, **kwargs)
             self._start_warm(key, args, kwargs)
@@ -288,8 +293,7 @@ class CompileState:
             torch.compiler.cudagraph_mark_step_begin()
         return self._compiled(*args, **kwargs)
 
-    def _may_compile(self, key: tuple) -> bool:
-        length = _text_length(key)
+    def _may_compile(self, key: tuple, length: int | None) -> bool:
         if length is not None and length not in self._lengths and len(self._lengths) >= MAX_TEXT_LENGTHS:
             self._long = True
             return False
@@ -302,7 +306,7 @@ class CompileState:
         """Compile (when new) and run the compiled forward for exactly this call; returns its output.
         A failure is recorded against the signature (which then stays eager) and re-raised."""
         key, label = signature_key(args, kwargs), describe_call(args, kwargs)
-        self._lengths.add(_text_length(key))
+        self._lengths.add(self._prompt_length(args, kwargs))
         started = time.perf_counter()
         try:
             with self._run_lock:
@@ -323,7 +327,7 @@ class CompileState:
     def _start_warm(self, key: tuple, args: tuple, kwargs: dict) -> None:
         inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
         with self._state_lock:
-            if not self._may_compile(key):
+            if not self._may_compile(key, self._prompt_length(args, kwargs)):
                 return
             self._warming = (describe_call(args, kwargs), time.monotonic())
             self._thread = threading.Thread(target=self._warm_in_background, args=(inputs, torch.is_grad_enabled()),
@@ -397,7 +401,7 @@ def enable(pipe, *, offload: str = "none", mode: str = "reduce-overhead", backen
         mega_cache = configure_cache(cache_dir)
         load_mega_cache(mega_cache)
     return CompileState(_denoiser(pipe), mode=mode, backend=backend, background=background, mega_cache=mega_cache,
-                        blocked_note=note)
+                        blocked_note=note, prompt_length=family_of(pipe).prompt_length or encoder_states_length)
 
 
 def _denoiser(pipe) -> torch.nn.Module:

@@ -235,6 +235,9 @@ class Family:
     # The side, in pixels, the loaded model was trained at: the size the page switches to on load.
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
     native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
+    # A denoiser call's prompt length (the compiled path compiles only a few distinct ones, so a new
+    # prompt never recompiles past torch's limit); None: axis 1 of `encoder_hidden_states`.
+    prompt_length: Callable[[tuple, dict], int | None] | None = None
     # (steps, guidance) for a loaded pipeline where checkpoints of one family want other settings (FLUX.2
     # Klein's undistilled "base": 50 steps, guidance 4); None: `default_steps`, `default_guidance`.
     loaded_defaults: Callable[[Any], tuple[int, float]] | None = None

@@ -134,6 +134,12 @@ _DEMO_LORA_TARGETS = (
 _STAGES = MappingProxyType({"img2img": SteadyZImageImg2ImgPipeline, "inpaint": SteadyZImageInpaintPipeline})
 
 
+def _caption_length(args: tuple, _kwargs: dict) -> int | None:
+    """The transformer takes its captions third, as a list of (tokens, features) tensors, one per image."""
+    captions = args[2] if len(args) > 2 else None
+    return max(len(c) for c in captions) if isinstance(captions, list) and captions else None
+
+
 def _family(name: str, label: str, turbo: bool) -> Family:
     return Family(
         name=name,
@@ -141,6 +147,7 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         pipeline_class=SteadyZImagePipeline,
         stage_pipelines=_STAGES,
         diffusers_pipeline="ZImagePipeline",
+        prompt_length=_caption_length,
         text_encoders=(QWEN3,),
         checkpoint_markers=("layers.0.attention.qkv.weight", "cap_embedder.1.weight", "x_pad_token",
                             "noise_refiner.0.adaLN_modulation.0.weight"),
