@@ -17,9 +17,9 @@ graph is compiled ("warmed") runs compiled, anything else runs the plain eager f
 itself runs eager, so the app stays usable during the first compile (~1 min for SD1.5 on an H100);
 with `background=False` (benchmarks, tests) the first call compiles in line.
 
-How compiles are counted: the dynamo backend is wrapped by `_CountingBackend`, which counts every
-FX graph dynamo hands to the real backend (one per compiled signature when the UNet traces as one
-graph, more if it graph-breaks). CUDA-graph recordings are counted from dynamo's compile callbacks
+How compiles are counted (`app/engine/compile_counting.py`): the dynamo backend is wrapped by
+`CountingBackend`, which counts every FX graph dynamo hands to the real backend (one per compiled
+signature when the UNet traces as one graph, more if it graph-breaks). CUDA-graph recordings are counted from dynamo's compile callbacks
 (trigger `CUDAGRAPH_RECORDING`) where the installed torch has them; otherwise that count is None.
 A LoRA change must leave both counts unchanged; tests and the benchmark assert it.
 
@@ -29,8 +29,9 @@ Each distinct signature (image size, batch, prompt length) compiles once, up to 
 limit (8); later ones stay eager and the status says so. Only the first `MAX_TEXT_LENGTHS` prompt
 lengths compile (77-token chunk counts for CLIP; a family whose denoiser reads its prompt otherwise
 says how to read its length, `Family.prompt_length`: Z-Image's token counts), the others run eager
-with a note (padding to a bucket would change the image: Z-Image pads captions with a learned token). A background compile runs one extra UNet forward beside the
-generation in flight, so it needs that much more VRAM; on a small GPU prefer `background=False`.
+with a note (padding to a bucket would change the image: Z-Image pads captions with a learned token).
+A background compile runs one extra UNet forward beside the generation in flight, so it needs that
+much more VRAM; on a small GPU prefer `background=False`.
 
 One compiled UNet per process: `close()` calls `torch._dynamo.reset()`, which drops every compiled
 graph (the entries live on the shared `UNet2DConditionModel.forward` code object) and frees the
@@ -51,6 +52,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from app.engine.compile_cache import configure_cache, load_mega_cache, save_mega_cache
+from app.engine.compile_counting import CountingBackend, RecordingCounter
 from app.engine.offload import MODES
 from app.families import family_of
 
@@ -103,49 +105,6 @@ def describe_call(args: tuple, kwargs: dict) -> str:
     if first is None:
         return "no tensor inputs"
     return "latents " + "x".join(map(str, first.shape)) + f" {str(first.dtype).removeprefix('torch.')}"
-
-
-class _CountingBackend:
-    """A dynamo backend that counts the graphs it compiles, then hands them to the real backend.
-
-    For inductor the real backend is the object `torch.compile(mode=...)` itself builds (mode
-    `reduce-overhead` = the `triton.cudagraphs` option); any other backend, a name or a callable,
-    is used as is, e.g. `eager`/`aot_eager` in CPU tests.
-    """
-
-    def __init__(self, backend, mode: str) -> None:
-        self.graphs = 0
-        self._lock = threading.Lock()
-        if backend == "inductor":
-            self._compile = torch._TorchCompileInductorWrapper(None if mode == "default" else mode, None, False)
-            self.config_patches = dict(self._compile.config)
-        else:
-            self._compile = backend if callable(backend) else torch._dynamo.lookup_backend(backend)
-            self.config_patches = {}
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
-        with self._lock:
-            self.graphs += 1
-        return self._compile(gm, example_inputs, **kwargs)
-
-
-class _RecordingCounter:
-    """Counts CUDA-graph recordings (process-wide) through dynamo's compile-start callbacks."""
-
-    def __init__(self) -> None:
-        trigger = getattr(getattr(torch._dynamo.callback, "CallbackTrigger", None), "CUDAGRAPH_RECORDING", None)
-        self._trigger = trigger
-        self.count: int | None = None if trigger is None else 0
-        if trigger is not None:
-            torch._dynamo.callback_handler.register_start_callback(self._on_start)
-
-    def _on_start(self, args=None) -> None:
-        if getattr(args, "callback_trigger", None) is self._trigger:
-            self.count += 1
-
-    def close(self) -> None:
-        if self._trigger is not None and self._on_start in torch._dynamo.callback_handler.start_callbacks:
-            torch._dynamo.callback_handler.remove_start_callback(self._on_start)
 
 
 @dataclass(frozen=True)
@@ -211,9 +170,9 @@ class CompileState:
         if blocked_note:
             return
         self._eager = type(unet).forward.__get__(unet)
-        self._counter = _CountingBackend(backend, mode)
+        self._counter = CountingBackend(backend, mode)
         self._compiled = torch.compile(self._eager, backend=self._counter, dynamic=False)
-        self._recordings = _RecordingCounter()
+        self._recordings = RecordingCounter()
         unet.forward = self.forward
 
     # ------------------------------------------------------------------ counters and status
