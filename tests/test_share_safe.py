@@ -300,6 +300,10 @@ def test_uploads_are_checked_as_input_images_before_gradio_decodes_them(app):
     join = client.post("/gradio_api/queue/join", json={"data": [fetched], "fn_index": 0, "session_hash": "s"},
                        headers={"Origin": app.url})
     assert join.status_code == 400 and "uploaded first" in join.text
+    deep = "[" * 950 + json.dumps(fetched) + "]" * 950  # 2 KB nested deeper than Python's stack
+    join = client.post("/gradio_api/queue/join", headers={"Origin": app.url, "Content-Type": "application/json"},
+                       content=f'{{"data": {deep}, "fn_index": 0, "session_hash": "s"}}')
+    assert join.status_code == 400 and "uploaded first" in join.text
 
 
 @pytest.mark.parametrize("kind", ["BMP", "EPS", "GIF"])

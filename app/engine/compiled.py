@@ -19,8 +19,9 @@ with `background=False` (benchmarks, tests) the first call compiles in line.
 
 How compiles are counted (`app/engine/compile_counting.py`): the dynamo backend is wrapped by
 `CountingBackend`, which counts every FX graph dynamo hands to the real backend (one per compiled
-signature when the UNet traces as one graph, more if it graph-breaks). CUDA-graph recordings are counted from dynamo's compile callbacks
-(trigger `CUDAGRAPH_RECORDING`) where the installed torch has them; otherwise that count is None.
+signature when the UNet traces as one graph, more if it graph-breaks). CUDA-graph recordings are
+counted from dynamo's compile callbacks (trigger `CUDAGRAPH_RECORDING`) where the installed torch
+has them; otherwise that count is None.
 A LoRA change must leave both counts unchanged; tests and the benchmark assert it.
 
 Compiled artifacts survive restarts through torch's own caches (app/engine/compile_cache.py).

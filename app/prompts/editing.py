@@ -52,8 +52,10 @@ def editable(fam: Family, pipeline_class: type | None = None) -> bool:
 
 def not_edited_note(fam: Family, prompt: str, negative_prompt: str, steps: int) -> str:
     """The note for a prompt that edits itself on a family that cannot follow it ("" otherwise)."""
+    if editable(fam):
+        return ""
     entries = edited_texts(prompt, negative_prompt, steps)
-    if len(entries) == 1 or editable(fam):
+    if len(entries) == 1:
         return ""
     return (f"{fam.label} cannot change its prompt during a pass: prompt editing ([from:to:when]) and "
             f"alternation ([a|b]) read as at the first step: \"{entries[0][1]}\"")

@@ -241,11 +241,16 @@ def refused_upload(answer: bytes) -> str | None:
 def fetches_a_file(value) -> bool:
     """Whether a request's data holds a file Gradio would fetch itself (a `url` without a `path`: a
     `data:` URL or another server's address) rather than one uploaded here, which the upload check saw."""
-    if isinstance(value, dict):
-        if isinstance(value.get("url"), str) and not value.get("path"):
-            return True
-        return any(fetches_a_file(v) for v in value.values())
-    return isinstance(value, list) and any(fetches_a_file(v) for v in value)
+    pending = [value]  # a walk, not recursion: a 2 KB body nests deeper than Python's stack allows
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("url"), str) and not item.get("path"):
+                return True
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
 
 
 def cross_site(headers: Headers) -> bool:
