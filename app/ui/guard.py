@@ -168,7 +168,7 @@ class RequestGuard:
         the files with Pillow's own limits (179 M pixels). Every file this app takes is an input image, so
         each saved file is checked here as the A1111 API's images are (`app.image_inputs`: PNG, JPEG or
         WebP, within the pixel cap, PNG text within its caps) before anyone can use it; a refused upload's
-        files are deleted and it is answered 400 with the reason."""
+        files are deleted and it is answered 400 with the reason, as text."""
         start, chunks = {}, []
 
         async def hold(message: dict) -> None:
@@ -182,7 +182,7 @@ class RequestGuard:
         problem = refused_upload(body) if start.get("status") == 200 else None
         if problem is not None:
             log.info("upload refused: %s", problem)
-            await _refused(400, problem)(scope, receive, send)
+            await _refused(400, problem, plain=True)(scope, receive, send)
             return
         await send(start)
         await send({"type": "http.response.body", "body": body})
@@ -305,11 +305,15 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _refused(status: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None) -> ASGIApp:
-    """A JSON `{"detail": ...}` answer, the shape Gradio's own refusals have. A body left unread is
-    discarded by the server as it arrives (nothing of it is kept), so the client still reads the answer."""
-    payload = json.dumps({"detail": detail}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+def _refused(status: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None,
+             plain: bool = False) -> ASGIApp:
+    """A JSON `{"detail": ...}` answer, the shape Gradio's own refusals have; `plain`: the text alone, as
+    Gradio answers a refused upload (its page shows an upload's answer as it is, in a toast). A body
+    left unread is discarded by the server as it arrives (nothing of it is kept), so the client still
+    reads the answer."""
+    payload = (detail if plain else json.dumps({"detail": detail})).encode()
+    kind = b"text/plain; charset=utf-8" if plain else b"application/json"
+    headers = [(b"content-type", kind), (b"content-length", str(len(payload)).encode())]
 
     async def answer(_scope: Scope, _receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
