@@ -13,7 +13,8 @@ kept), and writes what each section measured plus a one-page `SUMMARY.md` and `d
 device image lacks (Gradio and the web stack) made unimportable, and every bench section runs its
 `--smoke` form (tiny models, same code paths). Estimates are device seconds on an H100, process
 start included, from the runs recorded in `benchmarks/results/nvidia-h100-80gb-hbm3/devicecheck-*`
-(2026-11-26: (b) 102 s, (c) 206 s; (a) was stopped at 271 s in a larger fast form than today's);
+(2026-11-26: (b) 102 s, (c) 206 s, Klein 95 s, Z-Image 144 s; (a) was stopped at 271 s in a larger fast form
+than today's; the offload sections' from the phases they reached before their caps);
 each run writes its actual seconds beside them, and every log line carries its elapsed seconds.
 """
 
@@ -86,14 +87,22 @@ PLAN = (
     Section("channels-last", "f", "channels_last on/off: SD1.5 512² and SDXL 1024², none and 3 fused LoRAs "
             "(decides the CUDA default)", 230,
             ("--archs", "sd15,sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3", "--repeats", "2")),
+    # Each family's offload rows are their own section, after both families' headline rows: a bench
+    # writes its files only when it ends, so a section stopped at its cap keeps nothing.
     Section("klein", "g", "FLUX.2 Klein 4B 1024² bf16 vs Flux2KleinPipeline (none, 3 fused LoRAs, PEFT), fp8 "
-            "storage with none and 3 LoRAs as bypass, every offload mode; resting VRAM", 200,
-            ("--archs", "flux2-klein-4b", "--sections", "throughput,fp8,offload", "--batches", "1", "--loras", "0,3",
+            "storage with none and 3 LoRAs as bypass; resting VRAM", 100,
+            ("--archs", "flux2-klein-4b", "--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3",
              "--repeats", "2", "--steps", "4")),
     Section("zimage", "h", "Z-Image Turbo 1024² bf16, 8 steps, no CFG, vs ZImagePipeline (none, 3 fused LoRAs, "
-            "PEFT), fp8 storage with none and 3 LoRAs as bypass, every offload mode; resting VRAM", 300,
-            ("--archs", "zimage-turbo", "--sections", "throughput,fp8,offload", "--batches", "1", "--loras", "0,3",
+            "PEFT), fp8 storage with none and 3 LoRAs as bypass; resting VRAM", 150,
+            ("--archs", "zimage-turbo", "--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3",
              "--repeats", "2", "--steps", "8")),
+    Section("klein-offload", "i", "FLUX.2 Klein 4B 1024² bf16: every offload mode vs diffusers' model, sequential "
+            "and group offload", 310,
+            ("--archs", "flux2-klein-4b", "--sections", "offload", "--batches", "1", "--repeats", "2", "--steps", "4")),
+    Section("zimage-offload", "j", "Z-Image Turbo 1024² bf16, 8 steps: every offload mode vs diffusers' model, "
+            "sequential and group offload", 380,
+            ("--archs", "zimage-turbo", "--sections", "offload", "--batches", "1", "--repeats", "2", "--steps", "8")),
 )
 
 

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from app import bench as app_bench
+from app.families import FAMILIES, family
 from benchmarks import config, denoiser, measure, probe, proxies, proxy_ops, proxy_report, proxy_steps, stats
 
 ROW_KEYS = {
@@ -180,7 +181,6 @@ def test_denoiser_flops_match_the_full_size_architectures():
     modulation weights, a quarter of the 11.9 B, act on one vector)."""
     from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 
-    from app.families import family
 
     unet_config = UNet2DConditionModel.load_config(family("sd15").config_dir / "unet")
     one = denoiser.tflop_per_step("sd15", unet_config, 1, 64)
@@ -209,13 +209,25 @@ def test_flux_op_counts_on_meta_compare_ours_with_loras_and_diffusers(tmp_path):
     assert "aten.convolution" not in bypass["differences"]
 
 
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_full_size_builds_use_the_classes_the_bundled_model_index_names(arch):
+    """The bench's random-weight pipelines and the single-file shape checks build every component as
+    the family's bundled `model_index.json` names it. Both once built FLUX.2 Klein's VAE as a plain
+    `AutoencoderKL`, and the device check's Klein sections failed at the first step's preview."""
+    from app.engine.checkpoint_shapes import meta_components
+
+    config_dir = family(arch).config_dir
+    index = json.loads((config_dir / "model_index.json").read_text())
+    for component, module in vars(meta_components(arch, config_dir)).items():
+        assert type(module).__name__ == index[component][1], component
+
+
 def test_lora_targets_cover_each_familys_attention_and_feed_forward():
     """The bench LoRAs: on the full-size SD1.5 UNet the 160 attention and feed-forward linears (the
     LoCon adds the 44 resnet convs); on FLUX.1-dev the 418 linears of both attention streams, both
     feed-forwards and the single blocks' MLP and output, but not the final `proj_out` or the
     modulation layers; Flux has no convs, so its third LoRA is a plain one."""
     from app.engine.checkpoint_shapes import meta_components
-    from app.families import family
     from benchmarks.workload import lora_kinds, lora_targets
 
     unet = meta_components("sd15", family("sd15").config_dir).unet
@@ -277,7 +289,6 @@ def test_the_step_baseline_on_shared_modules_is_diffusers_own_class_on_our_weigh
     objects (no copy), its own sampler, and it generates."""
     from types import SimpleNamespace
 
-    from app.families import family
 
     engine.load_model("tiny-sd15.safetensors")
     cfg = SimpleNamespace(step_dtype="fp32", prompt="a cat", steps=2, resolution=64, seed=1)

@@ -26,7 +26,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from diffusers import AutoencoderKL
 
 from app.families import family
 from app.families.ldm_layout import ldm_shapes, to_ldm_state_dict
@@ -46,7 +45,7 @@ def build_components(arch: str, config_dir: Path) -> dict[str, torch.nn.Module]:
     fam = family(arch)
     denoiser = fam.denoiser_class
     parts = {fam.denoiser: denoiser.from_config(denoiser.load_config(config_dir / fam.denoiser)),
-             "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(config_dir / "vae"))}
+             "vae": fam.vae_class.from_config(fam.vae_class.load_config(config_dir / "vae"))}
     for te in fam.text_encoders:
         parts[te.component] = te.model_class(te.config_class.from_pretrained(config_dir / te.component))
     return parts
