@@ -17,13 +17,14 @@ import torch
 
 from app.engine import compiled
 from app.engine.placement import DTYPES
-from app.families import family
+from app.families import FAMILIES, family
 
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile")
-# what --archs takes; a full run without it does SD1.5 and SDXL
-ARCHS = ("sd15", "sdxl", "flux-dev", "flux2-klein-4b", "zimage-turbo")
+# what --archs takes: every family that states how it is benched (`Family.bench`); a full run without it does
+# SD1.5 and SDXL
+ARCHS = tuple(name for name, fam in FAMILIES.items() if fam.bench)
 OFFLOAD_CASES = ("model", "balanced", "balanced-3gib", "sequential", "group")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 SEED = 1234
@@ -63,8 +64,7 @@ class BenchConfig:
     dtype: str
     device: str
     tiny: bool
-    resolution: dict[str, int] = field(default_factory=lambda: {"sd15": 512, "sdxl": 1024, "flux-dev": 1024,
-                                                                "flux2-klein-4b": 1024, "zimage-turbo": 1024})
+    resolution: dict[str, int] = field(default_factory=lambda: {arch: family(arch).bench.side for arch in ARCHS})
     budget_gib: float = 3.0
     budget_archs: tuple[str, ...] = ("sd15",)
     channels_last_rows: bool = True  # the throughput pools' `--channels-last` engine, where the denoiser has convs
@@ -79,7 +79,7 @@ PRESETS = {
     # and every code path are the same.
     "smoke": BenchConfig("smoke", ("sd15", "sdxl"), SECTIONS, (1,), 2, 2, 0, 4, (0, 1, 3), OFFLOAD_CASES,
                          ("reduce-overhead",), "eager", 3, 2, False, "fp32", "cpu", True,
-                         {"sd15": 64, "sdxl": 64, "flux-dev": 64, "flux2-klein-4b": 64, "zimage-turbo": 64}),
+                         dict.fromkeys(ARCHS, 64)),
 }
 
 
@@ -117,7 +117,7 @@ def run_dtype(preset_dtype: str, archs: tuple[str, ...], asked: str | None) -> s
 def guidance(arch: str) -> float:
     """The guidance value both sides pass, in the CFG field's meaning (`Family.call_arguments` maps it
     to each pipeline's call): the family's own default, as its model card runs it: SD's CFG 7
-    (`CFG_SCALE`), Flux dev's distilled 3.5, schnell's and Z-Image Turbo's 1 (no CFG)."""
+    (`CFG_SCALE`), Flux dev's distilled 3.5, a distilled model's 1 (no CFG)."""
     return family(arch).default_guidance
 
 

@@ -1,14 +1,11 @@
-"""The denoiser of any family (SD's UNet, Flux's transformer) as the benchmark sees it: which
+"""The denoiser of any family (SD's UNet, a DiT's transformer) as the benchmark sees it: which
 component it is, one call's inputs at a given size, and that call's FLOPs.
 
 Why one module: the timing hooks, the op counts and the TFLOP per step all wrap "one denoiser
-call", and what that call takes differs by family: a UNet reads a spatial latent and CLIP states
-(SDXL adds pooled text and size ids) and runs the CFG-doubled batch; Flux's transformer reads 2×2
-latent patches packed into a sequence, T5 states, CLIP's pooled vector, position ids and (dev) the
-distilled guidance value, and runs the batch once (no unconditional pass); Z-Image's reads lists, one
-(channels, 1, h, w) latent and one caption's Qwen3 states per image, the batch once at Turbo's CFG 1.
+call". What that call takes differs by family (a UNet reads a spatial latent and CLIP states, a DiT
+patches as a sequence; some run the CFG-doubled batch), so the family states it
+(`Family.bench.call_inputs`) and this module only builds the meta model and counts.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -19,11 +16,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from app.families import family, family_of
 from benchmarks.config import runs_cfg
-
-_TEXT_TOKENS = 77  # CLIP's sequence length (SD's only text input, Flux's pooled vector comes from it)
-# Z-Image's caption: the benchmark prompt in Qwen3's chat template is 19 tokens, which the transformer
-# pads to its 32-token multiple
-_CAPTION_TOKENS = 19
 
 
 def denoiser_of(pipe) -> torch.nn.Module:
@@ -62,28 +54,7 @@ def call_inputs(arch: str, denoiser: torch.nn.Module, batch: int, latent_side: i
     def empty(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, device="meta", dtype=dtype)
 
-    if "cap_feat_dim" in cfg:  # Z-Image
-        return {"x": [empty(cfg.in_channels, 1, latent_side, latent_side) for _ in range(rows)], "t": empty(rows),
-                "cap_feats": [empty(_CAPTION_TOKENS, cfg.cap_feat_dim) for _ in range(rows)], "return_dict": False}
-    if family(arch).denoiser == "transformer":
-        tokens, text = (latent_side // 2) ** 2, family(arch).max_sequence_length
-        guidance = {"guidance": empty(rows)} if cfg.guidance_embeds else {}
-        # FLUX.1 reads a pooled text vector and 3 position axes; FLUX.2 none and 4 axes, with a batch dimension
-        pooled = ({"pooled_projections": empty(rows, cfg.pooled_projection_dim)}
-                  if "pooled_projection_dim" in cfg else {})
-        axes = len(cfg.axes_dims_rope)
-        ids = {"img_ids": empty(tokens, 3), "txt_ids": empty(text, 3)} if axes == 3 else \
-            {"img_ids": empty(rows, tokens, axes), "txt_ids": empty(rows, text, axes)}
-        return {"hidden_states": empty(rows, tokens, cfg.in_channels),
-                "encoder_hidden_states": empty(rows, text, cfg.joint_attention_dim), "timestep": empty(rows),
-                "return_dict": False, **pooled, **ids, **guidance}
-    inputs = {"sample": empty(rows, cfg.in_channels, latent_side, latent_side),
-              "timestep": torch.tensor(500.0, device="meta"),
-              "encoder_hidden_states": empty(rows, _TEXT_TOKENS, cfg.cross_attention_dim), "return_dict": False}
-    if cfg.addition_embed_type == "text_time":
-        text_dim = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        inputs["added_cond_kwargs"] = {"text_embeds": empty(rows, text_dim), "time_ids": empty(rows, 6)}
-    return inputs
+    return family(arch).bench.call_inputs(family(arch), cfg, rows, latent_side, empty)
 
 
 def tflop_per_step(arch: str, config: dict, batch: int, latent_side: int) -> float:

@@ -13,18 +13,20 @@ kept), and writes what each section measured plus a one-page `SUMMARY.md` and `d
 device image lacks (Gradio and the web stack) made unimportable, and every bench section runs its
 `--smoke` form (tiny models, same code paths). Estimates are device seconds on an H100, process
 start included, from the runs recorded in `benchmarks/results/nvidia-h100-80gb-hbm3/devicecheck-*`
-(2026-11-26: (b) 102 s, (c) 206 s, Klein 95 s, Z-Image 144 s; (a) was stopped at 271 s in a larger fast form
-than today's; the offload sections' from the phases they reached before their caps);
+(2026-11-26: (b) 102 s, (c) 206 s, (d) 95 s, (e) 144 s; (a) was stopped at 271 s in a larger fast form than
+today's; the families' offload sections' from the phases they reached before their caps);
 each run writes its actual seconds beside them, and every log line carries its elapsed seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import signal
+import string
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from app.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -66,44 +70,49 @@ class Section:
         return [sys.executable, "-m", "app.bench", *args, "--out", str(out)]
 
 
-PLAN = (
-    Section("gpu-tests", "a", "-m gpu correctness tests, fast form: placement repair, forced OOM, LoRA math on the "
-            "weight's device, pinned backups, VRAM returned on switches, SD.Next sequences in every offload mode "
-            "(full-size SD1.5 bf16, SDXL fp16), workflows (SD1.5 bf16), fp8 and offload fuzz", 245, tests=True),
-    Section("sd15", "b", "SD1.5 512²: ours vs diffusers eager, 3 fused LoRAs vs none and vs PEFT, LoRA "
-            "add/re-weight/remove ms, peak VRAM; ABBA with control", 85,
-            ("--archs", "sd15", "--sections", "throughput,latency", "--batches", "1", "--loras", "0,3",
-             "--no-channels-last", "--repeats", "4")),
-    Section("flux", "c", "FLUX.1-dev 1024² bf16 vs FluxPipeline (none, 3 fused LoRAs, PEFT), then fp8 storage "
-            "with none and 3 LoRAs as bypass; resting VRAM", 210,
-            ("--archs", "flux-dev", "--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3",
-             "--repeats", "2", "--steps", "8")),
-    Section("compile", "d", "compiled denoiser (reduce-overhead): speed vs eager, recompiles and CUDA-graph "
-            "re-records across LoRA changes, SD1.5 then SDXL", 330,
-            ("--archs", "sd15,sdxl", "--sections", "compile", "--batches", "1", "--repeats", "2")),
-    Section("offload", "e", "every offload mode vs diffusers' model/sequential/group offload, SD1.5 and "
-            "balanced under a 3 GiB budget", 200,
-            ("--archs", "sd15", "--sections", "offload", "--batches", "1", "--repeats", "2", "--steps", "10")),
-    Section("channels-last", "f", "channels_last on/off: SD1.5 512² and SDXL 1024², none and 3 fused LoRAs "
-            "(decides the CUDA default)", 230,
-            ("--archs", "sd15,sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3", "--repeats", "2")),
-    # Each family's offload rows are their own section, after both families' headline rows: a bench
-    # writes its files only when it ends, so a section stopped at its cap keeps nothing.
-    Section("klein", "g", "FLUX.2 Klein 4B 1024² bf16 vs Flux2KleinPipeline (none, 3 fused LoRAs, PEFT), fp8 "
-            "storage with none and 3 LoRAs as bypass; resting VRAM", 100,
-            ("--archs", "flux2-klein-4b", "--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3",
-             "--repeats", "2", "--steps", "4")),
-    Section("zimage", "h", "Z-Image Turbo 1024² bf16, 8 steps, no CFG, vs ZImagePipeline (none, 3 fused LoRAs, "
-            "PEFT), fp8 storage with none and 3 LoRAs as bypass; resting VRAM", 150,
-            ("--archs", "zimage-turbo", "--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3",
-             "--repeats", "2", "--steps", "8")),
-    Section("klein-offload", "i", "FLUX.2 Klein 4B 1024² bf16: every offload mode vs diffusers' model, sequential "
-            "and group offload", 310,
-            ("--archs", "flux2-klein-4b", "--sections", "offload", "--batches", "1", "--repeats", "2", "--steps", "4")),
-    Section("zimage-offload", "j", "Z-Image Turbo 1024² bf16, 8 steps: every offload mode vs diffusers' model, "
-            "sequential and group offload", 380,
-            ("--archs", "zimage-turbo", "--sections", "offload", "--batches", "1", "--repeats", "2", "--steps", "8")),
-)
+def _family_sections() -> tuple[list[Section], list[Section]]:
+    """Each benched family's own sections, as it states them (`Family.bench`): its headline rows, in
+    `check_order`, and (later in the plan) its offload rows at the same steps."""
+    benched = sorted((fam for fam in FAMILIES.values() if fam.bench and fam.bench.check),
+                     key=lambda fam: fam.bench.check_order)
+    headline = [Section(fam.name, "", fam.bench.check_title, fam.bench.check_s, ("--archs", fam.name, *fam.bench.check))
+                for fam in benched]
+    offload = []
+    for fam in (f for f in benched if f.bench.offload_check_s):
+        steps = fam.bench.check[fam.bench.check.index("--steps"):][:2] if "--steps" in fam.bench.check else ()
+        offload.append(Section(f"{fam.name}-offload", "", f"{fam.label} {fam.bench.side}²: every offload mode vs "
+                               "diffusers' model, sequential and group offload", fam.bench.offload_check_s,
+                               ("--archs", fam.name, "--sections", "offload", "--batches", "1", "--repeats", "2",
+                                *steps)))
+    return headline, offload
+
+
+def _plan() -> tuple[Section, ...]:
+    """The GPU tests, each family's headline rows, the sections that compare engine features across
+    SD1.5 and SDXL, then each family's offload rows; lettered in that order."""
+    headline, family_offload = _family_sections()
+    sections = [
+        Section("gpu-tests", "", "-m gpu correctness tests, fast form: placement repair, forced OOM, LoRA math on "
+                "the weight's device, pinned backups, VRAM returned on switches, SD.Next sequences in every offload "
+                "mode (full-size SD1.5 bf16, SDXL fp16), workflows (SD1.5 bf16), fp8 and offload fuzz", 245,
+                tests=True),
+        *headline,
+        Section("compile", "", "compiled denoiser (reduce-overhead): speed vs eager, recompiles and CUDA-graph "
+                "re-records across LoRA changes, SD1.5 then SDXL", 330,
+                ("--archs", "sd15,sdxl", "--sections", "compile", "--batches", "1", "--repeats", "2")),
+        Section("offload", "", "every offload mode vs diffusers' model/sequential/group offload, SD1.5 and "
+                "balanced under a 3 GiB budget", 200,
+                ("--archs", "sd15", "--sections", "offload", "--batches", "1", "--repeats", "2", "--steps", "10")),
+        Section("channels-last", "", "channels_last on/off: SD1.5 512² and SDXL 1024², none and 3 fused LoRAs "
+                "(decides the CUDA default)", 230,
+                ("--archs", "sd15,sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3",
+                 "--repeats", "2")),
+        *family_offload,
+    ]
+    return tuple(dataclasses.replace(section, letter=string.ascii_lowercase[i]) for i, section in enumerate(sections))
+
+
+PLAN = _plan()
 
 
 def _pytest_command(junit: Path, dry_run: bool) -> list[str]:

@@ -126,7 +126,7 @@ class StepTimer:
         self._marks.append(self._stamp())
         if self._capture:
             sample = output[0] if isinstance(output, (tuple, list)) else output.sample
-            first = sample[0] if isinstance(sample, list) else sample[:1]  # Z-Image returns one tensor per image
+            first = sample[0] if isinstance(sample, list) else sample[:1]  # a list: one tensor per image
             self.last_output = first.detach().clone()
 
     def reset(self) -> None:

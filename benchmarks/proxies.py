@@ -96,10 +96,10 @@ def prepare(arch: str, config: ProxyConfig) -> ProxyModel:
     if not path.is_file():
         write_random_single_file(arch, path, DTYPES[config.storage_dtype])
     denoiser = getattr(meta_components(arch, family(arch).config_dir), family(arch).denoiser)
-    names = tuple(f"bench-{arch}-{kind}{i}" for i, kind in enumerate(lora_kinds(denoiser)))
+    names = tuple(f"bench-{arch}-{kind}{i}" for i, kind in enumerate(lora_kinds(arch, denoiser)))
     if not all((settings.lora_dir / f"{n}.safetensors").is_file() for n in names):
         write_loras(denoiser, settings.lora_dir, arch, config.lora_rank)
-    touched = sum(math.prod(shape) for _name, shape in lora_targets(denoiser, convs=True))
+    touched = sum(math.prod(shape) for _name, shape in lora_targets(arch, denoiser, convs=True))
     return ProxyModel(arch, settings.data_dir, path.name, path, names, single_file_numel(path), touched)
 
 

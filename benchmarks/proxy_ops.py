@@ -64,9 +64,9 @@ def count_call(arch: str, denoiser: torch.nn.Module, latent_side: int) -> dict[s
 def meta_loras(arch: str, denoiser: torch.nn.Module, rank: int) -> dict[str, AdapterFile]:
     """The three bench LoRAs (`workload.lora_kinds`) as in-memory adapter files of fp16 meta tensors."""
     files = {}
-    for i, kind in enumerate(lora_kinds(denoiser)):
+    for i, kind in enumerate(lora_kinds(arch, denoiser)):
         name = f"bench-{arch}-{kind}{i}"
-        shapes = lora_shapes(lora_targets(denoiser, convs=kind == "locon"), rank, family(arch).denoiser)
+        shapes = lora_shapes(lora_targets(arch, denoiser, convs=kind == "locon"), rank, family(arch).denoiser)
         tensors = {key: torch.empty(shape, dtype=torch.float16, device=META) for key, shape in shapes.items()}
         files[name] = AdapterFile(name, Path(f"{name}.safetensors"), tensors, {}, name, 0)
     return files
@@ -101,5 +101,5 @@ def ops_section(arch: str, config) -> dict[str, Any]:
             "resolution": PRESETS["full"].resolution[arch],
             "latent_side": side, "params_b": sum(p.numel() for p in ours.parameters()) / 1e9,
             "loras": {name: {"layers": len(f.tensors) // 2, "rank": config.lora_rank} for name, f in files.items()},
-            "layers_touched": len(lora_targets(ours, convs=True)), "ops": ops_summary(ops),
+            "layers_touched": len(lora_targets(arch, ours, convs=True)), "ops": ops_summary(ops),
             "per_call": {" / ".join(map(str, key)): counts for key, counts in ops.items()}}

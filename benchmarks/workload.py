@@ -25,13 +25,6 @@ from app.settings import Settings
 from benchmarks.denoiser import default_dtype, denoiser_of
 from benchmarks.measure import free_memory
 
-# Attention projections and feed-forward linears: SD's attn1/attn2 and ff; Flux's joint attention
-# (image and text streams), both streams' feed-forwards, and the single blocks' MLP and output;
-# Z-Image's attention and SwiGLU feed-forward in every block (refiners included).
-_LORA_LINEAR = re.compile(r"\.((attn[12]?|attention)\.(to_q|to_k|to_v|to_out\.0|add_[qkv]_proj|to_add_out)"
-                          r"|ff(_context)?\.net\.(0\.proj|2)|proj_mlp|feed_forward\.w[123])$"
-                          r"|^single_transformer_blocks\.\d+\.proj_out$")
-_LORA_CONV = re.compile(r"resnets\.\d+\.conv[12]$")
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -53,7 +46,7 @@ class PreparedModel:
 def random_pipeline(arch: str, device: torch.device, dtype: torch.dtype):
     """The full-size pipeline from the bundled configs with random weights, initialised on `device`
     (seconds on a GPU, where the CPU would take minutes for SDXL) directly in `dtype` (the default
-    dtype during the build), tensors the family pins (Qwen3's rotary `inv_freq`) in their own dtype,
+    dtype during the build), tensors the family pins (a rotary `inv_freq`) in their own dtype,
     as a load keeps them."""
     fam = family(arch)
     config_dir = fam.config_dir
@@ -113,13 +106,16 @@ def single_file_numel(path: Path) -> int:
         return sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
 
 
-def lora_targets(denoiser: torch.nn.Module, convs: bool) -> list[tuple[str, tuple[int, ...]]]:
-    """(module path, weight shape) of the layers a LoRA covers: attention projections and
-    feed-forward linears, plus the resnet 3×3 convs for a LoCon (a UNet's; Flux has none)."""
+def lora_targets(arch: str, denoiser: torch.nn.Module, convs: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(module path, weight shape) of the layers a bench LoRA covers: the linears the family names
+    (`Family.bench.lora_layers`: attention and feed-forward), plus its convs for a LoCon."""
+    spec = family(arch).bench
+    linears = re.compile(spec.lora_layers)
+    conv_layers = re.compile(spec.lora_convs) if convs and spec.lora_convs else None
     found = []
     for name, module in denoiser.named_modules():
-        linear = isinstance(module, torch.nn.Linear) and _LORA_LINEAR.search(name)
-        conv = convs and isinstance(module, torch.nn.Conv2d) and _LORA_CONV.search(name)
+        linear = isinstance(module, torch.nn.Linear) and linears.search(name)
+        conv = conv_layers and isinstance(module, torch.nn.Conv2d) and conv_layers.search(name)
         if linear or conv:
             found.append((name, tuple(module.weight.shape)))
     return found
@@ -148,20 +144,20 @@ def write_lora(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> Pat
     return path
 
 
-def lora_kinds(denoiser: torch.nn.Module) -> tuple[str, ...]:
+def lora_kinds(arch: str, denoiser: torch.nn.Module) -> tuple[str, ...]:
     """The three LoRAs every LoRA row uses: two on attention + feed-forward, and a LoCon that also
-    covers the convs where the denoiser has them (a third plain LoRA on Flux)."""
-    return ("lora", "lora", "locon" if len(lora_targets(denoiser, True)) > len(lora_targets(denoiser, False))
-            else "lora")
+    covers the convs where the family names some (a third plain LoRA on a DiT)."""
+    with_convs = len(lora_targets(arch, denoiser, True)) > len(lora_targets(arch, denoiser, False))
+    return ("lora", "lora", "locon" if with_convs else "lora")
 
 
 def write_loras(denoiser: torch.nn.Module, lora_dir: Path, arch: str, rank: int) -> tuple[list[str], list[Path]]:
     """The three LoRA files (`lora_kinds`) for `denoiser`, in the LoRA library `lora_dir`."""
     lora_dir.mkdir(parents=True, exist_ok=True)
     names, paths = [], []
-    for i, kind in enumerate(lora_kinds(denoiser)):
+    for i, kind in enumerate(lora_kinds(arch, denoiser)):
         names.append(f"bench-{arch}-{kind}{i}")
-        shapes = lora_shapes(lora_targets(denoiser, convs=kind == "locon"), rank, family(arch).denoiser)
+        shapes = lora_shapes(lora_targets(arch, denoiser, convs=kind == "locon"), rank, family(arch).denoiser)
         paths.append(write_lora(lora_dir / f"{names[-1]}.safetensors", shapes, i))
     return names, paths
 

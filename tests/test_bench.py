@@ -223,22 +223,33 @@ def test_full_size_builds_use_the_classes_the_bundled_model_index_names(arch):
 
 
 def test_lora_targets_cover_each_familys_attention_and_feed_forward():
-    """The bench LoRAs: on the full-size SD1.5 UNet the 160 attention and feed-forward linears (the
-    LoCon adds the 44 resnet convs); on FLUX.1-dev the 418 linears of both attention streams, both
-    feed-forwards and the single blocks' MLP and output, but not the final `proj_out` or the
-    modulation layers; Flux has no convs, so its third LoRA is a plain one."""
+    """The bench LoRAs, as each family names their layers (`Family.bench.lora_layers`): on the full-size
+    SD1.5 UNet the 160 attention and feed-forward linears (the LoCon adds the 44 resnet convs); on
+    FLUX.1-dev the 418 linears of both attention streams, both feed-forwards and the single blocks' MLP
+    and output, but not the final `proj_out` or the modulation layers; on FLUX.2 Klein 4B the 100 of its
+    109 linears that are attention, feed-forward or the single blocks' fused input and output (FLUX.1's
+    pattern found only the 40 double-block attention layers); on Z-Image Turbo 238 (attention and SwiGLU
+    in every block, refiners included). DiTs have no convs, so their third LoRA is a plain one."""
     from app.engine.checkpoint_shapes import meta_components
     from benchmarks.workload import lora_kinds, lora_targets
 
-    unet = meta_components("sd15", family("sd15").config_dir).unet
-    assert (len(lora_targets(unet, False)), len(lora_targets(unet, True))) == (160, 204)
-    assert lora_kinds(unet) == ("lora", "lora", "locon")
-    transformer = meta_components("flux-dev", family("flux-dev").config_dir).transformer
-    names = {name for name, _shape in lora_targets(transformer, True)}
-    assert len(names) == 418 and lora_kinds(transformer) == ("lora",) * 3
+    def denoiser(arch):
+        return getattr(meta_components(arch, family(arch).config_dir), family(arch).denoiser)
+
+    unet = denoiser("sd15")
+    assert (len(lora_targets("sd15", unet, False)), len(lora_targets("sd15", unet, True))) == (160, 204)
+    assert lora_kinds("sd15", unet) == ("lora", "lora", "locon")
+    names = {name for name, _shape in lora_targets("flux-dev", denoiser("flux-dev"), True)}
+    assert len(names) == 418 and lora_kinds("flux-dev", denoiser("flux-dev")) == ("lora",) * 3
     assert {"transformer_blocks.0.attn.add_k_proj", "transformer_blocks.18.ff_context.net.2",
             "single_transformer_blocks.37.proj_out", "single_transformer_blocks.0.proj_mlp"} <= names
     assert not names & {"proj_out", "transformer_blocks.0.norm1.linear", "single_transformer_blocks.0.norm.linear"}
+    klein = {name for name, _shape in lora_targets("flux2-klein-4b", denoiser("flux2-klein-4b"), True)}
+    assert len(klein) == 100
+    assert {"single_transformer_blocks.19.attn.to_qkv_mlp_proj", "single_transformer_blocks.0.attn.to_out",
+            "transformer_blocks.4.ff.linear_in", "transformer_blocks.0.ff_context.linear_out"} <= klein
+    assert not klein & {"proj_out", "context_embedder", "double_stream_modulation_img.linear"}
+    assert len(lora_targets("zimage-turbo", denoiser("zimage-turbo"), True)) == 238
 
 
 def test_flux_weight_sections_are_skipped_with_the_reason_not_shrunk(tmp_path):

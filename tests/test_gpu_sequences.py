@@ -39,7 +39,7 @@ def full_model(request, tmp_path_factory):
     pipe = random_pipeline(arch, torch.device("cuda"), torch.float16)
     pipe.save_pretrained(settings.checkpoints_dir / f"full-{arch}", safe_serialization=True)
     settings.lora_dir.mkdir(parents=True)
-    shapes = lora_shapes(lora_targets(pipe.unet, convs=True), 16, "unet")
+    shapes = lora_shapes(lora_targets(arch, pipe.unet, convs=True), 16, "unet")
     write_lora(settings.lora_dir / f"{LORA}.safetensors", shapes, 0)
     del pipe
     gc.collect()

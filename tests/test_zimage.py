@@ -294,3 +294,17 @@ def test_compiled_path_compiles_three_caption_lengths_and_runs_the_rest_eager():
         assert "more than 3 lengths" in state.note
     finally:
         compiled.disable(pipe)
+
+
+def test_the_cut_note_counts_a_prompt_as_the_pipeline_templates_it(folder_pipe):
+    """The "the last N tokens change nothing" note counts a prompt inside the chat template as
+    `ZImagePipeline` applies it (with a thinking block): the count equals the caption length the
+    pipeline hands its transformer (19 tokens here). Counted with Klein's template, whose empty thinking
+    block adds 4 tokens, the note fired 4 tokens early."""
+    from app.prompts.as_text import templated_length
+
+    te = family("zimage-turbo").text_encoders[0]
+    prompt = "a lighthouse on a cliff at dusk, oil painting"
+    with torch.no_grad():
+        caption = folder_pipe.encode_prompt(prompt, device="cpu", do_classifier_free_guidance=False)[0][0]
+    assert templated_length(folder_pipe.tokenizer, prompt, te.chat_template) == caption.shape[0]

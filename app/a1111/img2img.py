@@ -7,9 +7,9 @@ and, with a `mask`, inpaint: `mask_blur` (or the larger of `mask_blur_x/y`), `in
 repaints at the whole picture's resolution: A1111's "only masked" (`inpaint_full_res`, its
 default) is not built, so it is ignored and the answer's comments say so.
 
-`reference_images: true` (ours: a FLUX.2 Klein model) reads `init_images` as 1-4 reference pictures
-the model edits from or combines (`Engine.edit`), generating at the request's size; a model that takes
-none refuses it by name.
+`reference_images: true` (ours: a model whose family takes reference images) reads `init_images` as the
+reference pictures the model edits from or combines (`Engine.edit`), generating at the request's size; a
+model that takes none refuses it by name.
 """
 
 from __future__ import annotations

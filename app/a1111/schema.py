@@ -125,7 +125,7 @@ class Img2ImgRequest(Txt2ImgRequest):
     initial_noise_multiplier: float | None = None
     latent_mask: str | None = None
     include_init_images: bool | None = False
-    # Ours (A1111 has no such model): `init_images` are reference pictures (1-4) a FLUX.2 Klein model edits
+    # Ours (A1111 has no such model): `init_images` are reference pictures a model whose family takes them edits
     # from or combines, at the request's size; `denoising_strength`, `resize_mode` and `mask` are not used.
     reference_images: bool | None = False
 

@@ -140,7 +140,7 @@ def _partial_refusal(arch: str, keys: list[str], total: int, layers: int) -> str
 def _parse(groups: list[LayerGroup], scales: PeftScales,
            module_for: Callable[[Target], torch.nn.Module]) -> _Parsed:
     """Parse every layer that resolved; a malformed layer raises, a misfit is collected. A fused layer
-    (Z-Image's `qkv`) whose every part the file also holds as a layer of its own is the same LoRA
+    (a fused `qkv`) whose every part the file also holds as a layer of its own is the same LoRA
     written twice (some trainers do): the split layers are read, as diffusers reads them, and the
     report says so; one module named twice otherwise is ambiguous and refused."""
     parsed = _Parsed({}, [], Counter(), Counter())
@@ -225,7 +225,7 @@ def declared_architecture(metadata: Mapping[str, str]) -> str | None:
 def _check_fit(name: str, table: KeyTable, parsed: _Parsed, unmatched: list[LayerGroup],
                declared: str | None) -> None:
     arch, fit = table.arch.upper(), len(parsed.layers)
-    for other, names in table.foreign_layers:  # module names only another architecture has (FLUX.1 on FLUX.2)
+    for other, names in table.foreign_layers:  # module names only another architecture has
         found = next((g.key for g in unmatched for part in names if part in g.key), None)
         if found is not None:
             raise LoraApplyError(name, f"is made for {other}, not this {arch} model: its layer {found} names a "

@@ -29,8 +29,8 @@ Compiled artifacts survive restarts through torch's own caches (app/engine/compi
 Each distinct signature (image size, batch, prompt length) compiles once, up to torch's recompile
 limit (8); later ones stay eager and the status says so. Only the first `MAX_TEXT_LENGTHS` prompt
 lengths compile (77-token chunk counts for CLIP; a family whose denoiser reads its prompt otherwise
-says how to read its length, `Family.prompt_length`: Z-Image's token counts), the others run eager
-with a note (padding to a bucket would change the image: Z-Image pads captions with a learned token).
+says how to read its length, `Family.prompt_length`: a caption's token count), the others run eager
+with a note (padding to a bucket would change the image where a model pads captions with a learned token).
 A background compile runs one extra UNet forward beside the generation in flight, so it needs that
 much more VRAM; on a small GPU prefer `background=False`.
 

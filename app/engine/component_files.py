@@ -142,7 +142,7 @@ def _check_shapes(part: ComponentFile, source: Source, want: Mapping[str, tuple[
 
 def _reader(handle, source: Source, dtype: torch.dtype):
     """Read one file tensor in `dtype`. ComfyUI's scaled fp8 files store a scale beside each 8-bit
-    weight: `scale_weight` (FLUX.1's) or `weight_scale` (its newer layout, FLUX.2's and Z-Image's,
+    weight: `scale_weight` (FLUX.1's) or `weight_scale` (its newer layout, later families',
     beside `comfy_quant`), one number or one per output row; it is applied while widening. Any other
     count (NVFP4/MXFP8 block scales) is refused by name: it is not a factor per tensor or row."""
     def read(key: str) -> torch.Tensor:

@@ -55,8 +55,8 @@ def token_runs(tokenizer) -> dict[int, tuple[int, ...]]:
 
 def _add_vectors(tokenizer, encoder, tokens: list[str], vectors: torch.Tensor) -> None:
     """The new tokens' rows, added to the table only where the tokenizer outgrows it: a table may
-    hold more rows than its tokenizer has tokens (T5's 32,128 for 32,100, Qwen3's 151,936 for
-    151,671; the spare rows are never produced by the tokenizer), and resizing it down to the
+    hold more rows than its tokenizer has tokens (T5's 32,128 for 32,100; LLM encoders pad theirs
+    likewise; the spare rows are never produced by the tokenizer), and resizing it down to the
     tokenizer would cut those rows off."""
     tokenizer.add_tokens(tokens)
     if len(tokenizer) > encoder.get_input_embeddings().weight.shape[0]:

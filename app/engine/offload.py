@@ -250,7 +250,7 @@ def family_blocks(pipe) -> Callable[[str, torch.nn.Module], list[torch.nn.Module
 
 def own_tensors(component: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose tensors a component's own forward reads outside its groups: the component
-    itself (Z-Image's pad tokens) and its tensor containers; streamed around the component's forward."""
+    itself (learned pad tokens) and its tensor containers; streamed around the component's forward."""
     owners = [component, *(c for c in component.children() if isinstance(c, _TENSORS_ONLY))]
     return [m for m in owners if any(t is not None for t in (*m._parameters.values(), *m._buffers.values()))]
 

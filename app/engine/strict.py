@@ -6,7 +6,7 @@ conformance suite and the fuzz.
 Why: `verify()` checks where tensors rest *between* commands; a fault in the offload hooks shows
 only *during* a forward, and on the CPU not at all where rest and compute coincide. The fault
 this catches for any family is a hook on a module whose forward never runs: group offload hooked
-Z-Image's `ModuleDict`, whose Linear children are called by key, so they ran with their weights
+a transformer's `ModuleDict`, whose Linear children are called by key, so they ran with their weights
 at rest (on a GPU: CUDA input, CPU weight). Tested with weights resting in fp32 and computing in
 bf16, every such miss is a dtype mismatch the check names, on a CPU-only machine.
 

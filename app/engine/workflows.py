@@ -12,7 +12,7 @@ rolls back like any transition's and ends the workflow. The stages:
 * img2img: `img2img encode` (init images resized and encoded) → `img2img`;
 * inpaint: `inpaint encode` (masked content applied, latent mask, masked-image latents for a
   9-channel UNet) → `inpaint` (decoded and pasted over the original through the blurred mask);
-* reference editing (families that take reference images: FLUX.2 Klein): `edit` (txt2img with the
+* reference editing (families that take `reference_images`): `edit` (txt2img with the
   pictures handed to the pipeline, which encodes them as its model was trained to).
 
 Prompt `<lora:…>` tags apply to their pass only, as in txt2img; the hires pass takes its own
@@ -36,9 +36,6 @@ from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
 from app.families import family
-
-# Each reference adds up to 4,096 tokens (1024² / 16²) to every attention of every step.
-MAX_REFERENCES = 4
 
 
 @dataclasses.dataclass
@@ -98,15 +95,20 @@ class Workflows:
 
     def edit(self, params: GenerateParams, references: Sequence[Image.Image], *, owner: str | None = None,
              desired: Desired | None = None) -> list[GeneratedImage]:
-        """Reference editing, for a family that `takes_reference_images` (FLUX.2 Klein): txt2img whose
-        model also reads `references` (1 to `MAX_REFERENCES` pictures, each encoded by the pipeline's
+        """Reference editing, for a family that takes `reference_images`: txt2img whose model also
+        reads `references` (1 to the family's `reference_images` pictures, each encoded by the pipeline's
         rule at up to 1024², their tokens beside the image's), so the prompt edits or combines them.
         The infotext names how many it read. `owner` and `desired` as `Engine.generate`'s."""
         arch = self._arch_for(desired)
-        if arch is not None and not family(arch).takes_reference_images:
-            raise ValueError(f"{family(arch).label} models take no reference images: use img2img or inpaint")
-        if not 1 <= len(references) <= MAX_REFERENCES:
-            raise ValueError(f"reference editing takes 1 to {MAX_REFERENCES} reference images, got {len(references)}")
+        if not references:
+            raise ValueError("reference editing takes at least one reference image")
+        if arch is not None:
+            fam = family(arch)
+            if not fam.reference_images:
+                raise ValueError(f"{fam.label} models take no reference images: use img2img or inpaint")
+            if len(references) > fam.reference_images:
+                raise ValueError(f"{fam.label} takes 1 to {fam.reference_images} reference images, "
+                                 f"got {len(references)}")
         pictures = tuple(image.convert("RGB") for image in references)
         detail = f"{params.steps} steps {params.width}x{params.height} {len(pictures)} reference(s) x{params.batch}"
         return self._workflow("edit", detail, params, owner, (("Reference images", len(pictures)),),

@@ -16,7 +16,8 @@ How to add a family (Z-Image, Flux.2 Klein, …), in five lines:
    and the tests build random-weight models from them), and bundle offline configs in `assets/`.
 3. State what differs from the defaults: text encoders, checkpoint markers and `parts` (single
    files), samplers, guidance (range, `guidance_call`), `pinned_dtypes` (RoPE `inv_freq` in fp32),
-   `blocks` (group offload), `takes_embeddings`, `preview_rgb`, adapter markers and LoRA targets.
+   `blocks` (group offload), `takes_embeddings`, `preview_rgb`, adapter markers and LoRA targets, and
+   `bench` (its benchmark rows and device-check sections: `benchmarks/` never names a family).
 4. Run `python -m pytest -n 0 tests/families`: the conformance suite parametrises itself over the
    registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, stages).
 5. Add a test file for the family's native file formats only, and its README section.
@@ -96,6 +97,9 @@ class TextEncoder:
     reads: str = "sequence"
     layer: str = "last"  # the last layer, normed (clip skip applies); "penultimate": layer -2 unnormed (no clip skip)
     chunked: bool = True  # 75-token chunks, any number (CLIP); False: one sequence of `max_sequence_length` (T5)
+    # `reads == "text"`: the keyword arguments the family's pipeline applies its chat template with (whether the
+    # template opens a thinking block), so a prompt's length is counted as the pipeline counts it
+    chat_template: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,27 @@ def _per_channel(value: float | tuple[float, ...], like: torch.Tensor) -> float 
     if isinstance(value, tuple):
         return torch.tensor(value, device=like.device, dtype=like.dtype).view(1, -1, 1, 1)
     return value
+
+
+# (family, denoiser config, rows, latent side, empty(*shape) -> a meta tensor) -> one denoiser call's arguments
+CallInputs = Callable[["Family", Any, int, int, Callable[..., torch.Tensor]], dict]
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """How the benchmark (`python -m app.bench`, `python -m app.devicecheck`) runs this family's
+    full-size architecture with random weights. Why on the family: a new family brings its bench rows
+    and its device-check sections with it, and `benchmarks/` never names one."""
+
+    side: int  # the rows' image side in pixels, as the model card generates
+    call_inputs: CallInputs  # one denoiser call on meta tensors: op counts and TFLOP per step
+    lora_layers: str  # regex over the denoiser's linear layers the bench LoRAs cover (attention, feed-forward)
+    lora_convs: str | None = None  # regex over the conv layers its LoCon adds; None: no LoCon (no convs)
+    check: tuple[str, ...] = ()  # the device check's section: `app.bench` arguments after `--archs`; (): none
+    check_s: int = 0  # that section's estimate, device seconds on an H100, process start included
+    check_title: str = ""  # what the section shows, for its plan line and summary
+    check_order: int = 0  # families' sections run in this order (the device check's priorities)
+    offload_check_s: int = 0  # > 0: a later section of every offload mode at `check`'s steps, this estimate
 
 
 # (factors: one RGB row per latent channel, RGB bias): the live preview's linear map (app/preview.py)
@@ -203,9 +228,10 @@ class Family:
     # Textual-inversion embeddings (A1111's `embeddings/`): the file holds one tensor per text
     # encoder under `TextEncoder.embedding_key`. False: the folder is not read for this family.
     takes_embeddings: bool = True
-    # The txt2img pipeline edits from reference images (`image=[…]`, FLUX.2 Klein): the img2img tab offers
-    # a "reference images" input and the A1111 img2img API reads `init_images` so with `reference_images`.
-    takes_reference_images: bool = False
+    # How many reference images the txt2img pipeline edits from (`image=[…]`); 0: none. Where it takes some,
+    # the img2img tab offers a "reference images" input and the A1111 img2img API reads `init_images` so
+    # with `reference_images`. Each reference adds its tokens to every attention of every step.
+    reference_images: int = 0
     # Tensors that keep their own dtype whatever the model's: fnmatch patterns over
     # "component.module.tensor" -> dtype (RoPE `inv_freq` in fp32). The load check, the placement
     # plan, every move, streaming and verify honour them.
@@ -244,6 +270,7 @@ class Family:
     # Families whose checkpoints may finish this one's txt2img after a switch point (A1111's refiner):
     # both pipelines take diffusers' `denoising_end` / `denoising_start`. Empty: no refiner stage.
     refiner_families: tuple[str, ...] = ()
+    bench: BenchSpec | None = None  # None: the benchmark does not run this family
 
     @property
     def plain_pipeline_class(self) -> type:

@@ -31,7 +31,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, ComponentFile, Family, TextEncoder
+from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, TextEncoder
 from app.families.file_layout import module_parts, own_names
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
@@ -147,6 +147,28 @@ _DEMO_LORA_TARGETS = (
 _STAGES = MappingProxyType({"img2img": SteadyFluxImg2ImgPipeline, "inpaint": SteadyFluxInpaintPipeline})
 
 
+def _call_inputs(fam, cfg, rows: int, latent_side: int, empty) -> dict:
+    """One transformer call for the bench's op counts: 2×2 latent patches as a sequence, T5 states,
+    CLIP's pooled vector, 3 position axes, and dev's distilled guidance value."""
+    tokens, text = (latent_side // 2) ** 2, fam.max_sequence_length
+    guidance = {"guidance": empty(rows)} if cfg.guidance_embeds else {}
+    return {"hidden_states": empty(rows, tokens, cfg.in_channels),
+            "encoder_hidden_states": empty(rows, text, cfg.joint_attention_dim), "timestep": empty(rows),
+            "pooled_projections": empty(rows, cfg.pooled_projection_dim), "img_ids": empty(tokens, 3),
+            "txt_ids": empty(text, 3), "return_dict": False, **guidance}
+
+
+# The bench LoRAs' layers: both streams' attention projections and feed-forwards, the single blocks' MLP and output.
+_BENCH_LORA_LAYERS = (r"\.(attn\.(to_q|to_k|to_v|to_out\.0|add_[qkv]_proj|to_add_out)|ff(_context)?\.net\.(0\.proj|2)"
+                      r"|proj_mlp)$|^single_transformer_blocks\.\d+\.proj_out$")
+_BENCH = BenchSpec(1024, _call_inputs, _BENCH_LORA_LAYERS,
+                   check=("--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3", "--repeats", "2",
+                          "--steps", "8"),
+                   check_s=210, check_order=2,
+                   check_title="FLUX.1-dev 1024² bf16 vs FluxPipeline (none, 3 fused LoRAs, PEFT), then fp8 storage "
+                               "with none and 3 LoRAs as bypass; resting VRAM")
+
+
 def _family(name: str, label: str, dev: bool) -> Family:
     return Family(
         name=name,
@@ -178,6 +200,7 @@ def _family(name: str, label: str, dev: bool) -> Family:
         adapter_markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux"),
         lora_targets=_LORA_TARGETS,
         demo_lora_targets=_DEMO_LORA_TARGETS,
+        bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
     )
 
 

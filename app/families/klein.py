@@ -37,7 +37,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, ComponentFile, Family, LatentStats, TextEncoder
+from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, LatentStats, TextEncoder
 from app.families.file_layout import own_names
 from app.families.flow_dit import SAMPLERS
 from app.families.flux_layout import bfl_aliases
@@ -127,7 +127,7 @@ def _qwen3(name: str) -> TextEncoder:
     return TextEncoder("text_encoder", "tokenizer", Qwen3ForCausalLM, f"text_encoders.{name}.transformer.",
                        open_clip=False, lora_prefix="lora_te_", embedding_key=name, config_class=Qwen3Config,
                        tokenizer_class=BundledQwen3Tokenizer, tokenizer_dir=QWEN3_TOKENIZER_DIR, reads="text",
-                       chunked=False)
+                       chunked=False, chat_template=MappingProxyType({"enable_thinking": False}))
 
 
 def _parts(encoder: TextEncoder, file_hint: str) -> tuple[ComponentFile, ...]:
@@ -193,6 +193,29 @@ _FLUX1_LAYERS = ("img_mod", "txt_mod", "modulation_lin", ".modulation.lin", "nor
 _STAGES = MappingProxyType({"img2img": SteadyKleinStagePipeline, "inpaint": SteadyKleinStagePipeline})
 
 
+def _call_inputs(fam, cfg, rows: int, latent_side: int, empty) -> dict:
+    """One transformer call for the bench's op counts: 2×2 latent patches as a sequence, Qwen3 states,
+    4 position axes with a batch dimension, no pooled vector."""
+    tokens, text, axes = (latent_side // 2) ** 2, fam.max_sequence_length, len(cfg.axes_dims_rope)
+    guidance = {"guidance": empty(rows)} if cfg.guidance_embeds else {}
+    return {"hidden_states": empty(rows, tokens, cfg.in_channels),
+            "encoder_hidden_states": empty(rows, text, cfg.joint_attention_dim), "timestep": empty(rows),
+            "img_ids": empty(rows, tokens, axes), "txt_ids": empty(rows, text, axes), "return_dict": False,
+            **guidance}
+
+
+# The bench LoRAs' layers: both streams' attention projections and feed-forwards, and the single blocks'
+# fused QKV+MLP input and output.
+_BENCH_LORA_LAYERS = (r"\.(attn\.(to_q|to_k|to_v|to_out\.0|add_[qkv]_proj|to_add_out|to_qkv_mlp_proj|to_out)"
+                      r"|ff(_context)?\.linear_(in|out))$")
+_BENCH = BenchSpec(1024, _call_inputs, _BENCH_LORA_LAYERS,
+                   check=("--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3", "--repeats", "2",
+                          "--steps", "4"),
+                   check_s=100, check_order=3, offload_check_s=310,
+                   check_title="FLUX.2 Klein 4B 1024² bf16 vs Flux2KleinPipeline (none, 3 fused LoRAs, PEFT), fp8 "
+                               "storage with none and 3 LoRAs as bypass; resting VRAM")
+
+
 def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int) -> Family:
     encoder = _qwen3(encoder_name)
     markers = ("double_blocks.0.img_attn.qkv.weight", "double_stream_modulation_img.lin.weight")
@@ -227,7 +250,7 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         negative_prompt=False,
         max_sequence_length=512,
         takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has no such files
-        takes_reference_images=True,
+        reference_images=4,  # each adds up to 4,096 tokens (1024² / 16²) to every attention
         pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32}),
         # the VAE's own statistics normalise the latents inside the pipeline: the engine's are the VAE's own
         latent_stats=lambda config: LatentStats(1.0),
@@ -246,6 +269,7 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         adapter_markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}"),
         lora_targets=_LORA_TARGETS,
         demo_lora_targets=_DEMO_LORA_TARGETS,
+        bench=_BENCH if size == "4b" else None,  # the 9B is the 4B's architecture, deeper and wider
     )
 
 

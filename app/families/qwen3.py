@@ -22,6 +22,7 @@ import gzip
 import shutil
 import tempfile
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
@@ -55,12 +56,13 @@ class BundledQwen3Tokenizer:
 
 
 # Z-Image's pipelines read the prompt as text (`reads="text"`: app/prompts/as_text.py): they put it in
-# Qwen3's chat template, tokenize it to `max_sequence_length` (512), read the next-to-last layer and hand
-# the transformer each prompt's unpadded states, which the engine leaves to them, bit for bit.
+# Qwen3's chat template (with its thinking block), tokenize it to `max_sequence_length` (512), read the
+# next-to-last layer and hand the transformer each prompt's unpadded states, which the engine leaves to them,
+# bit for bit.
 QWEN3 = TextEncoder("text_encoder", "tokenizer", Qwen3Model, "text_encoders.qwen3_4b.transformer.model.",
                     open_clip=False, lora_prefix="lora_te_", embedding_key="qwen3", config_class=Qwen3Config,
                     tokenizer_class=BundledQwen3Tokenizer, tokenizer_dir=QWEN3_TOKENIZER_DIR, reads="text",
-                    chunked=False)
+                    chunked=False, chat_template=MappingProxyType({"enable_thinking": True}))
 QWEN3_PINNED = {"text_encoder.rotary_emb.*inv_freq": torch.float32}
 QWEN3_PART = ComponentFile("text_encoder", "Qwen3 text encoder (qwen_3_4b.safetensors)", Qwen3Model,
                            (QWEN3.single_file_prefix, "model.", ""), "layers.0.self_attn.q_proj.weight", own_names,

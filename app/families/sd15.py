@@ -11,7 +11,7 @@ from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, Family, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
-from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE
+from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
 
 
 class SteadySDPipeline(EnginePipeline, VariedNoise, StableDiffusionPipeline):
@@ -58,5 +58,10 @@ SD15 = Family(
     # The safety checker is never loaded (nothing to download, nothing to run).
     pipeline_kwargs=MappingProxyType({"safety_checker": None, "feature_extractor": None,
                                       "requires_safety_checker": False}),
+    bench=sd_bench(512, check=("--sections", "throughput,latency", "--batches", "1", "--loras", "0,3",
+                               "--no-channels-last", "--repeats", "4"),
+                   check_s=85, check_order=1,
+                   check_title="SD1.5 512²: ours vs diffusers eager, 3 fused LoRAs vs none and vs PEFT, LoRA "
+                               "add/re-weight/remove ms, peak VRAM; ABBA with control"),
 )
 FAMILIES = (SD15,)

@@ -11,7 +11,7 @@ from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, Family, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
-from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE
+from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
 
 
 class SteadySDXLPipeline(EnginePipeline, VariedNoise, StableDiffusionXLPipeline):
@@ -70,5 +70,7 @@ SDXL = Family(
                   (-0.3165, -0.2492, -0.2188)), (0.1084, -0.0175, -0.0011)),
     adapter_markers=("sdxl_base_v1-0", "stable-diffusion-xl-v1-base", "sdxl", "stable-diffusion-xl", "xl"),
     kohya_ldm_names=True,
+    # benched beside SD1.5 in the compile and channels_last sections; no device-check section of its own
+    bench=sd_bench(1024),
 )
 FAMILIES = (SDXL,)

@@ -1,4 +1,5 @@
-"""Parts the families share: tiny component configs, LoRA target globs, what SD1.5 and SDXL state alike.
+"""Parts the families share: tiny component configs, LoRA target globs, what SD1.5 and SDXL state alike
+(their bench's UNet call and LoRA layers too).
 
 Why here: SD1.5, SDXL and FLUX.1 use the same CLIP-L text encoder and the same VAE structure, so
 their tiny demo configs (what `app/demo.py` writes and the tests build) start from the same
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+import torch
+
+from app.families import BenchSpec
 from app.families.ldm_layout import lora_aliases
 
 TINY_CLIP_L = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=0, eos_token_id=2, pad_token_id=1,
@@ -48,6 +52,30 @@ DEMO_LORA_TARGETS = (
 def unet_inpainting(pipe) -> bool:
     """An SD inpainting checkpoint: its UNet also reads the mask and the masked-image latents (9 channels)."""
     return pipe.unet.config.in_channels != pipe.vae.config.latent_channels
+
+
+# The bench LoRAs' layers on a UNet: attention projections and feed-forward linears; the LoCon adds resnet 3×3 convs.
+_BENCH_LORA_LAYERS = r"\.(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))$"
+_BENCH_LORA_CONVS = r"resnets\.\d+\.conv[12]$"
+_CLIP_TOKENS = 77  # CLIP's sequence length
+
+
+def unet_call_inputs(_fam, cfg, rows: int, latent_side: int, empty) -> dict:
+    """One UNet call for the bench's op counts: a spatial latent and CLIP states, plus SDXL's pooled
+    text and size ids (`text_time`); rows are the CFG-doubled batch."""
+    inputs = {"sample": empty(rows, cfg.in_channels, latent_side, latent_side),
+              "timestep": torch.tensor(500.0, device="meta"),
+              "encoder_hidden_states": empty(rows, _CLIP_TOKENS, cfg.cross_attention_dim), "return_dict": False}
+    if cfg.addition_embed_type == "text_time":
+        text_dim = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        inputs["added_cond_kwargs"] = {"text_embeds": empty(rows, text_dim), "time_ids": empty(rows, 6)}
+    return inputs
+
+
+def sd_bench(side: int, **check) -> BenchSpec:
+    """An SD family's `Family.bench`: its rows' side, the UNet call and LoRA layers above, and `check`
+    (the device-check section's fields of `BenchSpec`, where it has one)."""
+    return BenchSpec(side, unet_call_inputs, _BENCH_LORA_LAYERS, _BENCH_LORA_CONVS, **check)
 
 
 # What SD1.5 and SDXL state alike (`Family(..., **SD_SHARED)`).

@@ -37,7 +37,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, ComponentFile, Family
+from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family
 from app.families.file_layout import module_parts
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
@@ -140,6 +140,26 @@ def _caption_length(args: tuple, _kwargs: dict) -> int | None:
     return max(len(c) for c in captions) if isinstance(captions, list) and captions else None
 
 
+# The bench prompt in Qwen3's chat template is 19 tokens, which the transformer pads to its 32-token multiple.
+_BENCH_CAPTION_TOKENS = 19
+
+
+def _call_inputs(_fam, cfg, rows: int, latent_side: int, empty) -> dict:
+    """One transformer call for the bench's op counts: lists, one (channels, 1, h, w) latent and one
+    caption's Qwen3 states per image (Turbo runs the batch once: no CFG)."""
+    return {"x": [empty(cfg.in_channels, 1, latent_side, latent_side) for _ in range(rows)], "t": empty(rows),
+            "cap_feats": [empty(_BENCH_CAPTION_TOKENS, cfg.cap_feat_dim) for _ in range(rows)], "return_dict": False}
+
+
+# The bench LoRAs' layers: attention projections and the SwiGLU feed-forward in every block, refiners included.
+_BENCH = BenchSpec(1024, _call_inputs, r"\.(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[123])$",
+                   check=("--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3", "--repeats", "2",
+                          "--steps", "8"),
+                   check_s=150, check_order=4, offload_check_s=380,
+                   check_title="Z-Image Turbo 1024² bf16, 8 steps, no CFG, vs ZImagePipeline (none, 3 fused LoRAs, "
+                               "PEFT), fp8 storage with none and 3 LoRAs as bypass; resting VRAM")
+
+
 def _family(name: str, label: str, turbo: bool) -> Family:
     return Family(
         name=name,
@@ -175,6 +195,7 @@ def _family(name: str, label: str, turbo: bool) -> Family:
                                        "text_encoder": _TINY_QWEN3}),
         lora_targets=_LORA_TARGETS,
         demo_lora_targets=_DEMO_LORA_TARGETS,
+        bench=_BENCH if turbo else None,  # Base is Turbo's architecture
     )
 
 

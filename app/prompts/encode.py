@@ -46,7 +46,7 @@ class Conditioning:
     negative_pooled: torch.Tensor | None = None
     notes: tuple[str, ...] = ()
     prompt: str | None = None  # the prompt as text, for a pipeline that reads it so (`TextEncoder.reads == "text"`)
-    negative_prompt: str | None = None  # the negative prompt so, where the family uses one (Z-Image)
+    negative_prompt: str | None = None  # the negative prompt so, where the family uses one
 
     def call_arguments(self) -> dict[str, torch.Tensor | str]:
         named = {"prompt_embeds": self.prompt_embeds, "pooled_prompt_embeds": self.pooled,
@@ -156,11 +156,12 @@ def _side(pipe, fam: Family, tokens: dict[str, Tokens], clip_skip: int, chunks: 
 def _as_text(pipe, fam: Family, prompt: str, negative_prompt: str) -> Conditioning:
     """Both prompts as plain text for a pipeline that encodes them itself, the negative only where the
     family uses one, with the notes `text_notes` writes."""
-    tokenizer = getattr(pipe, fam.text_encoders[0].tokenizer)
-    notes = text_notes(fam, tokenizer, prompt, "prompt")
+    te = fam.text_encoders[0]
+    tokenizer = getattr(pipe, te.tokenizer)
+    notes = text_notes(fam, te, tokenizer, prompt, "prompt")
     negative = None
     if fam.negative_prompt:
-        notes += text_notes(fam, tokenizer, negative_prompt, "negative prompt")
+        notes += text_notes(fam, te, tokenizer, negative_prompt, "negative prompt")
         negative = plain_text(negative_prompt)[0]
     return Conditioning(None, notes=tuple(notes), prompt=plain_text(prompt)[0], negative_prompt=negative)
 

@@ -30,6 +30,6 @@ def prompt_notes(fam: Family, prompt: str, negative_prompt: str) -> list[str]:
         texts.append((negative_prompt, "negative prompt"))
     tokenizers = _tokenizers(fam.name)
     return [note for te in fixed for text, what in texts
-            for note in (text_notes(fam, tokenizers[te.tokenizer], text, what) if te.reads == "text"
+            for note in (text_notes(fam, te, tokenizers[te.tokenizer], text, what) if te.reads == "text"
                          else [cut_note(fam, te, tokens_for(fam, te, tokenizers[te.tokenizer], text), what)])
             if note]

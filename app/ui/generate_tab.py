@@ -84,7 +84,7 @@ def family_updates(previous: Snapshot | None, current: Snapshot) -> list:
     lacks would be refused at Generate); when the family changes, its defaults fill the fields: sampler
     (the hires pass's: the same), steps, and the guidance with its name and range ("Distilled CFG Scale"
     on FLUX.1-dev). Between two models of one family the user's choices stay, unless the two want other
-    steps and guidance (FLUX.2 Klein distilled and base): then those two are filled in."""
+    steps and guidance (a distilled and an undistilled checkpoint): then those two are filled in."""
     if current.arch is None:
         return [gr.update()] * 4
     fam = family(current.arch)

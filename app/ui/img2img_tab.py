@@ -1,5 +1,5 @@
 """The "img2img" tab: img2img and inpaint (mask drawn in the image editor or uploaded) and, for models
-that take them (FLUX.2 Klein), reference editing from one to four pictures, each run by
+that take them (`Family.reference_images`), reference editing from reference pictures, each run by
 the engine as one transition per stage (see Diagnostics → History), with the live preview,
 Interrupt and Skip of the Generate tab (`generate_run.stream_job`).
 
@@ -164,13 +164,13 @@ def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> Non
 
 def _takes_references(ctx: UiContext) -> bool:
     arch = ctx.engine.snapshot().arch
-    return arch is not None and family(arch).takes_reference_images
+    return arch is not None and family(arch).reference_images > 0
 
 
 def _reference_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> None:
-    """Reference editing: one to four pictures the model edits from or combines (FLUX.2 Klein), at the
+    """Reference editing: the pictures the model edits from or combines (as many as its family takes), at the
     settings' size; no denoising strength, nothing is masked."""
-    pictures = gr.Gallery(type="pil", label="Reference images (1-4)", interactive=True, columns=4, height=240,
+    pictures = gr.Gallery(type="pil", label="Reference images", interactive=True, columns=4, height=240,
                           elem_id="sd-i2i-references")
     go = gr.Button(RUN_EDIT, variant="primary", elem_id="sd-i2i-edit-run")
 

@@ -69,12 +69,12 @@ def img2img_job(ctx: UiContext, base: list, init_image, denoising_strength, resi
 
 def edit_job(ctx: UiContext, base: list, references: list, desired: Desired | None = None
              ) -> tuple[GenerateParams, Callable, tuple]:
-    """Reference editing (a family that takes reference images: FLUX.2 Klein), checked: (request,
+    """Reference editing (a family that takes `reference_images`), checked: (request,
     `call(owner)` with the state `desired`, rounding notes). The engine refuses a model that takes
     none, naming it."""
     pictures = [item[0] if isinstance(item, (tuple, list)) else item for item in references or ()]
     if not pictures:
-        raise ValueError("add one to four reference images first")
+        raise ValueError("add the reference images first")
     params, _stage, notes = checked(ctx, dict(zip(BASE_FIELDS, base, strict=True)), ())
     return params, lambda owner: ctx.engine.edit(params, pictures, owner=owner, desired=desired), notes
 
