@@ -43,9 +43,12 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shutil
+import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,7 @@ from benchmarks.theirs import DiffusersSide
 from benchmarks.workload import prepare_model
 
 log = logging.getLogger("bench")
+STOPPED_EXIT = 3  # the exit status of a run stopped by SIGTERM after saving what it measured
 PROXY_SECTIONS = proxies.SECTIONS
 DEFAULT_PROXY_CACHE = Path.home() / ".cache" / "steady-diffusion-bench"
 
@@ -100,8 +104,9 @@ def _run_phases(run: phases.ArchRun, bench: Bench) -> dict[str, str]:
     return theirs.notes
 
 
-def bench_arch(arch: str, bench: Bench, results: dict[str, Any]) -> None:
-    """Prepare one architecture, run its phases and add the paired results."""
+def bench_arch(arch: str, bench: Bench, results: dict[str, Any], measuring: dict[str, Any]) -> None:
+    """Prepare one architecture, run its phases and add the paired results; `measuring` holds the
+    architecture while its phases run, for a stop to save (`_stopped`)."""
     log.info("[%s] building a random-weight model and its LoRAs", arch)
     cfg = bench.config
     model = prepare_model(arch, bench.tmp, bench.device, bench.dtype, cfg.tiny, cfg.lora_rank)
@@ -111,22 +116,48 @@ def bench_arch(arch: str, bench: Bench, results: dict[str, Any]) -> None:
                                "denoiser_params_m": model.denoiser_params_m, "loras": list(model.loras),
                                "lora_rank": cfg.lora_rank, "tflop_per_step": {str(b): t for b, t in tflop.items()}}
     run = phases.ArchRun(model, tflop)
+    measuring.update(arch=arch, run=run, bench=bench)
     run.notes = _run_phases(run, bench)
-    rows = (report.pair_row(run, p, bench.env, cfg.steps, cfg.resolution[arch], run.notes) for p in run.pairings)
-    results["rows"] += [row for row in rows if row is not None]
-    results["latency"] += report.latency_rows(run)
+    measuring.clear()
+    _add_measured(results, arch, run, bench)
     if bench.wants("load"):
         results["load"].append(report.load_row(run))
-    if "resting" in run.memory:
-        results["models"][arch]["resting_vram_gib"] = run.memory["resting"]
-    if "phase errors" in run.memory:
-        results["models"][arch]["phase_errors"] = run.memory["phase errors"]
     results["compile"] += run.compile_info
     shutil.rmtree(model.data_dir)  # an SDXL folder and its LoRAs take ~8 GB
 
 
-def run(config: BenchConfig, compile_cache: Path | None = None, peak_override: float | None = None) -> dict[str, Any]:
-    """Run every configured section for every architecture; returns the results document."""
+def _add_measured(results: dict[str, Any], arch: str, run: phases.ArchRun, bench: Bench) -> None:
+    """The rows of every pool `run` has measured, its LoRA latencies and its memory records."""
+    cfg = bench.config
+    rows = (report.pair_row(run, p, bench.env, cfg.steps, cfg.resolution[arch], run.notes) for p in run.pairings)
+    results["rows"] += [row for row in rows if row is not None]
+    results["latency"] += report.latency_rows(run)
+    if "resting" in run.memory:
+        results["models"][arch]["resting_vram_gib"] = run.memory["resting"]
+    if "phase errors" in run.memory:
+        results["models"][arch]["phase_errors"] = run.memory["phase errors"]
+
+
+def _stopped(results: dict[str, Any], measuring: dict[str, Any], save: Callable[[dict[str, Any]], Any]) -> None:
+    """SIGTERM (the device check stops a section at its cap): save the rows of every pool measured so
+    far, then exit at once, since the clean-up of a stop mid-generation could outlast the grace the
+    device check gives before SIGKILL. A run that wrote nothing spent its device time for nothing."""
+    if measuring:
+        _add_measured(results, measuring["arch"], measuring["run"], measuring["bench"])
+    results["stopped"] = (f"stopped by SIGTERM during {measuring.get('arch', 'the set-up')}: the rows of the "
+                          "pools measured until then")
+    results["acceptance"] = report.acceptance(results)
+    for path in save(results).values():
+        print(path, flush=True)
+    os._exit(STOPPED_EXIT)
+
+
+
+
+def run(config: BenchConfig, compile_cache: Path | None = None, peak_override: float | None = None,
+        save_on_stop: Callable[[dict[str, Any]], dict[str, Path]] | None = None) -> dict[str, Any]:
+    """Run every configured section for every architecture; returns the results document. With
+    `save_on_stop`, a SIGTERM saves what was measured so far through it and exits (`_stopped`)."""
     device = torch.device("cuda", 0) if config.device == "cuda" else torch.device("cpu")
     nvml, nvml_note = open_nvml(device)
     env = environment(config, device, nvml.driver if nvml else None, nvml_note, peak_override)
@@ -134,6 +165,9 @@ def run(config: BenchConfig, compile_cache: Path | None = None, peak_override: f
     results = {"schema": SCHEMA, "mode": config.mode, "config": dataclasses.asdict(config), "env": env,
                "method": stats.METHOD, "models": {}, "rows": [], "latency": [], "load": [], "compile": [],
                "acceptance": []}
+    measuring: dict[str, Any] = {}
+    if save_on_stop is not None:
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: _stopped(results, measuring, save_on_stop))
     threads = torch.get_num_threads()
     if device.type == "cpu":
         # One CPU thread for both sides: OpenMP threads spin-wait, so on a shared or small machine the
@@ -148,7 +182,7 @@ def run(config: BenchConfig, compile_cache: Path | None = None, peak_override: f
                 configure_cache(cache, override=True)  # before anything compiles
             bench = Bench(config, device, Path(tmp), cache, nvml, env)
             for arch in config.archs:
-                bench_arch(arch, bench, results)
+                bench_arch(arch, bench, results, measuring)
     finally:
         torch.set_num_threads(threads)
     results["acceptance"] = report.acceptance(results)
@@ -246,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: the {config.mode} benchmark needs a CUDA GPU; on this machine run --smoke or "
                   "--cpu-proxies", file=sys.stderr)
             return 2
-        results = run(config, args.compile_cache, args.peak_tflops)
-        paths = report.write_outputs(results, args.out or RESULTS_DIR / results["env"]["gpu_slug"], stem)
+        def save(results: dict[str, Any]) -> dict[str, Path]:
+            return report.write_outputs(results, args.out or RESULTS_DIR / results["env"]["gpu_slug"], stem)
+
+        paths = save(run(config, args.compile_cache, args.peak_tflops, save_on_stop=save))
     for path in paths.values():
         print(path)
     return 0

@@ -165,6 +165,7 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
 def _intro(results: dict[str, Any]) -> list[str]:
     env, cfg = results["env"], results["config"]
     lines = [f"# Steady Diffusion vs diffusers: {env['gpu']} ({results['mode']})", "",
+             *([f"**Partial:** {results['stopped']}.", ""] if results.get("stopped") else []),
              f"{env['created']} · torch {env['torch']} · CUDA {env['cuda']} · diffusers {env['diffusers']} · "
              f"{cfg['dtype']} · {cfg['steps']} steps, Euler, guidance {_guidance(cfg['archs'])} · {cfg['repeats']} "
              f"ABBA rounds after {cfg['warmup']} warm-up · "

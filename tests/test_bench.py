@@ -18,7 +18,7 @@ from PIL import Image
 
 from app import bench as app_bench
 from app.families import FAMILIES, family
-from benchmarks import config, denoiser, measure, probe, proxies, proxy_ops, proxy_report, proxy_steps, stats
+from benchmarks import bench, config, denoiser, measure, probe, proxies, proxy_ops, proxy_report, proxy_steps, stats
 
 ROW_KEYS = {
     "id", "section", "arch", "resolution", "batch", "steps", "offload", "loras", "ours", "baseline",
@@ -285,8 +285,6 @@ def test_full_and_quick_modes_need_cuda(capsys):
 
 def test_app_bench_runs_the_one_implementation():
     """`python -m app.bench` is a thin entry point to the benchmarks package, not a copy."""
-    from benchmarks import bench
-
     assert app_bench.bench is bench
     with pytest.raises(SystemExit, match="sd15, sdxl"):
         bench.config_from_args(bench.parse_args(["--archs", "sd3"]))
@@ -308,3 +306,32 @@ def test_the_step_baseline_on_shared_modules_is_diffusers_own_class_on_our_weigh
     assert pipe.unet is engine.pipeline.unet and pipe.vae is engine.pipeline.vae
     assert pipe.scheduler is not engine.pipeline.scheduler
     assert generate().images[0].size == (64, 64)
+
+
+def test_a_bench_stopped_by_sigterm_saves_the_pools_it_measured(tmp_path):
+    """The device check stops a section that runs past its cap with SIGTERM. The bench then saves the
+    rows of every pool it measured, marked partial, and exits with status 3. Before, it wrote nothing:
+    on 2026-11-26 the H100's Z-Image and Klein offload sections took 400 s of device time and left no
+    row. Here the stop lands once the offload phase has begun, so the throughput rows exist."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "app.bench", "--smoke", "--archs", "sd15", "--sections",
+                             "throughput,offload", "--batches", "1", "--loras", "0", "--out", str(tmp_path)],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "offload-model:" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == bench.STOPPED_EXIT, "".join(seen[-20:]) + err[-3000:]
+    (saved,) = tmp_path.glob("*.json")
+    doc = json.loads(saved.read_text())
+    assert doc["stopped"].startswith("stopped by SIGTERM during sd15")
+    assert any(r["section"] == "throughput" and r["ours_its"] for r in doc["rows"])
+    assert "**Partial:**" in saved.with_suffix(".md").read_text() and str(saved) in out
