@@ -197,21 +197,34 @@ class NonFiniteLatentsError(RuntimeError):
 class _FiniteWatch:
     """Checks the latents after every step, one step behind: step k's flag is computed on the
     device and read at step k+1, when step k+1's work is already queued behind it, so the check
-    never leaves a GPU idle waiting for the CPU. `settle()` reads the last flag."""
+    never leaves a GPU idle waiting for the CPU. `settle()` reads the last flag.
+
+    On CUDA the flag is copied to pinned host memory without blocking and an event is recorded
+    behind the copy; reading it waits on that event alone. `bool(flag)` would not do: its copy is
+    queued behind everything queued so far (step k+1 included), so it drained the GPU's queue at
+    every step and the next step started from an empty queue (FLUX.2 Klein on an H100: 0.98× of
+    diffusers' it/s, whose loop never waits)."""
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self._pending: tuple[int, torch.Tensor] | None = None
+        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
 
     def observe(self, step: int, latents: torch.Tensor) -> None:
-        flag = torch.isfinite(latents).all()
+        flag, done = torch.isfinite(latents).all(), None
+        if flag.is_cuda:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            flag, done = host, torch.cuda.Event()
+            done.record()
         self.settle()
-        self._pending = (step, flag)
+        self._pending = (step, flag, done)
 
     def settle(self) -> None:
         if self._pending is not None:
-            step, flag = self._pending
+            step, flag, done = self._pending
             self._pending = None
+            if done is not None:
+                done.synchronize()
             if not bool(flag):
                 raise NonFiniteLatentsError(step, self.total)
 
