@@ -279,8 +279,8 @@ def test_gpu_out_of_memory_is_reported_and_the_engine_stays_ready(gpu_data_dir):
 def test_reading_a_steps_finite_flag_waits_for_that_step_alone():
     """The NaN check reads step k's flag at step k+1 so a GPU never idles waiting for the CPU: the read
     waits for step k's work, not for what was queued after it. `bool(flag)` waited for everything
-    queued (its copy goes behind it), so each step began from an empty queue: Klein ran at 0.98× of
-    diffusers' it/s on an H100. Here about a second of matmuls is queued between the two reads."""
+    queued (its copy goes behind it), so each step began from an empty queue (Klein ran at 0.98× of
+    diffusers' it/s on an H100). Here about a second of matmuls is queued between the two reads."""
     import time
 
     from app.engine.generate import _FiniteWatch
