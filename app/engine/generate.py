@@ -202,7 +202,7 @@ class _FiniteWatch:
     On CUDA the flag is copied to pinned host memory without blocking and an event is recorded
     behind the copy; reading it waits on that event alone. `bool(flag)` would not do: its copy is
     queued behind everything queued so far (step k+1 included), so it drained the GPU's queue at
-    every step and the next step started from an empty queue (the likely cause of FLUX.2 Klein's
+    every step and the next step started from an empty queue (the likely cause of a 4-step DiT's
     0.98× of diffusers' it/s on an H100, whose loop never waits)."""
 
     def __init__(self, total: int) -> None:
