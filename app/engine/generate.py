@@ -215,7 +215,7 @@ class _FiniteWatch:
             host = torch.empty((), dtype=torch.bool, pin_memory=True)
             host.copy_(flag, non_blocking=True)
             flag, done = host, torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(latents.device))  # the copy's stream, on any device
         self.settle()
         self._pending = (step, flag, done)
 
