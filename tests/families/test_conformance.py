@@ -5,16 +5,16 @@ no edit here, plus `toy` (tests/families/toy_family.py), which carries what no r
 has yet: a ModuleDict child called by key, a tensor the denoiser owns itself, an fp32-pinned
 buffer. Every engine here runs with strict forwards (`app/engine/strict.py`): each module's
 forward checks that what it holds is on the compute device in the planned compute dtype, so a
-hook on a module whose forward never runs fails the generation that meets it. What it protects,
-per family: each declared checkpoint layout loads the saved weights bit for bit; one seed gives
-one image and the guidance reaches the model; the compiled denoiser draws the eager latents and
-LoRAs change it without a recompile; a PEFT LoRA written by peft fuses to the formula
-and comes off bit for bit; every offload mode with weights resting in fp32 and computing in bf16
-draws the same image with zero violations and exactly the planned hooks; fp8 storage keeps its
-bytes with whole components moved and blocks streamed; img2img and inpaint run where the family
-declares them; embeddings never
-shrink a table; Diagnostics and the bug report render. A family's own test file covers only its
-native file formats.
+hook on a module whose forward never runs fails the generation that meets it. What it protects, per
+family: each declared checkpoint layout loads the saved weights bit for bit; one seed gives one
+image and the guidance reaches the model; the denoising loop reads one tensor on the host per step
+more than the family's own pipeline (the NaN check's, which a GPU does not wait on); the compiled
+denoiser draws the eager latents and LoRAs change it without a recompile; a PEFT LoRA written by
+peft fuses to the formula and comes off bit for bit; every offload mode with weights resting in fp32
+and computing in bf16 draws the same image with zero violations and exactly the planned hooks; fp8
+storage keeps its bytes with whole components moved and blocks streamed; img2img and inpaint run
+where the family declares them; embeddings never shrink a table; Diagnostics and the bug report
+render. A family's own test file covers only its native file formats.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 import toy_family
 from hook_plan import actual_hooks, expected_hooks
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.adapters.files import read_adapter
 from app.adapters.patcher import LoraStack
@@ -157,6 +158,59 @@ def test_one_seed_one_image_and_the_guidance_reaches_the_model(plain, arch):
         negative = plain.generate(params(arch, negative_prompt="blurry"))
         assert np.array_equal(pixels(first), pixels(negative))
         assert "Negative prompt" not in negative[0].infotext and "blurry" not in negative[0].infotext
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts `aten._local_scalar_dense`: a tensor read on the host (`.item()`, `bool()`, `float()`),
+    which on a GPU waits for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_loop_reads_one_tensor_a_step_more_than_the_familys_own_pipeline(plain, arch, monkeypatch):
+    """Each host read of a tensor inside the denoising loop makes a GPU wait. Per step, our loop reads
+    one tensor more than the family's own diffusers pipeline with the same scheduler does: the NaN
+    check's flag. On CUDA that read waits on an event behind its own step (`tests/test_engine.py`,
+    `-m gpu`); a read that drained the queue each step is the likely cause of FLUX.2 Klein running at
+    0.98× of diffusers on an H100. Counted between a 2- and a 4-step run, so reads made once per
+    generation (prompt encoding, decoding) cancel out."""
+    from app.engine import generate
+
+    fam = family(arch)
+    plain.load_model(checkpoint(arch))
+    reads: dict[str, _HostReads] = {}
+    original = generate.denoise
+
+    def counted(*args, **kwargs):
+        with reads["ours"]:
+            return original(*args, **kwargs)
+
+    monkeypatch.setattr(generate, "denoise", counted)  # the engine's worker thread runs it: the mode is per thread
+
+    def ours(steps: int) -> int:
+        reads["ours"] = _HostReads()
+        plain.generate(params(arch, steps=steps))
+        return reads["ours"].count
+
+    theirs_pipe = build_tiny_pipeline(arch)
+    theirs_pipe.scheduler = generate.scheduler_for(theirs_pipe, fam.default_sampler)
+    theirs_pipe.set_progress_bar_config(disable=True)
+
+    def theirs(steps: int) -> int:
+        mode = _HostReads()
+        with mode, torch.no_grad():
+            theirs_pipe(prompt="a red cube", num_inference_steps=steps, height=64, width=64, output_type="latent",
+                        generator=torch.Generator().manual_seed(7), **fam.call_arguments(fam.default_guidance))
+        return mode.count
+
+    per_step_ours, per_step_theirs = (ours(4) - ours(2)) / 2, (theirs(4) - theirs(2)) / 2
+    assert per_step_ours == per_step_theirs + 1, (per_step_ours, per_step_theirs)
 
 
 def test_prompts_read_as_a1111_and_a_variation_seed_reach_the_model(plain, arch):
