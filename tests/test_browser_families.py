@@ -1,14 +1,15 @@
 """The page follows the loaded family: a fresh page on whatever model loaded first (the tiny FLUX.1-dev,
 first by name) generates with the page as it comes up, and Flux → SD1.5 → Flux switches leave the
 family's own sampler list, sampler, steps and guidance (its name and range), with which Generate
-works each time; the hires fix's and the img2img tab's sampler lists are the family's too. Needs
+works each time; the hires fix's and the img2img tab's sampler lists are the family's too; the img2img
+tab's "Reference images" panel is there for FLUX.2 Klein only, saying how many it takes. Needs
 Playwright and Debian's chromium (see `browser_kit`); skips without them.
 """
 
 from __future__ import annotations
 
 import pytest
-from browser_kit import TIMEOUT_MS, choose, generate_and_wait, set_number
+from browser_kit import TIMEOUT_MS, choose, generate_and_wait, save, set_number
 from served_app import fresh_start
 
 from app.engine.stage_params import SAME
@@ -16,7 +17,7 @@ from app.families import family
 from app.infotext import parse_infotext, read_parameters
 
 pytestmark = pytest.mark.browser
-FLUX, SD15 = "tiny-flux-dev.safetensors", "tiny-sd15.safetensors"
+FLUX, SD15, KLEIN = "tiny-flux-dev.safetensors", "tiny-sd15.safetensors", "tiny-flux2-klein-4b.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +42,15 @@ def _fields(page) -> dict[str, str]:
             "offered": _offered(page, "sd-sampler")}
 
 
-def _other_sampler_lists(page) -> tuple[list[str], str, list[str]]:
-    """(hires sampler list, img2img sampler, img2img sampler list) as the page offers them now."""
+def _other_sampler_lists(page, samplers: list[str]) -> tuple[list[str], str, list[str]]:
+    """(hires sampler list, img2img sampler, img2img sampler list) once the img2img tab's sampler is one of
+    `samplers`: the page-load update that brings the loaded family's sampler there may land after the click."""
     page.get_by_label("Hires. fix").check()
     hires = _offered(page, "sd-hires-sampler")
     page.get_by_label("Hires. fix").uncheck()
     page.get_by_role("tab", name="img2img").first.click()
-    page.wait_for_selector("#sd-i2i-sampler input", timeout=TIMEOUT_MS)
+    page.wait_for_function(f"{samplers!r}.includes(document.querySelector('#sd-i2i-sampler input')?.value)",
+                           timeout=TIMEOUT_MS)
     image_to_image = _offered(page, "sd-i2i-sampler")
     chosen = page.input_value("#sd-i2i-sampler input")
     page.get_by_role("tab", name="Generate").first.click()
@@ -65,7 +68,7 @@ def _expect_family(page, arch: str, other_lists: bool = True) -> None:
     low, high = fam.guidance_range
     assert fam.guidance_label in shown["cfg label"] and f"{low:g}…{high:g}" in shown["cfg label"], shown
     if other_lists:
-        hires, chosen, image_to_image = _other_sampler_lists(page)
+        hires, chosen, image_to_image = _other_sampler_lists(page, list(fam.samplers))
         assert hires == [SAME, *fam.samplers] and image_to_image == list(fam.samplers) and chosen in fam.samplers
 
 
@@ -96,3 +99,25 @@ def test_the_first_generate_works_on_flux_and_switches_keep_a_sampler_each_famil
     _load(page, FLUX)
     _expect_family(page, "flux-dev", other_lists=False)  # their lists were Flux's at the start
     assert _generate(page, engine, "flux-dev")["Distilled CFG Scale"] == "3.5"
+
+
+def test_the_reference_images_panel_follows_the_loaded_family(page, served):
+    """Klein loaded: the img2img tab offers "Reference images", whose gallery says 1-4 (Klein takes
+    four); after a switch to SD1.5 the panel is gone at the next panel choice, as the snapshot says."""
+    _url, engine = served
+    _load(page, KLEIN)
+    page.get_by_role("tab", name="img2img").first.click()
+    page.get_by_role("tab", name="Inpaint").first.click()  # a panel choice re-reads the snapshot
+    panel = page.get_by_role("tab", name="Reference images")
+    panel.first.wait_for(timeout=TIMEOUT_MS)
+    panel.first.click()
+    page.wait_for_selector("#sd-i2i-references >> text=Reference images (1-4)", timeout=TIMEOUT_MS)
+    assert engine.snapshot().arch == "flux2-klein-4b"
+    save(page, "reference-images.png")
+    page.get_by_role("tab", name="Generate").first.click()
+    _load(page, SD15)
+    page.get_by_role("tab", name="img2img").first.click()
+    page.get_by_role("tab", name="img2img").nth(1).click()
+    page.wait_for_function("""() => ![...document.querySelectorAll('[role=tab]')]
+        .some(t => t.innerText.trim() === 'Reference images' && t.offsetParent !== null)""", timeout=TIMEOUT_MS)
+    assert engine.snapshot().arch == "sd15"

@@ -348,15 +348,16 @@ def test_the_a1111_img2img_api_reads_init_images_as_references_when_asked(eng, d
 
 
 def test_the_img2img_tabs_reference_panel_shows_for_klein_and_runs_the_engines_edit(eng):
-    """The img2img tab's "Reference images" panel is shown while a family that takes them is loaded, and
-    its job (the gallery's pictures, the shared settings) is the engine's `edit`, bit for bit."""
+    """The img2img tab's "Reference images" panel is shown while a family that takes them is loaded, its
+    gallery saying how many (hidden for SD1.5), and its job (the gallery's pictures, the shared settings)
+    is the engine's `edit`, bit for bit."""
     from app.ui.common import UiContext
-    from app.ui.img2img_tab import _takes_references
+    from app.ui.img2img_tab import reference_panel_state
     from app.ui.workflow_api import edit_job
 
     eng.load_model(FILE)
     ctx = UiContext(engine=eng, settings=eng.settings)
-    assert _takes_references(ctx) and not family("sd15").reference_images
+    assert reference_panel_state(ctx) == (True, "Reference images (1-4)") and family("sd15").reference_images == 0
     picture = references()[0]
     base = ["a red cube", "", "Euler", 2, 1.0, 7, 64, 64, 1]
     _params, call, _notes = edit_job(ctx, base, [(picture, None)])

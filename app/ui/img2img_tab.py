@@ -162,15 +162,23 @@ def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> Non
              out.run_outputs(go), api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
-def _takes_references(ctx: UiContext) -> bool:
+def reference_panel_state(ctx: UiContext) -> tuple[bool, str]:
+    """(is the reference panel shown, its gallery's label) for the model the engine's snapshot names:
+    shown while its family takes reference images, the label saying how many."""
     arch = ctx.engine.snapshot().arch
-    return arch is not None and family(arch).reference_images > 0
+    most = family(arch).reference_images if arch is not None else 0
+    return most > 0, f"Reference images (1-{most})" if most else "Reference images"
 
 
-def _reference_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> None:
+def _reference_updates(ctx: UiContext) -> tuple[gr.Tab, gr.Gallery]:
+    shown, label = reference_panel_state(ctx)
+    return gr.Tab(visible=shown), gr.Gallery(label=label)
+
+
+def _reference_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> gr.Gallery:
     """Reference editing: the pictures the model edits from or combines (as many as its family takes), at the
-    settings' size; no denoising strength, nothing is masked."""
-    pictures = gr.Gallery(type="pil", label="Reference images", interactive=True, columns=4, height=240,
+    settings' size; no denoising strength, nothing is masked. Returns the gallery (its label follows the model)."""
+    pictures = gr.Gallery(type="pil", label=reference_panel_state(ctx)[1], interactive=True, columns=4, height=240,
                           elem_id="sd-i2i-references")
     go = gr.Button(RUN_EDIT, variant="primary", elem_id="sd-i2i-edit-run")
 
@@ -181,6 +189,7 @@ def _reference_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> N
 
     go.click(edit, [out.last, *base, pictures, *page], out.run_outputs(go), api_visibility="private",
              concurrency_id=QUEUE, show_progress_on=[out.gallery])
+    return pictures
 
 
 def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
@@ -204,11 +213,11 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
                 with gr.Tab("Inpaint", id="i2i-inpaint"):
                     _inpaint_panel(ctx, base, out, page)
                 # shown for a model that takes reference images, checked at page load and on every panel choice
-                with gr.Tab("Reference images", id="i2i-reference", visible=_takes_references(ctx)) as references:
-                    _reference_panel(ctx, base, out, page)
+                with gr.Tab("Reference images", id="i2i-reference",
+                            visible=reference_panel_state(ctx)[0]) as references:
+                    pictures = _reference_panel(ctx, base, out, page)
         results.render()
-    gr.on([panels.select], lambda: gr.Tab(visible=_takes_references(ctx)), None, references,
-          api_visibility="private")
-    gr.on(None, lambda: gr.Tab(visible=_takes_references(ctx)), None, references, api_visibility="private")
+    gr.on([panels.select], lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
+    gr.on(None, lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     wire_stop(ctx, stops)
     return Img2ImgTab(base, image, strength, note, panels, stops)
