@@ -123,6 +123,9 @@ def test_a_family_that_cannot_follow_an_edit_says_what_it_reads():
     _params, notes = params_from_form(form, "flux-dev")
     assert any("cannot change its prompt during a pass" in n and '"a cat"' in n for n in notes), notes
     assert not any("prompt editing" in n for n in params_from_form(form, "sd15")[1])
+    for arch in ("flux2-klein-4b", "zimage-turbo"):  # they read the prompt as text: the first step's, unweighted
+        notes = params_from_form(form, arch)[1]
+        assert any('"a cat"' in n for n in notes) and not any("emphasis weights" in n for n in notes), notes
 
 
 def test_the_stage_passes_follow_the_edit(engine):

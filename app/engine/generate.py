@@ -25,7 +25,7 @@ from app.engine import variation
 from app.engine.interrupt import StepInterrupted
 from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
-from app.prompts.editing import EditedPass, not_edited_note
+from app.prompts.editing import EditedPass, encoded_texts, not_edited_note
 from app.prompts.encode import CLIP_SKIP_MAX
 from app.prompts.notes import prompt_notes
 
@@ -179,8 +179,9 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
                             sampler=str(values.get("sampler")),
                             refiner_checkpoint=str(values.get("refiner_checkpoint") or ""), **checked)
     if arch is not None:
-        notes += prompt_notes(family(arch), params.prompt, params.negative_prompt)
-        notes.append(not_edited_note(family(arch), params.prompt, params.negative_prompt, params.steps))
+        fam = family(arch)
+        notes += prompt_notes(fam, *encoded_texts(fam, params.prompt, params.negative_prompt, params.steps))
+        notes.append(not_edited_note(fam, params.prompt, params.negative_prompt, params.steps))
     return params, tuple(n for n in notes if n)
 
 
@@ -359,8 +360,7 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
                                                                                   params.width)):
             _pipe._interrupt = True
         if edits.edited:
-            with torch.no_grad():
-                edits.swap(step, kwargs)
+            edits.swap(step, kwargs)
         return kwargs
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode

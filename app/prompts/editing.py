@@ -50,6 +50,16 @@ def editable(fam: Family, pipeline_class: type | None = None) -> bool:
     return "prompt_embeds" in inputs and (not pooled or POOLED_INPUT in inputs)
 
 
+def encoded_texts(fam: Family, prompt: str, negative_prompt: str, steps: int) -> tuple[str, str]:
+    """The prompt and negative prompt as `fam`'s encoders read them, for the notes about what is encoded
+    (emphasis dropped, tokens cut): as written where the family follows edits (each scheduled text comes
+    from them), the first step's texts where it cannot."""
+    if editable(fam):
+        return prompt, negative_prompt
+    _end, first, first_negative = edited_texts(prompt, negative_prompt, steps)[0]
+    return first, first_negative
+
+
 def not_edited_note(fam: Family, prompt: str, negative_prompt: str, steps: int) -> str:
     """The note for a prompt that edits itself on a family that cannot follow it ("" otherwise)."""
     if editable(fam):
