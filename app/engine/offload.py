@@ -256,10 +256,11 @@ def own_tensors(component: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class GroupOffload(OffloadStrategy):
-    """Blocks (down/mid/up blocks, encoder layers, …) streamed whole. On CUDA, once a component's
-    execution order has been seen (its first forward), the block that ran next last time is copied
-    ahead on a side stream while the current one computes. Registration order is no guide: the
-    UNet registers its up blocks before its mid block but runs them after."""
+    """Blocks (down/mid/up blocks, encoder layers, …) streamed whole. Once a component's execution
+    order has been seen (its first forward), the block that ran next last time is copied ahead: on
+    CUDA on a side stream while the current one computes; on the CPU in line, so the bookkeeping a
+    GPU relies on runs in CPU tests too. Registration order is no guide: the UNet registers its up
+    blocks before its mid block but runs them after."""
 
     mode = "group"
     moves_weights = True
@@ -290,9 +291,14 @@ class GroupOffload(OffloadStrategy):
                                                 after=self._offload))
 
     def _stream_group(self, group: torch.nn.Module, compute: placement.Placement) -> None:
-        if id(group) not in self._stashes:
-            self._stashes[id(group)] = [(m, placement.stream_in(m, compute, pinned))
-                                        for m, pinned in self._members[id(group)]]
+        """Point a group's tensors at compute copies, adding to what was copied ahead: a tensor it
+        shares with the block that was running then (tied weights: Qwen3's `lm_head` is its
+        `embed_tokens`) was on the device already, so it was not stashed, and it went back to rest
+        with that block."""
+        members = self._members[id(group)]
+        stashes = self._stashes.setdefault(id(group), [(m, {}) for m, _pinned in members])
+        for (module, stash), (_module, pinned) in zip(stashes, members, strict=True):
+            stash.update(placement.stream_in(module, compute, pinned))
 
     def _onload(self, component: str, compute: placement.Placement):
         def pre_hook(group, _args, _kwargs):
@@ -310,11 +316,15 @@ class GroupOffload(OffloadStrategy):
                             tensor.record_stream(current)
             self._stream_group(group, compute)
             ahead = self._next.get(id(group))
-            if ahead is not None and self._stream is not None and id(ahead) not in self._stashes:
-                self._stream.wait_stream(torch.cuda.current_stream(compute.device))
-                with torch.cuda.stream(self._stream):
-                    self._stream_group(ahead, compute)
-                    self._ready[id(ahead)] = self._stream.record_event()
+            if ahead is None or id(ahead) in self._stashes:
+                return
+            if self._stream is None:
+                self._stream_group(ahead, compute)
+                return
+            self._stream.wait_stream(torch.cuda.current_stream(compute.device))
+            with torch.cuda.stream(self._stream):
+                self._stream_group(ahead, compute)
+                self._ready[id(ahead)] = self._stream.record_event()
         return pre_hook
 
     def _offload(self, group) -> None:
