@@ -83,21 +83,21 @@ DEFAULT_PROXY_CACHE = Path.home() / ".cache" / "steady-diffusion-bench"
 def _run_phases(run: phases.ArchRun, bench: Bench) -> dict[str, str]:
     """Every wanted phase with our engine and a diffusers pipeline side by side; returns diffusers' notes."""
     engine, theirs = ours.new_engine(run.model, bench), DiffusersSide(run.model, bench)
+    budget = "balanced-3gib" in bench.config.offload_cases and run.model.arch in bench.config.budget_archs
+    wanted = [phase for section, phase in (
+        ("throughput", phases.throughput_phase), ("latency", phases.latency_phase), ("compile", phases.compile_phase),
+        ("offload", phases.offload_phase), *([("offload", phases.budget_phase)] if budget else []),
+        ("fp8", phases.fp8_phase))  # fp8 last: it unloads our full-precision engine to make room
+        if bench.wants(section)]
     try:
         phases.load_phase(run, engine, theirs, bench)
-        for section, phase in (("throughput", phases.throughput_phase), ("latency", phases.latency_phase),
-                               ("compile", phases.compile_phase), ("offload", phases.offload_phase)):
-            if bench.wants(section):
-                phase(run, engine, theirs, bench)
-        budget = "balanced-3gib" in bench.config.offload_cases and run.model.arch in bench.config.budget_archs
-        if bench.wants("offload") and budget:
-            phases.budget_phase(run, engine, theirs, bench)
-        if bench.wants("fp8"):  # last: it unloads our full-precision engine to make room
+        for phase in wanted:
             try:
-                phases.fp8_phase(run, engine, theirs, bench)
-            except Exception as exc:  # a failure here must not cost the rows the run already measured
-                log.exception("[%s] fp8 phase failed", run.model.arch)
-                run.memory["phase errors"] = {"fp8": f"{type(exc).__name__}: {exc}"[:500]}
+                phase(run, engine, theirs, bench)
+            except Exception as exc:  # a failed phase must not cost the rows of the others; the run exits 1
+                name = phase.__name__.removesuffix("_phase")
+                log.exception("[%s] %s phase failed", run.model.arch, name)
+                run.memory.setdefault("phase errors", {})[name] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
         ours.close(engine)
         theirs.free()
@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         child = ours.run_restart_probe if args.restart_probe else probe.run_load_probe
         print(json.dumps(child(json.loads(args.restart_probe or args.load_probe))))
         return 0
+    failed = False  # a phase of the run raised (its rows are saved all the same)
     if args.cpu_proxies:
         config, stem = proxy_config_from_args(args)
         env = base_env()
@@ -283,10 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         def save(results: dict[str, Any]) -> dict[str, Path]:
             return report.write_outputs(results, args.out or RESULTS_DIR / results["env"]["gpu_slug"], stem)
 
-        paths = save(run(config, args.compile_cache, args.peak_tflops, save_on_stop=save))
+        results = run(config, args.compile_cache, args.peak_tflops, save_on_stop=save)
+        paths = save(results)
+        failed = any("phase_errors" in model for model in results["models"].values())
     for path in paths.values():
         print(path)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

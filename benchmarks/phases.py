@@ -8,6 +8,7 @@ import functools
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from benchmarks.measure import (
     timed_ms,
     with_control,
 )
-from benchmarks.theirs import DiffusersSide, generator
+from benchmarks.theirs import OFFLOAD_LABELS, DiffusersSide, generator
 from benchmarks.workload import PreparedModel
 
 log = logging.getLogger("bench")
@@ -314,16 +315,36 @@ def _offload_pool(run: ArchRun, bench: Bench, pool: str, theirs: DiffusersSide, 
     """Ours (`variants`) against diffusers' offload `case` on a fresh pipeline, or ours alone with the
     reason diffusers' counterpart could not run."""
     pipe = theirs.offload_pipeline(case)
-    base = (case, 0, "diffusers", 1)
+    base, failed = (case, 0, "diffusers", 1), None
     try:
         if pipe is not None:
-            variants[base] = Variant(lambda: None, generator(pipe, run.model, bench, 1), denoiser_of(pipe))
+            variants[base] = Variant(lambda: None, _baseline(generator(pipe, run.model, bench, 1)), denoiser_of(pipe))
         _measure(run, bench, pool, with_control(variants, mine))
+    except BaselineFailed as exc:  # a message, not the exception: its traceback holds the pipeline
+        failed = f"{type(exc.__cause__).__name__}: {exc.__cause__}"
     finally:
         del pipe
         free_memory()
+    if failed is not None:  # the row says why; ours is measured alone, the VRAM diffusers held freed
+        theirs.notes[f"offload:{case}"] = f"diffusers {OFFLOAD_LABELS[case]} failed while generating: {failed}"[:300]
+        log.warning("[%s] %s", run.model.arch, theirs.notes[f"offload:{case}"])
+        del variants[base]
+        _measure(run, bench, pool, with_control(variants, mine))
     label = f"diffusers {case} offload"
     run.pairings.append(Pairing("offload", pool, mine, "ours", base, label, mine, f"offload:{case}"))
+
+
+class BaselineFailed(Exception):
+    """diffusers' side raised while generating (its cause): a finding about diffusers for the row's note."""
+
+
+def _baseline(generate: Callable[[], Any]) -> Callable[[], Any]:
+    def call():
+        try:
+            return generate()
+        except Exception as exc:
+            raise BaselineFailed from exc
+    return call
 
 
 def budget_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:

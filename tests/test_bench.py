@@ -335,3 +335,40 @@ def test_a_bench_stopped_by_sigterm_saves_the_pools_it_measured(tmp_path):
     assert doc["stopped"].startswith("stopped by SIGTERM during sd15")
     assert any(r["section"] == "throughput" and r["ours_its"] for r in doc["rows"])
     assert "**Partial:**" in saved.with_suffix(".md").read_text() and str(saved) in out
+
+
+def test_a_failure_costs_no_measured_row_and_a_failing_baseline_is_a_note(tmp_path, monkeypatch):
+    """On the H100 (2026-11-26) diffusers' group offload raised in Klein's VAE decode (`post_quant_conv`
+    runs outside its groups: "Input type (CUDABFloat16Type) and weight type (CPUBFloat16Type)"), and
+    the exception ended the bench: the model, balanced and sequential rows measured before it were
+    lost. Now a baseline that raises while generating is the row's note and ours is measured alone,
+    and any phase that raises is recorded while the other phases' rows are saved; the run exits 1."""
+    from benchmarks import phases, theirs
+
+    def offload_pipeline(side, case):
+        if case != "group":
+            return None
+        pipe = theirs.load_pipeline(side.model, side.bench)
+
+        def decode(*_args, **_kwargs):
+            raise RuntimeError("Input type (CUDABFloat16Type) and weight type (CPUBFloat16Type) should be the same")
+        pipe.vae.decode = decode
+        return pipe
+
+    def latency_phase(*_args):
+        raise ValueError("a phase that fails")
+
+    monkeypatch.setattr(theirs.DiffusersSide, "offload_pipeline", offload_pipeline)
+    monkeypatch.setattr(phases, "latency_phase", latency_phase)
+    assert app_bench.main(["--smoke", "--archs", "sd15", "--sections", "throughput,latency,offload", "--batches", "1",
+                           "--loras", "0", "--out", str(tmp_path)]) == 1
+    (saved,) = tmp_path.glob("*.json")
+    doc = json.loads(saved.read_text())
+    assert doc["models"]["sd15"]["phase_errors"] == {"latency": "ValueError: a phase that fails"}
+    rows = {(r["section"], r["offload"], r["baseline"]): r for r in doc["rows"]}
+    assert rows[("throughput", "none", "diffusers")]["ours_its"]
+    group = rows[("offload", "group", "diffusers group offload")]
+    assert group["ours_its"] and group["baseline_its"] is None and group["verdict"] == "not measured"
+    assert group["note"].startswith("diffusers enable_group_offload (blocks, stream) failed while generating: "
+                                    "RuntimeError: Input type (CUDABFloat16Type)")
+    assert all(rows[("offload", mode, f"diffusers {mode} offload")]["ours_its"] for mode in ("model", "sequential"))
