@@ -211,7 +211,7 @@ _BENCH_LORA_LAYERS = (r"\.(attn\.(to_q|to_k|to_v|to_out\.0|add_[qkv]_proj|to_add
 _BENCH = BenchSpec(1024, _call_inputs, _BENCH_LORA_LAYERS,
                    check=("--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3", "--repeats", "2",
                           "--steps", "4"),
-                   check_s=100, check_order=3, offload_check_s=310,
+                   check_s=100, check_order=3, offload_check_s=380,
                    check_title="FLUX.2 Klein 4B 1024² bf16 vs Flux2KleinPipeline (none, 3 fused LoRAs, PEFT), fp8 "
                                "storage with none and 3 LoRAs as bypass; resting VRAM")
 
