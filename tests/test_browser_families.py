@@ -1,8 +1,8 @@
 """The page follows the loaded family: a fresh page on whatever model loaded first (the tiny FLUX.1-dev,
 first by name) generates with the page as it comes up, and Flux → SD1.5 → Flux switches leave the
 family's own sampler list, sampler, steps and guidance (its name and range), with which Generate
-works each time; the hires fix's and the img2img tab's sampler lists are the family's too; the img2img
-tab's "Reference images" panel is there for FLUX.2 Klein only, saying how many it takes. Needs
+works each time; the hires fix's sampler list is the family's too, and so are the img2img tab's
+sampler, steps, guidance and size; the img2img tab's "Reference images" panel is there for FLUX.2 Klein only, saying how many it takes. Needs
 Playwright and Debian's chromium (see `browser_kit`); skips without them.
 """
 
@@ -42,19 +42,23 @@ def _fields(page) -> dict[str, str]:
             "offered": _offered(page, "sd-sampler")}
 
 
-def _other_sampler_lists(page, samplers: list[str]) -> tuple[list[str], str, list[str]]:
-    """(hires sampler list, img2img sampler, img2img sampler list) once the img2img tab's sampler is one of
-    `samplers`: the page-load update that brings the loaded family's sampler there may land after the click."""
+def _other_fields(page, samplers: list[str], steps: int) -> tuple[list[str], dict[str, str]]:
+    """(hires sampler list, the img2img tab's fields) once the img2img tab's sampler is one of `samplers`
+    and its steps are `steps`: the update that fills them as the tab opens may land after the click."""
     page.get_by_label("Hires. fix").check()
     hires = _offered(page, "sd-hires-sampler")
     page.get_by_label("Hires. fix").uncheck()
+    size = page.input_value("#sd-width input"), page.input_value("#sd-height input")
     page.get_by_role("tab", name="img2img").first.click()
-    page.wait_for_function(f"{samplers!r}.includes(document.querySelector('#sd-i2i-sampler input')?.value)",
-                           timeout=TIMEOUT_MS)
-    image_to_image = _offered(page, "sd-i2i-sampler")
-    chosen = page.input_value("#sd-i2i-sampler input")
+    page.wait_for_function(f"""{samplers!r}.includes(document.querySelector('#sd-i2i-sampler input')?.value)
+        && Number(document.querySelector('#sd-i2i-steps input')?.value) === {steps}""", timeout=TIMEOUT_MS)
+    image_to_image = {"offered": _offered(page, "sd-i2i-sampler"), "sampler": page.input_value("#sd-i2i-sampler input"),
+                      "steps": page.input_value("#sd-i2i-steps input"), "cfg": page.input_value("#sd-i2i-cfg input"),
+                      "cfg label": page.inner_text("#sd-i2i-cfg"),
+                      "size": (page.input_value("#sd-i2i-width input"), page.input_value("#sd-i2i-height input")),
+                      "generate size": size}
     page.get_by_role("tab", name="Generate").first.click()
-    return hires, chosen, image_to_image
+    return hires, image_to_image
 
 
 def _expect_family(page, arch: str, other_lists: bool = True) -> None:
@@ -68,8 +72,11 @@ def _expect_family(page, arch: str, other_lists: bool = True) -> None:
     low, high = fam.guidance_range
     assert fam.guidance_label in shown["cfg label"] and f"{low:g}…{high:g}" in shown["cfg label"], shown
     if other_lists:
-        hires, chosen, image_to_image = _other_sampler_lists(page, list(fam.samplers))
-        assert hires == [SAME, *fam.samplers] and image_to_image == list(fam.samplers) and chosen in fam.samplers
+        hires, i2i = _other_fields(page, list(fam.samplers), fam.default_steps)
+        assert hires == [SAME, *fam.samplers] and i2i["offered"] == list(fam.samplers), i2i
+        assert (i2i["sampler"], float(i2i["cfg"])) == (fam.default_sampler, fam.default_guidance), i2i
+        assert fam.guidance_label in i2i["cfg label"] and f"{low:g}…{high:g}" in i2i["cfg label"], i2i
+        assert i2i["size"] == i2i["generate size"], i2i  # the native size, as on the Generate tab
 
 
 def _generate(page, engine, arch: str) -> dict[str, str]:
@@ -88,7 +95,9 @@ def _load(page, model: str) -> None:
 def test_the_first_generate_works_on_flux_and_switches_keep_a_sampler_each_family_takes(page, served):
     """Flux dev loaded first: the page offers Flux's samplers with its defaults (Euler, 28 steps,
     Distilled CFG Scale 3.5) and Generate works as the page comes up; SD1.5 brings SD's list and
-    defaults (Euler a, 20, CFG scale 7); back on Flux, Flux's again; Generate works after each switch."""
+    defaults (Euler a, 20, CFG scale 7); back on Flux, Flux's again; Generate works after each switch.
+    The img2img tab, opened after each, shows the same sampler, steps, guidance and size (it kept SD's
+    20 steps, CFG 7 and 64² for every model)."""
     _url, engine = served
     page.fill("#sd-prompt textarea", "a red cube")
     _expect_family(page, "flux-dev")

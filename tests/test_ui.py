@@ -417,6 +417,37 @@ def test_size_sliders_follow_the_native_size_only_when_it_changes(app):
         assert all("value" not in u for u in native_size_updates(previous, current)), (previous, current)
 
 
+def test_the_img2img_tab_fills_its_family_fields_when_the_model_it_shows_changes():
+    """The img2img tab fills sampler, steps, guidance and size when it opens on a model other than the
+    one it last filled them for: all of them on a fresh page or another family (SDXL: 1024², not the
+    tab's 64²), steps and guidance between a distilled and an undistilled model of one family, nothing
+    for the same model (the user's values stay). The tiny models are all 64², so this test holds the size."""
+    from types import SimpleNamespace
+
+    from app.families import family
+    from app.ui.generate_tab import ModelShown
+    from app.ui.img2img_tab import FAMILY_FIELDS, family_fill
+
+    def snap(arch, defaults, side):
+        return SimpleNamespace(arch=arch, defaults=defaults, native_size=side)
+
+    def values(fill):  # the value an update or a returned component sets (Gradio sends its arguments); None: kept
+        return [(u if isinstance(u, dict) else u.constructor_args).get("value") for u in map(fill.get, FAMILY_FIELDS)]
+
+    sdxl, sd15 = snap("sdxl", (20, 5.0), 1024), snap("sd15", (20, 7.0), 512)
+    fill, shown = family_fill(sdxl, None)
+    assert values(fill) == [family("sdxl").default_sampler, 20, 5.0, 1024, 1024]
+    assert shown == ModelShown("sdxl", (20, 5.0), 1024) and family_fill(sdxl, shown) == ({}, shown)
+    fill, shown = family_fill(sd15, shown)
+    assert values(fill) == [family("sd15").default_sampler, 20, 7.0, 512, 512] and shown.native_size == 512
+    klein, base = snap("flux2-klein-4b", (4, 1.0), 1024), snap("flux2-klein-4b", (50, 4.0), 1024)
+    fill, shown = family_fill(klein, shown)
+    assert values(fill) == [family("flux2-klein-4b").default_sampler, 4, 1.0, 1024, 1024]
+    fill, shown = family_fill(base, shown)
+    assert values(fill) == [None, 50, 4.0, None, None] and shown.defaults == (50, 4.0)
+    assert family_fill(snap(None, None, None), shown) == ({}, shown)
+
+
 def test_slider_values_map_to_specs_and_every_selected_lora_is_kept():
     """No LoRA is left out by the page: what does not fit is the engine's to set aside."""
     values = (0.5, 1.0, *[1.0] * 6, 0.25, -1.0, *[1.0] * 6)

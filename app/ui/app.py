@@ -19,7 +19,7 @@ from app.ui.extras_tab import build_extras_tab
 from app.ui.generate_run import owner_of, stop_buttons, wire_cancel_on_leave
 from app.ui.generate_tab import build_generate_tab, wire_page_load
 from app.ui.history_tab import build_history_tab
-from app.ui.img2img_tab import build_img2img_tab, family_sampler
+from app.ui.img2img_tab import build_img2img_tab, family_fields
 from app.ui.pnginfo_tab import build_pnginfo_tab
 from app.ui.send_to import senders
 
@@ -76,8 +76,13 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         diagnostics_tab.select(**refresh_diagnostics)
         history_tab.select(**refresh_history)
         extras_tab.select(extras.refresh, None, extras.dropdowns, api_visibility="private", show_progress="hidden")
-        img2img_tab.select(lambda current: family_sampler(ctx, current), i2i.sampler, i2i.sampler,
-                           api_visibility="private", show_progress="hidden")
+        # The img2img tab's sampler, steps, guidance and size: the loaded model's on page load, and again
+        # when the tab opens after a switch (in this page, another tab or an API client).
+        fill_img2img = dict(fn=lambda current, shown: family_fields(ctx, current, shown),
+                            inputs=[i2i.sampler, i2i.shown], outputs=[*i2i.family_components, i2i.shown],
+                            api_visibility="private", show_progress="hidden")
+        img2img_tab.select(**fill_img2img)
+        demo.load(**fill_img2img)
         for other in (generate_tab, img2img_tab, extras_tab, pnginfo_tab, history_tab):
             other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)

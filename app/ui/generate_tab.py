@@ -9,6 +9,7 @@ the fields, which then show the size that was used.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import gradio as gr
 
@@ -78,7 +79,20 @@ class GenerateTab:
                 *self.refiner.values()]
 
 
-def family_updates(previous: Snapshot | None, current: Snapshot) -> list:
+class ModelShown(NamedTuple):
+    """What a tab's family fields were last filled for (what `family_updates` and
+    `native_size_updates` compare): kept per page by a tab that fills them when it opens."""
+
+    arch: str | None
+    defaults: tuple[int, float] | None
+    native_size: int | None
+
+    @classmethod
+    def of(cls, snap: Snapshot) -> ModelShown:
+        return cls(snap.arch, snap.defaults, snap.native_size)
+
+
+def family_updates(previous: Snapshot | ModelShown | None, current: Snapshot) -> list:
     """[sampler, hires sampler, steps, CFG] for the model `current` shows loaded after the one `previous`
     showed (None: a fresh page). The sampler lists are always the loaded family's own (a sampler it
     lacks would be refused at Generate); when the family changes, its defaults fill the fields: sampler

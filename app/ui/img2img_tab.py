@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
+from app.engine.snapshot import Snapshot
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, STAGE_LIMITS
 from app.families import family
 from app.ui.common import UiContext, gallery_items, user_errors
@@ -29,7 +30,8 @@ from app.ui.generate_run import (
     stream_job,
     wire_stop,
 )
-from app.ui.workflow_api import edit_job, editor_mask, img2img_job
+from app.ui.generate_tab import ModelShown, family_updates, native_size_updates
+from app.ui.workflow_api import BASE_FIELDS, edit_job, editor_mask, img2img_job
 
 QUEUE = "loras"  # the lane every engine-changing event shares, in order
 RUN_IMG2IMG, RUN_INPAINT, RUN_EDIT = "Run img2img", "Run inpaint", "Run edit"
@@ -89,7 +91,8 @@ def _settings() -> list:
 @dataclass
 class Img2ImgTab:
     """The tab's components "send to img2img" writes to: the shared settings, the img2img panel's init
-    image and denoising strength, a note for what the send did, and the sub-tabs (to show that panel)."""
+    image and denoising strength, a note for what the send did, and the sub-tabs (to show that panel);
+    `shown`: the `ModelShown` its family fields were last filled for (`family_fill`)."""
 
     settings: list
     image: gr.Image
@@ -97,20 +100,47 @@ class Img2ImgTab:
     note: gr.Markdown
     panels: gr.Tabs
     stops: StopControls
+    shown: gr.State
 
     @property
     def sampler(self) -> gr.Dropdown:
         return self.settings[2]
 
+    @property
+    def family_components(self) -> list:
+        """The settings `FAMILY_FIELDS` names, in its order."""
+        named = dict(zip(BASE_FIELDS, self.settings, strict=True))
+        return [named[name] for name in FAMILY_FIELDS]
 
-def family_sampler(ctx: UiContext, current: str):
-    """The loaded family's samplers, keeping `current` where the family has it (else its default): the
-    tab opened after a model switch offers no sampler the model would refuse."""
-    arch = ctx.engine.snapshot().arch
-    if arch is None:
-        return gr.update()
-    fam = family(arch)
-    return gr.Dropdown(choices=list(fam.samplers), value=current if current in fam.samplers else fam.default_sampler)
+
+FAMILY_FIELDS = ("sampler", "steps", "cfg", "width", "height")  # what the loaded model's family fills in
+
+
+def family_fill(snap: Snapshot, shown: ModelShown | None) -> tuple[dict[str, object], ModelShown | None]:
+    """The family fields to fill, by name, and what they are then filled for: the loaded model's
+    sampler, steps, guidance (its name and range) and native size when the tab's were filled for
+    another model, or never (a fresh page); as on the Generate tab, between two models of one family
+    the user's choices stay (`family_updates`). Without this the tab kept SD's 20 steps, CFG 7 and a
+    64² size for every model: Z-Image Turbo ran CFG 7, Klein 20 steps, SDXL drew at 64²."""
+    now = ModelShown.of(snap)
+    if snap.arch is None or shown == now:
+        return {}, shown
+    sampler, _hires, steps, cfg = family_updates(shown, snap)
+    size = native_size_updates(shown.native_size if shown else None, snap.native_size)
+    return dict(zip(FAMILY_FIELDS, (sampler, steps, cfg, *size), strict=True)), now
+
+
+def family_fields(ctx: UiContext, current: str, shown: ModelShown | None) -> list:
+    """[sampler, steps, CFG, width, height, shown] as the tab opens: `family_fill`, and in any case the
+    loaded family's samplers, keeping `current` where the family has it, so the tab offers no sampler
+    the model would refuse."""
+    snap = ctx.engine.snapshot()
+    fill, now = family_fill(snap, shown)
+    if "sampler" not in fill and snap.arch is not None:
+        fam = family(snap.arch)
+        fill["sampler"] = gr.Dropdown(choices=list(fam.samplers),
+                                      value=current if current in fam.samplers else fam.default_sampler)
+    return [*(fill.get(name, gr.update()) for name in FAMILY_FIELDS), now]
 
 
 def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> tuple[gr.Image, gr.Number]:
@@ -220,4 +250,4 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
     gr.on([panels.select], lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     gr.on(None, lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     wire_stop(ctx, stops)
-    return Img2ImgTab(base, image, strength, note, panels, stops)
+    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None))

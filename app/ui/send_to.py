@@ -26,7 +26,7 @@ from app.image_inputs import open_checked
 from app.infotext import Infotext, parse_infotext
 from app.ui.common import MAX_LORAS, NO_REFINER, PROGRESS, UiContext, run_with_progress, user_errors
 from app.ui.generate_tab import GenerateTab, loaded_text
-from app.ui.img2img_tab import Img2ImgTab
+from app.ui.img2img_tab import Img2ImgTab, family_fill
 from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
 
 # Plan field -> infotext key; numbers are parsed, the rest taken as text.
@@ -134,7 +134,9 @@ def plan_send(ctx: UiContext, info: Infotext) -> SendPlan:
 class SendTarget:
     """A tab a send fills: its components by plan field (a field the plan lacks is left as it is, one
     the tab lacks is not sent), its note, the (tabs, id) pairs to select, outer first, so the user
-    lands on the filled panel, and, for img2img, the image component that takes the picture."""
+    lands on the filled panel, and, for img2img, the image component that takes the picture and the
+    state saying which model its family fields were filled for (fields the send leaves out take the
+    loaded model's, as when the tab opens: `family_fill`)."""
 
     tab_id: str  # also the buttons' element-id suffix
     label: str
@@ -142,6 +144,7 @@ class SendTarget:
     note: gr.Markdown
     tabs: tuple[tuple[gr.Tabs, str], ...]
     image: gr.Image | None = None
+    shown: gr.State | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Sender
                                             **generate.refiner}, generate.note, ((tabs, "generate"),)),
         SendTarget("img2img", "img2img", {**dict(zip(_FIELDS, img2img.settings, strict=False)),
                                           "denoising_strength": img2img.strength}, img2img.note,
-                   ((tabs, "img2img"), (img2img.panels, "i2i-img2img")), img2img.image)))
+                   ((tabs, "img2img"), (img2img.panels, "i2i-img2img")), img2img.image, img2img.shown)))
 
 
 def readable_picture(path: str | None) -> str | None:
@@ -197,7 +200,7 @@ def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, picture: gr.c
     `progress_on`, beside the button, not on the fields."""
     slots, engine = tab.loras, ctx.engine
 
-    def send(infotext, path, progress=PROGRESS):
+    def send(infotext, path, progress=PROGRESS, shown=None):  # Gradio puts `progress` at its index, then `shown`
         with user_errors(f"Sending to {target.label}"):
             path = readable_picture(path) if target.image is not None else None
             text = (infotext or "").strip()
@@ -206,15 +209,18 @@ def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, picture: gr.c
             if plan is not None and plan.checkpoint is not None:
                 status = loaded_text(run_with_progress(engine, lambda: engine.load_model(plan.checkpoint), progress))
         known = plan.fields if plan is not None else {}
-        fields = [gr.update(value=known[f]) if f in known else gr.update() for f in target.fields]
+        fill, shown = family_fill(engine.snapshot(), shown) if target.shown is not None else ({}, None)
+        fields = [gr.update(value=known[f]) if f in known else fill.get(f, gr.update()) for f in target.fields]
         image = [gr.update(value=path) if path else gr.update()] if target.image is not None else []
         loras = (selection_updates(ctx, list(plan.loras)) if plan is not None
                  else [gr.update()] * (1 + len(slots.layout)))
-        return [*fields, *image, _note(plan, path), gr.Dropdown(value=engine.snapshot().model), status, *loras,
+        return [*fields, *image, *([shown] if target.shown is not None else []), _note(plan, path),
+                gr.Dropdown(value=engine.snapshot().model), status, *loras,
                 *(gr.Tabs(selected=tab_id) for _tabs, tab_id in target.tabs)]
 
-    outputs = [*target.fields.values(), *([target.image] if target.image is not None else []), target.note,
+    state = [target.shown] if target.shown is not None else []
+    outputs = [*target.fields.values(), *([target.image] if target.image is not None else []), *state, target.note,
                tab.model, tab.model_status, slots.select, *slots.layout, *(tabs for tabs, _id in target.tabs)]
-    button.click(send, [text, picture], outputs, api_visibility="private", concurrency_id=LORA_QUEUE,
+    button.click(send, [text, picture, *state], outputs, api_visibility="private", concurrency_id=LORA_QUEUE,
                  show_progress_on=[progress_on]).success(
         **sync_panel(ctx, slots))
