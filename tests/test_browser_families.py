@@ -2,8 +2,9 @@
 first by name) generates with the page as it comes up, and Flux → SD1.5 → Flux switches leave the
 family's own sampler list, sampler, steps and guidance (its name and range), with which Generate
 works each time; the hires fix's sampler list is the family's too, and so are the img2img tab's
-sampler, steps, guidance and size; the img2img tab's "Reference images" panel is there for FLUX.2 Klein only, saying how many it takes. Needs
-Playwright and Debian's chromium (see `browser_kit`); skips without them.
+sampler, steps, guidance and size; the img2img tab's "Reference images" panel is there for FLUX.2
+Klein only, saying how many it takes. Needs Playwright and Debian's chromium (see `browser_kit`);
+skips without them.
 """
 
 from __future__ import annotations
