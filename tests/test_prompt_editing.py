@@ -162,3 +162,24 @@ def test_the_refiner_goes_on_counting_the_base_passs_steps(engine):
     (refined,) = engine.generate(dataclasses.replace(params, refiner_checkpoint=CHECKPOINTS["sdxl"],
                                                      refiner_switch_at=0.5))
     assert np.array_equal(np.asarray(refined.image), np.asarray(alone.image))
+
+
+def test_a_pass_going_on_after_earlier_steps_encodes_only_what_it_reads(monkeypatch):
+    """The SDXL refiner goes on from the base pass's step count (`steps_before`): with `[a fox:a cat:4]`
+    over 10 steps and 6 before, it reads "a cat" only, so "a fox" is not encoded (it was, for nothing)."""
+    from types import SimpleNamespace
+
+    from app.families import family
+    from app.prompts import editing
+
+    class Pipe:
+        _callback_tensor_inputs = ["latents", "prompt_embeds", editing.POOLED_INPUT]
+
+    encoded = []
+    monkeypatch.setattr(editing, "encode_prompts",
+                        lambda _pipe, prompt, negative, _clip: encoded.append(prompt) or SimpleNamespace(pooled=None))
+    later = editing.EditedPass(Pipe(), family("sdxl"), "[a fox:a cat:4]", "", 0, 10, 1, steps_before=6)
+    assert later.first.pooled is None and encoded == ["a cat"]
+    encoded.clear()
+    whole = editing.EditedPass(Pipe(), family("sdxl"), "[a fox:a cat:4]", "", 0, 10, 1)
+    assert whole.first.pooled is None and encoded == ["a fox", "a cat"]  # both, before the denoiser runs

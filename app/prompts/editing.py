@@ -20,7 +20,7 @@ import torch
 
 from app.families import Family
 from app.prompts.encode import Conditioning, encode_prompts
-from app.prompts.schedule import schedule, text_at
+from app.prompts.schedule import index_at, merged_runs, schedule, text_at
 
 POOLED_INPUT = "add_text_embeds"  # the name a pipeline's step callback gives its pooled conditioning
 
@@ -30,14 +30,9 @@ def edited_texts(prompt: str, negative_prompt: str, steps: int,
     """`[(end, prompt, negative prompt)]` for a pass of `steps`: one entry when nothing is edited."""
     positive = schedule(prompt, steps, first_pass_steps)
     negative = schedule(negative_prompt, steps, first_pass_steps)
-    entries: list[tuple[int, str, str]] = []
-    for end in sorted({e for e, _ in positive} | {e for e, _ in negative}):
-        texts = (text_at(positive, end), text_at(negative, end))
-        if entries and entries[-1][1:] == texts:
-            entries[-1] = (end, *texts)
-        else:
-            entries.append((end, *texts))
-    return entries
+    runs = merged_runs({e for e, _ in positive} | {e for e, _ in negative},
+                       lambda end: (text_at(positive, end), text_at(negative, end)))
+    return [(end, *texts) for end, texts in runs]
 
 
 def editable(fam: Family, pipeline_class: type | None = None) -> bool:
@@ -99,8 +94,9 @@ class EditedPass:
     @property
     def first(self) -> Conditioning:
         """The first step's conditioning; every later one is encoded now too, so the text encoders run
-        before the denoiser as in any pass (under offload they are not brought back mid-pass)."""
-        for index in range(len(self._entries)):
+        before the denoiser as in any pass (under offload they are not brought back mid-pass); not the
+        earlier ones, which a pass going on after `steps_before` steps never reads."""
+        for index in range(self._current, len(self._entries)):
             self._conditioning(index)
         return self._conditioning(self._current)
 
@@ -124,7 +120,7 @@ class EditedPass:
 
     def _index(self, step: int) -> int:
         """The entry the sampler's step `step` (from 0) reads."""
-        return next((i for i, (end, *_texts) in enumerate(self._entries) if step <= end), len(self._entries) - 1)
+        return index_at(self._entries, step)
 
     def _laid_out(self, positive: torch.Tensor, negative: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         """`positive` (and `negative`, first, under CFG) repeated per image, on `like`'s device and dtype."""

@@ -23,7 +23,11 @@ prompt its parser fails on, in time linear in its length.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _NUMBER = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*")
 _SYNTAX = frozenset("[]():|\\")
@@ -195,16 +199,27 @@ def schedule(text: str, steps: int, first_pass_steps: int | None = None) -> list
         return [(steps, text)]
     ends: set[int] = {steps}
     _ends(parts, steps, first_pass_steps, ends)
-    merged: list[tuple[int, str]] = []
+    return merged_runs(ends, lambda end: _text_at(parts, end, steps, first_pass_steps))
+
+
+def merged_runs(ends: Iterable[int], value_at: Callable[[int], T]) -> list[tuple[int, T]]:
+    """`[(end, value_at(end))]` over the sorted `ends`, neighbours with equal values merged into the
+    later end: a schedule lists only the steps where what is read changes."""
+    runs: list[tuple[int, T]] = []
     for end in sorted(ends):
-        at = _text_at(parts, end, steps, first_pass_steps)
-        if merged and merged[-1][1] == at:
-            merged[-1] = (end, at)
+        value = value_at(end)
+        if runs and runs[-1][1] == value:
+            runs[-1] = (end, value)
         else:
-            merged.append((end, at))
-    return merged
+            runs.append((end, value))
+    return runs
+
+
+def index_at(entries: Sequence[tuple[Any, ...]], step: int) -> int:
+    """The entry (`(end, …)`) the sampler's step `step` (from 0) reads: the first with `step <= end`."""
+    return next((i for i, entry in enumerate(entries) if step <= entry[0]), len(entries) - 1)
 
 
 def text_at(entries: list[tuple[int, str]], step: int) -> str:
-    """The text the sampler's step `step` (from 0) reads: the first entry with `step <= end`."""
-    return next((text for end, text in entries if step <= end), entries[-1][1])
+    """The text the sampler's step `step` (from 0) reads."""
+    return entries[index_at(entries, step)][1]
