@@ -292,9 +292,9 @@ class GroupOffload(OffloadStrategy):
 
     def _stream_group(self, group: torch.nn.Module, compute: placement.Placement) -> None:
         """Point a group's tensors at compute copies, adding to what was copied ahead: a tensor it
-        shares with the block that was running then (tied weights: Qwen3's `lm_head` is its
-        `embed_tokens`) was on the device already, so it was not stashed, and it went back to rest
-        with that block."""
+        shares with the block that was running then (tied weights: a language model's `lm_head`
+        that is its `embed_tokens`) was on the device already, so it was not stashed, and it went
+        back to rest with that block."""
         members = self._members[id(group)]
         stashes = self._stashes.setdefault(id(group), [(m, {}) for m, _pinned in members])
         for (module, stash), (_module, pinned) in zip(stashes, members, strict=True):

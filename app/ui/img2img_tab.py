@@ -121,7 +121,7 @@ def family_fill(snap: Snapshot, shown: ModelShown | None) -> tuple[dict[str, obj
     sampler, steps, guidance (its name and range) and native size when the tab's were filled for
     another model, or never (a fresh page); as on the Generate tab, between two models of one family
     the user's choices stay (`family_updates`). Without this the tab kept SD's 20 steps, CFG 7 and a
-    64² size for every model: Z-Image Turbo ran CFG 7, Klein 20 steps, SDXL drew at 64²."""
+    64² size for every model: a distilled model ran 20 steps at CFG 7, SDXL drew at 64²."""
     now = ModelShown.of(snap)
     if snap.arch is None or shown == now:
         return {}, shown
