@@ -15,10 +15,9 @@ from PIL import Image
 from app.families import family
 
 
-def latent_preview(latents: torch.Tensor, arch: str) -> list[Image.Image]:
-    """One RGB picture per latent of a (batch, channels, h, w) tensor, any float dtype, on any device.
-
-    The product runs where the latents are; only the small uint8 result is copied to the CPU."""
+def preview_pixels(latents: torch.Tensor, arch: str) -> torch.Tensor:
+    """The (batch, h, w, 3) uint8 pictures of a (batch, channels, h, w) latent tensor, any float dtype,
+    computed where the latents are: only this small result goes to the host (`pictures`)."""
     fam = family(arch)
     if fam.preview_rgb is None:
         raise ValueError(f"{fam.label} has no preview factors (Family.preview_rgb)")
@@ -28,5 +27,9 @@ def latent_preview(latents: torch.Tensor, arch: str) -> list[Image.Image]:
     weight = torch.tensor(factors, dtype=torch.float32, device=latents.device)
     offset = torch.tensor(bias, dtype=torch.float32, device=latents.device)
     rgb = torch.einsum("bchw,cr->bhwr", latents.detach().float(), weight) + offset
-    pixels = ((rgb + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8).cpu()
-    return [Image.fromarray(frame.numpy(), "RGB") for frame in pixels]
+    return ((rgb + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8)
+
+
+def pictures(pixels: torch.Tensor) -> list[Image.Image]:
+    """One RGB picture per frame of `preview_pixels`' result, once it is on the host."""
+    return [Image.fromarray(frame.numpy(), "RGB") for frame in pixels.cpu()]

@@ -276,27 +276,32 @@ def test_gpu_out_of_memory_is_reported_and_the_engine_stays_ready(gpu_data_dir):
 
 
 @pytest.mark.gpu
-def test_reading_a_steps_finite_flag_waits_for_that_step_alone():
-    """The NaN check reads step k's flag at step k+1 so a GPU never idles waiting for the CPU: the read
-    waits for step k's work, not for what was queued after it. `bool(flag)` waited for everything
-    queued (its copy goes behind it), so each step began from an empty queue (Klein ran at 0.98× of
-    diffusers' it/s on an H100). Here about a second of matmuls is queued between the two reads."""
+@pytest.mark.parametrize("read", ["finite flag", "preview"])
+def test_a_step_callbacks_host_read_waits_for_that_step_alone(read):
+    """The NaN check's flag and the live preview's pixels, taken at step k, are read on the host at step
+    k+1 (`HostRead`), so a GPU never idles waiting for the CPU: the read waits for step k's work, not for
+    what was queued after it. `bool(flag)` and `.cpu()` waited for everything queued (their copy goes
+    behind it), so a step began from an empty queue (Klein ran at 0.98× of diffusers' it/s on an H100;
+    1.00× once the flag was read so). Here about a second of matmuls is queued before the read."""
     import time
 
     from app.engine.generate import _FiniteWatch
+    from app.engine.host_read import HostRead
+    from app.preview import pictures, preview_pixels
 
     latents = torch.ones(1, 16, 128, 128, device="cuda")
     a, out = torch.randn(8192, 8192, device="cuda"), torch.empty(8192, 8192, device="cuda")
-    watch = _FiniteWatch(2)
-    watch.observe(1, latents)
-    torch.cuda.synchronize()
-    watch.observe(1, latents)  # step 1's flag, queued with nothing behind it yet
+    taken = HostRead(torch.isfinite(latents).all() if read == "finite flag" else preview_pixels(latents, "flux-dev"))
     for _ in range(40):
         torch.mm(a, a, out=out)  # step 2's work
     started = time.perf_counter()
-    watch.observe(2, latents)  # reads step 1's flag
+    value = taken.value()
     waited = time.perf_counter() - started
     torch.cuda.synchronize()
     queued = time.perf_counter() - started
     assert queued > 0.1 and waited < queued / 10, (waited, queued)
+    assert bool(value) if read == "finite flag" else pictures(value)[0].size == (128, 128)
+    watch = _FiniteWatch(2)  # the loop's check, on the same reads
+    watch.observe(1, latents)
+    watch.observe(2, latents)
     watch.settle()

@@ -29,7 +29,7 @@ from app.engine.part_choices import PartFiles
 from app.engine.stage_params import HiresParams
 from app.families import family
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR
-from app.preview import latent_preview
+from app.preview import pictures, preview_pixels
 from app.settings import Settings
 
 TURBO, BASE = "zimage-turbo", "zimage-base"
@@ -251,7 +251,7 @@ def test_hires_fix_live_preview_and_interrupt(engine):
     plain, seen = generate.run(engine.pipeline, params, 3), []
 
     def collect(step, total, latents):
-        seen.append((step, total, tuple(latents.shape), latent_preview(latents, TURBO)[0].size))
+        seen.append((step, total, tuple(latents.shape), pictures(preview_pixels(latents, TURBO))[0].size))
         return False
 
     watched = generate.run(engine.pipeline, params, 3, on_step=collect)

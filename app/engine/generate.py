@@ -22,6 +22,7 @@ import torch
 from PIL import Image, PngImagePlugin
 
 from app.engine import variation
+from app.engine.host_read import HostRead
 from app.engine.interrupt import StepInterrupted
 from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
@@ -197,36 +198,23 @@ class NonFiniteLatentsError(RuntimeError):
 
 class _FiniteWatch:
     """Checks the latents after every step, one step behind: step k's flag is computed on the
-    device and read at step k+1, when step k+1's work is already queued behind it, so the check
-    never leaves a GPU idle waiting for the CPU. `settle()` reads the last flag.
-
-    On CUDA the flag is copied to pinned host memory without blocking and an event is recorded
-    behind the copy; reading it waits on that event alone. `bool(flag)` would not do: its copy is
-    queued behind everything queued so far (step k+1 included), so it drained the GPU's queue at
-    every step and the next step started from an empty queue (the likely cause of a 4-step DiT's
-    0.98× of diffusers' it/s on an H100, whose loop never waits)."""
+    device and read at step k+1 (`HostRead`), when step k+1's work is already queued behind it, so
+    the check never leaves a GPU idle waiting for the CPU. `settle()` reads the last flag."""
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._pending: tuple[int, HostRead] | None = None
 
     def observe(self, step: int, latents: torch.Tensor) -> None:
-        flag, done = torch.isfinite(latents).all(), None
-        if flag.is_cuda:
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            flag, done = host, torch.cuda.Event()
-            done.record(torch.cuda.current_stream(latents.device))  # the copy's stream, on any device
+        flag = HostRead(torch.isfinite(latents).all())
         self.settle()
-        self._pending = (step, flag, done)
+        self._pending = (step, flag)
 
     def settle(self) -> None:
         if self._pending is not None:
-            step, flag, done = self._pending
+            step, flag = self._pending
             self._pending = None
-            if done is not None:
-                done.synchronize()
-            if not bool(flag):
+            if not bool(flag.value()):
                 raise NonFiniteLatentsError(step, self.total)
 
 
@@ -322,7 +310,7 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     pipeline call (reference images: `image=[…]`).
 
     `on_step(step, total, latents)` runs after each step (it must only read the latents: the live
-    preview projects them with `app.preview.latent_preview`); when it returns True the remaining
+    preview projects them with `app.preview.preview_pixels`); when it returns True the remaining
     steps are skipped (diffusers' own interrupt flag) and the latents reached so far are decoded:
     an Interrupt or Skip lands between two steps, never inside a forward. Raises
     `NonFiniteLatentsError` naming the step when the latents stop being finite.

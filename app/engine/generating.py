@@ -17,13 +17,14 @@ from typing import Any
 from app.adapters.prompt import merge_prompt_loras
 from app.engine import generate, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
+from app.engine.host_read import HostRead
 from app.engine.interrupt import StepInterrupted
 from app.engine.lora_counters import capped
 from app.engine.queue import Command
 from app.engine.snapshot import EngineState
 from app.families import family
 from app.infotext import LoraUse
-from app.preview import latent_preview
+from app.preview import pictures, preview_pixels
 
 # The commands that generate: each becomes the current `Job` when it leaves the queue, for all of
 # its stages, so Interrupt and Skip reach every denoising pass of it (img2img, inpaint, hires).
@@ -173,13 +174,18 @@ class Generating:
         unless the stop drops them (the result is then None)."""
         reached, ending, arch = 0, False, self._lifecycle.facts().arch
         previews = family(arch).preview_rgb is not None  # no factors: no preview
+        taken: HostRead | None = None  # the last preview's pixels, on their way to the host
 
         def on_step(step: int, total: int, latents) -> bool:
-            nonlocal reached, ending
+            """A preview taken at step k is shown at step k+1: read then, it waits for step k's work
+            alone (`HostRead`); read at once, it drained the GPU's queue."""
+            nonlocal reached, ending, taken
             reached = step
+            shown = None if taken is None else tuple(pictures(taken.value()))
             every = self.settings.preview_every
-            shown = previews and every and step % every == 0 and step < total
-            self._set_progress(phase, step, total, tuple(latent_preview(latents, arch)) if shown else None)
+            wanted = previews and every and step % every == 0 and step < total
+            taken = HostRead(preview_pixels(latents, arch)) if wanted else None
+            self._set_progress(phase, step, total, shown)
             ending = job.stop is not None
             return ending
 
