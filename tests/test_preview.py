@@ -62,10 +62,10 @@ def test_the_step_callback_sees_the_latents_without_changing_the_image(engine):
 
 
 def test_a_preview_is_shown_one_step_after_it_is_taken(data_dir, monkeypatch):
-    """With a preview every 2 steps of 6, the previews of steps 2 and 4 are published at steps 3 and 5:
-    each is read on the host a step later (`HostRead`), so on a GPU it waits for its own step's work
-    alone; read at once it drained the queue. The picture published is the one of the step it was
-    taken at (the latents the callback saw then)."""
+    """With a preview every 2 steps of 6, the previews of steps 2 and 4 are published at steps 3 and 5,
+    labelled 2 and 4: each is read on the host a step later (`HostRead`), so on a GPU it waits for its
+    own step's work alone; read at once it drained the queue. The picture published is the one of the
+    step it is labelled with (the latents the callback saw then)."""
     from app.engine.worker import Engine
     from app.settings import Settings
 
@@ -75,10 +75,10 @@ def test_a_preview_is_shown_one_step_after_it_is_taken(data_dir, monkeypatch):
         published, seen = [], {}
         set_progress, denoise = engine._set_progress, generate.denoise
 
-        def record(phase, step, total, preview=None):
+        def record(phase, step, total, preview=None, preview_step=None):
             if preview is not None:
-                published.append((step, [np.asarray(p) for p in preview]))
-            set_progress(phase, step, total, preview)
+                published.append((step, preview_step, [np.asarray(p) for p in preview]))
+            set_progress(phase, step, total, preview, preview_step)
 
         def watched(pipe, params, seed, on_step, *args, **kwargs):
             def spy(step, total, latents):
@@ -89,8 +89,8 @@ def test_a_preview_is_shown_one_step_after_it_is_taken(data_dir, monkeypatch):
         monkeypatch.setattr(engine, "_set_progress", record)
         monkeypatch.setattr(generate, "denoise", watched)
         engine.generate(GenerateParams("a red cube", steps=6, width=64, height=64, cfg=5.0, sampler="Euler", seed=3))
-        assert [step for step, _ in published] == [3, 5]
-        for step, frames in published:
-            assert all(np.array_equal(a, b) for a, b in zip(frames, seen[step - 1], strict=True)), step
+        assert [(step, of) for step, of, _frames in published] == [(3, 2), (5, 4)]
+        for _step, of, frames in published:
+            assert all(np.array_equal(a, b) for a, b in zip(frames, seen[of], strict=True)), of
     finally:
         engine.close()

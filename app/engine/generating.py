@@ -174,18 +174,18 @@ class Generating:
         unless the stop drops them (the result is then None)."""
         reached, ending, arch = 0, False, self._lifecycle.facts().arch
         previews = family(arch).preview_rgb is not None  # no factors: no preview
-        taken: HostRead | None = None  # the last preview's pixels, on their way to the host
+        taken: tuple[int, HostRead] | None = None  # the last preview's step and pixels, on their way to the host
 
         def on_step(step: int, total: int, latents) -> bool:
-            """A preview taken at step k is shown at step k+1: read then, it waits for step k's work
-            alone (`HostRead`); read at once, it drained the GPU's queue."""
+            """A preview taken at step k is shown at step k+1 (labelled k): read then, it waits for step
+            k's work alone (`HostRead`); read at once, it drained the GPU's queue."""
             nonlocal reached, ending, taken
             reached = step
-            shown = None if taken is None else tuple(pictures(taken.value()))
+            shown, of = (None, None) if taken is None else (tuple(pictures(taken[1].value())), taken[0])
             every = self.settings.preview_every
             wanted = previews and every and step % every == 0 and step < total
-            taken = HostRead(preview_pixels(latents, arch)) if wanted else None
-            self._set_progress(phase, step, total, shown)
+            taken = (step, HostRead(preview_pixels(latents, arch))) if wanted else None
+            self._set_progress(phase, step, total, shown, of)
             ending = job.stop is not None
             return ending
 

@@ -65,6 +65,7 @@ class Progress:
     step: int
     total: int
     preview: tuple | None = None  # live preview pictures (PIL images) of the latents, while denoising
+    preview_step: int | None = None  # the step those latents are of (a preview is shown a step later)
 
 
 @dataclass(frozen=True)

@@ -364,11 +364,11 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         self._scans.begin()  # a model this step loaded: its files are read once its caller has the answer
 
     # ------------------------------------------------------------------ command bodies (worker only)
-    def _set_progress(self, phase: str, step: int, total: int, preview=None) -> None:
-        """Publish progress; a step without a new preview keeps showing the last one."""
+    def _set_progress(self, phase: str, step: int, total: int, preview=None, preview_step: int | None = None) -> None:
+        """Publish progress; a step without a new preview keeps showing the last one (of `preview_step`)."""
         if preview is None and self._progress is not None and self._progress.phase == phase:
-            preview = self._progress.preview
-        self._progress = Progress(phase, step, total, preview)
+            preview, preview_step = self._progress.preview, self._progress.preview_step
+        self._progress = Progress(phase, step, total, preview, preview_step)
 
     def _open_lora(self, name: str):
         """Read a LoRA file; a read failure is that LoRA's apply error (counted under its name)."""

@@ -155,9 +155,9 @@ def run_buttons(snap: Snapshot | None, label: str, mine: bool = True) -> list:
 def _preview(snap: Snapshot, size: tuple[int, int]) -> gr.Gallery:
     """The latent preview, one picture per image of the batch, scaled to the image size and labelled as
     a preview (the gallery's label goes back to "Images" with the result)."""
-    caption = f"preview · step {snap.progress.step}/{snap.progress.total}"
+    caption = f"preview · step {snap.progress.preview_step}/{snap.progress.total}"
     items = [(picture.resize(size, Image.Resampling.BILINEAR), caption) for picture in snap.progress.preview]
-    return gr.Gallery(items, label=f"Live preview (latents) · step {snap.progress.step}/{snap.progress.total}")
+    return gr.Gallery(items, label=f"Live preview (latents) · step {snap.progress.preview_step}/{snap.progress.total}")
 
 
 def stream_job(job: Generation, size: tuple[int, int], action: str, frame: Callable[[Any, Snapshot | None], list],
