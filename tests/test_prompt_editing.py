@@ -131,8 +131,9 @@ def test_a_family_that_cannot_follow_an_edit_says_what_it_reads():
 def test_the_stage_passes_follow_the_edit(engine):
     """Hires fix: `[cat:dog:0.5]` switched half-way through the first pass, so the hires pass reads `dog`
     throughout (A1111 counts its fractions from 1.0): the image equals the one whose hires prompt is
-    the `dog` text, bit for bit. img2img and inpaint swap on their own pipelines: the edited image
-    differs from each of its two texts alone."""
+    the `dog` text, bit for bit. img2img and inpaint swap on their own pipelines, counting from their
+    first run step as A1111 does: 8 steps at strength 0.5 run the schedule's steps 0-3, so
+    `[cat:dog:2]` differs from each text alone and `[cat:dog:3]` reads `cat` at all four, bit for bit."""
     engine.load_model(CHECKPOINTS["sd15"])
     base = GenerateParams("a [cat:dog:0.5] x", seed=5, steps=4, width=64, height=64, cfg=5.0, sampler="Euler")
     hires = HiresParams(scale=1.5, steps=4, denoising_strength=0.6)
@@ -147,8 +148,9 @@ def test_the_stage_passes_follow_the_edit(engine):
                                       denoising_strength=0.5, **extra)
             return np.asarray(image.image)
 
-        edited = run("a [cat:dog:2] x")
-        assert not np.array_equal(edited, run("a cat x")) and not np.array_equal(edited, run("a dog x")), extra
+        edited, cat = run("a [cat:dog:2] x"), run("a cat x")
+        assert not np.array_equal(edited, cat) and not np.array_equal(edited, run("a dog x")), extra
+        assert np.array_equal(run("a [cat:dog:3] x"), cat), extra
 
 
 def test_the_refiner_goes_on_counting_the_base_passs_steps(engine):
