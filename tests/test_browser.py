@@ -272,6 +272,9 @@ def test_a_saved_style_and_a_variation_seed_reach_the_image(page, served):
     page.keyboard.press("Escape")
     set_number(page, "sd-steps", "2")
     page.click("#sd-variation")
+    # the accordion mounts its fields on opening, then gives them their values: a fill before that was
+    # overwritten with -1 one run in four
+    page.wait_for_function("document.querySelector('#sd-subseed input')?.value === '-1'", timeout=TIMEOUT_MS)
     set_number(page, "sd-subseed", "77")
     set_number(page, "sd-subseed_strength", "0.4")
     text = read_parameters(generate_and_wait(page, engine))
