@@ -77,6 +77,20 @@ def set_number(page, elem_id: str, value: str) -> None:
     page.keyboard.press("Tab")
 
 
+def set_numbers_on_opening(page, accordion: str, values: dict[str, str]) -> None:
+    """Open the accordion `accordion` and set its number fields. It mounts them on opening and gives
+    them their values a moment later, each on its own: a fill before then is overwritten (1 run in 4
+    lost the variation seed), so the fields are filled until they all hold their values."""
+    page.click(f"#{accordion}")
+    for _ in range(5):
+        for elem_id, value in values.items():
+            set_number(page, elem_id, value)
+        page.wait_for_timeout(300)
+        if all(page.input_value(f"#{elem_id} input[type=number]") == value for elem_id, value in values.items()):
+            return
+    raise AssertionError(f"#{accordion}: its fields did not keep {values}")
+
+
 def save(page, name: str) -> None:
     page.wait_for_timeout(700)  # let toasts and previews finish fading in
     SHOTS.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ from browser_kit import (
     pick_loras,
     save,
     set_number,
+    set_numbers_on_opening,
     toasts,
 )
 from PIL import Image
@@ -271,11 +272,6 @@ def test_a_saved_style_and_a_variation_seed_reach_the_image(page, served):
     choose(page, "sd-styles", "frame")
     page.keyboard.press("Escape")
     set_number(page, "sd-steps", "2")
-    page.click("#sd-variation")
-    # the accordion mounts its fields on opening, then gives them their values: a fill before that was
-    # overwritten with -1 one run in four
-    page.wait_for_function("document.querySelector('#sd-subseed input')?.value === '-1'", timeout=TIMEOUT_MS)
-    set_number(page, "sd-subseed", "77")
-    set_number(page, "sd-subseed_strength", "0.4")
+    set_numbers_on_opening(page, "sd-variation", {"sd-subseed": "77", "sd-subseed_strength": "0.4"})
     text = read_parameters(generate_and_wait(page, engine))
     assert text.startswith("framed, a fox\n") and "Variation seed: 77, Variation seed strength: 0.4" in text

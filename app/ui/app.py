@@ -78,9 +78,9 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         extras_tab.select(extras.refresh, None, extras.dropdowns, api_visibility="private", show_progress="hidden")
         # The img2img tab's sampler, steps, guidance and size: the loaded model's on page load, and again
         # when the tab opens after a switch (in this page, another tab or an API client).
-        fill_img2img = dict(fn=lambda current, shown: family_fields(ctx, current, shown),
-                            inputs=[i2i.sampler, i2i.shown], outputs=[*i2i.family_components, i2i.shown],
-                            api_visibility="private", show_progress="hidden")
+        fill_img2img = dict(fn=lambda shown: family_fields(ctx, shown), inputs=i2i.shown,
+                            outputs=[*i2i.family_components, i2i.shown], api_visibility="private",
+                            show_progress="hidden")
         img2img_tab.select(**fill_img2img)
         demo.load(**fill_img2img)
         for other in (generate_tab, img2img_tab, extras_tab, pnginfo_tab, history_tab):

@@ -103,10 +103,6 @@ class Img2ImgTab:
     shown: gr.State
 
     @property
-    def sampler(self) -> gr.Dropdown:
-        return self.settings[2]
-
-    @property
     def family_components(self) -> list:
         """The settings `FAMILY_FIELDS` names, in its order."""
         named = dict(zip(BASE_FIELDS, self.settings, strict=True))
@@ -130,16 +126,10 @@ def family_fill(snap: Snapshot, shown: ModelShown | None) -> tuple[dict[str, obj
     return dict(zip(FAMILY_FIELDS, (sampler, steps, cfg, *size), strict=True)), now
 
 
-def family_fields(ctx: UiContext, current: str, shown: ModelShown | None) -> list:
-    """[sampler, steps, CFG, width, height, shown] as the tab opens: `family_fill`, and in any case the
-    loaded family's samplers, keeping `current` where the family has it, so the tab offers no sampler
-    the model would refuse."""
-    snap = ctx.engine.snapshot()
-    fill, now = family_fill(snap, shown)
-    if "sampler" not in fill and snap.arch is not None:
-        fam = family(snap.arch)
-        fill["sampler"] = gr.Dropdown(choices=list(fam.samplers),
-                                      value=current if current in fam.samplers else fam.default_sampler)
+def family_fields(ctx: UiContext, shown: ModelShown | None) -> list:
+    """[sampler, steps, CFG, width, height, shown] as the page loads or the tab opens (`family_fill`):
+    fields already filled for the loaded model, its sampler list included, are left as they are."""
+    fill, now = family_fill(ctx.engine.snapshot(), shown)
     return [*(fill.get(name, gr.update()) for name in FAMILY_FIELDS), now]
 
 
