@@ -16,35 +16,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("NO_PROXY", "localhost,127.0.0.1")
 
 from app.console import quiet_third_party  # noqa: E402
-from app.secret_env import pop_secret  # noqa: E402
+from app.logins import add_login_flags, login_settings  # noqa: E402
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings  # noqa: E402
 
 log = logging.getLogger("steady_diffusion")
-
-
-def parse_auth(pairs: list[str], auth_file: str | None, auth_env: str | None = None) -> tuple[tuple[str, str], ...]:
-    """`user:pass` pairs from the command line, a file and/or an environment variable, one pair per line.
-
-    The variable is removed from the environment once read (`app.secret_env`): processes started
-    later (Gradio's share tunnel) do not inherit it, `/proc/PID/environ` no longer shows it, and
-    unlike `--auth` it never shows in `ps`.
-    """
-    lines = list(pairs)
-    texts = [Path(auth_file).read_text()] if auth_file else []
-    if auth_env:
-        secret = pop_secret(auth_env)
-        if not secret:
-            raise SystemExit(f"--auth-env {auth_env}: that environment variable is not set or empty")
-        texts.append(secret)
-    for text in texts:
-        lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-    out = []
-    for line in lines:
-        user, sep, password = line.partition(":")
-        if not sep or not user or not password:
-            raise SystemExit(f"--auth expects user:password, got {line.split(':')[0]!r}:…")
-        out.append((user, password))
-    return tuple(out)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -100,17 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", action="store_true", help="serve on 0.0.0.0 instead of 127.0.0.1")
     p.add_argument("--port", type=int, default=7860, help="HTTP port")
     p.add_argument("--share", action="store_true", help="create a public Gradio share link")
-    p.add_argument("--auth", action="append", default=[], metavar="USER:PASS", help="require a login (repeatable)")
-    p.add_argument("--auth-file", default=None, help="file with one user:password per line")
-    p.add_argument("--auth-env", default=None, metavar="VAR",
-                   help="environment variable holding user:password (one per line); unlike --auth not shown by ps")
-    p.add_argument("--no-auth", action="store_true",
-                   help="allow --share/--listen without a password (otherwise one is generated)")
-    p.add_argument("--api", action="store_true",
-                   help="serve the A1111 API (/sdapi/v1) even when the app is reachable without a login; it is on "
-                        "by default on 127.0.0.1 and behind a login")
-    p.add_argument("--api-auth", action="append", default=[], metavar="USER:PASS[,USER:PASS]",
-                   help="separate logins (HTTP basic) for the A1111 API, as A1111's --api-auth; default: the UI's")
+    add_login_flags(p)
     p.add_argument("--forwarded-allow-ips", action="append", default=[], metavar="IP[,IP]",
                    help="reverse proxies trusted to name the client in X-Forwarded-For (for the login throttle); "
                         "default: none, the connection's own address counts")
@@ -138,8 +103,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         lora_debug=args.lora_debug or Settings().lora_debug, move_debug=args.move_debug or Settings().move_debug,
         slider_min=min(args.slider_range), slider_max=max(args.slider_range),
         listen=args.listen, port=args.port, share=args.share,
-        auth=parse_auth(args.auth, args.auth_file, args.auth_env), no_auth=args.no_auth,
-        api=args.api, api_auth=parse_auth([pair for arg in args.api_auth for pair in arg.split(",")], None),
+        **login_settings(args),
         forwarded_allow_ips=tuple(ip.strip() for arg in args.forwarded_allow_ips for ip in arg.split(",")
                                   if ip.strip()),
         queue_size=args.queue_size, session_queue_size=args.session_queue_size,

@@ -128,7 +128,7 @@ def test_password_can_come_from_an_environment_variable(monkeypatch):
 def test_the_password_leaves_proc_environ_too():
     """`os.environ.pop` left the password in `/proc/PID/environ` (the kernel shows the environment the
     process started with); the start-up copy is wiped as well (issue 28, finding 9)."""
-    code = ("import os, launch; launch.parse_auth([], None, 'SD_TEST_AUTH');"
+    code = ("import os, app.logins; app.logins.parse_auth([], None, 'SD_TEST_AUTH');"
             "print(b'hunter22' in open('/proc/self/environ', 'rb').read(), 'SD_TEST_AUTH' in os.environ)")
     env = dict(os.environ, SD_TEST_AUTH="bob:hunter22", PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
