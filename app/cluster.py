@@ -208,7 +208,8 @@ def build(settings: Settings, replicas: int = 2, *, gpus: float = 1, cpus: float
     """The Serve application: `replicas` engines (`gpus` GPUs and `cpus` CPUs each) behind the gateway, which
     takes `settings`' logins (`settings.auth` holds any generated password) and body caps."""
     engines = EngineReplica.options(num_replicas=replicas, ray_actor_options={"num_gpus": gpus, "num_cpus": cpus})
-    return Gateway.bind(engines.bind(settings, initial_model), settings)
+    engine_settings = settings.replace(auth=(), api_auth=())  # the logins stay with the gateway, off the GPU nodes
+    return Gateway.bind(engines.bind(engine_settings, initial_model), settings)
 
 
 def parser() -> argparse.ArgumentParser:
