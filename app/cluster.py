@@ -131,9 +131,9 @@ def _refused(status: int, detail: str) -> JSONResponse:
 
 
 class GatewayGuard:
-    """The outermost layer of the gateway's app: a request this replica's `Gateway` refuses from its headers
-    is answered before any of its body is read. The `Gateway` is found as Serve's own class-based routes find
-    it (the replica context), since Serve builds this app before it."""
+    """A layer around the gateway's routes, ahead of FastAPI reading any body: a request this replica's
+    `Gateway` refuses from its headers is answered before its body is read. The `Gateway` is found as Serve's
+    own class-based routes find it (the replica context), since Serve builds this app before it."""
 
     def __init__(self, app) -> None:
         self.app = app
