@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-file", default=None, help="file with one user:password per line")
     p.add_argument("--auth-env", default=None, metavar="VAR",
                    help="environment variable holding user:password (one per line); unlike --auth not shown by ps")
+    p.add_argument("--admin", action="append", default=[], metavar="USER",
+                   help="a login that may change what every user shares: unload, debug switches, dtype/offload/"
+                        "weight storage, the remembered per-LoRA choices, stopping others' jobs, the shared "
+                        "styles.csv (repeatable; counts for --api-auth logins too). Default: the first login listed "
+                        "(--auth, then --api-auth); with no login the local user is the admin")
     p.add_argument("--no-auth", action="store_true",
                    help="allow --share/--listen without a password (otherwise one is generated)")
     p.add_argument("--api", action="store_true",
@@ -139,6 +144,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         slider_min=min(args.slider_range), slider_max=max(args.slider_range),
         listen=args.listen, port=args.port, share=args.share,
         auth=parse_auth(args.auth, args.auth_file, args.auth_env), no_auth=args.no_auth,
+        admins=tuple(args.admin),
         api=args.api, api_auth=parse_auth([pair for arg in args.api_auth for pair in arg.split(",")], None),
         forwarded_allow_ips=tuple(ip.strip() for arg in args.forwarded_allow_ips for ip in arg.split(",")
                                   if ip.strip()),
