@@ -166,16 +166,16 @@ def _page(app, user: str) -> httpx.Client:
     return client
 
 
-def _save_style(app, user: str, name: str, prompt: str) -> dict:
-    """Press the Generate tab's "Save as style" as `user`'s page does; returns Gradio's `process_completed`."""
+def _page_event(app, user: str, handler: str, data: list) -> dict:
+    """Run the page's event `handler` (by its function's name) as `user`'s page does (its login cookie, a
+    same-origin request naming the event's component); returns Gradio's `process_completed` message."""
     demo = app[0].demo
-    index = next(i for i, fn in demo.fns.items() if fn.name == "ui_save")
+    index = next(i for i, fn in demo.fns.items() if fn.name == handler)
     session = f"{user}-{time.monotonic_ns()}"
     page = _page(app, user)
     try:
         joined = page.post("/gradio_api/queue/join", json={
-            "data": [name, prompt, "", []], "fn_index": index, "session_hash": session,
-            "trigger_id": demo.fns[index].targets[0][0]})
+            "data": data, "fn_index": index, "session_hash": session, "trigger_id": demo.fns[index].targets[0][0]})
         assert joined.status_code == 200, joined.text
         with page.stream("GET", "/gradio_api/queue/data", params={"session_hash": session}) as events:
             for line in events.iter_lines():
@@ -184,7 +184,28 @@ def _save_style(app, user: str, name: str, prompt: str) -> dict:
                     return message
     finally:
         page.close()
-    raise AssertionError("the save never completed")
+    raise AssertionError(f"{handler} never completed")
+
+
+def _save_style(app, user: str, name: str, prompt: str) -> dict:
+    """Press the Generate tab's "Save as style" as `user`'s page does."""
+    return _page_event(app, user, "ui_save", [name, prompt, "", []])
+
+
+def test_the_pages_engine_wide_controls_are_an_admins_only(app):
+    """The page's own handlers for the debug switches, Unload, dtype, offload and weight storage refuse a login
+    that is not an admin, saying an admin login is needed, and change nothing; the admin's toggle works."""
+    _server, engine, _settings = app
+    for handler, data in (("toggle", [True, True, True, False]), ("free_memory", []), ("ui_set_dtype", ["fp32"]),
+                          ("ui_set_offload", ["model"]), ("ui_set_weights", ["fp8"])):
+        refused = _page_event(app, "bob", handler, data)
+        assert not refused["success"] and ADMIN_NEEDED in refused["output"]["error"], (handler, refused)
+    snap = engine.snapshot()
+    assert (snap.model, snap.offload, snap.requested_dtype, snap.weights) == (MODEL, "none", "auto", "full")
+    assert not engine.settings.lora_debug
+    assert _page_event(app, "ann", "toggle", [True, False, False, False])["success"]
+    assert engine.settings.lora_debug
+    assert _page_event(app, "ann", "toggle", [False, False, False, False])["success"]
 
 
 def _styles_of(app, user: str) -> dict[str, str]:
