@@ -75,10 +75,10 @@ def apply(state: ApiState, changes: Mapping[str, Any], account: Account) -> None
     engine_wide = [key for key in (DTYPE, OFFLOAD) if key in changes and changes[key] != known[key]]
     if engine_wide:
         require_admin(account, f"POST /options {', '.join(engine_wide)}")
-    if CLIP_SKIP in changes:
-        state.clip_skips[account.name] = int(changes[CLIP_SKIP])
     engine, snap = state.engine, state.engine.snapshot(wait_for_hash=True)
     name = checkpoints.resolve(state.ctx.settings, snap, changes[OVERRIDABLE]) if OVERRIDABLE in changes else None
+    if CLIP_SKIP in changes:
+        state.clip_skips[account.name] = int(changes[CLIP_SKIP])
     dtype, offload = (changes[key] if key in engine_wide else None for key in (DTYPE, OFFLOAD))
     if name is not None and name != snap.model:
         engine.load_model(name, dtype=dtype)

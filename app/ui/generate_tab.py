@@ -238,14 +238,16 @@ def load_checkpoint(ctx: UiContext, name: str, progress, admin: bool = False) ->
     chose none. Returns [status text, width, height, sampler, hires sampler, steps, CFG] (see
     `native_size_updates`, `family_updates`)."""
     engine = ctx.engine
-    if admin:
-        ctx.sessions.set_default_model(checked_checkpoint(ctx.settings, name))
     if name == engine.snapshot().model:
+        if admin:
+            ctx.sessions.set_default_model(name)
         return [gr.update()] * 7
     with user_errors("Loading the model"):
         name = checked_checkpoint(ctx.settings, name)
         before = engine.snapshot()
         snap = run_with_progress(engine, lambda: engine.load_model(name), progress)
+    if admin:
+        ctx.sessions.set_default_model(name)
     return [loaded_text(snap), *native_size_updates(before.native_size, snap.native_size),
             *family_updates(before, snap)]
 
