@@ -22,6 +22,7 @@ from served_app import MODEL, free_port, make_ui_data, running_app
 from app.accounts import LOCAL, Accounts
 from app.settings import Settings
 from app.styles import MAX_FILE_BYTES, MAX_STYLE_CHARS, MAX_STYLES, PromptStyle, account_file, csv_text
+from app.ui.model_options import ADMIN_ONLY
 
 gradio_client = pytest.importorskip("gradio_client")
 LOGINS = (("ann", "pw-ann-1234"), ("bob", "pw-bob-1234"), ("cat", "pw-cat-1234"))
@@ -166,11 +167,13 @@ def _page(app, user: str) -> httpx.Client:
     return client
 
 
-def _page_event(app, user: str, handler: str, data: list) -> dict:
-    """Run the page's event `handler` (by its function's name) as `user`'s page does (its login cookie, a
-    same-origin request naming the event's component); returns Gradio's `process_completed` message."""
+def _page_event(app, user: str, handler: str, data: list, outputs: int | None = None) -> dict:
+    """Run the page's event `handler` (by its function's name, and its number of `outputs` where two share a
+    name) as `user`'s page does (its login cookie, a same-origin request naming the event's component);
+    returns Gradio's `process_completed` message."""
     demo = app[0].demo
-    index = next(i for i, fn in demo.fns.items() if fn.name == handler)
+    index = next(i for i, fn in demo.fns.items()
+                 if fn.name == handler and outputs in (None, len(fn.outputs)))
     session = f"{user}-{time.monotonic_ns()}"
     page = _page(app, user)
     try:
@@ -194,7 +197,8 @@ def _save_style(app, user: str, name: str, prompt: str) -> dict:
 
 def test_the_pages_engine_wide_controls_are_an_admins_only(app):
     """The page's own handlers for the debug switches, Unload, dtype, offload and weight storage refuse a login
-    that is not an admin, saying an admin login is needed, and change nothing; the admin's toggle works."""
+    that is not an admin, saying an admin login is needed, and change nothing; the page shows the Diagnostics
+    tab's switches and Unload greyed out to it, saying why; the admin's are usable and its toggle works."""
     _server, engine, _settings = app
     for handler, data in (("toggle", [True, True, True, False]), ("free_memory", []), ("ui_set_dtype", ["fp32"]),
                           ("ui_set_offload", ["model"]), ("ui_set_weights", ["fp8"])):
@@ -203,6 +207,10 @@ def test_the_pages_engine_wide_controls_are_an_admins_only(app):
     snap = engine.snapshot()
     assert (snap.model, snap.offload, snap.requested_dtype, snap.weights) == (MODEL, "none", "auto", "full")
     assert not engine.settings.lora_debug
+    for user, admin in (("bob", False), ("ann", True)):  # on page load: greyed out for bob, usable for ann
+        shown = _page_event(app, user, "on_load", [], outputs=5)["output"]["data"]  # 4 switches and Unload
+        assert [update["interactive"] for update in shown] == [admin] * 5
+        assert [update.get("info") for update in shown[:4]] == [None if admin else ADMIN_ONLY] * 4
     assert _page_event(app, "ann", "toggle", [True, False, False, False])["success"]
     assert engine.settings.lora_debug
     assert _page_event(app, "ann", "toggle", [False, False, False, False])["success"]
