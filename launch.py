@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     check_data_dir(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_third_party()
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:  # a value no Settings takes: one line naming it, not a traceback
+        parser.error(str(exc))
     if args.bug_report:
         from app.report import write_bug_report_offline
 

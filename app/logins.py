@@ -1,6 +1,6 @@
-"""The login flags (`--auth`, `--auth-file`, `--auth-env`, `--no-auth`, `--api`, `--api-auth`), read the same way by
-the app (`launch.py`) and by its A1111 API on Ray Serve (`python -m app.cluster`): whoever may log in to one may
-log in to the other, with the same spelling of the same flags.
+"""The login flags (`--auth`, `--auth-file`, `--auth-env`, `--admin`, `--no-auth`, `--api`, `--api-auth`), read
+the same way by the app (`launch.py`) and by its A1111 API on Ray Serve (`python -m app.cluster`): whoever may
+log in to one may log in to the other, with the same spelling of the same flags.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ def add_login_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-file", default=None, help="file with one user:password per line")
     p.add_argument("--auth-env", default=None, metavar="VAR",
                    help="environment variable holding user:password (one per line); unlike --auth not shown by ps")
+    p.add_argument("--admin", action="append", default=[], metavar="USER",
+                   help="a login that may change what every user shares: unload, debug switches, dtype/offload/"
+                        "weight storage, the remembered per-LoRA choices, stopping others' jobs, the shared "
+                        "styles.csv (repeatable; counts for --api-auth logins too). Default: the first login listed "
+                        "(--auth, then --api-auth); with no login the local user is the admin")
     p.add_argument("--no-auth", action="store_true",
                    help="allow --share/--listen (the Ray gateway: a --host beyond loopback) without a password "
                         "(otherwise one is generated)")
@@ -28,7 +33,8 @@ def add_login_flags(p: argparse.ArgumentParser) -> None:
 
 def login_settings(args: argparse.Namespace) -> dict:
     """The `Settings` fields the login flags set."""
-    return {"auth": parse_auth(args.auth, args.auth_file, args.auth_env), "no_auth": args.no_auth, "api": args.api,
+    return {"auth": parse_auth(args.auth, args.auth_file, args.auth_env), "no_auth": args.no_auth, "admins": tuple(args.admin),
+            "api": args.api,
             "api_auth": parse_auth([pair for arg in args.api_auth for pair in arg.split(",")], None)}
 
 

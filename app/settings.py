@@ -80,6 +80,9 @@ class Settings:
     no_auth: bool = False
     api: bool = False  # serve the A1111 API even when the app is reachable without a login
     api_auth: tuple[tuple[str, str], ...] = ()  # logins for the A1111 API only (else the UI's)
+    # Logins that may change what every user shares (unload, debug, dtype/offload/storage, the remembered
+    # per-LoRA choices, stopping others' jobs, the shared styles); none named: the first login (app/accounts.py).
+    admins: tuple[str, ...] = ()
     queue_size: int = 64  # requests waiting in the app's queue, all sessions together
     session_queue_size: int = 8  # requests one browser tab or client may have pending
     max_upload_mib: int = 16
@@ -115,9 +118,18 @@ class Settings:
         if any(not isinstance(d, str) or not d.strip() for d in self.devices) or (
                 "all" in self.devices and len(self.devices) > 1):
             raise ValueError(f"devices must be device names (cuda:0, cpu …) or just all, got {self.devices!r}")
+        self._check_admins()
         if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
             raise ValueError(f"the VRAM budget must be a positive number of GiB, got {self.vram_budget_gib}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())
+
+    def _check_admins(self) -> None:
+        """An `--admin` name must be one of the logins given (a typo would leave the app without an admin)."""
+        users = {user for user, _password in (*self.auth, *self.api_auth)}
+        unknown = [name for name in self.admins if not name or (users and name not in users)]
+        if unknown:
+            raise ValueError(f"--admin {', '.join(map(repr, unknown))}: not a login of --auth/--auth-file/--auth-env/"
+                             "--api-auth")
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -170,8 +182,10 @@ class Settings:
 
     def public_dict(self) -> dict:
         """Settings safe to publish in a bug report: credentials are reduced to a count."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("auth", "api_auth")}
+        logins = ("auth", "api_auth", "admins")
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in logins}
         out["data_dir"] = str(self.data_dir)
         out["auth_users"] = len(self.auth)
+        out["admins"] = len(self.admins)
         out["api_auth_users"] = len(self.api_auth)
         return out

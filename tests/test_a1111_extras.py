@@ -21,7 +21,7 @@ from app.engine.variation import slerp
 from app.engine.worker import Engine
 from app.infotext import parse_infotext
 from app.settings import Settings
-from app.styles import PromptStyle, apply_styles, merge, read_styles, save_style
+from app.styles import PromptStyle, StyleBook, merge, read_styles, save_style
 from app.ui.send_to import fields_from_infotext
 
 PARAMS = GenerateParams("a red house", seed=5, batch=2, **FAST)
@@ -107,10 +107,10 @@ def test_styles_apply_as_a1111_applies_them(tmp_path):
     path = tmp_path / "styles.csv"
     save_style(path, PromptStyle("frame", "framed, {prompt}", "blurry"))
     save_style(path, PromptStyle("oil", "oil painting", ""))
-    assert apply_styles(path, ["frame", "oil"], "a fox", "ugly") == ("framed, a fox, oil painting", "ugly, blurry")
-    assert apply_styles(path, ["oil", "frame"], "a fox", "") == ("framed, a fox, oil painting", "blurry")
+    assert StyleBook(path).apply(["frame", "oil"], "a fox", "ugly") == ("framed, a fox, oil painting", "ugly, blurry")
+    assert StyleBook(path).apply(["oil", "frame"], "a fox", "") == ("framed, a fox, oil painting", "blurry")
     with pytest.raises(ValueError, match="'nope'.*known: frame, oil"):
-        apply_styles(path, ["nope"], "a fox", "")
+        StyleBook(path).apply(["nope"], "a fox", "")
 
 
 def test_styles_csv_is_read_and_written_in_a1111s_format(tmp_path):

@@ -14,7 +14,7 @@ import re
 import time
 
 import pytest
-from browser_kit import TIMEOUT_MS, close_toasts, outputs, pick_loras, set_number, toasts
+from browser_kit import TIMEOUT_MS, choose, close_toasts, outputs, pick_loras, set_number, toasts
 from PIL import Image
 from served_app import MODEL, fresh_start
 
@@ -63,12 +63,12 @@ def test_fresh_start_a_prompt_and_ctrl_enter_give_an_image(page, served):
 
 @pytest.fixture
 def sd15(page, served):
-    """The page, with the tiny SD1.5 loaded (the other tests here are about the page, not the model)."""
+    """The page, with the tiny SD1.5 loaded (the other tests here are about the page, not the model): picked
+    on the page, as a fresh page starts from the app's default checkpoint, not from what the engine holds."""
     _url, engine = served
     if engine.snapshot().model != MODEL:
-        engine.load_model(MODEL)
-        page.reload()
-        page.wait_for_selector("#sd-status-line >> text=READY", timeout=TIMEOUT_MS)
+        choose(page, "sd-model", MODEL)
+        page.wait_for_selector(f"#sd-model-status >> text=Loaded {MODEL}", timeout=TIMEOUT_MS)
     return page
 
 

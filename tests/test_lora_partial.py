@@ -145,7 +145,8 @@ def test_the_allowance_is_remembered_per_lora_and_shown(engine):
         slots = build_lora_panel(ctx)
     box = slot_updates(ctx, ["few"], {})[-1 - MAX_LORAS]
     assert isinstance(box, gr.Checkbox) and box.value is True
-    cards = allow_partial_event(ctx, slots, 0)["fn"](False, None, ["few"], *[1.0] * (2 * MAX_LORAS))
+    # allowed, request (none: the local admin), progress, the slots' names and sliders
+    cards = allow_partial_event(ctx, slots, 0)["fn"](False, None, None, ["few"], *[1.0] * (2 * MAX_LORAS))
     assert "set aside" in cards[0].value and "Allow partial application" in cards[0].value
     snap = engine.snapshot()
     assert snap.loras == () and snap.lora_states[0].status == "set aside"

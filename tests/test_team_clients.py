@@ -109,9 +109,11 @@ def test_three_clients_interleave_and_each_gets_its_own_image(tmp_path, demo_dir
 
 
 def test_a_pages_state_is_its_panel_and_a_scripts_is_what_it_chose(tmp_path, demo_dir):
-    """A page's generation carries its panel (fields it has no value for yet follow the engine); a script's
-    carries what its own set_* calls chose; a closed or long-unheard-of session falls back to the engine;
-    a checkpoint outside the folder or an unknown offload mode is refused before anything is queued."""
+    """A page's generation carries its panel (no checkpoint picked yet: the app's default); a script's carries
+    what its own set_* calls chose; what a session never chose is the app's default (no LoRA, the default
+    checkpoint), never what another session left in the engine (issue 43, finding 6), while dtype, offload
+    and weight storage are the engine's (engine-wide); a closed or long-unheard-of session starts from the
+    defaults again; a checkpoint outside the folder is refused before anything is queued."""
     from types import SimpleNamespace
 
     from app.adapters.specs import LoraSpec
@@ -121,22 +123,25 @@ def test_a_pages_state_is_its_panel_and_a_scripts_is_what_it_chose(tmp_path, dem
     from app.ui.generate_run import panel_desired
     from app.ui.sessions import SessionStates
 
-    held = Desired(model=SD15, offload="model", loras=(LoraSpec("someone-elses", 1.0),))
+    held = Desired(model=SDXL, dtype="bf16", offload="model", loras=(LoraSpec("someone-elses", 1.0),))
+    defaults = held.replace(model=SD15, loras=())
     settings = Settings(data_dir=private_data(demo_dir, tmp_path / "data"), device="cpu")
     ctx = UiContext(SimpleNamespace(snapshot=lambda: Snapshot(state="READY", desired=held)), settings,
                     sessions=SessionStates(limit=2))
+    ctx.sessions.set_default_model(SD15)
     mine = (LoraSpec("demo-style-sdxl", 0.5),)
-    assert panel_desired(ctx, None, None, None, None, mine) == held.replace(loras=mine)
-    assert panel_desired(ctx, SDXL, "bf16", "none", "fp8", ()) == Desired(SDXL, "bf16", "none", "fp8", ())
+    assert panel_desired(ctx, None, mine) == defaults.replace(loras=mine)
+    assert panel_desired(ctx, SDXL, ()) == held.replace(loras=())
     for bad, message in (("../tiny-sd15.safetensors", "checkpoint"), ("nope.safetensors", "not in")):
         with pytest.raises(ValueError, match=message):
-            panel_desired(ctx, bad, None, None, None, ())
-    with pytest.raises(ValueError, match="offload must be one of none, model"):
-        panel_desired(ctx, None, None, "cloud", None, ())
+            panel_desired(ctx, bad, ())
+    assert ctx.desired_for("never-chose") == defaults
     ctx.sessions.record("s1", model=SDXL, loras=mine)
-    assert ctx.desired_for("s1") == held.replace(model=SDXL, loras=mine)
-    ctx.sessions.record("s2", dtype="bf16")
-    ctx.sessions.record("s3", dtype="fp16")  # past the limit: s1, unheard of longest, is forgotten
-    assert ctx.desired_for("s1") == held and ctx.desired_for("s3").dtype == "fp16"
+    assert ctx.desired_for("s1") == held.replace(loras=mine)
+    ctx.sessions.record("s2", loras=())
+    ctx.sessions.record("s3", model=SDXL)  # past the limit: s1, unheard of longest, is forgotten
+    assert ctx.desired_for("s1") == defaults and ctx.desired_for("s3") == held.replace(loras=())
     ctx.sessions.forget("s3")
-    assert ctx.desired_for("s3") == held
+    assert ctx.desired_for("s3") == defaults
+    with pytest.raises(ValueError, match="not a field"):
+        ctx.sessions.record("s4", dtype="fp16")  # engine-wide: an admin's `set_dtype`, never a session's

@@ -96,6 +96,12 @@ class BasicAuth:
         return found
 
 
+def basic_user(headers: Headers) -> str | None:
+    """The user name of a request's basic auth (checked by the request guard before the route ran), or None."""
+    offered = _credentials(headers.get("authorization", ""))
+    return offered[0] if offered else None
+
+
 def _credentials(header: str) -> tuple[str, str] | None:
     """(user, password) from an `Authorization: Basic …` header, or None when there is none."""
     scheme, _, encoded = header.partition(" ")

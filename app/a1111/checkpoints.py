@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from app.a1111.errors import ApiError
-from app.a1111.state import API_OWNER, ApiState
+from app.a1111.state import ApiState, owner_of
+from app.accounts import Account
 from app.engine import checkpoint_files, models
 from app.engine.snapshot import Snapshot
 from app.settings import Settings
@@ -68,11 +69,11 @@ def resolve(settings: Settings, snap: Snapshot, asked: object) -> str:
                         "(GET /sdapi/v1/sd-models lists their titles)")
 
 
-def current_title(state: ApiState) -> str | None:
-    """`sd_model_checkpoint`: the API's own checkpoint (`POST /options`), else the loaded one, else the one
-    the next txt2img would load."""
+def current_title(state: ApiState, account: Account) -> str | None:
+    """`sd_model_checkpoint`: the account's checkpoint (its `POST /options`, else the app's default), else
+    the one the next txt2img would load."""
     snap = state.engine.snapshot(wait_for_hash=True)
-    model = state.ctx.desired_for(API_OWNER).model
+    model = state.ctx.desired_for(owner_of(account)).model
     if model:
         return title(model, snap.model_hash if model == snap.model else None)
     return next_model(state)
@@ -86,10 +87,10 @@ def next_model(state: ApiState) -> str | None:
     return found[0].name if found else None
 
 
-def target_model(state: ApiState, wanted: str | None) -> str:
-    """The checkpoint a request runs on: `wanted`, else the API's own (`POST /options`), else the loaded
-    one, else `next_model`, as A1111 loads on demand; 409 when there is none at all."""
-    target = wanted or state.ctx.desired_for(API_OWNER).model or next_model(state)
+def target_model(state: ApiState, wanted: str | None, account: Account) -> str:
+    """The checkpoint a request runs on: `wanted`, else the account's own (`POST /options`, else the app's
+    default), else `next_model`, as A1111 loads on demand; 409 when there is none at all."""
+    target = wanted or state.ctx.desired_for(owner_of(account)).model or next_model(state)
     if target is None:
         raise ApiError(409, f"no checkpoint loaded and none found in {state.ctx.settings.checkpoints_dir}")
     return target
@@ -103,22 +104,22 @@ def arch_of(state: ApiState, model: str) -> str | None:
     return snap.arch if model == snap.model else models.planned_arch(state.ctx.settings.checkpoints_dir, model)
 
 
-def ensure_model(state: ApiState, wanted: str | None) -> None:
+def ensure_model(state: ApiState, wanted: str | None, account: Account) -> None:
     """Load `target_model` now (`/reload-checkpoint`); a generation needs no such step, its job loads it."""
-    target = target_model(state, wanted)
+    target = target_model(state, wanted, account)
     if target != state.engine.snapshot().model:
         state.engine.load_model(target)
 
 
-def with_checkpoint(state: ApiState, wanted: str | None, restore: bool,
-                    call: Callable[[str], T]) -> tuple[T, list[str]]:
-    """Run `call(checkpoint)` for `wanted` (or the API's checkpoint; the job carries it and the engine loads
-    it before the job); afterwards load the previous checkpoint back when `restore`.
+def with_checkpoint(state: ApiState, wanted: str | None, restore: bool, call: Callable[[str], T],
+                    account: Account) -> tuple[T, list[str]]:
+    """Run `call(checkpoint)` for `wanted` (or the account's checkpoint; the job carries it and the engine
+    loads it before the job); afterwards load the previous checkpoint back when `restore`.
 
     Returns the call's result and notes for the client. A failed restore does not throw the
     images away: the engine has recorded it (history, last error) and the note says so."""
     before = state.engine.snapshot().model
-    target = target_model(state, wanted)
+    target = target_model(state, wanted, account)
     notes: list[str] = []
     try:
         result = call(target)

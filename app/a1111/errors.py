@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.accounts import AdminRequired
 from app.adapters.errors import AdapterError
 from app.engine.checkpoint_files import CheckpointNotFoundError, ModelLoadError
 from app.engine.worker import EngineBusy
@@ -38,6 +39,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # names), anything unlisted is a server-side failure. A broken checkpoint is a ValueError subclass
 # but the request was fine, so it comes before ValueError.
 STATUS_BY_TYPE: tuple[tuple[type[BaseException], int], ...] = (
+    (AdminRequired, 403),
     (EngineBusy, 503),
     (CheckpointNotFoundError, 404),
     (ModelLoadError, 500),

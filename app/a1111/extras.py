@@ -15,8 +15,9 @@ import re
 from app.a1111.errors import ApiError
 from app.a1111.pnginfo import decode_images
 from app.a1111.schema import ExtrasBaseRequest, ExtrasBatchImagesRequest, ExtrasSingleImageRequest
-from app.a1111.state import ApiState
-from app.a1111.txt2img import API_OWNER, encode_png, field_value
+from app.a1111.state import ApiState, owner_of
+from app.a1111.txt2img import encode_png, field_value
+from app.accounts import Account
 from app.engine.upscaling import UpscaledImage
 from app.upscalers.extras import ExtrasParams
 
@@ -42,19 +43,19 @@ def _png(result: UpscaledImage) -> str:
     return encode_png(result.image, result.infotext, result.chunks)
 
 
-def single(state: ApiState, req: ExtrasSingleImageRequest) -> dict:
-    """The whole request, blocking (run it in the API's lane)."""
+def single(state: ApiState, req: ExtrasSingleImageRequest, account: Account) -> dict:
+    """The whole request of `account`, blocking (run it in the API's lane)."""
     if not req.image:
         raise ApiError(422, "extra-single-image needs image: a base64 image (a data: URL works too)")
-    results = state.engine.extras(decode_images([(req.image, "image")]), params(req), owner=API_OWNER)
+    results = state.engine.extras(decode_images([(req.image, "image")]), params(req), owner=owner_of(account))
     return {"html_info": results[0].infotext if results else "", "image": _png(results[0]) if results else None}
 
 
-def batch(state: ApiState, req: ExtrasBatchImagesRequest) -> dict:
+def batch(state: ApiState, req: ExtrasBatchImagesRequest, account: Account) -> dict:
     if not req.imageList:
         raise ApiError(422, "extra-batch-images needs imageList: [{data: base64 image, name}]")
     images = decode_images([(item.data, item.name or f"image {i + 1}") for i, item in enumerate(req.imageList)])
-    results = state.engine.extras(images, params(req), owner=API_OWNER)
+    results = state.engine.extras(images, params(req), owner=owner_of(account))
     return {"html_info": results[0].infotext if results else "", "images": [_png(r) for r in results]}
 
 

@@ -19,24 +19,25 @@ from app.a1111 import txt2img
 from app.a1111.errors import ApiError
 from app.a1111.pnginfo import decode_images
 from app.a1111.schema import Img2ImgRequest
-from app.a1111.state import API_OWNER, ApiState
+from app.a1111.state import ApiState, owner_of
+from app.accounts import LOCAL_ACCOUNT, Account
 from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 
 ONLY_MASKED = ("inpaint_full_res (only masked) is not supported: the whole picture was repainted at its size")
 
 
-def run(state: ApiState, req: Img2ImgRequest) -> dict:
-    """The whole request, blocking (run it in the API's lane). The decoded pictures live only in
-    `_run`'s frame; the heap's pages they took go back to the OS afterwards (`heap.give_back`: the
+def run(state: ApiState, req: Img2ImgRequest, account: Account = LOCAL_ACCOUNT) -> dict:
+    """The whole request of `account` (`txt2img.run`), blocking (run it in the API's lane). The decoded
+    pictures live only in `_run`'s frame; the heap's pages they took go back to the OS afterwards (`heap.give_back`: the
     process keeps freed memory for reuse otherwise, and 4 inputs of 4096² are 256 MiB)."""
     try:
-        return _run(state, req)
+        return _run(state, req, account)
     finally:
         heap.give_back()
 
 
-def _run(state: ApiState, req: Img2ImgRequest) -> dict:
+def _run(state: ApiState, req: Img2ImgRequest, account: Account) -> dict:
     if not req.init_images:
         raise ApiError(422, "img2img needs init_images: a list of base64 images (data: URLs work too)")
     sent = [(data, f"init_images[{i}]") for i, data in enumerate(req.init_images)]
@@ -46,11 +47,11 @@ def _run(state: ApiState, req: Img2ImgRequest) -> dict:
 
     def produce(params: GenerateParams, desired: Desired) -> list[GeneratedImage]:
         if req.reference_images:
-            return state.engine.edit(params, images, owner=API_OWNER, desired=desired)
+            return state.engine.edit(params, images, owner=owner_of(account), desired=desired)
         return state.engine.img2img(
             params, images, denoising_strength=txt2img.field_value(req, "denoising_strength"),
             resize_mode=req.resize_mode or 0, mask=mask, mask_blur=blur, inpainting_fill=req.inpainting_fill or 0,
-            inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=API_OWNER, desired=desired)
+            inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=owner_of(account), desired=desired)
 
     notes = (ONLY_MASKED,) if mask is not None and req.inpaint_full_res else ()
-    return txt2img.run(state, req, produce, notes)
+    return txt2img.run(state, req, account, produce, notes)

@@ -5,9 +5,12 @@ A1111 has hundreds of options; this app has a handful. GET answers the checkpoin
 override it (`CLIP_stop_at_last_layers`, 1–12; the UI has its own per-generation slider), the A1111
 options whose value here is fixed (automatic VAE, PNG samples, the live-preview interval) and our own engine settings
 under `steady_` keys: `steady_dtype` (auto, fp16, bf16, fp32) and `steady_offload` (the offload
-mode). POST accepts any of those keys: a new checkpoint, dtype or offload mode goes through the
-engine like the UI's choice; a fixed option sent back with its own value is fine (Open WebUI posts
-the whole dict back); anything else is refused before any change is made, with the keys named.
+mode). POST accepts any of those keys: a new checkpoint goes through the engine like the UI's choice
+and is the account's own from then on (an admin's is also the app's default), and so is its clip
+skip; dtype and offload are engine-wide, so a change of them is an admin's only (403 naming that,
+nothing changed); a fixed option sent back with its own value is fine (Open WebUI posts the whole
+dict back, dtype and offload included: sent back unchanged they are no change); anything else is
+refused before any change is made, with the keys named.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Any
 
 from app.a1111 import checkpoints
 from app.a1111.errors import ApiError
-from app.a1111.state import API_OWNER, ApiState
+from app.a1111.state import ApiState, owner_of
+from app.accounts import Account, require_admin
 from app.engine.generate import LIMITS
 from app.settings import Settings
 
@@ -33,9 +37,9 @@ def fixed_options(settings: Settings) -> dict[str, Any]:
             "show_progress_every_n_steps": settings.preview_every or -1}
 
 
-def current(state: ApiState) -> dict[str, Any]:
-    own = state.ctx.desired_for(API_OWNER)
-    return {OVERRIDABLE: checkpoints.current_title(state), CLIP_SKIP: state.clip_skip,
+def current(state: ApiState, account: Account) -> dict[str, Any]:
+    own = state.ctx.desired_for(owner_of(account))
+    return {OVERRIDABLE: checkpoints.current_title(state, account), CLIP_SKIP: state.clip_skip(account),
             **fixed_options(state.ctx.settings), DTYPE: own.dtype, OFFLOAD: own.offload}
 
 
@@ -48,8 +52,7 @@ def unsupported_overrides(settings: Settings, overrides: Mapping[str, Any]) -> I
             yield f"override_settings {key}={value!r} ignored: this app cannot change it per request"
 
 
-def _refusals(state: ApiState, changes: Mapping[str, Any]) -> list[str]:
-    known = current(state)
+def _refusals(state: ApiState, changes: Mapping[str, Any], known: Mapping[str, Any]) -> list[str]:
     fixed = fixed_options(state.ctx.settings)
     problems = [f"{key} (unknown here)" for key in changes if key not in known]
     problems += [f"{key}={changes[key]!r} (fixed at {value!r} in this app)" for key, value in fixed.items()
@@ -62,22 +65,27 @@ def _refusals(state: ApiState, changes: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def apply(state: ApiState, changes: Mapping[str, Any]) -> None:
+def apply(state: ApiState, changes: Mapping[str, Any], account: Account) -> None:
     """Blocking (run it in the API's lane): check every key, then change what differs through the engine."""
-    problems = _refusals(state, changes)
+    known = current(state, account)
+    problems = _refusals(state, changes, known)
     if problems:
         raise ApiError(422, f"options not accepted, nothing changed: {'; '.join(problems)}. Settable here: "
                             f"{OVERRIDABLE}, {CLIP_SKIP}, {DTYPE}, {OFFLOAD}")
-    if CLIP_SKIP in changes:
-        state.clip_skip = int(changes[CLIP_SKIP])
+    engine_wide = [key for key in (DTYPE, OFFLOAD) if key in changes and changes[key] != known[key]]
+    if engine_wide:
+        require_admin(account, f"POST /options {', '.join(engine_wide)}")
     engine, snap = state.engine, state.engine.snapshot(wait_for_hash=True)
     name = checkpoints.resolve(state.ctx.settings, snap, changes[OVERRIDABLE]) if OVERRIDABLE in changes else None
-    dtype = changes.get(DTYPE)
+    if CLIP_SKIP in changes:
+        state.clip_skips[account.name] = int(changes[CLIP_SKIP])
+    dtype, offload = (changes[key] if key in engine_wide else None for key in (DTYPE, OFFLOAD))
     if name is not None and name != snap.model:
         engine.load_model(name, dtype=dtype)
     elif dtype is not None and dtype != snap.requested_dtype:
         engine.set_dtype(dtype)
-    offload = changes.get(OFFLOAD)
     if offload is not None and offload != snap.offload:
         engine.set_offload(offload)
-    state.ctx.sessions.record(API_OWNER, model=name, dtype=dtype, offload=offload)  # the API's own, from now on
+    state.ctx.sessions.record(owner_of(account), model=name)  # the account's own, from now on
+    if account.admin:
+        state.ctx.sessions.set_default_model(name)

@@ -3,13 +3,18 @@
 Handlers that change or use the model run in the API's lane (`ApiState.run`), so they reach the
 engine one at a time, like every other caller, through its queue; read-only lists run in the
 thread pool; `progress`, `interrupt` and `skip` only read the snapshot or set a flag, so they
-answer at once, even while a generation holds the engine. Interrupt and Skip act on whatever
-generation runs, the UI's too, as A1111's do (it has one job at a time and so do we).
+answer at once, even while a generation holds the engine.
+
+Each request acts as its account (`ApiState.account`: its basic-auth login). Interrupt and Skip from
+an admin act on whatever generation runs, the UI's too, as A1111's do; from any other login they
+stop only that login's own API jobs. The engine-wide routes are an admin's only (403 naming that):
+`unload-checkpoint`, `reload-checkpoint`, and `POST /options` of `steady_dtype`/`steady_offload`.
+The refresh routes change nothing and stay open.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from app.a1111 import checkpoints, extras, img2img, listings, options, pnginfo, progress, txt2img
 from app.a1111.errors import A1111Route
@@ -36,15 +41,15 @@ from app.a1111.schema import (
     Txt2ImgRequest,
     UpscalerItem,
 )
-from app.a1111.state import ApiState
+from app.a1111.state import ApiState, owner_of
+from app.accounts import Account, require_admin
 from app.engine.stage_params import LATENT_UPSCALERS
-from app.styles import read_styles
 
 
-def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState) -> None:
+def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState, account: Account) -> None:
     """Check the numbers (and the hires fix's) before the request waits in the lane or switches a checkpoint."""
     arch = state.engine.snapshot().arch
-    txt2img.plan(req, arch, state.ctx.settings.styles_file, state.clip_skip)
+    txt2img.plan(req, arch, state.ctx.styles_for(account), state.clip_skip(account))
     txt2img.hires(req, arch)
     if req.enable_hr:  # a model upscaler must be in a folder now
         state.engine.check_upscaler(req.hr_upscaler or "Latent", hires=True)
@@ -52,24 +57,28 @@ def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState) -> None:
 
 def _generation(router: APIRouter, state: ApiState) -> None:
     @router.post("/txt2img", response_model=TextToImageResponse)
-    async def text2img(req: Txt2ImgRequest) -> dict:
-        _refuse_bad_input(req, state)
-        return await state.run("txt2img", lambda: txt2img.run(state, req))
+    async def text2img(req: Txt2ImgRequest, request: Request) -> dict:
+        account = state.account(request)
+        _refuse_bad_input(req, state, account)
+        return await state.run("txt2img", lambda: txt2img.run(state, req, account))
 
     @router.post("/img2img", response_model=ImageToImageResponse)
-    async def image2img(req: Img2ImgRequest) -> dict:
-        _refuse_bad_input(req, state)
-        return await state.run("img2img", lambda: img2img.run(state, req))
+    async def image2img(req: Img2ImgRequest, request: Request) -> dict:
+        account = state.account(request)
+        _refuse_bad_input(req, state, account)
+        return await state.run("img2img", lambda: img2img.run(state, req, account))
 
     @router.post("/extra-single-image", response_model=ExtrasSingleImageResponse)
-    async def extra_single_image(req: ExtrasSingleImageRequest) -> dict:
+    async def extra_single_image(req: ExtrasSingleImageRequest, request: Request) -> dict:
         extras.params(req)  # refuse bad numbers before the request waits in the lane
-        return await state.run("extras", lambda: extras.single(state, req))
+        account = state.account(request)
+        return await state.run("extras", lambda: extras.single(state, req, account))
 
     @router.post("/extra-batch-images", response_model=ExtrasBatchImagesResponse)
-    async def extra_batch_images(req: ExtrasBatchImagesRequest) -> dict:
+    async def extra_batch_images(req: ExtrasBatchImagesRequest, request: Request) -> dict:
         extras.params(req)
-        return await state.run("extras", lambda: extras.batch(state, req))
+        account = state.account(request)
+        return await state.run("extras", lambda: extras.batch(state, req, account))
 
     @router.post("/png-info", response_model=PNGInfoResponse)
     def png_info(req: PNGInfoRequest) -> dict:
@@ -79,36 +88,44 @@ def _generation(router: APIRouter, state: ApiState) -> None:
     async def get_progress(skip_current_image: bool = False) -> dict:
         return progress.progress(state, skip_current_image)
 
+    def whose(request: Request) -> str | None:
+        """Whatever runs for an admin (A1111's way); the account's own API jobs for anyone else."""
+        account = state.account(request)
+        return None if account.admin else owner_of(account)
+
     @router.post("/interrupt")
-    async def interrupt() -> dict:
-        state.engine.interrupt(keep_partial=True)
+    async def interrupt(request: Request) -> dict:
+        state.engine.interrupt(keep_partial=True, owner=whose(request))
         state.job.interrupted = True  # until the next API job begins, as A1111's flag
         return {}
 
     @router.post("/skip")
-    async def skip() -> None:
-        state.engine.skip()
+    async def skip(request: Request) -> None:
+        state.engine.skip(owner=whose(request))
         state.job.skipped = True
 
 
 def _model_control(router: APIRouter, state: ApiState) -> None:
     @router.get("/options")
-    def get_options() -> dict:  # not async: with no model loaded it lists the checkpoint folder
-        return options.current(state)
+    def get_options(request: Request) -> dict:  # not async: with no model loaded it lists the checkpoint folder
+        return options.current(state, state.account(request))
 
     @router.post("/options")
-    async def set_options(changes: FreeDict) -> None:
-        await state.run("options", lambda: options.apply(state, changes))
+    async def set_options(changes: FreeDict, request: Request) -> None:
+        account = state.account(request)
+        await state.run("options", lambda: options.apply(state, changes, account))
 
     @router.post("/unload-checkpoint")
-    async def unload_checkpoint() -> dict:
+    async def unload_checkpoint(request: Request) -> dict:
+        require_admin(state.account(request), "unload-checkpoint")
         state.remember_model()
         await state.run("unload", state.engine.unload)
         return {}
 
     @router.post("/reload-checkpoint")
-    async def reload_checkpoint() -> dict:
-        await state.run("reload", lambda: checkpoints.ensure_model(state, None))
+    async def reload_checkpoint(request: Request) -> dict:
+        account = require_admin(state.account(request), "reload-checkpoint")
+        await state.run("reload", lambda: checkpoints.ensure_model(state, None, account))
         return {}
 
     @router.post("/refresh-checkpoints")
@@ -140,8 +157,9 @@ def _listings(router: APIRouter, state: ApiState) -> None:
         return listings.schedulers()
 
     @router.get("/prompt-styles", response_model=list[PromptStyleItem])
-    def prompt_styles() -> list[dict]:
-        return [style._asdict() for style in read_styles(ctx.settings.styles_file).values()]
+    def prompt_styles(request: Request) -> list[dict]:
+        """The shared styles and the account's own (its own winning on a name)."""
+        return [style._asdict() for style in ctx.styles_for(state.account(request)).read().values()]
 
     @router.get("/embeddings", response_model=EmbeddingsResponse)
     def embeddings() -> dict:

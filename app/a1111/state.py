@@ -12,10 +12,12 @@ The job record (`JobRecord`) is what `/progress` reports beside the engine's own
 the current API job started (for the ETA), what it was asked to do and whether an Interrupt or
 Skip was sent, the fields of A1111's `shared.state`.
 
-The API's own state (what `POST /options` chose: checkpoint, `steady_dtype`, `steady_offload`) is
-kept under `API_OWNER` beside the Gradio sessions' (`UiContext.sessions`): every API generation
-carries it, with no LoRA but its prompt tags (`txt2img.desired_for`), so a browser tab's LoRA panel
-never reaches an API image and a UI user's model switch does not move a checkpoint the API chose.
+Each API account (its basic-auth login; the local user without one, `app/accounts.py`) has its own
+state: the checkpoint its `POST /options` chose, kept under `api_owner(account)` beside the Gradio
+sessions' (`UiContext.sessions`), and its clip skip. Every API generation carries its account's
+state, with no LoRA but its prompt tags (`txt2img.desired_for`), so neither a browser tab's LoRA
+panel nor another API login's checkpoint reaches its images. Its generations are that owner's:
+an Interrupt or Skip from a login that is not an admin stops only its own.
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ from datetime import datetime
 from typing import TypeVar
 
 import anyio
+from starlette.requests import Request
 
+from app.a1111.auth import basic_user
 from app.a1111.errors import ApiError
+from app.accounts import Account
 from app.ui.common import UiContext
-from app.ui.sessions import API_OWNER
-
-__all__ = ["API_OWNER", "ApiState", "JobRecord"]
+from app.ui.sessions import api_owner
 
 T = TypeVar("T")
+
+
+def owner_of(account: Account) -> str:
+    """The owner of `account`'s API state and generations (`app/ui/sessions.py`)."""
+    return api_owner(account.name)
 
 
 @dataclass
@@ -67,13 +75,21 @@ class ApiState:
     job: JobRecord = field(default_factory=JobRecord)
     last_model: str | None = None  # the checkpoint to load back after an unload (A1111 reloads on demand)
     seen_since: float | None = None  # when `/progress` first saw the engine busy with a job not the API's
-    clip_skip: int = 1  # A1111's `CLIP_stop_at_last_layers` for API requests that do not override it
+    clip_skips: dict[str, int] = field(default_factory=dict)  # account -> A1111's `CLIP_stop_at_last_layers`
     _waiting: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def engine(self):
         return self.ctx.engine
+
+    def account(self, request: Request) -> Account:
+        """The account of an API request: its basic-auth login, or the local user when the API asks for none."""
+        return self.ctx.accounts.api(basic_user(request.headers))
+
+    def clip_skip(self, account: Account) -> int:
+        """The clip skip `account`'s requests use unless they override it (1 until its `POST /options`)."""
+        return self.clip_skips.get(account.name, 1)
 
     async def run(self, job: str, call: Callable[[], T]) -> T:
         """Run a blocking engine call in the API's lane, recorded as `job` while it runs."""

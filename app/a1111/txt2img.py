@@ -5,12 +5,12 @@ limits (steps 1–150, sizes 64–2048 rounded down to the family's multiple, th
 pixel-step caps) and its messages. `<lora:…>` tags in the prompt apply to this request only, as
 the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fields); `subseed`,
 `subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles` names saved
-styles (`styles.csv`, applied as A1111 applies them); `refiner_checkpoint` (a checkpoint's name or
-title) finishes the image after `refiner_switch_at` (default 0.8). Features this app does not have (face
-restoration, tiling, hires to a fixed size, scripts, infotext-filled requests) are refused with a
-422 that names them instead of silently producing a different picture; sampler tuning (`eta`,
-`s_churn` …) and saving switches are ignored. Images always go to the outputs folder too,
-as the engine saves every image it makes.
+styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
+`refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at`
+(default 0.8). Features this app does not have (face restoration, tiling, hires to a fixed size,
+scripts, infotext-filled requests) are refused with a 422 that names them instead of silently
+producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored.
+Images always go to the outputs folder too, as the engine saves every image it makes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import io
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from PIL import Image, PngImagePlugin
@@ -30,14 +29,15 @@ from app.a1111 import checkpoints
 from app.a1111.errors import ApiError
 from app.a1111.options import CLIP_SKIP, OVERRIDABLE, unsupported_overrides
 from app.a1111.schema import Txt2ImgRequest
-from app.a1111.state import API_OWNER, ApiState
+from app.a1111.state import ApiState, owner_of
+from app.accounts import LOCAL_ACCOUNT, Account
 from app.engine.desired import Desired
 from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
 from app.engine.stage_params import SAME, HiresParams
 from app.families import family
 from app.infotext import parse_infotext
 from app.report import app_version
-from app.styles import apply_styles
+from app.styles import StyleBook
 
 # A1111's names for the samplers we share with it (`/sdapi/v1/samplers` lists them as aliases).
 SAMPLER_ALIASES: dict[str, list[str]] = {
@@ -83,11 +83,11 @@ def field_value(req: Txt2ImgRequest, field: str) -> Any:
     return type(req).model_fields[field].get_default(call_default_factory=True) if value is None else value
 
 
-def plan(req: Txt2ImgRequest, arch: str | None, styles_file: Path,
+def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
          clip_skip: int = 1) -> tuple[GenerateParams, tuple[str, ...]]:
     """The engine's parameters and notes (rounding, a cut prompt); refuses unsupported features and
-    out-of-range values. `styles` (names in `styles_file`) are applied to the prompts as A1111 applies
-    them; `clip_skip` is the API's option, which `override_settings` may override."""
+    out-of-range values. `styles` (names in the account's `book`) are applied to the prompts as A1111
+    applies them; `clip_skip` is the account's option, which `override_settings` may override."""
     asked = list(dict.fromkeys(what for field, what in UNSUPPORTED if getattr(req, field)))
     if asked:
         raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
@@ -95,8 +95,8 @@ def plan(req: Txt2ImgRequest, arch: str | None, styles_file: Path,
               "seed": "seed", "width": "width", "height": "height", "batch": "batch_size", "n_iter": "n_iter",
               "subseed": "subseed", "subseed_strength": "subseed_strength"}
     values = {ours: field_value(req, theirs) for ours, theirs in fields.items()}
-    values["prompt"], values["negative_prompt"] = apply_styles(styles_file, req.styles or [], values["prompt"],
-                                                               values["negative_prompt"])
+    values["prompt"], values["negative_prompt"] = book.apply(req.styles or [], values["prompt"],
+                                                             values["negative_prompt"])
     for field in ("seed_resize_from_w", "seed_resize_from_h"):  # A1111 sends -1 for "off"; ours is 0
         value = field_value(req, field)
         values[field] = 0 if isinstance(value, int) and value < 0 else value
@@ -120,10 +120,10 @@ def hires(req: Txt2ImgRequest, arch: str | None) -> HiresParams | None:
                        prompt=field_value(req, "hr_prompt"), negative_prompt=field_value(req, "hr_negative_prompt"))
 
 
-def desired_for(state: ApiState, model: str) -> Desired:
-    """The whole state an API generation carries: `model`, the API's own dtype and offload (`POST /options`;
-    else the engine's), and no LoRA but its prompt's tags, as in A1111."""
-    return state.ctx.desired_for(API_OWNER).replace(model=model, loras=())
+def desired_for(state: ApiState, model: str, account: Account) -> Desired:
+    """The whole state an API generation of `account` carries: `model`, the engine-wide dtype, offload and
+    storage, and no LoRA but its prompt's tags, as in A1111."""
+    return state.ctx.desired_for(owner_of(account)).replace(model=model, loras=())
 
 
 def asked_checkpoint(state: ApiState, req: Txt2ImgRequest) -> str | None:
@@ -144,32 +144,34 @@ class Outcome:
     styles: tuple[str, ...] = ()  # the styles applied to the prompts (A1111's `styles` field)
 
 
-def run(state: ApiState, req: Txt2ImgRequest,
+def run(state: ApiState, req: Txt2ImgRequest, account: Account = LOCAL_ACCOUNT,
         produce: Callable[[GenerateParams, Desired], list[GeneratedImage]] | None = None,
         notes: tuple[str, ...] = ()) -> dict:
-    """The whole request, blocking (run it in the API's lane): checkpoint, generation, restore, answer.
-    `produce` makes the images from the checked parameters and the state they carry (default: txt2img,
-    with hires fix when asked; img2img passes its own); `notes` go to the answer's comments."""
+    """The whole request of `account` (default: the local user of an app without logins), blocking (run it
+    in the API's lane): checkpoint, generation, restore, answer. `produce` makes the images from the checked
+    parameters and the state they carry (default: txt2img, with hires fix when asked; img2img passes its
+    own); `notes` go to the answer's comments."""
     wanted = asked_checkpoint(state, req)
     notes = [*notes, *unsupported_overrides(state.ctx.settings, req.override_settings or {})]
     produce = produce or (lambda params, desired: state.engine.generate(
-        params, owner=API_OWNER, hires=hires(req, checkpoints.arch_of(state, desired.model)), desired=desired))
+        params, owner=owner_of(account), hires=hires(req, checkpoints.arch_of(state, desired.model)),
+        desired=desired))
 
     def generate(model: str) -> Outcome:
-        params, rounding = plan(req, checkpoints.arch_of(state, model), state.ctx.settings.styles_file,
-                                state.clip_skip)
+        params, rounding = plan(req, checkpoints.arch_of(state, model), state.ctx.styles_for(account),
+                                state.clip_skip(account))
         if req.refiner_checkpoint not in (None, "", "None", "none"):  # A1111's spellings of "no refiner"
             params = dataclasses.replace(params, refiner_checkpoint=checkpoints.resolve(
                 state.ctx.settings, state.engine.snapshot(), req.refiner_checkpoint))
         notes.extend(rounding)
-        images = produce(params, desired_for(state, model))
+        images = produce(params, desired_for(state, model, account))
         ran = parse_infotext(images[0].infotext).settings if images else {}
         snap = state.engine.snapshot(wait_for_hash=True)
         return Outcome(params, images, model, ran.get("Model hash", snap.model_hash if snap.model == model else None),
                        tuple(req.styles or ()))
 
     outcome, restore_notes = checkpoints.with_checkpoint(
-        state, wanted, field_value(req, "override_settings_restore_afterwards"), generate)
+        state, wanted, field_value(req, "override_settings_restore_afterwards"), generate, account)
     images = [encode_png(im.image, im.infotext) for im in outcome.images] if field_value(req, "send_images") else []
     return {"images": images, "parameters": req.echoed(),
             "info": info_json(state, outcome, notes + restore_notes)}

@@ -16,13 +16,17 @@ which `gradio_client` cannot send. Every name is validated against its folder; e
 comes back as an error message, never as a half-applied state.
 
 A generation belongs to the client that asked for it (its Gradio session): `/interrupt` and
-`/skip` stop that client's job unless `any_owner` is set, and a client that cancels its job
-(`job.cancel()`) or disconnects stops it in the engine too, dropping what it reached.
+`/skip` stop that client's job unless `any_owner` is set (an admin's only), and a client that
+cancels its job (`job.cancel()`) or disconnects stops it in the engine too, dropping what it reached.
 
-Each client has its own state (`app/ui/sessions.py`): what its `/set_loras`, `/load_model`,
-`/set_dtype`, `/set_offload` and `/set_weights` chose is applied at once and remembered for it, and
-its `/generate`, `/img2img`, `/inpaint` and `/txt2img_hires` carry that whole state, so another
-client's choices never reach its images. What it never chose follows the engine.
+Each client has its own state (`app/ui/sessions.py`): what its `/set_loras` and `/load_model` chose
+is applied at once and remembered for it, and its `/generate`, `/img2img`, `/inpaint` and
+`/txt2img_hires` carry that whole state, so another client's choices never reach its images. What
+it never chose is the app's default: no LoRA, the default checkpoint.
+
+Engine-wide switches are for an admin login (`app/accounts.py`) and refused to others with a message
+naming that: `/unload`, `/set_debug`, `/set_dtype`, `/set_offload`, `/set_weights`, `/set_model_parts`,
+`/set_lora_partial` (remembered for everyone), and `any_owner` on `/interrupt` and `/skip`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import contextlib
 
 import gradio as gr
 
+from app.accounts import require_admin
 from app.engine.generate import SCHEDULERS, GenerateParams
 from app.report import jsonable
 from app.ui.common import (
@@ -52,10 +57,14 @@ from app.ui.workflow_api import register_workflow_api
 API_POLL_S = 0.5  # how often a running /generate looks for a cancelled client
 
 
-def _change(ctx: UiContext, action: str, call, request: gr.Request | None = None, **chosen) -> dict:
-    """Run one engine change for a script: the error text goes back unescaped (no browser shows it). Once
-    it succeeded, `chosen` is remembered as that client's state."""
+def _change(ctx: UiContext, action: str, call, request: gr.Request | None = None, admin: bool = False,
+            **chosen) -> dict:
+    """Run one engine change for a script: the error text goes back unescaped (no browser shows it). An
+    `admin` change (engine-wide: every user draws with it) is refused to other accounts before anything
+    runs. Once it succeeded, `chosen` is remembered as that client's state."""
     with user_errors(action, browser=False):
+        if admin:
+            require_admin(ctx.account(request), action)
         run_with_progress(ctx.engine, call, None)
     if chosen:
         ctx.sessions.record(owner_of(request), **chosen)
@@ -76,51 +85,59 @@ def _state_endpoints(ctx: UiContext) -> None:
                        request, loras=specs)
 
     @gr.api(api_name="set_lora_partial", concurrency_id="loras")
-    def set_lora_partial(name: str, allowed: bool) -> dict:
-        """Allow (true) or no longer allow (false) the LoRA `name` to apply when less than half of its tensors
-        match the loaded model; remembered per LoRA. The wanted list is applied again, the page's way."""
-        return _change(ctx, "set_lora_partial", lambda: engine.set_lora_partial(name, bool(allowed)))
+    def set_lora_partial(name: str, allowed: bool, request: gr.Request = None) -> dict:
+        """Admin only: allow (true) or no longer allow (false) the LoRA `name` to apply when less than half of
+        its tensors match the loaded model; remembered per LoRA for everyone. The wanted list is applied again."""
+        return _change(ctx, "set_lora_partial", lambda: engine.set_lora_partial(name, bool(allowed)), request,
+                       admin=True)
 
     @gr.api(api_name="set_offload", concurrency_id="loras")
     def set_offload(mode: str, request: gr.Request = None) -> dict:
-        """Offload mode: none, model, sequential, balanced or group."""
-        return _change(ctx, "set_offload", lambda: engine.set_offload(mode), request, offload=mode)
+        """Admin only (engine-wide): offload mode none, model, sequential, balanced or group."""
+        return _change(ctx, "set_offload", lambda: engine.set_offload(mode), request, admin=True)
 
     @gr.api(api_name="set_dtype", concurrency_id="loras")
     def set_dtype(dtype: str, request: gr.Request = None) -> dict:
-        """Weights dtype: auto, fp16, bf16 or fp32 (reloads the checkpoint)."""
-        return _change(ctx, "set_dtype", lambda: engine.set_dtype(dtype), request, dtype=dtype)
+        """Admin only (engine-wide): weights dtype auto, fp16, bf16 or fp32 (reloads the checkpoint)."""
+        return _change(ctx, "set_dtype", lambda: engine.set_dtype(dtype), request, admin=True)
 
     @gr.api(api_name="set_weights", concurrency_id="loras")
     def set_weights(weights: str, request: gr.Request = None) -> dict:
-        """Weight storage: full, or fp8 (large weights rest in 8 bits; reloads the checkpoint)."""
-        return _change(ctx, "set_weights", lambda: engine.set_weights(weights), request, weights=weights)
+        """Admin only (engine-wide): weight storage full, or fp8 (large weights rest in 8 bits; reloads)."""
+        return _change(ctx, "set_weights", lambda: engine.set_weights(weights), request, admin=True)
 
     @gr.api(api_name="set_model_parts", concurrency_id="loras")
-    def set_model_parts(parts: dict) -> dict:
-        """Separate files for the loaded checkpoint's parts (Flux): {"text_encoder_2": "t5xxl_fp16.safetensors",
-        "vae": null, …}, names in models/text_encoder and models/VAE; null forgets a choice. Reloads."""
+    def set_model_parts(parts: dict, request: gr.Request = None) -> dict:
+        """Admin only (remembered per checkpoint for everyone): separate files for the loaded checkpoint's parts
+        (Flux): {"text_encoder_2": "t5xxl_fp16.safetensors", "vae": null, …}, names in models/text_encoder and
+        models/VAE; null forgets a choice. Reloads."""
         if not isinstance(parts, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
                                                   for k, v in parts.items()):
             raise gr.Error("parts must map component names to file names (or null)")
-        return _change(ctx, "set_model_parts", lambda: engine.set_model_parts(parts))
+        return _change(ctx, "set_model_parts", lambda: engine.set_model_parts(parts), request, admin=True)
 
     @gr.api(api_name="load_model", concurrency_id="loras")
     def load_model(name: str, request: gr.Request = None) -> dict:
-        """Load a checkpoint by the name `list_models` returns (and keep it for this client's generations)."""
-        return _change(ctx, "load_model", lambda: engine.load_model(checked_checkpoint(ctx.settings, name)), request,
-                       model=name)
+        """Load a checkpoint by the name `list_models` returns and keep it for this client's generations (an
+        admin's choice is also the default of every session that chose none)."""
+        answer = _change(ctx, "load_model", lambda: engine.load_model(checked_checkpoint(ctx.settings, name)),
+                         request, model=name)
+        if ctx.account(request).admin:
+            ctx.sessions.set_default_model(name)
+        return answer
 
     @gr.api(api_name="unload", concurrency_id="loras")
-    def unload() -> dict:
-        """Drop the model and return its RAM/VRAM."""
-        return _change(ctx, "unload", engine.unload)
+    def unload(request: gr.Request = None) -> dict:
+        """Admin only: drop the model and return its RAM/VRAM (every user's next job loads it again)."""
+        return _change(ctx, "unload", engine.unload, request, admin=True)
 
 
 def _debug_endpoint(ctx: UiContext) -> None:
     @gr.api(api_name="set_debug")
-    def set_debug(lora_debug: bool, move_debug: bool, strict: bool) -> dict:
-        """LoRA debug, move debug and strict mode; they take effect at once (no tensor is touched)."""
+    def set_debug(lora_debug: bool, move_debug: bool, strict: bool, request: gr.Request = None) -> dict:
+        """Admin only: LoRA debug, move debug and strict mode; they take effect at once (no tensor is touched)."""
+        with user_errors("set_debug", browser=False):
+            require_admin(ctx.account(request), "set_debug")
         changed = ctx.engine.set_debug(lora_debug=lora_debug, move_debug=move_debug, strict=strict)
         return {"lora_debug": changed.lora_debug, "move_debug": changed.move_debug, "strict": changed.strict}
 
@@ -156,17 +173,25 @@ def _stop_endpoints(ctx: UiContext) -> None:
     engine = ctx.engine
     lane = dict(concurrency_id=STOP_QUEUE, concurrency_limit=None)
 
+    def whose(any_owner: bool, request: gr.Request | None, action: str) -> str | None:
+        """This client's jobs, or with `any_owner` (an admin's only) whoever's runs."""
+        if not any_owner:
+            return owner_of(request)
+        with user_errors(action, browser=False):
+            require_admin(ctx.account(request), f"{action} with any_owner")
+        return None
+
     @gr.api(api_name="interrupt", **lane)
     def interrupt(keep_partial: bool = True, any_owner: bool = False, request: gr.Request = None) -> dict:
-        """Stop this client's running generation between two steps (`any_owner`: whoever started it); the
-        images reached so far are returned to its /generate and saved unless `keep_partial` is false."""
-        stopped = engine.interrupt(keep_partial=keep_partial, owner=None if any_owner else owner_of(request))
+        """Stop this client's running generation between two steps (`any_owner`, admin only: whoever started
+        it); the images reached so far are returned to its /generate and saved unless `keep_partial` is false."""
+        stopped = engine.interrupt(keep_partial=keep_partial, owner=whose(any_owner, request, "interrupt"))
         return {"stopped": stopped, "state": engine.snapshot().state}
 
     @gr.api(api_name="skip", **lane)
     def skip(any_owner: bool = False, request: gr.Request = None) -> dict:
-        """End the current run of this client's batch count (`any_owner`: whoever started it) and go on."""
-        stopped = engine.skip(owner=None if any_owner else owner_of(request))
+        """End the current run of this client's batch count (`any_owner`, admin only: whoever started it)."""
+        stopped = engine.skip(owner=whose(any_owner, request, "skip"))
         return {"stopped": stopped, "state": engine.snapshot().state}
 
 
@@ -190,7 +215,7 @@ def _generate_endpoint(ctx: UiContext) -> None:
                  request: gr.Request, progress=PROGRESS):
         with user_errors("generate", browser=False):
             params, notes = generate_params(ctx, prompt, negative_prompt, sampler, steps, cfg, seed, width, height,
-                                            batch, n_iter, clip_skip)
+                                            batch, n_iter, clip_skip, book=ctx.styles_for(ctx.account(request)))
         owner = owner_of(request)
         desired = ctx.desired_for(owner)
         job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner, desired=desired), owner)
@@ -204,8 +229,8 @@ def _generate_endpoint(ctx: UiContext) -> None:
         yield gallery_items(images), images[0].infotext if images else "", details
 
     trigger.click(generate, inputs, outputs, api_name="generate", **generation_lane(ctx),
-                  api_description="Generate with this client's state (what its set_* calls chose, else the "
-                                  "engine's) plus any <lora:name:w> prompt tags; "
+                  api_description="Generate with this client's state (what its set_loras and load_model "
+                                  "chose, else no LoRA and the default checkpoint) plus any <lora:name:w> prompt tags; "
                                   "n_iter runs (A1111's batch count) of `batch` images each; A1111's emphasis "
                                   "syntax and BREAK; clip_skip 1-12. Returns (images, "
                                   "infotext of the first image, [{seed, infotext, file, complete, stopped_at, "

@@ -14,7 +14,7 @@ import gradio as gr
 from app.ui import views
 from app.ui.api import register_api
 from app.ui.common import UiContext
-from app.ui.diagnostics_tab import build_diagnostics_tab, refresh
+from app.ui.diagnostics_tab import admin_controls, build_diagnostics_tab, refresh
 from app.ui.extras_tab import build_extras_tab
 from app.ui.generate_run import owner_of, stop_buttons, wire_cancel_on_leave
 from app.ui.generate_tab import build_generate_tab, wire_page_load
@@ -86,6 +86,7 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         for other in (generate_tab, img2img_tab, extras_tab, pnginfo_tab, history_tab):
             other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)
+        admin_controls(ctx, diag, demo)
         wire_cancel_on_leave(ctx, demo)
         demo.load(lambda: views.engines_html(ctx.engine.snapshots()), None, status, api_visibility="private")
     return demo

@@ -21,6 +21,7 @@ from typing import Any
 
 import gradio as gr
 
+from app.accounts import Account, Accounts
 from app.adapters.specs import LoraSpec
 from app.engine import checkpoint_files
 from app.engine.generate import GeneratedImage, GenerateParams, params_from_form
@@ -29,7 +30,7 @@ from app.engine.worker import Engine
 from app.paths import UnsafePathError, resolve_under
 from app.safetensors_files import file_sha256
 from app.settings import Settings
-from app.styles import apply_styles
+from app.styles import StyleBook, account_file
 from app.ui.lora_cards import CardCache
 from app.ui.sessions import SessionStates
 
@@ -67,7 +68,8 @@ class FileHashes:
 class UiContext:
     """The engine (or an `EnginePool`) plus what the UI keeps beside it: log capture for reports, secrets
     to redact, file caches, when the session started (the History tab's "this session"), start-up notes
-    (why the first checkpoint was not the one loaded) and each session's own desired state."""
+    (why the first checkpoint was not the one loaded), each session's own desired state and the accounts
+    (who is an admin; the default, no login, makes every request the local admin)."""
 
     engine: Engine
     settings: Settings
@@ -78,10 +80,20 @@ class UiContext:
     started: float = field(default_factory=time.time)
     startup_notes: list[str] = field(default_factory=list)
     sessions: SessionStates = field(default_factory=SessionStates)
+    accounts: Accounts = field(default_factory=Accounts)
 
     def desired_for(self, owner: str):
         """The whole state `owner`'s next generation carries (`app/ui/sessions.py`)."""
         return self.sessions.desired(owner, self.engine.snapshot().desired)
+
+    def account(self, request: gr.Request | None) -> Account:
+        """The account of a Gradio request (its login, else the local user)."""
+        return self.accounts.ui(getattr(request, "username", None))
+
+    def styles_for(self, account: Account) -> StyleBook:
+        """The styles `account` sees and saves to: the shared file for an admin, its own beside it otherwise."""
+        shared = self.settings.styles_file
+        return StyleBook(shared, None if account.admin else account_file(self.settings.data_dir, account.name))
 
 
 class EngineCallError(Exception):
@@ -203,15 +215,14 @@ def specs_from_json(items: Any) -> list[LoraSpec]:
 def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed, width, height, batch,
                     n_iter=1, clip_skip=1, subseed=-1, subseed_strength=0, seed_resize_from_w=0,
                     seed_resize_from_h=0, styles=(), refiner_checkpoint=NO_REFINER,
-                    refiner_switch_at=0.8) -> tuple[GenerateParams, tuple[str, ...]]:
+                    refiner_switch_at=0.8, *, book: StyleBook) -> tuple[GenerateParams, tuple[str, ...]]:
     """Form/API values -> (parameters, notes: rounding, a cut prompt) by the one rule set in
     `generate.LIMITS`; sizes round to the loaded model family's multiple. The chosen `styles` (names
-    in `styles.csv`) are applied to the prompts first, as A1111 applies them (`app.styles`); a refiner
-    must be one of the checkpoints (never a path)."""
+    in the asking account's `book`) are applied to the prompts first, as A1111 applies them
+    (`app.styles`); a refiner must be one of the checkpoints (never a path)."""
     refiner = "" if refiner_checkpoint in (None, "", NO_REFINER) else checked_checkpoint(ctx.settings,
                                                                                         refiner_checkpoint)
-    prompt, negative = apply_styles(ctx.settings.styles_file, list(styles or ()), str(prompt or ""),
-                                    str(negative or ""))
+    prompt, negative = book.apply(list(styles or ()), str(prompt or ""), str(negative or ""))
     values = dict(prompt=prompt, negative_prompt=negative, sampler=sampler, steps=steps, cfg=cfg, seed=seed,
                   width=width, height=height, batch=batch, n_iter=n_iter, clip_skip=clip_skip, subseed=subseed,
                   subseed_strength=subseed_strength, seed_resize_from_w=seed_resize_from_w,

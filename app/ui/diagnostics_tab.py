@@ -18,20 +18,25 @@ from pathlib import Path
 import gradio as gr
 
 from app import diagnostics
+from app.accounts import require_admin
 from app.report import REPORT_PNG, build_bug_report
 from app.ui import views
 from app.ui.common import PROGRESS, UiContext, run_with_progress, user_errors
+from app.ui.model_options import engine_wide
 
 REFRESH_S = 2.0
 
 
 @dataclass
 class DiagnosticsTab:
-    """What `build_app` wires from outside the tab: the timer (tab selection starts/stops it) and one refresh."""
+    """What `build_app` wires from outside the tab: the timer (tab selection starts/stops it), one refresh and
+    the engine-wide controls (`admin_controls`)."""
 
     timer: gr.Timer
     refresh_outputs: list
     refresh_inputs: list
+    switches: list[gr.Checkbox]
+    unload: gr.Button
 
 
 def refresh(ctx: UiContext, engine: int | None, component: str, text: str, only_violations: bool,
@@ -71,7 +76,8 @@ def _table(headers: list[str], elem_id: str, label: str, max_height: int = 320,
                         max_height=max_height, elem_id=elem_id, column_widths=widths)
 
 
-def _debug_toggles(ctx: UiContext) -> None:
+def _debug_toggles(ctx: UiContext) -> list[gr.Checkbox]:
+    """The debug switches: engine-wide, so an admin's only (`admin_controls` greys them out for others)."""
     s = ctx.settings
     with gr.Row():
         lora = gr.Checkbox(s.lora_debug, label="LoRA debug (log key matching)", elem_id="sd-lora-debug")
@@ -81,7 +87,9 @@ def _debug_toggles(ctx: UiContext) -> None:
         forwards = gr.Checkbox(s.strict_forwards, elem_id="sd-strict-forwards",
                                label="Strict forwards (each layer checks its weights' device and dtype as it runs)")
 
-    def toggle(lora_on, move_on, strict_on, forwards_on):
+    def toggle(request: gr.Request, lora_on, move_on, strict_on, forwards_on):
+        with user_errors("Changing the debug switches"):
+            require_admin(ctx.account(request), "Changing the debug switches")
         changed = ctx.engine.set_debug(lora_debug=lora_on, move_debug=move_on, strict=strict_on,
                                        strict_forwards=forwards_on)
         gr.Info(f"debug: LoRA {changed.lora_debug}, move {changed.move_debug}, strict {changed.strict}, "
@@ -89,9 +97,10 @@ def _debug_toggles(ctx: UiContext) -> None:
 
     for box in (lora, move, strict, forwards):
         box.input(toggle, [lora, move, strict, forwards], None, api_visibility="private")
+    return [lora, move, strict, forwards]
 
 
-def _actions(ctx: UiContext) -> None:
+def _actions(ctx: UiContext) -> gr.Button:
     with gr.Row():
         unload = gr.Button("Unload model / free memory", variant="stop", elem_id="sd-unload")
         report = gr.Button("Export bug report", variant="secondary", elem_id="sd-bug-report")
@@ -101,9 +110,10 @@ def _actions(ctx: UiContext) -> None:
         card = gr.Image(label="Bug report card (paste into the issue)", type="filepath", format="png",
                         elem_id="sd-bug-card", scale=3, height=520, buttons=["download", "fullscreen"])
 
-    def free_memory(progress=PROGRESS):
+    def free_memory(request: gr.Request, progress=PROGRESS):
         before = diagnostics.process_memory()
         with user_errors("Unload"):
+            require_admin(ctx.account(request), "Unload")
             run_with_progress(ctx.engine, ctx.engine.unload, progress)
         after = diagnostics.process_memory()
         return "Freed: " + ", ".join(f"{k.replace('_mib', '')} {before[k]:,.0f} → {after.get(k, 0):,.0f} MiB"
@@ -112,6 +122,16 @@ def _actions(ctx: UiContext) -> None:
     unload.click(free_memory, None, unload_note, api_visibility="private", concurrency_id="loras")
     report.click(lambda: export_bug_report(ctx), None, [bundle, card], api_name="bug_report",
                  api_description="Bug-report bundle: a zip (report.json + card.png) and the card PNG alone.")
+    return unload
+
+
+def admin_controls(ctx: UiContext, tab: DiagnosticsTab, demo: gr.Blocks) -> None:
+    """On page load the debug switches and Unload are usable by an admin only; others see them greyed out."""
+    def on_load(request: gr.Request) -> list:
+        admin = ctx.account(request).admin
+        return [*(gr.Checkbox(**engine_wide(admin)) for _ in tab.switches), gr.Button(interactive=admin)]
+
+    demo.load(on_load, None, [*tab.switches, tab.unload], api_visibility="private", show_progress="hidden")
 
 
 def export_bug_report(ctx: UiContext) -> tuple[str, str]:
@@ -129,7 +149,7 @@ def export_bug_report(ctx: UiContext) -> tuple[str, str]:
 
 def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
     """Lay out the tab; every display is an output of one `refresh` so a tick is a single snapshot."""
-    _debug_toggles(ctx)
+    switches = _debug_toggles(ctx)
     snaps = ctx.engine.snapshots()
     which = gr.Dropdown([(f"engine {i} · {snap.device}", i) for i, snap in enumerate(snaps)], value=0,
                         label="Engine", visible=len(snaps) > 1, elem_id="sd-diag-engine")
@@ -152,7 +172,7 @@ def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
     gpu_note = gr.Markdown()
     gpu = _table(views.GPU_HEADERS, "sd-gpu", "GPU (NVML)", 160)
     timeline = gr.HTML(label="Memory timeline")
-    _actions(ctx)
+    unload = _actions(ctx)
     error = gr.Code(label="Last error (with traceback)", language=None, lines=8, elem_id="sd-last-error")
     outputs = [state, history, summary, component, loras, modules, modules_note, gpu, gpu_note, timers, timeline,
                error]
@@ -164,4 +184,4 @@ def build_diagnostics_tab(ctx: UiContext) -> DiagnosticsTab:
     for control in (which, component, only_bad, only_patched):
         control.input(**tick)
     text.submit(**tick)
-    return DiagnosticsTab(timer, outputs, inputs)
+    return DiagnosticsTab(timer, outputs, inputs, switches, unload)

@@ -10,8 +10,8 @@ closed, reload) or whose API client cancelled, and that close interrupts the job
 
 A job belongs to Gradio's session hash (one per page load, one per `gradio_client.Client`):
 Interrupt, Skip and a closed tab stop only what that session started, never another user's job.
-It carries that session's whole state (the page's panel: checkpoint, dtype, offload, weight
-storage, LoRA cards; `panel_desired`), which the engine reconciles to before it runs; while
+It carries that session's whole state (the page's panel: checkpoint and LoRA cards, with the
+engine-wide dtype, offload and weight storage; `panel_desired`), which the engine reconciles to before it runs; while
 another session's job runs, the run button says it waits and no other session's preview shows.
 Each tab has its own Interrupt and Skip, live while any job of the page runs (the status line's
 timer keeps them so: an img2img started on its tab can be stopped from the Generate tab too).
@@ -50,7 +50,6 @@ from app.ui.common import (
 )
 from app.ui.hires_fields import hires_from_form
 from app.ui.lora_panel import LoraSlots, panel_unchanged, panel_view, selected_specs, sync_selection
-from app.ui.sessions import checked
 
 log = logging.getLogger(__name__)
 GALLERY_LABEL = "Images"
@@ -206,9 +205,9 @@ def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hi
     generate (with the hires fix when ticked) with this tab's whole state (`state`: the values of
     `GenerateTab.state_inputs`), streaming previews; the size fields then show the size used, with the
     notes. `infos`: the last result's (its gallery comes back after a failure)."""
-    slot_names = state[4]
+    slot_names = state[1]
     with user_errors("Generation"):
-        params, notes = generate_params(ctx, *settings)
+        params, notes = generate_params(ctx, *settings, book=ctx.styles_for(ctx.account(request)))
         hires = hires_from_form(*hires_values)
         desired = desired_from_panel(ctx, state)
         sync_selection(ctx, desired.loras, progress)
@@ -230,20 +229,19 @@ def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hi
            params.height, note, *run_buttons(None, "Generate"), *panel_view(ctx, list(slot_names))]
 
 
-def panel_desired(ctx: UiContext, model, dtype, offload, weights, specs) -> Desired:
-    """The tab's whole state from its panel (checkpoint, dtype, offload, weight storage, the LoRA cards);
-    a field the page has no value for yet follows what the engine holds."""
+def panel_desired(ctx: UiContext, model, specs) -> Desired:
+    """The tab's whole state from its panel: the checkpoint (none picked yet: the app's default) and the LoRA
+    cards; dtype, offload and weight storage are engine-wide, as the engine holds them."""
     held = ctx.engine.snapshot().desired
-    return checked(held.replace(model=checked_checkpoint(ctx.settings, model) if model else held.model,
-                                dtype=dtype or held.dtype, offload=offload or held.offload,
-                                weights=weights or held.weights, loras=tuple(specs)))
+    chosen = checked_checkpoint(ctx.settings, model) if model else ctx.sessions.default_model(held)
+    return held.replace(model=chosen, loras=tuple(specs))
 
 
 def desired_from_panel(ctx: UiContext, values) -> Desired:
-    """`panel_desired` from the values of `GenerateTab.state_inputs`: checkpoint, dtype, offload, weight
-    storage, the LoRA slots' names and their sliders."""
-    model, dtype, offload, weights, slot_names, *sliders = values
-    return panel_desired(ctx, model, dtype, offload, weights, selected_specs(list(slot_names), tuple(sliders)))
+    """`panel_desired` from the values of `GenerateTab.state_inputs`: checkpoint, the LoRA slots' names and
+    their sliders."""
+    model, slot_names, *sliders = values
+    return panel_desired(ctx, model, selected_specs(list(slot_names), tuple(sliders)))
 
 
 def wire_stop(ctx: UiContext, stops: StopControls) -> None:

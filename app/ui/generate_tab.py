@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import gradio as gr
 
-from app.adapters.specs import LoraSpec
+from app.accounts import require_admin
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
 from app.engine.snapshot import Snapshot
 from app.engine.stage_params import SAME
@@ -28,12 +28,12 @@ from app.ui.common import (
     run_with_progress,
     user_errors,
 )
-from app.ui.generate_run import GALLERY_LABEL, StopControls, build_stop_controls, wire_generate
+from app.ui.generate_run import GALLERY_LABEL, StopControls, build_stop_controls, owner_of, wire_generate
 from app.ui.hires_fields import HiresFields, build_hires_fields
 from app.ui.lora_browser import build_lora_browser
 from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection_updates, sync_panel, wire_loras
-from app.ui.model_options import ModelOptions, build_model_options, option_updates, wire_model_options
-from app.ui.styles_panel import build_styles_row
+from app.ui.model_options import ModelOptions, build_model_options, engine_wide, option_updates, wire_model_options
+from app.ui.styles_panel import build_styles_row, refresh_styles
 
 
 @dataclass
@@ -66,10 +66,9 @@ class GenerateTab:
 
     @property
     def state_inputs(self) -> list:
-        """The page's own state every generation on it carries (`desired_from_panel` reads them): checkpoint,
-        dtype, offload, weight storage, the LoRA cards."""
-        return [self.model, self.dtype, self.offload, self.options.weights, self.loras.slot_names,
-                *self.loras.sliders]
+        """The page's own state every generation on it carries (`desired_from_panel` reads them): checkpoint and
+        the LoRA cards (dtype, offload and weight storage are engine-wide)."""
+        return [self.model, self.loras.slot_names, *self.loras.sliders]
 
     @property
     def settings(self) -> list:
@@ -233,17 +232,22 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
 
 
 # --------------------------------------------------------------------------------------- handlers
-def load_checkpoint(ctx: UiContext, name: str, progress) -> list:
+def load_checkpoint(ctx: UiContext, name: str, progress, admin: bool = False) -> list:
     """Load `name` unless it is the loaded model already (re-selecting it, or opening and closing the
-    dropdown, must not reload); returns [status text, width, height, sampler, hires sampler, steps, CFG] (see
+    dropdown, must not reload); an `admin`'s choice becomes the default checkpoint of every session that
+    chose none. Returns [status text, width, height, sampler, hires sampler, steps, CFG] (see
     `native_size_updates`, `family_updates`)."""
     engine = ctx.engine
     if name == engine.snapshot().model:
+        if admin:
+            ctx.sessions.set_default_model(name)
         return [gr.update()] * 7
     with user_errors("Loading the model"):
         name = checked_checkpoint(ctx.settings, name)
         before = engine.snapshot()
         snap = run_with_progress(engine, lambda: engine.load_model(name), progress)
+    if admin:
+        ctx.sessions.set_default_model(name)
     return [loaded_text(snap), *native_size_updates(before.native_size, snap.native_size),
             *family_updates(before, snap)]
 
@@ -255,22 +259,27 @@ def loaded_text(snap) -> str:
 def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
     engine = ctx.engine
 
-    def ui_set_dtype(dtype, progress=PROGRESS):
+    def ui_set_dtype(dtype, request: gr.Request, progress=PROGRESS):
         with user_errors("Changing the dtype"):
+            require_admin(ctx.account(request), "Changing the dtype")
             snap = run_with_progress(engine, lambda: engine.set_dtype(dtype), progress)
         return f"dtype now **{snap.dtype}** (asked {snap.requested_dtype})"
 
-    def ui_set_offload(mode, progress=PROGRESS):
+    def ui_set_offload(mode, request: gr.Request, progress=PROGRESS):
         with user_errors("Changing the offload mode"):
+            require_admin(ctx.account(request), "Changing the offload mode")
             snap = run_with_progress(engine, lambda: engine.set_offload(mode), progress)
         return f"offload now **{snap.offload}**"
+
+    def ui_load(name, request: gr.Request, progress=PROGRESS):
+        return load_checkpoint(ctx, name, progress, admin=ctx.account(request).admin)
 
     private = dict(api_visibility="private", concurrency_id=LORA_QUEUE)
     redraw = sync_panel(ctx, tab.loras)  # a load re-applies what fits the new model and sets the rest aside
     # `select`, not `input`: Gradio's dropdown also sends `input` when it merely loses focus, which reloaded
     # the model (or repeated a failure and its toast). After a refusal the dropdown shows the model the
     # engine still holds (`.failure`: a `.then` after an error never runs in Gradio 6.31).
-    loaded = tab.model.select(lambda name, progress=PROGRESS: load_checkpoint(ctx, name, progress), tab.model,
+    loaded = tab.model.select(ui_load, tab.model,
                               [tab.model_status, tab.width, tab.height, tab.sampler, tab.hires.sampler, tab.steps,
                                tab.cfg],
                               show_progress_on=[tab.model_status], **private)
@@ -287,24 +296,30 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
 
 
 def wire_page_load(ctx: UiContext, tab: GenerateTab, demo: gr.Blocks) -> None:
-    """On (re)load show what the engine really holds (another tab or an API client may have changed it):
-    the selector lists the engine's wanted LoRAs, set aside ones included, and the cards their state;
-    the notes say why the start-up model is not the first checkpoint, if it is not; the sampler,
-    steps, CFG and size fields take the loaded family's defaults, so the page's first Generate works
-    on whatever model loaded first."""
+    """On (re)load the page starts from the app's defaults, never from what another session left in the
+    engine: the default checkpoint and no LoRA (`app/ui/sessions.py`); dtype and offload show the
+    engine's (engine-wide: an admin's controls, shown as such to others); the notes say why the start-up
+    model is not the first checkpoint, if it is not; the sampler, steps, CFG and size fields take the
+    loaded family's defaults, so the page's first Generate works on whatever model loaded first."""
     slots = tab.loras
 
-    def on_load():
+    def options_on_load(request: gr.Request) -> list:
+        return option_updates(ctx, ctx.account(request).admin)
+
+    def on_load(request: gr.Request):
         snap = ctx.engine.snapshot()
-        specs = [LoraSpec(s.name, s.unet_strength, te_weight=s.te_strength) for s in snap.lora_states]
-        return [gr.Dropdown(choices=checkpoint_names(ctx.settings), value=snap.model), snap.requested_dtype,
-                snap.offload, "\n\n".join(ctx.startup_notes), *native_size_updates(None, snap.native_size),
-                *family_updates(None, snap), *selection_updates(ctx, specs)]
+        admin = ctx.account(request).admin
+        return [gr.Dropdown(choices=checkpoint_names(ctx.settings), value=ctx.desired_for(owner_of(request)).model),
+                gr.Radio(value=snap.requested_dtype, **engine_wide(admin)), gr.Radio(value=snap.offload,
+                                                                                      **engine_wide(admin)),
+                "\n\n".join(ctx.startup_notes), *native_size_updates(None, snap.native_size),
+                *family_updates(None, snap), *selection_updates(ctx, [])]
 
     demo.load(on_load, None, [tab.model, tab.dtype, tab.offload, tab.model_status, tab.width, tab.height,
                               tab.sampler, tab.hires.sampler, tab.steps, tab.cfg, slots.select, *slots.layout],
               api_visibility="private").then(**sync_panel(ctx, slots)).then(
-        lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
+        options_on_load, None, tab.options.outputs, api_visibility="private")
+    demo.load(**refresh_styles(ctx, tab.styles))
 
 
 def _select_image(infos, evt: gr.SelectData):

@@ -4,8 +4,8 @@ the engine as one transition per stage (see Diagnostics → History), with the l
 Interrupt and Skip of the Generate tab (`generate_run.stream_job`).
 
 The tab only draws: numbers are checked by the engine's rule sets (the same as the API's,
-`app.ui.workflow_api`). Each run carries the page's own state (the Generate tab's checkpoint,
-dtype, offload, weight storage and LoRA cards) plus any `<lora:…>` prompt tags.
+`app.ui.workflow_api`). Each run carries the page's own state (the Generate tab's checkpoint and LoRA
+cards, with the engine-wide dtype, offload and weight storage) plus any `<lora:…>` prompt tags.
 """
 
 from __future__ import annotations

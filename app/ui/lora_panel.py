@@ -13,8 +13,8 @@ parts of the page (the LoRA browser, "send to Generate", a model load) select Lo
 `selection_updates` followed by `sync_panel`, the same path as a pick in the selector.
 
 Each card has the LoRA's "apply in part" box: the engine refuses a LoRA of which less than half the
-tensors match the loaded model unless the user allows it, once, for that LoRA (remembered by the
-engine in the data folder, `Engine.set_lora_partial`).
+tensors match the loaded model unless an admin allows it, once, for that LoRA (remembered by the
+engine in the data folder for every user, `Engine.set_lora_partial`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from app.accounts import AdminRequired, require_admin
 from app.adapters.specs import LoraSpec
 from app.engine.snapshot import Snapshot
 from app.ui.common import MAX_LORAS, PROGRESS, EngineCallError, UiContext, run_with_progress
@@ -217,13 +218,15 @@ def allow_partial_event(ctx: UiContext, slots: LoraSlots, slot: int) -> dict:
     """Event arguments for one card's "apply in part" box: the engine remembers the choice for that
     LoRA and applies the wanted list again; then the page's selection is handed over as usual."""
 
-    def allow_partial(allowed, progress=PROGRESS, slot_names=(), *values):
+    def allow_partial(allowed, request: gr.Request, progress=PROGRESS, slot_names=(), *values):
         problem = ""
         try:
+            require_admin(ctx.account(request), "Allowing a LoRA in part (remembered for every user)")
             name = list(slot_names)[slot]
             run_with_progress(ctx.engine, lambda: ctx.engine.set_lora_partial(name, bool(allowed)), progress)
             sync_selection(ctx, selected_specs(list(slot_names), values), progress)
-        except (EngineCallError, ValueError, IndexError) as exc:  # a vanished file, a full queue, a stale slot
+        except (EngineCallError, ValueError, IndexError, AdminRequired) as exc:  # a vanished file, a full
+            # queue, a stale slot, another account than an admin
             log.info("partial application not changed: %s", exc)
             problem = str(exc)
         return panel_view(ctx, list(slot_names), problem)

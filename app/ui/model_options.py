@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from app.accounts import require_admin
 from app.engine import part_choices
 from app.engine.storage import WEIGHTS_CHOICES
 from app.families import FAMILIES, family
@@ -21,6 +22,15 @@ from app.ui.common import PROGRESS, UiContext, run_with_progress, user_errors
 # (`ComponentFile.label`: "T5-XXL text encoder (t5xxl_fp16.safetensors)").
 _PICKED = tuple(dict.fromkeys(p.component for fam in FAMILIES.values() for p in fam.parts if p.folder))
 AUTO = "(the one file in its folder)"
+ADMIN_ONLY = "engine-wide: set by an admin login for every user"
+
+
+def engine_wide(admin: bool | None) -> dict:
+    """Arguments of an engine-wide control's update: usable by an admin only, and saying so to others (None:
+    leave it as it is)."""
+    if admin is None:
+        return {}
+    return {"interactive": admin} | ({} if admin else {"info": ADMIN_ONLY})
 
 
 @dataclass
@@ -42,16 +52,18 @@ def build_model_options(ctx: UiContext) -> ModelOptions:
     return ModelOptions(weights, box, parts)
 
 
-def option_updates(ctx: UiContext) -> list:
+def option_updates(ctx: UiContext, admin: bool | None = None) -> list:
     """The controls as the engine has them: storage asked for, and the part pickers of the loaded
-    family (hidden when it has none) with the files its folders offer and the one chosen."""
+    family (hidden when it has none) with the files its folders offer and the one chosen; with `admin`
+    given, usable or not (`engine_wide`)."""
     snap = ctx.engine.snapshot()
     offered = part_choices.available(ctx.settings, snap.arch) if snap.arch and family(snap.arch).parts else {}
     chosen = part_choices.chosen(ctx.settings, snap.model) if offered else {}
     labels = {p.component: p.label for p in family(snap.arch).parts} if offered else {}
-    pickers = [gr.Dropdown(choices=[AUTO, *offered[c]], value=chosen.get(c, AUTO), label=labels[c], visible=True)
+    pickers = [gr.Dropdown(choices=[AUTO, *offered[c]], value=chosen.get(c, AUTO), label=labels[c], visible=True,
+                           **engine_wide(admin))
                if c in offered else gr.Dropdown(visible=False) for c in _PICKED]
-    return [gr.Radio(value=snap.weights), gr.Accordion(visible=bool(offered)), *pickers]
+    return [gr.Radio(value=snap.weights, **engine_wide(admin)), gr.Accordion(visible=bool(offered)), *pickers]
 
 
 def _part_label(engine, component: str) -> str:
@@ -62,15 +74,17 @@ def _part_label(engine, component: str) -> str:
 def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdown, **private) -> None:
     engine = ctx.engine
 
-    def ui_set_weights(weights, progress=PROGRESS):
+    def ui_set_weights(weights, request: gr.Request, progress=PROGRESS):
         with user_errors("Changing the weight storage"):
+            require_admin(ctx.account(request), "Changing the weight storage")
             snap = run_with_progress(engine, lambda: engine.set_weights(weights), progress)
         saved = f"; {snap.stored_layers} layers in 8 bits save {snap.bytes_saved / 2**20:.0f} MiB"
         return f"weights now **{snap.weights}**{saved if snap.stored_layers else ''}"
 
     def picker(component: str):
-        def ui_choose(name, progress=PROGRESS):
+        def ui_choose(name, request: gr.Request, progress=PROGRESS):
             with user_errors("Choosing the model parts"):
+                require_admin(ctx.account(request), "Choosing the model parts")
                 run_with_progress(engine, lambda: engine.set_model_parts({component: None if name == AUTO else name}),
                                   progress)
             return f"{_part_label(engine, component)} now **{name}**"

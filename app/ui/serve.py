@@ -30,6 +30,8 @@ import psutil
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.a1111 import GATED_PREFIXES, api_gate, body_limits, install_api
+from app.a1111.auth import api_logins
+from app.accounts import Accounts
 from app.diagnostics import RecentLogHandler
 from app.engine.pool import make_engine
 from app.engine.worker import Engine
@@ -83,8 +85,11 @@ def host_for(settings: Settings) -> str:
 
 
 def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
-    """Build and launch the app without blocking; raises `OSError` when the port is taken."""
+    """Build and launch the app without blocking; raises `OSError` when the port is taken. The logins decide
+    the accounts and their admins (`app/accounts.py`); the checkpoint loaded now is the sessions' default."""
     settings = ctx.settings
+    ctx.accounts = Accounts.from_logins(settings.admins, policy.credentials, api_logins(settings, policy.credentials))
+    ctx.sessions.set_default_model(ctx.engine.snapshot().model)
     demo = build_app(ctx)
     demo.queue(default_concurrency_limit=1, max_size=settings.queue_size, api_open=False)
     settings.outputs_dir.mkdir(parents=True, exist_ok=True)
@@ -191,9 +196,11 @@ def load_first_working(engine: Engine, names: list[str], notes: list[str]) -> st
 
 
 def _load_in_background(ctx: UiContext, names: list[str]) -> None:
-    """The UI opens at once; the status line shows LOADING until a model is in."""
-    threading.Thread(target=load_first_working, args=(ctx.engine, names, ctx.startup_notes), name="initial-load",
-                     daemon=True).start()
+    """The UI opens at once; the status line shows LOADING until a model is in, the sessions' default then."""
+    def load() -> None:
+        ctx.sessions.set_default_model(load_first_working(ctx.engine, names, ctx.startup_notes))
+
+    threading.Thread(target=load, name="initial-load", daemon=True).start()
 
 
 def _announce(settings: Settings, server: Server) -> None:

@@ -1,15 +1,21 @@
 """Each session's own `Desired`: a browser tab's panel, a `gradio_client` script's `set_*` calls.
 
 Why: the engine holds one state at a time, but a shared server has many users, and the state one
-tab chose (model, dtype, offload, weight storage, LoRAs with both weights) must never reach
+tab chose (checkpoint, LoRAs with both weights) must never reach
 another tab's or script's image. Every change a session makes is recorded here under its Gradio
 session hash (one per page load, one per `gradio_client.Client`) and tried on the engine at once,
 so the panel shows the engine's answer; every generation the session starts then carries the whole
 of it (`Engine.generate(..., desired=...)`), and the engine reconciles to it before the job runs.
 
-A field a session never chose follows what the engine holds (a script that only sets LoRAs keeps
-today's behaviour). The store is bounded: past `limit` sessions the one unheard of longest is
-forgotten and falls back to the engine's state; a closed tab is forgotten at once.
+A session starts from the app's defaults, never from what another session left in the engine: a
+session that chose no LoRA draws with none, one that chose no checkpoint with the app's default
+checkpoint (the one loaded at start; an admin's choice of checkpoint replaces it, `set_default_model`).
+Dtype, offload and weight storage are engine-wide (an admin sets them, `app/accounts.py`): every
+session follows the engine's. The store is bounded: past `limit` sessions the one unheard of longest
+is forgotten and starts from the defaults again; a closed tab is forgotten at once.
+
+The A1111 API keeps one state per account (`api_owner`): one API login's checkpoint never reaches
+another's images.
 """
 
 from __future__ import annotations
@@ -19,30 +25,37 @@ import threading
 from typing import Any
 
 from app.engine.desired import Desired
-from app.engine.storage import WEIGHTS_CHOICES
-from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES
 
-FIELDS = ("model", "dtype", "offload", "weights", "loras")
-API_OWNER = "a1111-api"  # the A1111 API's key here, and its generations' owner in the engine
+FIELDS = ("model", "loras")  # what a session chooses for itself; the rest of `Desired` is engine-wide
+API_PREFIX = "a1111-api:"  # an A1111 API account's key here, and its generations' owner in the engine
 
 
-def checked(desired: Desired) -> Desired:
-    """Refuse a state no engine can take (before it is queued), naming the field and its choices; the
-    model is checked by the caller against the checkpoint folder."""
-    for value, choices, what in ((desired.dtype, DTYPE_CHOICES, "dtype"), (desired.offload, OFFLOAD_CHOICES, "offload"),
-                                 (desired.weights, WEIGHTS_CHOICES, "weights")):
-        if value not in choices:
-            raise ValueError(f"{what} must be one of {', '.join(choices)}; got {value!r}")
-    return desired
+def api_owner(account: str) -> str:
+    """The owner of an A1111 API account's state and generations."""
+    return API_PREFIX + account
 
 
 class SessionStates:
-    """Thread-safe map session -> the `Desired` fields it chose."""
+    """Thread-safe map session -> the `Desired` fields it chose, and the app's default checkpoint."""
 
     def __init__(self, limit: int = 512) -> None:
         self._limit = limit
         self._chosen: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self._default_model: str | None = None
         self._lock = threading.Lock()
+
+    def set_default_model(self, name: str | None) -> None:
+        """The checkpoint a session that chose none draws with: the one loaded at start, then an admin's choice."""
+        if name is not None:
+            with self._lock:
+                self._default_model = name
+
+    def default_model(self, held: Desired) -> str | None:
+        """The default checkpoint; until one is set (nothing loaded at start), the first the engine held."""
+        with self._lock:
+            if self._default_model is None:
+                self._default_model = held.model
+            return self._default_model
 
     def record(self, owner: str, **chosen: Any) -> None:
         """Remember what `owner` chose (any of `FIELDS`; a model of None is not a choice)."""
@@ -59,10 +72,11 @@ class SessionStates:
                 self._chosen.popitem(last=False)
 
     def desired(self, owner: str, held: Desired) -> Desired:
-        """`owner`'s whole state: what it chose, the rest as the engine holds it (`held`)."""
+        """`owner`'s whole state: its checkpoint (else the default) and LoRAs (else none); dtype, offload and
+        weight storage as the engine holds them (`held`)."""
         with self._lock:
             chosen = dict(self._chosen.get(owner, {}))
-        return held.replace(**chosen)
+        return held.replace(**{"model": self.default_model(held), "loras": (), **chosen})
 
     def forget(self, owner: str) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from app.engine.snapshot import Snapshot
-from app.ui.sessions import API_OWNER
+from app.ui.sessions import API_PREFIX
 
 HISTORY_HEADERS = ["time", "command", "detail", "state", "duration s", "outcome", "violations found/repaired"]
 SUMMARY_HEADERS = ["component", "modules", "params", "MiB", "devices", "dtypes", "LoRA-patched", "offload",
@@ -67,7 +67,7 @@ def holder_text(owner: str | None) -> str:
     """Who asked for what an engine holds: a Gradio session (shortened), the A1111 API, or a direct change."""
     if owner is None:
         return "set directly"
-    return "for the A1111 API" if owner == API_OWNER else f"for session {owner[:8]}"
+    return "for the A1111 API" if owner.startswith(API_PREFIX) else f"for session {owner[:8]}"
 
 
 def engines_html(snaps: tuple[Snapshot, ...]) -> str:
