@@ -33,8 +33,8 @@ def add_login_flags(p: argparse.ArgumentParser) -> None:
 
 def login_settings(args: argparse.Namespace) -> dict:
     """The `Settings` fields the login flags set."""
-    return {"auth": parse_auth(args.auth, args.auth_file, args.auth_env), "no_auth": args.no_auth, "admins": tuple(args.admin),
-            "api": args.api,
+    return {"auth": parse_auth(args.auth, args.auth_file, args.auth_env), "no_auth": args.no_auth,
+            "admins": tuple(args.admin), "api": args.api,
             "api_auth": parse_auth([pair for arg in args.api_auth for pair in arg.split(",")], None)}
 
 
