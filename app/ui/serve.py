@@ -8,7 +8,8 @@ report). Offline, Gradio cannot create a share link; we say so plainly and keep 
 Only the outputs folder is added to Gradio's `allowed_paths`: generated images are served from
 there; models and LoRAs are only ever addressed by name through the engine. The queue is bounded
 (`--queue-size` for the app, `--session-queue-size` per session), REST routes cannot bypass it
-(`api_open=False`), uploads are capped (`--max-upload-mib`), and `guard.py` adds what Gradio
+(`api_open=False`), uploads are capped (`--max-upload-mib`, `--max-upload-files`,
+`--account-upload-quota-mib`), and `guard.py` adds what Gradio
 lacks: the Host check in localhost mode, the login before any body is read, login backoff keyed on
 the socket's peer (`trust_proxies`), body caps, UI-only handlers kept to the UI, no CORS.
 """
@@ -99,7 +100,9 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
     upload = (UPLOAD, settings.max_upload_mib * 2**20 + 2**16)  # one file and its multipart framing
     install(app, demo, GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
                                    gated_prefixes=GATED_PREFIXES, gate=api_gate(settings, policy.credentials),
-                                   body_limits=(upload, *body_limits(settings))))
+                                   body_limits=(upload, *body_limits(settings)),
+                                   max_upload_files=settings.max_upload_files,
+                                   account_upload_quota=settings.account_upload_quota_mib << 20))
     trust_proxies(demo.server.config, settings.forwarded_allow_ips)
     return Server(demo, local_url, share_url, policy)
 
