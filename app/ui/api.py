@@ -33,6 +33,7 @@ import gradio as gr
 
 from app.engine.generate import SCHEDULERS, GenerateParams
 from app.report import jsonable
+from app.shown_paths import without_folders
 from app.ui.common import (
     PROGRESS,
     UiContext,
@@ -55,7 +56,7 @@ API_POLL_S = 0.5  # how often a running /generate looks for a cancelled client
 def _change(ctx: UiContext, action: str, call, request: gr.Request | None = None, **chosen) -> dict:
     """Run one engine change for a script: the error text goes back unescaped (no browser shows it). Once
     it succeeded, `chosen` is remembered as that client's state."""
-    with user_errors(action, browser=False):
+    with user_errors(action, ctx.settings.data_dir, browser=False):
         run_with_progress(ctx.engine, call, None)
     if chosen:
         ctx.sessions.record(owner_of(request), **chosen)
@@ -70,7 +71,7 @@ def _state_endpoints(ctx: UiContext) -> None:
         """Apply exactly this list: [{"name", "weight", "unet_weight"?, "te_weight"?}]; [] removes all. A LoRA
         that does not fit the loaded model refuses the whole list, or with `set_aside_unfit` (the page's
         way) is set aside with its reason in `lora_states` while the others apply."""
-        with user_errors("set_loras", browser=False):
+        with user_errors("set_loras", ctx.settings.data_dir, browser=False):
             specs = specs_from_json(loras)
         return _change(ctx, "set_loras", lambda: engine.set_loras(specs, set_aside_unfit=bool(set_aside_unfit)),
                        request, loras=specs)
@@ -128,8 +129,9 @@ def _debug_endpoint(ctx: UiContext) -> None:
 def _read_endpoints(ctx: UiContext) -> None:
     @gr.api(api_name="snapshot")
     def snapshot() -> dict:
-        """The full engine snapshot: state, placement rows, violations, LoRAs, counters, timers, history."""
-        return jsonable(ctx.engine.snapshot())
+        """The full engine snapshot: state, placement rows, violations, LoRAs, counters, timers, history
+        (files named relative to the data folder, tracebacks without install or home folders)."""
+        return without_folders(jsonable(ctx.engine.snapshot()), ctx.settings.data_dir)
 
     @gr.api(api_name="list_models")
     def list_models() -> list[str]:
@@ -144,11 +146,11 @@ def _read_endpoints(ctx: UiContext) -> None:
     @gr.api(api_name="inspect_lora")
     def inspect_lora(name: str) -> dict:
         """Card metadata and the fit check of one LoRA against the loaded model."""
-        with user_errors("inspect_lora", browser=False):
+        with user_errors("inspect_lora", ctx.settings.data_dir, browser=False):
             path = ctx.engine.library.path_for(name)
             card = ctx.cards.card(name, path)
             fit = ctx.cards.fit(ctx.engine, name, path, ctx.engine.snapshot().model_key)
-        return {"card": jsonable(card), "fit": jsonable(fit)}
+        return without_folders(jsonable({"card": card, "fit": fit}), ctx.settings.data_dir)
 
 
 def _stop_endpoints(ctx: UiContext) -> None:
@@ -188,7 +190,7 @@ def _generate_endpoint(ctx: UiContext) -> None:
 
     def generate(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, n_iter, clip_skip,
                  request: gr.Request, progress=PROGRESS):
-        with user_errors("generate", browser=False):
+        with user_errors("generate", ctx.settings.data_dir, browser=False):
             params, notes = generate_params(ctx, prompt, negative_prompt, sampler, steps, cfg, seed, width, height,
                                             batch, n_iter, clip_skip)
         owner = owner_of(request)
@@ -197,7 +199,7 @@ def _generate_endpoint(ctx: UiContext) -> None:
         with contextlib.closing(job.follow(progress, API_POLL_S)) as snapshots:
             for _snap in snapshots:
                 yield gr.skip(), gr.skip(), gr.skip()
-        with user_errors("generate", browser=False):
+        with user_errors("generate", ctx.settings.data_dir, browser=False):
             images = job.images()
         details = [{"seed": im.seed, "infotext": im.infotext, "file": im.path.name if im.path else None,
                     "complete": im.complete, "stopped_at": im.stopped_at, "notes": list(notes)} for im in images]

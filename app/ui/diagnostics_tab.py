@@ -103,7 +103,7 @@ def _actions(ctx: UiContext) -> None:
 
     def free_memory(progress=PROGRESS):
         before = diagnostics.process_memory()
-        with user_errors("Unload"):
+        with user_errors("Unload", ctx.settings.data_dir):
             run_with_progress(ctx.engine, ctx.engine.unload, progress)
         after = diagnostics.process_memory()
         return "Freed: " + ", ".join(f"{k.replace('_mib', '')} {before[k]:,.0f} → {after.get(k, 0):,.0f} MiB"

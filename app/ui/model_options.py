@@ -63,14 +63,14 @@ def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdow
     engine = ctx.engine
 
     def ui_set_weights(weights, progress=PROGRESS):
-        with user_errors("Changing the weight storage"):
+        with user_errors("Changing the weight storage", ctx.settings.data_dir):
             snap = run_with_progress(engine, lambda: engine.set_weights(weights), progress)
         saved = f"; {snap.stored_layers} layers in 8 bits save {snap.bytes_saved / 2**20:.0f} MiB"
         return f"weights now **{snap.weights}**{saved if snap.stored_layers else ''}"
 
     def picker(component: str):
         def ui_choose(name, progress=PROGRESS):
-            with user_errors("Choosing the model parts"):
+            with user_errors("Choosing the model parts", ctx.settings.data_dir):
                 run_with_progress(engine, lambda: engine.set_model_parts({component: None if name == AUTO else name}),
                                   progress)
             return f"{_part_label(engine, component)} now **{name}**"

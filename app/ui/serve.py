@@ -35,6 +35,7 @@ from app.diagnostics import RecentLogHandler
 from app.engine.pool import make_engine
 from app.engine.worker import Engine
 from app.settings import Settings
+from app.shown_paths import without_folders
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names
 from app.ui.guard import UPLOAD, GuardPolicy, install, loopback_hosts
@@ -174,7 +175,8 @@ def port_problem(settings: Settings) -> str | None:
 
 def load_first_working(engine: Engine, names: list[str], notes: list[str]) -> str | None:
     """Load the first of `names` that loads; each failure is logged in one line (the engine has
-    logged its traceback) and the reasons go to `notes` for the page. Returns the loaded name."""
+    logged its traceback) and the reasons go to `notes` for the page (files named relative to the
+    data folder, as in every answer). Returns the loaded name."""
     failed = []
     for name in names:
         try:
@@ -182,7 +184,7 @@ def load_first_working(engine: Engine, names: list[str], notes: list[str]) -> st
         except Exception as exc:  # recorded by the engine (history, last error); try the next one
             log.warning("checkpoint %s could not be loaded: %s", name, str(exc))
             reason = str(exc) if name in str(exc) else f"{name}: {exc}"
-            failed.append(html.escape(reason))
+            failed.append(html.escape(without_folders(reason, engine.settings.data_dir)))
             continue
         if failed:
             notes.append(f"⚠ At start {len(failed)} checkpoint(s) would not load, so **{html.escape(name)}** was "

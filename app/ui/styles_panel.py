@@ -15,7 +15,7 @@ from app.ui.common import UiContext, user_errors
 
 
 def style_names(ctx: UiContext) -> list[str]:
-    with user_errors("Reading the styles"):
+    with user_errors("Reading the styles", ctx.settings.data_dir):
         return list(read_styles(ctx.settings.styles_file))
 
 
@@ -30,7 +30,7 @@ def build_styles_row(ctx: UiContext, prompt: gr.Textbox, negative: gr.Textbox) -
         save = gr.Button("💾 Save as style", scale=1, elem_id="sd-style-save")
 
     def ui_save(style_name: str, prompt_text: str, negative_text: str, chosen: list[str]):
-        with user_errors("Saving the style"):
+        with user_errors("Saving the style", ctx.settings.data_dir):
             saved = save_style(ctx.settings.styles_file, PromptStyle(style_name or "", prompt_text or "",
                                                                      negative_text or ""))
         gr.Info(f"Style {style_name.strip()!r} saved to {ctx.settings.styles_file.name}.")
