@@ -22,6 +22,7 @@ from PIL import Image
 from served_app import free_port, make_ui_data, running_app
 
 from app.settings import Settings
+from app.ui.upload_quota import FILE_FLOOR, UploadQuota
 
 gradio_client = pytest.importorskip("gradio_client")
 LOGINS = {name: f"{name}-password-43" for name in ("alice", "bob", "carol", "dave")}
@@ -184,3 +185,28 @@ def test_the_files_of_a_finished_job_are_removed(app):
     while list(uploads.rglob("dave-init.png")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not list(uploads.rglob("dave-init.png"))
+
+
+def test_held_files_live_as_long_as_their_job_or_a_bounded_wait(tmp_path):
+    """Finding 7: a file no job uses is let go after `ttl_s`, never before; one a queued or running job
+    uses stays, past `ttl_s` too; once that job ends a script's file goes at once, and one the app's
+    page sent (the page sends it again with its next Generate) waits `ttl_s` more; a new upload of the
+    same picture under the same path is a new file with its own time."""
+    now, live = [0.0], {"running"}
+    quota = UploadQuota(1 << 30, live=lambda event: event in live, ttl_s=100, clock=lambda: now[0])
+    for name in ("unused", "script", "page"):
+        (tmp_path / name).write_bytes(b"x")
+    quota.settle("alice", 3, [str(tmp_path / name) for name in ("unused", "script", "page")])
+    assert quota.used("alice") == 3 * FILE_FLOOR and quota.in_flight == {}
+    quota.use([str(tmp_path / "script")], "running", page=False)
+    quota.use([str(tmp_path / "page")], "running", page=True)
+    now[0] = 99
+    assert quota.sweep() == []
+    now[0] = 150
+    assert [Path(path).name for path, _held in quota.sweep()] == ["unused"]  # the others' job still runs
+    live.clear()
+    assert [Path(path).name for path, _held in quota.sweep()] == ["script"]
+    now[0] = 249
+    assert quota.sweep() == []
+    now[0] = 250
+    assert [Path(path).name for path, _held in quota.sweep()] == ["page"] and quota.used("alice") == 0
