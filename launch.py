@@ -83,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait in the queue, all users together")
     p.add_argument("--session-queue-size", type=int, default=Settings.session_queue_size,
                    help="requests one browser tab or API client may have pending")
-    p.add_argument("--max-upload-mib", type=int, default=Settings.max_upload_mib, help="largest upload accepted")
+    p.add_argument("--max-upload-mib", type=int, default=Settings.max_upload_mib,
+                   help="largest upload accepted: one request, all its files together")
+    p.add_argument("--max-upload-files", type=int, default=Settings.max_upload_files,
+                   help="most files one upload request may carry")
+    p.add_argument("--account-upload-quota-mib", type=int, default=Settings.account_upload_quota_mib,
+                   help="uploaded temporary files one login may hold on disk; a file is removed when the job "
+                        "that used it ends, or an hour after its upload if none does")
     p.add_argument("--lora-cache-mib", type=int, default=Settings.lora_cache_mib,
                    help="LoRA files kept in RAM after reading (0 = read from disk every time)")
     p.add_argument("--bug-report", nargs="?", const="bug-report.zip", default=None, metavar="ZIP",
@@ -107,7 +113,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         forwarded_allow_ips=tuple(ip.strip() for arg in args.forwarded_allow_ips for ip in arg.split(",")
                                   if ip.strip()),
         queue_size=args.queue_size, session_queue_size=args.session_queue_size,
-        max_upload_mib=args.max_upload_mib, lora_cache_mib=args.lora_cache_mib,
+        max_upload_mib=args.max_upload_mib, max_upload_files=args.max_upload_files,
+        account_upload_quota_mib=args.account_upload_quota_mib, lora_cache_mib=args.lora_cache_mib,
     )
 
 

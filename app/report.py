@@ -5,7 +5,8 @@ errors with tracebacks, recent log lines) for whoever debugs; the PNG card is wh
 pastes into an issue tracker, so a maintainer sees at a glance where every component lives,
 which tensors violate the plan and which LoRAs misbehave, without opening anything.
 
-Everything goes through `redact()` before it is written: paths inside the data folder become
+Everything goes through `redact()` before it is written (its folders as every answer of the app
+shows them, `app/shown_paths.py`): paths inside the data folder become
 relative to it (the folder itself `.`), the app's and Python's install folders become `<app>`,
 `<site-packages>` and `<python>` (tracebacks name every file they pass through), the home
 folder becomes `~`, share links and known
@@ -26,7 +27,6 @@ import math
 import platform
 import re
 import sys
-import sysconfig
 import time
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -36,6 +36,7 @@ from typing import Any
 from app import diagnostics
 from app.report_card import render_card
 from app.settings import Settings
+from app.shown_paths import folder_redactor
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +70,6 @@ def jsonable(value: Any) -> Any:
     return str(value)  # Path, torch.dtype, torch.device, anything else: its readable form
 
 
-def install_folders() -> list[tuple[str, str]]:
-    """(folder, stand-in) for where the app and Python are installed, the most specific first: a
-    traceback names them in every line, and they tell the reader the user's name and layout."""
-    paths = sysconfig.get_paths()
-    named = {str(Path(__file__).resolve().parents[1]): "<app>", paths["purelib"]: "<site-packages>",
-             paths["platlib"]: "<site-packages>", paths["stdlib"]: "<python>", sys.prefix: "<python>"}
-    return sorted(((folder, name) for folder, name in named.items() if len(folder) > 1),
-                  key=lambda pair: len(pair[0]), reverse=True)
-
-
 def redact(value: Any, secrets: Iterable[str] = (), home: str | None = None, data_dir: str | None = None) -> Any:
     """Return a copy of a JSON-able value that is safe to publish.
 
@@ -87,9 +78,8 @@ def redact(value: Any, secrets: Iterable[str] = (), home: str | None = None, dat
     known secret is replaced, and the values of keys that name a secret (`password`, `token`,
     `share_url` …) are blanked whatever they hold.
     """
-    home = str(Path.home()) if home is None else home
     secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
-    installs = install_folders()
+    folders = folder_redactor(home, data_dir)
 
     def clean(v: Any) -> Any:
         if isinstance(v, dict):
@@ -100,15 +90,7 @@ def redact(value: Any, secrets: Iterable[str] = (), home: str | None = None, dat
             return v
         for secret in secrets:
             v = v.replace(secret, REDACTED)
-        v = _SHARE_URL.sub("[share link removed]", v)
-        if data_dir and data_dir != "/":
-            v = re.sub(re.escape(data_dir) + r"[/\\]", "", v)
-            v = re.sub(re.escape(data_dir) + r"(?![\w.-])", ".", v)
-        for folder, name in installs:
-            v = v.replace(folder, name)
-        if home and home != "/":
-            v = re.sub(re.escape(home) + r"(?=[/\\]|$|\W)", "~", v)
-        return v
+        return folders(_SHARE_URL.sub("[share link removed]", v))
 
     return clean(jsonable(value))
 

@@ -85,7 +85,9 @@ class Settings:
     admins: tuple[str, ...] = ()
     queue_size: int = 64  # requests waiting in the app's queue, all sessions together
     session_queue_size: int = 8  # requests one browser tab or client may have pending
-    max_upload_mib: int = 16
+    max_upload_mib: int = 16  # one upload request, all its files together
+    max_upload_files: int = 16  # files in one upload request (a gallery's pictures come in one)
+    account_upload_quota_mib: int = 256  # uploaded temp files one login may hold on disk at once
     # Reverse proxies whose `X-Forwarded-For` names the client (the login throttle's key); none: the
     # socket's peer, so a local tunnel or script cannot pose as a new address per password guess.
     forwarded_allow_ips: tuple[str, ...] = ()
@@ -112,9 +114,12 @@ class Settings:
             raise ValueError(f"the slider range must lie within ±{MAX_STRENGTH:g} (the largest LoRA strength), "
                              f"got {self.slider_min}..{self.slider_max}")
         for name, minimum in (("lora_cache_mib", 0), ("queue_size", 1), ("session_queue_size", 1),
-                              ("max_upload_mib", 1)):
+                              ("max_upload_mib", 1), ("max_upload_files", 1)):
             if getattr(self, name) < minimum:
                 raise ValueError(f"{name} must be at least {minimum}, got {getattr(self, name)}")
+        if self.account_upload_quota_mib < self.max_upload_mib:
+            raise ValueError(f"account_upload_quota_mib must be at least max_upload_mib ({self.max_upload_mib}): one "
+                             f"whole upload must fit in a login's quota, got {self.account_upload_quota_mib}")
         if any(not isinstance(d, str) or not d.strip() for d in self.devices) or (
                 "all" in self.devices and len(self.devices) > 1):
             raise ValueError(f"devices must be device names (cuda:0, cpu …) or just all, got {self.devices!r}")

@@ -180,7 +180,7 @@ def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_ca
                            "refiner_checkpoint": "None"}
     assert plan.checkpoint == "tiny-sdxl.safetensors"
     assert [(s.name, s.unet_strength, s.te_strength) for s in plan.loras] == [("style", 1.5, 0.5)]
-    assert plan.notes == (f"LoRA missing is not in {settings.lora_dir}",)
+    assert plan.notes == ("LoRA missing is not in models/Lora",)  # relative, as every message names files
     loaded = engine.snapshot()
     plan = plan_send(ctx, parse_infotext(f"a\nSteps: 2, Sampler: LCM, Seed: 1, Model hash: {loaded.model_hash}"))
     assert plan.fields["clip_skip"] == 1  # no `Clip skip` means 1, as A1111 reads it

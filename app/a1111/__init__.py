@@ -47,7 +47,10 @@ def install_api(app, ctx: UiContext, ui_logins: tuple[tuple[str, str], ...]) -> 
         return ("A1111 API (/sdapi/v1) is off: the app is reachable without a login. Add --api-auth USER:PASS "
                 "(or --auth) to serve it behind one, or --api to serve it open.")
     state = ApiState(ctx, max_waiting=settings.session_queue_size)
-    app.router.routes[0:0] = [*sdapi_router(state).routes, *steady_router(state).routes]
+    routes = [*sdapi_router(state).routes, *steady_router(state).routes]
+    for route in routes:
+        route.data_dir = settings.data_dir  # its answers name files relative to the data folder
+    app.router.routes[0:0] = routes
     return _describe(settings, api_logins(settings, ui_logins))
 
 

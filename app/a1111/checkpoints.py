@@ -24,6 +24,7 @@ from app.accounts import Account
 from app.engine import checkpoint_files, models
 from app.engine.snapshot import Snapshot
 from app.settings import Settings
+from app.shown_paths import without_folders
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,13 +43,14 @@ def model_name(name: str) -> str:
 
 
 def sd_models(settings: Settings, snap: Snapshot) -> list[dict]:
-    """`GET /sdapi/v1/sd-models`: every discovered checkpoint, the loaded one with its hash."""
+    """`GET /sdapi/v1/sd-models`: every discovered checkpoint, the loaded one with its hash; `filename`
+    relative to the data folder (as the other listings)."""
     out = []
     for info in checkpoint_files.discover_checkpoints(settings.checkpoints_dir):
         short = snap.model_hash if info.name == snap.model else None
         out.append({"title": title(info.name, short), "model_name": model_name(info.name), "hash": short,
                     "sha256": None, "filename": str(info.path), "config": None})
-    return out
+    return without_folders(out, settings.data_dir)
 
 
 def resolve(settings: Settings, snap: Snapshot, asked: object) -> str:

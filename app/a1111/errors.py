@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from fastapi import HTTPException, Request, Response
@@ -29,6 +30,7 @@ from app.accounts import AdminRequired
 from app.adapters.errors import AdapterError
 from app.engine.checkpoint_files import CheckpointNotFoundError, ModelLoadError
 from app.engine.worker import EngineBusy
+from app.shown_paths import without_folders
 
 log = logging.getLogger(__name__)
 MAX_ERRORS = 10  # validation errors shown per refusal
@@ -56,9 +58,12 @@ class ApiError(HTTPException):
 
 
 def error_response(status: int, error: str, detail: Any, errors: str, headers: Mapping[str, str] | None = None,
-                   body: Any = "") -> JSONResponse:
-    """The JSON body A1111's API middleware returns for any failure (heap addresses taken out)."""
+                   body: Any = "", data_dir: Path | None = None) -> JSONResponse:
+    """The JSON body A1111's API middleware returns for any failure (heap addresses taken out; with
+    `data_dir`, paths relative to it and no install or home folder: see `without_folders`)."""
     content = {"error": error, "detail": _no_addresses(detail), "body": body, "errors": _no_addresses(errors)}
+    if data_dir is not None:
+        content = without_folders(content, data_dir)
     return JSONResponse(jsonable_encoder(content), status_code=status, headers=dict(headers) if headers else None)
 
 
@@ -83,26 +88,31 @@ def validation_detail(errors: list[dict]) -> tuple[list[dict], str]:
     return shown, summary + (f"; and {more} more" if more > 0 else "")
 
 
-def _answer(request: Request, exc: Exception) -> JSONResponse:
+def _answer(request: Request, exc: Exception, data_dir: Path | None) -> JSONResponse:
     if isinstance(exc, RequestValidationError):
         detail, summary = validation_detail(exc.errors())
         log.info("A1111 API %s %s refused: %s", request.method, request.url.path, summary)
-        return error_response(422, "RequestValidationError", detail, summary)
+        return error_response(422, "RequestValidationError", detail, summary, data_dir=data_dir)
     if isinstance(exc, StarletteHTTPException):  # FastAPI's own and Starlette's (a body that does not parse)
         if exc.status_code != 401:  # a missing login is routine for clients that wait for the challenge
             log.info("A1111 API %s %s refused (%d): %s", request.method, request.url.path, exc.status_code, exc.detail)
         return error_response(exc.status_code, "HTTPException", exc.detail, f"{exc.status_code}: {exc.detail}",
-                              exc.headers)
+                              exc.headers, data_dir=data_dir)
     status = status_for(exc)
     if status == 500:
         log.exception("A1111 API %s %s failed", request.method, request.url.path)
     else:
         log.info("A1111 API %s %s refused (%d): %s", request.method, request.url.path, status, exc)
-    return error_response(status, type(exc).__name__, str(exc), str(exc))
+    return error_response(status, type(exc).__name__, str(exc), str(exc), data_dir=data_dir)
 
 
 class A1111Route(APIRoute):
-    """An `APIRoute` whose failures come back in A1111's error shape (see the module docstring)."""
+    """An `APIRoute` whose failures come back in A1111's error shape (see the module docstring); a
+    route served from a data folder (`data_dir`, set once its router is built) names files relative
+    to it: an engine message says where a file belongs, and a stranger on a share link must not learn
+    the disk's layout from it."""
+
+    data_dir: Path | None = None
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
@@ -111,6 +121,6 @@ class A1111Route(APIRoute):
             try:
                 return await handler(request)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON answer; 500s are logged
-                return _answer(request, exc)
+                return _answer(request, exc, self.data_dir)
 
         return answer_errors

@@ -19,6 +19,7 @@ from app.a1111.state import ApiState, owner_of
 from app.a1111.txt2img import encode_png, field_value
 from app.accounts import Account
 from app.engine.upscaling import UpscaledImage
+from app.shown_paths import without_folders
 from app.upscalers.extras import ExtrasParams
 
 _SCALE_IN_NAME = re.compile(r"(?<![0-9a-z])([1-8])x|x([1-8])(?![0-9])")  # 4x-UltraSharp, RealESRGAN_x4plus
@@ -61,7 +62,8 @@ def batch(state: ApiState, req: ExtrasBatchImagesRequest, account: Account) -> d
 
 def upscalers(state: ApiState) -> list[dict]:
     """`GET /sdapi/v1/upscalers`: `None`, the resamplers and every model file found, as A1111 lists them
-    (`scale` of a model as its name states it, `4x-…` or `…x4`: reading each file to know would cost a load)."""
+    (`scale` of a model as its name states it, `4x-…` or `…x4`: reading each file to know would cost a load;
+    `model_path` relative to the data folder, as the other listings)."""
     models = {e.name: e for e in state.engine.upscalers.entries()}
     out = []
     for name in state.engine.extras_upscalers():
@@ -69,7 +71,7 @@ def upscalers(state: ApiState) -> list[dict]:
         out.append({"name": name, "model_name": entry.folder if entry else None,
                     "model_path": str(entry.path) if entry else None, "model_url": None,
                     "scale": _scale_in_name(name) if entry else None})
-    return out
+    return without_folders(out, state.ctx.settings.data_dir)
 
 
 def _scale_in_name(name: str) -> float | None:

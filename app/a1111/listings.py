@@ -19,6 +19,7 @@ from app.a1111.txt2img import KARRAS, SAMPLER_ALIASES, SCHEDULES
 from app.engine.generate import SCHEDULERS
 from app.paths import utf8_names
 from app.safetensors_files import SafetensorsFileError, read_header, read_shapes
+from app.shown_paths import without_folders
 from app.ui.common import UiContext
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ def _metadata(path: Path) -> dict[str, Any]:
 
 
 def loras(ctx: UiContext) -> list[dict]:
-    """`GET /sdapi/v1/loras`: name, alias (the trainer's `ss_output_name`), file path and metadata."""
+    """`GET /sdapi/v1/loras`: name, alias (the trainer's `ss_output_name`), file path (relative to the data
+    folder: clients only show it, and a stranger on a share link must not learn the disk's layout) and
+    metadata."""
     out = []
     for name in ctx.engine.library.names():
         path = ctx.engine.library.path_for(name)
@@ -66,7 +69,7 @@ def loras(ctx: UiContext) -> list[dict]:
         alias = metadata.get("ss_output_name")
         out.append({"name": name, "alias": alias if isinstance(alias, str) and alias else name, "path": str(path),
                     "metadata": metadata})
-    return out
+    return without_folders(out, ctx.settings.data_dir)
 
 
 def _embedding_item(path: Path) -> dict | None:

@@ -19,11 +19,16 @@ from fastapi import APIRouter, Response
 from app.a1111.errors import A1111Route
 from app.a1111.state import ApiState
 from app.report import build_bug_report, jsonable
+from app.shown_paths import without_folders
 
 
 def steady_router(state: ApiState) -> APIRouter:
     router = APIRouter(prefix="/steady/v1", route_class=A1111Route)
     ctx = state.ctx
+
+    def shown(value) -> object:
+        """An answer's folders as a stranger may read them (`app.shown_paths`)."""
+        return without_folders(jsonable(value), ctx.settings.data_dir)
 
     def snapshot():
         """The snapshot without the live preview pictures (images are not JSON; `/progress` has them)."""
@@ -33,15 +38,15 @@ def steady_router(state: ApiState) -> APIRouter:
 
     @router.get("/snapshot")
     def get_snapshot() -> dict:
-        return jsonable(snapshot())
+        return shown(snapshot())
 
     @router.get("/placement")
     def placement() -> list[dict]:
-        return jsonable(state.engine.snapshot().placement)
+        return shown(state.engine.snapshot().placement)
 
     @router.get("/lora-counters")
     def lora_counters() -> dict:
-        return jsonable(state.engine.snapshot().lora_counters)
+        return shown(state.engine.snapshot().lora_counters)
 
     @router.get("/bug-report")
     def bug_report() -> Response:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections.abc import Callable
 
 from app.engine import placement
 from app.engine.lora_counters import capped
 from app.engine.placing import RollbackFailed
 from app.engine.snapshot import EngineState, ErrorRecord, build_snapshot
+from app.shown_paths import folder_redactor
 
 log = logging.getLogger("app.engine.worker")  # the engine's one log of transitions and failures
 
@@ -24,14 +26,21 @@ log = logging.getLogger("app.engine.worker")  # the engine's one log of transiti
 class Verifying:
     """The checks and the publishing of `Engine` (see the module docstring); the engine holds the state."""
 
+    def shown_folders(self) -> Callable[[str], str]:
+        """How the engine's records (errors, history) name folders: relative to the data folder, no
+        install or home folder (`app.shown_paths`)."""
+        return folder_redactor(None, str(self.settings.data_dir))
+
     def _fail(self, command, exc: BaseException, before: EngineState) -> str:
         """Repair what a failed body may have left, record the error; returns the outcome."""
         rollback_failed = (isinstance(exc, RollbackFailed) or before == EngineState.ERROR
                            or not self._repair_after_failure(command.name))
         if rollback_failed:
             self._state = EngineState.ERROR
-        self._last_error = ErrorRecord(command.name, capped(f"{type(exc).__name__}: {exc}"),
-                                       traceback.format_exc(), time.time())
+        # The UI, the APIs and the bug report show the record: folders as a stranger may read them.
+        shown, trace = self.shown_folders(), traceback.format_exc()
+        self._last_error = ErrorRecord(command.name, shown(capped(f"{type(exc).__name__}: {exc}")), shown(trace),
+                                       time.time())
         if isinstance(exc, ValueError) and not rollback_failed:
             # Refused input (every refusal is a ValueError: a sampler the family lacks, an empty mask, a
             # LoRA that does not fit): the caller shows and logs the message in one line; a traceback
@@ -40,8 +49,7 @@ class Verifying:
         else:
             # The traceback goes to the log as text: a live exc_info would keep its frames (and the
             # pipelines they reference) alive in any handler that keeps records.
-            log.error("%s (%s) failed: %s\n%s", command.name, command.detail, capped(str(exc)),
-                      self._last_error.traceback)
+            log.error("%s (%s) failed: %s\n%s", command.name, command.detail, capped(str(exc)), trace)
         return "failed, engine in ERROR" if rollback_failed else "failed, rolled back"
 
     def _repair_after_failure(self, command: str) -> bool:

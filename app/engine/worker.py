@@ -349,7 +349,8 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
             duration = time.perf_counter() - t0
             self._timers.record(command.name, duration)
             self._history.append(Transition(command.name, command.detail, command.state.value, started, duration,
-                                            outcome, found, repaired, None if error is None else capped(str(error))))
+                                            outcome, found, repaired,
+                                            None if error is None else self.shown_folders()(capped(str(error)))))
             self.timeline.sample(command.name)
             self._publish()
         finally:

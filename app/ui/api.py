@@ -38,6 +38,7 @@ import gradio as gr
 from app.accounts import require_admin
 from app.engine.generate import SCHEDULERS, GenerateParams
 from app.report import jsonable
+from app.shown_paths import without_folders
 from app.ui.common import (
     PROGRESS,
     UiContext,
@@ -62,7 +63,7 @@ def _change(ctx: UiContext, action: str, call, request: gr.Request | None = None
     """Run one engine change for a script: the error text goes back unescaped (no browser shows it). An
     `admin` change (engine-wide: every user draws with it) is refused to other accounts before anything
     runs. Once it succeeded, `chosen` is remembered as that client's state."""
-    with user_errors(action, browser=False):
+    with user_errors(action, ctx.settings.data_dir, browser=False):
         if admin:
             require_admin(ctx.account(request), action)
         run_with_progress(ctx.engine, call, None)
@@ -79,7 +80,7 @@ def _state_endpoints(ctx: UiContext) -> None:
         """Apply exactly this list: [{"name", "weight", "unet_weight"?, "te_weight"?}]; [] removes all. A LoRA
         that does not fit the loaded model refuses the whole list, or with `set_aside_unfit` (the page's
         way) is set aside with its reason in `lora_states` while the others apply."""
-        with user_errors("set_loras", browser=False):
+        with user_errors("set_loras", ctx.settings.data_dir, browser=False):
             specs = specs_from_json(loras)
         return _change(ctx, "set_loras", lambda: engine.set_loras(specs, set_aside_unfit=bool(set_aside_unfit)),
                        request, loras=specs)
@@ -136,7 +137,7 @@ def _debug_endpoint(ctx: UiContext) -> None:
     @gr.api(api_name="set_debug")
     def set_debug(lora_debug: bool, move_debug: bool, strict: bool, request: gr.Request = None) -> dict:
         """Admin only: LoRA debug, move debug and strict mode; they take effect at once (no tensor is touched)."""
-        with user_errors("set_debug", browser=False):
+        with user_errors("set_debug", ctx.settings.data_dir, browser=False):
             require_admin(ctx.account(request), "set_debug")
         changed = ctx.engine.set_debug(lora_debug=lora_debug, move_debug=move_debug, strict=strict)
         return {"lora_debug": changed.lora_debug, "move_debug": changed.move_debug, "strict": changed.strict}
@@ -145,8 +146,9 @@ def _debug_endpoint(ctx: UiContext) -> None:
 def _read_endpoints(ctx: UiContext) -> None:
     @gr.api(api_name="snapshot")
     def snapshot() -> dict:
-        """The full engine snapshot: state, placement rows, violations, LoRAs, counters, timers, history."""
-        return jsonable(ctx.engine.snapshot())
+        """The full engine snapshot: state, placement rows, violations, LoRAs, counters, timers, history
+        (files named relative to the data folder, tracebacks without install or home folders)."""
+        return without_folders(jsonable(ctx.engine.snapshot()), ctx.settings.data_dir)
 
     @gr.api(api_name="list_models")
     def list_models() -> list[str]:
@@ -161,11 +163,11 @@ def _read_endpoints(ctx: UiContext) -> None:
     @gr.api(api_name="inspect_lora")
     def inspect_lora(name: str) -> dict:
         """Card metadata and the fit check of one LoRA against the loaded model."""
-        with user_errors("inspect_lora", browser=False):
+        with user_errors("inspect_lora", ctx.settings.data_dir, browser=False):
             path = ctx.engine.library.path_for(name)
             card = ctx.cards.card(name, path)
             fit = ctx.cards.fit(ctx.engine, name, path, ctx.engine.snapshot().model_key)
-        return {"card": jsonable(card), "fit": jsonable(fit)}
+        return without_folders(jsonable({"card": card, "fit": fit}), ctx.settings.data_dir)
 
 
 def _stop_endpoints(ctx: UiContext) -> None:
@@ -177,7 +179,7 @@ def _stop_endpoints(ctx: UiContext) -> None:
         """This client's jobs, or with `any_owner` (an admin's only) whoever's runs."""
         if not any_owner:
             return owner_of(request)
-        with user_errors(action, browser=False):
+        with user_errors(action, ctx.settings.data_dir, browser=False):
             require_admin(ctx.account(request), f"{action} with any_owner")
         return None
 
@@ -213,7 +215,7 @@ def _generate_endpoint(ctx: UiContext) -> None:
 
     def generate(prompt, negative_prompt, sampler, steps, cfg, seed, width, height, batch, n_iter, clip_skip,
                  request: gr.Request, progress=PROGRESS):
-        with user_errors("generate", browser=False):
+        with user_errors("generate", ctx.settings.data_dir, browser=False):
             params, notes = generate_params(ctx, prompt, negative_prompt, sampler, steps, cfg, seed, width, height,
                                             batch, n_iter, clip_skip, book=ctx.styles_for(ctx.account(request)))
         owner = owner_of(request)
@@ -222,7 +224,7 @@ def _generate_endpoint(ctx: UiContext) -> None:
         with contextlib.closing(job.follow(progress, API_POLL_S)) as snapshots:
             for _snap in snapshots:
                 yield gr.skip(), gr.skip(), gr.skip()
-        with user_errors("generate", browser=False):
+        with user_errors("generate", ctx.settings.data_dir, browser=False):
             images = job.images()
         details = [{"seed": im.seed, "infotext": im.infotext, "file": im.path.name if im.path else None,
                     "complete": im.complete, "stopped_at": im.stopped_at, "notes": list(notes)} for im in images]

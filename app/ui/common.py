@@ -30,6 +30,7 @@ from app.engine.worker import Engine
 from app.paths import UnsafePathError, resolve_under
 from app.safetensors_files import file_sha256
 from app.settings import Settings
+from app.shown_paths import without_folders
 from app.styles import StyleBook, account_file
 from app.ui.lora_cards import CardCache
 from app.ui.sessions import SessionStates
@@ -101,13 +102,15 @@ class EngineCallError(Exception):
 
 
 @contextlib.contextmanager
-def user_errors(action: str, browser: bool = True) -> Iterator[None]:
+def user_errors(action: str, data_dir: Path, browser: bool = True) -> Iterator[None]:
     """Turn a failure into one `gr.Error` carrying the whole message, and one log entry.
 
     Refused input and engine failures get a one-line log entry (the engine already logged a
     failed transition's traceback); anything else is a bug in the UI and gets its traceback here.
-    Gradio's own traceback print is off, so each error is in the log once. Toasts render HTML, so
-    for the browser the message is escaped: a `<lora:…>` in it would otherwise cut it short."""
+    Gradio's own traceback print is off, so each error is in the log once. The message names files
+    relative to `data_dir` (the app's data folder), and no install or home folder: whoever the app
+    serves reads it, a stranger on a share link too. Toasts render HTML, so for the browser the
+    message is escaped: a `<lora:…>` in it would otherwise cut it short."""
     try:
         yield
     except gr.Error:
@@ -117,7 +120,7 @@ def user_errors(action: str, browser: bool = True) -> Iterator[None]:
             log.info("%s refused: %s", action, str(exc))
         else:
             log.exception("%s failed", action)
-        message = f"{action} failed: {exc}"
+        message = without_folders(f"{action} failed: {exc}", data_dir)
         raise gr.Error(html.escape(message) if browser else message, duration=None, print_exception=False) from exc
 
 

@@ -88,7 +88,7 @@ def _debug_toggles(ctx: UiContext) -> list[gr.Checkbox]:
                                label="Strict forwards (each layer checks its weights' device and dtype as it runs)")
 
     def toggle(request: gr.Request, lora_on, move_on, strict_on, forwards_on):
-        with user_errors("Changing the debug switches"):
+        with user_errors("Changing the debug switches", ctx.settings.data_dir):
             require_admin(ctx.account(request), "Changing the debug switches")
         changed = ctx.engine.set_debug(lora_debug=lora_on, move_debug=move_on, strict=strict_on,
                                        strict_forwards=forwards_on)
@@ -112,7 +112,7 @@ def _actions(ctx: UiContext) -> gr.Button:
 
     def free_memory(request: gr.Request, progress=PROGRESS):
         before = diagnostics.process_memory()
-        with user_errors("Unload"):
+        with user_errors("Unload", ctx.settings.data_dir):
             require_admin(ctx.account(request), "Unload")
             run_with_progress(ctx.engine, ctx.engine.unload, progress)
         after = diagnostics.process_memory()

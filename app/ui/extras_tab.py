@@ -29,7 +29,7 @@ def _first_model(ctx: UiContext) -> str:
 def run_extras(ctx: UiContext, single, batch, source: str, mode: str, factor, width, height, crop, upscaler,
                upscaler_2, visibility, progress=None) -> tuple[list[tuple], str]:
     """Upscale the single image or the batch (whichever sub-tab is open); (gallery items, first infotext)."""
-    with user_errors("Extras"):
+    with user_errors("Extras", ctx.settings.data_dir):
         images = [item[0] for item in batch or []] if source == "batch" else [single] if single is not None else []
         if not images:
             raise ValueError("upload an image first" if source == "single" else "add images to the batch first")

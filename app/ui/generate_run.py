@@ -174,7 +174,7 @@ def stream_job(job: Generation, size: tuple[int, int], action: str, frame: Calla
             shown = preview if fresh else shown
             yield frame(_preview(snap, size) if fresh else gr.skip(), snap)
     try:
-        with user_errors(action):
+        with user_errors(action, job.engine.settings.data_dir):
             return job.images()
     except gr.Error:
         yield frame(gr.skip() if shown is None else gr.Gallery(last, label=GALLERY_LABEL), None)
@@ -206,7 +206,7 @@ def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hi
     `GenerateTab.state_inputs`), streaming previews; the size fields then show the size used, with the
     notes. `infos`: the last result's (its gallery comes back after a failure)."""
     slot_names = state[1]
-    with user_errors("Generation"):
+    with user_errors("Generation", ctx.settings.data_dir):
         params, notes = generate_params(ctx, *settings, book=ctx.styles_for(ctx.account(request)))
         hires = hires_from_form(*hires_values)
         desired = desired_from_panel(ctx, state)

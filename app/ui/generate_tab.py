@@ -242,7 +242,7 @@ def load_checkpoint(ctx: UiContext, name: str, progress, admin: bool = False) ->
         if admin:
             ctx.sessions.set_default_model(name)
         return [gr.update()] * 7
-    with user_errors("Loading the model"):
+    with user_errors("Loading the model", ctx.settings.data_dir):
         name = checked_checkpoint(ctx.settings, name)
         before = engine.snapshot()
         snap = run_with_progress(engine, lambda: engine.load_model(name), progress)
@@ -260,13 +260,13 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
     engine = ctx.engine
 
     def ui_set_dtype(dtype, request: gr.Request, progress=PROGRESS):
-        with user_errors("Changing the dtype"):
+        with user_errors("Changing the dtype", ctx.settings.data_dir):
             require_admin(ctx.account(request), "Changing the dtype")
             snap = run_with_progress(engine, lambda: engine.set_dtype(dtype), progress)
         return f"dtype now **{snap.dtype}** (asked {snap.requested_dtype})"
 
     def ui_set_offload(mode, request: gr.Request, progress=PROGRESS):
-        with user_errors("Changing the offload mode"):
+        with user_errors("Changing the offload mode", ctx.settings.data_dir):
             require_admin(ctx.account(request), "Changing the offload mode")
             snap = run_with_progress(engine, lambda: engine.set_offload(mode), progress)
         return f"offload now **{snap.offload}**"

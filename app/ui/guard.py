@@ -15,7 +15,8 @@ measured). This layer, outermost so that nothing it refuses reaches Gradio, in t
   through `gate`, every other POST but `/login` through the UI's session cookie;
 - throttles logins per client address (`LoginThrottle`): the socket's peer, or the address a proxy
   named with `--forwarded-allow-ips` forwards (see `trust_proxies`);
-- caps request bodies per route (`body_limits`, `Content-Length` refused up front);
+- caps request bodies per route (`body_limits`, `Content-Length` refused up front), and an upload's
+  bytes, files and account quota as it streams, chunked bodies included (`upload_quota.py`);
 - lets a UI-only handler run only for a request from the app's own page in a browser
   (`ui_only.py`); scripts use the documented API, which does the same things;
 - caps the requests one session may have pending (Gradio's `max_size` caps the whole queue);
@@ -25,6 +26,7 @@ measured). This layer, outermost so that nothing it refuses reaches Gradio, in t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -40,7 +42,8 @@ from starlette.requests import cookie_parser
 
 from app.image_inputs import ImageInputError, open_checked
 from app.ui.login_throttle import LoginThrottle
-from app.ui.ui_only import API_PREFIX, private_handler_refusal
+from app.ui.ui_only import API_PREFIX, from_own_page, private_handler_refusal
+from app.ui.upload_quota import LOCAL_ACCOUNT, StreamedUpload, UploadQuota, dicts_in, referenced, remove_ended
 
 log = logging.getLogger(__name__)
 QUEUE_JOIN = f"{API_PREFIX}/queue/join"
@@ -64,13 +67,17 @@ class GuardPolicy:
 
     `gated_prefixes` are routes with their own login (the A1111 API): `gate(scope)` answers for
     them before the body is read, with a refusal to send or None to let the request on.
-    `body_limits` caps bodies by path prefix (first match wins; other routes `MAX_BODY_BYTES`)."""
+    `body_limits` caps bodies by path prefix (first match wins; other routes `MAX_BODY_BYTES`), an
+    upload's too, counted as it streams; one upload carries at most `max_upload_files` files, and one
+    account's uploads hold at most `account_upload_quota` bytes on disk."""
 
     allowed_hosts: frozenset[str] | None
     session_queue_size: int
     gated_prefixes: tuple[str, ...] = ()
     gate: Callable[[Scope], ASGIApp | None] | None = None
     body_limits: tuple[tuple[str, int], ...] = ()
+    max_upload_files: int = 16
+    account_upload_quota: int = 256 << 20
 
     def body_limit(self, path: str) -> int:
         return next((limit for prefix, limit in self.body_limits if path.startswith(prefix)), MAX_BODY_BYTES)
@@ -91,6 +98,9 @@ class RequestGuard:
         self.policy = policy
         self.gradio_app = gradio_app
         self.throttle = throttle or LoginThrottle()
+        self.uploads = UploadQuota(policy.account_upload_quota,  # Gradio's queue keeps an event until it ends
+                                   live=lambda event: event in demo._queue.event_ids_to_events)
+        self._sweeper: asyncio.Task | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -138,9 +148,21 @@ class RequestGuard:
         app = self.gradio_app
         if app is None or app.auth is None:
             return True
-        cookies = cookie_parser(headers.get("cookie", ""))
-        token = cookies.get(f"access-token-{app.cookie_id}") or cookies.get(f"access-token-unsecure-{app.cookie_id}")
+        token = self._token(headers)
         return token is not None and token in app.tokens
+
+    def _token(self, headers: Headers) -> str | None:
+        """The session token of the request's login cookie (Gradio's `access-token` cookies)."""
+        cookies = cookie_parser(headers.get("cookie", ""))
+        cookie_id = self.gradio_app.cookie_id
+        return cookies.get(f"access-token-{cookie_id}") or cookies.get(f"access-token-unsecure-{cookie_id}")
+
+    def _account(self, headers: Headers) -> str:
+        """Whose quota a request counts in: the logged-in user, or one local account without a login."""
+        app = self.gradio_app
+        if app is None or app.auth is None:
+            return LOCAL_ACCOUNT
+        return app.tokens.get(self._token(headers), LOCAL_ACCOUNT)
 
     async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Each attempt counts as a failure until Gradio answers 200, so parallel guesses are throttled too."""
@@ -169,7 +191,14 @@ class RequestGuard:
         the files with Pillow's own limits (179 M pixels). Every file this app takes is an input image, so
         each saved file is checked here as the A1111 API's images are (`app.image_inputs`: PNG, JPEG or
         WebP, within the pixel cap, PNG text within its caps) before anyone can use it; a refused upload's
-        files are deleted and it is answered 400 with the reason, as text."""
+        files are deleted and it is answered 400 with the reason, as text. Its bytes, files and the
+        account's quota are counted as they arrive (`StreamedUpload`): past a cap it is answered 413,
+        naming the flag, and Gradio has deleted what it wrote. The kept files count in the account's
+        quota until the jobs that use them end (`UploadQuota`)."""
+        headers = Headers(scope=scope)
+        account = self._account(headers)
+        streamed = StreamedUpload(receive, headers, account, self.uploads, self.policy.body_limit(scope["path"]),
+                                  self.policy.max_upload_files)
         start, chunks = {}, []
 
         async def hold(message: dict) -> None:
@@ -178,16 +207,56 @@ class RequestGuard:
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
-        await self.app(scope, receive, hold)
+        try:
+            await self.app(scope, streamed.receive, hold)
+        except BaseException:
+            self.uploads.settle(account, streamed.streamed, ())
+            raise
         body = b"".join(chunks)
+        saved = saved_paths(body) if start.get("status") == 200 and streamed.refusal is None else []
+        self.uploads.settle(account, streamed.streamed, saved)  # counted from here on, the check included
+        if streamed.refusal is not None:
+            log.info("upload of %s refused: %s", account, streamed.refusal)
+            await _refused(413, streamed.refusal, plain=True)(scope, receive, send)
+            return
         # the check reads and decodes files: off the event loop, which serves every other client meanwhile
-        problem = await anyio.to_thread.run_sync(refused_upload, body) if start.get("status") == 200 else None
+        problem = await anyio.to_thread.run_sync(refused_upload, saved) if saved else None
         if problem is not None:
+            self.uploads.forget(saved)
             log.info("upload refused: %s", problem)
             await _refused(400, problem, plain=True)(scope, receive, send)
             return
+        if self.uploads.files and (self._sweeper is None or self._sweeper.done()):
+            self._sweeper = asyncio.get_running_loop().create_task(
+                remove_ended(self.uploads, self.demo.upload_file_set))
         await send(start)
         await send({"type": "http.response.body", "body": body})
+
+    async def _join(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        """Run a queue join; when it names uploaded files, they belong to the job it queued (the
+        event id Gradio answers) and are removed when that job ends (`UploadQuota.use`)."""
+        try:
+            data = json.loads(body).get("data")
+        except (ValueError, AttributeError):
+            data = None
+        paths = referenced(data, self.uploads.files) if self.uploads.files else []
+        if not paths:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        answer = []
+
+        async def watch(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                answer.append(message.get("body", b""))
+            await send(message)
+
+        await self.app(scope, _replay(body, receive), watch)
+        try:
+            event = json.loads(b"".join(answer)).get("event_id")
+        except (ValueError, AttributeError):
+            event = None
+        if isinstance(event, str):
+            self.uploads.use(paths, event, page=from_own_page(Headers(scope=scope)))
 
     async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.policy.body_limit(scope["path"])
@@ -199,7 +268,10 @@ class RequestGuard:
         if refusal is not None:
             await _refused(*refusal)(scope, receive, send)
             return
-        await self.app(scope, _replay(body, receive), send)
+        if scope["path"].rstrip("/") == QUEUE_JOIN:
+            await self._join(scope, receive, send, body)
+        else:
+            await self.app(scope, _replay(body, receive), send)
 
     def _refusal(self, path: str, headers: Headers, body: bytes) -> tuple[int, str] | None:
         if not path.startswith(API_PREFIX):
@@ -223,19 +295,25 @@ class RequestGuard:
         return None
 
 
-def refused_upload(answer: bytes) -> str | None:
-    """Why the files of Gradio's upload `answer` (a JSON list of saved paths) are refused (they are then
-    deleted), or None when each is an image the app takes."""
+def saved_paths(answer: bytes) -> list[str]:
+    """The files a Gradio upload `answer` (a JSON list of saved paths) names; none for any other answer."""
     try:
-        paths = [Path(p) for p in json.loads(answer)]
-    except (ValueError, TypeError):
-        return None  # not a list of saved files: nothing was kept
+        paths = json.loads(answer)
+    except ValueError:
+        return []
+    return paths if isinstance(paths, list) and all(isinstance(p, str) for p in paths) else []
+
+
+def refused_upload(saved: list[str]) -> str | None:
+    """Why the `saved` files of an upload are refused (they are then deleted), or None when each is an
+    image the app takes."""
+    paths = [Path(p) for p in saved]
     for path in paths:
         try:
             open_checked(path.read_bytes(), f"the uploaded file {path.name}").close()
         except (ImageInputError, OSError) as exc:
-            for saved in paths:
-                saved.unlink(missing_ok=True)
+            for kept in paths:
+                kept.unlink(missing_ok=True)
             return str(exc)
     return None
 
@@ -243,16 +321,7 @@ def refused_upload(answer: bytes) -> str | None:
 def fetches_a_file(value) -> bool:
     """Whether a request's data holds a file Gradio would fetch itself (a `url` without a `path`: a
     `data:` URL or another server's address) rather than one uploaded here, which the upload check saw."""
-    pending = [value]  # a walk, not recursion: a 2 KB body nests deeper than Python's stack allows
-    while pending:
-        item = pending.pop()
-        if isinstance(item, dict):
-            if isinstance(item.get("url"), str) and not item.get("path"):
-                return True
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-    return False
+    return any(isinstance(item.get("url"), str) and not item.get("path") for item in dicts_in(value))
 
 
 def cross_site(headers: Headers) -> bool:

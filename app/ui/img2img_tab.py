@@ -55,7 +55,7 @@ def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepar
     """Run the checked job `prepare(desired)` returns (params, call(owner), notes) as this page's, with
     the page's state (`page`: the values of the Generate tab's `state_inputs`), streaming previews into
     the gallery and the step on the run button, as Generate does."""
-    with user_errors(action):
+    with user_errors(action, ctx.settings.data_dir):
         params, call, _notes = prepare(desired_from_panel(ctx, page))
     job = Generation(ctx.engine, call, owner_of(request))
 

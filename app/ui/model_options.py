@@ -75,7 +75,7 @@ def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdow
     engine = ctx.engine
 
     def ui_set_weights(weights, request: gr.Request, progress=PROGRESS):
-        with user_errors("Changing the weight storage"):
+        with user_errors("Changing the weight storage", ctx.settings.data_dir):
             require_admin(ctx.account(request), "Changing the weight storage")
             snap = run_with_progress(engine, lambda: engine.set_weights(weights), progress)
         saved = f"; {snap.stored_layers} layers in 8 bits save {snap.bytes_saved / 2**20:.0f} MiB"
@@ -83,7 +83,7 @@ def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdow
 
     def picker(component: str):
         def ui_choose(name, request: gr.Request, progress=PROGRESS):
-            with user_errors("Choosing the model parts"):
+            with user_errors("Choosing the model parts", ctx.settings.data_dir):
                 require_admin(ctx.account(request), "Choosing the model parts")
                 run_with_progress(engine, lambda: engine.set_model_parts({component: None if name == AUTO else name}),
                                   progress)

@@ -123,7 +123,8 @@ def plan_send(ctx: UiContext, info: Infotext) -> SendPlan:
     notes.append(note)
     known = set(ctx.engine.library.names())
     loras = tuple(spec for spec in info.loras if spec.name in known)[:MAX_LORAS]
-    notes += [f"LoRA {spec.name} is not in {ctx.settings.lora_dir}" for spec in info.loras if spec.name not in known]
+    folder = ctx.settings.lora_dir.relative_to(ctx.settings.data_dir).as_posix()  # as every message names it
+    notes += [f"LoRA {spec.name} is not in {folder}" for spec in info.loras if spec.name not in known]
     if len(loras) < len([s for s in info.loras if s.name in known]):
         notes.append(f"only the first {MAX_LORAS} LoRAs were selected")
     keep = None if checkpoint == ctx.engine.snapshot().model else checkpoint
@@ -201,7 +202,7 @@ def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, picture: gr.c
     slots, engine = tab.loras, ctx.engine
 
     def send(infotext, path, progress=PROGRESS, shown=None):  # Gradio puts `progress` at its index, then `shown`
-        with user_errors(f"Sending to {target.label}"):
+        with user_errors(f"Sending to {target.label}", ctx.settings.data_dir):
             path = readable_picture(path) if target.image is not None else None
             text = (infotext or "").strip()
             plan = plan_send(ctx, parse_infotext(text)) if text else None

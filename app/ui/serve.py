@@ -8,7 +8,8 @@ report). Offline, Gradio cannot create a share link; we say so plainly and keep 
 Only the outputs folder is added to Gradio's `allowed_paths`: generated images are served from
 there; models and LoRAs are only ever addressed by name through the engine. The queue is bounded
 (`--queue-size` for the app, `--session-queue-size` per session), REST routes cannot bypass it
-(`api_open=False`), uploads are capped (`--max-upload-mib`), and `guard.py` adds what Gradio
+(`api_open=False`), uploads are capped (`--max-upload-mib`, `--max-upload-files`,
+`--account-upload-quota-mib`), and `guard.py` adds what Gradio
 lacks: the Host check in localhost mode, the login before any body is read, login backoff keyed on
 the socket's peer (`trust_proxies`), body caps, UI-only handlers kept to the UI, no CORS.
 """
@@ -36,6 +37,7 @@ from app.diagnostics import RecentLogHandler
 from app.engine.pool import make_engine
 from app.engine.worker import Engine
 from app.settings import Settings
+from app.shown_paths import without_folders
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names
 from app.ui.guard import UPLOAD, GuardPolicy, install, loopback_hosts
@@ -104,7 +106,9 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
     upload = (UPLOAD, settings.max_upload_mib * 2**20 + 2**16)  # one file and its multipart framing
     install(app, demo, GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
                                    gated_prefixes=GATED_PREFIXES, gate=api_gate(settings, policy.credentials),
-                                   body_limits=(upload, *body_limits(settings))))
+                                   body_limits=(upload, *body_limits(settings)),
+                                   max_upload_files=settings.max_upload_files,
+                                   account_upload_quota=settings.account_upload_quota_mib << 20))
     trust_proxies(demo.server.config, settings.forwarded_allow_ips)
     return Server(demo, local_url, share_url, policy)
 
@@ -176,7 +180,8 @@ def port_problem(settings: Settings) -> str | None:
 
 def load_first_working(engine: Engine, names: list[str], notes: list[str]) -> str | None:
     """Load the first of `names` that loads; each failure is logged in one line (the engine has
-    logged its traceback) and the reasons go to `notes` for the page. Returns the loaded name."""
+    logged its traceback) and the reasons go to `notes` for the page (files named relative to the
+    data folder, as in every answer). Returns the loaded name."""
     failed = []
     for name in names:
         try:
@@ -184,7 +189,7 @@ def load_first_working(engine: Engine, names: list[str], notes: list[str]) -> st
         except Exception as exc:  # recorded by the engine (history, last error); try the next one
             log.warning("checkpoint %s could not be loaded: %s", name, str(exc))
             reason = str(exc) if name in str(exc) else f"{name}: {exc}"
-            failed.append(html.escape(reason))
+            failed.append(html.escape(without_folders(reason, engine.settings.data_dir)))
             continue
         if failed:
             notes.append(f"⚠ At start {len(failed)} checkpoint(s) would not load, so **{html.escape(name)}** was "

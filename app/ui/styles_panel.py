@@ -17,7 +17,7 @@ from app.ui.common import UiContext, user_errors
 
 
 def style_names(ctx: UiContext, request: gr.Request | None) -> list[str]:
-    with user_errors("Reading the styles"):
+    with user_errors("Reading the styles", ctx.settings.data_dir):
         return list(ctx.styles_for(ctx.account(request)).read())
 
 
@@ -42,7 +42,7 @@ def build_styles_row(ctx: UiContext, prompt: gr.Textbox, negative: gr.Textbox) -
 
     def ui_save(style_name: str, prompt_text: str, negative_text: str, chosen: list[str], request: gr.Request):
         book = ctx.styles_for(ctx.account(request))
-        with user_errors("Saving the style"):
+        with user_errors("Saving the style", ctx.settings.data_dir):
             saved = book.save(PromptStyle(style_name or "", prompt_text or "", negative_text or ""))
         where = ctx.settings.styles_file.name if book.own is None else "your own styles"
         gr.Info(f"Style {style_name.strip()!r} saved to {where}.")

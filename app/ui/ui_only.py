@@ -30,7 +30,7 @@ def private_handler_refusal(demo, path: str, data: dict, headers: Headers) -> st
     fn = _handler(demo, path, data.get("fn_index"))
     if fn is None or fn.api_visibility != "private":
         return None
-    if not _from_own_page(headers):
+    if not from_own_page(headers):
         return (f"handler {fn.api_name!r} belongs to the app's page; scripts use the documented API "
                 "(the 'Use via API' link)")
     if data.get("trigger_id") not in _triggers(demo, fn):
@@ -62,7 +62,7 @@ def _triggers(demo, fn) -> set[int | None]:
     return ids
 
 
-def _from_own_page(headers: Headers) -> bool:
+def from_own_page(headers: Headers) -> bool:
     """A request made by the app's own page in a browser (which a cross-site page cannot fake)."""
     site = headers.get("sec-fetch-site")
     if site is not None:

@@ -83,7 +83,7 @@ def run_img2img(ctx: UiContext, base: list, init_image, denoising_strength, resi
                 inpainting_fill="original", invert=False, progress=None, owner: str | None = None) -> tuple:
     """img2img (no mask) or inpaint for the named API, with `owner`'s state; returns (gallery items, first
     infotext, details)."""
-    with user_errors("img2img" if mask is None else "inpaint", browser=False):
+    with user_errors("img2img" if mask is None else "inpaint", ctx.settings.data_dir, browser=False):
         _params, call, notes = img2img_job(ctx, base, init_image, denoising_strength, resize_mode, mask, mask_blur,
                                            inpainting_fill, invert, _client_state(ctx, owner))
         images = run_with_progress(ctx.engine, lambda: call(owner), progress)
@@ -94,7 +94,7 @@ def run_hires(ctx: UiContext, base: list, scale, upscaler, steps, denoising_stre
               progress=None, owner: str | None = None) -> tuple:
     """txt2img with hires fix for the named API, with `owner`'s state; returns (gallery items, first infotext,
     details)."""
-    with user_errors("Hires fix", browser=False):
+    with user_errors("Hires fix", ctx.settings.data_dir, browser=False):
         values = {**dict(zip(BASE_FIELDS, base, strict=True)), "hires_scale": scale, "hires_steps": steps,
                   "denoising_strength": denoising_strength}
         params, stage, notes = checked(ctx, values, ("hires_scale", "hires_steps", "denoising_strength"))
