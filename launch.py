@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-queue-size", type=int, default=Settings.session_queue_size,
                    help="requests one browser tab or API client may have pending")
     p.add_argument("--max-upload-mib", type=int, default=Settings.max_upload_mib, help="largest upload accepted")
+    p.add_argument("--memory-budget-gib", type=float, default=None, metavar="GIB",
+                   help="memory one job may plan to use (its estimate: decode, upscale, prompt chunks, kept images) "
+                        "on top of the models; a job over it is refused before it starts. Default: a quarter of the "
+                        "RAM, and on a GPU half of its memory for what runs there")
     p.add_argument("--lora-cache-mib", type=int, default=Settings.lora_cache_mib,
                    help="LoRA files kept in RAM after reading (0 = read from disk every time)")
     p.add_argument("--bug-report", nargs="?", const="bug-report.zip", default=None, metavar="ZIP",
@@ -144,6 +148,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                                   if ip.strip()),
         queue_size=args.queue_size, session_queue_size=args.session_queue_size,
         max_upload_mib=args.max_upload_mib, lora_cache_mib=args.lora_cache_mib,
+        memory_budget_gib=args.memory_budget_gib,
     )
 
 
