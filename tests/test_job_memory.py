@@ -16,17 +16,22 @@ import re
 import time
 from pathlib import Path
 
+import gradio as gr
 import httpx
 import psutil
 import pytest
+import torch
 from PIL import Image
 from served_app import MODEL, free_port, make_ui_data, running_app
 
+import launch
 from app import heap
 from app.engine import job_memory
 from app.engine.generate import GenerateParams
 from app.families import family
 from app.settings import Settings
+from app.ui.common import UiContext
+from app.ui.extras_tab import run_extras
 
 USER, PASSWORD = "bob", "staple-battery-horse"
 MIB = 2**20
@@ -183,3 +188,28 @@ def test_a_job_just_over_the_budget_is_refused_without_allocating(app, budget, m
         "prompt": "a cat", "steps": 2, "width": 512, "height": 512}))
     _refused(answer, "1 x 512x512")
     assert not decoded and grown < 20 * MIB, grown / MIB
+
+
+def test_the_extras_tab_shows_the_refusal(app, budget):
+    """Finding 2, the page's door: under `--memory-budget-gib 0.05` the Extras tab's handler refuses a 256²
+    x2 model upscale with the API's message (estimate, budget, flag) as a Gradio error, before anything
+    is queued (no history row)."""
+    engine, _client = app
+    budget(0.05)
+    context, rows = UiContext(engine, engine.settings), len(engine.snapshot().history)
+    with pytest.raises(gr.Error, match="needs an estimated .* GiB of RAM, over the memory budget") as refused:
+        run_extras(context, Image.new("RGB", (256, 256)), None, "single", "Scale by", 2, 512, 512, True,
+                   engine.upscalers.names()[0], "None", 0)
+    assert "set by --memory-budget-gib" in str(refused.value) and len(engine.snapshot().history) == rows
+
+
+def test_the_flag_sets_the_budget_and_bad_values_are_refused():
+    """The flag reaches `Settings` and the engine's budget (the same number for every pool); a budget that
+    is not a positive finite number of GiB is refused at start."""
+    settings = launch.settings_from_args(launch.build_parser().parse_args(["--memory-budget-gib", "0.5"]))
+    assert settings.memory_budget_gib == 0.5
+    assert job_memory.budget_for(0.5, torch.device("cpu")) == job_memory.MemoryBudget(
+        2**29, None, "set by --memory-budget-gib")
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="memory budget must be a positive number of GiB"):
+            Settings(memory_budget_gib=bad)
