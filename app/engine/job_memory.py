@@ -71,8 +71,8 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """`host`: bytes of RAM a job may plan to use; `device`: of the GPU's memory (None: the device is the
-    host, one pool). `stated`: set by the flag (else derived from the machine, as `rule` says)."""
+    """`host`: bytes of RAM a job may plan to use; `device`: of the GPU's memory (None: the device computes in
+    RAM, one pool); `rule`: where the numbers come from, for the refusal."""
 
     host: int
     device: int | None
@@ -87,10 +87,11 @@ class MemoryBudget:
 def budget_for(gib: float | None, device: torch.device) -> MemoryBudget:
     """The budget: `gib` for every pool when the flag sets it; else a quarter of the machine's RAM, and on a
     GPU half of its memory for what runs there (the models take the rest)."""
+    in_ram = device.type != "cuda"
     if gib is not None:
-        return MemoryBudget(int(gib * GIB), None if device.type == "cpu" else int(gib * GIB), f"set by {FLAG}")
+        return MemoryBudget(int(gib * GIB), None if in_ram else int(gib * GIB), f"set by {FLAG}")
     host = psutil.virtual_memory().total // 4
-    if device.type != "cuda":
+    if in_ram:
         return MemoryBudget(host, None, f"a quarter of this machine's RAM; set it with {FLAG}")
     gpu = torch.cuda.get_device_properties(device).total_memory // 2
     return MemoryBudget(host, gpu, f"a quarter of the RAM, half of the GPU's memory; set it with {FLAG}")
