@@ -161,8 +161,8 @@ def _estimate(engine, width: int, height: int, batch: int) -> job_memory.MemoryE
 def test_a_job_just_under_the_budget_stays_within_its_estimate(app, budget, width, height, batch):
     """Finding 3: the estimate is an honest bound. With the budget set just above a txt2img's estimate,
     the job is served and the process's peak RSS growth stays within the estimate plus 64 MiB (the
-    request's own answer and Gradio's threads); measured on the tiny SD1.5: 512² +143 of 263 MiB
-    estimated, 256² x4 +139 of 263, 640x384 x2 +208 of 493."""
+    request's own answer and Gradio's threads); measured on the tiny SD1.5: 512² +143-206 of 263 MiB
+    estimated, 256² x4 +139-143 of 263, 640x384 x2 +208-231 of 493."""
     engine, client = app
     assert engine.snapshot().model == MODEL
     estimate = _estimate(engine, width, height, batch)
