@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account-upload-quota-mib", type=int, default=Settings.account_upload_quota_mib,
                    help="uploaded temporary files one login may hold on disk; a file is removed when the job "
                         "that used it ends, or an hour after its upload if none does")
+    p.add_argument("--memory-budget-gib", type=float, default=None, metavar="GIB",
+                   help="memory one job may plan to use (its estimate: decode, upscale, prompt chunks, kept images) "
+                        "on top of the models; a job over it is refused before it starts. Default: a quarter of the "
+                        "RAM, and on a GPU half of its memory for what runs there")
     p.add_argument("--lora-cache-mib", type=int, default=Settings.lora_cache_mib,
                    help="LoRA files kept in RAM after reading (0 = read from disk every time)")
     p.add_argument("--bug-report", nargs="?", const="bug-report.zip", default=None, metavar="ZIP",
@@ -115,6 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         queue_size=args.queue_size, session_queue_size=args.session_queue_size,
         max_upload_mib=args.max_upload_mib, max_upload_files=args.max_upload_files,
         account_upload_quota_mib=args.account_upload_quota_mib, lora_cache_mib=args.lora_cache_mib,
+        memory_budget_gib=args.memory_budget_gib,
     )
 
 

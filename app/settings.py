@@ -88,6 +88,9 @@ class Settings:
     max_upload_mib: int = 16  # one upload request, all its files together
     max_upload_files: int = 16  # files in one upload request (a gallery's pictures come in one)
     account_upload_quota_mib: int = 256  # uploaded temp files one login may hold on disk at once
+    # The memory one job may plan to use on top of the loaded models, in GiB, checked against its estimate
+    # before it starts (app/engine/job_memory.py); None: a quarter of the RAM (on a GPU also half its memory).
+    memory_budget_gib: float | None = None
     # Reverse proxies whose `X-Forwarded-For` names the client (the login throttle's key); none: the
     # socket's peer, so a local tunnel or script cannot pose as a new address per password guess.
     forwarded_allow_ips: tuple[str, ...] = ()
@@ -124,6 +127,8 @@ class Settings:
                 "all" in self.devices and len(self.devices) > 1):
             raise ValueError(f"devices must be device names (cuda:0, cpu …) or just all, got {self.devices!r}")
         self._check_admins()
+        if self.memory_budget_gib is not None and not 0 < self.memory_budget_gib < float("inf"):
+            raise ValueError(f"the memory budget must be a positive number of GiB, got {self.memory_budget_gib}")
         if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
             raise ValueError(f"the VRAM budget must be a positive number of GiB, got {self.vram_budget_gib}")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())

@@ -253,7 +253,8 @@ def test_gpu_out_of_memory_is_reported_and_the_engine_stays_ready(gpu_data_dir):
     import torch
     from weight_digest import weights_digest
 
-    eng = Engine(Settings(data_dir=gpu_data_dir, device="cuda"))
+    # A budget past the card's memory: the default (half of it) refuses this batch before it runs.
+    eng = Engine(Settings(data_dir=gpu_data_dir, device="cuda", memory_budget_gib=4096))
     try:
         eng.load_model("tiny-sd15.safetensors")
         digest = weights_digest(eng.pipeline)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from app.engine import generate
+from app.engine import generate, job_memory
 from app.engine.generating import Job
 from app.engine.snapshot import EngineState, Snapshot
 from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS
@@ -67,6 +67,17 @@ class Upscaling:
             what = "hires upscaler" if hires else "upscaler"
             raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(choices)}")
 
+    @property
+    def tile_side(self) -> int:
+        """The side of one tile the upscaler runs, its context included (input pixels)."""
+        return self.tiling.tile + 2 * self.tiling.overlap
+
+    def upscaler_scale(self, name: str) -> int:
+        """The scale of upscaler model `name` as known before it runs: the loaded one's, else the usual
+        `job_memory.ASSUMED_UPSCALER_SCALE` (`_upscale_image` checks the budget again once it is loaded)."""
+        facts = self._upscaler.facts()
+        return facts.scale if facts is not None and facts.name == name else job_memory.ASSUMED_UPSCALER_SCALE
+
     def unload_upscaler(self) -> Snapshot:
         """Drop the loaded upscaler model and give its memory back (it is read again at its next use)."""
         return self._call("unload_upscaler", "", EngineState.MOVING, self._upscaler.unload)
@@ -81,8 +92,10 @@ class Upscaling:
             raise ValueError("extras needs at least one image (PNG, JPEG or WebP)")
         for name in (params.upscaler, params.upscaler_2):
             self.check_upscaler(name)
-        for image in images:
-            params.factor_for(image.size)
+        scales = {name: self.upscaler_scale(name) for name in (params.upscaler, params.upscaler_2)
+                  if name != NONE and name not in PIXEL_UPSCALERS}  # the models' (factors checked in `extras`)
+        job_memory.admit(self.memory_budget, job_memory.extras([im.size for im in images], params, scales,
+                                                               self.tile_side))
         detail = f"{len(images)} image(s) {params.upscaler} {params.infotext().split(', ')[0]}"
 
         def body() -> list[UpscaledImage]:
@@ -153,6 +166,9 @@ class Upscaling:
             return image.resize(target, PIXEL_UPSCALERS[name])
         slot = self._upscaler
         slot.ensure(name, self.upscalers.path_for(name), self._desired.dtype, self._desired.offload)
+        job_memory.admit(self.memory_budget, job_memory.peak(
+            f"upscaling {image.width}x{image.height} by {factor:g} with {name}",
+            [job_memory.upscale(image.size, factor, slot.scale, self.tile_side)]))
 
         def on_pass(i: int):
             def on_tile(done: int, total: int) -> bool:

@@ -30,7 +30,7 @@ from app import diagnostics, gc_policy
 from app.adapters.errors import AdapterError, LoraApplyError
 from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
-from app.engine import lora_options, part_choices, placement
+from app.engine import job_memory, lora_options, part_choices, placement
 from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
@@ -67,6 +67,7 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         gc_policy.freeze_startup_objects()
         self.settings = settings
         self.device = placement.resolve_device(settings.device)
+        self.memory_budget = job_memory.budget_for(settings.memory_budget_gib, self.device)  # what one job may plan
         self.library = LoraLibrary(settings.lora_dir, cache_bytes=settings.lora_cache_mib * 2**20)
         self._queue = CommandQueue(settings.queue_size)
         self._state = EngineState.EMPTY
@@ -179,6 +180,8 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`); with
         a refiner checkpoint in `params`, A1111's refiner (`Refining.txt2img_refined`). With `desired` the
         model is first made to match it (None: as the engine holds it now)."""
+        if hires is None:
+            self._admit("txt2img", params, desired)
         if refined(params):
             if hires is not None:
                 raise ValueError("the refiner and the hires fix do not run together yet: use one of them")

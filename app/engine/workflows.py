@@ -30,12 +30,13 @@ from PIL import Image
 
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.engine import generate, image_ops, models, stages, variation
+from app.engine import generate, image_ops, job_memory, models, stages, variation
 from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
 from app.families import family
+from app.prompts.notes import prompt_chunks
 
 
 @dataclasses.dataclass
@@ -56,6 +57,7 @@ class Workflows:
         self._require_stage(arch, "img2img", "hires fix")
         self.check_upscaler(hires.upscaler, hires=True)
         hires.second_pass(params, _size_multiple(arch))
+        self._admit("txt2img with hires fix", params, desired, hires)
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
@@ -76,6 +78,7 @@ class Workflows:
                             inpainting_mask_invert)
         source.steps_run(params)
         self._require_stage(self._arch_for(desired), source.workflow, source.workflow)
+        self._admit(source.workflow, params, desired)
         if variation.of(params) is not None or params.refiner_checkpoint:
             raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
                              f"variation strength and the resize sizes to 0 and clear the refiner for "
@@ -109,6 +112,7 @@ class Workflows:
             if len(references) > fam.reference_images:
                 raise ValueError(f"{fam.label} takes 1 to {fam.reference_images} reference images, "
                                  f"got {len(references)}")
+        self._admit("reference editing", params, desired)
         pictures = tuple(image.convert("RGB") for image in references)
         detail = f"{params.steps} steps {params.width}x{params.height} {len(pictures)} reference(s) x{params.batch}"
         return self._workflow("edit", detail, params, owner, (("Reference images", len(pictures)),),
@@ -129,6 +133,31 @@ class Workflows:
         if desired is None or not desired.model or desired.model == snap.model:
             return snap.arch
         return models.planned_arch(self.settings.checkpoints_dir, desired.model)
+
+    def _admit(self, kind: str, params: GenerateParams, desired: Desired | None, hires: HiresParams | None = None
+               ) -> None:
+        """Refuse, before queueing, a job of `kind` whose prompt has more chunks than the cap or whose memory
+        estimate is over the budget (app/engine/job_memory.py); the model is the one the job will run on."""
+        arch = self._arch_for(desired)
+        if arch is None:
+            return  # no model to run on: the job is refused as such
+        fam = family(arch)
+        second = None if hires is None else hires.second_pass(params, fam.size_multiple)
+        chunks = max(prompt_chunks(fam, run.prompt, run.negative_prompt, run.steps)
+                     for run in (params, second) if run is not None)
+        job_memory.check_chunks(chunks)  # per pass: each pass encodes its own prompts
+        loaded = desired is None or not desired.model or desired.model == self.snapshot().model
+        shape = job_memory.model_shape(fam, self._lifecycle.pipeline if loaded else None)
+        what = f"{kind} of {params.batch} x {params.width}x{params.height}"
+        cost = (0, 0)
+        if second is not None:
+            what += f" to {second.width}x{second.height}"
+            if hires.model:
+                factor = max(second.width / params.width, second.height / params.height)
+                cost = job_memory.upscale((params.width, params.height), factor, self.upscaler_scale(hires.upscaler),
+                                          self.tile_side)
+        job_memory.admit(self.memory_budget, job_memory.generation(shape, params, chunks, what, second=second,
+                                                                   upscale_cost=cost))
 
     @staticmethod
     def _require_stage(arch: str | None, kind: str, what: str) -> None:
