@@ -30,7 +30,9 @@ from app.upscalers import arch, files, tiling
 from app.upscalers.demo import DEMO_NAME
 from app.upscalers.extras import ExtrasParams
 
-SEAM_TOLERANCE = 1e-6  # [0, 1] units: float rounding of convolutions over different extents, no more
+# 8-bit levels, and the share of pixels that may reach it: float rounding of convolutions over different
+# extents (~1e-6) moves a value across a rounding boundary in a handful of pixels, no more.
+SEAM_TOLERANCE, SEAM_SHARE = 1, 1e-4
 
 
 def _noise(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -83,15 +85,19 @@ def test_engine_upscale_equals_spandrels_own_call_bit_exactly(engine, upscaler_d
 
 def test_tiled_result_equals_the_untiled_one_within_the_seam_tolerance(engine):
     """A 300×260 image in 64-pixel tiles with 8 pixels of context equals the untiled result within
-    `SEAM_TOLERANCE`; with 2 pixels of context (less than the model's reach) it does not."""
+    `SEAM_TOLERANCE` in at most `SEAM_SHARE` of its pixels; with 2 pixels of context (less than the model's
+    reach) it does not. The untiled 8-bit result is the model's own call, rounded."""
     engine.extras([_noise(8, 8)], ExtrasParams(DEMO_NAME, factor=4))  # loaded
-    image = tiling.to_tensor(_noise(300, 260, seed=1))
+    image = _noise(300, 260, seed=1)
     run, never = engine.upscaler_slot.run_tile, lambda done, total: False
-    untiled = tiling.upscale_tiled(image, run, 4, tiling.Tiling(1024, 0), never)
-    tiled = tiling.upscale_tiled(image, run, 4, tiling.Tiling(64, 8), never)
-    assert float((tiled - untiled).abs().max()) <= SEAM_TOLERANCE
-    too_little = tiling.upscale_tiled(image, run, 4, tiling.Tiling(64, 2), never)
-    assert float((too_little - untiled).abs().max()) > 100 * SEAM_TOLERANCE
+    untiled = np.asarray(tiling.upscale_tiled(image, run, 4, tiling.Tiling(1024, 0), never), dtype=np.int16)
+    assert np.array_equal(untiled, np.asarray(tiling.to_image(run(tiling.to_tensor(image)))))
+
+    def off(tiles: tiling.Tiling) -> np.ndarray:
+        return np.abs(np.asarray(tiling.upscale_tiled(image, run, 4, tiles, never), dtype=np.int16) - untiled)
+    seams = off(tiling.Tiling(64, 8))
+    assert seams.max() <= SEAM_TOLERANCE and (seams > 0).mean() <= SEAM_SHARE
+    assert (off(tiling.Tiling(64, 2)) > 0).mean() > 100 * SEAM_SHARE
 
 
 class _Touch:
