@@ -14,6 +14,7 @@ from pathlib import Path
 
 import gradio as gr
 import numpy as np
+import psutil
 import pytest
 import torch
 from PIL import Image
@@ -208,3 +209,29 @@ def test_extras_tab_upscales_the_batch_when_its_tab_is_open(engine):
     assert text == "Postprocess upscale by: 2, Postprocess upscaler: Lanczos"
     with pytest.raises(gr.Error, match="upload an image first"):
         run_extras(ctx, None, batch, "single", "Scale by", 2, 512, 512, True, "Lanczos", "None", 0)
+
+
+def test_extras_holds_no_float32_result_of_a_large_upscale(engine):
+    """Issue 43 finding 2: the tiled upscaler assembled the whole float32 result, then made full-size
+    copies of it to round it to 8 bits (1024² x4: +0.6 GiB; 4096² -> 8192², whose x4 pass makes 16384²,
+    passed 6.2 GiB). Now each tile's core goes straight into the 8-bit result image and each tile's input
+    is read from the 8-bit source: the same 1024² x4 holds under +400 MiB (measured +0.2 GiB), and its
+    pixels are the old path's, bit for bit (the untiled result is the model's own call, rounded: the seam
+    test; every tile's core is rounded alone, as the whole was)."""
+    engine.extras([_noise(8, 8)], ExtrasParams(DEMO_NAME, factor=4))  # loaded
+    image = _noise(1024, 1024, seed=2)
+    process, peak, done = psutil.Process(), [0], threading.Event()
+    start = process.memory_info().rss
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss - start)
+            time.sleep(0.01)
+    threading.Thread(target=sample, daemon=True).start()
+    try:
+        [result] = engine.extras([image], ExtrasParams(DEMO_NAME, factor=4))
+    finally:
+        done.set()
+    print(f"Extras 1024² x4: RSS +{peak[0] / 2**20:.0f} MiB")
+    assert result.image.size == (4096, 4096)
+    assert peak[0] < 400 * 2**20, f"RSS grew {peak[0] / 2**20:.0f} MiB"
