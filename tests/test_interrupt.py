@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 import time
 
-import psutil
 import pytest
 import torch
+from peak_rss import peak_rss_while
 from tiny import CHECKPOINTS
 
 from app.engine.generate import GenerateParams
@@ -167,24 +167,6 @@ def test_a_stop_before_the_first_step_ends_keeps_nothing(loaded):
     assert loaded.generate(GenerateParams("a cat", **dict(LONG, steps=2)))[0].complete
 
 
-def _peak_rss_while(action) -> tuple[object, int]:
-    """`action()`'s result and the most this process's RSS rose above its start while it ran (sampled)."""
-    process, peak, done = psutil.Process(), [0], threading.Event()
-    start = process.memory_info().rss
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss - start)
-            time.sleep(0.01)
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        return action(), peak[0]
-    finally:
-        done.set()
-        sampler.join()
-
-
 def test_interrupt_at_2048_lands_within_seconds_inside_one_attention_call(loaded):
     """Issue 43 finding 4: at 2048² the tiny SD1.5's first self-attention is one call over 65,536 tokens
     (~5 minutes on two CPU cores), which no block check reached: READY came minutes after Interrupt. Now
@@ -206,7 +188,7 @@ def test_interrupt_at_2048_lands_within_seconds_inside_one_attention_call(loaded
             time.sleep(0.02)
         return time.monotonic() - asked
 
-    landed, grown = _peak_rss_while(interrupted)
+    landed, grown = peak_rss_while(interrupted)
     print(f"READY {landed:.2f} s after the interrupt, RSS +{grown / 2**30:.2f} GiB")
     assert landed < 5.0, f"READY {landed:.1f} s after the interrupt"
     assert grown < 2 * 2**30, f"RSS grew {grown / 2**30:.2f} GiB"

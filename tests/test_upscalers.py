@@ -14,9 +14,9 @@ from pathlib import Path
 
 import gradio as gr
 import numpy as np
-import psutil
 import pytest
 import torch
+from peak_rss import peak_rss_while
 from PIL import Image
 
 from app.engine import placement
@@ -220,18 +220,7 @@ def test_extras_holds_no_float32_result_of_a_large_upscale(engine):
     test; every tile's core is rounded alone, as the whole was)."""
     engine.extras([_noise(8, 8)], ExtrasParams(DEMO_NAME, factor=4))  # loaded
     image = _noise(1024, 1024, seed=2)
-    process, peak, done = psutil.Process(), [0], threading.Event()
-    start = process.memory_info().rss
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss - start)
-            time.sleep(0.01)
-    threading.Thread(target=sample, daemon=True).start()
-    try:
-        [result] = engine.extras([image], ExtrasParams(DEMO_NAME, factor=4))
-    finally:
-        done.set()
-    print(f"Extras 1024² x4: RSS +{peak[0] / 2**20:.0f} MiB")
+    [result], grown = peak_rss_while(lambda: engine.extras([image], ExtrasParams(DEMO_NAME, factor=4)))
+    print(f"Extras 1024² x4: RSS +{grown / 2**20:.0f} MiB")
     assert result.image.size == (4096, 4096)
-    assert peak[0] < 400 * 2**20, f"RSS grew {peak[0] / 2**20:.0f} MiB"
+    assert grown < 400 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB"
