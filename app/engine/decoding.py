@@ -20,6 +20,9 @@ The decode is ours rather than the diffusers pipeline's because the SDXL pipelin
 *replacing its dtype* in the middle of a call; our placement plan already keeps that VAE in fp32, so
 decoding in the VAE's own dtype is both correct and mutation-free.
 
+The tiles cut the last two axes and the batch is split on the first: no family's VAE has a frame axis
+(a video VAE's (batch, channels, frames, h, w) would need its output's frames kept apart too).
+
 A stop lands inside the decode through the interrupt hooks and attention slices (`app.engine.interrupt`)
 of the VAE's blocks: a stop of a streamed batch keeps the images decoded before it.
 """
