@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from peak_rss import peak_rss_while
 from tiny import CHECKPOINTS
 
 from app.engine.generate import GenerateParams
@@ -164,3 +165,57 @@ def test_a_stop_before_the_first_step_ends_keeps_nothing(loaded):
         handle.remove()
     assert loaded.snapshot().state == "READY"
     assert loaded.generate(GenerateParams("a cat", **dict(LONG, steps=2)))[0].complete
+
+
+def test_interrupt_at_2048_lands_within_seconds_inside_one_attention_call(loaded):
+    """Issue 43 finding 4: at 2048² the tiny SD1.5's first self-attention is one call over 65,536 tokens
+    (~5 minutes on two CPU cores), which no block check reached: READY came minutes after Interrupt. Now
+    the call runs in slices with the stop checked between them: a batch of 4 at 2048², interrupted a
+    second into its first step, is READY within 5 s (measured 0.4 s), keeps nothing (no step completed),
+    held at most +2 GiB of RSS, and the next generation runs."""
+    job = Running(loaded, GenerateParams("a cat", **dict(LONG, steps=2, width=2048, height=2048, batch=4)))
+
+    def interrupted() -> float:
+        job.wait_for_step(0)  # denoising
+        time.sleep(1.0)
+        assert loaded.snapshot().progress.step == 0  # inside the first step
+        asked = time.monotonic()
+        assert loaded.interrupt(owner="tab-1")
+        while loaded.snapshot().state != "READY" and time.monotonic() - asked < 30:
+            time.sleep(0.02)
+        return time.monotonic() - asked
+
+    landed, grown = peak_rss_while(interrupted)
+    print(f"READY {landed:.2f} s after the interrupt, RSS +{grown / 2**30:.2f} GiB")
+    assert landed < 5.0, f"READY {landed:.1f} s after the interrupt"
+    assert grown < 2 * 2**30, f"RSS grew {grown / 2**30:.2f} GiB"
+    job.join()
+    assert job.result == []
+    assert loaded.generate(GenerateParams("a cat", **dict(LONG, steps=2)))[0].complete
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliced_attention_gives_the_whole_calls_rows_bit_for_bit(dtype):
+    """Issue 43 finding 4: the slices a stop is checked between (`interrupt.sliced_attention`) give every
+    query row exactly what the whole call gives (each row's softmax reads only its scores), with a per-row
+    mask too, so slicing changes when a stop can land and nothing else; a stop raised by `check` ends it."""
+    from app.engine.interrupt import SLICE_MACS, StepInterrupted, sliced_attention
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 2048, 16, generator=generator).to(dtype) for _ in range(3))
+    mask = torch.randn(2, 1, 2048, 2048, generator=generator).to(dtype)
+    assert query.numel() * key.shape[-2] >= 4 * SLICE_MACS  # sliced
+    checks = []
+    for attn_mask in (None, mask):
+        whole = sdpa(query, key, value, attn_mask=attn_mask)
+        sliced = sliced_attention(sdpa, lambda: checks.append(1), query, key, value, attn_mask=attn_mask)
+        assert torch.equal(sliced, whole)
+    assert len(checks) >= 8
+
+    def stop() -> None:
+        if len(checks) > 10:
+            raise StepInterrupted("stop")
+        checks.append(1)
+    with pytest.raises(StepInterrupted):
+        sliced_attention(sdpa, stop, query, key, value)

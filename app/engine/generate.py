@@ -1,10 +1,7 @@
-"""One generation: scheduler choice, per-image seeds, denoising, our own VAE decode, PNG infotext.
+"""One generation: scheduler choice, per-image seeds, denoising, PNG infotext (the VAE decode: `decoding`).
 
 Seeds use CPU generators, one per image, so the same seed gives the same image whatever the
-offload mode, device placement or batch position. The VAE decode is done here rather than by
-the diffusers pipeline because the SDXL pipeline upcasts the VAE by *replacing its dtype* in
-the middle of a call; our placement plan already keeps that VAE in fp32, so decoding in the
-VAE's own dtype is both correct and mutation-free.
+offload mode, device placement or batch position.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from pathlib import Path
 import torch
 from PIL import Image, PngImagePlugin
 
-from app.engine import variation
+from app.engine import decoding, variation
 from app.engine.host_read import HostRead
 from app.engine.interrupt import StepInterrupted
 from app.families import FAMILIES, family, family_of
@@ -282,19 +279,6 @@ def _check_size(fam, params: GenerateParams) -> None:
                              f"{params.width}x{params.height}")
 
 
-def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
-    """Latents -> PIL images through the VAE on the execution device, in the VAE's compute dtype."""
-    vae = pipe.vae
-    # The execution device and the VAE's compute dtype, not its resting ones: under offload the
-    # VAE rests on the CPU (maybe in a wider dtype) until its hooks bring it over. fp32 when it
-    # must upcast.
-    dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
-    latents = family_of(pipe).latents_for_vae(vae, latents.to(device=pipe._execution_device, dtype=dtype))
-    with torch.no_grad():
-        decoded = vae.decode(latents, return_dict=False)[0]
-    return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
-
-
 StepCallback = Callable[[int, int, torch.Tensor], bool]
 
 
@@ -316,7 +300,7 @@ def run(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = 
     `NonFiniteLatentsError` naming the step when the latents stop being finite.
     """
     latents = denoise(pipe, params, seed, on_step, width=params.width, height=params.height, **inputs)
-    return [] if latents is None else decode(pipe, latents)
+    return [] if latents is None else decoding.decode(pipe, latents)
 
 
 def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | None = None, total: int | None = None,

@@ -10,12 +10,13 @@ queue is taken off it by `cancel_queued`.
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from app.adapters.prompt import merge_prompt_loras
-from app.engine import generate, variation
+from app.engine import decoding, generate, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.host_read import HostRead
 from app.engine.interrupt import StepInterrupted
@@ -29,6 +30,11 @@ from app.preview import pictures, preview_pixels
 # The commands that generate: each becomes the current `Job` when it leaves the queue, for all of
 # its stages, so Interrupt and Skip reach every denoising pass of it (img2img, inpaint, hires).
 GENERATIONS = frozenset({"generate", "txt2img_hires", "txt2img_refiner", "img2img", "inpaint", "edit"})
+# How long the decode of what a stopped pass reached may run after the Interrupt or Skip: the images of a
+# streamed batch decoded by then are kept, the rest dropped. Under the README's 2.5 s, so the engine is READY
+# within 5 s at any size (the stop landing and the PNGs saved included); a 512² batch on a CPU decodes well
+# within it, a 2048² image on two CPU cores does not (issue 43 finding 4: its decode alone took minutes).
+STOPPED_DECODE_SECONDS = 2.5
 
 
 @dataclass
@@ -37,6 +43,17 @@ class Job:
 
     owner: str | None
     stop: str | None = None  # "interrupt" (keep what is there) | "drop" | "skip" (this run only)
+    asked: float = 0.0  # `time.monotonic()` when the stop was asked
+
+    def ask(self, stop: str) -> None:
+        self.stop, self.asked = stop, time.monotonic()
+
+    def decode_should_stop(self) -> bool:
+        """Whether a decode running now must stop: at once for a drop; `STOPPED_DECODE_SECONDS` after an
+        Interrupt or Skip (the stop then lands before the VAE's next block or attention slice)."""
+        if self.stop is None:
+            return False
+        return self.stop == "drop" or time.monotonic() - self.asked > STOPPED_DECODE_SECONDS
 
     @property
     def interrupted(self) -> bool:
@@ -68,7 +85,7 @@ class Generating:
         job = self._job
         if job is None or (owner is not None and job.owner != owner):
             return False
-        job.stop = "interrupt" if keep_partial else "drop"
+        job.ask("interrupt" if keep_partial else "drop")
         return True
 
     def runs_for(self, owner: str) -> bool:
@@ -82,7 +99,7 @@ class Generating:
         job = self._job
         if job is None or (owner is not None and job.owner != owner):
             return False
-        job.stop = "skip"
+        job.ask("skip")
         return True
 
     def _taken(self, command: Command) -> None:
@@ -170,8 +187,9 @@ class Generating:
         """One denoising pass of `total` steps, `run(on_step)`; returns its result and the step it was
         stopped at (None: all ran). Every `preview_every` steps the progress carries a cheap preview
         of the latents. A stop lands between two steps (`on_step`) or inside one, before the next
-        block of the model (`interrupt.stop_checks`); the latents reached are then decoded as they are,
-        unless the stop drops them (the result is then None)."""
+        block of the model (`interrupt.stop_checks`); the latents reached are then decoded as they are
+        within `STOPPED_DECODE_SECONDS` (`Job.decode_should_stop`), unless the stop drops them (the result
+        is then None)."""
         reached, ending, arch = 0, False, self._lifecycle.facts().arch
         previews = family(arch).preview_rgb is not None  # no factors: no preview
         taken: tuple[int, HostRead] | None = None  # the last preview's step and pixels, on their way to the host
@@ -190,10 +208,12 @@ class Generating:
             return ending
 
         def stop_inside() -> bool:
-            """True once for a stop inside the denoising; a decode of what was reached runs on (a drop stops it)."""
+            """True once for a stop inside the denoising; a decode of what was reached runs on within its time."""
             nonlocal ending
-            if job.stop is None or ((ending or reached == total) and job.stop != "drop"):
+            if job.stop is None:
                 return False
+            if ending or reached == total:
+                return job.decode_should_stop()
             ending = True
             return True
 
@@ -212,6 +232,16 @@ class Generating:
             self._attribute_runtime_error(exc)
             raise
         return result, None if reached == total else reached
+
+    @staticmethod
+    def _decode(lifecycle, latents, job: Job, size: str) -> list:
+        """`latents` decoded on `lifecycle`'s model, which a stop reaches (`Job.decode_should_stop`): a
+        stopped streamed decode keeps the images finished before it, a stopped whole decode none."""
+        try:
+            with lifecycle.interruptible(job.decode_should_stop):
+                return lifecycle.run_on_model(lambda pipe: decoding.decode(pipe, latents), size)
+        except StepInterrupted:
+            return []
 
     def _attribute_non_finite(self, exc: generate.NonFiniteLatentsError) -> None:
         """NaN/Inf latents name no layer: they count against every LoRA applied to this run (the

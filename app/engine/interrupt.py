@@ -9,6 +9,14 @@ not streamed in just to be abandoned; the registry's `after` hooks still run for
 were entered, so streamed weights go back and the placement stays as planned. Nothing is written
 to a weight, so the model is as it was.
 
+One attention call can outlast a whole budget by itself: at 2048² the tiny SD1.5's self-attention
+over 65,536 tokens is one `scaled_dot_product_attention` of ~5 minutes on two CPU cores (a step runs
+five of them), and no block boundary lies inside it. So while the checks are on, a large CPU attention
+call is run in slices of query rows (`SLICE_MACS` of work each, well under a second) with the stop
+checked between slices. Each query row's softmax reads only its own scores, and the CPU kernel gives
+bit-identical rows sliced or whole (tests/test_interrupt.py checks it), so nothing changes but when a
+stop can land. Accelerators run such a call in well under a second: they are left whole.
+
 The hooks are installed for one pass and removed after it (`stop_checks`), never on a compiled model
 (a hook there would be traced into its graphs; its steps are fast anyway). Where the stop is
 caught decides what is kept: `generate.denoise` returns the latents of the last complete step.
@@ -20,11 +28,16 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from app.engine import placement
 from app.hooks import HookRegistry, ModelHook
 
 HOOK = "control.interrupt"
+# Multiply-adds of one slice of a sliced attention call (query rows x keys x head width x batch·heads):
+# 2^27 is ~0.15 s on one loaded CPU core at the tiny models' narrow heads, so a stop lands well within
+# the 5 s Interrupt promise; calls of less work than this run whole, as before.
+SLICE_MACS = 2**27
 
 
 class StepInterrupted(Exception):
@@ -47,15 +60,50 @@ def blocks(component: torch.nn.Module) -> Iterator[torch.nn.Module]:
             yield from blocks(child)
 
 
+class _SlicedAttention(TorchFunctionMode):
+    """While entered (on this thread only: torch keeps function modes per thread), a large CPU
+    `scaled_dot_product_attention` runs in slices of query rows, `check()` before each."""
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        super().__init__()
+        self.check = check
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return sliced_attention(func, self.check, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def sliced_attention(sdpa, check: Callable[[], None], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False, **rest):
+    """`sdpa(query, key, value, …)` in slices of query rows of at most `SLICE_MACS` work, `check()` before
+    each; whole where slicing could change the result (a causal mask, dropout) or gains nothing."""
+    rows, work = query.shape[-2], query.numel() * key.shape[-2]
+    if query.device.type != "cpu" or is_causal or dropout_p or work <= SLICE_MACS or rows < 2:
+        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **rest)
+    step = max(1, rows * SLICE_MACS // work)
+    per_row_mask = attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == rows
+    out = None
+    for start in range(0, rows, step):
+        check()
+        mask = attn_mask[..., start:start + step, :] if per_row_mask else attn_mask
+        part = sdpa(query[..., start:start + step, :], key, value, attn_mask=mask, **rest)
+        if out is None:
+            out = part.new_empty((*part.shape[:-2], rows, part.shape[-1]))
+        out[..., start:start + step, :] = part
+    return out
+
+
 @contextlib.contextmanager
 def stop_checks(hooks: HookRegistry, pipe, should_stop: Callable[[], bool]) -> Iterator[None]:
-    """Within the block: every block of `pipe`'s components raises `StepInterrupted` before it runs
-    once `should_stop()` is true."""
-    def check(_module, _args, _kwargs) -> None:
+    """Within the block: every block of `pipe`'s components, and every slice of a large attention
+    call, raises `StepInterrupted` before it runs once `should_stop()` is true."""
+    def check() -> None:
         if should_stop():
             raise StepInterrupted("stopped inside a step")
 
-    hook = ModelHook(HOOK, pre=check)
+    hook = ModelHook(HOOK, pre=lambda _module, _args, _kwargs: check())
     hooked: dict[int, torch.nn.Module] = {}
     try:
         for component in placement.torch_components(pipe).values():
@@ -63,7 +111,8 @@ def stop_checks(hooks: HookRegistry, pipe, should_stop: Callable[[], bool]) -> I
                 if id(block) not in hooked:  # a module shared by two components is checked once
                     hooks.add(block, hook)
                     hooked[id(block)] = block
-        yield
+        with _SlicedAttention(check):
+            yield
     finally:
         for block in hooked.values():
             hooks.remove(block, HOOK)

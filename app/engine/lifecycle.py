@@ -25,7 +25,7 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.engine import compiled, embeddings, generate, models, offload, part_choices, placement, stages, storage
+from app.engine import compiled, decoding, embeddings, models, offload, part_choices, placement, stages, storage
 from app.engine.checkpoint_files import ModelLoadError, resolve_checkpoint
 from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
@@ -285,7 +285,7 @@ class ModelLifecycle(Placing):
         """Run one generation; afterwards every component is back at its resting placement."""
         def txt2img(pipe):
             latents = stages.txt2img_latents(pipe, self.stage_for, params, seed, on_step)
-            return [] if latents is None else generate.decode(pipe, latents)  # None: stopped before a step
+            return [] if latents is None else decoding.decode(pipe, latents)  # None: stopped before a step
         return self.run_on_model(txt2img, f"{params.batch}x{params.width}x{params.height}")
 
     def stage_for(self, kind: str):

@@ -94,7 +94,7 @@ class Refining:
 
         stopped = self._stage("txt2img", f"base pass {base_steps} of {params.steps} steps, seed {first}", base_pass)
         if stopped is not None or not refiner_steps:  # stopped early, or no step left for the refiner
-            return (self._decode_carried(params) if "latents" in carry else []), stopped
+            return (self._decode_carried(params, job) if "latents" in carry else []), stopped
         self._stage("refiner load", params.refiner_checkpoint, lambda: self._refiner_in(params, named))
         try:
             return self._stage("refiner", f"{refiner_steps} steps from {params.refiner_switch_at:g}",
@@ -141,7 +141,7 @@ class Refining:
         refined, stopped = self._denoise_run(total, job, f"refiner, {phase}", run)
         if refined is None:  # stopped before the refiner's first step completed
             return [], stopped
-        return refiner.run_on_model(lambda pipe: generate.decode(pipe, refined), _size(params)), stopped
+        return self._decode(refiner, refined, job, _size(params)), stopped
 
     def _refiner_out(self) -> None:
         """Park the refiner where room is needed and place the base by its own plan again."""

@@ -131,7 +131,7 @@ def encode(pipe, images: list, seed: int) -> torch.Tensor:
     """Images -> scaled latents, (batch, channels, h, w): on the execution device in the VAE's compute
     dtype (as `decode`), one image at a time with its own generator (image i seeded `seed + i`, so an
     image does not depend on its batch position). Under offload the VAE's hooks bring the encoder in.
-    The inverse of `generate.decode`'s scaling (`Family.latents_from_vae`)."""
+    The inverse of `decoding.decode`'s scaling (`Family.latents_from_vae`)."""
     return _encode_pixels(pipe, image_ops.to_tensor(images), seed)
 
 

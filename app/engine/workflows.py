@@ -238,7 +238,7 @@ class Workflows:
 
         stopped = self._stage("txt2img", f"first pass {params.width}x{params.height}, seed {first}", first_pass)
         if stopped is not None:
-            return (self._decode_carried(params) if "latents" in carry else []), stopped
+            return (self._decode_carried(params, job) if "latents" in carry else []), stopped
 
         def upscale():
             size = (second.width, second.height)
@@ -246,7 +246,7 @@ class Workflows:
                 factor = self._lifecycle.pipeline.vae_scale_factor
                 carry.put(plan(), latents=stages.upscale_latents(carry.get("latents"), hires, size, factor))
                 return
-            images = self._decode_carried(params)
+            images = self._decode_carried(params, job)
             images = self._upscale_to(images, hires.upscaler, size, job, phase) if hires.model \
                 else stages.upscale_images(images, hires, size)
             if images is None:
@@ -256,7 +256,7 @@ class Workflows:
 
         if self._stage("hires upscale", f"{hires.upscaler} x{hires.scale:g} -> {second.width}x{second.height}",
                        upscale):
-            return self._decode_carried(params), params.steps
+            return self._decode_carried(params, job), params.steps
 
         def second_pass():
             stripped = self._with_loras(second, passes)
@@ -272,9 +272,8 @@ class Workflows:
         return self._stage("hires fix", f"{second.steps} steps at {hires.denoising_strength:g} "
                                         f"{second.width}x{second.height}", second_pass)
 
-    def _decode_carried(self, params: GenerateParams) -> list[Image.Image]:
-        latents = self._lifecycle.carry.get("latents")
-        return self._lifecycle.run_on_model(lambda pipe: generate.decode(pipe, latents), _size(params))
+    def _decode_carried(self, params: GenerateParams, job) -> list[Image.Image]:
+        return self._decode(self._lifecycle, self._lifecycle.carry.get("latents"), job, _size(params))
 
     def _denoise_and_decode(self, params, kind: str, first: int, total: int, strength: float, job, phase: str,
                             **inputs) -> tuple[list[Image.Image], int | None]:
@@ -286,7 +285,7 @@ class Workflows:
         latents, stopped = self._denoise_run(total, job, phase, run)
         if latents is None:  # stopped before a step completed
             return [], stopped
-        return self._lifecycle.run_on_model(lambda pipe: generate.decode(pipe, latents), _size(params)), stopped
+        return self._decode(self._lifecycle, latents, job, _size(params)), stopped
 
     # ------------------------------------------------------------------ img2img and inpaint
     def _init_image_run(self, params, source: InitImages, first: int, phase: str, job, passes: _Passes):
