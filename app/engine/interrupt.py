@@ -96,9 +96,10 @@ def sliced_attention(sdpa, check: Callable[[], None], query: torch.Tensor, key: 
 
 
 @contextlib.contextmanager
-def stop_checks(hooks: HookRegistry, pipe, should_stop: Callable[[], bool]) -> Iterator[None]:
-    """Within the block: every block of `pipe`'s components, and every slice of a large attention
-    call, raises `StepInterrupted` before it runs once `should_stop()` is true."""
+def stop_checks(hooks: HookRegistry, pipe, should_stop: Callable[[], bool],
+                slice_attention: bool = True) -> Iterator[None]:
+    """Within the block: every block of `pipe`'s components, and (`slice_attention`: an engine on the CPU)
+    every slice of a large attention call, raises `StepInterrupted` before it runs once `should_stop()` is true."""
     def check() -> None:
         if should_stop():
             raise StepInterrupted("stopped inside a step")
@@ -111,7 +112,7 @@ def stop_checks(hooks: HookRegistry, pipe, should_stop: Callable[[], bool]) -> I
                 if id(block) not in hooked:  # a module shared by two components is checked once
                     hooks.add(block, hook)
                     hooked[id(block)] = block
-        with _SlicedAttention(check):
+        with _SlicedAttention(check) if slice_attention else contextlib.nullcontext():
             yield
     finally:
         for block in hooked.values():

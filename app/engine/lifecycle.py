@@ -294,11 +294,13 @@ class ModelLifecycle(Placing):
         return stages.stage_on(loaded.model.pipe, family(loaded.model.arch), loaded.stage_pipes, kind)
 
     def interruptible(self, should_stop: Callable[[], bool]) -> contextlib.AbstractContextManager:
-        """A stop checked before every block while entered (`stop_checks`); not on a compiled model."""
+        """A stop checked before every block while entered (`stop_checks`); not on a compiled model. Large
+        attention calls are sliced only when the engine computes on the CPU: on an accelerator one call is
+        short, and the function mode that slices would cost Python time on every op of every step."""
         loaded = self._loaded
         if loaded is None or loaded.compile is not None:
             return contextlib.nullcontext()
-        return stop_checks(loaded.hooks, loaded.model.pipe, should_stop)
+        return stop_checks(loaded.hooks, loaded.model.pipe, should_stop, slice_attention=self._device.type == "cpu")
 
     def run_on_model(self, work: Callable[[object], object], size: str, stage: str | None = None):
         """`work(pipeline)` (the loaded pipeline, or the `stage` pipeline on its components); afterwards
