@@ -78,7 +78,7 @@ class EngineReplica:
         first = initial_model or next(iter(checkpoint_names(settings)), None)
         if first is not None:
             self.engine.load_model(first)
-        self.state = ApiState(UiContext(self.engine, settings), max_waiting=settings.session_queue_size)
+        self.state = ApiState(UiContext(self.engine, settings), max_waiting=settings.account_queue_size)
 
     @serve.multiplexed(max_num_models_per_replica=1)
     async def _hold(self, key: str) -> str:

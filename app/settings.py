@@ -81,7 +81,8 @@ class Settings:
     api: bool = False  # serve the A1111 API even when the app is reachable without a login
     api_auth: tuple[tuple[str, str], ...] = ()  # logins for the A1111 API only (else the UI's)
     queue_size: int = 64  # requests waiting in the app's queue, all sessions together
-    session_queue_size: int = 8  # requests one browser tab or client may have pending
+    session_queue_size: int = 8  # requests one browser tab or gradio_client session may have pending, of any kind
+    account_queue_size: int = 8  # jobs one login may have waiting or running, UI and A1111 API together
     max_upload_mib: int = 16
     # Reverse proxies whose `X-Forwarded-For` names the client (the login throttle's key); none: the
     # socket's peer, so a local tunnel or script cannot pose as a new address per password guess.
@@ -109,7 +110,7 @@ class Settings:
             raise ValueError(f"the slider range must lie within ±{MAX_STRENGTH:g} (the largest LoRA strength), "
                              f"got {self.slider_min}..{self.slider_max}")
         for name, minimum in (("lora_cache_mib", 0), ("queue_size", 1), ("session_queue_size", 1),
-                              ("max_upload_mib", 1)):
+                              ("account_queue_size", 1), ("max_upload_mib", 1)):
             if getattr(self, name) < minimum:
                 raise ValueError(f"{name} must be at least {minimum}, got {getattr(self, name)}")
         if any(not isinstance(d, str) or not d.strip() for d in self.devices) or (

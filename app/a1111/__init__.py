@@ -46,7 +46,7 @@ def install_api(app, ctx: UiContext, ui_logins: tuple[tuple[str, str], ...]) -> 
     if not api_enabled(settings, ui_logins):
         return ("A1111 API (/sdapi/v1) is off: the app is reachable without a login. Add --api-auth USER:PASS "
                 "(or --auth) to serve it behind one, or --api to serve it open.")
-    state = ApiState(ctx, max_waiting=settings.session_queue_size)
+    state = ApiState(ctx, max_waiting=settings.account_queue_size, logins=bool(api_logins(settings, ui_logins)))
     app.router.routes[0:0] = [*sdapi_router(state).routes, *steady_router(state).routes]
     return _describe(settings, api_logins(settings, ui_logins))
 

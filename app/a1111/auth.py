@@ -75,7 +75,7 @@ class BasicAuth:
                                 "script")
         if not self.logins:
             return
-        offered = _credentials(headers.get("authorization", ""))
+        offered = basic_credentials(headers.get("authorization", ""))
         if offered is None:
             raise ApiError(401, "Not authenticated: send HTTP basic auth (the API's user and password)", CHALLENGE)
         wait = self.throttle.begin(client, time.monotonic())
@@ -96,7 +96,7 @@ class BasicAuth:
         return found
 
 
-def _credentials(header: str) -> tuple[str, str] | None:
+def basic_credentials(header: str) -> tuple[str, str] | None:
     """(user, password) from an `Authorization: Basic …` header, or None when there is none."""
     scheme, _, encoded = header.partition(" ")
     if scheme.lower() != "basic" or not encoded.strip():

@@ -1,7 +1,8 @@
 """The `/sdapi/v1/...` routes: thin handlers over `txt2img`, `options`, `progress`, `pnginfo`, `listings`.
 
 Handlers that change or use the model run in the API's lane (`ApiState.run`), so they reach the
-engine one at a time, like every other caller, through its queue; read-only lists run in the
+engine one at a time, like every other caller, through its queue, each counted against its login's
+quota and the logins taking turns; read-only lists run in the
 thread pool; `progress`, `interrupt` and `skip` only read the snapshot or set a flag, so they
 answer at once, even while a generation holds the engine. Interrupt and Skip act on whatever
 generation runs, the UI's too, as A1111's do (it has one job at a time and so do we).
@@ -9,7 +10,7 @@ generation runs, the UI's too, as A1111's do (it has one job at a time and so do
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
 from app.a1111 import checkpoints, extras, img2img, listings, options, pnginfo, progress, txt2img
 from app.a1111.errors import A1111Route
@@ -52,24 +53,24 @@ def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState) -> None:
 
 def _generation(router: APIRouter, state: ApiState) -> None:
     @router.post("/txt2img", response_model=TextToImageResponse)
-    async def text2img(req: Txt2ImgRequest) -> dict:
+    async def text2img(req: Txt2ImgRequest, account: str = Depends(state.account)) -> dict:
         _refuse_bad_input(req, state)
-        return await state.run("txt2img", lambda: txt2img.run(state, req))
+        return await state.run("txt2img", lambda: txt2img.run(state, req), account)
 
     @router.post("/img2img", response_model=ImageToImageResponse)
-    async def image2img(req: Img2ImgRequest) -> dict:
+    async def image2img(req: Img2ImgRequest, account: str = Depends(state.account)) -> dict:
         _refuse_bad_input(req, state)
-        return await state.run("img2img", lambda: img2img.run(state, req))
+        return await state.run("img2img", lambda: img2img.run(state, req), account)
 
     @router.post("/extra-single-image", response_model=ExtrasSingleImageResponse)
-    async def extra_single_image(req: ExtrasSingleImageRequest) -> dict:
+    async def extra_single_image(req: ExtrasSingleImageRequest, account: str = Depends(state.account)) -> dict:
         extras.params(req)  # refuse bad numbers before the request waits in the lane
-        return await state.run("extras", lambda: extras.single(state, req))
+        return await state.run("extras", lambda: extras.single(state, req), account)
 
     @router.post("/extra-batch-images", response_model=ExtrasBatchImagesResponse)
-    async def extra_batch_images(req: ExtrasBatchImagesRequest) -> dict:
+    async def extra_batch_images(req: ExtrasBatchImagesRequest, account: str = Depends(state.account)) -> dict:
         extras.params(req)
-        return await state.run("extras", lambda: extras.batch(state, req))
+        return await state.run("extras", lambda: extras.batch(state, req), account)
 
     @router.post("/png-info", response_model=PNGInfoResponse)
     def png_info(req: PNGInfoRequest) -> dict:
@@ -97,18 +98,18 @@ def _model_control(router: APIRouter, state: ApiState) -> None:
         return options.current(state)
 
     @router.post("/options")
-    async def set_options(changes: FreeDict) -> None:
-        await state.run("options", lambda: options.apply(state, changes))
+    async def set_options(changes: FreeDict, account: str = Depends(state.account)) -> None:
+        await state.run("options", lambda: options.apply(state, changes), account)
 
     @router.post("/unload-checkpoint")
-    async def unload_checkpoint() -> dict:
+    async def unload_checkpoint(account: str = Depends(state.account)) -> dict:
         state.remember_model()
-        await state.run("unload", state.engine.unload)
+        await state.run("unload", state.engine.unload, account)
         return {}
 
     @router.post("/reload-checkpoint")
-    async def reload_checkpoint() -> dict:
-        await state.run("reload", lambda: checkpoints.ensure_model(state, None))
+    async def reload_checkpoint(account: str = Depends(state.account)) -> dict:
+        await state.run("reload", lambda: checkpoints.ensure_model(state, None), account)
         return {}
 
     @router.post("/refresh-checkpoints")

@@ -2,11 +2,11 @@
 
 Why a lane: a txt2img with `override_settings` is three engine calls (load the asked checkpoint,
 generate, load the previous one back), and two API requests interleaving those would generate
-with each other's checkpoint. A1111 holds one lock over the whole request; here one
-`CapacityLimiter` of size 1 does the same for the API's engine calls, while the engine's own
-queue keeps the UI's calls and ours in order. Waiting requests are coroutines, not threads, so a
-backlog of API calls cannot starve the thread pool the UI's handlers run in; past
-`Settings.session_queue_size` waiting requests, the next one is refused (429) rather than queued.
+with each other's checkpoint. A1111 holds one lock over the whole request; here one lane
+(`AccountLane`, logins served in turn) does the same for the API's engine calls, while the engine's
+own queue keeps the UI's calls and ours in order, the logins in turn there too. A request counts
+against its login's quota (`Accounts.api_job`: `--account-queue-size` jobs waiting or running, the
+UI's included) from when it arrives; past it, it is refused (429) rather than queued.
 
 The job record (`JobRecord`) is what `/progress` reports beside the engine's own progress: when
 the current API job started (for the ETA), what it was asked to do and whether an Interrupt or
@@ -20,7 +20,6 @@ never reaches an API image and a UI user's model switch does not move a checkpoi
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,8 +27,12 @@ from datetime import datetime
 from typing import TypeVar
 
 import anyio
+from starlette.requests import Request
 
+from app.a1111.auth import basic_credentials
 from app.a1111.errors import ApiError
+from app.a1111.lane import AccountLane
+from app.ui.accounts import LOCAL_ACCOUNT, QuotaFull
 from app.ui.common import UiContext
 from app.ui.sessions import API_OWNER
 
@@ -59,35 +62,40 @@ class JobRecord:
 
 @dataclass
 class ApiState:
-    """Shared by every route of one served app."""
+    """Shared by every route of one served app. `max_waiting`: the jobs one login may have waiting or
+    running (`--account-queue-size`); `logins`: whether the API has logins (without, everyone is one
+    account)."""
 
     ctx: UiContext
     max_waiting: int
-    lane: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
+    logins: bool = False
+    lane: AccountLane = field(default_factory=AccountLane)
     job: JobRecord = field(default_factory=JobRecord)
     last_model: str | None = None  # the checkpoint to load back after an unload (A1111 reloads on demand)
     seen_since: float | None = None  # when `/progress` first saw the engine busy with a job not the API's
     clip_skip: int = 1  # A1111's `CLIP_stop_at_last_layers` for API requests that do not override it
-    _waiting: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def engine(self):
         return self.ctx.engine
 
-    async def run(self, job: str, call: Callable[[], T]) -> T:
-        """Run a blocking engine call in the API's lane, recorded as `job` while it runs."""
-        with self._lock:
-            if self._waiting >= self.max_waiting:
-                raise ApiError(429, f"{self._waiting} API requests are already waiting for the engine, the most "
-                                    "allowed (--session-queue-size); try again when they are done",
-                               {"Retry-After": "5"})
-            self._waiting += 1
+    def account(self, request: Request) -> str:
+        """The login `request` counts against (a route dependency): its basic-auth user, which the request
+        guard has checked before the route runs; `LOCAL_ACCOUNT` when the API has no logins."""
+        if not self.logins:
+            return LOCAL_ACCOUNT
+        credentials = basic_credentials(request.headers.get("authorization", ""))
+        return credentials[0] if credentials else LOCAL_ACCOUNT
+
+    async def run(self, job: str, call: Callable[[], T], account: str = LOCAL_ACCOUNT) -> T:
+        """Run a blocking engine call in the API's lane as `account`'s job, recorded as `job` while it runs."""
         try:
-            return await anyio.to_thread.run_sync(self._recorded, job, call, limiter=self.lane)
-        finally:
-            with self._lock:
-                self._waiting -= 1
+            with self.ctx.accounts.api_job(account, self.max_waiting):
+                async with self.lane.turn(account):
+                    with self.ctx.accounts.api_lane_held_by(account):
+                        return await anyio.to_thread.run_sync(self._recorded, job, call)
+        except QuotaFull as exc:
+            raise ApiError(429, str(exc), {"Retry-After": "5"}) from None
 
     def _recorded(self, job: str, call: Callable[[], T]) -> T:
         self.job.begin(job)

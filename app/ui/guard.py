@@ -18,7 +18,11 @@ measured). This layer, outermost so that nothing it refuses reaches Gradio, in t
 - caps request bodies per route (`body_limits`, `Content-Length` refused up front);
 - lets a UI-only handler run only for a request from the app's own page in a browser
   (`ui_only.py`); scripts use the documented API, which does the same things;
-- caps the requests one session may have pending (Gradio's `max_size` caps the whole queue);
+- caps the requests one session may have pending (Gradio's `max_size` caps the whole queue), and
+  the jobs one login may have waiting or running (`--account-queue-size`, `_queue_refusal`);
+- when the app has a login: refuses every GET but the few the login form needs (`_open_route`), and
+  lets a request name a Gradio session hash, or a queued event, only of its own login
+  (`_ownership_refusal`; `app/ui/accounts.py`);
 - drops every `Access-Control-*` header from answers: the app's page is its own origin and needs
   none, so no other origin is ever allowed to read an answer with the user's cookie.
 """
@@ -32,13 +36,15 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import anyio
 from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 
 from app.image_inputs import ImageInputError, open_checked
+from app.ui.accounts import LOCAL_ACCOUNT, SESSION_HASH_CHARS, Accounts
+from app.ui.common import GENERATION_LANE
 from app.ui.login_throttle import LoginThrottle
 from app.ui.ui_only import API_PREFIX, private_handler_refusal
 
@@ -51,6 +57,18 @@ LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # FastAPI's schema of every route, the A1111 API's included: behind the API's login like the API.
 SCHEMA_PATHS = ("/openapi.json", "/docs", "/redoc")
+HEARTBEAT = f"{API_PREFIX}/heartbeat/"  # + a session hash: closing it runs the page-closed handlers
+STREAM = f"{API_PREFIX}/stream/"  # GET: + a session hash and a media stream of it; POST: + an event id
+QUEUE_DATA = f"{API_PREFIX}/queue/data"  # ?session_hash=: the session's results, as they come
+CALL = f"{API_PREFIX}/call/"  # GET + name + event id: that event's results
+CANCEL = f"{API_PREFIX}/cancel"
+# What a GET may fetch before the login (`RequestGuard._open_route` says why these).
+OPEN_PATHS = frozenset({"/", "/favicon.ico", "/robots.txt", "/manifest.json", "/theme.css", f"{API_PREFIX}/theme.css",
+                        f"{API_PREFIX}/login_check", f"{API_PREFIX}/login_check/"})
+OPEN_PREFIXES = ("/assets/", "/static/", "/svelte/", "/pwa_icon")
+# Gradio lanes whose events wait for the engine: what counts as a login's jobs. "loras" is the lane of
+# every engine change and of the img2img and Extras tabs (`lora_panel.LORA_QUEUE`).
+JOB_LANES = frozenset({GENERATION_LANE, "loras"})
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -68,6 +86,7 @@ class GuardPolicy:
 
     allowed_hosts: frozenset[str] | None
     session_queue_size: int
+    account_queue_size: int = 8
     gated_prefixes: tuple[str, ...] = ()
     gate: Callable[[Scope], ASGIApp | None] | None = None
     body_limits: tuple[tuple[str, int], ...] = ()
@@ -85,18 +104,20 @@ class RequestGuard:
     holds the UI's logins and session tokens (Gradio's `auth`, `tokens`, `cookie_id`)."""
 
     def __init__(self, app: ASGIApp, demo, policy: GuardPolicy, gradio_app=None,
-                 throttle: LoginThrottle | None = None) -> None:
+                 throttle: LoginThrottle | None = None, accounts: Accounts | None = None) -> None:
         self.app = app
         self.demo = demo
         self.policy = policy
         self.gradio_app = gradio_app
         self.throttle = throttle or LoginThrottle()
+        self.accounts = accounts or Accounts()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = self._refusal_before_body(scope, Headers(scope=scope))
+        headers = Headers(scope=scope)
+        refusal = self._refusal_before_body(scope, headers) or self._named_in_route(scope, headers)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -126,6 +147,8 @@ class RequestGuard:
                 return _refused(403, "a web page of another site cannot send requests that change anything here")
             if path.rstrip("/") != "/login" and not self._ui_session(headers):
                 return _refused(401, "Not authenticated: log in first")
+        elif not self._open_route(path) and not self._ui_session(headers):
+            return _refused(401, "Not authenticated: log in first")
         declared = headers.get("content-length", "")
         limit = self.policy.body_limit(path)
         if declared.isdigit() and int(declared) > limit:
@@ -135,12 +158,69 @@ class RequestGuard:
     def _ui_session(self, headers: Headers) -> bool:
         """Whether the request carries a logged-in UI session (or the UI has no login): Gradio's own
         check, made here so that nothing is read or parsed for a client that has not logged in."""
+        return self._login_of(headers) is not None
+
+    def _has_login(self) -> bool:
+        return self.gradio_app is not None and self.gradio_app.auth is not None
+
+    def _login_of(self, headers: Headers) -> str | None:
+        """The UI login of the request's session cookie (Gradio's `app.tokens`), None when it has none;
+        `LOCAL_ACCOUNT` when the UI has no login."""
         app = self.gradio_app
-        if app is None or app.auth is None:
-            return True
+        if not self._has_login():
+            return LOCAL_ACCOUNT
         cookies = cookie_parser(headers.get("cookie", ""))
         token = cookies.get(f"access-token-{app.cookie_id}") or cookies.get(f"access-token-unsecure-{app.cookie_id}")
-        return token is not None and token in app.tokens
+        return app.tokens.get(token) if token is not None else None
+
+    def _open_route(self, path: str) -> bool:
+        """Whether a GET (HEAD, OPTIONS) of `path` is answered without a login. Open: the page itself
+        (Gradio answers its login form there), the login check the form makes, and the page's code,
+        styles and icons (`/assets/`, `/static/`, `/svelte/`, theme, favicon, manifest, robots.txt), the
+        same files for everyone. Everything else waits for the login: the heartbeat (closing it runs the
+        page-closed handlers), the queue's results, media streams, `/config`, `/info`, files, the user
+        and token routes, the startup events, monitoring."""
+        return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+    def _named_in_route(self, scope: Scope, headers: Headers) -> ASGIApp | None:
+        """The ownership check for the session hash or event id a route's path or query names."""
+        path = scope["path"]
+        if not self._has_login() or not path.startswith(API_PREFIX):
+            return None
+        sessions, events = [], []
+        if path.startswith(HEARTBEAT):
+            sessions.append(path[len(HEARTBEAT):])
+        elif path.startswith(STREAM):
+            head = path[len(STREAM):].split("/", 1)[0]
+            (sessions if scope["method"] in SAFE_METHODS else events).append(head)
+        elif path.rstrip("/") == QUEUE_DATA:
+            sessions += parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash", [])
+        elif path.startswith(CALL) and scope["method"] in SAFE_METHODS:
+            events.append(path.rstrip("/").rsplit("/", 1)[-1])
+        refusal = self._ownership_refusal(headers, sessions, events)
+        return None if refusal is None else _refused(*refusal)
+
+    def _ownership_refusal(self, headers: Headers, sessions: list, events: list) -> tuple[int, str] | None:
+        """A session hash belongs to the login that used it first (`Accounts.claim`); a queued event to the
+        login that joined it (Gradio's `Event.username`). Naming another login's is refused (403), so
+        nobody can close another's page, cancel or read its jobs; a client that has not logged in never
+        gets here (401), so it records nothing."""
+        if not self._has_login() or not (sessions or events):
+            return None
+        login = self._login_of(headers)
+        if login is None:
+            return 401, "Not authenticated: log in first"
+        for session in sessions:
+            if not isinstance(session, str) or not 0 < len(session) <= SESSION_HASH_CHARS:
+                return 400, f"a session hash is a string of 1 to {SESSION_HASH_CHARS} characters"
+            if not self.accounts.claim(session, login):
+                return 403, "this session belongs to another login"
+        known = self.demo._queue.event_ids_to_events  # Gradio's own record of queued and running events
+        for event_id in events:
+            event = known.get(event_id) if isinstance(event_id, str) else None
+            if event is not None and event.username != login:
+                return 403, "this event belongs to another login"
+        return None
 
     async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Each attempt counts as a failure until Gradio answers 200, so parallel guesses are throttled too."""
@@ -214,13 +294,34 @@ class RequestGuard:
             return 403, refusal
         if fetches_a_file(data.get("data")):
             return 400, "files must be uploaded first (gradio_client's handle_file does), not sent as a URL"
+        named = [data["session_hash"]] if data.get("session_hash") is not None else []
+        events = [data["event_id"]] if path.rstrip("/") == CANCEL and "event_id" in data else []
+        refusal = self._ownership_refusal(headers, named, events)
+        if refusal is None and path.rstrip("/") == QUEUE_JOIN:
+            refusal = self._queue_refusal(headers, data)
+        return refusal
+
+    def _queue_refusal(self, headers: Headers, data: dict) -> tuple[int, str] | None:
+        """A join past the session's cap (events of any kind, `--session-queue-size`), or a job (an event
+        of `JOB_LANES`) past its login's quota (`--account-queue-size`, the A1111 API's included)."""
         session = data.get("session_hash")
-        if path.rstrip("/") == QUEUE_JOIN and isinstance(session, str):
+        if isinstance(session, str):
             pending = len(self.demo._queue.pending_event_ids_session.get(session, ()))  # Gradio's own record
             if pending >= self.policy.session_queue_size:
                 return 429, (f"this session already has {pending} requests pending, the most one session may "
                              f"have (--session-queue-size); wait for them to finish")
-        return None
+        fn_index = data.get("fn_index")
+        fn = self.demo.fns.get(fn_index) if isinstance(fn_index, int) else None
+        if fn is None or fn.concurrency_id not in JOB_LANES:
+            return None
+        problem = self.accounts.refusal(self._login_of(headers) or LOCAL_ACCOUNT, self.policy.account_queue_size)
+        return None if problem is None else (429, problem)
+
+
+def gradio_jobs(demo, account: str) -> int:
+    """`account`'s jobs in Gradio's queue: its events of `JOB_LANES` waiting or running (Gradio's own record)."""
+    return sum(1 for event in list(demo._queue.event_ids_to_events.values())
+               if (event.username or LOCAL_ACCOUNT) == account and event.concurrency_id in JOB_LANES)
 
 
 def refused_upload(answer: bytes) -> str | None:
@@ -324,7 +425,7 @@ def _refused(status: int, detail: str, extra: list[tuple[bytes, bytes]] | None =
     return answer
 
 
-def install(app, demo, policy: GuardPolicy) -> RequestGuard:
+def install(app, demo, policy: GuardPolicy, accounts: Accounts | None = None) -> RequestGuard:
     """Wrap the launched app's middleware stack, so the guard runs before Gradio's CORS layer.
 
     Starlette builds the stack on the first request (Gradio's own readiness probe during
@@ -332,6 +433,6 @@ def install(app, demo, policy: GuardPolicy) -> RequestGuard:
     to put a layer outside Gradio's. Requests already in flight finish on the old stack.
     """
     stack = app.middleware_stack or app.build_middleware_stack()
-    guard = RequestGuard(stack, demo, policy, gradio_app=app)
+    guard = RequestGuard(stack, demo, policy, gradio_app=app, accounts=accounts)
     app.middleware_stack = guard
     return guard

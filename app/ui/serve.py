@@ -7,7 +7,8 @@ report). Offline, Gradio cannot create a share link; we say so plainly and keep 
 
 Only the outputs folder is added to Gradio's `allowed_paths`: generated images are served from
 there; models and LoRAs are only ever addressed by name through the engine. The queue is bounded
-(`--queue-size` for the app, `--session-queue-size` per session), REST routes cannot bypass it
+(`--queue-size` for the app, `--session-queue-size` per session, `--account-queue-size` jobs per
+login, the logins served in turn), REST routes cannot bypass it
 (`api_open=False`), uploads are capped (`--max-upload-mib`), and `guard.py` adds what Gradio
 lacks: the Host check in localhost mode, the login before any body is read, login backoff keyed on
 the socket's peer (`trust_proxies`), body caps, UI-only handlers kept to the UI, no CORS.
@@ -15,6 +16,7 @@ the socket's peer (`trust_proxies`), body caps, UI-only handlers kept to the UI,
 
 from __future__ import annotations
 
+import functools
 import html
 import logging
 import secrets
@@ -36,7 +38,7 @@ from app.engine.worker import Engine
 from app.settings import Settings
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names
-from app.ui.guard import UPLOAD, GuardPolicy, install, loopback_hosts
+from app.ui.guard import UPLOAD, GuardPolicy, gradio_jobs, install, loopback_hosts
 
 log = logging.getLogger(__name__)
 GENERATED_USER = "steady"
@@ -97,11 +99,20 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
     exposed = settings.listen or settings.share
     print(install_api(app, ctx, policy.credentials), flush=True)
     upload = (UPLOAD, settings.max_upload_mib * 2**20 + 2**16)  # one file and its multipart framing
-    install(app, demo, GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
-                                   gated_prefixes=GATED_PREFIXES, gate=api_gate(settings, policy.credentials),
-                                   body_limits=(upload, *body_limits(settings))))
+    guard = GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
+                        settings.account_queue_size, gated_prefixes=GATED_PREFIXES,
+                        gate=api_gate(settings, policy.credentials), body_limits=(upload, *body_limits(settings)))
+    install(app, demo, guard, ctx.accounts)
+    count_jobs_by_account(ctx, demo)
     trust_proxies(demo.server.config, settings.forwarded_allow_ips)
     return Server(demo, local_url, share_url, policy)
+
+
+def count_jobs_by_account(ctx: UiContext, demo: gr.Blocks) -> None:
+    """Quotas and turns per login (`app/ui/accounts.py`): the UI's jobs are counted from Gradio's queue,
+    and the engine serves the logins in turn."""
+    ctx.accounts.gradio_jobs = functools.partial(gradio_jobs, demo)
+    ctx.engine.take_turns_by(ctx.accounts.of_owner)
 
 
 def trust_proxies(config, addresses: tuple[str, ...]) -> None:

@@ -1,0 +1,113 @@
+"""Accounts: the login each session, job and request counts against, and how many jobs each has.
+
+Why: Gradio keys everything by a session hash the client makes up. Closing a heartbeat with a
+victim's hash cancelled the victim's job, and a per-session queue cap was no cap at all (8 made-up
+sessions x 8 joins filled the whole queue). A login cannot be made up, so ownership, quotas and turns
+are the login's ("account"): the Gradio cookie's user, or the A1111 API's basic-auth user. With no
+login at all everyone is one account, `LOCAL_ACCOUNT`.
+
+- A session hash belongs to the login that used it first (`claim`, made by the request guard on every
+  route that names one); another login naming it is refused. The record is bounded per account: past
+  `sessions_per_account` an account's least recently used session is forgotten (only that account's:
+  one login cannot push another's sessions out), and a client that has not logged in records nothing.
+- An account may have `--account-queue-size` jobs waiting or running, the UI's and the API's together
+  (`refusal`): the UI's are counted from Gradio's own queue (`gradio_jobs`, wired by `serve`), the
+  API's here (`api_job`).
+- The engine serves accounts in turn (`app/engine/queue.py`); `of_owner` tells it whose a job is.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from app.ui.sessions import API_OWNER
+
+LOCAL_ACCOUNT = "local"  # everyone, when the app has no login
+SESSION_HASH_CHARS = 128  # Gradio's page makes 11-character hashes, gradio_client a 36-character UUID
+
+
+class QuotaFull(Exception):
+    """An account already has as many jobs waiting or running as it may: nothing was queued."""
+
+
+@dataclass(eq=False)
+class Accounts:
+    """Thread-safe: the guard claims sessions on the event loop, the engine's callers ask from their threads."""
+
+    sessions_per_account: int = 256
+    gradio_jobs: Callable[[str], int] = lambda _account: 0  # the account's jobs in Gradio's queue (`serve`)
+    _owner_of: dict[str, str] = field(default_factory=dict)  # session hash -> account
+    _sessions: dict[str, collections.OrderedDict[str, None]] = field(default_factory=dict)  # account -> its, LRU
+    _api_jobs: collections.Counter[str] = field(default_factory=collections.Counter)
+    _api_account: str | None = None  # whose request holds the A1111 API's lane (one at a time)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self, session: str, account: str) -> bool:
+        """Whether `account` may use `session`: it already holds it, or nobody did (it holds it from now on)."""
+        with self._lock:
+            holder = self._owner_of.get(session)
+            if holder is not None and holder != account:
+                return False
+            mine = self._sessions.setdefault(account, collections.OrderedDict())
+            mine[session] = None
+            mine.move_to_end(session)
+            self._owner_of[session] = account
+            while len(mine) > self.sessions_per_account:
+                forgotten, _ = mine.popitem(last=False)
+                del self._owner_of[forgotten]
+            return True
+
+    def of_owner(self, owner: str | None) -> str | None:
+        """The account an engine job of `owner` (a session hash, or the API's) counts against; None when
+        nobody claimed it (no login: every job is everyone's)."""
+        with self._lock:
+            return self._api_account if owner == API_OWNER else self._owner_of.get(owner or "")
+
+    def sessions(self) -> int:
+        """How many session hashes are bound, all accounts together."""
+        with self._lock:
+            return len(self._owner_of)
+
+    def refusal(self, account: str, limit: int) -> str | None:
+        """Why `account` may not queue one more job (None: it may). Asked on the event loop, which is
+        where Gradio's queue changes."""
+        with self._lock:
+            return self._refusal(account, limit)
+
+    @contextlib.contextmanager
+    def api_job(self, account: str, limit: int) -> Iterator[None]:
+        """Count one API request of `account` while it waits and runs; `QuotaFull` when it may not."""
+        with self._lock:  # checked and counted at once, so parallel requests cannot all pass the check
+            problem = self._refusal(account, limit)
+            if problem is not None:
+                raise QuotaFull(problem)
+            self._api_jobs[account] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._api_jobs[account] -= 1
+                if not self._api_jobs[account]:
+                    del self._api_jobs[account]
+
+    def _refusal(self, account: str, limit: int) -> str | None:
+        held = self._api_jobs[account] + self.gradio_jobs(account)
+        if held < limit:
+            return None
+        return (f"this login already has {held} jobs waiting or running, the most one login may have "
+                f"(--account-queue-size {limit}); wait for one to finish")
+
+    @contextlib.contextmanager
+    def api_lane_held_by(self, account: str) -> Iterator[None]:
+        """While `account`'s request holds the API's lane, the API's engine jobs are that account's."""
+        with self._lock:
+            self._api_account = account
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._api_account = None
