@@ -16,17 +16,23 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import anyio
 import httpx
 import psutil
 import pytest
 from served_app import free_port, make_ui_data, running_app
 
+from app.a1111.lane import AccountLane
+from app.engine.desired import Desired
 from app.engine.generate import GenerateParams
+from app.engine.queue import Command, Turns, pick
+from app.engine.snapshot import EngineState
 from app.engine.worker import Engine
 from app.settings import Settings
+from app.ui.accounts import Accounts
 
 ALICE, BOB = ("alice", "alice-pass-1"), ("bob", "bob-pass-2")
 SLOW = dict(steps=30, width=256, height=256)  # one job of 5-15 s here
@@ -73,11 +79,13 @@ def _rss_mib() -> float:
 
 def _status_of_get(port: int, path: str) -> tuple[int, socket.socket]:
     """GET `path` without a cookie over a plain socket and read only the status line (the socket stays
-    open: the caller closes it, which for a heartbeat is the page closing)."""
+    open: the caller closes it, which for a heartbeat is the page closing); 0 when none came in 30 s."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
-    status = int(sock.makefile("rb").readline().split()[1])
-    return status, sock
+    try:
+        return int(sock.makefile("rb").readline().split()[1]), sock
+    except TimeoutError:
+        return 0, sock  # no answer within 30 s: the server is stalled
 
 
 # ---------------------------------------------------------------------- finding 1: nothing before the login
@@ -126,6 +134,26 @@ def test_the_login_form_is_open_and_everything_else_waits_for_the_login(app):
                  "/gradio_api/token", "/gradio_api/app_id", "/gradio_api/call/generate/x", "/monitoring/x"):
         assert anonymous.get(path).status_code == 401, path
     assert app.ui(ALICE).get("/config").status_code == 200
+
+
+def test_the_login_form_and_the_logged_in_page_work_in_a_browser(app, browser):
+    """Finding 1: the GETs kept open are enough for the login form, and the page a login opens answers
+    every request it makes (heartbeat, config, queue), none refused; its session is bound to its login."""
+    sessions = app.accounts.sessions()
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    refused = []
+    page.on("response", lambda answer: refused.append((answer.status, answer.url)) if answer.status >= 400 else None)
+    page.goto(app.url)
+    page.wait_for_selector("input[type=password]", timeout=60_000)
+    assert refused == []
+    page.fill("input[type=text]", ALICE[0])
+    page.fill("input[type=password]", ALICE[1])
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#sd-status-line >> text=READY", timeout=90_000)
+    page.wait_for_selector("#sd-lora-status >> text=Applied", timeout=60_000)
+    page.close()
+    assert refused == []
+    assert app.accounts.sessions() == sessions + 1
 
 
 def _join(client: httpx.Client, app: Served, session: str, **params) -> httpx.Response:
@@ -247,13 +275,83 @@ def test_a_second_logins_request_runs_next_while_another_fills_its_quota_through
         joined = _join(app.ui(ALICE), app, f"alice-{uuid.uuid4().hex[:8]}", **SMALL)
         assert joined.status_code == 429 and "--account-queue-size" in joined.json()["detail"], joined.text
         start = time.monotonic()
-        answer = bob.post("/sdapi/v1/txt2img", json=dict(prompt="a fox", **SMALL))
+        try:
+            answer = bob.post("/sdapi/v1/txt2img", json=dict(prompt="a fox", **SMALL), timeout=60)
+        except httpx.TimeoutException:
+            answer = None  # not served within a minute
         waited, before_bob = time.monotonic() - start, _slow_jobs_done(app.engine, since)
     finally:
         while any(sender.is_alive() for sender in senders):  # stop each of Alice's requests as it starts
             app.engine.interrupt(keep_partial=False)
             time.sleep(0.1)
     print(f"API: Bob's request answered in {waited:.1f} s, after {before_bob} of Alice's slow requests")
-    assert answer.status_code == 200 and len(answer.json()["images"]) == 1
+    assert answer is not None and answer.status_code == 200 and len(answer.json()["images"]) == 1
     assert before_bob <= 1
     assert waited < 30
+
+
+# ---------------------------------------------------------------------- the parts, without a server
+def _job(owner: str, account: str | None, desired: Desired) -> Command:
+    return Command("generate", "", EngineState.GENERATING, lambda: None, Future(), owner=owner, desired=desired,
+                   account=account)
+
+
+def test_the_engine_serves_logins_in_turn_and_each_owners_jobs_in_order():
+    """Finding 5: the engine's queue takes the next job from the login served longest ago (one never served
+    first), even when another login's waiting job needs no reload; each owner's jobs keep their order, and
+    without accounts the grouping by state decides as before."""
+    held, other = Desired(model="a"), Desired(model="b")
+    waiting = [_job(f"a{i}", "alice", held) for i in range(3)] + [_job("b0", "bob", other), _job("b0", "bob", held)]
+    turns, order = Turns(), []
+    turns.served("alice")  # the job running now is Alice's
+    while waiting:
+        chosen = waiting.pop(pick(waiting, held, turns))
+        turns.served(chosen.account)
+        order.append((chosen.owner, chosen.desired.model))
+        held = chosen.desired
+    assert order == [("b0", "b"), ("a0", "a"), ("b0", "a"), ("a1", "a"), ("a2", "a")]
+    grouped = [_job("x", None, other), _job("y", None, held)]
+    assert pick(grouped, held, Turns()) == 1  # one account: the job on the state held goes first
+
+
+def test_session_records_are_bounded_per_login():
+    """Finding 1: a session hash belongs to its first login; the record keeps at most
+    `sessions_per_account` per login (its least recently used forgotten), so one login's made-up hashes
+    can neither grow memory without bound nor push out another login's sessions."""
+    accounts = Accounts(sessions_per_account=4)
+    assert accounts.claim("bobs", "bob")
+    for i in range(100):
+        assert accounts.claim(f"made-up-{i}", "alice")
+    assert accounts.sessions() == 5
+    assert not accounts.claim("bobs", "alice") and accounts.of_owner("bobs") == "bob"
+    assert accounts.claim("made-up-0", "bob")  # forgotten by Alice's record: free again
+
+
+def test_the_api_lane_hands_over_by_login_in_turn():
+    """Finding 5: the A1111 API's one-at-a-time lane was first come, first served; now a login waiting
+    behind another's backlog is next once the request holding the lane ends, and a waiter cancelled
+    before its turn leaves the lane to the others."""
+    order = []
+
+    async def scenario() -> None:
+        lane = AccountLane()
+
+        async def request(account: str, name: str, hold: float) -> None:
+            async with lane.turn(account):
+                order.append(name)
+                await anyio.sleep(hold)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(request, "alice", "a0", 0.2)
+            await anyio.sleep(0.01)
+            for i in range(1, 4):
+                group.start_soon(request, "alice", f"a{i}", 0.01)
+                await anyio.sleep(0.01)
+            with anyio.move_on_after(0.05):
+                await request("carol", "never", 0)  # gives up while waiting
+            group.start_soon(request, "bob", "b0", 0.01)
+
+    runner = threading.Thread(target=anyio.run, args=(scenario,))  # a thread of its own: the browser tests'
+    runner.start()  # Playwright keeps an event loop running in this one
+    runner.join(10)
+    assert order == ["a0", "b0", "a1", "a2", "a3"]

@@ -61,11 +61,12 @@ class Accounts:
                 del self._owner_of[forgotten]
             return True
 
-    def of_owner(self, owner: str | None) -> str | None:
-        """The account an engine job of `owner` (a session hash, or the API's) counts against; None when
-        nobody claimed it (no login: every job is everyone's)."""
+    def of_owner(self, owner: str | None) -> str:
+        """The account an engine job of `owner` (a session hash, or the API's) counts against;
+        `LOCAL_ACCOUNT` when no login claimed it (with no login, that is every job)."""
         with self._lock:
-            return self._api_account if owner == API_OWNER else self._owner_of.get(owner or "")
+            account = self._api_account if owner == API_OWNER else self._owner_of.get(owner or "")
+        return account or LOCAL_ACCOUNT
 
     def sessions(self) -> int:
         """How many session hashes are bound, all accounts together."""
