@@ -144,8 +144,9 @@ def test_the_login_form_and_the_logged_in_page_work_in_a_browser(app, browser):
     refused = []
     page.on("response", lambda answer: refused.append((answer.status, answer.url)) if answer.status >= 400 else None)
     page.goto(app.url)
-    page.wait_for_selector("input[type=password]", timeout=60_000)
+    page.wait_for_load_state("networkidle")
     assert refused == []
+    page.wait_for_selector("input[type=password]", timeout=60_000)
     page.fill("input[type=text]", ALICE[0])
     page.fill("input[type=password]", ALICE[1])
     page.keyboard.press("Enter")

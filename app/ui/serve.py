@@ -42,6 +42,10 @@ from app.ui.guard import UPLOAD, GuardPolicy, gradio_jobs, install, loopback_hos
 
 log = logging.getLogger(__name__)
 GENERATED_USER = "steady"
+# Gradio keeps each session's copy of the page's config (about 0.57 MiB here) until it has this many,
+# the least recently used first out (its default, 10,000, let one logged-in client make up sessions
+# worth 5.6 GB); live pages stay recent through their status ticks. As many as `SessionStates` keeps.
+STATE_SESSIONS = 512
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
         auth=list(policy.credentials) or None, auth_message="Steady Diffusion: log in to continue",
         allowed_paths=[str(settings.outputs_dir)], prevent_thread_lock=True, quiet=True, show_error=True,
         inbrowser=False, footer_links=["api", "settings"], ssr_mode=False, mcp_server=False, pwa=False,
-        max_file_size=settings.max_upload_mib * 2**20, **launch_kwargs())
+        max_file_size=settings.max_upload_mib * 2**20, state_session_capacity=STATE_SESSIONS, **launch_kwargs())
     exposed = settings.listen or settings.share
     print(install_api(app, ctx, policy.credentials), flush=True)
     upload = (UPLOAD, settings.max_upload_mib * 2**20 + 2**16)  # one file and its multipart framing
