@@ -42,10 +42,22 @@ QUOTA = Settings.account_queue_size
 
 @dataclass(frozen=True)
 class Served:
-    url: str
-    port: int
+    """The module's app: its server (`app.ui.serve.Server`) and engine."""
+
+    server: object
     engine: Engine
-    demo: object  # the Gradio Blocks served
+
+    @property
+    def demo(self):
+        return self.server.demo
+
+    @property
+    def port(self) -> int:
+        return self.demo.server_port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def accounts(self):
@@ -66,11 +78,10 @@ class Served:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory, demo_dir):
-    port = free_port()
-    settings = Settings(data_dir=make_ui_data(tmp_path_factory.mktemp("logins"), demo_dir), device="cpu", port=port,
-                        listen=True, auth=(ALICE, BOB))
+    settings = Settings(data_dir=make_ui_data(tmp_path_factory.mktemp("logins"), demo_dir), device="cpu",
+                        port=free_port(), listen=True, auth=(ALICE, BOB))
     with running_app(settings) as (server, engine):
-        yield Served(f"http://127.0.0.1:{port}", port, engine, server.demo)
+        yield Served(server, engine)
 
 
 def _rss_mib() -> float:

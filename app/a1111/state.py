@@ -5,7 +5,7 @@ generate, load the previous one back), and two API requests interleaving those w
 with each other's checkpoint. A1111 holds one lock over the whole request; here one lane
 (`AccountLane`, logins served in turn) does the same for the API's engine calls, while the engine's
 own queue keeps the UI's calls and ours in order, the logins in turn there too. A request counts
-against its login's quota (`Accounts.api_job`: `--account-queue-size` jobs waiting or running, the
+against its login's quota (`Accounts.job`: `--account-queue-size` jobs waiting or running, the
 UI's included) from when it arrives; past it, it is refused (429) rather than queued.
 
 The job record (`JobRecord`) is what `/progress` reports beside the engine's own progress: when
@@ -90,7 +90,7 @@ class ApiState:
     async def run(self, job: str, call: Callable[[], T], account: str = LOCAL_ACCOUNT) -> T:
         """Run a blocking engine call in the API's lane as `account`'s job, recorded as `job` while it runs."""
         try:
-            with self.ctx.accounts.api_job(account, self.max_waiting):
+            with self.ctx.accounts.job(account, self.max_waiting):
                 async with self.lane.turn(account):
                     with self.ctx.accounts.api_lane_held_by(account):
                         return await anyio.to_thread.run_sync(self._recorded, job, call)

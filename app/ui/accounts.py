@@ -11,8 +11,9 @@ login at all everyone is one account, `LOCAL_ACCOUNT`.
   `sessions_per_account` an account's least recently used session is forgotten (only that account's:
   one login cannot push another's sessions out), and a client that has not logged in records nothing.
 - An account may have `--account-queue-size` jobs waiting or running, the UI's and the API's together
-  (`refusal`): the UI's are counted from Gradio's own queue (`gradio_jobs`, wired by `serve`), the
-  API's here (`api_job`).
+  (`job`): the UI's are counted from Gradio's own queue (`gradio_jobs`, wired by `serve`), the API's
+  requests here while they wait and run, and a UI job here while Gradio queues it (checked and counted
+  at once, so parallel joins cannot all pass the check).
 - The engine serves accounts in turn (`app/engine/queue.py`); `of_owner` tells it whose a job is.
 """
 
@@ -42,7 +43,7 @@ class Accounts:
     gradio_jobs: Callable[[str], int] = lambda _account: 0  # the account's jobs in Gradio's queue (`serve`)
     _owner_of: dict[str, str] = field(default_factory=dict)  # session hash -> account
     _sessions: dict[str, collections.OrderedDict[str, None]] = field(default_factory=dict)  # account -> its, LRU
-    _api_jobs: collections.Counter[str] = field(default_factory=collections.Counter)
+    _pending: collections.Counter[str] = field(default_factory=collections.Counter)  # jobs counted here
     _api_account: str | None = None  # whose request holds the A1111 API's lane (one at a time)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -73,34 +74,23 @@ class Accounts:
         with self._lock:
             return len(self._owner_of)
 
-    def refusal(self, account: str, limit: int) -> str | None:
-        """Why `account` may not queue one more job (None: it may). Asked on the event loop, which is
-        where Gradio's queue changes."""
-        with self._lock:
-            return self._refusal(account, limit)
-
     @contextlib.contextmanager
-    def api_job(self, account: str, limit: int) -> Iterator[None]:
-        """Count one API request of `account` while it waits and runs; `QuotaFull` when it may not."""
-        with self._lock:  # checked and counted at once, so parallel requests cannot all pass the check
-            problem = self._refusal(account, limit)
-            if problem is not None:
-                raise QuotaFull(problem)
-            self._api_jobs[account] += 1
+    def job(self, account: str, limit: int) -> Iterator[None]:
+        """Count one job of `account` while the block runs; `QuotaFull` (nothing counted) when it may not
+        have one more. Asked on the event loop, which is where Gradio's queue changes."""
+        with self._lock:
+            held = self._pending[account] + self.gradio_jobs(account)
+            if held >= limit:
+                raise QuotaFull(f"this login already has {held} jobs waiting or running, the most one login may "
+                                f"have (--account-queue-size {limit}); wait for one to finish")
+            self._pending[account] += 1
         try:
             yield
         finally:
             with self._lock:
-                self._api_jobs[account] -= 1
-                if not self._api_jobs[account]:
-                    del self._api_jobs[account]
-
-    def _refusal(self, account: str, limit: int) -> str | None:
-        held = self._api_jobs[account] + self.gradio_jobs(account)
-        if held < limit:
-            return None
-        return (f"this login already has {held} jobs waiting or running, the most one login may have "
-                f"(--account-queue-size {limit}); wait for one to finish")
+                self._pending[account] -= 1
+                if not self._pending[account]:
+                    del self._pending[account]
 
     @contextlib.contextmanager
     def api_lane_held_by(self, account: str) -> Iterator[None]:

@@ -19,7 +19,7 @@ measured). This layer, outermost so that nothing it refuses reaches Gradio, in t
 - lets a UI-only handler run only for a request from the app's own page in a browser
   (`ui_only.py`); scripts use the documented API, which does the same things;
 - caps the requests one session may have pending (Gradio's `max_size` caps the whole queue), and
-  the jobs one login may have waiting or running (`--account-queue-size`, `_queue_refusal`);
+  the jobs one login may have waiting or running (`--account-queue-size`, `_job_login`);
 - when the app has a login: refuses every GET but the few the login form needs (`_open_route`), and
   lets a request name a Gradio session hash, or a queued event, only of its own login
   (`_ownership_refusal`; `app/ui/accounts.py`);
@@ -43,7 +43,7 @@ from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 
 from app.image_inputs import ImageInputError, open_checked
-from app.ui.accounts import LOCAL_ACCOUNT, SESSION_HASH_CHARS, Accounts
+from app.ui.accounts import LOCAL_ACCOUNT, SESSION_HASH_CHARS, Accounts, QuotaFull
 from app.ui.common import GENERATION_LANE
 from app.ui.login_throttle import LoginThrottle
 from app.ui.ui_only import API_PREFIX, private_handler_refusal
@@ -275,11 +275,20 @@ class RequestGuard:
         if body is None:
             await _refused(413, f"request body over {limit:,} bytes")(scope, receive, send)
             return
-        refusal = self._refusal(scope["path"], Headers(scope=scope), body)
+        headers = Headers(scope=scope)
+        refusal = self._refusal(scope["path"], headers, body)
         if refusal is not None:
             await _refused(*refusal)(scope, receive, send)
             return
-        await self.app(scope, _replay(body, receive), send)
+        login = self._job_login(scope["path"], headers, body)
+        if login is None:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        try:
+            with self.accounts.job(login, self.policy.account_queue_size):  # until Gradio's record counts it
+                await self.app(scope, _replay(body, receive), send)
+        except QuotaFull as exc:
+            await _refused(429, str(exc))(scope, receive, send)
 
     def _refusal(self, path: str, headers: Headers, body: bytes) -> tuple[int, str] | None:
         if not path.startswith(API_PREFIX):
@@ -297,25 +306,27 @@ class RequestGuard:
         named = [data["session_hash"]] if data.get("session_hash") is not None else []
         events = [data["event_id"]] if path.rstrip("/") == CANCEL and "event_id" in data else []
         refusal = self._ownership_refusal(headers, named, events)
-        if refusal is None and path.rstrip("/") == QUEUE_JOIN:
-            refusal = self._queue_refusal(headers, data)
-        return refusal
-
-    def _queue_refusal(self, headers: Headers, data: dict) -> tuple[int, str] | None:
-        """A join past the session's cap (events of any kind, `--session-queue-size`), or a job (an event
-        of `JOB_LANES`) past its login's quota (`--account-queue-size`, the A1111 API's included)."""
         session = data.get("session_hash")
-        if isinstance(session, str):
+        if refusal is None and path.rstrip("/") == QUEUE_JOIN and isinstance(session, str):
             pending = len(self.demo._queue.pending_event_ids_session.get(session, ()))  # Gradio's own record
             if pending >= self.policy.session_queue_size:
                 return 429, (f"this session already has {pending} requests pending, the most one session may "
                              f"have (--session-queue-size); wait for them to finish")
-        fn_index = data.get("fn_index")
+        return refusal
+
+    def _job_login(self, path: str, headers: Headers, body: bytes) -> str | None:
+        """The login a join of a job (an event of `JOB_LANES`) counts against (`--account-queue-size`, the
+        A1111 API's requests included), or None for any other request."""
+        if path.rstrip("/") != QUEUE_JOIN:
+            return None
+        try:
+            fn_index = json.loads(body).get("fn_index")
+        except (ValueError, AttributeError):
+            return None
         fn = self.demo.fns.get(fn_index) if isinstance(fn_index, int) else None
         if fn is None or fn.concurrency_id not in JOB_LANES:
             return None
-        problem = self.accounts.refusal(self._login_of(headers) or LOCAL_ACCOUNT, self.policy.account_queue_size)
-        return None if problem is None else (429, problem)
+        return self._login_of(headers) or LOCAL_ACCOUNT
 
 
 def gradio_jobs(demo, account: str) -> int:
