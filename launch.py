@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests one browser tab or gradio_client session may have pending, of any kind")
     p.add_argument("--account-queue-size", type=int, default=Settings.account_queue_size,
                    help="jobs one login may have waiting or running, the UI's and the A1111 API's together "
-                        "(with no login, everyone shares one); the engine serves logins in turn")
+                        "(with no login, everyone is one account, bounded by --queue-size); logins take turns")
     p.add_argument("--max-upload-mib", type=int, default=Settings.max_upload_mib, help="largest upload accepted")
     p.add_argument("--lora-cache-mib", type=int, default=Settings.lora_cache_mib,
                    help="LoRA files kept in RAM after reading (0 = read from disk every time)")

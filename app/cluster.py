@@ -67,6 +67,7 @@ class EngineReplica:
         import torch
 
         from app.engine.worker import Engine
+        from app.ui.accounts import quota
         from app.ui.common import UiContext, checkpoint_names
 
         gpus = ray.get_gpu_ids()
@@ -78,7 +79,7 @@ class EngineReplica:
         first = initial_model or next(iter(checkpoint_names(settings)), None)
         if first is not None:
             self.engine.load_model(first)
-        self.state = ApiState(UiContext(self.engine, settings), max_waiting=settings.account_queue_size)
+        self.state = ApiState(UiContext(self.engine, settings), quota(settings, logins=False))
 
     @serve.multiplexed(max_num_models_per_replica=1)
     async def _hold(self, key: str) -> str:

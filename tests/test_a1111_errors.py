@@ -21,6 +21,7 @@ from app.a1111 import install_api
 from app.a1111.errors import ApiError
 from app.a1111.state import ApiState
 from app.settings import Settings
+from app.ui.accounts import Quota
 from app.ui.common import UiContext
 
 webuiapi = pytest.importorskip("webuiapi")
@@ -191,7 +192,7 @@ def test_launch_flags_for_the_api():
 
 
 def test_a_backlog_of_api_requests_is_refused_not_queued(tmp_path):
-    state = ApiState(UiContext(engine=None, settings=Settings(data_dir=tmp_path)), max_waiting=0)
+    state = ApiState(UiContext(engine=None, settings=Settings(data_dir=tmp_path)), Quota(0, "--account-queue-size"))
     with pytest.raises(ApiError) as caught:
         anyio.run(state.run, "txt2img", lambda: None)
     assert caught.value.status_code == 429

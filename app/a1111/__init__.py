@@ -17,6 +17,7 @@ from app.a1111.routes import sdapi_router
 from app.a1111.state import ApiState
 from app.a1111.steady import steady_router
 from app.settings import Settings
+from app.ui.accounts import quota
 from app.ui.common import UiContext
 
 GATED_PREFIXES = ("/sdapi/", "/steady/")  # behind the API's login, checked by the request guard
@@ -46,7 +47,8 @@ def install_api(app, ctx: UiContext, ui_logins: tuple[tuple[str, str], ...]) -> 
     if not api_enabled(settings, ui_logins):
         return ("A1111 API (/sdapi/v1) is off: the app is reachable without a login. Add --api-auth USER:PASS "
                 "(or --auth) to serve it behind one, or --api to serve it open.")
-    state = ApiState(ctx, max_waiting=settings.account_queue_size, logins=bool(api_logins(settings, ui_logins)))
+    logins = bool(api_logins(settings, ui_logins))
+    state = ApiState(ctx, quota(settings, logins), logins=logins)
     app.router.routes[0:0] = [*sdapi_router(state).routes, *steady_router(state).routes]
     return _describe(settings, api_logins(settings, ui_logins))
 

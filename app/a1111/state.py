@@ -32,7 +32,7 @@ from starlette.requests import Request
 from app.a1111.auth import basic_credentials
 from app.a1111.errors import ApiError
 from app.a1111.lane import AccountLane
-from app.ui.accounts import LOCAL_ACCOUNT, QuotaFull
+from app.ui.accounts import LOCAL_ACCOUNT, Quota, QuotaFull
 from app.ui.common import UiContext
 from app.ui.sessions import API_OWNER
 
@@ -62,12 +62,11 @@ class JobRecord:
 
 @dataclass
 class ApiState:
-    """Shared by every route of one served app. `max_waiting`: the jobs one login may have waiting or
-    running (`--account-queue-size`); `logins`: whether the API has logins (without, everyone is one
-    account)."""
+    """Shared by every route of one served app. `quota`: the jobs one login may have waiting or running
+    (`accounts.quota`); `logins`: whether the API has logins (without, everyone is one account)."""
 
     ctx: UiContext
-    max_waiting: int
+    quota: Quota
     logins: bool = False
     lane: AccountLane = field(default_factory=AccountLane)
     job: JobRecord = field(default_factory=JobRecord)
@@ -90,7 +89,7 @@ class ApiState:
     async def run(self, job: str, call: Callable[[], T], account: str = LOCAL_ACCOUNT) -> T:
         """Run a blocking engine call in the API's lane as `account`'s job, recorded as `job` while it runs."""
         try:
-            with self.ctx.accounts.job(account, self.max_waiting):
+            with self.ctx.accounts.job(account, self.quota):
                 async with self.lane.turn(account):
                     with self.ctx.accounts.api_lane_held_by(account):
                         return await anyio.to_thread.run_sync(self._recorded, job, call)

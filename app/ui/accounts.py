@@ -11,7 +11,8 @@ login at all everyone is one account, `LOCAL_ACCOUNT`.
   `sessions_per_account` an account's least recently used session is forgotten (only that account's:
   one login cannot push another's sessions out), and a client that has not logged in records nothing.
 - An account may have `--account-queue-size` jobs waiting or running, the UI's and the API's together
-  (`job`): the UI's are counted from Gradio's own queue (`gradio_jobs`, wired by `serve`), the API's
+  (`job`; with no login, the one account everyone shares may fill the whole queue, `--queue-size`:
+  `quota`): the UI's are counted from Gradio's own queue (`gradio_jobs`, wired by `serve`), the API's
   requests here while they wait and run, and a UI job here while Gradio queues it (checked and counted
   at once, so parallel joins cannot all pass the check).
 - The engine serves accounts in turn (`app/engine/queue.py`); `of_owner` tells it whose a job is.
@@ -25,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from app.settings import Settings
 from app.ui.sessions import API_OWNER
 
 LOCAL_ACCOUNT = "local"  # everyone, when the app has no login
@@ -33,6 +35,22 @@ SESSION_HASH_CHARS = 128  # Gradio's page makes 11-character hashes, gradio_clie
 
 class QuotaFull(Exception):
     """An account already has as many jobs waiting or running as it may: nothing was queued."""
+
+
+@dataclass(frozen=True)
+class Quota:
+    """How many jobs one account may have waiting or running, and the flag that sets it."""
+
+    jobs: int
+    flag: str
+
+
+def quota(settings: Settings, logins: bool) -> Quota:
+    """`--account-queue-size` per login; with no login everyone is one account, and a cap on it would let
+    one local script or anonymous visitor lock everyone out, so it may fill the whole queue."""
+    if logins:
+        return Quota(settings.account_queue_size, "--account-queue-size")
+    return Quota(settings.queue_size, "--queue-size")
 
 
 @dataclass(eq=False)
@@ -75,14 +93,14 @@ class Accounts:
             return len(self._owner_of)
 
     @contextlib.contextmanager
-    def job(self, account: str, limit: int) -> Iterator[None]:
+    def job(self, account: str, limit: Quota) -> Iterator[None]:
         """Count one job of `account` while the block runs; `QuotaFull` (nothing counted) when it may not
         have one more. Asked on the event loop, which is where Gradio's queue changes."""
         with self._lock:
             held = self._pending[account] + self.gradio_jobs(account)
-            if held >= limit:
+            if held >= limit.jobs:
                 raise QuotaFull(f"this login already has {held} jobs waiting or running, the most one login may "
-                                f"have (--account-queue-size {limit}); wait for one to finish")
+                                f"have ({limit.flag} {limit.jobs}); wait for one to finish")
             self._pending[account] += 1
         try:
             yield

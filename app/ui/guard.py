@@ -43,7 +43,7 @@ from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 
 from app.image_inputs import ImageInputError, open_checked
-from app.ui.accounts import LOCAL_ACCOUNT, SESSION_HASH_CHARS, Accounts, QuotaFull
+from app.ui.accounts import LOCAL_ACCOUNT, SESSION_HASH_CHARS, Accounts, Quota, QuotaFull
 from app.ui.common import GENERATION_LANE
 from app.ui.login_throttle import LoginThrottle
 from app.ui.ui_only import API_PREFIX, private_handler_refusal
@@ -86,7 +86,7 @@ class GuardPolicy:
 
     allowed_hosts: frozenset[str] | None
     session_queue_size: int
-    account_queue_size: int = 8
+    account_quota: Quota = Quota(8, "--account-queue-size")
     gated_prefixes: tuple[str, ...] = ()
     gate: Callable[[Scope], ASGIApp | None] | None = None
     body_limits: tuple[tuple[str, int], ...] = ()
@@ -285,7 +285,7 @@ class RequestGuard:
             await self.app(scope, _replay(body, receive), send)
             return
         try:
-            with self.accounts.job(login, self.policy.account_queue_size):  # until Gradio's record counts it
+            with self.accounts.job(login, self.policy.account_quota):  # until Gradio's record counts it
                 await self.app(scope, _replay(body, receive), send)
         except QuotaFull as exc:
             await _refused(429, str(exc))(scope, receive, send)

@@ -36,6 +36,7 @@ from app.diagnostics import RecentLogHandler
 from app.engine.pool import make_engine
 from app.engine.worker import Engine
 from app.settings import Settings
+from app.ui.accounts import quota
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names
 from app.ui.guard import UPLOAD, GuardPolicy, gradio_jobs, install, loopback_hosts
@@ -104,7 +105,7 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
     print(install_api(app, ctx, policy.credentials), flush=True)
     upload = (UPLOAD, settings.max_upload_mib * 2**20 + 2**16)  # one file and its multipart framing
     guard = GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
-                        settings.account_queue_size, gated_prefixes=GATED_PREFIXES,
+                        quota(settings, policy.required), gated_prefixes=GATED_PREFIXES,
                         gate=api_gate(settings, policy.credentials), body_limits=(upload, *body_limits(settings)))
     install(app, demo, guard, ctx.accounts)
     count_jobs_by_account(ctx, demo)
