@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-size", type=int, default=Settings.queue_size,
                    help="requests that may wait in the queue, all users together")
     p.add_argument("--session-queue-size", type=int, default=Settings.session_queue_size,
-                   help="requests one browser tab or API client may have pending")
+                   help="requests one browser tab or gradio_client session may have pending, of any kind")
+    p.add_argument("--account-queue-size", type=int, default=Settings.account_queue_size,
+                   help="jobs one login may have waiting or running, the UI's and the A1111 API's together "
+                        "(with no login, everyone is one account, bounded by --queue-size); logins take turns")
     p.add_argument("--max-upload-mib", type=int, default=Settings.max_upload_mib,
                    help="largest upload accepted: one request, all its files together")
     p.add_argument("--max-upload-files", type=int, default=Settings.max_upload_files,
@@ -117,6 +120,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         forwarded_allow_ips=tuple(ip.strip() for arg in args.forwarded_allow_ips for ip in arg.split(",")
                                   if ip.strip()),
         queue_size=args.queue_size, session_queue_size=args.session_queue_size,
+        account_queue_size=args.account_queue_size,
         max_upload_mib=args.max_upload_mib, max_upload_files=args.max_upload_files,
         account_upload_quota_mib=args.account_upload_quota_mib, lora_cache_mib=args.lora_cache_mib,
         memory_budget_gib=args.memory_budget_gib,

@@ -85,6 +85,7 @@ class EngineReplica:
 
         from app.engine.worker import Engine
         from app.ui.common import UiContext, checkpoint_names
+        from app.ui.login_jobs import quota
 
         gpus = ray.get_gpu_ids()
         device = "cuda" if gpus else "cpu"  # Ray sets CUDA_VISIBLE_DEVICES: the replica sees its one GPU
@@ -95,7 +96,7 @@ class EngineReplica:
         first = initial_model or next(iter(checkpoint_names(settings)), None)
         if first is not None:
             self.engine.load_model(first)
-        self.state = ApiState(UiContext(self.engine, settings), max_waiting=settings.session_queue_size)
+        self.state = ApiState(UiContext(self.engine, settings), quota(settings, logins=False))
 
     @serve.multiplexed(max_num_models_per_replica=1)
     async def _hold(self, key: str) -> str:

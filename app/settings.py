@@ -84,7 +84,8 @@ class Settings:
     # per-LoRA choices, stopping others' jobs, the shared styles); none named: the first login (app/accounts.py).
     admins: tuple[str, ...] = ()
     queue_size: int = 64  # requests waiting in the app's queue, all sessions together
-    session_queue_size: int = 8  # requests one browser tab or client may have pending
+    session_queue_size: int = 8  # requests one browser tab or gradio_client session may have pending, of any kind
+    account_queue_size: int = 8  # jobs one login may have waiting or running, UI and A1111 API together
     max_upload_mib: int = 16  # one upload request, all its files together
     max_upload_files: int = 16  # files in one upload request (a gallery's pictures come in one)
     account_upload_quota_mib: int = 256  # uploaded temp files one login may hold on disk at once
@@ -117,7 +118,7 @@ class Settings:
             raise ValueError(f"the slider range must lie within ±{MAX_STRENGTH:g} (the largest LoRA strength), "
                              f"got {self.slider_min}..{self.slider_max}")
         for name, minimum in (("lora_cache_mib", 0), ("queue_size", 1), ("session_queue_size", 1),
-                              ("max_upload_mib", 1), ("max_upload_files", 1)):
+                              ("account_queue_size", 1), ("max_upload_mib", 1), ("max_upload_files", 1)):
             if getattr(self, name) < minimum:
                 raise ValueError(f"{name} must be at least {minimum}, got {getattr(self, name)}")
         if self.account_upload_quota_mib < self.max_upload_mib:

@@ -22,6 +22,7 @@ from app.a1111.errors import ApiError
 from app.a1111.state import ApiState
 from app.settings import Settings
 from app.ui.common import UiContext
+from app.ui.login_jobs import Quota
 
 webuiapi = pytest.importorskip("webuiapi")
 ERROR_KEYS = {"error", "detail", "body", "errors"}
@@ -191,7 +192,7 @@ def test_launch_flags_for_the_api():
 
 
 def test_a_backlog_of_api_requests_is_refused_not_queued(tmp_path):
-    state = ApiState(UiContext(engine=None, settings=Settings(data_dir=tmp_path)), max_waiting=0)
+    state = ApiState(UiContext(engine=None, settings=Settings(data_dir=tmp_path)), Quota(0, "--account-queue-size"))
     with pytest.raises(ApiError) as caught:
         anyio.run(state.run, "txt2img", lambda: None)
     assert caught.value.status_code == 429

@@ -331,12 +331,13 @@ def test_the_a1111_img2img_api_reads_init_images_as_references_when_asked(eng, d
     from app.a1111.schema import Img2ImgRequest
     from app.a1111.state import ApiState
     from app.ui.common import UiContext
+    from app.ui.login_jobs import quota
 
     eng.load_model(FILE)
     picture = references()[0]
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG")
-    state = ApiState(UiContext(engine=eng, settings=eng.settings), max_waiting=1)
+    state = ApiState(UiContext(engine=eng, settings=eng.settings), quota(eng.settings, logins=False))
     body = dict(prompt="a red cube", steps=2, width=64, height=64, seed=7, sampler_name="Euler", cfg_scale=1.0,
                 init_images=[base64.b64encode(buffer.getvalue()).decode()])
     answer = img2img.run(state, Img2ImgRequest(**body, reference_images=True))

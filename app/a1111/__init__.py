@@ -18,6 +18,7 @@ from app.a1111.state import ApiState
 from app.a1111.steady import steady_router
 from app.settings import Settings
 from app.ui.common import UiContext
+from app.ui.login_jobs import quota
 
 GATED_PREFIXES = ("/sdapi/", "/steady/")  # behind the API's login, checked by the request guard
 # The routes that take base64 images in their JSON; every other route has the guard's 1 MiB cap.
@@ -46,7 +47,7 @@ def install_api(app, ctx: UiContext, ui_logins: tuple[tuple[str, str], ...]) -> 
     if not api_enabled(settings, ui_logins):
         return ("A1111 API (/sdapi/v1) is off: the app is reachable without a login. Add --api-auth USER:PASS "
                 "(or --auth) to serve it behind one, or --api to serve it open.")
-    state = ApiState(ctx, max_waiting=settings.session_queue_size)
+    state = ApiState(ctx, quota(settings, bool(api_logins(settings, ui_logins))))
     routes = [*sdapi_router(state).routes, *steady_router(state).routes]
     for route in routes:
         route.data_dir = settings.data_dir  # its answers name files relative to the data folder

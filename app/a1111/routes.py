@@ -1,7 +1,8 @@
 """The `/sdapi/v1/...` routes: thin handlers over `txt2img`, `options`, `progress`, `pnginfo`, `listings`.
 
 Handlers that change or use the model run in the API's lane (`ApiState.run`), so they reach the
-engine one at a time, like every other caller, through its queue; read-only lists run in the
+engine one at a time, like every other caller, through its queue, each counted against its login's
+quota and the logins taking turns; read-only lists run in the
 thread pool; `progress`, `interrupt` and `skip` only read the snapshot or set a flag, so they
 answer at once, even while a generation holds the engine.
 
@@ -60,25 +61,25 @@ def _generation(router: APIRouter, state: ApiState) -> None:
     async def text2img(req: Txt2ImgRequest, request: Request) -> dict:
         account = state.account(request)
         _refuse_bad_input(req, state, account)
-        return await state.run("txt2img", lambda: txt2img.run(state, req, account))
+        return await state.run("txt2img", lambda: txt2img.run(state, req, account), account)
 
     @router.post("/img2img", response_model=ImageToImageResponse)
     async def image2img(req: Img2ImgRequest, request: Request) -> dict:
         account = state.account(request)
         _refuse_bad_input(req, state, account)
-        return await state.run("img2img", lambda: img2img.run(state, req, account))
+        return await state.run("img2img", lambda: img2img.run(state, req, account), account)
 
     @router.post("/extra-single-image", response_model=ExtrasSingleImageResponse)
     async def extra_single_image(req: ExtrasSingleImageRequest, request: Request) -> dict:
         extras.params(req)  # refuse bad numbers before the request waits in the lane
         account = state.account(request)
-        return await state.run("extras", lambda: extras.single(state, req, account))
+        return await state.run("extras", lambda: extras.single(state, req, account), account)
 
     @router.post("/extra-batch-images", response_model=ExtrasBatchImagesResponse)
     async def extra_batch_images(req: ExtrasBatchImagesRequest, request: Request) -> dict:
         extras.params(req)
         account = state.account(request)
-        return await state.run("extras", lambda: extras.batch(state, req, account))
+        return await state.run("extras", lambda: extras.batch(state, req, account), account)
 
     @router.post("/png-info", response_model=PNGInfoResponse)
     def png_info(req: PNGInfoRequest) -> dict:
@@ -113,19 +114,19 @@ def _model_control(router: APIRouter, state: ApiState) -> None:
     @router.post("/options")
     async def set_options(changes: FreeDict, request: Request) -> None:
         account = state.account(request)
-        await state.run("options", lambda: options.apply(state, changes, account))
+        await state.run("options", lambda: options.apply(state, changes, account), account)
 
     @router.post("/unload-checkpoint")
     async def unload_checkpoint(request: Request) -> dict:
-        require_admin(state.account(request), "unload-checkpoint")
+        account = require_admin(state.account(request), "unload-checkpoint")
         state.remember_model()
-        await state.run("unload", state.engine.unload)
+        await state.run("unload", state.engine.unload, account)
         return {}
 
     @router.post("/reload-checkpoint")
     async def reload_checkpoint(request: Request) -> dict:
         account = require_admin(state.account(request), "reload-checkpoint")
-        await state.run("reload", lambda: checkpoints.ensure_model(state, None, account))
+        await state.run("reload", lambda: checkpoints.ensure_model(state, None, account), account)
         return {}
 
     @router.post("/refresh-checkpoints")

@@ -2,11 +2,11 @@
 
 Why a lane: a txt2img with `override_settings` is three engine calls (load the asked checkpoint,
 generate, load the previous one back), and two API requests interleaving those would generate
-with each other's checkpoint. A1111 holds one lock over the whole request; here one
-`CapacityLimiter` of size 1 does the same for the API's engine calls, while the engine's own
-queue keeps the UI's calls and ours in order. Waiting requests are coroutines, not threads, so a
-backlog of API calls cannot starve the thread pool the UI's handlers run in; past
-`Settings.session_queue_size` waiting requests, the next one is refused (429) rather than queued.
+with each other's checkpoint. A1111 holds one lock over the whole request; here one lane
+(`AccountLane`, logins served in turn) does the same for the API's engine calls, while the engine's
+own queue keeps the UI's calls and ours in order, the logins in turn there too. A request counts
+against its login's quota (`LoginJobs.job`: `--account-queue-size` jobs waiting or running, the
+UI's included) from when it arrives; past it, it is refused (429) rather than queued.
 
 The job record (`JobRecord`) is what `/progress` reports beside the engine's own progress: when
 the current API job started (for the ETA), what it was asked to do and whether an Interrupt or
@@ -22,7 +22,6 @@ an Interrupt or Skip from a login that is not an admin stops only its own.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,8 +33,10 @@ from starlette.requests import Request
 
 from app.a1111.auth import basic_user
 from app.a1111.errors import ApiError
-from app.accounts import Account
+from app.a1111.lane import AccountLane
+from app.accounts import LOCAL_ACCOUNT, Account
 from app.ui.common import UiContext
+from app.ui.login_jobs import Quota, QuotaFull
 from app.ui.sessions import api_owner
 
 T = TypeVar("T")
@@ -67,17 +68,16 @@ class JobRecord:
 
 @dataclass
 class ApiState:
-    """Shared by every route of one served app."""
+    """Shared by every route of one served app. `quota`: the jobs one login may have waiting or running
+    (`login_jobs.quota`)."""
 
     ctx: UiContext
-    max_waiting: int
-    lane: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(1))
+    quota: Quota
+    lane: AccountLane = field(default_factory=AccountLane)
     job: JobRecord = field(default_factory=JobRecord)
     last_model: str | None = None  # the checkpoint to load back after an unload (A1111 reloads on demand)
     seen_since: float | None = None  # when `/progress` first saw the engine busy with a job not the API's
     clip_skips: dict[str, int] = field(default_factory=dict)  # account -> A1111's `CLIP_stop_at_last_layers`
-    _waiting: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def engine(self):
@@ -91,19 +91,14 @@ class ApiState:
         """The clip skip `account`'s requests use unless they override it (1 until its `POST /options`)."""
         return self.clip_skips.get(account.name, 1)
 
-    async def run(self, job: str, call: Callable[[], T]) -> T:
-        """Run a blocking engine call in the API's lane, recorded as `job` while it runs."""
-        with self._lock:
-            if self._waiting >= self.max_waiting:
-                raise ApiError(429, f"{self._waiting} API requests are already waiting for the engine, the most "
-                                    "allowed (--session-queue-size); try again when they are done",
-                               {"Retry-After": "5"})
-            self._waiting += 1
+    async def run(self, job: str, call: Callable[[], T], account: Account = LOCAL_ACCOUNT) -> T:
+        """Run a blocking engine call in the API's lane as `account`'s job, recorded as `job` while it runs."""
         try:
-            return await anyio.to_thread.run_sync(self._recorded, job, call, limiter=self.lane)
-        finally:
-            with self._lock:
-                self._waiting -= 1
+            with self.ctx.login_jobs.job(account.name, self.quota):
+                async with self.lane.turn(account.name):
+                    return await anyio.to_thread.run_sync(self._recorded, job, call)
+        except QuotaFull as exc:
+            raise ApiError(429, str(exc), {"Retry-After": "5"}) from None
 
     def _recorded(self, job: str, call: Callable[[], T]) -> T:
         self.job.begin(job)

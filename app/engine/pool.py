@@ -181,6 +181,11 @@ class EnginePool:
         self.settings = self.settings.replace(**{k: v for k, v in switches.items() if v is not None})
         return self.settings
 
+    def take_turns_by(self, account_of: Callable[[str | None], str | None]) -> None:
+        """`Engine.take_turns_by` on every engine."""
+        for engine in self.engines:
+            engine.take_turns_by(account_of)
+
     def close(self) -> None:
         for engine in self.engines:
             engine.close()

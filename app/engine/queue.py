@@ -6,17 +6,21 @@ milliseconds on a GPU; a model switch costs seconds. So when several users' jobs
 one taken is the one whose `Desired` the engine already holds (else one on the same checkpoint,
 else the oldest), and jobs asking for the same state run back to back.
 
-Why fair: a job may be passed over at most `MAX_PASSES` times; then it runs next, whatever it
-costs. One owner's jobs keep their order (only each owner's oldest waiting job is a candidate),
-and only the leading run of generations is regrouped: a mutation, a query or a generation
-without a `Desired` is a barrier nothing behind it overtakes.
+Why fair: accounts (logins, `app/ui/login_jobs.py`) take turns: the next job is one of the account
+served longest ago (one never served first), so while one login has its whole quota waiting, another
+login's job runs right after the job now running, not behind that backlog. Within the account's turn
+the grouping above decides, and a job may be passed over at most `MAX_PASSES` times; then it runs
+next, whatever it costs. One owner's jobs keep their order (only each owner's oldest waiting job is
+a candidate), and only the leading run of generations is regrouped: a mutation, a query or a
+generation without a `Desired` is a barrier nothing behind it overtakes. Without accounts (every
+job's `account` None) it is the grouping alone.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +29,7 @@ from app.engine.desired import Desired
 from app.engine.snapshot import EngineState
 
 MAX_PASSES = 3  # how many later jobs a waiting job lets go first
+TURNS_KEPT = 1024  # accounts remembered by when they were last served (logins are few; a bound all the same)
 
 
 class EngineBusy(RuntimeError):
@@ -43,6 +48,28 @@ class Command:
     desired: Desired | None = None  # the state a generation needs; the worker reconciles to it first
     passed: int = 0  # how many later jobs were taken before it
     stage: bool = False  # one stage of a workflow command: the workflow's job outlives it
+    account: str | None = None  # the login it counts against: accounts take turns
+
+
+class Turns:
+    """Accounts by when each was last served, longest ago first (bounded: the oldest are forgotten, and
+    a forgotten account counts as never served). Not thread-safe: its owner locks."""
+
+    def __init__(self, kept: int = TURNS_KEPT) -> None:
+        self._kept = kept
+        self._served: collections.OrderedDict[Any, None] = collections.OrderedDict()
+
+    def next_of(self, accounts: Iterable[Any]) -> Any:
+        """Whose turn it is among `accounts` (in arrival order): one never served, else the one served
+        longest ago."""
+        order = {account: rank for rank, account in enumerate(self._served)}
+        return min(accounts, key=lambda account: order.get(account, -1))
+
+    def served(self, account: Any) -> None:
+        self._served.pop(account, None)
+        self._served[account] = None
+        while len(self._served) > self._kept:
+            self._served.popitem(last=False)
 
 
 def _cost(command: Command, held: Desired) -> int:
@@ -52,9 +79,10 @@ def _cost(command: Command, held: Desired) -> int:
     return 1 if command.desired.model_key() == held.model_key() else 2
 
 
-def pick(waiting: Sequence[Command | None], held: Desired) -> int:
-    """Which waiting command runs next, given the `Desired` the engine holds (see the module docstring).
-    Passes are counted on the candidates taken over; the caller removes the returned index."""
+def pick(waiting: Sequence[Command | None], held: Desired, turns: Turns | None = None) -> int:
+    """Which waiting command runs next, given the `Desired` the engine holds and the accounts' `turns`
+    (see the module docstring). Passes are counted on the candidates of the same account taken over;
+    the caller removes the returned index."""
     window = 0
     while window < len(waiting) and waiting[window] is not None and waiting[window].desired is not None:
         window += 1
@@ -67,6 +95,8 @@ def pick(waiting: Sequence[Command | None], held: Desired) -> int:
             candidates.append(index)
         if owner is not None:
             owners.add(owner)
+    account = (turns or Turns()).next_of(waiting[i].account for i in candidates)
+    candidates = [i for i in candidates if waiting[i].account == account]
     overdue = [i for i in candidates if waiting[i].passed >= MAX_PASSES]
     chosen = overdue[0] if overdue else min(candidates, key=lambda i: (_cost(waiting[i], held), i))
     for index in candidates:
@@ -81,6 +111,7 @@ class CommandQueue:
     def __init__(self, size: int) -> None:
         self._size = size
         self._items: collections.deque[Command | None] = collections.deque()
+        self._turns = Turns()
         self._wake = threading.Condition()
 
     def __len__(self) -> int:
@@ -104,10 +135,11 @@ class CommandQueue:
         with self._wake:
             while not self._items:
                 self._wake.wait()
-            index = pick(self._items, held)
+            index = pick(self._items, held, self._turns)
             command = self._items[index]
             del self._items[index]
             if command is not None:
+                self._turns.served(command.account)
                 on_take(command)
             return command
 

@@ -70,6 +70,7 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         self.memory_budget = job_memory.budget_for(settings.memory_budget_gib, self.device)  # what one job may plan
         self.library = LoraLibrary(settings.lora_dir, cache_bytes=settings.lora_cache_mib * 2**20)
         self._queue = CommandQueue(settings.queue_size)
+        self._account_of: Callable[[str | None], str | None] = lambda _owner: None  # all one account
         self._state = EngineState.EMPTY
         self._desired = Desired(dtype=settings.dtype, offload=settings.offload, weights=settings.weights)
         self._held_for: str | None = None  # the owner whose job last set `_desired` (None: a direct change)
@@ -234,8 +235,14 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         """Queue a command; `record=False` runs a read-only query on the worker, outside the state machine.
         A command with `desired` runs after a `reconcile` transition has made the model match it."""
         future: Future = Future()
-        self._queue.put(Command(name, detail, state, body, future, record, owner, desired))
+        self._queue.put(Command(name, detail, state, body, future, record, owner, desired,
+                                account=self._account_of(owner)))
         return future
+
+    def take_turns_by(self, account_of: Callable[[str | None], str | None]) -> None:
+        """Serve the accounts in turn (`app/engine/queue.py`): `account_of(owner)` names the login a job of
+        `owner` counts against (`Accounts.of_owner`), read when the job is queued."""
+        self._account_of = account_of
 
     def close(self) -> None:
         self._queue.close()

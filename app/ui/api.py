@@ -230,7 +230,7 @@ def _generate_endpoint(ctx: UiContext) -> None:
                     "complete": im.complete, "stopped_at": im.stopped_at, "notes": list(notes)} for im in images]
         yield gallery_items(images), images[0].infotext if images else "", details
 
-    trigger.click(generate, inputs, outputs, api_name="generate", **generation_lane(ctx),
+    trigger.click(generate, inputs, outputs, api_name="generate", **generation_lane(),
                   api_description="Generate with this client's state (what its set_loras and load_model "
                                   "chose, else no LoRA and the default checkpoint) plus any <lora:name:w> prompt tags; "
                                   "n_iter runs (A1111's batch count) of `batch` images each; A1111's emphasis "

@@ -32,12 +32,13 @@ from app.safetensors_files import file_sha256
 from app.settings import Settings
 from app.shown_paths import without_folders
 from app.styles import StyleBook, account_file
+from app.ui.login_jobs import LoginJobs
 from app.ui.lora_cards import CardCache
 from app.ui.sessions import SessionStates
 
 log = logging.getLogger(__name__)
 POLL_S = 0.15
-JOBS_PER_ENGINE = 4  # generations Gradio lets through at once per engine: the engine groups those waiting
+GENERATION_LANE = "generate"  # the Gradio lane of every generation
 MAX_LORAS = 8  # slots on the Generate tab; the API takes any number
 # Gradio finds a progress tracker by a parameter *default* that is a `gr.Progress`, and only among
 # positional parameters; handlers with `*values` therefore put `progress=PROGRESS` first.
@@ -69,8 +70,9 @@ class FileHashes:
 class UiContext:
     """The engine (or an `EnginePool`) plus what the UI keeps beside it: log capture for reports, secrets
     to redact, file caches, when the session started (the History tab's "this session"), start-up notes
-    (why the first checkpoint was not the one loaded), each session's own desired state and the accounts
-    (who is an admin; the default, no login, makes every request the local admin)."""
+    (why the first checkpoint was not the one loaded), each session's own desired state, the accounts
+    (who is an admin; the default, no login, makes every request the local admin) and the logins
+    sessions and jobs belong to (`login_jobs`)."""
 
     engine: Engine
     settings: Settings
@@ -82,6 +84,7 @@ class UiContext:
     startup_notes: list[str] = field(default_factory=list)
     sessions: SessionStates = field(default_factory=SessionStates)
     accounts: Accounts = field(default_factory=Accounts)
+    login_jobs: LoginJobs = field(default_factory=LoginJobs)
 
     def desired_for(self, owner: str):
         """The whole state `owner`'s next generation carries (`app/ui/sessions.py`)."""
@@ -168,10 +171,13 @@ def run_with_progress(engine: Engine, call: Callable[[], Any], progress: gr.Prog
     return running.result()
 
 
-def generation_lane(ctx: UiContext) -> dict:
-    """Event arguments of the lane every generation shares: several at once, so each engine has jobs
-    waiting to group by the state they carry (each carries its own, so their order cannot mix them)."""
-    return dict(concurrency_id="generate", concurrency_limit=JOBS_PER_ENGINE * len(ctx.engine.snapshots()))
+def generation_lane() -> dict:
+    """Event arguments of the lane every generation shares: no limit, so every job waits in the engine's
+    queue, which serves the logins in turn and groups jobs by the state they carry (each carries its
+    own, so their order cannot mix them). Gradio's own lane is first come, first served: with a limit,
+    one login's backlog kept another's job out of the engine for minutes. Each login's quota
+    (`--account-queue-size`, checked by the request guard) bounds how many there are."""
+    return dict(concurrency_id=GENERATION_LANE, concurrency_limit=None)
 
 
 def checkpoint_names(settings: Settings) -> list[str]:

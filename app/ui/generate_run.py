@@ -275,7 +275,7 @@ def wire_generate(ctx: UiContext, go: gr.Button, stops: StopControls, fields: tu
         yield from _generate(ctx, request, progress, args[:split[0]], args[split[0]:split[1]], infos, tuple(values))
 
     go.click(ui_generate, [*settings, *hires, results[2], *state],
-             [*results, go, *stops.buttons, *slots.view], api_visibility="private", **generation_lane(ctx),
+             [*results, go, *stops.buttons, *slots.view], api_visibility="private", **generation_lane(),
              show_progress_on=[results[0]])
     wire_stop(ctx, stops)
 

@@ -19,7 +19,11 @@ measured). This layer, outermost so that nothing it refuses reaches Gradio, in t
   bytes, files and account quota as it streams, chunked bodies included (`upload_quota.py`);
 - lets a UI-only handler run only for a request from the app's own page in a browser
   (`ui_only.py`); scripts use the documented API, which does the same things;
-- caps the requests one session may have pending (Gradio's `max_size` caps the whole queue);
+- caps the requests one session may have pending (Gradio's `max_size` caps the whole queue), and
+  the jobs one login may have waiting or running (`--account-queue-size`, `_job_login`);
+- when the app has a login: refuses every GET but the few the login form needs (`_open_route`), and
+  lets a request name a Gradio session hash, or a queued event, only of its own login
+  (`_ownership_refusal`; `app/ui/login_jobs.py`);
 - drops every `Access-Control-*` header from answers: the app's page is its own origin and needs
   none, so no other origin is ever allowed to read an answer with the user's cookie.
 """
@@ -34,16 +38,19 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import anyio
 from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 
+from app.accounts import LOCAL
 from app.image_inputs import ImageInputError, open_checked
+from app.ui.common import GENERATION_LANE
+from app.ui.login_jobs import SESSION_HASH_CHARS, LoginJobs, Quota, QuotaFull
 from app.ui.login_throttle import LoginThrottle
 from app.ui.ui_only import API_PREFIX, from_own_page, private_handler_refusal
-from app.ui.upload_quota import LOCAL_ACCOUNT, StreamedUpload, UploadQuota, dicts_in, referenced, remove_ended
+from app.ui.upload_quota import StreamedUpload, UploadQuota, dicts_in, referenced, remove_ended
 
 log = logging.getLogger(__name__)
 QUEUE_JOIN = f"{API_PREFIX}/queue/join"
@@ -54,6 +61,18 @@ LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # FastAPI's schema of every route, the A1111 API's included: behind the API's login like the API.
 SCHEMA_PATHS = ("/openapi.json", "/docs", "/redoc")
+HEARTBEAT = f"{API_PREFIX}/heartbeat/"  # + a session hash: closing it runs the page-closed handlers
+STREAM = f"{API_PREFIX}/stream/"  # GET: + a session hash and a media stream of it; POST: + an event id
+QUEUE_DATA = f"{API_PREFIX}/queue/data"  # ?session_hash=: the session's results, as they come
+CALL = f"{API_PREFIX}/call/"  # GET + name + event id: that event's results
+CANCEL = f"{API_PREFIX}/cancel"
+# What a GET may fetch before the login (`RequestGuard._open_route` says why these).
+OPEN_PATHS = frozenset({"/", "/favicon.ico", "/robots.txt", "/manifest.json", "/theme.css", f"{API_PREFIX}/theme.css",
+                        f"{API_PREFIX}/login_check", f"{API_PREFIX}/login_check/"})
+OPEN_PREFIXES = ("/assets/", "/static/", "/svelte/", "/pwa_icon")
+# Gradio lanes whose events wait for the engine: what counts as a login's jobs. "loras" is the lane of
+# every engine change and of the img2img and Extras tabs (`lora_panel.LORA_QUEUE`).
+JOB_LANES = frozenset({GENERATION_LANE, "loras"})
 
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -73,6 +92,7 @@ class GuardPolicy:
 
     allowed_hosts: frozenset[str] | None
     session_queue_size: int
+    account_quota: Quota = Quota(8, "--account-queue-size")
     gated_prefixes: tuple[str, ...] = ()
     gate: Callable[[Scope], ASGIApp | None] | None = None
     body_limits: tuple[tuple[str, int], ...] = ()
@@ -92,7 +112,7 @@ class RequestGuard:
     holds the UI's logins and session tokens (Gradio's `auth`, `tokens`, `cookie_id`)."""
 
     def __init__(self, app: ASGIApp, demo, policy: GuardPolicy, gradio_app=None,
-                 throttle: LoginThrottle | None = None) -> None:
+                 throttle: LoginThrottle | None = None, login_jobs: LoginJobs | None = None) -> None:
         self.app = app
         self.demo = demo
         self.policy = policy
@@ -101,12 +121,14 @@ class RequestGuard:
         self.uploads = UploadQuota(policy.account_upload_quota,  # Gradio's queue keeps an event until it ends
                                    live=lambda event: event in demo._queue.event_ids_to_events)
         self._sweeper: asyncio.Task | None = None
+        self.login_jobs = login_jobs or LoginJobs()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = self._refusal_before_body(scope, Headers(scope=scope))
+        headers = Headers(scope=scope)
+        refusal = self._refusal_before_body(scope, headers) or self._named_in_route(scope, headers)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -136,6 +158,8 @@ class RequestGuard:
                 return _refused(403, "a web page of another site cannot send requests that change anything here")
             if path.rstrip("/") != "/login" and not self._ui_session(headers):
                 return _refused(401, "Not authenticated: log in first")
+        elif not self._open_route(path) and not self._ui_session(headers):
+            return _refused(401, "Not authenticated: log in first")
         declared = headers.get("content-length", "")
         limit = self.policy.body_limit(path)
         if declared.isdigit() and int(declared) > limit:
@@ -145,11 +169,68 @@ class RequestGuard:
     def _ui_session(self, headers: Headers) -> bool:
         """Whether the request carries a logged-in UI session (or the UI has no login): Gradio's own
         check, made here so that nothing is read or parsed for a client that has not logged in."""
+        return self._login_of(headers) is not None
+
+    def _has_login(self) -> bool:
+        return self.gradio_app is not None and self.gradio_app.auth is not None
+
+    def _login_of(self, headers: Headers) -> str | None:
+        """The UI login of the request's session cookie (Gradio's `app.tokens`), None when it has none;
+        `LOCAL` when the UI has no login."""
         app = self.gradio_app
-        if app is None or app.auth is None:
-            return True
+        if not self._has_login():
+            return LOCAL
         token = self._token(headers)
-        return token is not None and token in app.tokens
+        return app.tokens.get(token) if token is not None else None
+
+    def _open_route(self, path: str) -> bool:
+        """Whether a GET (HEAD, OPTIONS) of `path` is answered without a login. Open: the page itself
+        (Gradio answers its login form there), the login check the form makes, and the page's code,
+        styles and icons (`/assets/`, `/static/`, `/svelte/`, theme, favicon, manifest, robots.txt), the
+        same files for everyone. Everything else waits for the login: the heartbeat (closing it runs the
+        page-closed handlers), the queue's results, media streams, `/config`, `/info`, files, the user
+        and token routes, the startup events, monitoring."""
+        return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+    def _named_in_route(self, scope: Scope, headers: Headers) -> ASGIApp | None:
+        """The ownership check for the session hash or event id a route's path or query names."""
+        path = scope["path"]
+        if not self._has_login() or not path.startswith(API_PREFIX):
+            return None
+        sessions, events = [], []
+        if path.startswith(HEARTBEAT):
+            sessions.append(path[len(HEARTBEAT):])
+        elif path.startswith(STREAM):
+            head = path[len(STREAM):].split("/", 1)[0]
+            (sessions if scope["method"] in SAFE_METHODS else events).append(head)
+        elif path.rstrip("/") == QUEUE_DATA:
+            sessions += parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash", [])
+        elif path.startswith(CALL) and scope["method"] in SAFE_METHODS:
+            events.append(path.rstrip("/").rsplit("/", 1)[-1])
+        refusal = self._ownership_refusal(headers, sessions, events)
+        return None if refusal is None else _refused(*refusal)
+
+    def _ownership_refusal(self, headers: Headers, sessions: list, events: list) -> tuple[int, str] | None:
+        """A session hash belongs to the login that used it first (`LoginJobs.claim`); a queued event to the
+        login that joined it (Gradio's `Event.username`). Naming another login's is refused (403), so
+        nobody can close another's page, cancel or read its jobs; a client that has not logged in never
+        gets here (401), so it records nothing."""
+        if not self._has_login() or not (sessions or events):
+            return None
+        login = self._login_of(headers)
+        if login is None:
+            return 401, "Not authenticated: log in first"
+        for session in sessions:
+            if not isinstance(session, str) or not 0 < len(session) <= SESSION_HASH_CHARS:
+                return 400, f"a session hash is a string of 1 to {SESSION_HASH_CHARS} characters"
+            if not self.login_jobs.claim(session, login):
+                return 403, "this session belongs to another login"
+        known = self.demo._queue.event_ids_to_events  # Gradio's own record of queued and running events
+        for event_id in events:
+            event = known.get(event_id) if isinstance(event_id, str) else None
+            if event is not None and event.username != login:
+                return 403, "this event belongs to another login"
+        return None
 
     def _token(self, headers: Headers) -> str | None:
         """The session token of the request's login cookie (Gradio's `access-token` cookies)."""
@@ -159,10 +240,7 @@ class RequestGuard:
 
     def _account(self, headers: Headers) -> str:
         """Whose quota a request counts in: the logged-in user, or one local account without a login."""
-        app = self.gradio_app
-        if app is None or app.auth is None:
-            return LOCAL_ACCOUNT
-        return app.tokens.get(self._token(headers), LOCAL_ACCOUNT)
+        return self._login_of(headers) or LOCAL
 
     async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Each attempt counts as a failure until Gradio answers 200, so parallel guesses are throttled too."""
@@ -241,7 +319,7 @@ class RequestGuard:
             data = None
         paths = referenced(data, self.uploads.files) if self.uploads.files else []
         if not paths:
-            await self.app(scope, _replay(body, receive), send)
+            await self._forward(scope, receive, send, body)
             return
         answer = []
 
@@ -264,14 +342,25 @@ class RequestGuard:
         if body is None:
             await _refused(413, f"request body over {limit:,} bytes")(scope, receive, send)
             return
-        refusal = self._refusal(scope["path"], Headers(scope=scope), body)
+        headers = Headers(scope=scope)
+        refusal = self._refusal(scope["path"], headers, body)
         if refusal is not None:
             await _refused(*refusal)(scope, receive, send)
             return
-        if scope["path"].rstrip("/") == QUEUE_JOIN:
-            await self._join(scope, receive, send, body)
-        else:
-            await self.app(scope, _replay(body, receive), send)
+        run = self._join if scope["path"].rstrip("/") == QUEUE_JOIN else self._forward
+        login = self._job_login(scope["path"], headers, body)
+        if login is None:
+            await run(scope, receive, send, body)
+            return
+        try:
+            with self.login_jobs.job(login, self.policy.account_quota):  # until Gradio's record counts it
+                await run(scope, receive, send, body)
+        except QuotaFull as exc:
+            await _refused(429, str(exc))(scope, receive, send)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        """Hand the request, its body already read, to Gradio."""
+        await self.app(scope, _replay(body, receive), send)
 
     def _refusal(self, path: str, headers: Headers, body: bytes) -> tuple[int, str] | None:
         if not path.startswith(API_PREFIX):
@@ -286,13 +375,36 @@ class RequestGuard:
             return 403, refusal
         if fetches_a_file(data.get("data")):
             return 400, "files must be uploaded first (gradio_client's handle_file does), not sent as a URL"
+        named = [data["session_hash"]] if data.get("session_hash") is not None else []
+        events = [data["event_id"]] if path.rstrip("/") == CANCEL and "event_id" in data else []
+        refusal = self._ownership_refusal(headers, named, events)
         session = data.get("session_hash")
-        if path.rstrip("/") == QUEUE_JOIN and isinstance(session, str):
+        if refusal is None and path.rstrip("/") == QUEUE_JOIN and isinstance(session, str):
             pending = len(self.demo._queue.pending_event_ids_session.get(session, ()))  # Gradio's own record
             if pending >= self.policy.session_queue_size:
                 return 429, (f"this session already has {pending} requests pending, the most one session may "
                              f"have (--session-queue-size); wait for them to finish")
-        return None
+        return refusal
+
+    def _job_login(self, path: str, headers: Headers, body: bytes) -> str | None:
+        """The login a join of a job (an event of `JOB_LANES`) counts against (`--account-queue-size`, the
+        A1111 API's requests included), or None for any other request."""
+        if path.rstrip("/") != QUEUE_JOIN:
+            return None
+        try:
+            fn_index = json.loads(body).get("fn_index")
+        except (ValueError, AttributeError):
+            return None
+        fn = self.demo.fns.get(fn_index) if isinstance(fn_index, int) else None
+        if fn is None or fn.concurrency_id not in JOB_LANES:
+            return None
+        return self._login_of(headers) or LOCAL
+
+
+def gradio_jobs(demo, account: str) -> int:
+    """`account`'s jobs in Gradio's queue: its events of `JOB_LANES` waiting or running (Gradio's own record)."""
+    return sum(1 for event in list(demo._queue.event_ids_to_events.values())
+               if (event.username or LOCAL) == account and event.concurrency_id in JOB_LANES)
 
 
 def saved_paths(answer: bytes) -> list[str]:
@@ -393,7 +505,7 @@ def _refused(status: int, detail: str, extra: list[tuple[bytes, bytes]] | None =
     return answer
 
 
-def install(app, demo, policy: GuardPolicy) -> RequestGuard:
+def install(app, demo, policy: GuardPolicy, login_jobs: LoginJobs | None = None) -> RequestGuard:
     """Wrap the launched app's middleware stack, so the guard runs before Gradio's CORS layer.
 
     Starlette builds the stack on the first request (Gradio's own readiness probe during
@@ -401,6 +513,6 @@ def install(app, demo, policy: GuardPolicy) -> RequestGuard:
     to put a layer outside Gradio's. Requests already in flight finish on the old stack.
     """
     stack = app.middleware_stack or app.build_middleware_stack()
-    guard = RequestGuard(stack, demo, policy, gradio_app=app)
+    guard = RequestGuard(stack, demo, policy, gradio_app=app, login_jobs=login_jobs)
     app.middleware_stack = guard
     return guard

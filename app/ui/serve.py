@@ -7,15 +7,16 @@ report). Offline, Gradio cannot create a share link; we say so plainly and keep 
 
 Only the outputs folder is added to Gradio's `allowed_paths`: generated images are served from
 there; models and LoRAs are only ever addressed by name through the engine. The queue is bounded
-(`--queue-size` for the app, `--session-queue-size` per session), REST routes cannot bypass it
-(`api_open=False`), uploads are capped (`--max-upload-mib`, `--max-upload-files`,
-`--account-upload-quota-mib`), and `guard.py` adds what Gradio
+(`--queue-size` for the app, `--session-queue-size` per session, `--account-queue-size` jobs per
+login, the logins served in turn), REST routes cannot bypass it (`api_open=False`), uploads are
+capped (`--max-upload-mib`, `--max-upload-files`, `--account-upload-quota-mib`), and `guard.py` adds what Gradio
 lacks: the Host check in localhost mode, the login before any body is read, login backoff keyed on
 the socket's peer (`trust_proxies`), body caps, UI-only handlers kept to the UI, no CORS.
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import logging
 import secrets
@@ -40,10 +41,15 @@ from app.settings import Settings
 from app.shown_paths import without_folders
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names
-from app.ui.guard import UPLOAD, GuardPolicy, install, loopback_hosts
+from app.ui.guard import UPLOAD, GuardPolicy, gradio_jobs, install, loopback_hosts
+from app.ui.login_jobs import quota
 
 log = logging.getLogger(__name__)
 GENERATED_USER = "steady"
+# Gradio keeps each session's copy of the page's config (about 0.57 MiB here) until it has this many,
+# the least recently used first out (its default, 10,000, let one logged-in client make up sessions
+# worth 5.6 GB); live pages stay recent through their status ticks. As many as `SessionStates` keeps.
+STATE_SESSIONS = 512
 
 
 @dataclass(frozen=True)
@@ -100,17 +106,26 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
         auth=list(policy.credentials) or None, auth_message="Steady Diffusion: log in to continue",
         allowed_paths=[str(settings.outputs_dir)], prevent_thread_lock=True, quiet=True, show_error=True,
         inbrowser=False, footer_links=["api", "settings"], ssr_mode=False, mcp_server=False, pwa=False,
-        max_file_size=settings.max_upload_mib * 2**20, **launch_kwargs())
+        max_file_size=settings.max_upload_mib * 2**20, state_session_capacity=STATE_SESSIONS, **launch_kwargs())
     exposed = settings.listen or settings.share
     print(install_api(app, ctx, policy.credentials), flush=True)
     upload = (UPLOAD, settings.max_upload_mib * 2**20 + 2**16)  # one file and its multipart framing
-    install(app, demo, GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
-                                   gated_prefixes=GATED_PREFIXES, gate=api_gate(settings, policy.credentials),
-                                   body_limits=(upload, *body_limits(settings)),
-                                   max_upload_files=settings.max_upload_files,
-                                   account_upload_quota=settings.account_upload_quota_mib << 20))
+    guard = GuardPolicy(None if exposed else loopback_hosts(demo.server_port), settings.session_queue_size,
+                        quota(settings, policy.required), gated_prefixes=GATED_PREFIXES,
+                        gate=api_gate(settings, policy.credentials), body_limits=(upload, *body_limits(settings)),
+                        max_upload_files=settings.max_upload_files,
+                        account_upload_quota=settings.account_upload_quota_mib << 20)
+    install(app, demo, guard, ctx.login_jobs)
+    count_jobs_by_account(ctx, demo)
     trust_proxies(demo.server.config, settings.forwarded_allow_ips)
     return Server(demo, local_url, share_url, policy)
+
+
+def count_jobs_by_account(ctx: UiContext, demo: gr.Blocks) -> None:
+    """Quotas and turns per login (`app/ui/login_jobs.py`): the UI's jobs are counted from Gradio's queue,
+    and the engine serves the logins in turn."""
+    ctx.login_jobs.gradio_jobs = functools.partial(gradio_jobs, demo)
+    ctx.engine.take_turns_by(ctx.login_jobs.of_owner)
 
 
 def trust_proxies(config, addresses: tuple[str, ...]) -> None:

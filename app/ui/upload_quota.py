@@ -33,7 +33,6 @@ from starlette.datastructures import Headers
 FILE_FLOOR = 64 << 10
 UNUSED_TTL_S = 3600.0
 SWEEP_S = 1.0  # how often held files are checked for an ended job or an expired wait
-LOCAL_ACCOUNT = "local"  # the one account of an app served without a login
 
 Receive = Callable[[], Awaitable[dict]]
 

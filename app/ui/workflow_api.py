@@ -179,7 +179,7 @@ def register_workflow_api(ctx: UiContext) -> None:
         return run_hires(ctx, base, hires_scale, hires_upscaler, hires_steps, denoising_strength, hires_sampler,
                          hires_prompt, hires_negative_prompt, progress=progress, owner=owner_of(request))
 
-    common = generation_lane(ctx)
+    common = generation_lane()
     buttons[0].click(img2img, [*base, image, strength, resize], outputs, api_name="img2img", **common,
                      api_description="img2img from one init image (A1111 resize modes); returns (images, infotext, "
                                      "[{seed, infotext, file, notes}]).")
