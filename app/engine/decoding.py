@@ -42,6 +42,18 @@ WHOLE_DECODE_PIXELS = 1024 * 1024
 DECODE_TILING = Tiling(tile=64, overlap=16)
 
 
+def pixels_at_once(image_pixels: int, images: int, scale: int) -> int:
+    """Output pixels whose activations `decode` holds at once for `images` images of `image_pixels` each
+    (`scale`: the VAE's latent-to-pixel factor): the whole batch up to `WHOLE_DECODE_PIXELS`, else one
+    image, else one tile with its context. The memory estimate (app/engine/job_memory.py) reads it."""
+    if images * image_pixels <= WHOLE_DECODE_PIXELS:
+        return images * image_pixels
+    if image_pixels <= WHOLE_DECODE_PIXELS:
+        return image_pixels
+    side = (DECODE_TILING.tile + 2 * DECODE_TILING.overlap) * scale
+    return min(side * side, image_pixels)
+
+
 def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     """Latents -> PIL images through the VAE on the execution device, in the VAE's compute dtype.
     A stop inside a streamed decode returns the images finished before it (a whole decode: none)."""

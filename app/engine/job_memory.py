@@ -10,8 +10,11 @@ refused with the estimate, the budget and the flag that sets it (`--memory-budge
 The estimate is the job's peak on top of the loaded models, in two pools: the compute device (the
 VAE's and the upscaler's activations, the prompt embeddings) and the host (the pixels: decoded,
 post-processed, upscaled, kept until the answer). On a CPU device both are RAM and add up. The
-factors below were measured on the current decode and upscale (peak RSS growth of a fresh process,
-`VmHWM`), in float32; a half-precision VAE needs less, so the estimate stays an upper bound there.
+factors below were measured on the whole-batch decode and the upscale (peak RSS growth of a fresh
+process, `VmHWM`), in float32; a half-precision VAE needs less, so the estimate stays an upper bound
+there. The decode holds them for the pixels it decodes at once (`decoding.pixels_at_once`: above
+1024² of a batch it streams image by image, and tiles an image above that), the VAE encode of
+img2img and the hires pass for its whole batch.
 The denoiser's own activations live at the latent resolution (64 times fewer positions than the
 decode's) and stay below the decode's peak, so the decode decides.
 """
@@ -25,19 +28,21 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from app.engine.decoding import pixels_at_once
 from app.families import Family
 
 GIB = 2**30
 # The VAE decode (and encode) of one output pixel: its full-resolution layers hold this many bytes per
 # channel of the VAE's full-resolution width (`block_out_channels[0]`: 128 on every real VAE, 16 on the
 # tiny ones), on the device; measured 36-41 (SD1.5, tiny and real), 37-48 (FLUX.1's, Z-Image's), 51-58
-# (FLUX.2's), rounded up to one factor. A tiled, streamed decode lowers it: this is the one place to say so.
+# (FLUX.2's), rounded up to one factor.
 VAE_BYTES_PER_CHANNEL = 60
 PIXEL_BYTES = 80  # host bytes per decoded pixel: float32 RGB, its post-processed copies, the 8-bit picture
 KEPT_BYTES = 12  # host bytes per pixel of each finished image until the answer: the picture, its PNG, base64
-# An upscaler pass of output pixels: the float32 result assembled on the host and its conversion to 8 bits
-# (measured 39-51 bytes on the demo's 4x model); one tile's activations at the output resolution on the
-# device (a 64-feature ESRGAN holds a few 64-channel float32 maps there).
+# An upscaler pass of output pixels: measured 39-51 bytes on the demo's 4x model when the pass assembled a
+# float32 result; tiles now go straight into the 8-bit result (app/upscalers/tiling.py), which needs less,
+# so this stays an upper bound until it is measured again. One tile's activations at the output resolution
+# on the device (a 64-feature ESRGAN holds a few 64-channel float32 maps there).
 UPSCALE_BYTES = 56
 UPSCALE_TILE_BYTES = 1024
 ASSUMED_UPSCALER_SCALE = 4  # an upscaler model not loaded yet and not named "4x-…"/"…x4": the usual scale
@@ -54,10 +59,12 @@ class JobMemoryError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate reads from a model: its VAE's full-resolution width and, per text encoder, the
-    width of its embeddings and whether it reads 75-token chunks (else one row of `sequence` tokens)."""
+    """What the estimate reads from a model: its VAE's full-resolution width and latent-to-pixel factor and,
+    per text encoder, the width of its embeddings and whether it reads 75-token chunks (else one row of
+    `sequence` tokens)."""
 
     vae_width: int
+    vae_scale: int
     encoders: tuple[tuple[int, bool], ...]
     sequence: int = CHUNK_TOKENS
 
@@ -119,8 +126,8 @@ def model_shape(fam: Family, pipe=None) -> ModelShape:
     configs): a tiny demo model is estimated as what it is, a model not loaded yet as a real one."""
     vae = _config(fam, pipe, "vae")
     widths = tuple((_width(_config(fam, pipe, te.component)), te.chunked) for te in fam.text_encoders)
-    return ModelShape((vae.get("decoder_block_out_channels") or vae["block_out_channels"])[0], widths,
-                      fam.max_sequence_length or CHUNK_TOKENS)
+    blocks = vae.get("decoder_block_out_channels") or vae["block_out_channels"]
+    return ModelShape(blocks[0], 2 ** (len(blocks) - 1), widths, fam.max_sequence_length or CHUNK_TOKENS)
 
 
 def _config(fam: Family, pipe, component: str) -> Mapping:
@@ -138,8 +145,13 @@ def _width(config: Mapping) -> int:
 
 
 def vae_pass(shape: ModelShape, pixels: int) -> tuple[int, int]:
-    """(device, host) bytes of one VAE decode or encode of `pixels` output pixels (the whole batch at once)."""
+    """(device, host) bytes of a VAE pass over `pixels` output pixels at once (an encode: the whole batch)."""
     return pixels * VAE_BYTES_PER_CHANNEL * shape.vae_width, pixels * PIXEL_BYTES
+
+
+def decode_pass(shape: ModelShape, width: int, height: int, images: int) -> tuple[int, int]:
+    """(device, host) bytes of decoding `images` images of `width` x `height`, streamed as `decode` runs it."""
+    return vae_pass(shape, pixels_at_once(width * height, images, shape.vae_scale))
 
 
 def embeddings(shape: ModelShape, chunks: int, images: int) -> int:
@@ -174,15 +186,18 @@ def peak(what: str, phases: Sequence[tuple[int, int]], device: int = 0, host: in
                           host + max((h for _d, h in phases), default=0), what)
 
 
-def generation(shape: ModelShape, params, chunks: int, what: str, *, second=None, upscale_cost=(0, 0)
-               ) -> MemoryEstimate:
-    """A txt2img, img2img or inpaint job of `params` (`GenerateParams`): each run decodes its batch at once
-    (img2img encodes it first, at the same size); with a hires fix, `second` is the second pass (its
-    encode and decode at the target size) and `upscale_cost` the model upscale of one image, while the
-    decoded first pass waits. Every finished image is kept until the answer."""
+def generation(shape: ModelShape, params, chunks: int, what: str, *, encodes: bool = False, second=None,
+               upscale_cost=(0, 0)) -> MemoryEstimate:
+    """A txt2img, img2img or inpaint job of `params` (`GenerateParams`): each run decodes its batch as
+    `decode` streams it (`encodes`: img2img and inpaint encode the whole batch first, at the same size);
+    with a hires fix, `second` is the second pass (its encode of the whole batch and its decode at the
+    target size) and `upscale_cost` the model upscale of one image, while the decoded first pass waits.
+    Every finished image is kept until the answer."""
     first = params.width * params.height * params.batch
     final = second or params
-    phases = [vae_pass(shape, first)]
+    phases = [decode_pass(shape, params.width, params.height, params.batch)]
+    if encodes:
+        phases.append(vae_pass(shape, first))
     if second is not None:
         phases += [vae_pass(shape, second.width * second.height * params.batch),
                    (upscale_cost[0], upscale_cost[1] + first * KEPT_BYTES)]

@@ -78,7 +78,7 @@ class Workflows:
                             inpainting_mask_invert)
         source.steps_run(params)
         self._require_stage(self._arch_for(desired), source.workflow, source.workflow)
-        self._admit(source.workflow, params, desired)
+        self._admit(source.workflow, params, desired, encodes=True)
         if variation.of(params) is not None or params.refiner_checkpoint:
             raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
                              f"variation strength and the resize sizes to 0 and clear the refiner for "
@@ -134,10 +134,11 @@ class Workflows:
             return snap.arch
         return models.planned_arch(self.settings.checkpoints_dir, desired.model)
 
-    def _admit(self, kind: str, params: GenerateParams, desired: Desired | None, hires: HiresParams | None = None
-               ) -> None:
+    def _admit(self, kind: str, params: GenerateParams, desired: Desired | None, hires: HiresParams | None = None,
+               encodes: bool = False) -> None:
         """Refuse, before queueing, a job of `kind` whose prompt has more chunks than the cap or whose memory
-        estimate is over the budget (app/engine/job_memory.py); the model is the one the job will run on."""
+        estimate is over the budget (app/engine/job_memory.py); the model is the one the job will run on.
+        `encodes`: the job VAE-encodes its batch first (img2img, inpaint)."""
         arch = self._arch_for(desired)
         if arch is None:
             return  # no model to run on: the job is refused as such
@@ -156,8 +157,8 @@ class Workflows:
                 factor = max(second.width / params.width, second.height / params.height)
                 cost = job_memory.upscale((params.width, params.height), factor, self.upscaler_scale(hires.upscaler),
                                           self.tile_side)
-        job_memory.admit(self.memory_budget, job_memory.generation(shape, params, chunks, what, second=second,
-                                                                   upscale_cost=cost))
+        job_memory.admit(self.memory_budget, job_memory.generation(
+            shape, params, chunks, what, encodes=encodes, second=second, upscale_cost=cost))
 
     @staticmethod
     def _require_stage(arch: str | None, kind: str, what: str) -> None:
