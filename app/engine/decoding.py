@@ -8,7 +8,7 @@ the batch are ever held; an image itself above it is decoded in tiles (`tiling.t
 upscalers use: `DECODE_TILING` in latent pixels, each tile decoded with `overlap` latents of context
 and only its core kept, straight into the 8-bit image).
 
-Why that threshold: 1024² is the native size of the largest families (SDXL, Flux, Klein, Z-Image) and
+Why that threshold: 1024² is the largest native size of any family today, and lies
 above every size the oracle tests compare with diffusers' own pipelines, so at and below it the
 decode is diffusers' one call on the batch, bit for bit as before (a batch decoded image by image
 differs from the batched call in the last float bits on the CPU: the convolution kernels block

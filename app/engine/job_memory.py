@@ -34,8 +34,8 @@ from app.families import Family
 GIB = 2**30
 # The VAE decode (and encode) of one output pixel: its full-resolution layers hold this many bytes per
 # channel of the VAE's full-resolution width (`block_out_channels[0]`: 128 on every real VAE, 16 on the
-# tiny ones), on the device; measured 36-41 (SD1.5, tiny and real), 37-48 (FLUX.1's, Z-Image's), 51-58
-# (FLUX.2's), rounded up to one factor.
+# tiny ones), on the device; measured 36-58 across the families' VAEs, tiny and real, rounded up to one
+# factor.
 VAE_BYTES_PER_CHANNEL = 60
 PIXEL_BYTES = 80  # host bytes per decoded pixel: float32 RGB, its post-processed copies, the 8-bit picture
 KEPT_BYTES = 12  # host bytes per pixel of each finished image until the answer: the picture, its PNG, base64
@@ -139,7 +139,8 @@ def _config(fam: Family, pipe, component: str) -> Mapping:
 
 
 def _width(config: Mapping) -> int:
-    """A text encoder's embedding width: `hidden_size` (CLIP, Qwen3) or `d_model` (T5); nested text configs too."""
+    """A text encoder's embedding width: `hidden_size` (CLIP, decoder-only encoders) or `d_model` (T5);
+    nested text configs too."""
     text = config.get("text_config") or config
     return int(text.get("hidden_size") or text.get("d_model") or 0)
 
