@@ -29,6 +29,7 @@ import torch
 # Lower runs first before the forward and last after it.
 HOOK_ORDER: dict[str, int] = {
     "control.interrupt": -10,  # a stop asked inside a step lands before the block (app/engine/interrupt.py)
+    "control.sliced_attention": -9,  # a large CPU attention call runs in slices a stop can land between (same)
     "offload.inputs": 0,      # a component's tensor arguments go to its compute device
     "offload.component": 10,  # model/balanced: the whole component comes to the compute device
     "offload.stream": 20,     # sequential/group: a module's or block's weights are streamed in
