@@ -75,7 +75,7 @@ class BasicAuth:
                                 "script")
         if not self.logins:
             return
-        offered = basic_credentials(headers.get("authorization", ""))
+        offered = _credentials(headers.get("authorization", ""))
         if offered is None:
             raise ApiError(401, "Not authenticated: send HTTP basic auth (the API's user and password)", CHALLENGE)
         wait = self.throttle.begin(client, time.monotonic())
@@ -98,11 +98,11 @@ class BasicAuth:
 
 def basic_user(headers: Headers) -> str | None:
     """The user name of a request's basic auth (checked by the request guard before the route ran), or None."""
-    offered = basic_credentials(headers.get("authorization", ""))
+    offered = _credentials(headers.get("authorization", ""))
     return offered[0] if offered else None
 
 
-def basic_credentials(header: str) -> tuple[str, str] | None:
+def _credentials(header: str) -> tuple[str, str] | None:
     """(user, password) from an `Authorization: Basic …` header, or None when there is none."""
     scheme, _, encoded = header.partition(" ")
     if scheme.lower() != "basic" or not encoded.strip():
