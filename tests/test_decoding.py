@@ -89,13 +89,15 @@ def test_batches_up_to_the_threshold_decode_in_one_call_and_larger_ones_image_by
 def test_a_large_batch_decodes_one_image_at_a_time(loaded):
     """Issue 43 finding 3: a whole-batch decode holds every image's activations at once (the tiny SD1.5 at
     2048² x 2 peaked at +5.4 GiB; here 1024² x 4 took +2.4 GiB). Streamed, 1024² x 4 holds one image's
-    activations and the 8-bit images: under +1 GiB (measured +0.6 GiB), four whole 1024² images."""
+    activations and the 8-bit images: under +1.5 GiB, well below four images' activations. The same streamed
+    decode's RSS growth spreads with the heap's layout (app/heap.py keeps freed blocks resident during a
+    job): measured +0.38-0.94 GiB here across runs and +1.01 GiB in a CI run."""
     pipe = loaded._lifecycle.pipeline
     latents = _latents(pipe, 4, 1024, seed=2)
     images, grown = peak_rss_while(lambda: _decoded(loaded, latents))
     print(f"1024² x 4 decode: RSS +{grown / 2**30:.2f} GiB")
     assert [im.size for im in images] == [(1024, 1024)] * 4
-    assert grown < 2**30, f"RSS grew {grown / 2**30:.2f} GiB"
+    assert grown < 1.5 * 2**30, f"RSS grew {grown / 2**30:.2f} GiB"
 
 
 def test_a_stopped_decode_of_four_2048_images_returns_within_seconds_in_little_memory(loaded):
