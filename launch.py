@@ -18,6 +18,7 @@ os.environ.setdefault("NO_PROXY", "localhost,127.0.0.1")
 from app.console import quiet_third_party  # noqa: E402
 from app.logins import add_login_flags, login_settings  # noqa: E402
 from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings  # noqa: E402
+from app.torch_pair import pair_problem  # noqa: E402
 
 log = logging.getLogger("steady_diffusion")
 
@@ -156,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         path = write_bug_report_offline(settings, Path(args.bug_report))
         print(f"bug report written to {path}")
         return 0
+    problem = pair_problem()
+    if problem:  # one line naming the pair to install, not spandrel's traceback later
+        print(f"launch.py: {problem}", file=sys.stderr)
+        return 1
     from app.ui.serve import serve
 
     return serve(settings, initial_model=args.model, create_demo=not args.no_demo)
