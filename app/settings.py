@@ -170,6 +170,11 @@ class Settings:
         return self.data_dir / "part-choices.json"
 
     @property
+    def default_checkpoint_file(self) -> Path:
+        """The sessions' default checkpoint, loaded first at the next start (`app/ui/default_checkpoint.py`)."""
+        return self.data_dir / "default-checkpoint.json"
+
+    @property
     def lora_options_file(self) -> Path:
         """Per-LoRA choices (partial application allowed), remembered per LoRA name."""
         return self.data_dir / "lora-options.json"

@@ -82,9 +82,13 @@ class UiContext:
     hashes: FileHashes = field(default_factory=FileHashes)
     started: float = field(default_factory=time.time)
     startup_notes: list[str] = field(default_factory=list)
-    sessions: SessionStates = field(default_factory=SessionStates)
+    sessions: SessionStates | None = None  # None: the app's own, remembering its default in the data folder
     accounts: Accounts = field(default_factory=Accounts)
     login_jobs: LoginJobs = field(default_factory=LoginJobs)
+
+    def __post_init__(self) -> None:
+        if self.sessions is None:
+            self.sessions = SessionStates(store=self.settings.default_checkpoint_file)
 
     def desired_for(self, owner: str):
         """The whole state `owner`'s next generation carries (`app/ui/sessions.py`)."""

@@ -39,6 +39,7 @@ from app.engine.pool import make_engine
 from app.engine.worker import Engine
 from app.settings import Settings
 from app.shown_paths import without_folders
+from app.ui import default_checkpoint
 from app.ui.app import build_app, launch_kwargs
 from app.ui.common import UiContext, checkpoint_names
 from app.ui.guard import UPLOAD, GuardPolicy, gradio_jobs, install, loopback_hosts
@@ -260,9 +261,10 @@ def serve(settings: Settings, initial_model: str | None = None, create_demo: boo
     names = checkpoint_names(settings)
     policy = auth_policy(settings)
     ctx = UiContext(engine, settings, log_capture.lines, tuple(p for _u, p in policy.credentials))
-    if names:  # the asked-for checkpoint first, then the others in order
-        asked = [initial_model] if initial_model else []
-        _load_in_background(ctx, asked + [n for n in names if n != initial_model])
+    if names:  # the asked-for checkpoint (else the one remembered from the last run) first, then the others
+        first = initial_model or default_checkpoint.remembered(settings.default_checkpoint_file)
+        asked = [first] if first and (first in names or initial_model) else []
+        _load_in_background(ctx, asked + [n for n in names if n not in asked])
     else:
         print(f"No checkpoint found in {settings.checkpoints_dir}; add one and press ↻ in the UI.", flush=True)
     try:

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import collections
 import threading
+from pathlib import Path
 from typing import Any
 
 from app.engine.desired import Desired
+from app.ui import default_checkpoint
 
 FIELDS = ("model", "loras")  # what a session chooses for itself; the rest of `Desired` is engine-wide
 API_PREFIX = "a1111-api:"  # an A1111 API account's key here, and its generations' owner in the engine
@@ -38,17 +40,22 @@ def api_owner(account: str) -> str:
 class SessionStates:
     """Thread-safe map session -> the `Desired` fields it chose, and the app's default checkpoint."""
 
-    def __init__(self, limit: int = 512) -> None:
+    def __init__(self, limit: int = 512, store: Path | None = None) -> None:
         self._limit = limit
+        self._store = store  # where the default checkpoint is remembered across restarts (None: not kept)
         self._chosen: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._default_model: str | None = None
         self._lock = threading.Lock()
 
     def set_default_model(self, name: str | None) -> None:
-        """The checkpoint a session that chose none draws with: the one loaded at start, then an admin's choice."""
-        if name is not None:
-            with self._lock:
-                self._default_model = name
+        """The checkpoint a session that chose none draws with: the one loaded at start, then an admin's choice;
+        remembered in `store` for the next start (`app/ui/default_checkpoint.py`)."""
+        if name is None:
+            return
+        with self._lock:
+            changed, self._default_model = name != self._default_model, name
+            if changed and self._store is not None:
+                default_checkpoint.remember(self._store, name)
 
     def default_model(self, held: Desired) -> str | None:
         """The default checkpoint; until one is set (nothing loaded at start), the first the engine held."""
