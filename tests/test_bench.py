@@ -193,7 +193,8 @@ def test_denoiser_flops_match_the_full_size_architectures():
 def test_flux_op_counts_on_meta_compare_ours_with_loras_and_diffusers(tmp_path):
     """The full-size FLUX.1-dev transformer on the meta device: ours without LoRA, with three fused
     LoRAs and after their removal dispatches exactly diffusers' op list; as bypass forwards each of the
-    418 touched layers adds two matmuls per LoRA (down, then up) and nothing else changes shape."""
+    418 touched layers adds two matmuls (down, then up) and nothing else changes shape, and three plain
+    LoRAs dispatch exactly one's op list: they run joined, as one pair of matmuls (issue 41, item 3)."""
     section = proxy_ops.ops_section("flux-dev", proxies.ProxyConfig(cache_dir=tmp_path))
     ops = section["ops"]
     assert section["params_b"] > 11.8 and section["latent_side"] == 128 and section["layers_touched"] == 418
@@ -205,8 +206,9 @@ def test_flux_op_counts_on_meta_compare_ours_with_loras_and_diffusers(tmp_path):
     assert not bypass["same_as_ours_no_lora"]
     matmuls = sum(bypass["differences"].get(op, [0, 0])[1] - bypass["differences"].get(op, [0, 0])[0]
                   for op in ("aten.mm", "aten.bmm"))
-    assert matmuls == 2 * 3 * 418
+    assert matmuls == 2 * 418
     assert "aten.convolution" not in bypass["differences"]
+    assert section["per_call"]["none / 3 / ours bypass / 1"] == section["per_call"]["none / 1 / ours bypass / 1"]
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))

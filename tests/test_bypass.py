@@ -16,8 +16,11 @@ import copy
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.adapters.algos import LoRA
+from app.adapters.bypass import BypassLayer
+from app.adapters.errors import LoraApplyError
 from app.adapters.files import read_adapter
 from app.adapters.layer_ops import op_for
 from app.adapters.patcher import LoraStack
@@ -32,8 +35,8 @@ from app.settings import Settings
 LINEAR = ("unet", "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0")
 BIASED_CONV = ("unet", "down_blocks.0.resnets.0.conv1")
 ALL = frozenset({"unet", "text_encoder"})
-# Largest |bypass − fused| relative to the output's magnitude: fp32 rounding vs a few bf16 ulps.
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 4e-2}
+# Largest |bypass − fused| relative to the output's magnitude: fp32 rounding vs a few fp16/bf16 ulps.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 
 
 def _pipe(dtype: torch.dtype):
@@ -273,3 +276,124 @@ def test_lora_with_a_peft_bias_adds_it_in_the_bypass(kind):
         fused = op.apply_weight(layer, x, layer.weight + 0.7 * delta.weight)
         want = fused + (layer.bias + 0.7 * delta.bias).reshape(-1, *([1, 1] if kind == "conv" else []))
     assert torch.allclose(got, want, atol=1e-5)
+
+
+# ------------------------------------------------------------------- joined plain LoRAs (issue 41, item 3)
+# Largest |joined − separate sum| relative to the largest separate share: the same factor values
+# (each rounded as its own forward rounds it), summed inside one matmul instead of after it. float32:
+# accumulation order only; bf16/fp16: each separate share and their sum round to the dtype (a few ulps:
+# bf16's is 2⁻⁸, fp16's 2⁻¹¹), the joined matmul accumulates in float32 and rounds once.
+JOIN_TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.convolution")
+THREE = (("lora", torch.float16, 0.8), ("lora", torch.bfloat16, -0.6), ("lora", torch.float32, 1.3))
+
+
+class _CountMatmuls(TorchDispatchMode):
+    """Counts the matmuls and convolutions dispatched while active (as benchmarks/proxy_ops counts ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func.overloadpacket) in MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+def _files(tmp_path, pipe, kinds):
+    """One adapter file per (algorithm, file dtype, strength), each drawn from its own seed."""
+    files = {}
+    for i, (algo, file_dtype, strength) in enumerate(kinds):
+        name = f"{algo}{i}"
+        layout = "kohya" if algo in ("lora", "dora") else "lycoris"
+        write_adapter(tmp_path / f"{name}.safetensors", pipe, "sd15", algo, layout, file_dtype, seed=10 + i,
+                      alpha=2.0 + i)
+        files[name] = (read_adapter(name, tmp_path / f"{name}.safetensors"), strength)
+    return files
+
+
+def _apply(pipe, files, *, bypass: frozenset[str]) -> LoraStack:
+    stack = LoraStack(pipe, "sd15", hooks=HookRegistry(), bypass=bypass)
+    stack.reconcile([LoraSpec(name, strength) for name, (_file, strength) in files.items()],
+                    {name: file for name, (file, _strength) in files.items()})
+    return stack
+
+
+def _matmuls(module: torch.nn.Module, x: torch.Tensor) -> int:
+    with torch.no_grad(), _CountMatmuls() as counter:
+        module(x)
+    return counter.count
+
+
+def test_three_plain_loras_cost_the_matmuls_of_one_on_every_bypassed_layer(tmp_path):
+    """Issue 41 item 3 (bypass cost): every bypassed layer of the tiny SD1.5 (UNet linears and 1×1 and
+    3×3 convs, text encoder) runs three plain LoRAs with as many matmuls/convolutions as one LoRA (two
+    more than the bare layer: one joined down, one joined up), not two per LoRA."""
+    pipe = _pipe(torch.float32)
+    files = _files(tmp_path, pipe, THREE)
+    counts = {}
+    for n in (1, 3):
+        layered = copy.deepcopy(pipe)
+        stack = _apply(layered, dict(list(files.items())[:n]), bypass=ALL)
+        counts[n] = {target: _matmuls(_module(layered, target), _input_for(_module(layered, target), torch.float32))
+                     for target in stack.bypassed()}
+    bare = {target: _matmuls(_module(pipe, target), _input_for(_module(pipe, target), torch.float32))
+            for target in counts[3]}
+    assert len(counts[3]) >= 10 and counts[3].keys() == counts[1].keys()
+    assert {target: n - bare[target] for target, n in counts[3].items()} == dict.fromkeys(counts[3], 2)
+    assert counts[3] == counts[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_joined_loras_equal_the_separate_forwards_and_the_fused_layers(tmp_path, dtype):
+    """Issue 41 item 3: three plain LoRAs (fp16, bf16 and fp32 files, strengths of both signs, each its
+    own alpha) beside a LoHa and a Tucker LoCon, which cannot join and keep their own forward. On every
+    bypassed layer the output equals the layer plus each adapter's own forward summed (the previous,
+    separate path) within JOIN_TOLERANCE, and the fused layer within TOLERANCE; it stays in `dtype`."""
+    pipe = _pipe(dtype)
+    plain, fused = copy.deepcopy(pipe), copy.deepcopy(pipe)
+    files = _files(tmp_path, pipe, (*THREE, ("loha", torch.float16, 0.7), ("lora_tucker", torch.float32, 0.5)))
+    stack = _apply(pipe, files, bypass=ALL)
+    _apply(fused, files, bypass=frozenset())
+    joined_layers = 0
+    for target, contributions in stack.bypassed().items():
+        module = _module(pipe, target)
+        x = _input_for(module, dtype)
+        op = op_for(module)
+        with torch.no_grad():
+            got, want, base = module(x), _module(fused, target)(x), _module(plain, target)(x)
+            shares = [a.bypass_forward(m, dtype, x.device)(module, x, op, base) for _n, m, a in contributions]
+        separate = base + sum(shares[1:], shares[0])
+        assert got.dtype == dtype, target
+        from_separate, from_fused = ((got.float() - other.float()).abs().max().item() for other in (separate, want))
+        assert from_separate <= JOIN_TOLERANCE[dtype] * max(s.float().abs().max().item() for s in shares), target
+        assert from_fused <= TOLERANCE[dtype] * want.float().abs().max().item(), target
+        joined_layers += sum(c[2].joins_bypass for c in contributions) > 1
+    assert joined_layers >= 10
+
+
+def test_a_failing_joined_forward_names_the_lora_at_fault(monkeypatch):
+    """Issue 41 item 3: a joined forward that fails is re-run one LoRA at a time, so the error names
+    the LoRA at fault (the engine counts and forgets a refused LoRA by name), not its joined
+    neighbours; should each run alone, the error names every joined LoRA."""
+    g = torch.Generator().manual_seed(5)
+    layer = torch.nn.Linear(6, 5)
+
+    def lora(width: int) -> LoRA:
+        return LoRA(torch.randn(2, width, generator=g), torch.randn(5, 2, generator=g), alpha=1.0)
+
+    contributions = (("good-a", 0.5, lora(6)), ("wrong-width", 0.5, lora(7)), ("good-b", 0.5, lora(6)))
+    bypassed = BypassLayer("unet.layer", op_for(layer), contributions)
+    x = torch.randn(3, 6, generator=g)
+    with pytest.raises(LoraApplyError) as caught, torch.no_grad():
+        bypassed.output(layer, x, layer(x))
+    assert caught.value.lora_name == "wrong-width" and "unet.layer" in str(caught.value)
+
+    def broken(cls, parts, dtype, device, where):
+        raise RuntimeError("injected: the joining failed")
+
+    monkeypatch.setattr(LoRA, "joined", classmethod(broken))
+    bypassed.replace((contributions[0], contributions[2]))
+    with pytest.raises(LoraApplyError, match="injected") as caught, torch.no_grad():
+        bypassed.output(layer, x, layer(x))
+    assert caught.value.lora_name == "good-a + good-b"

@@ -9,7 +9,10 @@ Per algorithm (`Adapter.bypass_forward`):
 
 * LoRA/LoCon (plain and Tucker) on linear and conv layers run their factors on x directly,
   up(mid(down(x))) with the layer's stride and padding: two or three small matmuls/convs, no
-  weight-sized tensor per forward.
+  weight-sized tensor per forward. A layer's plain LoRAs (no Tucker core) run as ONE such pair:
+  Σ mᵢ·sᵢ·upᵢ(downᵢ(x)) = [m₁s₁·up₁ … mₙsₙ·upₙ]([down₁; …; downₙ](x)), factors concatenated along
+  the rank once per re-weight (`LoRA.joined`), so three LoRAs cost the ops of one; the
+  other algorithms keep their own forward beside the joined one.
 * Everything else materialises ΔW at calculation time, in float32 on the compute device from
   the weight the forward has in hand, rounds it once to the compute dtype and applies it with
   the layer's own operation: LoHa, LoKr, full and norm diffs (ΔW independent of W), and the
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.adapters.algos import LoRA
 from app.adapters.algos.base import BypassForward
 from app.adapters.errors import LoraApplyError
 from app.adapters.layer_ops import LayerOp, op_for
@@ -36,20 +40,30 @@ from app.hooks import HookRegistry, ModelHook
 Contributions = tuple[tuple[str, float, object], ...]  # (LoRA name, strength, adapter), sorted by name
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One forward of a layer's bypass and the contributions it adds: one adapter's, or every plain
+    LoRA's joined into one pair of matmuls."""
+
+    members: Contributions
+    forward: BypassForward
+
+
 @dataclass
 class BypassLayer:
     """One layer's bypass: its operation and the adapters it adds (replaced on a re-weight).
 
-    Each adapter's forward is prepared (`Adapter.bypass_forward`) on the first call in a compute
-    dtype and device and kept until the contributions change: a streamed layer computes on the same
-    device every step, so per-call work is the adapter's matmuls, not the casts of its factors."""
+    Its forwards are prepared on the first call in a compute dtype and device and kept until the
+    contributions change: a streamed layer computes on the same device every step, so per-call work
+    is the adapters' matmuls, not the casts of their factors. Two or more plain LoRAs join into one
+    forward (`LoRA.joined`: factors concatenated, ranks summed, strengths folded in), so three cost
+    the ops of one; the other algorithms keep their own forward beside it."""
 
     where: str
     op: LayerOp
     contributions: Contributions
-    # (compute dtype, device) -> LoRA name -> its prepared forward
-    _prepared: dict[tuple[torch.dtype, torch.device], dict[str, BypassForward]] = field(default_factory=dict,
-                                                                                       repr=False)
+    # (compute dtype, device) -> the forwards that add every contribution
+    _prepared: dict[tuple[torch.dtype, torch.device], tuple[_Part, ...]] = field(default_factory=dict, repr=False)
 
     def replace(self, contributions: Contributions) -> None:
         """New strengths or adapters for this layer (a re-weight): the prepared forwards go with the old ones."""
@@ -58,20 +72,61 @@ class BypassLayer:
 
     def output(self, module: torch.nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """`output` plus every contribution, each in the output's dtype."""
-        prepared = self._prepared.setdefault((output.dtype, x.device), {})
+        key = (output.dtype, x.device)
+        parts = self._prepared.get(key)
+        if parts is None:
+            parts = self._prepared[key] = self._prepare(module, x, output)
         total = None
-        for name, strength, adapter in self.contributions:
+        for part in parts:
             try:
-                if name not in prepared:
-                    prepared[name] = adapter.bypass_forward(strength, output.dtype, x.device)
-                part = prepared[name](module, x, self.op, output)
+                share = part.forward(module, x, self.op, output)
             except torch.OutOfMemoryError:
-                raise  # the run's size, not this LoRA's fault: the engine reports it as memory
+                raise  # the run's size, not a LoRA's fault: the engine reports it as memory
             except Exception as exc:
-                raise LoraApplyError(name, f"failed in the bypass forward of {self.where}: {exc}") from exc
-            if part is not None:
-                total = part if total is None else total + part
+                raise self._blame(part.members, module, x, output, exc) from exc
+            if share is not None:
+                total = share if total is None else total + share
         return output if total is None else output + total
+
+    def _prepare(self, module: torch.nn.Module, x: torch.Tensor, output: torch.Tensor) -> tuple[_Part, ...]:
+        """The joined forward of the plain LoRAs (when two or more), then each other adapter's own."""
+        joining = tuple(c for c in self.contributions if c[2].joins_bypass)
+        joining = joining if len(joining) > 1 else ()
+        alone = tuple((c,) for c in self.contributions if c not in joining)
+        return tuple(self._part(members, module, x, output) for members in ((joining,) if joining else ()) + alone)
+
+    def _part(self, members: Contributions, module: torch.nn.Module, x: torch.Tensor, output: torch.Tensor) -> _Part:
+        """One adapter's forward at its strength, or the joined LoRA's at strength 1 (theirs are folded in)."""
+        dtype, device = output.dtype, x.device
+        try:
+            if len(members) == 1:
+                forward = members[0][2].bypass_forward(members[0][1], dtype, device)
+            else:
+                joined = LoRA.joined([(strength, lora) for _name, strength, lora in members], dtype, device, self.where)
+                forward = joined.bypass_forward(1.0, dtype, device)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            raise self._blame(members, module, x, output, exc) from exc
+        return _Part(members, forward)
+
+    def _blame(self, members: Contributions, module: torch.nn.Module, x: torch.Tensor, output: torch.Tensor,
+               exc: Exception) -> LoraApplyError:
+        """The error for a failed forward, naming the LoRA at fault (the engine counts and forgets a
+        refused LoRA by name). A joined forward's members are re-run alone, on this failure path only,
+        to find it: naming all of them would blame the innocent ones. Should each run alone, the
+        joining itself failed, and the error names every joined LoRA."""
+        if len(members) > 1:
+            for name, strength, adapter in members:
+                try:
+                    adapter.bypass_forward(strength, output.dtype, x.device)(module, x, self.op, output)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as own:
+                    return LoraApplyError(name, f"failed in the bypass forward of {self.where}: {own}")
+        names = " + ".join(name for name, _strength, _adapter in members)
+        joined = " (joined; each runs alone)" if len(members) > 1 else ""
+        return LoraApplyError(names, f"failed in the bypass forward of {self.where}{joined}: {exc}")
 
 
 def install(hooks: HookRegistry, module: torch.nn.Module, where: str, contributions: Contributions) -> BypassLayer:

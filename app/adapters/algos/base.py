@@ -253,6 +253,12 @@ class Adapter(ABC):
 
         return forward
 
+    @property
+    def joins_bypass(self) -> bool:
+        """Whether this adapter's bypass can share one pair of matmuls with the layer's other plain
+        LoRAs (`LoRA.joined`): only a plain up·down can; every other algorithm runs its own forward."""
+        return False
+
     def rows(self, index: Tensor) -> Adapter:
         """This adapter restricted to output rows `index` of its ΔW: a fused file module (Flux's
         `img_attn.qkv`) split into the model's modules (`to_q`, `to_k`, `to_v`). Algorithms whose

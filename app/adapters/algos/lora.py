@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -103,6 +103,26 @@ class LoRA(_Factored):
             return out if bias is None else op(module, x, None, bias, out) + out
 
         return forward
+
+    @property
+    def joins_bypass(self) -> bool:
+        return self.mid is None
+
+    @classmethod
+    def joined(cls, parts: Sequence[tuple[float, LoRA]], dtype: torch.dtype, device: torch.device,
+               layer: str) -> LoRA:
+        """One LoRA whose ΔW is Σ mᵢ·sᵢ·upᵢ·downᵢ over `parts` ((strength, plain LoRA) on one layer):
+        the downs stacked along the rank (the ranks summed), the ups side by side along it with each
+        one's mᵢ·sᵢ folded into its columns, PEFT biases summed. Its bypass forward at strength 1 runs
+        every part as one pair of matmuls/convs instead of two per part. Every factor is rounded as its
+        own forward rounds it (down cast to `dtype`, up scaled in float32 and cast once), so the joined
+        output differs from the sum of the separate ones only by where the additions round. A plain
+        down always has its layer's kernel (`validate_against`), so conv parts stack as well."""
+        down = torch.cat([lora.down.to(device, dtype).flatten(1) for _, lora in parts])
+        scaled = [(lora, strength * _low_rank_scale(lora.alpha, lora.rank)) for strength, lora in parts]
+        up = torch.cat([lora.up.to(device, torch.float32).flatten(1) * scale for lora, scale in scaled], dim=1)
+        biases = [lora.up_bias.to(device, torch.float32) * scale for lora, scale in scaled if lora.up_bias is not None]
+        return cls(down, up, up_bias=sum(biases[1:], biases[0]) if biases else None, layer=layer)
 
     def _bias_delta(self, device: torch.device) -> Tensor | None:
         if self.up_bias is None:
