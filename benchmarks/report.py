@@ -21,6 +21,16 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(known) if known else None
 
 
+def _phase_medians(timelines: list[dict]) -> dict[str, dict[str, float]] | None:
+    """Our timeline's phases, median wall and thread-CPU ms of each over the runs (None: not ours)."""
+    if not timelines:
+        return None
+    names = dict.fromkeys(p["name"] for t in timelines for p in t["phases"])
+    found = [{p["name"]: p for p in t["phases"]} for t in timelines]
+    return {name: {f: round(_median([t.get(name, {}).get(f, 0.0) for t in found]), 3) for f in ("wall_ms", "cpu_ms")}
+            for name in names}
+
+
 def _side_fields(prefix: str, m: Measurement | None, tflop: float, peak: float | None) -> dict[str, Any]:
     its = None if m is None else _median(m.its_runs)
     transient = None if m is None else [v for v in m.transient_gib_runs if v is not None]
@@ -29,6 +39,7 @@ def _side_fields(prefix: str, m: Measurement | None, tflop: float, peak: float |
             f"{prefix}_cpu_ms": None if m is None else _median(m.cpu_ms_runs),
             f"{prefix}_cpu_ms_runs": [] if m is None else m.cpu_ms_runs,
             f"{prefix}_gen_s": None if m is None else _median(m.gen_s_runs),
+            f"{prefix}_timeline_ms": None if m is None else _phase_medians(m.timeline_runs),
             f"{prefix}_vram_transient_gib": max(transient) if transient else None,
             f"{prefix}_vram_peak_gib": max(peaks) if peaks else None,
             f"{prefix}_peak_fraction": None if its is None or peak is None else its * tflop / peak}
