@@ -195,6 +195,29 @@ def _intro(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _gen_ratio(row: dict[str, Any]) -> float | None:
+    """baseline_gen_s / ours_gen_s: above 1, ours makes an image sooner (issue 41's acceptance: >= 0.98)."""
+    ours, base = row["ours_gen_s"], row["baseline_gen_s"]
+    return None if not ours or base is None else base / ours
+
+
+def _per_image(rows: list[dict[str, Any]]) -> list[str]:
+    """Per image: each row's whole-generation seconds, and where ours went (median wall ms per phase of our
+    timeline, `app/engine/timeline.py`), once per configuration of ours."""
+    lines = ["## Per image (whole generation, s) and where ours went (median wall ms per phase)", ""]
+    lines += table(["arch", "LoRAs", "ours", "s", "baseline", "s", "baseline / ours"],
+                   [[r["arch"], r["loras"], r["ours"], r["ours_gen_s"], r["baseline"], r["baseline_gen_s"],
+                     _gen_ratio(r)] for r in rows])
+    shown = {}
+    for r in rows:
+        if r.get("ours_timeline_ms"):
+            shown.setdefault((r["arch"], r["loras"], r["ours"]), r["ours_timeline_ms"])
+    for (arch, loras, ours), phases in shown.items():
+        lines += [f"- {arch}, {ours}, {loras} LoRAs: " + ", ".join(f"{name} {p['wall_ms']:.1f}"
+                                                                 for name, p in phases.items()), ""]
+    return lines
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     lines = _intro(results) + ["## Denoising speed", ""]
     lines += table(["arch", "px", "batch", "offload", "LoRAs", "ours", "it/s", "baseline", "it/s", "ratio",
@@ -205,6 +228,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                       r["verdict"], f"{_fmt(r['ours_cpu_ms'])} / {_fmt(r['baseline_cpu_ms'])}", r["cpu_ratio"],
                       r["cpu_verdict"], f"{_fmt(r['ours_vram_peak_gib'])} / {_fmt(r['baseline_vram_peak_gib'])}",
                       _percent(r["ours_peak_fraction"]), r["note"]] for r in results["rows"]])
+    lines += _per_image(results["rows"])
     lines += ["## LoRA change latency (ms)", "",
               "ours: the whole engine transition; of which patching: the LoRA math alone (the engine's timer).", ""]
     lines += table(["arch", "op", "ours", "of which patching", "baseline", "baseline ms", "ratio", "control spread",
