@@ -215,11 +215,13 @@ class PeakMemory:
 @dataclass(frozen=True)
 class Variant:
     """One configuration in an interleaved comparison: `setup` (untimed) brings its side to it,
-    `generate` is the timed generation, `unet` is where the step hooks go."""
+    `generate` is the timed generation, `unet` is where the step hooks go, `timeline` (our engine's side)
+    reads the timeline of the generation just timed."""
 
     setup: Callable[[], Any]
     generate: Callable[[], Any]
     unet: torch.nn.Module
+    timeline: Callable[[], dict | None] | None = None  # ours: where the last generation's time went (its phases)
 
 
 @dataclass
@@ -235,6 +237,7 @@ class Measurement:
     # The allocator's absolute peak during the generation: this side's own peak plus whatever the
     # other sides keep resident (little in the offload pools, where they rest on the CPU).
     peak_gib_runs: list[float | None] = field(default_factory=list)
+    timeline_runs: list[dict] = field(default_factory=list)  # ours: each generation's phases (JobTimeline.as_dict)
 
 
 def control_key(key: tuple) -> tuple:
@@ -272,6 +275,9 @@ def measure_interleaved(variants: dict[Any, Variant], device: torch.device, repe
                 run.faults_runs.append(faults)
                 run.transient_gib_runs.append(peak.transient_gib)
                 run.peak_gib_runs.append(peak.torch_gib)
+                timeline = variant.timeline() if variant.timeline is not None else None
+                if timeline is not None:
+                    run.timeline_runs.append(timeline)
     finally:
         for timer in timers.values():
             timer.remove()

@@ -63,6 +63,14 @@ def generator(engine: Engine, model: PreparedModel, bench: Bench, batch: int,
     return functools.partial(engine.generate, params)
 
 
+def last_timeline(engine: Engine) -> Callable[[], dict | None]:
+    """Reads where the engine's last generation spent its time (`Snapshot.last_generation`), for the rows."""
+    def read() -> dict | None:
+        last = engine.snapshot().last_generation
+        return None if last is None else last.as_dict()
+    return read
+
+
 def lora_setup(engine: Engine, model: PreparedModel, count: int) -> Callable[[], Any]:
     return functools.partial(engine.set_loras, lora_specs(model.loras, count))
 

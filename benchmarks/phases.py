@@ -134,7 +134,8 @@ def throughput_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
             pool, mine = f"throughput-b{batch}", ours.generator(engine, model, bench, batch)
             none, denoiser = ("none", 0, "fused", batch), denoiser_of(engine.pipeline)
             variants = with_control({("none", n, "fused", batch): Variant(ours.lora_setup(engine, model, n), mine,
-                                                                          denoiser) for n in counts}, none)
+                                                                          denoiser, ours.last_timeline(engine))
+                                     for n in counts}, none)
             if nhwc is not None:
                 variants |= _channels_last_variants(run, nhwc, bench, pool, batch)
             base = theirs.generator(batch)
@@ -164,7 +165,8 @@ def _channels_last_variants(run: ArchRun, nhwc: Engine, bench: Bench, pool: str,
     mine, variants = ours.generator(nhwc, run.model, bench, batch), {}
     for n in (c for c in (0, 3) if c in bench.config.lora_counts):
         key = ("none", n, "channels-last", batch)
-        variants[key] = Variant(ours.lora_setup(nhwc, run.model, n), mine, denoiser_of(nhwc.pipeline))
+        variants[key] = Variant(ours.lora_setup(nhwc, run.model, n), mine, denoiser_of(nhwc.pipeline),
+                                ours.last_timeline(nhwc))
         run.pairings.append(Pairing("throughput", pool, key, "ours channels_last", ("none", n, "fused", batch),
                                     "ours fused" if n else "ours", ("none", 0, "fused", batch)))
     return variants
@@ -217,8 +219,9 @@ def fp8_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench)
             theirs.load()
         mine, denoiser = ours.generator(fp8, model, bench, 1), denoiser_of(fp8.pipeline)
         key0, key3, base = ("none", 0, "fp8", 1), ("none", 3, "fp8-bypass", 1), ("none", 0, "eager", 1)
-        variants = with_control({key0: Variant(ours.lora_setup(fp8, model, 0), mine, denoiser),
-                                 key3: Variant(ours.lora_setup(fp8, model, 3), mine, denoiser),
+        read = ours.last_timeline(fp8)
+        variants = with_control({key0: Variant(ours.lora_setup(fp8, model, 0), mine, denoiser, read),
+                                 key3: Variant(ours.lora_setup(fp8, model, 3), mine, denoiser, read),
                                  base: Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.denoiser)},
                                 key0)
         _measure(run, bench, "fp8", variants)
@@ -268,7 +271,8 @@ def _compiled_pools(run: ArchRun, compiled: Engine, engine: Engine, theirs: Diff
     model, label, variant = run.model, f"ours compiled ({mode})", f"compiled-{mode}"
     fast, key0, key3 = ours.generator(compiled, model, bench, 1), ("none", 0, variant, 1), ("none", 3, variant, 1)
     variants = with_control({
-        key0: Variant(ours.lora_setup(compiled, model, 0), fast, denoiser_of(compiled.pipeline)),
+        key0: Variant(ours.lora_setup(compiled, model, 0), fast, denoiser_of(compiled.pipeline),
+                      ours.last_timeline(compiled)),
         ("none", 0, "fused", 1): Variant(ours.lora_setup(engine, model, 0), ours.generator(engine, model, bench, 1),
                                          denoiser_of(engine.pipeline)),
         ("none", 0, "eager", 1): Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.denoiser)}, key0)
@@ -278,7 +282,8 @@ def _compiled_pools(run: ArchRun, compiled: Engine, engine: Engine, theirs: Diff
     if "lora" not in theirs.notes:
         base = ("none", 3, "peft-fused", 1)
         _measure(run, bench, f"compile-{mode}-lora", with_control({
-            key3: Variant(ours.lora_setup(compiled, model, 3), fast, denoiser_of(compiled.pipeline)),
+            key3: Variant(ours.lora_setup(compiled, model, 3), fast, denoiser_of(compiled.pipeline),
+                          ours.last_timeline(compiled)),
             base: Variant(theirs.state_setup(3, True), theirs.generator(1), theirs.denoiser)}, key3))
         run.pairings.append(Pairing("compile", f"compile-{mode}-lora", key3, label, base, "diffusers PEFT fused",
                                     key3, "lora"))

@@ -13,7 +13,10 @@ the same run.
   patching alone from the engine's timer);
 * fp8: fp8 weight storage against full weights, LoRAs as bypasses or fused copies (`proxy_fp8.py`);
 * ops: aten ops per denoiser call on the meta device, so any size fits: ours without LoRAs, with
-  three fused and as bypass forwards, against diffusers (`proxy_ops.py`).
+  three fused and as bypass forwards, against diffusers (`proxy_ops.py`);
+* timeline: one whole generation's time outside the denoiser, ours (no LoRA, three fused) against
+  diffusers' pipeline call, with our timeline's phases and the host syncs per generation
+  (`proxy_timeline.py`).
 
 This CPU computes bf16 at about 1 GFLOP/s against 150 in fp32, so step rows run in fp32 while load and
 re-weight rows use bf16 storage (what a GPU user loads, without a dtype conversion). Sections that
@@ -43,6 +46,7 @@ from benchmarks.probe import spawn_load_probe
 from benchmarks.proxy_fp8 import fp8_section
 from benchmarks.proxy_ops import ops_section
 from benchmarks.proxy_steps import reweight_section, step_section
+from benchmarks.proxy_timeline import timeline_section
 from benchmarks.workload import lora_kinds, lora_targets, single_file_numel, write_loras, write_random_single_file
 
 SCHEMA = "steady-diffusion-cpu-proxies/1"
@@ -54,7 +58,7 @@ FIRST_LOAD = "ours, first load (fresh data folder)"
 LOAD_VARIANTS = {"ours": "ours", "diffusers": "diffusers", FIRST_LOAD: "ours",
                  "ours, loader alone (models.load_pipeline)": "ours-models"}
 CONTROL = control_key(("none", 0, "ours"))[2]
-SECTIONS = ("load", "step", "reweight", "fp8", "ops")
+SECTIONS = ("load", "step", "reweight", "fp8", "ops", "timeline")
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,8 @@ def _load_comparisons(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, A
 
 # ------------------------------------------------------------------------------------ run
 # Sections that run on a random-weight single file (the file and its model must fit in RAM).
-WEIGHT_SECTIONS = {"load": load_section, "step": step_section, "reweight": reweight_section, "fp8": fp8_section}
+WEIGHT_SECTIONS = {"load": load_section, "step": step_section, "reweight": reweight_section, "fp8": fp8_section,
+                   "timeline": timeline_section}
 def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
     """Every section for every architecture, one model in memory at a time."""
     results = {"schema": SCHEMA, "config": {k: str(v) if isinstance(v, Path) else v

@@ -87,9 +87,25 @@ def _fp8(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     return lines + table(HEADER, _comparison_rows(results["fp8"]))
 
 
+def _timeline(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """Time outside the denoiser per generation, our timeline's phases (median ms) and host syncs."""
+    measured = [s for s in results["timeline"] if "skipped" not in s]
+    lines = [f"## Per image: one generation outside the denoiser ({cfg['step_dtype']}, {cfg['resolution']}² px, "
+             f"{measured[0]['steps'] if measured else '?'} steps; ours writes the PNG, diffusers returns PIL)", ""]
+    lines += table(HEADER, _comparison_rows(measured))
+    for s in measured:
+        for variant, phases in s["phases_ms"].items():
+            lines += [f"{s['arch']}, {variant}: " + ", ".join(f"{name} {p['cpu_ms']:.1f}/{p['wall_ms']:.1f}"
+                                                            for name, p in phases.items()) + " (CPU/wall ms)", ""]
+        lines += [f"{s['arch']}, host syncs per generation: " + "; ".join(
+            f"{side} {c['total']} ({', '.join(f'{site} {n}' for site, n in c['sites'].items())})"
+            for side, c in s["host_syncs"].items()), ""]
+    return lines
+
+
 # (results key, section, what a skip note calls it): a section is drawn only when it was measured.
 SECTIONS = (("load", _load, "load"), ("step", _step, "step"), ("reweight", _reweight, "re-weight"),
-            ("fp8", _fp8, "fp8"), ("ops", _ops, "ops"))
+            ("fp8", _fp8, "fp8"), ("ops", _ops, "ops"), ("timeline", _timeline, "timeline"))
 
 
 def render(results: dict[str, Any]) -> str:

@@ -21,6 +21,16 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(known) if known else None
 
 
+def _phase_medians(timelines: list[dict]) -> dict[str, dict[str, float]] | None:
+    """Our timeline's phases, median wall and thread-CPU ms of each over the runs (None: not ours)."""
+    if not timelines:
+        return None
+    names = dict.fromkeys(p["name"] for t in timelines for p in t["phases"])
+    found = [{p["name"]: p for p in t["phases"]} for t in timelines]
+    return {name: {f: round(_median([t.get(name, {}).get(f, 0.0) for t in found]), 3) for f in ("wall_ms", "cpu_ms")}
+            for name in names}
+
+
 def _side_fields(prefix: str, m: Measurement | None, tflop: float, peak: float | None) -> dict[str, Any]:
     its = None if m is None else _median(m.its_runs)
     transient = None if m is None else [v for v in m.transient_gib_runs if v is not None]
@@ -29,6 +39,7 @@ def _side_fields(prefix: str, m: Measurement | None, tflop: float, peak: float |
             f"{prefix}_cpu_ms": None if m is None else _median(m.cpu_ms_runs),
             f"{prefix}_cpu_ms_runs": [] if m is None else m.cpu_ms_runs,
             f"{prefix}_gen_s": None if m is None else _median(m.gen_s_runs),
+            f"{prefix}_timeline_ms": None if m is None else _phase_medians(m.timeline_runs),
             f"{prefix}_vram_transient_gib": max(transient) if transient else None,
             f"{prefix}_vram_peak_gib": max(peaks) if peaks else None,
             f"{prefix}_peak_fraction": None if its is None or peak is None else its * tflop / peak}
@@ -184,6 +195,29 @@ def _intro(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _gen_ratio(row: dict[str, Any]) -> float | None:
+    """baseline_gen_s / ours_gen_s: above 1, ours makes an image sooner (issue 41's acceptance: >= 0.98)."""
+    ours, base = row["ours_gen_s"], row["baseline_gen_s"]
+    return None if not ours or base is None else base / ours
+
+
+def _per_image(rows: list[dict[str, Any]]) -> list[str]:
+    """Per image: each row's whole-generation seconds, and where ours went (median wall ms per phase of our
+    timeline, `app/engine/timeline.py`), once per configuration of ours."""
+    lines = ["## Per image (whole generation, s) and where ours went (median wall ms per phase)", ""]
+    lines += table(["arch", "LoRAs", "ours", "s", "baseline", "s", "baseline / ours"],
+                   [[r["arch"], r["loras"], r["ours"], r["ours_gen_s"], r["baseline"], r["baseline_gen_s"],
+                     _gen_ratio(r)] for r in rows])
+    shown = {}
+    for r in rows:
+        if r.get("ours_timeline_ms"):
+            shown.setdefault((r["arch"], r["loras"], r["ours"]), r["ours_timeline_ms"])
+    for (arch, loras, ours), phases in shown.items():
+        lines += [f"- {arch}, {ours}, {loras} LoRAs: " + ", ".join(f"{name} {p['wall_ms']:.1f}"
+                                                                 for name, p in phases.items()), ""]
+    return lines
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     lines = _intro(results) + ["## Denoising speed", ""]
     lines += table(["arch", "px", "batch", "offload", "LoRAs", "ours", "it/s", "baseline", "it/s", "ratio",
@@ -194,6 +228,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                       r["verdict"], f"{_fmt(r['ours_cpu_ms'])} / {_fmt(r['baseline_cpu_ms'])}", r["cpu_ratio"],
                       r["cpu_verdict"], f"{_fmt(r['ours_vram_peak_gib'])} / {_fmt(r['baseline_vram_peak_gib'])}",
                       _percent(r["ours_peak_fraction"]), r["note"]] for r in results["rows"]])
+    lines += _per_image(results["rows"])
     lines += ["## LoRA change latency (ms)", "",
               "ours: the whole engine transition; of which patching: the LoRA math alone (the engine's timer).", ""]
     lines += table(["arch", "op", "ours", "of which patching", "baseline", "baseline ms", "ratio", "control spread",

@@ -24,8 +24,8 @@ ROW_KEYS = {
     "id", "section", "arch", "resolution", "batch", "steps", "offload", "loras", "ours", "baseline",
     "tflop_per_step", "ratio", "ratio_interval", "control_spread", "verdict", "cpu_ratio", "cpu_verdict", "note",
     *(f"{side}_{field}" for side in ("ours", "baseline")
-      for field in ("its", "its_runs", "cpu_ms", "cpu_ms_runs", "gen_s", "vram_transient_gib", "vram_peak_gib",
-                    "peak_fraction")),
+      for field in ("its", "its_runs", "cpu_ms", "cpu_ms_runs", "gen_s", "timeline_ms", "vram_transient_gib",
+                    "vram_peak_gib", "peak_fraction")),
 }
 VERDICTS = {"no difference", "ours better", "ours worse", "not measured"}
 
@@ -75,6 +75,21 @@ def test_every_section_has_rows_with_paired_ratios_and_a_control(smoke):
     assert any(r["ratio"] is not None and r["baseline"] == "diffusers" for r in rows)
     nhwc = {(r["loras"], r["baseline"]) for r in rows if r["ours"] == "ours channels_last"}
     assert nhwc == {(0, "ours"), (3, "ours fused")}  # `--channels-last` against ours contiguous, same pool
+
+
+def test_per_image_rows_carry_where_our_generation_went(smoke):
+    """Issue 41 part 1: a GPU run shows where ours' per-image time went. Each throughput and fp8 row with
+    our engine's generation carries its timeline's phases (median wall and CPU ms), diffusers' side none,
+    and the Markdown lists them beside the whole-generation seconds."""
+    out, results = smoke
+    rows = [r for r in results["rows"] if r["section"] in ("throughput", "fp8")]
+    assert rows and all(r["ours_gen_s"] and r["ours_timeline_ms"] for r in rows)
+    for r in rows:
+        assert {"verify before", "text encode", "denoise", "decode", "png save", "verify after", "publish",
+                "other"} <= set(r["ours_timeline_ms"]), r["id"]
+        assert r["ours_timeline_ms"]["denoise"]["wall_ms"] > 0
+    assert all(r["baseline_timeline_ms"] is None for r in rows if r["baseline"].startswith("diffusers"))
+    assert "## Per image" in (out / "smoke-sd15.md").read_text()
 
 
 def test_rows_record_vram_and_the_physical_limit(smoke):

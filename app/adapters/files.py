@@ -27,6 +27,7 @@ from app.safetensors_files import SafetensorsFileError, header_tensors, lora_sho
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 DEFAULT_CACHE_BYTES = 1 << 30
+HASHES_KEPT = 4096  # files whose short hash `LoraLibrary` remembers (a few bytes each)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ class LoraLibrary:
         self.root = root
         self._cache: collections.OrderedDict[tuple, AdapterFile] = collections.OrderedDict()
         self._cache_bytes = cache_bytes
+        # A file's hash while the file is unchanged, kept apart from the tensors: every image's infotext names
+        # its LoRAs' hashes, and three FLUX.1 LoRAs (over the 1 GiB cache) were re-read whole per image (issue 41).
+        self._hashes: collections.OrderedDict[tuple, str] = collections.OrderedDict()
 
     def names(self) -> list[str]:
         """Every LoRA's name; files whose names are not valid UTF-8 are logged and left out."""
@@ -164,6 +168,7 @@ class LoraLibrary:
             self._cache.move_to_end(key)
             return self._cache[key]
         adapter = read_adapter(name, path)
+        self._remember_hash(key, adapter.short_hash)
         self._cache[key] = adapter
         total = self.cached_bytes
         while total > self._cache_bytes:  # oldest first; a file larger than the bound is not kept at all
@@ -182,4 +187,14 @@ class LoraLibrary:
         return sum(a.resident_bytes for a in self._cache.values())
 
     def short_hash(self, name: str) -> str:
+        """The file's A1111 short hash; read (and cached as `open` caches) only when not known for this file."""
+        key = self._key(name)[1]
+        if key in self._hashes:
+            self._hashes.move_to_end(key)
+            return self._hashes[key]
         return self.open(name).short_hash
+
+    def _remember_hash(self, key: tuple, short_hash: str) -> None:
+        self._hashes[key] = short_hash
+        while len(self._hashes) > HASHES_KEPT:  # a bound all the same; a forgotten hash is read again
+            self._hashes.popitem(last=False)

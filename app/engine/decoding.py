@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
+from app.engine import timeline
 from app.engine.interrupt import StepInterrupted
 from app.families import family_of
 from app.upscalers.tiling import Tiling, tiled
@@ -67,9 +68,10 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     rows, columns = latents.shape[-2:]
     image_pixels = rows * columns * scale * scale
     if latents.shape[0] * image_pixels <= WHOLE_DECODE_PIXELS:
-        with torch.no_grad():
+        with torch.no_grad(), timeline.phase("decode"):
             decoded = vae.decode(latents, return_dict=False)[0]
-        return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
+        with timeline.phase("image conversion"):
+            return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
     tiling = DECODE_TILING if image_pixels > WHOLE_DECODE_PIXELS else Tiling(tile=max(rows, columns), overlap=0)
     images = []
     for one in latents.split(1):
@@ -77,7 +79,7 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
             decoded = vae.decode(one[..., tile_rows, tile_columns], return_dict=False)[0]
             return decoded.float() * 0.5 + 0.5  # diffusers' `denormalize`; `tiled` clamps and rounds as it does
         try:
-            with torch.no_grad():
+            with torch.no_grad(), timeline.phase("decode"):
                 images.append(tiled(rows, columns, run, scale, tiling, lambda done, total: False))
         except StepInterrupted:
             break

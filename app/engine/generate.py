@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from PIL import Image, PngImagePlugin
 
-from app.engine import decoding, variation
+from app.engine import decoding, timeline, variation
 from app.engine.host_read import HostRead
 from app.engine.interrupt import StepInterrupted
 from app.families import FAMILIES, family, family_of
@@ -326,7 +326,8 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
                        params.batch, first_pass_steps, steps_before)
 
     def step_end(_pipe, step, _timestep, kwargs):
-        watch.observe(step + 1, kwargs["latents"])
+        with timeline.phase("finite check"):
+            watch.observe(step + 1, kwargs["latents"])
         reached["latents"] = kwargs["latents"]
         if on_step is not None and on_step(step + 1, total, pipe.spatial_latents(kwargs["latents"], params.height,
                                                                                   params.width)):
@@ -339,18 +340,21 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
     # tensors could not be patched in place afterwards.
     try:
         with torch.no_grad(), variation.drawing_with(pipe, variation.of(params)):
-            prompts = edits.first
-            latents = pipe(
-                num_inference_steps=params.steps,
-                num_images_per_prompt=params.batch,
-                generator=seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1),
-                output_type="latent",
-                callback_on_step_end=step_end,
-                **({"callback_on_step_end_tensor_inputs": ["latents", *edits.callback_inputs]} if edits.edited else {}),
-                **prompts.call_arguments(),
-                **fam.call_arguments(params.cfg),
-                **inputs,
-            ).images
+            with timeline.phase("text encode"):
+                prompts = edits.first
+            with timeline.phase("denoise"):
+                latents = pipe(
+                    num_inference_steps=params.steps,
+                    num_images_per_prompt=params.batch,
+                    generator=seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1),
+                    output_type="latent",
+                    callback_on_step_end=step_end,
+                    **({"callback_on_step_end_tensor_inputs": ["latents", *edits.callback_inputs]}
+                       if edits.edited else {}),
+                    **prompts.call_arguments(),
+                    **fam.call_arguments(params.cfg),
+                    **inputs,
+                ).images
     except StepInterrupted:  # a stop inside a step (`app.engine.interrupt`): the last complete step counts
         latents = reached.get("latents")
         if latents is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.adapters.prompt import merge_prompt_loras
-from app.engine import decoding, generate, variation
+from app.engine import decoding, generate, timeline, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.host_read import HostRead
 from app.engine.interrupt import StepInterrupted
@@ -141,13 +141,16 @@ class Generating:
         try:
             if tagged:
                 self._state = EngineState.PATCHING
-                self._realise(self._desired, wanted)
-                self._verify_and_repair("before denoising")
+                with timeline.phase("prompt LoRAs"):
+                    self._realise(self._desired, wanted)
+                with timeline.phase("verify before denoising"):
+                    self._verify_and_repair("before denoising")
                 self._state = EngineState.GENERATING
             return self._generate_images(params, saved_prompt, job)
         finally:
             if tagged:
-                self._realise(self._desired, self._desired.loras)
+                with timeline.phase("prompt LoRAs"):
+                    self._realise(self._desired, self._desired.loras)
 
     def _generate_images(self, params: GenerateParams, saved_prompt: str, job: Job, batch_run=None,
                          extra: tuple[tuple[str, object], ...] = ()) -> list[GeneratedImage]:
@@ -172,10 +175,15 @@ class Generating:
             if job.stop == "drop":
                 return []
             for i, image in enumerate(images or ()):  # none when a stop came before the first step ended
-                ctx = ctx or RunContext(facts.model, self._lifecycle.model_hash(), applied, facts.arch)
+                if ctx is None:
+                    with timeline.phase("model hash"):
+                        ctx = RunContext(facts.model, self._lifecycle.model_hash(), applied, facts.arch)
                 image_seed = first + i * step
-                text = generate.infotext(saved, image_seed, ctx, (*variation.infotext_pairs(run_params, i), *extra))
-                path = generate.save_png(image, text, self.settings.outputs_dir, image_seed)
+                with timeline.phase("infotext"):
+                    text = generate.infotext(saved, image_seed, ctx,
+                                             (*variation.infotext_pairs(run_params, i), *extra))
+                with timeline.phase("png save"):
+                    path = generate.save_png(image, text, self.settings.outputs_dir, image_seed)
                 out.append(GeneratedImage(image, image_seed, text, path, stopped_at,
                                           variation.subseed_of(run_params, i)))
             if job.stop == "interrupt":
@@ -199,10 +207,11 @@ class Generating:
             k's work alone (`HostRead`); read at once, it drained the GPU's queue."""
             nonlocal reached, ending, taken
             reached = step
-            shown, of = (None, None) if taken is None else (tuple(pictures(taken[1].value())), taken[0])
             every = self.settings.preview_every
             wanted = previews and every and step % every == 0 and step < total
-            taken = (step, HostRead(preview_pixels(latents, arch))) if wanted else None
+            with timeline.phase("preview"):
+                shown, of = (None, None) if taken is None else (tuple(pictures(taken[1].value())), taken[0])
+                taken = (step, HostRead(preview_pixels(latents, arch))) if wanted else None
             self._set_progress(phase, step, total, shown, of)
             ending = job.stop is not None
             return ending

@@ -35,7 +35,7 @@ from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
 from torch.overrides import TorchFunctionMode
 
-from app.engine import placement
+from app.engine import placement, timeline
 from app.hooks import HookRegistry, ModelHook
 
 HOOK = "control.interrupt"
@@ -123,17 +123,19 @@ def stop_checks(hooks: HookRegistry, pipe, should_stop: Callable[[], bool],
     block_hook = ModelHook(HOOK, pre=lambda _module, _args, _kwargs: check())
     sliced_hook = _sliced_attention_hook(_SlicedAttention(check))
     try:
-        for component in placement.torch_components(pipe).values():
-            for block in blocks(component):
-                install(block, block_hook)
-            if slice_attention:
-                for module in component.modules():
-                    if isinstance(module, ATTENTION_TYPES):
-                        install(module, sliced_hook)
+        with timeline.phase("stop hooks"):
+            for component in placement.torch_components(pipe).values():
+                for block in blocks(component):
+                    install(block, block_hook)
+                if slice_attention:
+                    for module in component.modules():
+                        if isinstance(module, ATTENTION_TYPES):
+                            install(module, sliced_hook)
         yield
     finally:
-        for (_id, name), module in installed.items():
-            hooks.remove(module, name)
+        with timeline.phase("stop hooks"):
+            for (_id, name), module in installed.items():
+                hooks.remove(module, name)
 
 
 def _sliced_attention_hook(mode: TorchFunctionMode) -> ModelHook:

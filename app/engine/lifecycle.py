@@ -35,6 +35,7 @@ from app.engine.lora_options import allows_partial
 from app.engine.memory import release_memory
 from app.engine.placing import Placing
 from app.engine.snapshot import LoadedFacts
+from app.engine.timeline import phase
 from app.families import family
 from app.hooks import HookRegistry
 from app.safetensors_files import FileIdentity
@@ -62,6 +63,7 @@ class _Loaded:
     set_aside: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
     compile: compiled.CompileState | None = None
     stage_pipes: dict[str, object] = field(default_factory=dict)  # img2img/inpaint pipelines on the same components
+    shown: tuple | None = None  # (what they depend on, the placement rows last built): `ModelLifecycle.rows`
 
 
 class ModelLifecycle(Placing):
@@ -119,11 +121,21 @@ class ModelLifecycle(Placing):
                            loaded.stack.backup_summary())
 
     def rows(self, violations) -> tuple[diagnostics.ModuleRow, ...]:
+        """Diagnostics' rows, one per module. Built after the verify that ends every transition: with no
+        violation every tensor is where the plan puts it, so the rows are a function of the plan, the
+        patched layers and the hooks, and are reused while those stay (a generation changes none of
+        them; rebuilding walked every tensor once more per image: issue 41)."""
         loaded = self._loaded
         if loaded is None:
             return ()
-        return diagnostics.placement_rows(loaded.model.pipe, self._parked or loaded.plan,
-                                          loaded.stack.patched_modules(), list(violations), loaded.hooks)
+        plan, patched = self._parked or loaded.plan, loaded.stack.patched_modules()
+        key = (plan, patched, tuple((id(module), names) for module, names in loaded.hooks.hooked()))
+        if not violations and loaded.shown is not None and loaded.shown[0] == key:
+            return loaded.shown[1]
+        with phase("placement rows"):
+            rows = diagnostics.placement_rows(loaded.model.pipe, plan, patched, list(violations), loaded.hooks)
+        loaded.shown = None if violations else (key, rows)
+        return rows
 
     def compile_status(self) -> compiled.CompileStatus | None:
         loaded = self._loaded
@@ -322,6 +334,7 @@ class ModelLifecycle(Placing):
                 "try a smaller batch or size, or an offload mode (model, balanced, sequential)") from exc
         finally:
             self._timers.record("denoise+decode" if stage is None else stage, time.perf_counter() - t0)
-            loaded.strategy.settle()
-            loaded.plan = loaded.plan.with_resident(loaded.strategy.resident())
+            with phase("settle"):
+                loaded.strategy.settle()
+                loaded.plan = loaded.plan.with_resident(loaded.strategy.resident())
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.engine.desired import Desired
@@ -49,6 +50,7 @@ class Command:
     passed: int = 0  # how many later jobs were taken before it
     stage: bool = False  # one stage of a workflow command: the workflow's job outlives it
     account: str | None = None  # the login it counts against: accounts take turns
+    queued_at: float = field(default_factory=time.perf_counter)  # for the job's timeline (its queue wait)
 
 
 class Turns:

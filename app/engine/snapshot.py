@@ -18,6 +18,7 @@ from app import diagnostics
 from app.adapters.specs import LoraSpec
 from app.engine import compiled, placement
 from app.engine.desired import Desired
+from app.engine.timeline import JobTimeline
 from app.engine.upscaler_slot import UpscalerFacts
 
 
@@ -116,6 +117,7 @@ class Snapshot:
     generating: bool = False  # a generation is running (Interrupt and Skip apply)
     desired: Desired = field(default_factory=Desired)  # what the engine holds now (the last one realised)
     held_for: str | None = None  # whose job asked for it (a session or API client; None: a direct change)
+    last_generation: JobTimeline | None = None  # where the last generation's time went (app/engine/timeline.py)
     taken_at: float = 0.0
 
     @property

@@ -30,11 +30,11 @@ from app import diagnostics, gc_policy
 from app.adapters.errors import AdapterError, LoraApplyError
 from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
-from app.engine import job_memory, lora_options, part_choices, placement
+from app.engine import job_memory, lora_options, part_choices, placement, timeline
 from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
-from app.engine.generating import Generating, Job
+from app.engine.generating import GENERATIONS, Generating, Job
 from app.engine.lifecycle import ModelLifecycle
 from app.engine.lora_counters import LoraCounterBook, capped
 from app.engine.offload import MODES
@@ -88,6 +88,7 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         self._progress: Progress | None = None
         self._last_violations: tuple[placement.Violation, ...] = ()
         self._job: Job | None = None
+        self._last_generation: timeline.JobTimeline | None = None  # where the last generation's time went
         self.timeline = diagnostics.MemoryTimeline()
         # The published snapshot and its model's file read, as one pair: the hash may come after publishing.
         self._published: tuple[Snapshot, ModelScan | None] = (
@@ -224,6 +225,7 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         return dataclasses.replace(published, state=self._state.value, progress=self._progress,
                                    compile=self._lifecycle.compile_status(), queued=len(self._queue),
                                    generating=self._job is not None, held_for=self._held_for,
+                                   last_generation=self._last_generation,
                                    model_hash=published.model_hash or (scan and scan.short_hash(wait_for_hash)))
 
     def snapshots(self) -> tuple[Snapshot, ...]:
@@ -316,13 +318,20 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
             command = self._queue.take(self._desired, self._taken)
             if command is None:
                 return
-            if command.desired is not None and not self._reconciled(command, self._job):
-                continue
-            if command.record:
-                self._run_transition(command)
-            else:
-                self._run_query(command)
+            with timeline.clocked(timeline.JobClock(command.name, command.detail,
+                                                    time.perf_counter() - command.queued_at)):
+                self._serve_one(command)
             del command  # what it holds (an img2img's decoded pictures) must not wait for the next command
+
+    def _serve_one(self, command: Command) -> None:
+        if command.desired is not None:
+            with timeline.phase("reconcile"):
+                if not self._reconciled(command, self._job):
+                    return
+        if command.record:
+            self._run_transition(command)
+        else:
+            self._run_query(command)
 
     def _run_query(self, command: Command) -> None:
         """Run a command outside the state machine (a query, or a workflow whose stages are the
@@ -332,6 +341,14 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
             value, error = None, exc
         self._job = None
+        self._answer(command, value, error)
+
+    def _answer(self, command: Command, value: Any, error: BaseException | None) -> None:
+        """Hand the result to the caller; a generation's timeline is kept first, so the snapshot its
+        caller reads next shows where its time went."""
+        clock = timeline.current()
+        if clock is not None and command.name in GENERATIONS and not command.stage:
+            self._last_generation = clock.finish()
         if error is None:
             command.future.set_result(value)
         else:
@@ -346,9 +363,11 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         self._last_violations = ()  # the snapshot shows what this transition found (and repaired)
         try:
             try:
-                found, repaired = self._verify_and_repair(f"before {command.name}")
+                with timeline.phase("verify before"):
+                    found, repaired = self._verify_and_repair(f"before {command.name}")
                 value = command.body()
-                more_found, more_repaired = self._verify_and_repair(f"after {command.name}")
+                with timeline.phase("verify after"):
+                    more_found, more_repaired = self._verify_and_repair(f"after {command.name}")
                 found, repaired = found + more_found, repaired + more_repaired
                 outcome = "interrupted" if self._job is not None and self._job.interrupted else "ok"
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's future
@@ -357,21 +376,20 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
             if outcome != "failed, engine in ERROR":
                 self._state = EngineState.READY if self._lifecycle.pipeline is not None else EngineState.EMPTY
             duration = time.perf_counter() - t0
-            self._timers.record(command.name, duration)
-            self._history.append(Transition(command.name, command.detail, command.state.value, started, duration,
-                                            outcome, found, repaired,
-                                            None if error is None else self.shown_folders()(capped(str(error)))))
-            self.timeline.sample(command.name)
-            self._publish()
+            with timeline.phase("history"):
+                self._timers.record(command.name, duration)
+                self._history.append(Transition(command.name, command.detail, command.state.value, started,
+                                                duration, outcome, found, repaired,
+                                                None if error is None else self.shown_folders()(capped(str(error)))))
+                self.timeline.sample(command.name)
+            with timeline.phase("publish"):
+                self._publish()
         finally:
             # Only now, with its history row published: a snapshot that shows the job ended shows how.
             self._progress = None
             if not command.stage:
                 self._job = None  # set when a generation left the queue
-        if error is None:
-            command.future.set_result(value)
-        else:
-            command.future.set_exception(error)
+        self._answer(command, value, error)
         self._scans.begin()  # a model this step loaded: its files are read once its caller has the answer
 
     # ------------------------------------------------------------------ command bodies (worker only)

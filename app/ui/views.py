@@ -168,8 +168,15 @@ def lora_rows(snap: Snapshot) -> list[list]:
 
 
 def timer_rows(snap: Snapshot) -> list[list]:
-    return [[name, t.count, round(t.last_s, 4), round(t.total_s, 3), round(t.total_s / max(t.count, 1), 4)]
+    """The engine's timers, then one row per phase of the last generation (`Snapshot.last_generation`:
+    where the time of one image went), its wall time as "last s" and its thread-CPU time in the name."""
+    rows = [[name, t.count, round(t.last_s, 4), round(t.total_s, 3), round(t.total_s / max(t.count, 1), 4)]
             for name, t in sorted(snap.timers.items())]
+    last = snap.last_generation
+    if last is not None:
+        rows += [[f"last image › {p.name} (CPU {p.cpu_ms:.1f} ms)", p.count, round(p.wall_ms / 1e3, 4), "", ""]
+                 for p in last.phases]
+    return rows
 
 
 def gpu_rows(stats: list[dict] | str) -> tuple[list[list], str]:
