@@ -110,9 +110,9 @@ def test_a_denoiser_call_widens_no_qualifying_layer_and_runs_one_fp8_matmul_each
     stored = storage.layers_to_store(build_tiny_pipeline("sd15"), family("sd15"), "fp8")["unet"]
     linear = {path for path in stored if ".to_" in path or ".proj" in path or ".ff." in path or "linear" in path}
     assert counts["fp8"]["widen"] == len(stored) and not counts["fp8"].get("_scaled_mm float8_e4m3fn")
-    convs = len(stored) - counts["fp8-compute"]["_scaled_mm float8_e4m3fn"]
-    assert counts["fp8-compute"]["widen"] == convs < len(stored) - len(linear) + 1
-    assert counts["fp8-compute"]["quantise"] == counts["fp8-compute"]["_scaled_mm float8_e4m3fn"] >= len(linear)
+    fp8_matmuls = counts["fp8-compute"].get("_scaled_mm float8_e4m3fn", 0)
+    assert counts["fp8-compute"].get("widen", 0) == len(stored) - fp8_matmuls <= len(stored) - len(linear)
+    assert counts["fp8-compute"].get("quantise", 0) == fp8_matmuls >= len(linear) > 0
     assert counts["fp8-compute"].get("addmm bfloat16", 0) < counts["fp8"]["addmm bfloat16"]
 
 
@@ -209,7 +209,7 @@ def test_fp8_compute_is_refused_where_the_gpu_has_no_fp8_tensor_cores(engines, m
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "NVIDIA A100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: (8, 0))
     refused = fp8_matmul.refusal(torch.device("cuda", 0))
-    assert "8.9" in refused and "A100 is 8.0" in refused and "weights fp8" in refused
+    assert refused is not None and "8.9" in refused and "A100 is 8.0" in refused and "weights fp8" in refused
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: (8, 9))
     assert fp8_matmul.refusal(torch.device("cuda", 0)) is None
     assert "not on mps" in fp8_matmul.refusal(torch.device("mps"))
