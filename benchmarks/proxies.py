@@ -41,6 +41,7 @@ from benchmarks.config import PROMPT, SEED
 from benchmarks.measure import abba, control_key, fits
 from benchmarks.probe import spawn_load_probe
 from benchmarks.proxy_fp8 import fp8_section
+from benchmarks.proxy_fp8_compute import fp8_compute_section
 from benchmarks.proxy_ops import ops_section
 from benchmarks.proxy_steps import reweight_section, step_section
 from benchmarks.workload import lora_kinds, lora_targets, single_file_numel, write_loras, write_random_single_file
@@ -54,7 +55,7 @@ FIRST_LOAD = "ours, first load (fresh data folder)"
 LOAD_VARIANTS = {"ours": "ours", "diffusers": "diffusers", FIRST_LOAD: "ours",
                  "ours, loader alone (models.load_pipeline)": "ours-models"}
 CONTROL = control_key(("none", 0, "ours"))[2]
-SECTIONS = ("load", "step", "reweight", "fp8", "ops")
+SECTIONS = ("load", "step", "reweight", "fp8", "ops", "fp8-compute")
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
     for arch in config.archs:
         if "ops" in config.sections:
             results["ops"].append(ops_section(arch, config))
+        if "fp8-compute" in config.sections:
+            results["fp8-compute"].append(fp8_compute_section(arch, config))
         wanted = [section for section in WEIGHT_SECTIONS if section in config.sections]
         why = weights_skip(arch, config) if wanted else None
         if why:

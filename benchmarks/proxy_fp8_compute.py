@@ -14,11 +14,19 @@ for a qualifying layer shows here as a count above the layers that are meant to 
 from __future__ import annotations
 
 import collections
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
+from app.engine import storage
 from app.engine.placement import STORAGE_DTYPES
+from app.families import family
+from app.hooks import HookRegistry
+from benchmarks.config import PRESETS
+from benchmarks.denoiser import call_inputs, meta_denoiser
 from benchmarks.measure import OpCounter
+from benchmarks.proxy_ops import latent_side
 
 _NARROW = frozenset(STORAGE_DTYPES.values())
 _PRODUCTS = frozenset({"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "_scaled_mm", "convolution"})
@@ -47,3 +55,34 @@ class Fp8OpCounter(OpCounter):
 
     def kinds_per_call(self) -> dict[str, float]:
         return {kind: count / self.calls for kind, count in sorted(self.kinds.items())} if self.calls else {}
+
+
+def _stored_denoiser(arch: str, weights: str) -> torch.nn.Module:
+    """The full-size denoiser on the meta device in bf16, its large weights stored as `weights` stores
+    them and its `quant.dequant` hooks (or fp8 forwards) installed, as the engine's load does."""
+    fam = family(arch)
+    denoiser = meta_denoiser(arch, fam.denoiser_class.load_config(fam.config_dir / fam.denoiser), torch.bfloat16)
+    pipe = SimpleNamespace(**{**dict.fromkeys(fam.components, torch.nn.Module()), fam.denoiser: denoiser})
+    stored = {fam.denoiser: storage.layers_to_store(pipe, fam, weights).get(fam.denoiser, {})}
+    matmul = storage.matmul_layers(pipe, stored, weights, torch.bfloat16)
+    storage.store(pipe, stored, matmul)
+    storage.install_dequant(HookRegistry(), pipe, stored, {fam.denoiser: torch.bfloat16}, matmul)
+    return denoiser
+
+
+def fp8_compute_section(arch: str, config) -> dict[str, Any]:
+    """Casts and matrix products per call of the full-size denoiser at the GPU bench's resolution (meta
+    device, batch 1): fp8 storage against fp8-compute."""
+    side = latent_side(arch)
+    counts = {}
+    for weights in ("fp8", "fp8-compute"):
+        denoiser = _stored_denoiser(arch, weights)
+        inputs = call_inputs(arch, denoiser, 1, side)
+        counter = Fp8OpCounter(denoiser)
+        try:
+            with torch.no_grad():
+                denoiser(**inputs)
+        finally:
+            counter.remove()
+        counts[weights] = counter.kinds_per_call()
+    return {"arch": arch, "resolution": PRESETS["full"].resolution[arch], "latent_side": side, "per_call": counts}
