@@ -222,3 +222,16 @@ def test_fp8_compute_is_refused_where_the_gpu_has_no_fp8_tensor_cores(engines, m
         engine.load_model(CHECKPOINTS["sdxl"])
     assert engine.snapshot().model == CHECKPOINTS["sd15"]
     engine.unload()
+
+
+def test_the_full_size_klein_call_widens_nothing_and_multiplies_every_stored_layer_in_fp8():
+    """The CPU proxy on a full-size architecture (FLUX.2 Klein 4B on the meta device, 1024², bf16):
+    fp8 storage widens each of its stored layers once per call; fp8-compute widens none and runs one
+    fp8 matmul per stored layer (all of them are aligned Linear layers)."""
+    from benchmarks.proxy_fp8_compute import fp8_compute_section
+
+    counts = fp8_compute_section("flux2-klein-4b", None)["per_call"]
+    stored = counts["fp8"]["widen"]
+    assert stored > 100 and counts["fp8"].get("_scaled_mm float8_e4m3fn", 0) == 0
+    assert counts["fp8-compute"].get("widen", 0) == 0
+    assert counts["fp8-compute"]["_scaled_mm float8_e4m3fn"] == counts["fp8-compute"]["quantise"] == stored
