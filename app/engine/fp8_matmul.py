@@ -31,9 +31,11 @@ place for the bypass, and the `quant.dequant` hook's `after` points back to the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+from torch.utils._triton import has_triton
 
 from app.hooks import ModelHook
 
@@ -78,10 +80,23 @@ def quantise_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(rows, scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
+@functools.cache
+def _fused_quantise() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """`quantise_rows` compiled into one kernel per shape class (dynamic shapes: one for every token
+    count), built on first use. Why: eager, it makes four activation-sized passes (amax, divide into
+    float32, clamp, cast: ~19 bytes per element), which for a Flux MLP's down projection at 1024² on
+    an H100 cost about what the fp8 matmul saves; fused, it reads the bf16 input and writes e4m3. The
+    same values bit for bit (checked on the CPU, where the tests run the eager function: compiling
+    costs minutes there)."""
+    return torch.compile(quantise_rows, dynamic=True)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
            out_dtype: torch.dtype) -> torch.Tensor:
-    """x @ (weight·scale)ᵀ + bias as one fp8 matmul: `weight` (out, in) e4m3, `scale` (out, 1) float32."""
-    rows, row_scale = quantise_rows(x.reshape(-1, x.shape[-1]))
+    """x @ (weight·scale)ᵀ + bias as one fp8 matmul: `weight` (out, in) e4m3, `scale` (out, 1) float32.
+    On CUDA with Triton the input is quantised by the fused kernel, elsewhere by the eager function."""
+    quantise = _fused_quantise() if x.is_cuda and has_triton() else quantise_rows
+    rows, row_scale = quantise(x.reshape(-1, x.shape[-1]))
     out = torch._scaled_mm(rows, weight.t(), scale_a=row_scale, scale_b=scale.t(), bias=bias, out_dtype=out_dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
