@@ -17,7 +17,7 @@ os.environ.setdefault("NO_PROXY", "localhost,127.0.0.1")
 
 from app.console import quiet_third_party  # noqa: E402
 from app.logins import add_login_flags, login_settings  # noqa: E402
-from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, Settings  # noqa: E402
+from app.settings import DTYPE_CHOICES, OFFLOAD_CHOICES, WEIGHTS_CHOICES, Settings  # noqa: E402
 from app.torch_pair import pair_problem  # noqa: E402
 
 log = logging.getLogger("steady_diffusion")
@@ -47,9 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weights dtype; auto = bf16 on GPUs that support it, else fp16 on CUDA, fp32 on CPU")
     p.add_argument("--offload", default="none", choices=OFFLOAD_CHOICES, help="offload mode at start")
-    p.add_argument("--weights", default="full", choices=("full", "fp8"),
+    p.add_argument("--weights", default="full", choices=WEIGHTS_CHOICES,
                    help="fp8: store the large weights in 8 bits (about half the memory), computed in --dtype; "
-                        "LoRAs then apply as exact bypass forwards")
+                        "LoRAs then apply as exact bypass forwards. fp8-compute: the same, and the Linear layers "
+                        "that qualify run as fp8 matmuls (GPUs with compute capability 8.9+, or the CPU)")
     p.add_argument("--lora-backups", default="cpu", choices=("cpu", "gpu"),
                    help="where fused LoRAs keep the original weights (for exact undo): cpu = pinned host memory, "
                         "no VRAM cost; gpu = on the GPU while 2 GiB stay free (faster re-weights)")

@@ -19,6 +19,7 @@ import torch
 
 from app.engine.offload import MODES
 from app.engine.placement import STORAGE_DTYPES, PlacementPlan, Violation, dtype_name, iter_tensors, torch_components
+from app.engine.storage import MATMUL_MODES
 from app.hooks import HookRegistry
 
 log = logging.getLogger(__name__)
@@ -76,14 +77,22 @@ def storage_label(dtype: torch.dtype) -> str:
     return dtype_name(dtype)
 
 
-def storage_summary(weights: str, stored_layers: int, bytes_saved: int, compute: str | None) -> str:
-    """The Diagnostics line on weight storage: how many layers rest in 8 bits, in what, and the bytes saved."""
+def storage_summary(weights: str, stored_layers: int, bytes_saved: int, compute: str | None, *,
+                    matmul_layers: int = 0, matmul_unfit: tuple[str, ...] = ()) -> str:
+    """The Diagnostics line on weight storage: how many layers rest in 8 bits, in what, and the bytes saved;
+    in fp8-compute, how many of them run as fp8 matmuls and why the others widen instead."""
     if compute is None:
         return ""
     if not stored_layers:
         return f"weights: {weights} — every weight rests in its compute dtype ({compute})"
     saved = f"{bytes_saved / 2**30:.2f} GiB" if bytes_saved >= 2**30 else f"{bytes_saved / 2**20:.2f} MiB"
-    return (f"weights: {weights} — {stored_layers} layers rest in {storage_label(STORAGE_DTYPES[weights])} and "
+    label = storage_label(STORAGE_DTYPES["fp8"])
+    if weights in MATMUL_MODES:
+        widened = f"; the other {stored_layers - matmul_layers} widen to {compute} ({'; '.join(matmul_unfit)})" \
+            if matmul_unfit else ""
+        return (f"weights: {weights} — {stored_layers} layers rest in {label}, {matmul_layers} of them computed "
+                f"as {label} matmuls writing {compute}{widened}; {saved} saved ({bytes_saved:,} bytes)")
+    return (f"weights: {weights} — {stored_layers} layers rest in {label} and "
             f"compute in {compute}; {saved} saved ({bytes_saved:,} bytes)")
 
 
@@ -121,6 +130,9 @@ def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], 
         offload = _offload_state(plan, comp)
         comp_plan = plan.components.get(comp)
         compute = dtype_name(comp_plan.compute.dtype) if comp_plan is not None and row["floating"] else ""
+        kept = comp_plan.pinned.get((path, "weight")) if comp_plan is not None else None
+        if kept in STORAGE_DTYPES.values():  # an fp8-matmul layer: its weight is never widened
+            compute = f"{storage_label(kept)} matmul → {compute}"
         rows.append(ModuleRow(comp, path, row["cls"], _join(row["devices"]), _join(row["dtypes"]), compute,
                               row["params"],
                               round(row["bytes"] / 2**20, 3), tuple(patched.get((comp, path), ())), offload,

@@ -22,6 +22,8 @@ COMPILE_BACKENDS = ("inductor", "eager", "aot_eager")
 # a mistyped flag) does not import torch and diffusers; `app.engine.offload` refuses to import if
 # its strategy table and this tuple ever disagree.
 OFFLOAD_CHOICES = ("none", "model", "balanced", "sequential", "group")
+# How the large weights are kept (the same rule: `app.engine.storage` refuses to import if its modes differ).
+WEIGHTS_CHOICES = ("full", "fp8", "fp8-compute")
 
 
 def _env_flag(name: str) -> bool:
@@ -61,7 +63,9 @@ class Settings:
     # dtype (fp32 rest, bf16 compute) makes every offload mode really move and cast tensors on a
     # CPU-only machine: how CI runs the moving code without a GPU.
     rest_dtype: str | None = None
-    weights: str = "full"  # "fp8": large weights rest in 8 bits, computed in the compute dtype
+    # "fp8": large weights rest in 8 bits, computed in the compute dtype; "fp8-compute": the same, and the
+    # Linear ones that qualify run as fp8 matmuls (CUDA sm89+ or the CPU; app/engine/fp8_matmul.py)
+    weights: str = "full"
     # Where fused LoRAs' exact copies of the original weights rest when the weights are on a GPU:
     # "cpu" (pinned host memory, so LoRAs cost no VRAM) or "gpu" (beside the weight while 2 GiB stay
     # free: a re-weight then reads W0 without a host transfer).
@@ -105,8 +109,8 @@ class Settings:
             raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS}, got {self.compile_backend!r}")
         if self.offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {self.offload!r}")
-        if self.weights not in ("full", "fp8"):
-            raise ValueError(f"weights must be full or fp8, got {self.weights!r}")
+        if self.weights not in WEIGHTS_CHOICES:
+            raise ValueError(f"weights must be one of {WEIGHTS_CHOICES}, got {self.weights!r}")
         if self.lora_backups not in ("cpu", "gpu"):
             raise ValueError(f"lora_backups must be cpu or gpu, got {self.lora_backups!r}")
         if self.rest_dtype not in (None, "fp16", "bf16", "fp32"):

@@ -27,7 +27,8 @@ log = logging.getLogger("bench")
 
 
 def new_engine(model: PreparedModel, bench: Bench, **overrides) -> Engine:
-    return Engine(Settings(data_dir=model.data_dir, device=str(bench.device), dtype=bench.config.dtype, **overrides))
+    return Engine(Settings(**{"data_dir": model.data_dir, "device": str(bench.device), "dtype": bench.config.dtype,
+                              **overrides}))
 
 
 def compile_settings(bench: Bench, mode: str) -> dict[str, Any]:

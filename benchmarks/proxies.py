@@ -44,6 +44,7 @@ from benchmarks.config import PROMPT, SEED
 from benchmarks.measure import abba, control_key, fits
 from benchmarks.probe import spawn_load_probe
 from benchmarks.proxy_fp8 import fp8_section
+from benchmarks.proxy_fp8_compute import fp8_compute_section
 from benchmarks.proxy_ops import ops_section
 from benchmarks.proxy_steps import reweight_section, step_section
 from benchmarks.proxy_timeline import timeline_section
@@ -58,7 +59,7 @@ FIRST_LOAD = "ours, first load (fresh data folder)"
 LOAD_VARIANTS = {"ours": "ours", "diffusers": "diffusers", FIRST_LOAD: "ours",
                  "ours, loader alone (models.load_pipeline)": "ours-models"}
 CONTROL = control_key(("none", 0, "ours"))[2]
-SECTIONS = ("load", "step", "reweight", "fp8", "ops", "timeline")
+SECTIONS = ("load", "step", "reweight", "fp8", "ops", "timeline", "fp8-compute")
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,8 @@ def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
     for arch in config.archs:
         if "ops" in config.sections:
             results["ops"].append(ops_section(arch, config))
+        if "fp8-compute" in config.sections:
+            results["fp8-compute"].append(fp8_compute_section(arch, config))
         wanted = [section for section in WEIGHT_SECTIONS if section in config.sections]
         why = weights_skip(arch, config) if wanted else None
         if why:

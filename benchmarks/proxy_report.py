@@ -103,9 +103,24 @@ def _timeline(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _fp8_compute(results: dict[str, Any], _cfg: dict[str, Any]) -> list[str]:
+    lines = ["## fp8 compute: casts and matrix products per denoiser call (meta device, full-size bf16 models, "
+             "batch 1; fp8 storage widens each stored weight per call, fp8-compute multiplies in fp8)", ""]
+    rows = []
+    for s in results["fp8-compute"]:
+        for weights, kinds in s["per_call"].items():
+            products = ", ".join(f"{k} {v:g}" for k, v in kinds.items() if k.split(" ")[0] not in
+                                 ("widen", "widened", "quantise"))
+            rows.append([s["arch"], f"{s['resolution']}²", weights, f"{kinds.get('widen', 0):g}",
+                         f"{kinds.get('widened elements', 0) / 1e6:,.0f}", f"{kinds.get('quantise', 0):g}", products])
+    return lines + table(["arch", "px", "weights", "widening casts", "widened elements (M)", "input quantisations",
+                          "matrix products by op and dtype"], rows)
+
+
 # (results key, section, what a skip note calls it): a section is drawn only when it was measured.
 SECTIONS = (("load", _load, "load"), ("step", _step, "step"), ("reweight", _reweight, "re-weight"),
-            ("fp8", _fp8, "fp8"), ("ops", _ops, "ops"), ("timeline", _timeline, "timeline"))
+            ("fp8", _fp8, "fp8"), ("ops", _ops, "ops"), ("timeline", _timeline, "timeline"),
+            ("fp8-compute", _fp8_compute, "fp8 compute"))
 
 
 def render(results: dict[str, Any]) -> str:

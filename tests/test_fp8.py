@@ -245,3 +245,81 @@ def test_the_bench_fused_copies_compute_what_the_bypass_computes_and_leave_the_f
         assert float((got - expected).abs().max()) <= 4e-2 * float(expected.abs().max())
     fp8.set_loras([])
     assert _stored_digest(fp8) == stored
+
+
+# ------------------------------------------------ fp8-compute (issue 41): the same storage, fp8 matmuls
+@pytest.fixture(scope="module")
+def compute(demo_dir, tmp_path_factory):
+    """An engine with `--weights fp8-compute`, bf16, weights resting in fp32 where a mode moves them (every
+    move a real cast), strict forwards on."""
+    import shutil
+
+    data = tmp_path_factory.mktemp("fp8-compute")
+    shutil.copytree(demo_dir / "models", data / "models")
+    engine = Engine(Settings(data_dir=data, device="cpu", dtype="bf16", rest_dtype="fp32", weights="fp8-compute",
+                             strict_forwards=True))
+    yield engine
+    engine.close()
+
+
+def _scales(engine) -> dict[str, torch.Tensor]:
+    from app.engine.fp8_matmul import SCALE
+
+    return {f"{c}.{p}": t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(engine.pipeline) if n == SCALE}
+
+
+def test_fp8_compute_draws_one_image_in_every_offload_mode_and_keeps_its_bytes_and_scales(compute):
+    """Every offload mode (whole components moved, leaves and blocks streamed, with strict forwards) draws
+    the image that nothing moved draws, within the grey levels the fp32-rest streamed modes differ by; the
+    fp8 bytes and float32 scales are what they were at load; zero violations."""
+    snap = compute.load_model(CHECKPOINTS["sd15"])
+    assert snap.weights == "fp8-compute" and 0 < snap.matmul_layers < snap.stored_layers
+    stored, scales = _stored_digest(compute), _scales(compute)
+    assert len(scales) == snap.matmul_layers and all(s.dtype == torch.float32 for s in scales.values())
+    reference = np.asarray(compute.generate(PARAMS)[0].image, dtype=np.int16)
+    for mode in OFFLOAD_CHOICES:
+        compute.set_offload(mode)
+        image = np.asarray(compute.generate(PARAMS)[0].image, dtype=np.int16)
+        assert np.abs(image - reference).mean() < 3.0, mode
+        assert _stored_digest(compute) == stored, f"{mode}: stored fp8 bytes changed"
+        now = _scales(compute)
+        assert now.keys() == scales.keys() and all(torch.equal(now[k], v) for k, v in scales.items()), mode
+        assert compute.snapshot().violations_found_total == 0, mode
+    compute.set_offload("none")
+
+
+def test_diagnostics_name_the_fp8_matmul_layers_and_why_the_others_widen(compute):
+    """A matmul layer's row computes in `fp8 e4m3fn matmul → bf16` and rests in fp8 beside its float32
+    scales and bf16 bias; a convolution stays on the storage path; the summary line (Diagnostics and the
+    bug report) counts both and gives each reason with its count."""
+    snap = compute.load_model(CHECKPOINTS["sd15"])
+    rows = {(r.component, r.module): r for r in snap.placement}
+    attn = "down_blocks.0.attentions.0.transformer_blocks.0.attn1"
+    assert (rows["unet", f"{attn}.to_q"].storage, rows["unet", f"{attn}.to_q"].compute) == \
+        ("fp32+fp8 e4m3fn", "fp8 e4m3fn matmul → bf16")
+    assert rows["unet", f"{attn}.to_out.0"].storage == "bf16+fp32+fp8 e4m3fn"
+    conv = "down_blocks.0.resnets.0.conv1"
+    assert (rows["unet", conv].storage, rows["unet", conv].compute) == ("bf16+fp8 e4m3fn", "bf16")
+    summary = diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype,
+                                          matmul_layers=snap.matmul_layers, matmul_unfit=snap.matmul_unfit)
+    widened = snap.stored_layers - snap.matmul_layers
+    assert summary.startswith(f"weights: fp8-compute — {snap.stored_layers} layers rest in fp8 e4m3fn, "
+                              f"{snap.matmul_layers} of them computed as fp8 e4m3fn matmuls writing bf16; "
+                              f"the other {widened} widen to bf16 (")
+    assert sum(int(reason.split(" × ")[0]) for reason in snap.matmul_unfit) == widened
+    assert "Conv2d: only Linear layers run as fp8 matmuls" in snap.matmul_unfit[0]
+    assert collect_report(compute, compute.settings)["weight_storage"] == summary
+
+
+def test_an_fp8_matmul_scale_found_in_another_dtype_is_a_violation_and_is_repaired(compute):
+    """The scales are in the placement plan (pinned to float32 at rest and at compute): one found in bf16
+    is a violation the next transition names and repairs back to float32."""
+    from app.engine.fp8_matmul import SCALE
+
+    compute.load_model(CHECKPOINTS["sd15"])
+    layer = compute.pipeline.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q
+    layer._buffers[SCALE] = layer._buffers[SCALE].to(torch.bfloat16)  # what a careless move would do
+    snap = compute.set_offload("none")
+    row = snap.history[-1]
+    assert (row.violations_found, row.violations_repaired) == (1, 1)
+    assert SCALE in str(snap.violations[0]) and layer.get_buffer(SCALE).dtype == torch.float32

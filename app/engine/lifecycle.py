@@ -25,7 +25,18 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
-from app.engine import compiled, decoding, embeddings, models, offload, part_choices, placement, stages, storage
+from app.engine import (
+    compiled,
+    decoding,
+    embeddings,
+    fp8_matmul,
+    models,
+    offload,
+    part_choices,
+    placement,
+    stages,
+    storage,
+)
 from app.engine.checkpoint_files import ModelLoadError, resolve_checkpoint
 from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
@@ -58,8 +69,9 @@ class _Loaded:
     stack: LoraStack
     embeddings: tuple[str, ...]
     strategy: offload.OffloadStrategy
-    weights: str = "full"  # "full", or the storage dtype of the large weights ("fp8")
+    weights: str = "full"  # "full", or how the large weights are stored ("fp8", "fp8-compute")
     stored: storage.Stored = field(default_factory=dict)  # layers whose weight rests in that dtype
+    matmul: storage.MatmulLayers = field(default_factory=storage.MatmulLayers)  # of those, computed in fp8
     set_aside: dict[str, str] = field(default_factory=dict)  # LoRA name -> why it does not fit this model
     compile: compiled.CompileState | None = None
     stage_pipes: dict[str, object] = field(default_factory=dict)  # img2img/inpaint pipelines on the same components
@@ -118,7 +130,7 @@ class ModelLifecycle(Placing):
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
                            dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
                            storage.bytes_saved(pipe, loaded.stored, pipe.compute_dtypes),
-                           loaded.stack.backup_summary())
+                           loaded.stack.backup_summary(), len(loaded.matmul), loaded.matmul.unfit_summary())
 
     def rows(self, violations) -> tuple[diagnostics.ModuleRow, ...]:
         """Diagnostics' rows, one per module. Built after the verify that ends every transition: with no
@@ -230,31 +242,36 @@ class ModelLifecycle(Placing):
     # ------------------------------------------------------------------ load / swap / unload
     def _load(self, want: Desired, dtype: torch.dtype) -> None:
         info = resolve_checkpoint(want.model, self._settings.checkpoints_dir)
+        refusal = fp8_matmul.refusal(self._device) if want.weights in storage.MATMUL_MODES else None
+        if refusal:
+            raise ModelLoadError(refusal)
         self._progress(f"loading {info.name}", 0, 3)
         t0 = time.perf_counter()
         fresh = models.load_pipeline(info, dtype, part_choices.part_files(self._settings, info.name), self._scans)
         stored = storage.layers_to_store(fresh.pipe, family(fresh.arch), want.weights)
-        storage.store(fresh.pipe, stored)
+        matmul = storage.matmul_layers(fresh.pipe, stored, want.weights, dtype)
+        storage.store(fresh.pipe, stored, matmul)
         self._timers.record("load", time.perf_counter() - t0)
         self._progress(f"placing {info.name}", 1, 3)
-        self._swap_in(fresh, dtype, want.offload, want.weights, stored)
+        self._swap_in(fresh, dtype, want.offload, want.weights, stored, matmul)
         self._progress("applying LoRAs", 2, 3)
 
     def _swap_in(self, fresh: models.LoadedModel, dtype: torch.dtype, mode: str, weights: str,
-                 stored: storage.Stored) -> None:
+                 stored: storage.Stored, matmul: storage.MatmulLayers) -> None:
         """Place a freshly loaded model and make it current; the old one stays usable until then.
 
         The old pipeline is parked on the CPU (hooks removed) so a large new model can fit on the
         GPU; if placing the new one fails, the old one is put back with its offload mode.
         """
         old = self._loaded
-        plan, hooks = self._plan(fresh.pipe, dtype, mode, stored), HookRegistry()
+        plan, hooks = self._plan(fresh.pipe, dtype, mode, stored, matmul), HookRegistry()
+        readers = fp8_matmul.WeightReaders(fresh.pipe)
         try:
             if old is not None and self._device.type != "cpu":
                 self.park("park previous model")
             embedded = embeddings.load_all(fresh.pipe, fresh.arch, self._settings.embeddings_dir)
             strategy = self._place(fresh.pipe, plan, hooks, reason="load")
-            storage.install_dequant(hooks, fresh.pipe, stored, fresh.pipe.compute_dtypes)
+            storage.install_dequant(hooks, fresh.pipe, stored, fresh.pipe.compute_dtypes, matmul, readers)
         except BaseException:
             del fresh
             self.unpark()
@@ -268,9 +285,10 @@ class ModelLifecycle(Placing):
         stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan),
                           gpu_backups=self._settings.lora_backups == "gpu",
                           allows_partial=lambda name: allows_partial(self._settings, name))
+        readers.stack = stack
         scan = self._scans.start(fresh.info.name, models.facts_store(fresh.info), fresh.files)  # after the load
         self._loaded = _Loaded(fresh, FileIdentity.of(fresh.info.path), scan, plan, hooks, stack, embedded, strategy,
-                               weights, stored)
+                               weights, stored, matmul)
         self._sync_compile(self._loaded)
         if old is not None:  # a first load has nothing to give back, and a full gc pass costs ~0.3 s
             del old

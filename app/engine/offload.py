@@ -368,10 +368,10 @@ def make_strategy(pipe, plan: PlacementPlan, hooks: HookRegistry, vram_budget_gi
 
 def plan_for(pipe, dtype: torch.dtype, device: torch.device, mode: str,
              rest_dtype: torch.dtype | None = None, stored=None,
-             conv_format: torch.memory_format | None = None) -> PlacementPlan:
+             conv_format: torch.memory_format | None = None, kept=None) -> PlacementPlan:
     """The placement plan of `pipe` under offload `mode` (see `placement.plan_placement`)."""
     return placement.plan_placement(pipe, dtype, device, mode, moves_weights=MODES[mode].moves_weights,
-                                    rest_dtype=rest_dtype, stored=stored, conv_format=conv_format)
+                                    rest_dtype=rest_dtype, stored=stored, conv_format=conv_format, kept=kept)
 
 
 def bypass_components(plan: PlacementPlan) -> frozenset[str]:

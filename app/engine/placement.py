@@ -223,7 +223,8 @@ def _expected(tensor: torch.Tensor, want: Placement) -> str:
 def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str, *, moves_weights: bool,
                    rest_dtype: torch.dtype | None = None,
                    stored: Mapping[str, Mapping[str, torch.dtype]] | None = None,
-                   conv_format: torch.memory_format | None = None) -> PlacementPlan:
+                   conv_format: torch.memory_format | None = None,
+                   kept: Mapping[str, Pinned] | None = None) -> PlacementPlan:
     """Build the plan for `pipe` at `dtype` on `device` under offload mode `offload` (named for
     diagnostics; `offload.plan_for` fills in what the mode does).
 
@@ -231,7 +232,9 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
     (default: the compute dtype). A rest dtype wider than the compute dtype makes every move a
     real cast even on a CPU-only machine: that is how CI runs the moving code (fp32 rest, bf16
     compute) without a GPU. `stored` names, per component, the layers whose weight rests in a
-    storage dtype (fp8) and is widened per forward. `conv_format` (channels_last, or None: no layout
+    storage dtype (fp8) and is widened per forward; `kept`, per component, tensors that keep their own
+    dtype at rest and at compute beside the family's pinned ones (an fp8-matmul layer's weight and its
+    float32 scales, app/engine/fp8_matmul.py). `conv_format` (channels_last, or None: no layout
     planned) is the memory format of the 4-D weights of the family's convolutional components
     (`Family.conv_components`: UNet, VAE), at rest and at compute; text encoders and a DiT's
     transformer have no convolutions and get none. Policy beyond the plain request, as diffusers'
@@ -251,9 +254,10 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
         layout = conv_format if name in fam.conv_components else None
         compute = Placement(device, comp_dtype, layout)
         rest = Placement(cpu, rest_dtype or comp_dtype, layout) if moves_weights else compute
-        pinned = {(path, tensor): kept for path, module in component.named_modules()
+        pinned = {(path, tensor): own for path, module in component.named_modules()
                   for tensor, value in (*module._parameters.items(), *module._buffers.items())
-                  if value is not None and (kept := fam.pinned_dtype(name, path, tensor)) is not None}
+                  if value is not None and (own := fam.pinned_dtype(name, path, tensor)) is not None}
+        pinned.update((kept or {}).get(name, {}))
         plans[name] = ComponentPlan(rest=rest, compute=compute, stored=dict((stored or {}).get(name, {})),
                                     pinned=pinned)
     return PlacementPlan(device=device, dtype=dtype, offload=offload, components=plans)

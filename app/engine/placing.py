@@ -51,7 +51,8 @@ class Placing:
         if loaded is None or self._parked is not None:
             return
         self._release_hooks(loaded)
-        self._parked = offload.plan_for(loaded.model.pipe, loaded.plan.dtype, torch.device("cpu"), "none")
+        self._parked = offload.plan_for(loaded.model.pipe, loaded.plan.dtype, torch.device("cpu"), "none",
+                                        stored=loaded.stored, kept=loaded.matmul.kept())
         placement.apply_plan(loaded.model.pipe, self._parked, reason=reason)
 
     def unpark(self) -> None:
@@ -62,11 +63,12 @@ class Placing:
         self._restore_placement(self._loaded)
         self._sync_compile(self._loaded)
 
-    def _plan(self, pipe, dtype: torch.dtype, mode: str, stored: storage.Stored) -> placement.PlacementPlan:
+    def _plan(self, pipe, dtype: torch.dtype, mode: str, stored: storage.Stored,
+              matmul: storage.MatmulLayers) -> placement.PlacementPlan:
         rest = self._settings.rest_dtype
         conv_format = torch.channels_last if self._settings.channels_last else None
         return offload.plan_for(pipe, dtype, self._device, mode, None if rest is None else placement.DTYPES[rest],
-                                stored, conv_format)
+                                stored, conv_format, matmul.kept())
 
     def _place(self, pipe, plan: placement.PlacementPlan, hooks: HookRegistry, reason: str) -> offload.OffloadStrategy:
         """Apply a plan and install its offload strategy; on failure no hook of it stays behind."""
@@ -122,7 +124,7 @@ class Placing:
     def _set_offload(self, mode: str) -> None:
         """Remove the old mode's hooks completely, apply the new plan, install the new hooks."""
         loaded = self._loaded
-        new_plan = self._plan(loaded.model.pipe, loaded.plan.dtype, mode, loaded.stored)
+        new_plan = self._plan(loaded.model.pipe, loaded.plan.dtype, mode, loaded.stored, loaded.matmul)
         compiled.disable(loaded.model.pipe)
         loaded.strategy.remove()
         strategy = None

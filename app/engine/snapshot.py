@@ -94,9 +94,11 @@ class Snapshot:
     dtype: str | None = None
     requested_dtype: str = "auto"
     offload: str = "none"
-    weights: str = "full"  # as asked; "fp8": the large weights rest in 8 bits
+    weights: str = "full"  # as asked; "fp8": the large weights rest in 8 bits; "fp8-compute": and compute in fp8
     stored_layers: int = 0  # layers whose weight rests in 8 bits
     bytes_saved: int = 0  # by them, against the compute dtype
+    matmul_layers: int = 0  # of them, computed as fp8 matmuls (fp8-compute)
+    matmul_unfit: tuple[str, ...] = ()  # why the others widen instead: "n × reason", most first
     loras: tuple[LoraSpec, ...] = ()  # applied to the model now
     lora_states: tuple[LoraState, ...] = ()  # every wanted LoRA: applied, set aside or disabled, and why
     lora_mode: str = "fused"  # "fused", "bypass" or "fused + bypass"
@@ -141,10 +143,12 @@ class LoadedFacts:
     lora_mode: str  # "fused", "bypass" or "fused + bypass"
     embeddings: tuple[str, ...]
     set_aside: Mapping[str, str]
-    weights: str  # "full" or the storage dtype of the large weights
+    weights: str  # "full", or how the large weights are stored ("fp8", "fp8-compute")
     stored_layers: int  # layers whose weight rests in that dtype
     bytes_saved: int  # against holding them in the compute dtype
     lora_backups: str  # originals held for fused LoRAs: layers, size, where (LoraStack.backup_summary)
+    matmul_layers: int = 0  # stored layers computed as fp8 matmuls
+    matmul_unfit: tuple[str, ...] = ()  # why the other stored layers widen instead (MatmulLayers.unfit_summary)
 
 
 def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,
@@ -182,4 +186,5 @@ def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFa
     return Snapshot(model=facts.model, arch=facts.arch, model_hash=facts.model_hash, native_size=facts.native_size,
                     defaults=facts.defaults, dtype=placement.dtype_name(facts.dtype), loras=facts.loras,
                     lora_mode=facts.lora_mode, embeddings=facts.embeddings, stored_layers=facts.stored_layers,
-                    bytes_saved=facts.bytes_saved, lora_backups=facts.lora_backups, **common)
+                    bytes_saved=facts.bytes_saved, lora_backups=facts.lora_backups, matmul_layers=facts.matmul_layers,
+                    matmul_unfit=facts.matmul_unfit, **common)

@@ -1,4 +1,4 @@
-"""Weights stored in 8 bits, computed in the compute dtype: which layers, the cast, the hook.
+"""Weights stored in 8 bits: which layers, the cast, the hook; and which of them compute in fp8.
 
 Why: a model whose large matrices rest in fp8 takes about half the memory of bf16, at rest and on
 the bus. The engine never computes in fp8: a `quant.dequant` hook widens a stored weight to the
@@ -14,30 +14,75 @@ embedding (not linear/conv, so never chosen), the VAE, biases, and the family's 
 and last layers (`Family.high_precision`: SD's conv_in, conv_out, time and class embeddings,
 text projection). The cast is a plain round-to-nearest cast (ComfyUI's `fp8_e4m3fn` weight
 dtype does the same): e4m3 keeps ~2 significant digits up to ±448, ample for these weights.
+
+The `fp8-compute` mode stores the same layers, and the Linear ones that qualify (`MatmulLayers`,
+app/engine/fp8_matmul.py) are stored with a float32 scale per row and computed as fp8 matmuls, their
+weight never widened; the others keep the path above.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-from app.engine.placement import STORAGE_DTYPES
+from app.engine import fp8_matmul
+from app.engine.placement import STORAGE_DTYPES, Pinned
 from app.families import Family
 from app.hooks import HookRegistry, ModelHook
+from app.settings import WEIGHTS_CHOICES
 
-WEIGHTS_CHOICES = ("full", *STORAGE_DTYPES)  # "full": every weight in the compute dtype
+log = logging.getLogger(__name__)
+
+# weights mode -> the dtype its large weights rest in ("full": none, every weight in the compute dtype)
+WEIGHTS_MODES: dict[str, torch.dtype | None] = {"full": None, "fp8": STORAGE_DTYPES["fp8"],
+                                                "fp8-compute": STORAGE_DTYPES["fp8"]}
+if tuple(WEIGHTS_MODES) != WEIGHTS_CHOICES:
+    raise ImportError(f"weights modes {tuple(WEIGHTS_MODES)} and settings.WEIGHTS_CHOICES {WEIGHTS_CHOICES} disagree")
+MATMUL_MODES = frozenset({"fp8-compute"})  # modes whose qualifying Linear layers compute in fp8
 _STORABLE = (torch.nn.Linear, torch.nn.Conv2d)
 
 Stored = dict[str, dict[str, torch.dtype]]  # component -> {module path: storage dtype}
 
 
+@dataclass(frozen=True)
+class MatmulLayers:
+    """Of the stored layers, those computed as fp8 matmuls, and why each other one is not."""
+
+    layers: Mapping[str, frozenset[str]] = field(default_factory=dict)  # component -> module paths
+    unfit: Mapping[str, str] = field(default_factory=dict)  # "component.path" -> why it widens instead
+
+    def __len__(self) -> int:
+        return sum(map(len, self.layers.values()))
+
+    def kept(self) -> dict[str, Pinned]:
+        """What the placement plan keeps in its own dtype at rest and at compute: the fp8 weight and
+        its float32 scales (a move or a repair never widens either)."""
+        return {component: {key: dtype for path in paths
+                            for key, dtype in (((path, "weight"), fp8_matmul.E4M3),
+                                               ((path, fp8_matmul.SCALE), torch.float32))}
+                for component, paths in self.layers.items()}
+
+    def unfit_summary(self) -> tuple[str, ...]:
+        """Each reason with how many layers it keeps on the storage path, most first."""
+        counts: dict[str, int] = {}
+        for reason in self.unfit.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        return tuple(f"{n} × {reason}" for reason, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def storage_dtype(weights: str) -> torch.dtype | None:
+    return WEIGHTS_MODES[weights]
+
+
 def layers_to_store(pipe, family: Family, weights: str) -> Stored:
     """The layers whose weight rests in `weights`' storage dtype (none for "full")."""
-    if weights == "full":
+    dtype = WEIGHTS_MODES[weights]
+    if dtype is None:
         return {}
-    dtype = STORAGE_DTYPES[weights]
     keep = re.compile("|".join(f"(?:^|\\.){re.escape(name)}(?:\\.|$)" for name in family.high_precision))
     out: Stored = {}
     for component in family.components:
@@ -48,14 +93,39 @@ def layers_to_store(pipe, family: Family, weights: str) -> Stored:
     return out
 
 
-def store(pipe, layers: Stored) -> None:
-    """Cast each chosen weight to its storage dtype in place (the Parameter object stays)."""
+def matmul_layers(pipe, layers: Stored, weights: str, compute_dtype: torch.dtype) -> MatmulLayers:
+    """The stored layers `weights` computes as fp8 matmuls; each other stored layer with its reason
+    (logged once here, shown in Diagnostics). None in a storage-only mode."""
+    if weights not in MATMUL_MODES:
+        return MatmulLayers()
+    chosen: dict[str, frozenset[str]] = {}
+    unfit: dict[str, str] = {}
+    for component, paths in layers.items():
+        root = getattr(pipe, component)
+        reasons = {path: fp8_matmul.unfit(root.get_submodule(path), compute_dtype) for path in paths}
+        chosen[component] = frozenset(path for path, reason in reasons.items() if reason is None)
+        unfit.update({f"{component}.{path}": reason for path, reason in reasons.items() if reason is not None})
+    found = MatmulLayers(chosen, unfit)
+    log.info("fp8 matmuls: %d layers; %d stored layers widen instead (%s)", len(found), len(unfit),
+             "; ".join(found.unfit_summary()) or "none")
+    return found
+
+
+def store(pipe, layers: Stored, matmul: MatmulLayers | None = None) -> None:
+    """Cast each chosen weight to its storage dtype in place (the Parameter object stays); an fp8-matmul
+    layer's weight is cast scaled per row, its float32 scales registered beside it as a buffer."""
+    computed = {} if matmul is None else matmul.layers
     with torch.no_grad():
         for component, paths in layers.items():
             root = getattr(pipe, component)
             for path, dtype in paths.items():
-                weight = root.get_submodule(path).weight
-                weight.data = weight.data.to(dtype)
+                module = root.get_submodule(path)
+                weight = module.weight
+                if path in computed.get(component, ()):
+                    weight.data, scale = fp8_matmul.quantise_rows(weight.data)
+                    module.register_buffer(fp8_matmul.SCALE, scale)
+                else:
+                    weight.data = weight.data.to(dtype)
 
 
 class _Widen:
@@ -75,22 +145,35 @@ class _Widen:
             module._parameters["weight"].data = self.stash.pop()
 
 
-def install_dequant(hooks: HookRegistry, pipe, layers: Stored, compute_dtypes: Mapping[str, torch.dtype]) -> None:
-    """Give every stored layer its `quant.dequant` hook, widening to its component's compute dtype."""
+def install_dequant(hooks: HookRegistry, pipe, layers: Stored, compute_dtypes: Mapping[str, torch.dtype],
+                    matmul: MatmulLayers | None = None, readers: fp8_matmul.WeightReaders | None = None) -> None:
+    """Give every stored layer its `quant.dequant` hook, widening to its component's compute dtype; an
+    fp8-matmul layer gets its fp8 forward instead (as the module's `forward`), whose hook only points back
+    to the stored bytes after a LoRA that reads the weight (`readers`) had it dequantised."""
+    computed = {} if matmul is None else matmul.layers
     for component, paths in layers.items():
         root = getattr(pipe, component)
         for path in paths:
+            module = root.get_submodule(path)
+            if path in computed.get(component, ()):
+                forward = fp8_matmul.Fp8Matmul(module, compute_dtypes[component], readers or (lambda _m: False))
+                module.forward = forward.forward
+                hooks.add(module, forward.hook())
+                continue
             widen = _Widen(compute_dtypes[component])
-            hooks.add(root.get_submodule(path), ModelHook("quant.dequant", pre=widen.pre, after=widen.after))
+            hooks.add(module, ModelHook("quant.dequant", pre=widen.pre, after=widen.after))
 
 
 def bytes_saved(pipe, layers: Stored, compute_dtypes: Mapping[str, torch.dtype]) -> int:
-    """How many bytes the stored weights save against holding them in the compute dtype."""
+    """How many bytes the stored weights save against holding them in the compute dtype (less the
+    fp8-matmul scales kept beside them)."""
     saved = 0
     for component, paths in layers.items():
         wide = torch.empty((), dtype=compute_dtypes[component]).element_size()
         root = getattr(pipe, component)
         for path in paths:
-            weight = root.get_submodule(path).weight
-            saved += weight.numel() * (wide - weight.element_size())
+            module = root.get_submodule(path)
+            scale = module._buffers.get(fp8_matmul.SCALE)
+            saved += module.weight.numel() * (wide - module.weight.element_size())
+            saved -= 0 if scale is None else scale.numel() * scale.element_size()
     return saved

@@ -112,7 +112,8 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         return self._change("set_dtype", dtype, EngineState.LOADING, lambda d: d.replace(dtype=dtype))
 
     def set_weights(self, weights: str) -> Snapshot:
-        """Reload with the large weights stored in `weights` ("fp8") or all in the compute dtype ("full")."""
+        """Reload with the large weights stored in `weights` ("fp8"; "fp8-compute": and Linear layers computed
+        as fp8 matmuls) or all in the compute dtype ("full")."""
         self._check_choice("weights", weights, WEIGHTS_CHOICES)
         return self._change("set_weights", weights, EngineState.LOADING, lambda d: d.replace(weights=weights))
 

@@ -52,7 +52,8 @@ def refresh(ctx: UiContext, engine: int | None, component: str, text: str, only_
     mem_text = " · ".join(f"{k.replace('_mib', '')} {v:,.0f} MiB" for k, v in memory.items())
     components = ["all", *dict.fromkeys(r.component for r in snap.placement)]
     shown = f"showing {len(rows)} of {matching} matching modules ({len(snap.placement)} total)"
-    storage = diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype)
+    storage = diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype,
+                                          matmul_layers=snap.matmul_layers, matmul_unfit=snap.matmul_unfit)
     return [
         f"{views.status_html(snap)}<div class='sd-muted' id='sd-diag-updated'>updated {time.strftime('%H:%M:%S')}"
         f" · {mem_text}</div>",

@@ -38,7 +38,7 @@ from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests, write_demo_loras
 from app.demo import build_tiny_pipeline
-from app.engine import checkpoint_files, compiled, models, offload, placement
+from app.engine import checkpoint_files, compiled, fp8_matmul, models, offload, placement
 from app.engine.generate import GenerateParams, denoise
 from app.engine.strict import StrictForwardError
 from app.engine.worker import Engine
@@ -98,6 +98,14 @@ def moving(data):
 def fp8(data):
     """As `moving`, the large weights stored in fp8 (loaded so: no reload per family)."""
     eng = _moving(data, "fp8")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def fp8_compute(data):
+    """As `fp8`, the qualifying Linear layers run as fp8 matmuls, their float32 scales moving with them."""
+    eng = _moving(data, "fp8-compute")
     yield eng
     eng.close()
 
@@ -345,17 +353,24 @@ def test_every_offload_mode_with_rest_dtype_other_than_compute_dtype(moving, arc
     moving.set_loras([])
 
 
-def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_streamed_modes(fp8, arch):
+@pytest.mark.parametrize("weights", ["fp8", "fp8-compute"])
+def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_streamed_modes(weights, arch, request):
     """fp8 weights with a LoRA (a bypass: nothing is fused into 8 bits): the family's sensitive layers
     (`high_precision`) stay in bf16; with nothing moved, whole components moved and blocks streamed,
-    the image is the same within rounding, the stored bytes never change, zero violations."""
+    the image is the same within rounding, the stored bytes never change, zero violations. With
+    fp8-compute (issue 41) the same, its fp8-matmul layers' float32 scales unchanged too."""
+    fp8 = request.getfixturevalue("fp8" if weights == "fp8" else "fp8_compute")
     snap = fp8.load_model(checkpoint(arch))
     assert snap.stored_layers > 0
+    assert (snap.matmul_layers > 0) == (snap.weights == "fp8-compute")
     assert fp8.set_loras([LoraSpec(f"demo-style-{arch}", 0.8)]).lora_mode == "bypass"
     stored = {f"{c}.{p}": t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
               if t.dtype == placement.STORAGE_DTYPES["fp8"]}
+    scales = {f"{c}.{p}": t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
+              if n == fp8_matmul.SCALE}
     sensitive = family(arch).high_precision
     assert len(stored) == snap.stored_layers and not [k for k in stored if set(k.split(".")) & set(sensitive)]
+    assert len(scales) == snap.matmul_layers and all(t.dtype == torch.float32 for t in scales.values())
     images = {}
     for mode in ("none", "model", "group"):
         fp8.set_offload(mode)
@@ -365,6 +380,8 @@ def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_strea
            if t.dtype == placement.STORAGE_DTYPES["fp8"]}
     assert now.keys() == stored.keys() and all(torch.equal(now[k].view(torch.uint8), v.view(torch.uint8))
                                                for k, v in stored.items())
+    now = {f"{c}.{p}": t for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline) if n == fp8_matmul.SCALE}
+    assert now.keys() == scales.keys() and all(torch.equal(now[k], v) for k, v in scales.items())
     # within three grey levels, as in the offload test: streamed modes run the first step on fp32 latents
     # (diffusers casts the prompt embeddings to `text_encoder.dtype`, read from a weight resting in fp32)
     assert all(np.abs(image - images["none"]).mean() < 3.0 for image in images.values())
