@@ -159,6 +159,8 @@ def _load_comparisons(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, A
 # Sections that run on a random-weight single file (the file and its model must fit in RAM).
 WEIGHT_SECTIONS = {"load": load_section, "step": step_section, "reweight": reweight_section, "fp8": fp8_section,
                    "timeline": timeline_section}
+
+
 def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
     """Every section for every architecture, one model in memory at a time."""
     results = {"schema": SCHEMA, "config": {k: str(v) if isinstance(v, Path) else v
