@@ -11,12 +11,14 @@ import copy
 import inspect
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
 from safetensors.torch import save_file
+from tiny import FAST
 from torch.utils import _pytree as pytree
 
 from app.adapters.files import read_adapter
@@ -24,8 +26,12 @@ from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.demo import build_tiny_pipeline
 from app.engine import compile_cache, compiled
+from app.engine.compiled import CompileStatus
+from app.engine.generate import GenerateParams
 from app.engine.offload import MODES
+from app.engine.worker import Engine
 from app.families import FAMILIES, family, family_of
+from app.settings import Settings
 
 
 @pytest.fixture(autouse=True)
@@ -415,6 +421,51 @@ def test_regional_background_compile_keeps_the_worker_eager():
     finally:
         release.set()
         compiled.disable(pipe)
+
+
+def _compiled_by_now(eng: Engine, timeout_s: float = 120) -> CompileStatus:
+    """The engine's compile status once its background compile is done (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while eng.snapshot().compile.phase in ("compiling", "waiting") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return eng.snapshot().compile
+
+
+def test_regional_compile_in_the_engine_with_strict_forwards_loras_and_offload_changes(data_dir):
+    """Issue 41 (6), the engine's own path: `--compile` on a DiT with strict forwards on compiles the
+    blocks by regions on a helper thread (the first generation runs eager meanwhile); every strict check
+    and every verify after a command passes (the blocks keep their parameters); a LoRA change recompiles
+    nothing; an offload mode that moves weights takes the compiled path off the blocks (as the whole
+    compile is taken off) and `none` puts it back."""
+    arch = REGIONAL[0]
+    eng = Engine(Settings(data_dir=data_dir, device="cpu", compile=True, compile_backend="eager",
+                          strict_forwards=True))
+    params = GenerateParams("a cat", seed=7, **{**FAST, "cfg": 1.0})
+    try:
+        eng.load_model(f"tiny-{arch}.safetensors")
+        eng.generate(params)
+        status = _compiled_by_now(eng)
+        assert status.phase == "compiled" and status.regions and status.mode == "default", status.note
+        eng.generate(params)
+        graphs = eng.snapshot().compile.compiles
+        eng.set_loras([LoraSpec(f"demo-style-{arch}", 0.8)])
+        eng.generate(params)
+        eng.set_loras([LoraSpec(f"demo-style-{arch}", 0.5)])
+        eng.generate(params)
+        assert eng.snapshot().compile.compiles == graphs
+        denoiser = getattr(eng.pipeline, family(arch).denoiser)
+        eng.set_offload("model")
+        assert eng.snapshot().compile.phase == "eager"
+        assert not [m for m in denoiser.modules() if "forward" in vars(m)]
+        eng.generate(params)
+        eng.set_offload("none")
+        assert len([m for m in denoiser.modules() if "forward" in vars(m)]) > len(status.regions)
+        eng.generate(params)
+        assert _compiled_by_now(eng).phase == "compiled"
+        history = eng.snapshot().history
+        assert history and all(h.outcome == "ok" and h.violations_found == 0 for h in history)
+    finally:
+        eng.close()
 
 
 # ----------------------------------------------------------------------------------------------- GPU
