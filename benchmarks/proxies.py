@@ -13,7 +13,9 @@ the same run.
   patching alone from the engine's timer);
 * fp8: fp8 weight storage against full weights, LoRAs as bypasses or fused copies (`proxy_fp8.py`);
 * ops: aten ops per denoiser call on the meta device, so any size fits: ours without LoRAs, with
-  three fused and as bypass forwards, against diffusers (`proxy_ops.py`).
+  three fused and as bypass forwards, against diffusers (`proxy_ops.py`);
+* compile: a DiT denoiser's first compile on the meta device, whole against regional (seconds, graphs;
+  `proxy_compile.py`).
 
 This CPU computes bf16 at about 1 GFLOP/s against 150 in fp32, so step rows run in fp32 while load and
 re-weight rows use bf16 storage (what a GPU user loads, without a dtype conversion). Sections that
@@ -40,6 +42,7 @@ from benchmarks import stats
 from benchmarks.config import PROMPT, SEED
 from benchmarks.measure import abba, control_key, fits
 from benchmarks.probe import spawn_load_probe
+from benchmarks.proxy_compile import compile_section
 from benchmarks.proxy_fp8 import fp8_section
 from benchmarks.proxy_ops import ops_section
 from benchmarks.proxy_steps import reweight_section, step_section
@@ -54,7 +57,7 @@ FIRST_LOAD = "ours, first load (fresh data folder)"
 LOAD_VARIANTS = {"ours": "ours", "diffusers": "diffusers", FIRST_LOAD: "ours",
                  "ours, loader alone (models.load_pipeline)": "ours-models"}
 CONTROL = control_key(("none", 0, "ours"))[2]
-SECTIONS = ("load", "step", "reweight", "fp8", "ops")
+SECTIONS = ("load", "step", "reweight", "fp8", "ops", "compile")
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,8 @@ def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
     for arch in config.archs:
         if "ops" in config.sections:
             results["ops"].append(ops_section(arch, config))
+        if "compile" in config.sections:
+            results["compile"].append(compile_section(arch, config))
         wanted = [section for section in WEIGHT_SECTIONS if section in config.sections]
         why = weights_skip(arch, config) if wanted else None
         if why:
