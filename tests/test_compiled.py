@@ -32,6 +32,7 @@ from app.engine.offload import MODES
 from app.engine.worker import Engine
 from app.families import FAMILIES, family, family_of
 from app.settings import Settings
+from launch import build_parser, settings_from_args
 
 
 @pytest.fixture(autouse=True)
@@ -464,6 +465,23 @@ def test_regional_compile_in_the_engine_with_strict_forwards_loras_and_offload_c
         assert _compiled_by_now(eng).phase == "compiled"
         history = eng.snapshot().history
         assert history and all(h.outcome == "ok" and h.violations_found == 0 for h in history)
+    finally:
+        eng.close()
+
+
+def test_compile_whole_flag_keeps_the_dit_whole(data_dir):
+    """Issue 41 (6): `--compile-whole` reaches the engine: the DiT's denoiser is compiled whole (no block
+    is touched, the configured mode with its CUDA graphs) instead of by regions, the family's default."""
+    settings = settings_from_args(build_parser().parse_args(["--compile", "--compile-whole"]))
+    assert settings.compile_whole and not Settings().compile_whole
+    arch = REGIONAL[0]
+    eng = Engine(Settings(data_dir=data_dir, device="cpu", compile=True, compile_backend="eager", compile_whole=True))
+    try:
+        eng.load_model(f"tiny-{arch}.safetensors")
+        status = eng.snapshot().compile
+        assert status.regions == () and status.mode == "reduce-overhead" and "blocks" not in status.note
+        denoiser = getattr(eng.pipeline, family(arch).denoiser)
+        assert "forward" in vars(denoiser) and not [m for m in denoiser.modules() if "forward" in vars(m)][1:]
     finally:
         eng.close()
 
