@@ -2,13 +2,14 @@
 against regional (`app/engine/compile_regions.py`: each repeated block class once), on the CPU.
 
 Why on the meta device with dynamo's `aot_eager` backend: inductor lowers to Triton on a GPU (on the
-CPU it builds C++ for minutes a graph on two cores), and FLUX.1-dev's transformer does not fit in this
-machine's RAM. What grows with the traced graph is common to both: dynamo's trace and AOTAutograd's
-joint trace, on fake tensors made from the meta ones; inductor then lowers the graph it is handed.
-So the seconds and graph counts here compare whole against regional the way a GPU's first compile
-does, in a fraction of its time. Each scope runs through the engine's own `CompileState`, compiling in
-line; a regional compile first warms dynamo's imports and caches, uncounted, and each compile ends with
-`torch._dynamo.reset()` (the state's `close`), so neither reuses the other's graphs.
+CPU it generates C++ instead, another compiler's time), and the largest DiT's transformer does not
+fit in this machine's RAM. What grows with the traced graph is common to both: dynamo's trace and
+AOTAutograd's joint trace, on fake tensors made from the meta ones; inductor then lowers the graph
+it is handed. So the seconds and graph counts here compare whole against regional on that shared
+part of a first compile (a proxy: the GPU row, `--sections compile`, measures inductor itself).
+Each scope runs through the engine's own `CompileState`, compiling in line; a regional compile first
+warms dynamo's imports and caches, uncounted, and each compile ends with `torch._dynamo.reset()`
+(the state's `close`), so neither reuses the other's graphs.
 """
 
 from __future__ import annotations

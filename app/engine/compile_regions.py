@@ -1,12 +1,12 @@
 """Regional compilation: a denoiser's repeated blocks compiled once per block class, not once per block.
 
-Why: compiling a DiT whole traces and lowers each of its blocks on its own (FLUX.1 has 19 double and
-38 single blocks), so the first compile takes minutes. Dynamo traces a module's parameters as graph
-inputs (torch's inlined nn modules, its default), so one graph of `FluxSingleTransformerBlock.forward`
-serves every instance whose inputs pass its guards: a block class compiles once per input layout
-(shape, stride, a flag such as Z-Image's modulated refiners) instead of once per instance, and the
-code around the blocks (embedders, RoPE, the final layer) runs eager. Which classes repeat is the
-family's word (`Family.compile_regions`; diffusers declares `_repeated_blocks` on its DiTs).
+Why: compiling a DiT whole traces and lowers each of its blocks on its own (dozens of them: 57 in the
+largest here), so the first compile takes minutes. Dynamo traces a module's parameters as graph inputs
+(torch's inlined nn modules, its default), so one graph of a block class's `forward` serves every
+instance whose inputs pass its guards: a block class compiles once per input layout (shape, stride, a
+flag such as a block built without modulation) instead of once per instance, and the code around the
+blocks (embedders, RoPE, the final layer) runs eager. Which classes repeat is the family's word
+(`Family.compile_regions`; diffusers declares `_repeated_blocks` on its DiTs).
 
 How: one `torch.compile` of each block class's `forward` is shared by all its instances; each block
 gets a `BlockForward` as its instance attribute `forward` (as the whole-denoiser path sets `forward`
