@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "conversion; off by default until GPU benchmarks confirm the gain")
     p.add_argument("--compile-mode", default="reduce-overhead", choices=("reduce-overhead", "default"),
                    help="reduce-overhead uses CUDA graphs (fastest); default compiles without them")
+    p.add_argument("--compile-whole", action="store_true",
+                   help="compile the whole denoiser even for DiTs, which by default compile each repeated block "
+                        "class once (a much shorter first compile, no CUDA graphs)")
     p.add_argument("--strict", action="store_true", help="treat any placement violation as an error")
     p.add_argument("--strict-forwards", action="store_true",
                    help="check in every module's forward that its tensors are on the compute device in the compute "
@@ -113,7 +116,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         offload=args.offload, weights=args.weights,
         lora_backups=args.lora_backups,
         vram_budget_gib=args.vram_budget, balanced_watermark=args.vram_watermark,
-        compile=args.compile, compile_mode=args.compile_mode, channels_last=args.channels_last,
+        compile=args.compile, compile_mode=args.compile_mode, compile_whole=args.compile_whole,
+        channels_last=args.channels_last,
         strict=args.strict, strict_forwards=args.strict_forwards,
         lora_debug=args.lora_debug or Settings().lora_debug, move_debug=args.move_debug or Settings().move_debug,
         slider_min=min(args.slider_range), slider_max=max(args.slider_range),

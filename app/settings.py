@@ -59,6 +59,9 @@ class Settings:
     slider_max: float = 2.0
     compile: bool = False
     compile_mode: str = "reduce-overhead"  # or "default" (no CUDA graphs)
+    # Compile the whole denoiser even where the family compiles its repeated blocks (`Family.compile_regions`:
+    # the DiTs, in seconds rather than minutes, without CUDA graphs).
+    compile_whole: bool = False
     # The dtype offloaded weights rest in (None: the compute dtype). A wider one than the compute
     # dtype (fp32 rest, bf16 compute) makes every offload mode really move and cast tensors on a
     # CPU-only machine: how CI runs the moving code without a GPU.

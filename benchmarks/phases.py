@@ -269,24 +269,30 @@ def _wait_compiled(engine: Engine, timeout_s: float = 900) -> None:
 
 def compile_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
     """Per mode, a second engine built with the compile settings, against our eager engine and
-    diffusers eager (no LoRA), and with three LoRAs against diffusers PEFT fused."""
+    diffusers eager (no LoRA), and with three LoRAs against diffusers PEFT fused. A family that compiles
+    by regions (its repeated blocks, without CUDA graphs whatever the mode) is measured once, as `regional`."""
     model = run.model
     for mode in bench.config.compile_modes:
         log.info("[%s] ours: compiled engine (%s, %s)", model.arch, mode, bench.config.compile_backend)
         compiled = ours.loaded_engine(model, bench, **ours.compile_settings(bench, mode))
+        regional = bool(compiled.snapshot().compile.regions)
+        scope = "regional" if regional else mode
         try:
             fast = ours.generator(compiled, model, bench, 1)
             first_s = timed_ms(fast, bench.device) / 1e3
             _wait_compiled(compiled)
-            run.compile_info.append(_compile_info(run, compiled, bench, mode, first_s))
-            _compiled_pools(run, compiled, engine, theirs, bench, mode)
+            run.compile_info.append(_compile_info(run, compiled, bench, scope, first_s))
+            _compiled_pools(run, compiled, engine, theirs, bench, scope)
         finally:
             ours.close(compiled)
+        if regional:
+            break
 
 
-def _compile_info(run: ArchRun, compiled: Engine, bench: Bench, mode: str, first_s: float) -> dict[str, Any]:
+def _compile_info(run: ArchRun, compiled: Engine, bench: Bench, scope: str, first_s: float) -> dict[str, Any]:
     status = compiled.snapshot().compile
-    info = {"arch": run.model.arch, "mode": mode, "backend": status.backend, "phase": status.phase,
+    info = {"arch": run.model.arch, "mode": scope, "backend": status.backend, "phase": status.phase,
+            "regions": list(status.regions),
             "first_generation_s": first_s, "first_compile_s": next((s for _l, s in status.compile_seconds), None),
             "compiles_after_warm": status.compiles, "note": status.note}
     info.update(ours.lora_ops_check(compiled, run.model, bench))
@@ -296,6 +302,7 @@ def _compile_info(run: ArchRun, compiled: Engine, bench: Bench, mode: str, first
 
 def _compiled_pools(run: ArchRun, compiled: Engine, engine: Engine, theirs: DiffusersSide, bench: Bench,
                     mode: str) -> None:
+    """`mode`: the compile mode, or `regional`; the pools and rows are named by it."""
     model, label, variant = run.model, f"ours compiled ({mode})", f"compiled-{mode}"
     fast, key0, key3 = ours.generator(compiled, model, bench, 1), ("none", 0, variant, 1), ("none", 3, variant, 1)
     variants = with_control({
@@ -317,7 +324,7 @@ def _compiled_pools(run: ArchRun, compiled: Engine, engine: Engine, theirs: Diff
                                     key3, "lora"))
     if bench.config.restart_probe:
         its = statistics.median(run.pools[f"compile-{mode}"][key0].its_runs)
-        run.compile_info[-1].update(ours.restart_probe(model, mode, its, bench))
+        run.compile_info[-1].update(ours.restart_probe(model, compiled.snapshot().compile.mode, its, bench))
     theirs.to_state(0, False)
 
 

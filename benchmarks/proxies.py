@@ -16,7 +16,11 @@ the same run.
   three fused and as bypass forwards, against diffusers (`proxy_ops.py`);
 * timeline: one whole generation's time outside the denoiser, ours (no LoRA, three fused) against
   diffusers' pipeline call, with our timeline's phases and the host syncs per generation
-  (`proxy_timeline.py`).
+  (`proxy_timeline.py`);
+* fp8-compute: widening casts and fp8 matmuls per denoiser call on the meta device, fp8 storage against
+  `--weights fp8-compute` (`proxy_fp8_compute.py`);
+* compile: a DiT denoiser's first compile on the meta device, whole against regional (seconds, graphs;
+  `proxy_compile.py`).
 
 This CPU computes bf16 at about 1 GFLOP/s against 150 in fp32, so step rows run in fp32 while load and
 re-weight rows use bf16 storage (what a GPU user loads, without a dtype conversion). Sections that
@@ -43,6 +47,7 @@ from benchmarks import stats
 from benchmarks.config import PROMPT, SEED
 from benchmarks.measure import abba, control_key, fits
 from benchmarks.probe import spawn_load_probe
+from benchmarks.proxy_compile import compile_section
 from benchmarks.proxy_fp8 import fp8_section
 from benchmarks.proxy_fp8_compute import fp8_compute_section
 from benchmarks.proxy_ops import ops_section
@@ -59,7 +64,7 @@ FIRST_LOAD = "ours, first load (fresh data folder)"
 LOAD_VARIANTS = {"ours": "ours", "diffusers": "diffusers", FIRST_LOAD: "ours",
                  "ours, loader alone (models.load_pipeline)": "ours-models"}
 CONTROL = control_key(("none", 0, "ours"))[2]
-SECTIONS = ("load", "step", "reweight", "fp8", "ops", "timeline", "fp8-compute")
+SECTIONS = ("load", "step", "reweight", "fp8", "ops", "timeline", "fp8-compute", "compile")
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,8 @@ def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
             results["ops"].append(ops_section(arch, config))
         if "fp8-compute" in config.sections:
             results["fp8-compute"].append(fp8_compute_section(arch, config))
+        if "compile" in config.sections:
+            results["compile"].append(compile_section(arch, config))
         wanted = [section for section in WEIGHT_SECTIONS if section in config.sections]
         why = weights_skip(arch, config) if wanted else None
         if why:

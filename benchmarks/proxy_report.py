@@ -117,10 +117,20 @@ def _fp8_compute(results: dict[str, Any], _cfg: dict[str, Any]) -> list[str]:
                           "matrix products by op and dtype"], rows)
 
 
+def _compile(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    lines = [f"## First compile, whole denoiser vs regional (meta device, full-size {cfg['storage_dtype']} "
+             "models, dynamo + AOTAutograd traces: the `aot_eager` backend)", ""]
+    return lines + table(["arch", "scope", "first compile s", "graphs", "blocks compiled by regions",
+                          "whole / regional"],
+                         [[s["arch"], scope, f"{s[scope]['first_compile_s']:.1f}", s[scope]["graphs"],
+                           s[scope]["blocks"] or "–", f"{s['ratio']:.1f}×" if scope == "regional" else ""]
+                          for s in results["compile"] if "skipped" not in s for scope in ("whole", "regional")])
+
+
 # (results key, section, what a skip note calls it): a section is drawn only when it was measured.
 SECTIONS = (("load", _load, "load"), ("step", _step, "step"), ("reweight", _reweight, "re-weight"),
             ("fp8", _fp8, "fp8"), ("ops", _ops, "ops"), ("timeline", _timeline, "timeline"),
-            ("fp8-compute", _fp8_compute, "fp8 compute"))
+            ("fp8-compute", _fp8_compute, "fp8 compute"), ("compile", _compile, "compile"))
 
 
 def render(results: dict[str, Any]) -> str:

@@ -18,7 +18,19 @@ from PIL import Image
 
 from app import bench as app_bench
 from app.families import FAMILIES, family
-from benchmarks import bench, config, denoiser, measure, probe, proxies, proxy_ops, proxy_report, proxy_steps, stats
+from benchmarks import (
+    bench,
+    config,
+    denoiser,
+    measure,
+    probe,
+    proxies,
+    proxy_compile,
+    proxy_ops,
+    proxy_report,
+    proxy_steps,
+    stats,
+)
 
 ROW_KEYS = {
     "id", "section", "arch", "resolution", "batch", "steps", "offload", "loras", "ours", "baseline",
@@ -135,6 +147,47 @@ def test_compiled_engine_runs_the_configured_backend(smoke):
     _out, results = smoke
     (info,) = results["compile"]
     assert info["backend"] == "eager" and info["compiles_after_warm"] >= 1 and info["first_compile_s"] > 0
+
+
+def test_regional_compile_row_of_a_dit(tmp_path):
+    """Issue 41 (6): the compile section of a family that compiles by regions measures one compiled
+    engine, `regional` (modes do not apply: no CUDA graphs): its first compile, graphs, no recompile
+    across the LoRA changes, rows against diffusers and our eager engine, and the "first compile <= 30 s"
+    target, in the smoke form the GPU command runs at full size."""
+    arch = next(name for name, fam in FAMILIES.items() if fam.compile_regions and fam.bench)
+    assert app_bench.main(["--smoke", "--archs", arch, "--sections", "compile", "--out", str(tmp_path)]) == 0
+    results = json.loads(next(tmp_path.glob("*.json")).read_text())
+    (info,) = results["compile"]
+    assert info["mode"] == "regional" and info["regions"] and info["regions"][0] in info["note"]
+    assert info["compiles_after_warm"] >= 1 and info["recompiles_during_lora_ops"] == 0
+    assert info["lora_changes_reached_output"] is True
+    rows = [r for r in results["rows"] if r["section"] == "compile"]
+    assert {r["baseline"] for r in rows} >= {"diffusers", "ours eager"}
+    assert all("ours compiled (regional)" in r["id"] for r in rows)
+    checks = {c["check"]: c for c in results["acceptance"]}
+    assert checks["regional first compile (s)"]["value"] == info["first_compile_s"] > 0
+    assert "compiled vs diffusers eager" not in checks
+
+
+def test_compile_proxy_whole_against_regional(tmp_path):
+    """Issue 41 (6), the CPU proxy of the first compile: a DiT's meta denoiser compiled whole is one graph,
+    by regions a few graphs for many blocks (each class once per run of blocks), both through the engine's
+    CompileState; a UNet family is skipped with the reason; the Markdown has the section. (Full size:
+    `--cpu-proxies --sections compile`; here a tiny config with four blocks per run, in seconds.)"""
+    arch, runs = "flux-dev", 2  # its double and its single blocks
+    deeper = {**family(arch).tiny_configs["transformer"], "num_layers": 4, "num_single_layers": 4}
+    cfg = proxies.ProxyConfig(cache_dir=tmp_path)
+    section = proxy_compile.compile_section(arch, cfg, deeper)
+    whole, regional = section["whole"], section["regional"]
+    assert whole["graphs"] == 1 and whole["regions"] == [] and whole["first_compile_s"] > 0
+    assert regional["blocks"] == 4 * runs and 1 <= regional["graphs"] <= 2 * runs < regional["blocks"]
+    assert section["ratio"] == whole["first_compile_s"] / regional["first_compile_s"]
+    unet = next(name for name, fam in FAMILIES.items() if not fam.compile_regions)
+    assert "whole" in proxy_compile.compile_section(unet, cfg)["skipped"]
+    markdown = proxy_report.render({"env": {"created": "now", "torch": "t", "diffusers": "d", "cpu": "c"},
+                                    "config": {"threads": 1, "rounds": 1, "storage_dtype": "bf16"},
+                                    "method": "m", "compile": [section]})
+    assert "## First compile, whole denoiser vs regional" in markdown and f"| {arch} | regional |" in markdown
 
 
 def test_order_statistic_interval_and_verdicts():

@@ -7,22 +7,32 @@ compile counter and the LoRA contract are the same code the GPU runs with induct
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
 from safetensors.torch import save_file
+from tiny import FAST
+from torch.utils import _pytree as pytree
 
 from app.adapters.files import read_adapter
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.demo import build_tiny_pipeline
 from app.engine import compile_cache, compiled
-from app.families import family
+from app.engine.compiled import CompileStatus
+from app.engine.generate import GenerateParams
+from app.engine.offload import MODES
+from app.engine.worker import Engine
+from app.families import FAMILIES, family, family_of
+from app.settings import Settings
+from launch import build_parser, settings_from_args
 
 
 @pytest.fixture(autouse=True)
@@ -68,16 +78,18 @@ def _unet_out(pipe, batch: int = 1, **kw) -> torch.Tensor:
         return pipe.unet(*_inputs(batch, **kw), return_dict=False)[0].clone()
 
 
-def _lora_files(tmp_path, unet, names=("a", "b")) -> dict:
-    """PEFT-layout LoRAs on every attention projection, large enough to move the output."""
+def _lora_files(tmp_path, unet, names=("a", "b"), component="unet", within=".attn") -> dict:
+    """PEFT-layout LoRAs on every Linear whose path holds `within` (attention projections), large enough
+    to move the output."""
     files = {}
     for seed, name in enumerate(names):
         generator = torch.Generator().manual_seed(seed)
         tensors = {}
         for path, module in unet.named_modules():
-            if isinstance(module, torch.nn.Linear) and ".attn" in path:
-                tensors[f"unet.{path}.lora_A.weight"] = torch.randn(4, module.in_features, generator=generator) * 0.3
-                tensors[f"unet.{path}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=generator) * 0.3
+            if isinstance(module, torch.nn.Linear) and within in path:
+                key = f"{component}.{path}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(4, module.in_features, generator=generator) * 0.3
+                tensors[f"{key}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=generator) * 0.3
         save_file(tensors, str(tmp_path / f"{name}.safetensors"))
         files[name] = read_adapter(name, tmp_path / f"{name}.safetensors")
     return files
@@ -261,6 +273,219 @@ def test_cache_dir_and_unreadable_mega_cache(tmp_path, monkeypatch):
     assert compile_cache.load_mega_cache(tmp_path / "missing.bin") is False
 
 
+# ------------------------------------------------------------------------------- regional (DiT blocks)
+# One family per transformer class whose family compiles regions (the DiTs), found in the registry.
+REGIONAL = tuple({f.denoiser_class: f.name for f in FAMILIES.values() if f.compile_regions}.values())
+
+
+def _deep_dit(arch: str, copies: int = 3):
+    """The family's tiny pipeline with every run of repeated blocks `copies` times as long (re-seeded
+    deep copies appended): several instances per block class, so a compile per instance would show.
+    Returns the pipeline, its denoiser and the number of runs (ModuleLists of repeated blocks)."""
+    pipe = build_tiny_pipeline(arch)
+    denoiser = getattr(pipe, family(arch).denoiser)
+    names = set(family(arch).compile_regions(denoiser))
+    generator = torch.Generator().manual_seed(1)
+    runs = [m for m in denoiser.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
+            and all(type(block).__name__ in names for block in m)]
+    for run in runs:
+        for block in list(run) * (copies - 1):
+            clone = copy.deepcopy(block)
+            with torch.no_grad():
+                for param in clone.parameters():
+                    param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+            run.append(clone)
+    return pipe, denoiser, len(runs)
+
+
+def _denoiser_call(pipe) -> tuple[tuple, dict]:
+    """The arguments of the first denoiser call of a one-step 32² generation, to call it directly."""
+    calls = []
+    denoiser = getattr(pipe, family_of(pipe).denoiser)
+    handle = denoiser.register_forward_pre_hook(lambda _m, a, k: calls.append((a, k)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe(prompt="a cat", num_inference_steps=1, height=32, width=32, output_type="latent",
+                 generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    return calls[0]
+
+
+def _denoise(module_or_forward, call: tuple[tuple, dict]) -> torch.Tensor:
+    """One denoiser call's output as one flat tensor (Z-Image returns a list per image)."""
+    args, kwargs = call
+    with torch.no_grad():
+        out = module_or_forward(*args, **kwargs)
+    return torch.cat([t.flatten() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)])
+
+
+def _blocks(denoiser, state) -> list[torch.nn.Module]:
+    return [m for m in denoiser.modules() if type(m).__name__ in state.status().regions]
+
+
+@pytest.mark.parametrize("arch", REGIONAL)
+def test_regional_compile_shares_one_graph_per_block_class(arch):
+    """Issue 41 (6), regional compilation: `--compile` on a DiT compiles each repeated block class once,
+    its instances sharing the graph (parameters are graph inputs), not once per block: with three times
+    the tiny model's blocks, at most two graphs per run of blocks (a run's input layout: FLUX's first
+    single block gets other strides; Z-Image's one class runs as modulated noise refiner, unmodulated
+    caption refiner and main layers), fewer than the blocks. The output is the
+    eager one; the blocks stay the same modules with the same parameters (placement, verify and the
+    patcher see them), and disable gives every block its plain forward back."""
+    pipe, denoiser, runs = _deep_dit(arch)
+    call = _denoiser_call(pipe)
+    eager = _denoise(denoiser, call)
+    modules, params = dict(denoiser.named_modules()), dict(denoiser.named_parameters())
+    state = compiled.enable(pipe, backend="eager", background=False, device="cpu")
+    try:
+        assert state.compiles == 0 and state.status().regions == family(arch).compile_regions(denoiser)
+        torch.testing.assert_close(_denoise(denoiser, call), eager)
+        blocks = _blocks(denoiser, state)
+        assert len(blocks) >= 3 * runs
+        assert 1 <= state.compiles <= 2 * runs < len(blocks), (state.compiles, runs, len(blocks))
+        graphs = state.compiles
+        torch.testing.assert_close(_denoise(denoiser, call), eager)
+        assert state.compiles == graphs and state.mode == "default" and "blocks" in state.note
+        assert dict(denoiser.named_modules()) == modules and dict(denoiser.named_parameters()) == params
+    finally:
+        compiled.disable(pipe)
+    assert not [b for b in blocks if "forward" in vars(b)] and "forward" not in vars(denoiser)
+    torch.testing.assert_close(_denoise(denoiser, call), eager)
+
+
+def test_regional_lora_changes_reach_the_output_without_recompiling(tmp_path):
+    """Issue 41 (6): LoRAs fuse with copy_ into the blocks' own parameters, so adding, re-weighting and
+    removing them under the regionally compiled DiT changes its output exactly as in eager (the same
+    blocks' plain forwards), with no new graph; removing all restores the first output bit for bit."""
+    arch = REGIONAL[0]
+    pipe, denoiser, _runs = _deep_dit(arch, copies=2)
+    call = _denoiser_call(pipe)
+    files = _lora_files(tmp_path, denoiser, component=family(arch).denoiser, within="blocks")
+    stack = LoraStack(pipe, arch)
+    state = compiled.enable(pipe, backend="eager", background=False, device="cpu")
+    plain = type(denoiser).forward.__get__(denoiser)  # the blocks run their plain forward outside the state
+    try:
+        base = _denoise(denoiser, call)
+        graphs, previous = state.compiles, base
+        assert graphs >= 1
+        for specs in _reweight_sequence():
+            stack.reconcile(specs, files)
+            out = _denoise(denoiser, call)
+            assert not torch.equal(out, previous), f"LoRA change {specs} did not reach the compiled output"
+            torch.testing.assert_close(out, _denoise(plain, call))
+            previous = out
+        assert torch.equal(previous, base)
+        assert state.compiles == graphs
+    finally:
+        compiled.disable(pipe)
+
+
+@pytest.mark.parametrize("offload", [name for name, mode in MODES.items() if mode.moves_weights])
+def test_regional_compile_stays_eager_where_offload_moves_weights(offload):
+    """Issue 41 (6): the regional path keeps the compiled path's offload rule: a mode that moves weights
+    installs nothing on the denoiser or its blocks and the note says why (placing.py re-enables the
+    compiled path after every offload change, which then decides again)."""
+    pipe = build_tiny_pipeline(REGIONAL[0])
+    denoiser = getattr(pipe, family_of(pipe).denoiser)
+    state = compiled.enable(pipe, offload=offload, backend="eager", device="cpu")
+    assert state.phase == "eager" and f"'{offload}'" in state.note and state.compiles == 0
+    assert not [m for m in denoiser.modules() if "forward" in vars(m)]
+
+
+def test_regional_background_compile_keeps_the_worker_eager():
+    """Issue 41 (6): the compiled block forwards are switched on per thread: while a background compile
+    traces the blocks on its helper thread, the worker's calls through the same blocks run eager and
+    never enter the compiler (a switch shared by the threads would compile on the worker, or block it)."""
+    entered, release, threads = threading.Event(), threading.Event(), []
+
+    def slow_backend(gm, _example_inputs):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        release.wait(30)
+        return gm.forward
+
+    pipe = build_tiny_pipeline(REGIONAL[0])
+    denoiser = getattr(pipe, family_of(pipe).denoiser)
+    call = _denoiser_call(pipe)
+    eager = _denoise(denoiser, call)
+    state = compiled.enable(pipe, backend=slow_backend, background=True, device="cpu")
+    try:
+        torch.testing.assert_close(_denoise(denoiser, call), eager)
+        assert entered.wait(60) and state.status().phase == "compiling"
+        torch.testing.assert_close(_denoise(denoiser, call), eager)
+        assert set(threads) == {"unet-compile"}
+        release.set()
+        assert state.wait(60) and state.status().phase == "compiled"
+        torch.testing.assert_close(_denoise(denoiser, call), eager)
+        assert set(threads) == {"unet-compile"}
+    finally:
+        release.set()
+        compiled.disable(pipe)
+
+
+def _compiled_by_now(eng: Engine, timeout_s: float = 120) -> CompileStatus:
+    """The engine's compile status once its background compile is done (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while eng.snapshot().compile.phase in ("compiling", "waiting") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return eng.snapshot().compile
+
+
+def test_regional_compile_in_the_engine_with_strict_forwards_loras_and_offload_changes(data_dir):
+    """Issue 41 (6), the engine's own path: `--compile` on a DiT with strict forwards on compiles the
+    blocks by regions on a helper thread (the first generation runs eager meanwhile); every strict check
+    and every verify after a command passes (the blocks keep their parameters); a LoRA change recompiles
+    nothing; an offload mode that moves weights takes the compiled path off the blocks (as the whole
+    compile is taken off) and `none` puts it back."""
+    arch = REGIONAL[0]
+    eng = Engine(Settings(data_dir=data_dir, device="cpu", compile=True, compile_backend="eager",
+                          strict_forwards=True))
+    params = GenerateParams("a cat", seed=7, **{**FAST, "cfg": 1.0})
+    try:
+        eng.load_model(f"tiny-{arch}.safetensors")
+        eng.generate(params)
+        status = _compiled_by_now(eng)
+        assert status.phase == "compiled" and status.regions and status.mode == "default", status.note
+        eng.generate(params)
+        graphs = eng.snapshot().compile.compiles
+        eng.set_loras([LoraSpec(f"demo-style-{arch}", 0.8)])
+        eng.generate(params)
+        eng.set_loras([LoraSpec(f"demo-style-{arch}", 0.5)])
+        eng.generate(params)
+        assert eng.snapshot().compile.compiles == graphs
+        denoiser = getattr(eng.pipeline, family(arch).denoiser)
+        eng.set_offload("model")
+        assert eng.snapshot().compile.phase == "eager"
+        assert not [m for m in denoiser.modules() if "forward" in vars(m)]
+        eng.generate(params)
+        eng.set_offload("none")
+        assert len([m for m in denoiser.modules() if "forward" in vars(m)]) > len(status.regions)
+        eng.generate(params)
+        assert _compiled_by_now(eng).phase == "compiled"
+        history = eng.snapshot().history
+        assert history and all(h.outcome == "ok" and h.violations_found == 0 for h in history)
+    finally:
+        eng.close()
+
+
+def test_compile_whole_flag_keeps_the_dit_whole(data_dir):
+    """Issue 41 (6): `--compile-whole` reaches the engine: the DiT's denoiser is compiled whole (no block
+    is touched, the configured mode with its CUDA graphs) instead of by regions, the family's default."""
+    settings = settings_from_args(build_parser().parse_args(["--compile", "--compile-whole"]))
+    assert settings.compile_whole and not Settings().compile_whole
+    arch = REGIONAL[0]
+    eng = Engine(Settings(data_dir=data_dir, device="cpu", compile=True, compile_backend="eager", compile_whole=True))
+    try:
+        eng.load_model(f"tiny-{arch}.safetensors")
+        status = eng.snapshot().compile
+        assert status.regions == () and status.mode == "reduce-overhead" and "blocks" not in status.note
+        denoiser = getattr(eng.pipeline, family(arch).denoiser)
+        assert "forward" in vars(denoiser) and not [m for m in denoiser.modules() if "forward" in vars(m)][1:]
+    finally:
+        eng.close()
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 def _cuda_pipe():
     pipe = _small_pipe()
@@ -312,5 +537,35 @@ def test_background_compile_then_replays_on_the_calling_thread():
         assert state.compiles == graphs
         for out in outs:
             torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2)
+    finally:
+        compiled.disable(pipe)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_long  # inductor compiles: the device check's compile section
+def test_regional_inductor_blocks_match_eager_and_survive_lora_changes(tmp_path):
+    """Issue 41 (6) with inductor on the GPU: a bf16 tiny DiT with twice its blocks compiles by regions
+    (fewer graphs than blocks), matches its eager forward within bf16 rounding, and LoRA add/re-weight/
+    remove reach the output with no new graph; removing all restores the first output exactly."""
+    arch = REGIONAL[0]
+    pipe, denoiser, runs = _deep_dit(arch, copies=2)
+    pipe.to("cuda", torch.bfloat16)
+    call = _denoiser_call(pipe)
+    plain = type(denoiser).forward.__get__(denoiser)  # the blocks' plain forwards, outside the state
+    files = _lora_files(tmp_path, denoiser, component=family(arch).denoiser, within="blocks")
+    stack = LoraStack(pipe, arch)
+    try:
+        state = compiled.enable(pipe, background=False, device="cuda")
+        base = _denoise(denoiser, call)
+        graphs, previous = state.compiles, base
+        assert state.status().regions and 1 <= graphs <= 2 * runs < len(_blocks(denoiser, state))
+        torch.testing.assert_close(base, _denoise(plain, call), atol=3e-2, rtol=3e-2)
+        for specs in _reweight_sequence():
+            stack.reconcile(specs, files)
+            out = _denoise(denoiser, call)
+            assert not torch.equal(out, previous)
+            torch.testing.assert_close(out, _denoise(plain, call), atol=3e-2, rtol=3e-2)
+            previous = out
+        assert torch.equal(previous, base) and state.compiles == graphs
     finally:
         compiled.disable(pipe)

@@ -1,5 +1,6 @@
-"""The compiled UNet fast path: `torch.compile` (with CUDA graphs in `reduce-overhead` mode) behind
-the same `nn.Module`.
+"""The compiled denoiser fast path: `torch.compile` (with CUDA graphs in `reduce-overhead` mode) behind
+the same `nn.Module`; for a family that names its repeated blocks (`Family.compile_regions`, the DiTs)
+only those blocks, each class compiled once (app/engine/compile_regions.py), in `default` mode.
 
 Why LoRAs stay live under compilation: the patcher writes fused weights with `copy_` into the
 existing parameters, so every parameter keeps its identity, dtype, device, shape and address.
@@ -10,7 +11,9 @@ which is why only offload `none` is compiled; the modes that move weights run ea
 
 How it is wired: `enable(pipe)` sets one instance attribute, `pipe.unet.forward`, to
 `CompileState.forward`; the module object, its parameters and its hooks stay what placement, the
-verifier and the patcher already know, and `disable(pipe)` deletes that attribute again.
+verifier and the patcher already know, and `disable(pipe)` deletes that attribute again. Compiled
+by regions, `CompileState.forward` is installed the same way and its compiled call is the plain
+forward with the blocks' shared compiled forwards switched on for that call (`Regions.run`).
 `CompileState.forward` dispatches per call signature (shapes, dtypes, flags): a signature whose
 graph is compiled ("warmed") runs compiled, anything else runs the plain eager forward. With
 `background=True` (the engine) a new signature starts a compile on a helper thread and the call
@@ -54,6 +57,7 @@ from torch.utils import _pytree as pytree
 
 from app.engine.compile_cache import configure_cache, load_mega_cache, save_mega_cache
 from app.engine.compile_counting import CountingBackend, RecordingCounter
+from app.engine.compile_regions import Regions
 from app.engine.offload import MODES
 from app.families import family_of
 
@@ -62,6 +66,7 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("reduce-overhead", "default")
 MAX_TEXT_LENGTHS = 3  # distinct prompt lengths (chunk counts) compiled; others run eager
 FIRST_COMPILE_HINT = "the first compile takes ~1 min for SD1.5 and ~2-3 min for SDXL; seconds when cached"
+REGIONS_HINT = "each repeated block class compiles once; seconds when cached"
 
 
 def is_compiled_path_allowed(offload: str, device: torch.device, backend: str = "inductor") -> tuple[bool, str]:
@@ -120,6 +125,7 @@ class CompileStatus:
     shapes_ready: int
     note: str
     compile_seconds: tuple[tuple[str, float], ...] = ()
+    regions: tuple[str, ...] = ()  # the block classes compiled by regions; (): the whole denoiser
 
 
 def _cuda_device(args: tuple) -> torch.device | None:
@@ -140,16 +146,18 @@ class CompileState:
     `_run_lock` is held whenever compiled code runs or compiles, so dynamo and the CUDA-graph tree
     are never entered by two threads at once; a call that finds it taken (a compile in flight on
     the helper thread) runs eager rather than wait. A state built with a `blocked_note` (offload
-    moves weights, no CUDA) installs nothing and only reports why.
+    moves weights, no CUDA) installs nothing and only reports why. With `regions` (block class names)
+    only those blocks compile, in `default` mode whatever `mode` asks (see compile_regions.py).
     """
 
     def __init__(self, unet: torch.nn.Module, *, mode: str = "reduce-overhead", backend="inductor",
                  background: bool = True, mega_cache: Path | None = None, blocked_note: str = "",
-                 prompt_length: Callable[[tuple, dict], int | None] = encoder_states_length) -> None:
+                 prompt_length: Callable[[tuple, dict], int | None] = encoder_states_length,
+                 regions: tuple[str, ...] = ()) -> None:
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
         self.unet = unet
-        self.mode = mode
+        self.mode = "default" if regions else mode
         self.backend = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
         self.blocked_note = blocked_note
         self._background = background
@@ -167,12 +175,16 @@ class CompileState:
         self._state_lock = threading.Lock()
         self._run_lock = threading.Lock()
         self._closed = False
-        self._counter = self._recordings = self._compiled = None
+        self._counter = self._recordings = self._compiled = self._regions = None
         if blocked_note:
             return
         self._eager = type(unet).forward.__get__(unet)
-        self._counter = CountingBackend(backend, mode)
-        self._compiled = torch.compile(self._eager, backend=self._counter, dynamic=False)
+        self._counter = CountingBackend(backend, self.mode)
+        if regions:
+            self._regions = Regions(unet, regions, self._counter)
+            self._compiled = lambda *args, **kwargs: self._regions.run(self._eager, args, kwargs)
+        else:
+            self._compiled = torch.compile(self._eager, backend=self._counter, dynamic=False)
         self._recordings = RecordingCounter()
         unet.forward = self.forward
 
@@ -205,24 +217,26 @@ class CompileState:
             seconds = tuple(self._seconds.items())
         phase, note = self._describe(ready, failed, warming)
         return CompileStatus(phase, self.mode, self.backend, self.compiles, self.cudagraph_recordings,
-                             len(ready), note, seconds)
+                             len(ready), note, seconds, () if self._regions is None else self._regions.classes)
 
     def _describe(self, ready: dict, failed: dict, warming: tuple[str, float] | None) -> tuple[str, str]:
         if self._closed:
             return "closed", "compiled path off"
         if self.blocked_note:
             return "eager", self.blocked_note
+        what, hint = ("the UNet", FIRST_COMPILE_HINT) if self._regions is None else \
+            (f"the {', '.join(self._regions.classes)} blocks", REGIONS_HINT)
         if warming is not None:
             label, started = warming
-            phase, note = "compiling", (f"compiling the UNet for {label}, {time.monotonic() - started:.0f} s so far "
-                                        f"({FIRST_COMPILE_HINT}); generating eagerly meanwhile")
+            phase, note = "compiling", (f"compiling {what} for {label}, {time.monotonic() - started:.0f} s so far "
+                                        f"({hint}); generating eagerly meanwhile")
         elif ready:
-            phase, note = "compiled", f"compiled ({self.mode}) for {len(ready)} input sizes"
+            phase, note = "compiled", f"compiled {what} ({self.mode}) for {len(ready)} input sizes"
         elif failed:
             phase, note = "failed", "compiling failed; running eager"
         else:
-            phase, note = "waiting", (f"compiled path on ({self.mode}): each new image size compiles once, "
-                                      f"{FIRST_COMPILE_HINT}")
+            phase, note = "waiting", (f"compiled path on for {what} ({self.mode}): each new image size compiles "
+                                      f"once, {hint}")
         if failed:
             note += "; failed: " + "; ".join(failed.values()) + " (those sizes run eager)"
         if len(ready) + len(failed) >= self._max_shapes:
@@ -333,6 +347,8 @@ class CompileState:
             return
         if installed_state(self.unet) is self:
             del self.unet.forward
+        if self._regions is not None:
+            self._regions.close()
         self._recordings.close()
         self._compiled = None
         torch._dynamo.reset()
@@ -345,13 +361,16 @@ def installed_state(unet: torch.nn.Module) -> CompileState | None:
 
 
 def enable(pipe, *, offload: str = "none", mode: str = "reduce-overhead", backend="inductor",
-           background: bool = True, cache_dir: Path | None = None, device: torch.device | None = None) -> CompileState:
+           background: bool | None = True, cache_dir: Path | None = None, device: torch.device | None = None,
+           whole: bool = False) -> CompileState:
     """Compile the pipeline's denoiser (`pipe.unet`, a DiT's `pipe.transformer`), replacing a previous
-    compiled state, or explain why it stays eager.
+    compiled state, or explain why it stays eager. A family with `compile_regions` compiles its repeated
+    blocks only, unless `whole`.
 
     `backend` is `inductor` on the GPU path; tests pass `eager`/`aot_eager` (or a callable) to run
     the same dispatch and counting on the CPU in seconds. `cache_dir` keeps compiled artifacts
-    across restarts (see `compile_cache.configure_cache`).
+    across restarts (see `compile_cache.configure_cache`). `background=None`: compile on a helper thread
+    unless CUDA graphs are recorded (a CUDA-graph tree belongs to the thread that records it).
     """
     disable(pipe)
     device = torch.device(device if device is not None else pipe._execution_device)
@@ -360,8 +379,12 @@ def enable(pipe, *, offload: str = "none", mode: str = "reduce-overhead", backen
     if allowed and cache_dir is not None:
         mega_cache = configure_cache(cache_dir)
         load_mega_cache(mega_cache)
-    return CompileState(_denoiser(pipe), mode=mode, backend=backend, background=background, mega_cache=mega_cache,
-                        blocked_note=note, prompt_length=family_of(pipe).prompt_length or encoder_states_length)
+    fam, denoiser = family_of(pipe), _denoiser(pipe)
+    regions = () if whole or fam.compile_regions is None else fam.compile_regions(denoiser)
+    if background is None:
+        background = bool(regions) or mode == "default"
+    return CompileState(denoiser, mode=mode, backend=backend, background=background, mega_cache=mega_cache,
+                        blocked_note=note, prompt_length=fam.prompt_length or encoder_states_length, regions=regions)
 
 
 def _denoiser(pipe) -> torch.nn.Module:

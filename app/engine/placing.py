@@ -101,7 +101,7 @@ class Placing:
         loaded.hooks.remove_all(strict.HOOK)
 
     def _sync_compile(self, loaded: _Loaded) -> None:
-        """(Re)install the compiled UNet path when `--compile` is on. LoRA changes never call this:
+        """(Re)install the compiled denoiser path when `--compile` is on. LoRA changes never call this:
         fused weights are written in place, so compiled graphs stay valid without a recompile."""
         compiled.disable(loaded.model.pipe)
         loaded.compile = None
@@ -109,8 +109,9 @@ class Placing:
             loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self._device,
                                              mode=self._settings.compile_mode, backend=self._settings.compile_backend,
                                              cache_dir=self._settings.compile_cache_dir,
+                                             whole=self._settings.compile_whole,
                                              # CUDA-graph trees are per thread: record them on the worker.
-                                             background=self._settings.compile_mode == "default")
+                                             background=None)
 
     def _restore_placement(self, loaded: _Loaded) -> None:
         """Put a model back to its own plan and offload mode (the undo of parking or a failed move)."""

@@ -264,6 +264,10 @@ class Family:
     # A denoiser call's prompt length (the compiled path compiles only a few distinct ones, so a new
     # prompt never recompiles past torch's limit); None: axis 1 of `encoder_hidden_states`.
     prompt_length: Callable[[tuple, dict], int | None] | None = None
+    # `--compile` compiles regions: denoiser -> the class names of its repeated blocks, each class compiled
+    # once and shared by its instances (app/engine/compile_regions.py: seconds, not minutes, for a DiT's
+    # dozens of blocks). None: the whole denoiser is compiled (with CUDA graphs in reduce-overhead mode).
+    compile_regions: Callable[[torch.nn.Module], tuple[str, ...]] | None = None
     # (steps, guidance) for a loaded pipeline where checkpoints of one family want other settings (FLUX.2
     # Klein's undistilled "base": 50 steps, guidance 4); None: `default_steps`, `default_guidance`.
     loaded_defaults: Callable[[Any], tuple[int, float]] | None = None

@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
+from app.engine.compile_regions import declared_repeated_blocks
 from app.families import ComponentFile
 from app.families.ldm_layout import vae_layout
 from app.families.tiny_parts import TINY_VAE
@@ -44,8 +45,8 @@ SAMPLERS = MappingProxyType({
 # The `Family` fields such a DiT states alike: its transformer is the denoiser (no conv weights:
 # only the VAE may rest channels_last), its files may sit under ComfyUI's `model.diffusion_model.`,
 # sizes are whole 2×2 patches of 8× latents, bf16 or fp32 (activations overflow fp16), the native
-# size is the VAE's.
+# size is the VAE's; `--compile` compiles the blocks diffusers declares repeated.
 DIT_SHARED = MappingProxyType(dict(
     default_sampler="Euler", samplers=SAMPLERS, size_multiple=16, denoiser="transformer", conv_components=("vae",),
     marker_prefixes=("", "model.diffusion_model."), fp16_ok=False, preview_rgb=FLUX_PREVIEW,
-    native_size=lambda pipe: pipe.vae.config.sample_size))
+    native_size=lambda pipe: pipe.vae.config.sample_size, compile_regions=declared_repeated_blocks))

@@ -35,6 +35,7 @@ from diffusers import (
 )
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from app.engine.compile_regions import declared_repeated_blocks
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, LatentStats, TextEncoder
@@ -259,6 +260,7 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
                                        else {}),
         native_size=lambda pipe: pipe.vae.config.sample_size,
         native_modules=lora_aliases,
+        compile_regions=declared_repeated_blocks,  # its double and single blocks, as diffusers declares them
         tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, num_layers=double_blocks if size == "9b"
                                                            else 2),
                                        "vae": _TINY_VAE, "text_encoder": _TINY_QWEN3}),
