@@ -246,8 +246,9 @@ def _fp8_compute_pool(run: ArchRun, theirs: DiffusersSide, bench: Bench) -> None
         mine, denoiser = ours.generator(engine, model, bench, 1), denoiser_of(engine.pipeline)
         key0, key3 = ("none", 0, "fp8-compute", 1), ("none", 3, "fp8-compute-bypass", 1)
         base = ("none", 0, "eager", 1)
-        variants = with_control({key0: Variant(ours.lora_setup(engine, model, 0), mine, denoiser),
-                                 key3: Variant(ours.lora_setup(engine, model, 3), mine, denoiser),
+        read = ours.last_timeline(engine)
+        variants = with_control({key0: Variant(ours.lora_setup(engine, model, 0), mine, denoiser, read),
+                                 key3: Variant(ours.lora_setup(engine, model, 3), mine, denoiser, read),
                                  base: Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.denoiser)},
                                 key0)
         _measure(run, bench, "fp8 compute", variants)
