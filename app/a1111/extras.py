@@ -16,7 +16,7 @@ from app.a1111.errors import ApiError
 from app.a1111.pnginfo import decode_images
 from app.a1111.schema import ExtrasBaseRequest, ExtrasBatchImagesRequest, ExtrasSingleImageRequest
 from app.a1111.state import ApiState, owner_of
-from app.a1111.txt2img import encode_png, field_value
+from app.a1111.txt2img import field_value, saved_png
 from app.accounts import Account
 from app.engine.upscaling import UpscaledImage
 from app.shown_paths import without_folders
@@ -41,7 +41,7 @@ def params(req: ExtrasBaseRequest) -> ExtrasParams:
 
 def _png(result: UpscaledImage) -> str:
     """Base64 PNG with the saved file's text chunks (source `parameters`, `postprocessing`, `extras`)."""
-    return encode_png(result.image, result.infotext, result.chunks)
+    return saved_png(result.path, result.image, result.infotext, result.chunks)
 
 
 def single(state: ApiState, req: ExtrasSingleImageRequest, account: Account) -> dict:
