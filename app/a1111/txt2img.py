@@ -7,7 +7,8 @@ the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fiel
 `subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles` names saved
 styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
 `refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at`
-(default 0.8). Features this app does not have (face restoration, tiling, hires to a fixed size,
+(default 0.8); `step_cache` (ours, not A1111's) is the step cache's threshold (`app/engine/step_cache.py`,
+0 or absent: off). Features this app does not have (face restoration, tiling, hires to a fixed size,
 scripts, infotext-filled requests) are refused with a 422 that names them instead of silently
 producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored.
 Images always go to the outputs folder too, as the engine saves every image it makes.
@@ -102,6 +103,8 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
         values[field] = 0 if isinstance(value, int) and value < 0 else value
     if req.refiner_switch_at is not None:
         values["refiner_switch_at"] = req.refiner_switch_at
+    if req.step_cache is not None:
+        values["step_cache"] = req.step_cache
     values["sampler"] = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
     values["clip_skip"] = (req.override_settings or {}).get(CLIP_SKIP, clip_skip)
     return params_from_form(values, arch)
