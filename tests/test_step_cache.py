@@ -33,6 +33,7 @@ from app.infotext import parse_infotext
 from app.settings import Settings
 from app.styles import StyleBook
 from app.ui.send_to import fields_from_infotext
+from benchmarks.cache_phase import psnr
 
 SIDE = 64
 
@@ -55,11 +56,6 @@ def latents(pipe, arch: str, threshold: float, steps: int = 10, cfg: float | Non
     with step_cached(hooks or HookRegistry(), pipe, threshold) as cache:
         out = denoise(pipe, params, 7, width=SIDE, height=SIDE)
     return out, cache
-
-
-def psnr(image: np.ndarray, reference: np.ndarray) -> float:
-    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
 
 
 def decoded(pipe, lat: torch.Tensor) -> np.ndarray:

@@ -81,6 +81,7 @@ class StepCache:
         self._slots: list[_Slot] = []
         self._step_input: object = None  # held, so no later object can take its id
         self._slot_index = 0
+        self._active: _Slot | None = None  # the slot of the denoiser call running now
 
     def _slot_for(self, args: tuple, kwargs: dict) -> _Slot:
         latents = args[0] if args else kwargs.get(self._input_name)
@@ -94,13 +95,15 @@ class StepCache:
 
     def around(self, _module, forward, args: tuple, kwargs: dict):
         """The denoiser's forward, or the cached output of its slot when the first block says so."""
-        slot = self._slot_for(args, kwargs)
+        slot = self._active = self._slot_for(args, kwargs)
         slot.pending = None
         try:
             output = forward(*args, **kwargs)
         except _Reuse:
             self.skipped += 1
             return _copy(slot.output)
+        finally:
+            self._active = None
         if slot.pending is not None:  # None: the first block did not run (nothing to compare next time)
             slot.reference, slot.output = slot.pending, _copy(output)
         self.computed += 1
@@ -109,8 +112,8 @@ class StepCache:
     def first_block_done(self, _module, _args, _kwargs, output) -> None:
         """After the first block: skip the rest (raise `_Reuse`) when its output changed less than the
         threshold since the slot's last whole step, else keep it to become the slot's reference."""
-        slot = self._slots[self._slot_index] if self._slots else None
-        if slot is None:
+        slot = self._active
+        if slot is None:  # the block ran outside a denoiser call: nothing to decide
             return
         signal = tuple(t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point())
         if slot.output is not None and relative_change(signal, slot.reference) < self.config.threshold:
