@@ -7,7 +7,8 @@ and the image stays within a stated PSNR of the uncached one, on SD1.5 and a DiT
 (FLUX.2 Klein base: conditional and unconditional as two calls) keep their own caches; a step-distilled
 checkpoint refuses it by name; through the engine it composes with every offload mode, strict forwards
 and a LoRA (fused and as a bypass) on SD1.5 and FLUX.1-dev, leaving no hook, no violation and no state;
-the threshold travels through the infotext (PNG Info / send-to) and the A1111 API's `step_cache` key.
+the threshold travels through the infotext (PNG Info / send-to) and the A1111 API's `override_settings`
+(`steady_step_cache`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 from hook_plan import actual_hooks, expected_hooks
 
+from app.a1111.options import unsupported_overrides
 from app.a1111.schema import Txt2ImgRequest
 from app.a1111.txt2img import plan
 from app.adapters.specs import LoraSpec
@@ -204,15 +206,19 @@ def test_the_cache_composes_with_every_offload_mode_strict_forwards_and_a_lora(m
 def test_the_threshold_travels_through_the_infotext_and_the_api():
     """`Step cache: 0.15` is written when on (and nothing when off), read back by PNG Info / send-to (an
     infotext without it resets the field to 0, so a sent image is remade as it was made), and the A1111
-    API takes it as the request key `step_cache`, checked by the same range as the UI."""
+    API takes it per request in `override_settings` as `steady_step_cache` (its request schema stays A1111's),
+    checked by the same range as the UI."""
     ctx = RunContext("tiny", None, arch="sd15")
     text = infotext(GenerateParams("a fox", step_cache=0.15), 7, ctx)
     assert "Step cache: 0.15" in text
     assert fields_from_infotext(parse_infotext(text).settings, [])["step_cache"] == 0.15
     off = infotext(GenerateParams("a fox"), 7, ctx)
     assert "Step cache" not in off and fields_from_infotext(parse_infotext(off).settings, [])["step_cache"] == 0
-    params, _notes = plan(Txt2ImgRequest(prompt="a fox", step_cache=0.15), "sd15", StyleBook({}))
-    assert params.step_cache == 0.15
-    assert plan(Txt2ImgRequest(prompt="a fox"), "sd15", StyleBook({}))[0].step_cache == 0
+    def request(**overrides) -> Txt2ImgRequest:
+        return Txt2ImgRequest(prompt="a fox", override_settings=overrides)
+
+    assert plan(request(steady_step_cache=0.15), "sd15", StyleBook({}))[0].step_cache == 0.15
+    assert plan(request(), "sd15", StyleBook({}))[0].step_cache == 0
+    assert not list(unsupported_overrides(Settings(), {"steady_step_cache": 0.15}))  # no "ignored" note
     with pytest.raises(ValueError, match="step_cache must be a number in 0…1"):
-        plan(Txt2ImgRequest(prompt="a fox", step_cache=2), "sd15", StyleBook({}))
+        plan(request(steady_step_cache=2), "sd15", StyleBook({}))

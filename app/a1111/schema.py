@@ -77,7 +77,6 @@ class Txt2ImgRequest(BaseModel):
     override_settings_restore_afterwards: bool | None = True
     refiner_checkpoint: Name | None = None
     refiner_switch_at: float | None = None
-    step_cache: float | None = None  # ours, not A1111's: the step cache's threshold (0 or absent: off)
     disable_extra_networks: bool | None = False
     firstpass_image: str | None = None
     comments: FreeDict | None = None
