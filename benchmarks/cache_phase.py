@@ -5,7 +5,7 @@ denoiser calls ran whole in the row.
 Why the whole-call count is in the row: the speed-up is a function of the calls the cache reuses, and
 which calls it reuses depends on the weights: the bench's random-weight models change their first block's
 output unlike trained ones, so the ratio of a random-weight run says what a skipped call saves, and the
-count says how many it skipped. A step-distilled family (its benched checkpoint: Klein, Z-Image Turbo)
+count says how many it skipped. A family whose benched checkpoint is step-distilled (`Family.step_distilled`)
 refuses the cache and gets a note instead of a row.
 """
 

@@ -15,8 +15,8 @@ is never streamed in. The denoiser's `around` hook catches it and answers the ca
 the pipeline may modify what it gets). Nothing is written to any module; the state lives in the
 `StepCache` of one pass and goes with its hooks (`step_cached`), so no state outlasts a pass.
 
-Calls of one step (a pipeline that runs the conditional and unconditional passes as two calls, as
-FLUX.2 Klein's base model does) each keep their own reference and output, by their order within the
+Calls of one step (a pipeline that runs the conditional and unconditional passes as two calls, as some
+undistilled DiTs' pipelines do) each keep their own reference and output, by their order within the
 step: a call is of the same step as the one before when it denoises the very same latents object
 (diffusers' pipelines hand one latents tensor to every call of a step). A batched CFG call holds both
 halves in one tensor, each cached at its own position.
@@ -123,8 +123,8 @@ class StepCache:
 
 def relative_change(new: tuple[torch.Tensor, ...], old: tuple[torch.Tensor, ...] | None) -> float:
     """Σ|new − old| / Σ|old| over all tensors, accumulated in fp32 and read in one host sync; infinite when
-    the shapes differ (a batch that changed size, as Z-Image's CFG truncation halves it) or there is no
-    reference; NaN (never under a threshold) when the reference is all zeros."""
+    the shapes differ (a batch that changed size, as a pipeline that stops CFG for the last steps halves it)
+    or there is no reference; NaN (never under a threshold) when the reference is all zeros."""
     if old is None or len(new) != len(old) or any(a.shape != b.shape for a, b in zip(new, old, strict=True)):
         return float("inf")
     change = sum((a - b).abs().sum(dtype=torch.float32) for a, b in zip(new, old, strict=True))
