@@ -14,12 +14,17 @@ see names, never torch's private hook dicts.
 * `post(module, args, kwargs, output)` runs after a forward that returned and may return a new
   output;
 * `after(module)` runs after every forward whose `pre` ran, a forward that raised included (the
-  undo of `pre`: a streamed weight goes back even when the layer failed).
+  undo of `pre`: a streamed weight goes back even when the layer failed);
+* `around(module, forward, args, kwargs)` runs the forward itself, between every `pre` and every
+  `post`: it may call `forward(*args, **kwargs)` or answer without it (a step cache reusing the
+  previous step's output). Torch's hooks cannot skip a forward, so while a module has such a hook
+  the registry sets its instance `forward` to one that runs them (and restores what was there).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +33,9 @@ import torch
 
 # Lower runs first before the forward and last after it.
 HOOK_ORDER: dict[str, int] = {
+    # its post runs last on the probed block (LoRA added, weights streamed): it may end the denoiser's forward
+    # there to reuse the previous step (app/engine/step_cache.py); its `around` wraps only the denoiser's forward
+    "cache.step": -20,
     "control.interrupt": -10,  # a stop asked inside a step lands before the block (app/engine/interrupt.py)
     "control.sliced_attention": -9,  # a large CPU attention call runs in slices a stop can land between (same)
     "offload.inputs": 0,      # a component's tensor arguments go to its compute device
@@ -47,6 +55,7 @@ class ModelHook:
     pre: Callable[[torch.nn.Module, tuple, dict], tuple[tuple, dict] | None] | None = None
     post: Callable[[torch.nn.Module, tuple, dict, Any], Any] | None = None
     after: Callable[[torch.nn.Module], None] | None = None
+    around: Callable[[torch.nn.Module, Callable[..., Any], tuple, dict], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.name not in HOOK_ORDER:
@@ -66,6 +75,32 @@ class _ModuleHooks:
             module.register_forward_hook(self._post, with_kwargs=True),
             module.register_forward_hook(self._after, always_call=True),
         )
+        self.own_forward: tuple[Any] | None = None  # while an `around` hook is on: (the instance forward it had,)
+
+    def sync_forward(self) -> None:
+        """Run the `around` hooks through the module's instance `forward` while it has any; restore the
+        instance `forward` it had before (None: the class's) once it has none."""
+        wanted = any(h.around is not None for h in self.hooks.values())
+        if wanted and self.own_forward is None:
+            self.own_forward = (self.module.__dict__.get("forward"),)
+            self.module.forward = self._around_forward
+        elif not wanted and self.own_forward is not None:
+            (before,), self.own_forward = self.own_forward, None
+            if before is None:
+                del self.module.forward
+            else:
+                self.module.forward = before
+
+    def _around_forward(self, *args, **kwargs):
+        (before,) = self.own_forward
+        forward = before or functools.partial(type(self.module).forward, self.module)
+        for hook in reversed(self.ordered()):  # the lowest order outermost, as its `pre` runs first
+            if hook.around is not None:
+                forward = functools.partial(self._call_around, hook.around, forward)
+        return forward(*args, **kwargs)
+
+    def _call_around(self, around, forward, *args, **kwargs):
+        return around(self.module, forward, args, kwargs)
 
     def ordered(self) -> list[ModelHook]:
         return sorted(self.hooks.values(), key=lambda h: HOOK_ORDER[h.name])
@@ -114,12 +149,14 @@ class HookRegistry:
         if hook.name in entry.hooks:
             raise ValueError(f"{type(module).__name__} already has a {hook.name!r} hook; remove it first")
         entry.hooks[hook.name] = hook
+        entry.sync_forward()
 
     def remove(self, module: torch.nn.Module, name: str) -> None:
         entry = self._modules.get(id(module))
         if entry is None or name not in entry.hooks:
             raise KeyError(f"{type(module).__name__} has no {name!r} hook")
         del entry.hooks[name]
+        entry.sync_forward()
         if not entry.hooks:
             entry.detach()
             del self._modules[id(module)]

@@ -56,6 +56,7 @@ import torch
 
 from app.engine.compile_cache import configure_cache
 from benchmarks import ours, phases, probe, proxies, proxy_report, report, stats
+from benchmarks.cache_phase import cache_phase
 from benchmarks.config import (
     ARCHS,
     PRESETS,
@@ -87,7 +88,7 @@ def _run_phases(run: phases.ArchRun, bench: Bench) -> dict[str, str]:
     wanted = [phase for section, phase in (
         ("throughput", phases.throughput_phase), ("latency", phases.latency_phase), ("compile", phases.compile_phase),
         ("offload", phases.offload_phase), *([("offload", phases.budget_phase)] if budget else []),
-        ("fp8", phases.fp8_phase))  # fp8 last: it unloads our full-precision engine to make room
+        ("cache", cache_phase), ("fp8", phases.fp8_phase))  # fp8 last: it unloads our full-precision engine
         if bench.wants(section)]
     try:
         phases.load_phase(run, engine, theirs, bench)
@@ -219,6 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="leave the channels_last engine out of the speed pools (its own device-check section)")
     parser.add_argument("--repeats", type=int, help="ABBA rounds per comparison")
     parser.add_argument("--steps", type=int, help="denoising steps per generation")
+    parser.add_argument("--step-cache", type=float, default=0.1,
+                        help="the cache section's step cache threshold (default 0.1)")
     parser.add_argument("--compile-cache", type=Path, help="reuse this compile cache (default: a fresh one)")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the GPU when not in the table")
     parser.add_argument("--proxy-cache", type=Path, default=DEFAULT_PROXY_CACHE,
@@ -248,6 +251,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, str]:
     config = dataclasses.replace(preset, archs=archs, sections=sections, batches=batches, lora_counts=loras,
                                  channels_last_rows=not args.no_channels_last,
                                  repeats=args.repeats or preset.repeats, steps=args.steps or preset.steps,
+                                 step_cache=args.step_cache,
                                  dtype=run_dtype(preset.dtype, archs, args.dtype))
     stem = _stem(preset.mode, archs, preset.archs, sections, preset.sections)
     return config, stem + ("-b" + "+".join(map(str, batches)) if batches != preset.batches else "")

@@ -21,7 +21,7 @@ from app.families import FAMILIES, family
 
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile")
+SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile", "cache")
 # what --archs takes: every family that states how it is benched (`Family.bench`); a full run without it does
 # SD1.5 and SDXL
 ARCHS = tuple(name for name, fam in FAMILIES.items() if fam.bench)
@@ -68,6 +68,7 @@ class BenchConfig:
     budget_gib: float = 3.0
     budget_archs: tuple[str, ...] = ("sd15",)
     channels_last_rows: bool = True  # the throughput pools' `--channels-last` engine, where the denoiser has convs
+    step_cache: float = 0.1  # the cache section's threshold (`--step-cache`)
 
 
 PRESETS = {

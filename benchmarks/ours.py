@@ -57,10 +57,10 @@ def close(engine: Engine | None) -> None:
 
 
 def generator(engine: Engine, model: PreparedModel, bench: Bench, batch: int,
-              steps: int | None = None) -> Callable[[], Any]:
+              steps: int | None = None, step_cache: float = 0.0) -> Callable[[], Any]:
     side = bench.config.resolution[model.arch]
     params = GenerateParams(PROMPT, steps=steps or bench.config.steps, cfg=guidance(model.arch), seed=SEED, width=side,
-                            height=side, batch=batch, sampler="Euler")
+                            height=side, batch=batch, sampler="Euler", step_cache=step_cache)
     return functools.partial(engine.generate, params)
 
 

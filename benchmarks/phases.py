@@ -64,6 +64,7 @@ class ArchRun:
     latency: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     compile_info: list[dict[str, Any]] = field(default_factory=list)
     notes: dict[str, str] = field(default_factory=dict)
+    row_fields: dict[Key, dict[str, Any]] = field(default_factory=dict)  # extra fields of the row of an ours key
 
 
 def _measure(run: ArchRun, bench: Bench, pool: str, variants: dict[Key, Variant]) -> None:

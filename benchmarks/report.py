@@ -71,6 +71,7 @@ def pair_row(run: ArchRun, p: Pairing, bench_env: dict[str, Any], steps: int, re
     row |= _compare(pool, mine, base, p.control_of, "its_runs", True)
     row |= {f"cpu_{k}": v for k, v in _compare(pool, mine, base, p.control_of, "cpu_ms_runs", False).items()}
     row["note"] = "" if base is not None else base_notes.get(p.note_key, "not measured in this run")
+    row |= run.row_fields.get(p.ours_key, {})
     return row
 
 
@@ -124,6 +125,8 @@ def _row_checks(row: dict[str, Any]) -> list[dict[str, Any]]:
         return [_check("ours fp8 compute vs diffusers bf16", where, ratio, ">= 1.2", lambda v: v >= 1.2, verdict)]
     if section == "fp8" and row["baseline"] == "ours fp8":
         return [_check("ours fp8 + 3 LoRA bypasses vs ours fp8", where, ratio, ">= 0.95", lambda v: v >= 0.95, verdict)]
+    if section == "cache":
+        return [_check("ours step cache vs ours uncached", where, ratio, ">= 1.5", lambda v: v >= 1.5, verdict)]
     if section == "offload" and row["offload"] == "balanced":
         return [_check("balanced (ample VRAM) vs ours none", where, ratio, ">= 0.95", lambda v: v >= 0.95, verdict)]
     if section == "compile" and row["loras"] == 0 and row["baseline"] == "diffusers" and row["batch"] == 1 \

@@ -68,7 +68,7 @@ def test_every_section_has_rows_with_paired_ratios_and_a_control(smoke):
     verdict; or no ratio and a reason when the baseline cannot run (no CUDA here)."""
     _out, results = smoke
     rows = results["rows"]
-    assert {r["section"] for r in rows} == {"throughput", "offload", "compile", "fp8"}
+    assert {r["section"] for r in rows} == {"throughput", "offload", "compile", "fp8", "cache"}
     assert {r["offload"] for r in rows} == {"none", "model", "balanced", "balanced-3gib", "sequential", "group"}
     assert {r["loras"] for r in rows} == {0, 1, 3}
     repeats = results["config"]["repeats"]
@@ -102,6 +102,18 @@ def test_per_image_rows_carry_where_our_generation_went(smoke):
         assert r["ours_timeline_ms"]["denoise"]["wall_ms"] > 0
     assert all(r["baseline_timeline_ms"] is None for r in rows if r["baseline"].startswith("diffusers"))
     assert "## Per image" in (out / "smoke-sd15.md").read_text()
+
+
+def test_the_cache_row_has_speed_whole_calls_and_the_image_difference(smoke):
+    """Issue 41 item 4: the step cache's row (its id keeps the word `cache`) pairs ours cached with ours
+    uncached in one pool, and says how many denoiser calls ran whole in each (the uncached: every step) and
+    how far the cached image is from the uncached one (PSNR, or equal); acceptance lists its 1.5x target."""
+    _out, results = smoke
+    (row,) = [r for r in results["rows"] if r["section"] == "cache"]
+    assert "cache" in row["id"] and row["baseline"] == "ours uncached" and row["ratio"] > 0
+    assert row["uncached_whole_calls"] == row["steps"] and 1 <= row["whole_calls"] <= row["steps"]
+    assert row["step_cache"] == 0.1 and (row["psnr_db"] is None) == row["images_equal"]
+    assert [c["target"] for c in results["acceptance"] if c["where"] == row["id"]] == [">= 1.5"]
 
 
 def test_rows_record_vram_and_the_physical_limit(smoke):

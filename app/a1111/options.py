@@ -27,6 +27,7 @@ from app.settings import Settings
 
 OVERRIDABLE = "sd_model_checkpoint"  # `override_settings` switches the checkpoint for one request …
 CLIP_SKIP = "CLIP_stop_at_last_layers"  # … and the clip skip (read by `txt2img.plan`)
+STEP_CACHE = "steady_step_cache"  # ours, per request only: the step cache's threshold (read by `txt2img.plan`)
 DTYPE, OFFLOAD = "steady_dtype", "steady_offload"
 
 
@@ -48,7 +49,7 @@ def unsupported_overrides(settings: Settings, overrides: Mapping[str, Any]) -> I
     clients send their clip skip or VAE along with every request, and the picture is still made."""
     fixed = fixed_options(settings)
     for key, value in overrides.items():
-        if key not in (OVERRIDABLE, CLIP_SKIP) and fixed.get(key, object()) != value:
+        if key not in (OVERRIDABLE, CLIP_SKIP, STEP_CACHE) and fixed.get(key, object()) != value:
             yield f"override_settings {key}={value!r} ignored: this app cannot change it per request"
 
 

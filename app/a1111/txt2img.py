@@ -7,8 +7,9 @@ the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fiel
 `subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles` names saved
 styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
 `refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at`
-(default 0.8). Features this app does not have (face restoration, tiling, hires to a fixed size,
-scripts, infotext-filled requests) are refused with a 422 that names them instead of silently
+(default 0.8); `override_settings` `steady_step_cache` (ours) is the step cache's threshold for the request
+(`app/engine/step_cache.py`, 0 or absent: off). Features this app does not have (face restoration, tiling,
+hires to a fixed size, scripts, infotext-filled requests) are refused with a 422 that names them instead of silently
 producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored.
 Images always go to the outputs folder too, as the engine saves every image it makes.
 """
@@ -29,7 +30,7 @@ from PIL import Image, PngImagePlugin
 
 from app.a1111 import checkpoints
 from app.a1111.errors import ApiError
-from app.a1111.options import CLIP_SKIP, OVERRIDABLE, unsupported_overrides
+from app.a1111.options import CLIP_SKIP, OVERRIDABLE, STEP_CACHE, unsupported_overrides
 from app.a1111.schema import Txt2ImgRequest
 from app.a1111.state import ApiState, owner_of
 from app.accounts import LOCAL_ACCOUNT, Account
@@ -107,6 +108,7 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
         values["refiner_switch_at"] = req.refiner_switch_at
     values["sampler"] = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
     values["clip_skip"] = (req.override_settings or {}).get(CLIP_SKIP, clip_skip)
+    values["step_cache"] = (req.override_settings or {}).get(STEP_CACHE, 0)
     return params_from_form(values, arch)
 
 

@@ -21,6 +21,7 @@ from PIL import Image, PngImagePlugin
 from app.engine import decoding, timeline, variation
 from app.engine.host_read import HostRead
 from app.engine.interrupt import StepInterrupted
+from app.engine.step_cache import MAX_THRESHOLD
 from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
 from app.prompts.editing import EditedPass, encoded_texts, not_edited_note
@@ -91,10 +92,13 @@ LIMITS: dict[str, Range] = {
     "seed_resize_from_h": Range(0, 2048, hint="0 = off"),
     # A1111's refiner: the share of the noise schedule the base model denoises (app/engine/refining.py).
     "refiner_switch_at": Range(0.01, 1, whole=False, hint="1 = no refiner"),
+    # the step cache's threshold (app/engine/step_cache.py): the first block's relative change under which a
+    # step reuses the last whole one; base models only
+    "step_cache": Range(0, MAX_THRESHOLD, whole=False, hint="0 = off"),
 }
 # Fields a form or request may leave out, and their values (the others are required).
 OPTIONAL = {"n_iter": 1, "clip_skip": 1, "subseed": -1, "subseed_strength": 0, "seed_resize_from_w": 0,
-            "seed_resize_from_h": 0, "refiner_switch_at": 0.8}
+            "seed_resize_from_h": 0, "refiner_switch_at": 0.8, "step_cache": 0}
 DEFAULT_SIZE_MULTIPLE = 8  # sizes with no model loaded; a family states its own (`Family.size_multiple`)
 
 
@@ -117,6 +121,7 @@ class GenerateParams:
     seed_resize_from_h: int = 0
     refiner_checkpoint: str = ""  # a checkpoint that finishes the txt2img after `refiner_switch_at` ("": none)
     refiner_switch_at: float = 0.8
+    step_cache: float = 0.0  # the step cache's threshold; 0: off (every step runs the whole denoiser)
 
     def __post_init__(self) -> None:
         for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
@@ -257,7 +262,8 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
         else [("CFG scale", f"{params.cfg:g}")]
     settings = [("Steps", params.steps), ("Sampler", params.sampler), *guidance, ("Seed", seed),
                 ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name),
-                *extra, *([("Clip skip", params.clip_skip)] if params.clip_skip > 1 else [])]
+                *extra, *([("Clip skip", params.clip_skip)] if params.clip_skip > 1 else []),
+                *([("Step cache", f"{params.step_cache:g}")] if params.step_cache > 0 else [])]
     settings = [(key, value) for key, value in settings if value is not None]
     loras = tuple(LoraUse(*entry) for entry in ctx.loras)
     return format_infotext(params.prompt, negative, settings, loras)

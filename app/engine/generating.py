@@ -44,6 +44,7 @@ class Job:
     owner: str | None
     stop: str | None = None  # "interrupt" (keep what is there) | "drop" | "skip" (this run only)
     asked: float = 0.0  # `time.monotonic()` when the stop was asked
+    step_cache: float = 0.0  # the request's step cache threshold, for each of its denoising passes (0: off)
 
     def ask(self, stop: str) -> None:
         self.stop, self.asked = stop, time.monotonic()
@@ -165,6 +166,7 @@ class Generating:
         applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
                         for s in facts.loras)
         ctx = None  # made when the first image is saved: after a first load its file may still be being hashed
+        job.step_cache = params.step_cache
         batch_run = batch_run or (lambda first, phase, run_params: self._denoise_run(
             params.steps, job, phase, lambda on_step: self._lifecycle.denoise(run_params, first, on_step)))
         out = []
@@ -227,19 +229,20 @@ class Generating:
             return True
 
         self._set_progress(phase, 0, total)
-        try:
-            with self._lifecycle.interruptible(stop_inside):
-                result = run(on_step)
-        except StepInterrupted:  # dropped mid-decode: nothing to keep
-            result = None
-        except generate.NonFiniteLatentsError as exc:
-            self._attribute_non_finite(exc)
-            raise
-        except MemoryError:
-            raise  # out of memory is the run's size, not a LoRA's fault: counted against none
-        except Exception as exc:
-            self._attribute_runtime_error(exc)
-            raise
+        with self._lifecycle.step_cached(job.step_cache):  # a refusal (a distilled model) is no LoRA's fault
+            try:
+                with self._lifecycle.interruptible(stop_inside):
+                    result = run(on_step)
+            except StepInterrupted:  # dropped mid-decode: nothing to keep
+                result = None
+            except generate.NonFiniteLatentsError as exc:
+                self._attribute_non_finite(exc)
+                raise
+            except MemoryError:
+                raise  # out of memory is the run's size, not a LoRA's fault: counted against none
+            except Exception as exc:
+                self._attribute_runtime_error(exc)
+                raise
         return result, None if reached == total else reached
 
     @staticmethod

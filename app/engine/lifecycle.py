@@ -46,6 +46,7 @@ from app.engine.lora_options import allows_partial
 from app.engine.memory import release_memory
 from app.engine.placing import Placing
 from app.engine.snapshot import LoadedFacts
+from app.engine.step_cache import step_cached
 from app.engine.timeline import phase
 from app.families import family
 from app.hooks import HookRegistry
@@ -331,6 +332,17 @@ class ModelLifecycle(Placing):
         if loaded is None or loaded.compile is not None:
             return contextlib.nullcontext()
         return stop_checks(loaded.hooks, loaded.model.pipe, should_stop, slice_attention=self._device.type == "cpu")
+
+    def step_cached(self, threshold: float) -> contextlib.AbstractContextManager:
+        """The step cache (`app/engine/step_cache.py`) on the loaded denoiser for one pass, gone after it;
+        nothing at threshold 0. Refused on a compiled model: its hooks would be traced into the graphs."""
+        loaded = self._loaded
+        if loaded is None or threshold == 0:
+            return contextlib.nullcontext()
+        if loaded.compile is not None:
+            raise ValueError("the step cache runs on the eager denoiser: set it to 0 with the compiled path on "
+                             "(--compile), or turn that off")
+        return step_cached(loaded.hooks, loaded.model.pipe, threshold)
 
     def run_on_model(self, work: Callable[[object], object], size: str, stage: str | None = None):
         """`work(pipeline)` (the loaded pipeline, or the `stage` pipeline on its components); afterwards

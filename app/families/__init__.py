@@ -274,6 +274,11 @@ class Family:
     # Families whose checkpoints may finish this one's txt2img after a switch point (A1111's refiner):
     # both pipelines take diffusers' `denoising_end` / `denoising_start`. Empty: no refiner stage.
     refiner_families: tuple[str, ...] = ()
+    # Step caching (app/engine/step_cache.py): the denoiser's first block (a module path), which runs every step
+    # and whose output says whether the rest may be reused from the last whole step; and whether a loaded
+    # pipeline is step-distilled (a few steps, each unlike the last: nothing to reuse, the cache is refused).
+    first_block: str = "down_blocks.0"
+    step_distilled: Callable[[Any], bool] = lambda pipe: False
     bench: BenchSpec | None = None  # None: the benchmark does not run this family
 
     @property

@@ -185,6 +185,8 @@ def _family(name: str, label: str, dev: bool) -> Family:
         default_steps=28 if dev else 4,
         default_guidance=3.5 if dev else 1.0,
         distilled_guidance=dev,
+        first_block="transformer_blocks.0",
+        step_distilled=lambda pipe: not dev,  # schnell runs 1-4 timestep-distilled steps; dev distils guidance only
         # fp8 storage keeps the embedders, the final layers and T5's `wo` (which the T5 code casts
         # its input to) in the compute dtype, as peers do.
         high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo"),

@@ -244,6 +244,8 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         default_steps=4,
         default_guidance=1.0,
         loaded_defaults=_defaults,
+        first_block="transformer_blocks.0",
+        step_distilled=lambda pipe: pipe.config.is_distilled,  # the released 4-step checkpoints; "base" is not
         fp16_ok=False,
         # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to
         # diffusers) and the final layers in the compute dtype, as peers do.

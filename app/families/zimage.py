@@ -179,6 +179,8 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         default_steps=8 if turbo else 50,
         default_guidance=1.0 if turbo else 5.0,
         guidance_call=lambda cfg: {"guidance_scale": cfg - 1.0},
+        first_block="layers.0",  # the first joint block (the refiners before it run on each stream alone)
+        step_distilled=lambda pipe: turbo,  # Turbo: 8 distilled steps
         # fp8 storage keeps the embedders and the final layer in the compute dtype, as peers' files do
         high_precision=("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer"),
         max_sequence_length=512,

@@ -228,7 +228,7 @@ def specs_from_json(items: Any) -> list[LoraSpec]:
 def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed, width, height, batch,
                     n_iter=1, clip_skip=1, subseed=-1, subseed_strength=0, seed_resize_from_w=0,
                     seed_resize_from_h=0, styles=(), refiner_checkpoint=NO_REFINER,
-                    refiner_switch_at=0.8, *, book: StyleBook) -> tuple[GenerateParams, tuple[str, ...]]:
+                    refiner_switch_at=0.8, step_cache=0, *, book: StyleBook) -> tuple[GenerateParams, tuple[str, ...]]:
     """Form/API values -> (parameters, notes: rounding, a cut prompt) by the one rule set in
     `generate.LIMITS`; sizes round to the loaded model family's multiple. The chosen `styles` (names
     in the asking account's `book`) are applied to the prompts first, as A1111 applies them
@@ -240,7 +240,7 @@ def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed,
                   width=width, height=height, batch=batch, n_iter=n_iter, clip_skip=clip_skip, subseed=subseed,
                   subseed_strength=subseed_strength, seed_resize_from_w=seed_resize_from_w,
                   seed_resize_from_h=seed_resize_from_h, refiner_checkpoint=refiner,
-                  refiner_switch_at=refiner_switch_at)
+                  refiner_switch_at=refiner_switch_at, step_cache=step_cache)
     return params_from_form(values, ctx.engine.snapshot().arch)
 
 

@@ -63,6 +63,7 @@ class GenerateTab:
     refiner: dict[str, gr.components.Component]  # refiner_checkpoint, refiner_switch_at
     hires: HiresFields
     stops: StopControls
+    step_cache: gr.Number
 
     @property
     def state_inputs(self) -> list:
@@ -75,7 +76,7 @@ class GenerateTab:
         """The fields a generation reads, in `generate_params` order."""
         return [self.prompt, self.negative, self.sampler, self.steps, self.cfg, self.seed, self.width, self.height,
                 self.batch, self.n_iter, self.clip_skip, *self.variation.values(), self.styles,
-                *self.refiner.values()]
+                *self.refiner.values(), self.step_cache]
 
 
 class ModelShown(NamedTuple):
@@ -189,6 +190,15 @@ def _refiner_fields(ctx: UiContext) -> dict[str, gr.components.Component]:
     return {"refiner_checkpoint": checkpoint, "refiner_switch_at": switch_at}
 
 
+def _step_cache_field() -> gr.Number:
+    """The step cache's threshold (app/engine/step_cache.py), per generation; 0 is off."""
+    with gr.Accordion("Step cache", open=False, elem_id="sd-step-cache-panel"):
+        return gr.Number(GenerateParams("").step_cache, label="Step cache threshold", step=0.05,
+                         info=f"{LIMITS['step_cache']}: base models reuse the last whole step while the first block "
+                              "changes less than this (0.05-0.2 typical, faster, a little less exact); "
+                              "step-distilled models refuse it", elem_id="sd-step_cache")
+
+
 def build_generate_tab(ctx: UiContext) -> GenerateTab:
     """Lay out the tab and wire its events; engine-mutating events share the `LORA_QUEUE` lane, in order."""
     model, refresh, dtype, offload, model_status = _model_row(ctx)
@@ -204,6 +214,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
             variation = _variation_fields()
             hires = build_hires_fields(ctx)
             refiner = _refiner_fields(ctx)
+            step_cache = _step_cache_field()
             loras = build_lora_panel(ctx)
             build_lora_browser(ctx, prompt, loras)
         with gr.Column(scale=2):
@@ -214,7 +225,8 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
             infotext = gr.Textbox(label="Infotext of the selected image", lines=6, buttons=["copy"],
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
-                      height, batch, n_iter, clip_skip, note, options, variation, styles, refiner, hires, stops)
+                      height, batch, n_iter, clip_skip, note, options, variation, styles, refiner, hires, stops,
+                      step_cache)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)

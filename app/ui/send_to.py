@@ -32,13 +32,13 @@ from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
 # Plan field -> infotext key; numbers are parsed, the rest taken as text.
 _NUMBERS = {"steps": "Steps", "cfg": "CFG scale", "seed": "Seed", "denoising_strength": "Denoising strength",
             "clip_skip": "Clip skip", "subseed": "Variation seed", "subseed_strength": "Variation seed strength",
-            "refiner_switch_at": "Refiner switch at"}
+            "refiner_switch_at": "Refiner switch at", "step_cache": "Step cache"}
 _REFINER = re.compile(r"(?P<name>.*?)(?: \[(?P<hash>[0-9a-fA-F]+)\])?")  # A1111's "name [short hash]"
 # "W x H" infotext keys -> the two plan fields they fill.
 _SIZES = {"Size": ("width", "height"), "Seed resize from": ("seed_resize_from_w", "seed_resize_from_h")}
 # Fields an infotext without them resets, so the sent settings make the same image: no variation mixed
-# in, and clip skip 1 (A1111 writes no `Clip skip` at 1, and reads its absence so).
-_RESET = {"clip_skip": 1, "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0}
+# in, clip skip 1 (A1111 writes no `Clip skip` at 1, and reads its absence so), no step cache.
+_RESET = {"clip_skip": 1, "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0, "step_cache": 0}
 # The fields both tabs' settings lists start with, in that order.
 _FIELDS = ("prompt", "negative", "sampler", "steps", "cfg", "seed", "width", "height")
 NO_INFOTEXT = ("⚠ No infotext came with it: the settings were left as they were (other tools, screenshots and "
@@ -162,7 +162,8 @@ def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Sender
     return Senders(generate, (
         SendTarget("generate", "Generate", {**dict(zip(_FIELDS, generate.settings, strict=False)),
                                             "clip_skip": generate.clip_skip, **generate.variation,
-                                            **generate.refiner}, generate.note, ((tabs, "generate"),)),
+                                            **generate.refiner, "step_cache": generate.step_cache},
+                   generate.note, ((tabs, "generate"),)),
         SendTarget("img2img", "img2img", {**dict(zip(_FIELDS, img2img.settings, strict=False)),
                                           "denoising_strength": img2img.strength}, img2img.note,
                    ((tabs, "img2img"), (img2img.panels, "i2i-img2img")), img2img.image, img2img.shown)))
