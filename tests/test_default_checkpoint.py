@@ -29,7 +29,11 @@ def _start(data: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--data-dir", str(data), "--port", str(port),
                              "--device", "cpu"], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_until_ready(f"http://127.0.0.1:{port}/", timeout_s=120)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}/", timeout_s=120)
+    except BaseException:  # a start that never answers must not outlive the test
+        _stop(proc)
+        raise
     return proc
 
 
