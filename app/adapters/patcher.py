@@ -75,12 +75,17 @@ class PatchTraffic:
     `backup_bytes_read`: originals (W0, and biases) read to recompute or restore layers;
     `bytes_across`: bytes copied between the compute device and backups held elsewhere (over PCIe on
     a GPU with host backups; 0 when backups sit beside the weights); `waits`: times the host waited
-    for the device (one per change that wrote pinned backups, never one per layer)."""
+    for the device (one per change that wrote pinned backups, never one per layer); `written`: the
+    layers rewritten (in place: the only tensors whose placement the change could touch)."""
 
-    layers_written: int = 0
+    written: tuple[Target, ...] = ()
     backup_bytes_read: int = 0
     bytes_across: int = 0
     waits: int = 0
+
+    @property
+    def layers_written(self) -> int:
+        return len(self.written)
 
     def read(self, backup: torch.Tensor | None, device: torch.device) -> None:
         """Count one backup tensor read towards `device`."""
@@ -276,7 +281,7 @@ class LoraStack:
             raise
         finally:
             self._settle_backups()
-        self.traffic.layers_written = len(touched)
+        self.traffic.written = tuple(touched)
         self._applied = specs
         self._prepared = {spec.name: prepared[spec.name] for spec in specs}
         log.debug("LoRA stack now %s; %d layers rewritten, %d backups held",

@@ -80,6 +80,9 @@ class ModelLifecycle(Placing):
         self._scans = scans  # reads a loaded model's files after its load (the worker begins them)
         self.strict_forwards = settings.strict_forwards  # the `debug.strict` check on every forward (strict.py)
         self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
+        # The layers the last `realise` wrote when writing LoRA layers in place was all it did (no load,
+        # offload switch or unpark): what the verify after a LoRA change must cover (`verify_and_repair`).
+        self._lora_writes: tuple[tuple[str, str], ...] | None = None
 
     # ------------------------------------------------------------------ reading
     @property
@@ -150,9 +153,14 @@ class ModelLifecycle(Placing):
         Whatever the steps freed (a parked model, host copies moved to the GPU, LoRA backups) goes
         back to the OS afterwards: the C heap keeps freed memory for reuse until told (app/heap.py).
         A parked model is placed back first."""
+        self._lora_writes = None
         try:
+            was_parked = self._parked is not None
             self.unpark()
-            return self._realise_steps(want, loras, retry_set_aside, set_aside_unfit)
+            result = self._realise_steps(want, loras, retry_set_aside, set_aside_unfit)
+            if was_parked:
+                self._lora_writes = None
+            return result
         finally:
             heap.give_back()
 
@@ -166,7 +174,8 @@ class ModelLifecycle(Placing):
         if loaded is None or self._stale(loaded, want, dtype):
             self._load(want, dtype)
             return self._apply_fitting(loras)
-        if loaded.plan.offload != want.offload:
+        placed = loaded.plan.offload != want.offload
+        if placed:
             self._set_offload(want.offload)
         if set_aside_unfit:
             return self._apply_fitting(loras)
@@ -174,6 +183,8 @@ class ModelLifecycle(Placing):
         reports = self.apply_loras(wanted) if wanted != loaded.stack.applied else {}
         if retry_set_aside:
             loaded.set_aside.clear()
+        if not placed:
+            self._lora_writes = loaded.stack.traffic.written if reports else ()
         return reports, {}
 
     def _stale(self, loaded: _Loaded, want: Desired, dtype: torch.dtype) -> bool:
