@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -22,6 +23,7 @@ from app import diagnostics
 from app.adapters.patcher import LoraStack
 from app.engine import placement
 
+WORKER_THREAD = "engine-worker"  # the name `Engine` gives its worker thread
 SYNCING = (("item", torch.Tensor), ("cpu", torch.Tensor), ("tolist", torch.Tensor), ("numpy", torch.Tensor),
            ("synchronize", torch.cuda))
 
@@ -50,16 +52,18 @@ class _OpCount(TorchDispatchMode):
 
 def _counted(costs: MutationCosts, field: str, fn):
     def call(*args, **kwargs):
-        setattr(costs, field, getattr(costs, field) + 1)
+        if threading.current_thread().name == WORKER_THREAD:
+            setattr(costs, field, getattr(costs, field) + 1)
         return fn(*args, **kwargs)
     return call
 
 
 @contextlib.contextmanager
 def counting() -> Iterator[MutationCosts]:
-    """Count host syncs and tensor walks process-wide, and the aten ops and traffic of every
+    """Count host syncs and tensor walks on the engine's worker thread (the one writer: a background
+    read of a file elsewhere is not the change's cost), and the aten ops and traffic of every
     `LoraStack.reconcile`, while inside (dispatch modes are per thread: the mode is entered in the
-    reconcile itself, on the engine's worker). Patches torch and engine functions: never time under it."""
+    reconcile itself, on the worker). Patches torch and engine functions: never time under it."""
     costs = MutationCosts()
     reconcile = LoraStack.reconcile
 

@@ -456,8 +456,8 @@ def test_a_slider_move_costs_only_its_loras_layers_no_host_wait_and_one_walk_aft
     makes the host wait for the device, and dispatches a bounded number of ops per layer; the transition
     walks every tensor of the pipeline at most twice (the placement verify before it, the Diagnostics
     rows), the verify after it covering the layers written (in-place writes cannot move anything else)."""
-    moved = _write(engine, tiny, "moved", targets=ATTENTION + BIASED_CONVS)
-    _write(engine, tiny, "still", "loha", targets=BIASED_CONVS, seed=6)
+    moved = _write(engine, tiny, "moved", targets=ATTENTION + ("unet.*resnets.*.conv1",))
+    _write(engine, tiny, "still", "loha", targets=BIASED_CONVS, seed=6)  # shares the conv1 layers
     engine.load_model(CHECKPOINTS["sd15"])
     engine.set_loras([LoraSpec("moved"), LoraSpec("still")])
     backups = engine.lora_stack._backups
