@@ -463,14 +463,16 @@ def test_a_slider_move_costs_only_its_loras_layers_no_host_wait_and_one_walk_aft
     backups = engine.lora_stack._backups
     originals = sum(backups[t].weight.nbytes + (0 if backups[t].bias is None else backups[t].bias.nbytes)
                     for t in moved.layers)
-    for specs in ([LoraSpec("moved", 0.4), LoraSpec("still")], [LoraSpec("still")]):
+    # ops per layer written: measured 11.6 for the re-weight and 4.1 for the remove (59 layers), so one
+    # more full-size op per layer (a second float32 copy of W0, a ΔW built apart) crosses the bound.
+    for specs, ops_per_layer in (([LoraSpec("moved", 0.4), LoraSpec("still")], 12), ([LoraSpec("still")], 5)):
         with counting() as costs:
             engine.set_loras(specs)
         assert costs.layers_written == len(moved.layers)
         assert costs.backup_bytes_read == originals and costs.bytes_across == 0
         assert costs.host_syncs == 0, costs
         assert costs.tensor_walks <= 2, costs
-        assert costs.aten_ops <= 15 * len(moved.layers), costs
+        assert costs.aten_ops <= ops_per_layer * len(moved.layers), costs
 
 
 def test_cuda_backups_stay_beside_the_weights_by_default_while_the_gpu_has_room():
