@@ -83,6 +83,8 @@ class ModelLifecycle(Placing):
         # The layers the last `realise` wrote when writing LoRA layers in place was all it did (no load,
         # offload switch or unpark): what the verify after a LoRA change must cover (`verify_and_repair`).
         self._lora_writes: tuple[tuple[str, str], ...] | None = None
+        self._rows_written: tuple[tuple[str, str], ...] | None = None  # those layers, once verified alone
+        self._rows: tuple[_Loaded, tuple[diagnostics.ModuleRow, ...]] | None = None  # the last rows built
 
     # ------------------------------------------------------------------ reading
     @property
@@ -122,11 +124,25 @@ class ModelLifecycle(Placing):
                            loaded.stack.backup_summary())
 
     def rows(self, violations) -> tuple[diagnostics.ModuleRow, ...]:
-        loaded = self._loaded
+        """Diagnostics' module rows for the snapshot being published. After a LoRA change that only wrote
+        layers in place and found nothing to repair (`verify_and_repair`'s narrow verify), only the rows
+        of the layers written are built again (their LoRAs and hooks changed, nothing else could) and the
+        others are the last snapshot's: a slider move no longer walks every tensor to publish."""
+        loaded, written = self._loaded, self._rows_written
+        self._rows_written = None
         if loaded is None:
+            self._rows = None
             return ()
-        return diagnostics.placement_rows(loaded.model.pipe, self._parked or loaded.plan,
-                                          loaded.stack.patched_modules(), list(violations), loaded.hooks)
+        args = (loaded.model.pipe, self._parked or loaded.plan, loaded.stack.patched_modules(), list(violations),
+                loaded.hooks)
+        last = self._rows[1] if self._rows is not None and self._rows[0] is loaded else None
+        if written is not None and not violations and last is not None and not any(r.violation for r in last):
+            fresh = {(r.component, r.module): r for r in diagnostics.placement_rows(*args, modules=written)}
+            rows = tuple(fresh.get((r.component, r.module), r) for r in last)
+        else:
+            rows = diagnostics.placement_rows(*args)
+        self._rows = (loaded, rows)
+        return rows
 
     def compile_status(self) -> compiled.CompileStatus | None:
         loaded = self._loaded

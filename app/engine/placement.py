@@ -275,9 +275,14 @@ def verify_modules(pipe, plan: PlacementPlan, modules: Iterable[tuple[str, str]]
     wrote nothing but those modules' tensors in place (a fused LoRA change, `copy_` into the existing
     storage), the only tensors whose placement it could have changed; every other one is as the full
     `verify` before the change found (or repaired) it. No walk over the whole pipeline."""
+    return _violations(plan, iter_module_tensors(pipe, modules))
+
+
+def iter_module_tensors(pipe, modules: Iterable[tuple[str, str]]):
+    """`iter_tensors`' rows for the tensors of `modules` ((component, module path)) only."""
     components = torch_components(pipe)
-    return _violations(plan, (row for comp, path in modules
-                              for row in _module_tensors(comp, path, components[comp].get_submodule(path))))
+    for comp, path in modules:
+        yield from _module_tensors(comp, path, components[comp].get_submodule(path))
 
 
 def _violations(plan: PlacementPlan, tensors) -> list[Violation]:

@@ -30,7 +30,7 @@ class RollbackFailed(RuntimeError):
 class Placing:
     """The placement half of `ModelLifecycle`, which holds the state it reads: `_loaded` (the model, its
     plan, hooks, strategy, LoRA stack and compile state), `_parked`, `_settings`, `_device`, `_timers`,
-    `strict_forwards`, `carry` and `_lora_writes`."""
+    `strict_forwards`, `carry`, `_lora_writes` and `_rows_written`."""
 
     # ------------------------------------------------------------------ placement checks
     def verify_and_repair(self, when: str, after_lora_change: bool = False) -> tuple[list[placement.Violation], int]:
@@ -47,6 +47,7 @@ class Placing:
             return [], 0
         pipe, plan, own = self._loaded.model.pipe, self._parked or self._loaded.plan, self._loaded.plan
         narrow = after_lora_change and written is not None and self._parked is None
+        self._rows_written = written if narrow else None  # the rows `rows` must build again
         model_found = placement.verify_modules(pipe, plan, written) if narrow else placement.verify(pipe, plan)
         carried = self.carry.verify(own)
         repaired = placement.sync(pipe, plan, reason=when) if model_found else 0
