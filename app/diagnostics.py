@@ -104,9 +104,9 @@ def _offload_state(plan: PlacementPlan, component: str) -> str:
 
 def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], tuple[str, ...]],
                    violations: list[Violation], hooks: HookRegistry,
-                   modules: Iterable[tuple[str, str]] | None = None) -> tuple[ModuleRow, ...]:
+                   modules: Iterable[tuple[str, str, torch.nn.Module]] | None = None) -> tuple[ModuleRow, ...]:
     """One row per module that owns tensors or carries a named hook (mixed devices show as `a+b`);
-    with `modules` ((component, path)), the rows of those modules only, from their tensors alone."""
+    with `modules` ((component, path, module)), the rows of those modules only, from their tensors alone."""
     bad = {(v.component, v.module) for v in violations}
     acc: dict[tuple[str, str], dict] = {}
 
@@ -115,7 +115,7 @@ def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], 
                                              "floating": False, "params": 0, "bytes": 0, "hooks": hooks.names(module)})
 
     for comp, path, module, _name, tensor, is_param in (iter_tensors(pipe) if modules is None
-                                                        else iter_module_tensors(pipe, modules)):
+                                                        else iter_module_tensors(modules)):
         row = row_for(comp, path, module)
         row["devices"].add(str(tensor.device))
         row["dtypes"].add(storage_label(tensor.dtype))

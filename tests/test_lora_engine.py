@@ -459,23 +459,29 @@ def test_a_slider_move_costs_only_its_loras_layers_no_host_wait_and_one_walk_aft
     the Diagnostics rows cover the layers written (in-place writes cannot move anything else), and the
     rows published are those a full walk builds."""
     moved = _write(engine, tiny, "moved", targets=ATTENTION + ("unet.*resnets.*.conv1",))
-    _write(engine, tiny, "still", "loha", targets=BIASED_CONVS, seed=6)  # shares the conv1 layers
+    still = _write(engine, tiny, "still", "loha", targets=BIASED_CONVS, seed=6)  # shares the conv1 layers
     engine.load_model(CHECKPOINTS["sd15"])
     engine.set_loras([LoraSpec("moved"), LoraSpec("still")])
     backups = engine.lora_stack._backups
-    originals = sum(backups[t].weight.nbytes + (0 if backups[t].bias is None else backups[t].bias.nbytes)
-                    for t in moved.layers)
+
+    def originals(layers) -> int:
+        return sum(backups[t].weight.nbytes + (0 if backups[t].bias is None else backups[t].bias.nbytes)
+                   for t in layers)
+
     # ops per layer written: measured 8.4 for the re-weight and 3.2 for the remove (59 layers; 11.6 and 4.1
     # with a `.detach()` per tensor read), so one more op per layer (a second float32 copy of W0, a ΔW
-    # built apart, a detach) crosses the bound.
-    for specs, ops_per_layer in (([LoraSpec("moved", 0.4), LoraSpec("still")], 9), ([LoraSpec("still")], 4)):
+    # built apart, a detach) crosses the bound. The last step removes every LoRA (an empty list).
+    steps = (([LoraSpec("moved", 0.4), LoraSpec("still")], moved, 9), ([LoraSpec("still")], moved, 4),
+             ([], still, 4))
+    for specs, changed, ops_per_layer in steps:
+        read = originals(changed.layers)
         with counting() as costs:
             engine.set_loras(specs)
-        assert costs.layers_written == len(moved.layers)
-        assert costs.backup_bytes_read == originals and costs.bytes_across == 0
+        assert costs.layers_written == len(changed.layers)
+        assert costs.backup_bytes_read == read and costs.bytes_across == 0
         assert costs.host_syncs == 0, costs
         assert costs.tensor_walks == 1, costs
-        assert costs.aten_ops <= ops_per_layer * len(moved.layers), costs
+        assert costs.aten_ops <= ops_per_layer * len(changed.layers), costs
         lifecycle = engine._lifecycle
         full = placement_rows(engine.pipeline, lifecycle.plan, engine.lora_stack.patched_modules(), [],
                               lifecycle._loaded.hooks)

@@ -241,6 +241,11 @@ class LoraStack:
             return None
         return None if old.report.partial and not self._allows_partial(name) else old
 
+    def modules_of(self, targets: Sequence[Target]) -> tuple[tuple[str, str, torch.nn.Module], ...]:
+        """(component, path, module) of each target, from the stack's own lookups (what the placement
+        verify after a LoRA change reads without resolving a path per layer)."""
+        return tuple((*target, self._module(target)) for target in targets)
+
     # ---------------------------------------------------------------- preparation (no writes)
     def _module(self, target: Target) -> torch.nn.Module:
         if target not in self._modules:

@@ -82,8 +82,8 @@ class ModelLifecycle(Placing):
         self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
         # The layers the last `realise` wrote when writing LoRA layers in place was all it did (no load,
         # offload switch or unpark): what the verify after a LoRA change must cover (`verify_and_repair`).
-        self._lora_writes: tuple[tuple[str, str], ...] | None = None
-        self._rows_written: tuple[tuple[str, str], ...] | None = None  # those layers, once verified alone
+        self._lora_writes: tuple[tuple[str, str, torch.nn.Module], ...] | None = None
+        self._rows_written: tuple[tuple[str, str, torch.nn.Module], ...] | None = None  # those, verified alone
         self._rows: tuple[_Loaded, tuple[diagnostics.ModuleRow, ...]] | None = None  # the last rows built
 
     # ------------------------------------------------------------------ reading
@@ -196,11 +196,12 @@ class ModelLifecycle(Placing):
         if set_aside_unfit:
             return self._apply_fitting(loras)
         wanted = loras if retry_set_aside else tuple(s for s in loras if s.name not in loaded.set_aside)
-        reports = self.apply_loras(wanted) if wanted != loaded.stack.applied else {}
+        patching = wanted != loaded.stack.applied
+        reports = self.apply_loras(wanted) if patching else {}
         if retry_set_aside:
             loaded.set_aside.clear()
         if not placed:
-            self._lora_writes = loaded.stack.traffic.written if reports else ()
+            self._lora_writes = loaded.stack.modules_of(loaded.stack.traffic.written) if patching else ()
         return reports, {}
 
     def _stale(self, loaded: _Loaded, want: Desired, dtype: torch.dtype) -> bool:

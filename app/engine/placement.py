@@ -270,19 +270,19 @@ def verify(pipe, plan: PlacementPlan) -> list[Violation]:
     return _violations(plan, iter_tensors(pipe))
 
 
-def verify_modules(pipe, plan: PlacementPlan, modules: Iterable[tuple[str, str]]) -> list[Violation]:
-    """`verify` over the tensors of `modules` ((component, module path)) only: after a change that
-    wrote nothing but those modules' tensors in place (a fused LoRA change, `copy_` into the existing
-    storage), the only tensors whose placement it could have changed; every other one is as the full
-    `verify` before the change found (or repaired) it. No walk over the whole pipeline."""
-    return _violations(plan, iter_module_tensors(pipe, modules))
+def verify_modules(plan: PlacementPlan, modules: Iterable[tuple[str, str, torch.nn.Module]]) -> list[Violation]:
+    """`verify` over the tensors of `modules` ((component, module path, module)) only: after a change
+    that wrote nothing but those modules' tensors in place (a fused LoRA change, `copy_` into the
+    existing storage), the only tensors whose placement it could have changed; every other one is as
+    the full `verify` before the change found (or repaired) it. No walk over the whole pipeline, and
+    the modules come resolved (a `get_submodule` per layer cost as much as the whole walk)."""
+    return _violations(plan, iter_module_tensors(modules))
 
 
-def iter_module_tensors(pipe, modules: Iterable[tuple[str, str]]):
-    """`iter_tensors`' rows for the tensors of `modules` ((component, module path)) only."""
-    components = torch_components(pipe)
-    for comp, path in modules:
-        yield from _module_tensors(comp, path, components[comp].get_submodule(path))
+def iter_module_tensors(modules: Iterable[tuple[str, str, torch.nn.Module]]):
+    """`iter_tensors`' rows for the tensors of `modules` ((component, module path, module)) only."""
+    for comp, path, module in modules:
+        yield from _module_tensors(comp, path, module)
 
 
 def _violations(plan: PlacementPlan, tensors) -> list[Violation]:

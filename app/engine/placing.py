@@ -48,7 +48,7 @@ class Placing:
         pipe, plan, own = self._loaded.model.pipe, self._parked or self._loaded.plan, self._loaded.plan
         narrow = after_lora_change and written is not None and self._parked is None
         self._rows_written = written if narrow else None  # the rows `rows` must build again
-        model_found = placement.verify_modules(pipe, plan, written) if narrow else placement.verify(pipe, plan)
+        model_found = placement.verify_modules(plan, written) if narrow else placement.verify(pipe, plan)
         carried = self.carry.verify(own)
         repaired = placement.sync(pipe, plan, reason=when) if model_found else 0
         return model_found + carried, repaired + (self.carry.sync(own) if carried else 0)
