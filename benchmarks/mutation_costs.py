@@ -32,10 +32,10 @@ SYNCING = (("item", torch.Tensor), ("cpu", torch.Tensor), ("tolist", torch.Tenso
 class MutationCosts:
     """Counts over the LoRA changes run inside `counting`."""
 
-    host_syncs: int = 0
-    tensor_walks: int = 0
-    aten_ops: int = 0
-    layers_written: int = 0
+    host_syncs: int = 0  # SYNCING calls on the worker, and the stack's own waits
+    tensor_walks: int = 0  # `iter_tensors` walks (placement verify, Diagnostics rows)
+    aten_ops: int = 0  # dispatched inside `LoraStack.reconcile`
+    layers_written: int = 0  # `PatchTraffic`'s figures, summed over the changes
     backup_bytes_read: int = 0
     bytes_across: int = 0
 
