@@ -51,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: store the large weights in 8 bits (about half the memory), computed in --dtype; "
                         "LoRAs then apply as exact bypass forwards. fp8-compute: the same, and the Linear layers "
                         "that qualify run as fp8 matmuls (GPUs with compute capability 8.9+, or the CPU)")
-    p.add_argument("--lora-backups", default="cpu", choices=("cpu", "gpu"),
-                   help="where fused LoRAs keep the original weights (for exact undo): cpu = pinned host memory, "
-                        "no VRAM cost; gpu = on the GPU while 2 GiB stay free (faster re-weights)")
+    p.add_argument("--lora-backups", default="gpu", choices=("cpu", "gpu"),
+                   help="where fused LoRAs keep the original weights (for exact undo): gpu = on the GPU while "
+                        "2 GiB stay free, else pinned host memory (default: a slider move copies nothing over "
+                        "PCIe); cpu = pinned host memory, no VRAM cost, each re-weight copies the originals over")
     p.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
                    help="cap on GPU memory for balanced offload (simulate a smaller GPU)")
     p.add_argument("--vram-watermark", type=float, default=Settings.balanced_watermark, metavar="FRACTION",

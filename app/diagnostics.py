@@ -11,14 +11,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import psutil
 import torch
 
 from app.engine.offload import MODES
-from app.engine.placement import STORAGE_DTYPES, PlacementPlan, Violation, dtype_name, iter_tensors, torch_components
+from app.engine.placement import (
+    STORAGE_DTYPES,
+    PlacementPlan,
+    Violation,
+    dtype_name,
+    iter_module_tensors,
+    iter_tensors,
+    torch_components,
+)
 from app.engine.storage import MATMUL_MODES
 from app.hooks import HookRegistry
 
@@ -104,8 +112,10 @@ def _offload_state(plan: PlacementPlan, component: str) -> str:
 
 
 def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], tuple[str, ...]],
-                   violations: list[Violation], hooks: HookRegistry) -> tuple[ModuleRow, ...]:
-    """One row per module that owns tensors or carries a named hook (mixed devices show as `a+b`)."""
+                   violations: list[Violation], hooks: HookRegistry,
+                   modules: Iterable[tuple[str, str, torch.nn.Module]] | None = None) -> tuple[ModuleRow, ...]:
+    """One row per module that owns tensors or carries a named hook (mixed devices show as `a+b`);
+    with `modules` ((component, path, module)), the rows of those modules only, from their tensors alone."""
     bad = {(v.component, v.module) for v in violations}
     acc: dict[tuple[str, str], dict] = {}
 
@@ -113,14 +123,15 @@ def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], 
         return acc.setdefault((comp, path), {"cls": type(module).__name__, "devices": set(), "dtypes": set(),
                                              "floating": False, "params": 0, "bytes": 0, "hooks": hooks.names(module)})
 
-    for comp, path, module, _name, tensor, is_param in iter_tensors(pipe):
+    for comp, path, module, _name, tensor, is_param in (iter_tensors(pipe) if modules is None
+                                                        else iter_module_tensors(modules)):
         row = row_for(comp, path, module)
         row["devices"].add(str(tensor.device))
         row["dtypes"].add(storage_label(tensor.dtype))
         row["floating"] |= tensor.is_floating_point()
         row["params"] += tensor.numel() if is_param else 0
         row["bytes"] += tensor.numel() * tensor.element_size()
-    if any(True for _ in hooks.hooked()):  # blocks without tensors of their own (group offload) show too
+    if modules is None and any(True for _ in hooks.hooked()):  # blocks without tensors (group offload) show too
         for comp, component in torch_components(pipe).items():
             for path, module in component.named_modules():
                 if hooks.names(module):

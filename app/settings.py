@@ -70,9 +70,10 @@ class Settings:
     # Linear ones that qualify run as fp8 matmuls (CUDA sm89+ or the CPU; app/engine/fp8_matmul.py)
     weights: str = "full"
     # Where fused LoRAs' exact copies of the original weights rest when the weights are on a GPU:
-    # "cpu" (pinned host memory, so LoRAs cost no VRAM) or "gpu" (beside the weight while 2 GiB stay
-    # free: a re-weight then reads W0 without a host transfer).
-    lora_backups: str = "cpu"
+    # "gpu" (beside the weight while 2 GiB stay free, else pinned host memory: a re-weight reads W0
+    # without a host transfer, ~20 ms for 3 LoRAs on SD1.5) or "cpu" (pinned host memory, so LoRAs
+    # cost no VRAM; every re-weight then copies each touched layer's original over PCIe). Issue 41.
+    lora_backups: str = "gpu"
     # UNet and VAE convolution weights rest and compute channels_last (NHWC), which cuDNN runs without
     # converting each weight per call (an H100 profile spent 22.6% of CUDA time in that conversion).
     # Off by default until GPU benchmark rows confirm the speed-up; valid on the CPU too (oneDNN).

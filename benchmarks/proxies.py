@@ -9,8 +9,9 @@ the same run.
 * step: aten ops per UNet call (a dispatch mode inside the UNet's hooks) and thread CPU time per
   step (with its user part and the minor page faults), without and with three fused rank-64 LoRAs
   and against diffusers, at a small latent so two cores can afford it;
-* reweight: one LoRA's strength changed with three applied (the engine's whole transition, and the
-  patching alone from the engine's timer);
+* reweight: a third LoRA added, its strength moved, removed (the engine's whole transition, the
+  patching alone from the engine's timer, and what each change costs besides its math:
+  `mutation_costs.py`);
 * fp8: fp8 weight storage against full weights, LoRAs as bypasses or fused copies (`proxy_fp8.py`);
 * ops: aten ops per denoiser call on the meta device, so any size fits: ours without LoRAs, with
   three fused and as bypass forwards, against diffusers (`proxy_ops.py`);

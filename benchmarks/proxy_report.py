@@ -66,10 +66,21 @@ def _ops(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
 
 
 def _reweight(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
-    lines = [f"## Re-weight (three rank-{cfg['lora_rank']} LoRAs applied, the last one's strength moved)", ""]
-    return lines + table(["arch", "dtype", "add 3 LoRAs ms", "re-weight ms (whole transition)", "of which patching ms"],
-                         [[r["arch"], r["dtype"], f"{r['add_ms']:.0f}", _estimate(r["reweight_ms"], 0),
-                           _estimate(r["patch_ms"], 0)] for r in results["reweight"] if "skipped" not in r])
+    lines = [f"## LoRA add / re-weight / remove (the third of three rank-{cfg['lora_rank']} LoRAs, a LoCon)", "",
+             "ms: the engine's whole transition, and the patching alone (median [95%]); then one counted change "
+             "each: host syncs, walks over every tensor, aten ops (~ kernel launches on a GPU), layers written, "
+             "originals read from backups (what a GPU copies over PCIe per change with `--lora-backups cpu`) and "
+             "bytes that crossed between devices here.", ""]
+    rows = []
+    for r in (r for r in results["reweight"] if "skipped" not in r):
+        for op in ("add", "reweight", "remove"):
+            c = r["costs"][op]
+            rows.append([r["arch"], r["dtype"], op, _estimate(r["ms"][op], 0), _estimate(r["patch_ms"][op], 0),
+                         c["host_syncs"], c["tensor_walks"], c["aten_ops"], c["layers_written"],
+                         f"{c['backup_bytes_read'] / 2**20:.1f}", f"{c['bytes_across'] / 2**20:.1f}"])
+    return lines + table(["arch", "dtype", "change", "ms (whole)", "of which patching ms", "host syncs",
+                          "tensor walks", "aten ops", "layers written", "originals read MiB",
+                          "MiB across devices"], rows)
 
 
 def _fp8(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:

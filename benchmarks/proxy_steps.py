@@ -1,8 +1,10 @@
 """The in-process CPU proxies: UNet ops and CPU time per step without and with fused LoRAs, and the
-re-weight time, on the full-size architectures (see `proxies.py` for the run around them)."""
+LoRA add / re-weight / remove time and costs, on the full-size architectures (see `proxies.py` for the
+run around them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -26,6 +28,7 @@ from benchmarks.measure import (
     timed_ms,
     with_control,
 )
+from benchmarks.mutation_costs import counting
 from benchmarks.workload import lora_specs
 
 CPU = torch.device("cpu")
@@ -144,24 +147,43 @@ def _step_comparisons(runs) -> list[dict[str, Any]]:
     return rows
 
 
+def _mutations(model, reweights: int) -> list[tuple[str, list]]:
+    """A third LoRA (the LoCon, which also covers the convs) added on top of two, its strength moved
+    `reweights` times, removed: what a user's slider does, as `ours.latency_round` runs it on a GPU."""
+    ops = [("add", lora_specs(model.loras, 3))]
+    ops += [("reweight", lora_specs(model.loras, 3, 1.1 - i % 2 / 10)) for i in range(reweights)]
+    return ops + [("remove", lora_specs(model.loras, 2))]
+
+
 def reweight_section(model, config) -> dict[str, Any]:
-    """Three LoRAs applied, then the last one's strength moved between 1.1 and 1.0: the engine's whole
-    transition (wall ms) and the patching alone (the engine's `patch` timer), in storage dtype."""
+    """LoRA add / re-weight / remove of the third of three rank-64 LoRAs, in storage dtype: the engine's
+    whole transition (wall ms) and the patching alone (the engine's `patch` timer), over two rounds; then,
+    from one counted (untimed) round, what each change costs besides its math and an accelerator pays
+    where a CPU hides it (`benchmarks/mutation_costs.py`): host syncs, walks over every tensor, aten ops
+    (about one kernel launch each), layers written, originals read from backups (what crosses PCIe per
+    change when backups rest in host memory, `--lora-backups cpu`) and bytes that did cross here."""
     ok, why = fits((model.numel + model.lora_numel) * DTYPES[config.storage_dtype].itemsize)
     if not ok:
         return {"arch": model.arch, "skipped": why}
     engine = _engine(model, config.storage_dtype)
+    wall: dict[str, list[float]] = {}
+    patch: dict[str, list[float]] = {}
+    counts: dict[str, dict[str, int]] = {}
     try:
-        add_ms = timed_ms(functools.partial(engine.set_loras, lora_specs(model.loras, 3)), CPU)
-        wall, patch = [], []
-        for i in range(config.reweights):
-            specs = lora_specs(model.loras, 3, 1.1 - i % 2 / 10)
-            wall.append(timed_ms(functools.partial(engine.set_loras, specs), CPU))
-            patch.append(engine.snapshot().timers["patch"].last_s * 1e3)
+        engine.set_loras(lora_specs(model.loras, 2))
+        for _round in range(2):
+            for op, specs in _mutations(model, max(1, config.reweights // 2)):
+                wall.setdefault(op, []).append(timed_ms(functools.partial(engine.set_loras, specs), CPU))
+                patch.setdefault(op, []).append(engine.snapshot().timers["patch"].last_s * 1e3)
+        for op, specs in _mutations(model, 1):
+            with counting() as costs:
+                engine.set_loras(specs)
+            counts[op] = dataclasses.asdict(costs)
     finally:
         engine.unload()
         engine.close()
         free_memory()
     return {"arch": model.arch, "dtype": config.storage_dtype, "loras": 3, "rank": config.lora_rank,
-            "add_ms": add_ms, "reweight_ms": stats.median_interval(wall).as_dict(), "reweight_ms_runs": wall,
-            "patch_ms": stats.median_interval(patch).as_dict(), "patch_ms_runs": patch}
+            "ms": {op: stats.median_interval(runs).as_dict() for op, runs in wall.items()}, "ms_runs": wall,
+            "patch_ms": {op: stats.median_interval(runs).as_dict() for op, runs in patch.items()},
+            "patch_ms_runs": patch, "costs": counts}

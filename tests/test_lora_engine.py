@@ -21,14 +21,16 @@ from tiny import FAST
 
 from app.adapters.errors import LoraApplyError
 from app.adapters.files import read_adapter
-from app.adapters.patcher import LoraStack
+from app.adapters.patcher import LoraStack, backup_beside
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests, write_adapter, write_demo_loras
 from app.demo import build_tiny_pipeline
+from app.diagnostics import placement_rows
 from app.engine.generate import GenerateParams
 from app.engine.placement import DTYPES
 from app.engine.worker import Engine, EngineState
 from app.settings import Settings
+from benchmarks.mutation_costs import counting
 
 CHECKPOINTS = {"sd15": "tiny-sd15.safetensors", "sdxl": "tiny-sdxl.safetensors"}
 ATTENTION = ("unet.*attn[12].to_[qkv]", "unet.*attn1.to_out.0", "text_encoder*.self_attn.q_proj")
@@ -294,12 +296,15 @@ def test_snapshot_says_how_many_originals_are_held_and_where(engine, tiny):
 
 
 @pytest.mark.gpu
-def test_lora_backups_rest_in_pinned_cpu_memory_unless_asked(gpu_data_dir, tiny):
-    """On CUDA the originals of fused layers go to pinned host memory by default, so LoRAs cost no
-    VRAM for them; `lora_backups="gpu"` keeps them beside the weights, and VRAM grows by at least
-    their size more than in the default. Either way a re-weight is in place and removing the LoRA
-    restores the checkpoint bit for bit."""
-    grown, held_bytes = {}, {}
+def test_lora_backups_rest_beside_the_weights_unless_asked(gpu_data_dir, tiny):
+    """On CUDA the originals of fused layers stay on the GPU by default, so a re-weight copies no byte
+    of them over PCIe (issue 41: pinned host backups by default made an H100 re-weight 503 ms instead
+    of 48); `lora_backups="cpu"` keeps them in pinned host memory (no VRAM for them, VRAM grows by at
+    least their size less), and then a re-weight copies every touched layer's original across and the
+    add waits for the device once, not once per layer. Either way a re-weight is in place and removing
+    the LoRA restores the checkpoint bit for bit."""
+    assert Settings(data_dir=gpu_data_dir).lora_backups == "gpu"
+    grown, held_bytes, across = {}, {}, {}
     for where in ("cpu", "gpu"):
         eng = Engine(Settings(data_dir=gpu_data_dir, device="cuda", dtype="fp16", lora_backups=where))
         try:
@@ -315,12 +320,17 @@ def test_lora_backups_rest_in_pinned_cpu_memory_unless_asked(gpu_data_dir, tiny)
             assert {b.weight.device.type for b in held} == ({"cpu"} if where == "cpu" else {"cuda"})
             assert all(b.weight.is_pinned() for b in held) == (where == "cpu")
             assert ("pinned CPU memory" if where == "cpu" else "CUDA memory") in snap.lora_backups
+            assert eng.lora_stack.traffic.waits == (1 if where == "cpu" else 0)
             eng.set_loras([LoraSpec("wide", 0.3)])
+            traffic = eng.lora_stack.traffic
+            assert traffic.backup_bytes_read == held_bytes[where] and traffic.waits == 0
+            across[where] = traffic.bytes_across
             eng.set_loras([])
             assert all(torch.equal(p, before[n]) for n, p in eng.pipeline.unet.named_parameters())
         finally:
             eng.close()
     assert held_bytes["cpu"] == held_bytes["gpu"] > 0
+    assert across == {"cpu": held_bytes["cpu"], "gpu": 0}
     assert grown["gpu"] - grown["cpu"] >= held_bytes["gpu"], (grown, held_bytes)
 
 
@@ -439,3 +449,54 @@ def test_demo_loras_match_fully_carry_trigger_words_and_change_the_image(engine,
         counters = engine.set_loras([LoraSpec(path.stem)]).lora_counters[path.stem]
         assert counters.unmatched_keys == 0 and counters.matched_layers > 10
         assert np.abs(_pixels(_generate(engine)) - plain).mean() > 8.0, f"{path.stem} barely changes the image"
+
+
+def test_a_slider_move_costs_only_its_loras_layers_no_host_wait_and_one_walk_after(engine, tiny):
+    """Issue 41, slider latency: a re-weight (and a remove) recomputes only the layers of the LoRA that
+    moved, reads each of their originals once (the bytes a GPU with host backups copies over PCIe), never
+    makes the host wait for the device, and dispatches a bounded number of ops per layer; the transition
+    walks every tensor of the pipeline once (the placement verify before it): the verify after it and
+    the Diagnostics rows cover the layers written (in-place writes cannot move anything else), and the
+    rows published are those a full walk builds."""
+    moved = _write(engine, tiny, "moved", targets=ATTENTION + ("unet.*resnets.*.conv1",))
+    still = _write(engine, tiny, "still", "loha", targets=BIASED_CONVS, seed=6)  # shares the conv1 layers
+    engine.load_model(CHECKPOINTS["sd15"])
+    engine.set_loras([LoraSpec("moved"), LoraSpec("still")])
+    backups = engine.lora_stack._backups
+
+    def originals(layers) -> int:
+        return sum(backups[t].weight.nbytes + (0 if backups[t].bias is None else backups[t].bias.nbytes)
+                   for t in layers)
+
+    # ops per layer written: measured 5.6 for the re-weight, 2.4 for the remove and 1.0 (one copy) for the
+    # remove of the last LoRA (11.6 and 4.1 with a `.detach()` per tensor read and the factors cast to
+    # float32 per layer), so one more op per layer (a second float32 copy of W0, a ΔW built apart, a
+    # detach, a cast) crosses the bound. The last step removes every LoRA (an empty list).
+    steps = (([LoraSpec("moved", 0.4), LoraSpec("still")], moved, 6), ([LoraSpec("still")], moved, 3),
+             ([], still, 1))
+    for specs, changed, ops_per_layer in steps:
+        read = originals(changed.layers)
+        with counting() as costs:
+            engine.set_loras(specs)
+        assert costs.layers_written == len(changed.layers)
+        assert costs.backup_bytes_read == read and costs.bytes_across == 0
+        assert costs.host_syncs == 0, costs
+        assert costs.tensor_walks == 1, costs
+        assert costs.aten_ops <= ops_per_layer * len(changed.layers), costs
+        lifecycle = engine._lifecycle
+        full = placement_rows(engine.pipeline, lifecycle.plan, engine.lora_stack.patched_modules(), [],
+                              lifecycle._loaded.hooks)
+        assert engine.snapshot().placement == full + engine._upscaler.rows(())
+
+
+def test_cuda_backups_stay_beside_the_weights_by_default_while_the_gpu_has_room():
+    """Issue 41's regression: with backups in pinned host memory by default every re-weight copied each
+    touched layer's original over PCIe (an H100 re-weight went from 48 to 503 ms). By default a CUDA
+    weight's backup stays on the GPU while the room above the 2 GiB headroom holds it, and goes to
+    pinned host memory past it, or always with `lora_backups="cpu"`; a host weight's stays beside it."""
+    assert Settings().lora_backups == "gpu"
+    keep = Settings().lora_backups == "gpu"
+    assert backup_beside("cuda", keep, nbytes=2**20, room=2**30)
+    assert not backup_beside("cuda", keep, nbytes=2**31, room=2**30)
+    assert not backup_beside("cuda", False, nbytes=2**20, room=2**30)
+    assert backup_beside("cpu", False, nbytes=2**31, room=0)

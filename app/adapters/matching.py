@@ -86,9 +86,11 @@ class PreparedAdapter:
     layers: Mapping[Target, Adapter]
     report: MatchReport
 
-    def to(self, device: torch.device) -> PreparedAdapter:
-        """The same adapter with every layer's tensors on `device` (uploaded once per LoRA)."""
-        layers = {target: adapter.to(device) for target, adapter in self.layers.items()}
+    def to(self, device: torch.device, float32_components: frozenset[str] = frozenset()) -> PreparedAdapter:
+        """The same adapter with every layer's tensors on `device` (uploaded once per LoRA), in float32
+        for the layers of `float32_components` (see `LoraStack.prepare`)."""
+        layers = {target: adapter.to(device, torch.float32 if target[0] in float32_components else None)
+                  for target, adapter in self.layers.items()}
         return PreparedAdapter(self.file, layers, self.report)
 
 

@@ -11,10 +11,18 @@ The rules that make the seed crashes unreachable:
 * Stacked adapters are all computed against W0. For algorithms whose delta depends on W
   (GLoRA, DoRA, IA3, OFT) that means each sees the original weight, not the others' output:
   order-independent and exactly undoable, at the cost of not composing them as a chain.
-* Backup policy: beside the weight when it lives on the CPU. A GPU weight's backup goes to pinned
-  CPU memory by default, so LoRAs cost no VRAM (an H100 run grew by 1.58 GiB with three LoRAs on
-  SD1.5, about what their GPU backups took); with `gpu_backups` it stays on the GPU while
-  `GPU_BACKUP_HEADROOM` stays free, and a re-weight then reads W0 without a host transfer.
+* Backup policy: beside the weight when it lives on the CPU. A GPU weight's backup stays on the GPU
+  by default (`gpu_backups`) while `GPU_BACKUP_HEADROOM` stays free, else it goes to pinned CPU
+  memory. Why beside the weight: a re-weight reads W0 of every layer the LoRA touches, and from the
+  host that is the layer's whole weight over PCIe each time — 1.46 GB for the bench's three rank-64
+  LoRAs on SD1.5 (a LoCon covers the convs), over 30 ms at 50 GB/s before any math, so a slider move
+  cannot reach 20 ms. That was issue 41's regression: pinned host backups became the default
+  (b02cf8f) and a re-weight went from 48 to 503 ms on an H100 (476 ms of it patching: `.to(cuda,
+  float32)` from a host tensor widens on the CPU and copies twice the bytes, pageable, per layer).
+  The price is VRAM (1.58 GiB for those LoRAs); `gpu_backups=False` (`--lora-backups cpu`) buys it
+  back at that transfer per re-weight. On the pinned path nothing blocks per layer: restores and
+  reads are non-blocking copies, and the copies into new backups are waited for once per change.
+  `traffic` counts what a change moved across (the bench's row and the tests read it).
 * The float32 math runs on the engine's compute device wherever the weight rests (a CPU weight
   under an offload mode included): the same float32 products give the same bits in every
   offload mode — on an H100, CPU-side fusion moved bf16 weights by an ulp and images by 0.9
@@ -61,17 +69,44 @@ class _Backup:
     bias: torch.Tensor | None
 
 
+@dataclass
+class PatchTraffic:
+    """What one `reconcile` moved: the costs a slider move pays on an accelerator that a CPU hides.
+    `backup_bytes_read`: originals (W0, and biases) read to recompute or restore layers;
+    `bytes_across`: bytes copied between the compute device and backups held elsewhere (over PCIe on
+    a GPU with host backups; 0 when backups sit beside the weights); `waits`: times the host waited
+    for the device (one per change that wrote pinned backups, never one per layer); `written`: the
+    layers rewritten (in place: the only tensors whose placement the change could touch)."""
+
+    written: tuple[Target, ...] = ()
+    backup_bytes_read: int = 0
+    bytes_across: int = 0
+    waits: int = 0
+
+    @property
+    def layers_written(self) -> int:
+        return len(self.written)
+
+    def read(self, backup: torch.Tensor | None, device: torch.device) -> None:
+        """Count one backup tensor read towards `device`."""
+        if backup is not None:
+            self.backup_bytes_read += backup.nbytes
+            self.bytes_across += backup.nbytes if backup.device != device else 0
+
+
 def _combine(target: Target, contributions: Contributions, weight: torch.Tensor, bias: torch.Tensor | None,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """W0 + Σ mᵢ·ΔWᵢ(W0) in float32 on `device`, and likewise the bias when an adapter changes it
-    (None when none does). Both are contiguous whatever the weight's layout: a channels_last
+    (None when none does); under `torch.no_grad()`. Both are contiguous whatever the weight's layout: a channels_last
     accumulator would send `LoRA.accumulate` down its slow generic path and change the float32 sum's
     bits; `copy_` writes the result back in the weight's own layout."""
     contiguous = torch.contiguous_format
     # Across the bus in the stored dtype first, asynchronously where the source is pinned (a GPU
     # weight's backup): one blocking transfer per layer made a 3-LoRA re-weight on SD1.5 take 476 ms
     # on an H100. The widening to float32 then runs on `device`; the bits are the same either way.
-    weight = weight.detach().to(device, non_blocking=True)
+    # No `.detach()` here: the caller runs under `no_grad` (each was one more dispatched op per tensor
+    # per contribution, 5 per layer of 17 in all on the bench's LoRAs).
+    weight = weight.to(device, non_blocking=True)
     new_w = weight.to(torch.float32, copy=True, memory_format=contiguous)
     # A separate pristine W0 only when some adapter reads its values; the others read its shape.
     reads_base = any(a.reads_base for _, _, a in contributions)
@@ -80,7 +115,7 @@ def _combine(target: Target, contributions: Contributions, weight: torch.Tensor,
     new_b = None
     for name, strength, adapter in contributions:
         try:
-            bias_delta = adapter.accumulate(new_w, w0.detach(), None if b0 is None else b0.detach(), strength)
+            bias_delta = adapter.accumulate(new_w, w0, b0, strength)
         except torch.OutOfMemoryError:
             raise  # memory, not this LoRA: reported as such, never counted against it
         except Exception as exc:
@@ -99,17 +134,17 @@ def _cast_where_computed(value: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return value if value.device == target.device else value.to(target.dtype)
 
 
-def _backup_copy(tensor: torch.Tensor, gpu_backups: bool) -> torch.Tensor:
-    """A bit-exact copy of `tensor` in its dtype and memory layout, placed by the backup policy."""
-    if tensor.device.type != "cuda" or (gpu_backups and _fits_on_gpu(tensor)):
-        return tensor.detach().clone()
-    pinned = torch.empty_like(tensor, device="cpu", pin_memory=True)  # keeps the strides (channels_last)
-    return pinned.copy_(tensor.detach())
+def backup_beside(device_type: str, gpu_backups: bool, nbytes: int, room: int) -> bool:
+    """Whether a weight's backup stays beside it (same device) rather than in pinned host memory: always
+    off CUDA (a host weight, or a device with no pinned memory); for a CUDA weight, by the policy while
+    `room` (free bytes above the headroom, `_device_room`) holds it."""
+    return device_type != "cuda" or (gpu_backups and nbytes <= room)
 
 
-def _fits_on_gpu(tensor: torch.Tensor) -> bool:
-    free, _total = torch.cuda.mem_get_info(tensor.device)
-    return free - tensor.numel() * tensor.element_size() >= GPU_BACKUP_HEADROOM
+def _device_room(device: torch.device) -> int:
+    """Free CUDA memory above `GPU_BACKUP_HEADROOM`, asked of the driver once per change, not per layer."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return max(0, free - GPU_BACKUP_HEADROOM)
 
 
 def _memory_name(tensor: torch.Tensor) -> str:
@@ -124,8 +159,11 @@ class LoraStack:
 
     def __init__(self, pipe, arch: str, compute_device: torch.device | None = None, *,
                  hooks: HookRegistry | None = None, bypass: frozenset[str] = frozenset(),
-                 gpu_backups: bool = False, allows_partial: Callable[[str], bool] = _never) -> None:
+                 gpu_backups: bool = True, allows_partial: Callable[[str], bool] = _never) -> None:
         self._gpu_backups = gpu_backups
+        self._room: dict[torch.device, int] = {}  # accelerator bytes backups may still take, this change
+        self._queued: set[torch.device] = set()  # devices with copies into pinned backups not waited for
+        self.traffic = PatchTraffic()  # what the last `reconcile` moved
         self._allows_partial = allows_partial
         self._warned: set[tuple[str, str]] = set()  # (LoRA, file hash) whose unmatched tensors were logged
         self._pipe = pipe
@@ -203,6 +241,11 @@ class LoraStack:
             return None
         return None if old.report.partial and not self._allows_partial(name) else old
 
+    def modules_of(self, targets: Sequence[Target]) -> tuple[tuple[str, str, torch.nn.Module], ...]:
+        """(component, path, module) of each target, from the stack's own lookups (what the placement
+        verify after a LoRA change reads without resolving a path per layer)."""
+        return tuple((*target, self._module(target)) for target in targets)
+
     # ---------------------------------------------------------------- preparation (no writes)
     def _module(self, target: Target) -> torch.nn.Module:
         if target not in self._modules:
@@ -213,12 +256,20 @@ class LoraStack:
     def prepare(self, name: str, file: AdapterFile, *, upload: bool = True) -> PreparedAdapter:
         """Parse and shape-check every layer of a file against this model; raise before any write.
 
-        With `upload`, each layer's tensors then go to the compute device once, in the file's dtype:
-        every later re-weight computes without a host-to-device copy. An inspection skips that."""
+        With `upload`, each layer's tensors then go to the compute device once: every later re-weight
+        computes without a host-to-device copy. Layers of fused components go in float32, the dtype the
+        fused math reads them in (`_f32`): a cast of each factor per layer per re-weight was 40% of a
+        re-weight's ops, each a kernel launch on a GPU (issue 41); the values are the file's exactly
+        (fp16 and bf16 are subsets of float32), for twice the factors' memory (~150 MB more for three
+        rank-64 LoRAs on SD1.5). Bypass layers keep the file's dtype (their forwards cast once per
+        re-weight anyway). An inspection uploads nothing."""
         if self._table is None:
             self._table = KeyTable(self._pipe, self._arch)
         prepared = match_adapter(name, file, self._table, self._module, allow_partial=self._allows_partial(name))
-        return prepared.to(self._compute_device) if upload and self._compute_device is not None else prepared
+        if not upload or self._compute_device is None:
+            return prepared
+        fused = frozenset(component for component, _ in prepared.layers) - self._bypass_components
+        return prepared.to(self._compute_device, float32_components=fused)
 
     # ---------------------------------------------------------------- writes
     def reconcile(self, specs: Sequence[LoraSpec], files: Mapping[str, AdapterFile],
@@ -233,6 +284,7 @@ class LoraStack:
         touched = self._touched_layers(specs, prepared)
         previous = (self._applied, dict(self._prepared))
         written: list[Target] = []
+        self.traffic, self._room = PatchTraffic(), {}
         try:
             for target in touched:
                 written.append(target)
@@ -242,6 +294,9 @@ class LoraStack:
         except Exception:
             self._rollback(written, *previous)
             raise
+        finally:
+            self._settle_backups()
+        self.traffic.written = tuple(touched)
         self._applied = specs
         self._prepared = {spec.name: prepared[spec.name] for spec in specs}
         log.debug("LoRA stack now %s; %d layers rewritten, %d backups held",
@@ -283,27 +338,61 @@ class LoraStack:
         if target[0] in self._bypass_components:
             self._set_bypass(module, target, contributions)
             return
+        with torch.no_grad():  # one grad-mode switch per layer instead of a `.detach()` per tensor read
+            self._fuse_layer(target, module, contributions)
+
+    def _fuse_layer(self, target: Target, module: torch.nn.Module, contributions: Contributions) -> None:
+        """Write W0 + Σ contributions into the layer (W0 back when there are none), from its backup."""
         backup = self._backups.get(target)
         if not contributions:
             if backup is not None:
+                self.traffic.read(backup.weight, module.weight.device)
+                self.traffic.read(backup.bias, module.weight.device)
                 self._restore(module, backup)
                 del self._backups[target]
             return
-        base = backup.weight if backup is not None else module.weight.detach()
+        base = backup.weight if backup is not None else module.weight
         base_bias = backup.bias if backup is not None and backup.bias is not None else module.bias
-        base_bias = None if base_bias is None else base_bias.detach()
-        new_w, new_b = _combine(target, contributions, base, base_bias, self._compute_device or module.weight.device)
+        device = self._compute_device or module.weight.device
+        if backup is not None:
+            self.traffic.read(backup.weight, device)
+            self.traffic.read(backup.bias, device)
+        new_w, new_b = _combine(target, contributions, base, base_bias, device)
         if backup is None:
-            backup = self._backups[target] = _Backup(_backup_copy(module.weight, self._gpu_backups), None)
+            backup = self._backups[target] = _Backup(self._backup_copy(module.weight), None)
         if new_b is not None and backup.bias is None:
-            backup.bias = _backup_copy(module.bias, self._gpu_backups)
-        with torch.no_grad():
-            module.weight.copy_(_cast_where_computed(new_w, module.weight))
-            if new_b is not None:
-                module.bias.copy_(_cast_where_computed(new_b, module.bias))
-            elif backup.bias is not None:  # the adapter that changed the bias is gone
-                module.bias.copy_(backup.bias)
-                backup.bias = None
+            backup.bias = self._backup_copy(module.bias)
+        module.weight.copy_(_cast_where_computed(new_w, module.weight))
+        if new_b is not None:
+            module.bias.copy_(_cast_where_computed(new_b, module.bias))
+        elif backup.bias is not None:  # the adapter that changed the bias is gone
+            self.traffic.read(backup.bias, module.bias.device)
+            module.bias.copy_(backup.bias, non_blocking=True)
+            backup.bias = None
+
+    def _backup_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A bit-exact copy of `tensor` in its dtype and memory layout, placed by the backup policy
+        (`backup_beside`). A copy to pinned memory is queued, not waited for: `_settle_backups` waits
+        once for all of a change's, so no layer costs the host a round trip."""
+        device = tensor.device
+        if device.type == "cuda" and device not in self._room:
+            self._room[device] = _device_room(device) if self._gpu_backups else 0
+        if backup_beside(device.type, self._gpu_backups, tensor.nbytes, self._room.get(device, 0)):
+            if device in self._room:
+                self._room[device] -= tensor.nbytes
+            return tensor.clone()
+        pinned = torch.empty_like(tensor, device="cpu", pin_memory=True)  # keeps the strides (channels_last)
+        self.traffic.bytes_across += tensor.nbytes
+        self._queued.add(device)  # `_settle_backups` waits for the copies queued on it
+        return pinned.copy_(tensor, non_blocking=True)
+
+    def _settle_backups(self) -> None:
+        """Wait once for the copies into pinned backups this change queued: from here on a backup may be
+        read on the host (a restore after the weight moved to the CPU) and must hold its values."""
+        for device in self._queued:
+            torch.cuda.synchronize(device)
+        self.traffic.waits += len(self._queued)
+        self._queued.clear()
 
     # ---------------------------------------------------------------- the bypass path
     def set_bypass(self, components: frozenset[str]) -> None:
@@ -343,10 +432,12 @@ class LoraStack:
 
     @staticmethod
     def _restore(module: torch.nn.Module, backup: _Backup) -> None:
-        with torch.no_grad():
-            module.weight.copy_(backup.weight)
-            if backup.bias is not None:
-                module.bias.copy_(backup.bias)
+        """W0 back, bit for bit (under `no_grad`). Non-blocking: from device memory it is a plain device
+        copy, and from a pinned backup the host allocator keeps that memory until the copy is done, so
+        dropping the backup right after is safe and no layer makes the host wait."""
+        module.weight.copy_(backup.weight, non_blocking=True)
+        if backup.bias is not None:
+            module.bias.copy_(backup.bias, non_blocking=True)
 
     def _rollback(self, written: list[Target], old_specs, old_prepared) -> None:
         """Recompute each layer written so far from the previous list: bit-identical to before."""

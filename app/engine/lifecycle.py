@@ -95,6 +95,10 @@ class ModelLifecycle(Placing):
         self._scans = scans  # reads a loaded model's files after its load (the worker begins them)
         self.strict_forwards = settings.strict_forwards  # the `debug.strict` check on every forward (strict.py)
         self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
+        # The layers the last `realise` wrote when writing LoRA layers in place was all it did (no load,
+        # offload switch or unpark): what the verify after a LoRA change must cover (`verify_and_repair`).
+        self._lora_writes: tuple[tuple[str, str, torch.nn.Module], ...] | None = None
+        self._rows_written: tuple[tuple[str, str, torch.nn.Module], ...] | None = None  # those, verified alone
 
     # ------------------------------------------------------------------ reading
     @property
@@ -137,16 +141,26 @@ class ModelLifecycle(Placing):
         """Diagnostics' rows, one per module. Built after the verify that ends every transition: with no
         violation every tensor is where the plan puts it, so the rows are a function of the plan, the
         patched layers and the hooks, and are reused while those stay (a generation changes none of
-        them; rebuilding walked every tensor once more per image: issue 41)."""
-        loaded = self._loaded
+        them; rebuilding walked every tensor once more per image: issue 41). After a LoRA change that only
+        wrote layers in place and found nothing to repair (`verify_and_repair`'s narrow verify), only the
+        rows of the layers written are built again (their LoRAs and hooks changed, nothing else could) and
+        the others are the last rows: a slider move no longer walks every tensor to publish."""
+        loaded, written = self._loaded, self._rows_written
+        self._rows_written = None
         if loaded is None:
             return ()
         plan, patched = self._parked or loaded.plan, loaded.stack.patched_modules()
         key = (plan, patched, tuple((id(module), names) for module, names in loaded.hooks.hooked()))
-        if not violations and loaded.shown is not None and loaded.shown[0] == key:
-            return loaded.shown[1]
+        last = None if violations or loaded.shown is None else loaded.shown
+        if last is not None and last[0] == key:
+            return last[1]
+        args = (loaded.model.pipe, plan, patched, list(violations), loaded.hooks)
         with phase("placement rows"):
-            rows = diagnostics.placement_rows(loaded.model.pipe, plan, patched, list(violations), loaded.hooks)
+            if written is not None and last is not None:  # kept rows hold no violation (see `shown` below)
+                fresh = {(r.component, r.module): r for r in diagnostics.placement_rows(*args, modules=written)}
+                rows = tuple(fresh.get((r.component, r.module), r) for r in last[1])
+            else:
+                rows = diagnostics.placement_rows(*args)
         loaded.shown = None if violations else (key, rows)
         return rows
 
@@ -175,9 +189,14 @@ class ModelLifecycle(Placing):
         Whatever the steps freed (a parked model, host copies moved to the GPU, LoRA backups) goes
         back to the OS afterwards: the C heap keeps freed memory for reuse until told (app/heap.py).
         A parked model is placed back first."""
+        self._lora_writes = None
         try:
+            was_parked = self._parked is not None
             self.unpark()
-            return self._realise_steps(want, loras, retry_set_aside, set_aside_unfit)
+            result = self._realise_steps(want, loras, retry_set_aside, set_aside_unfit)
+            if was_parked:
+                self._lora_writes = None
+            return result
         finally:
             heap.give_back()
 
@@ -191,14 +210,18 @@ class ModelLifecycle(Placing):
         if loaded is None or self._stale(loaded, want, dtype):
             self._load(want, dtype)
             return self._apply_fitting(loras)
-        if loaded.plan.offload != want.offload:
+        placed = loaded.plan.offload != want.offload
+        if placed:
             self._set_offload(want.offload)
         if set_aside_unfit:
             return self._apply_fitting(loras)
         wanted = loras if retry_set_aside else tuple(s for s in loras if s.name not in loaded.set_aside)
-        reports = self.apply_loras(wanted) if wanted != loaded.stack.applied else {}
+        patching = wanted != loaded.stack.applied
+        reports = self.apply_loras(wanted) if patching else {}
         if retry_set_aside:
             loaded.set_aside.clear()
+        if not placed:
+            self._lora_writes = loaded.stack.modules_of(loaded.stack.traffic.written) if patching else ()
         return reports, {}
 
     def _stale(self, loaded: _Loaded, want: Desired, dtype: torch.dtype) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -178,12 +178,17 @@ def iter_tensors(pipe) -> Iterator[tuple[str, str, torch.nn.Module, str, torch.T
     parameter and buffer owned directly by every module of every component."""
     for comp_name, component in torch_components(pipe).items():
         for path, module in component.named_modules():
-            for name, param in module._parameters.items():
-                if param is not None:
-                    yield comp_name, path, module, name, param, True
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    yield comp_name, path, module, name, buf, False
+            yield from _module_tensors(comp_name, path, module)
+
+
+def _module_tensors(comp: str, path: str, module: torch.nn.Module):
+    """`iter_tensors`' rows for the tensors `module` owns directly."""
+    for name, param in module._parameters.items():
+        if param is not None:
+            yield comp, path, module, name, param, True
+    for name, buf in module._buffers.items():
+        if buf is not None:
+            yield comp, path, module, name, buf, False
 
 
 def _target_dtype(tensor: torch.Tensor, want: Placement) -> torch.dtype:
@@ -266,8 +271,27 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
 def verify(pipe, plan: PlacementPlan) -> list[Violation]:
     """Every tensor whose device, dtype or (where the plan states one) layout differs from the plan's
     at-rest placement."""
+    return _violations(plan, iter_tensors(pipe))
+
+
+def verify_modules(plan: PlacementPlan, modules: Iterable[tuple[str, str, torch.nn.Module]]) -> list[Violation]:
+    """`verify` over the tensors of `modules` ((component, module path, module)) only: after a change
+    that wrote nothing but those modules' tensors in place (a fused LoRA change, `copy_` into the
+    existing storage), the only tensors whose placement it could have changed; every other one is as
+    the full `verify` before the change found (or repaired) it. No walk over the whole pipeline, and
+    the modules come resolved (a `get_submodule` per layer cost as much as the whole walk)."""
+    return _violations(plan, iter_module_tensors(modules))
+
+
+def iter_module_tensors(modules: Iterable[tuple[str, str, torch.nn.Module]]):
+    """`iter_tensors`' rows for the tensors of `modules` ((component, module path, module)) only."""
+    for comp, path, module in modules:
+        yield from _module_tensors(comp, path, module)
+
+
+def _violations(plan: PlacementPlan, tensors) -> list[Violation]:
     found = []
-    for comp, path, _module, name, tensor, _is_param in iter_tensors(pipe):
+    for comp, path, _module, name, tensor, _is_param in tensors:
         if comp not in plan.components:
             found.append(Violation(comp, path, name, "component absent from plan", _describe(tensor)))
             continue

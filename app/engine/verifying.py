@@ -62,10 +62,12 @@ class Verifying:
             log.exception("placement could not be repaired after failed %s", command)
             return False
 
-    def _verify_and_repair(self, when: str, strict: bool | None = None) -> tuple[int, int]:
-        """Find and repair placement violations; strict mode turns any finding into a failure."""
+    def _verify_and_repair(self, when: str, strict: bool | None = None,
+                           after_lora_change: bool = False) -> tuple[int, int]:
+        """Find and repair placement violations; strict mode turns any finding into a failure.
+        `after_lora_change`: see `ModelLifecycle.verify_and_repair` (the layers written, not every tensor)."""
         t0 = time.perf_counter()
-        found, repaired = self._lifecycle.verify_and_repair(when)
+        found, repaired = self._lifecycle.verify_and_repair(when, after_lora_change)
         refiner_found, refiner_repaired = self._verify_refiner(when)
         upscaler_found, upscaler_repaired = self._upscaler.verify_and_repair(when)
         found, repaired = found + refiner_found + upscaler_found, repaired + refiner_repaired + upscaler_repaired

@@ -368,7 +368,8 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
                     found, repaired = self._verify_and_repair(f"before {command.name}")
                 value = command.body()
                 with timeline.phase("verify after"):
-                    more_found, more_repaired = self._verify_and_repair(f"after {command.name}")
+                    more_found, more_repaired = self._verify_and_repair(f"after {command.name}",
+                                                                        after_lora_change=command.name == "set_loras")
                 found, repaired = found + more_found, repaired + more_repaired
                 outcome = "interrupted" if self._job is not None and self._job.interrupted else "ok"
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's future

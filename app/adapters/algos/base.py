@@ -190,11 +190,17 @@ class Adapter(ABC):
         """The low-rank dimension, for algorithms that have one."""
         return None
 
-    def to(self: _A, device: torch.device) -> _A:
-        """The same adapter with its tensors on `device`, dtype untouched (the file's, until calculation)."""
-        moved = {f.name: value.to(device) for f in fields(self)
-                 if isinstance(value := getattr(self, f.name), (Tensor, Adapter))}
-        return dataclasses.replace(self, **moved)
+    def to(self: _A, device: torch.device, floating: torch.dtype | None = None) -> _A:
+        """The same adapter with its tensors on `device`, dtype untouched (the file's, until calculation)
+        unless `floating` names one for its floating tensors (the patcher's float32 copies, see
+        `LoraStack.prepare`)."""
+        def moved(value):
+            if isinstance(value, Adapter):
+                return value.to(device, floating)
+            recast = floating is not None and value.is_floating_point()
+            return value.to(device, floating) if recast else value.to(device)
+        return dataclasses.replace(self, **{f.name: moved(value) for f in fields(self)
+                                            if isinstance(value := getattr(self, f.name), (Tensor, Adapter))})
 
     @property
     def num_params(self) -> int:
