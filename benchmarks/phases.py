@@ -218,19 +218,24 @@ def fp8_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench)
         run.memory["resting"] = {k: None if v is None else round(v, 3) for k, v in rest.items()}
         if theirs.pipe is None:  # the offload phase freed it; loaded after the resting figures are read
             theirs.load()
-        mine, denoiser = ours.generator(fp8, model, bench, 1), denoiser_of(fp8.pipeline)
         key0, key3, base = ("none", 0, "fp8", 1), ("none", 3, "fp8-bypass", 1), ("none", 0, "eager", 1)
-        read = ours.last_timeline(fp8)
-        variants = with_control({key0: Variant(ours.lora_setup(fp8, model, 0), mine, denoiser, read),
-                                 key3: Variant(ours.lora_setup(fp8, model, 3), mine, denoiser, read),
-                                 base: Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.denoiser)},
-                                key0)
-        _measure(run, bench, "fp8", variants)
+        _measure(run, bench, "fp8", _stored_weights_pool(fp8, theirs, bench, model, (key0, key3, base)))
         run.pairings += [Pairing("fp8", "fp8", key0, "ours fp8", base, "diffusers", key0),
                          Pairing("fp8", "fp8", key3, "ours fp8 + 3 LoRAs bypass", key0, "ours fp8", key0)]
     finally:
         ours.close(fp8)
     _fp8_compute_pool(run, theirs, bench)
+
+
+def _stored_weights_pool(engine, theirs: DiffusersSide, bench: Bench, model, keys: tuple) -> dict:
+    """One pool over an engine with stored (8-bit) weights: ours with no LoRA and with 3 as bypasses, and
+    diffusers eager, keyed by `keys` (none, three, diffusers); our rows carry the timeline."""
+    key0, key3, base = keys
+    mine, denoiser = ours.generator(engine, model, bench, 1), denoiser_of(engine.pipeline)
+    read = ours.last_timeline(engine)
+    return with_control({key0: Variant(ours.lora_setup(engine, model, 0), mine, denoiser, read),
+                         key3: Variant(ours.lora_setup(engine, model, 3), mine, denoiser, read),
+                         base: Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.denoiser)}, key0)
 
 
 def _fp8_compute_pool(run: ArchRun, theirs: DiffusersSide, bench: Bench) -> None:
@@ -244,15 +249,9 @@ def _fp8_compute_pool(run: ArchRun, theirs: DiffusersSide, bench: Bench) -> None
         snap = engine.snapshot()
         run.notes["fp8 compute"] = f"{snap.matmul_layers} of {snap.stored_layers} stored layers as fp8 matmuls"
         log.info("[%s] fp8 compute: %s", model.arch, run.notes["fp8 compute"])
-        mine, denoiser = ours.generator(engine, model, bench, 1), denoiser_of(engine.pipeline)
         key0, key3 = ("none", 0, "fp8-compute", 1), ("none", 3, "fp8-compute-bypass", 1)
         base = ("none", 0, "eager", 1)
-        read = ours.last_timeline(engine)
-        variants = with_control({key0: Variant(ours.lora_setup(engine, model, 0), mine, denoiser, read),
-                                 key3: Variant(ours.lora_setup(engine, model, 3), mine, denoiser, read),
-                                 base: Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.denoiser)},
-                                key0)
-        _measure(run, bench, "fp8 compute", variants)
+        _measure(run, bench, "fp8 compute", _stored_weights_pool(engine, theirs, bench, model, (key0, key3, base)))
         run.pairings += [Pairing("fp8", "fp8 compute", key0, "ours fp8 compute", base,
                                  f"diffusers {bench.config.dtype}", key0),
                          Pairing("fp8", "fp8 compute", key3, "ours fp8 compute + 3 LoRAs bypass", key0,
