@@ -97,6 +97,10 @@ def _plan() -> tuple[Section, ...]:
                 "mode (full-size SD1.5 bf16, SDXL fp16), workflows (SD1.5 bf16), fp8 and offload fuzz", 245,
                 tests=True),
         *headline,
+        Section("step-cache", "", "first-block step cache (threshold 0.1) vs uncached ours, SD1.5 512² and FLUX.1-dev "
+                "1024², 20 steps: speed, whole denoiser calls, PSNR (estimate not yet from a run)", 150,
+                ("--archs", "sd15,flux-dev", "--sections", "cache", "--batches", "1", "--repeats", "4", "--steps",
+                 "20")),
         Section("compile", "", "compiled denoiser (reduce-overhead): speed vs eager, recompiles and CUDA-graph "
                 "re-records across LoRA changes, SD1.5 then SDXL", 330,
                 ("--archs", "sd15,sdxl", "--sections", "compile", "--batches", "1", "--repeats", "2")),
