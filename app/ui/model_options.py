@@ -47,7 +47,7 @@ class ModelOptions:
 def build_model_options(ctx: UiContext) -> ModelOptions:
     weights = gr.Radio(list(WEIGHTS_CHOICES), value=ctx.settings.weights, label="Weights", elem_id="sd-weights",
                        info="fp8: large weights rest in 8 bits (about half the memory); LoRAs stay exact. "
-                            "fp8-compute: and Linear layers run as fp8 matmuls (faster on sm89+ GPUs; "
+                            "fp8-compute: the same, and Linear layers run as fp8 matmuls (faster on sm89+ GPUs; "
                             "the image changes a little)")
     with gr.Accordion("Model parts (text encoders, VAE)", open=False, visible=False) as box:
         parts = {c: gr.Dropdown([], label=c, elem_id=f"sd-part-{c}", interactive=True) for c in _PICKED}
