@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory one job may plan to use (its estimate: decode, upscale, prompt chunks, kept images) "
                         "on top of the models; a job over it is refused before it starts. Default: a quarter of the "
                         "RAM, and on a GPU half of its memory for what runs there")
+    p.add_argument("--png-compression", type=int, default=Settings.png_compress_level, metavar="0-9",
+                   help="zlib level of saved PNGs: 1 writes fastest, 9 smallest; the default 4 costs ~1%% in size "
+                        "against PIL's 6 and writes a 1024² image ~2.5x faster")
     p.add_argument("--lora-cache-mib", type=int, default=Settings.lora_cache_mib,
                    help="LoRA files kept in RAM after reading (0 = read from disk every time)")
     p.add_argument("--bug-report", nargs="?", const="bug-report.zip", default=None, metavar="ZIP",
@@ -115,7 +118,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         data_dir=Path(args.data_dir), device=args.device, dtype=args.dtype,
         devices=tuple(d.strip() for d in args.devices.split(",")) if args.devices else (),
         offload=args.offload, weights=args.weights,
-        lora_backups=args.lora_backups,
+        lora_backups=args.lora_backups, png_compress_level=args.png_compression,
         vram_budget_gib=args.vram_budget, balanced_watermark=args.vram_watermark,
         compile=args.compile, compile_mode=args.compile_mode, compile_whole=args.compile_whole,
         channels_last=args.channels_last,

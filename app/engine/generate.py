@@ -373,10 +373,11 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int,
+def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int, *, compress_level: int,
              chunks: Mapping[str, str] | None = None) -> Path:
     """Write `outputs/<date>/<nnnnn>-<seed>.png` with the infotext in the `parameters` chunk (`chunks`:
-    the text chunks to write instead, as Extras writes A1111's `postprocessing` beside the source's)."""
+    the text chunks to write instead, as Extras writes A1111's `postprocessing` beside the source's), at
+    `compress_level` (`Settings.png_compress_level`: the write is on the worker's path to the next image)."""
     folder = outputs_dir / datetime.now().strftime("%Y-%m-%d")
     folder.mkdir(parents=True, exist_ok=True)
     index = len(list(folder.glob("*.png")))
@@ -387,5 +388,5 @@ def save_png(image: Image.Image, text: str, outputs_dir: Path, seed: int,
     meta = PngImagePlugin.PngInfo()
     for key, value in ({"parameters": text} if chunks is None else chunks).items():
         meta.add_text(key, value)
-    image.save(path, pnginfo=meta)
+    image.save(path, pnginfo=meta, compress_level=compress_level)
     return path

@@ -185,7 +185,8 @@ class Generating:
                     text = generate.infotext(saved, image_seed, ctx,
                                              (*variation.infotext_pairs(run_params, i), *extra))
                 with timeline.phase("png save"):
-                    path = generate.save_png(image, text, self.settings.outputs_dir, image_seed)
+                    path = generate.save_png(image, text, self.settings.outputs_dir, image_seed,
+                                             compress_level=self.settings.png_compress_level)
                 out.append(GeneratedImage(image, image_seed, text, path, stopped_at,
                                           variation.subseed_of(run_params, i)))
             if job.stop == "interrupt":

@@ -141,7 +141,8 @@ class Upscaling:
         chunks = {"postprocessing": text, "extras": text}
         if isinstance(source.info.get("parameters"), str):
             chunks = {"parameters": source.info["parameters"], **chunks}
-        path = generate.save_png(image, text, self.settings.outputs_dir / EXTRAS_FOLDER, index, chunks=chunks)
+        path = generate.save_png(image, text, self.settings.outputs_dir / EXTRAS_FOLDER, index, chunks=chunks,
+                                 compress_level=self.settings.png_compress_level)
         return UpscaledImage(image, text, path, chunks)
 
     def _upscale_to(self, images: list[Image.Image], name: str, size: tuple[int, int], job: Job,
