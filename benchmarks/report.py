@@ -109,9 +109,10 @@ def load_row(run: ArchRun) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ acceptance
 def _check(name: str, where: str, value, target: str, met, verdict: str | None = None) -> dict[str, Any]:
-    """A target of the issue; a ratio that misses it but lies inside the control's spread passes as
-    "no difference" (the run cannot tell it from the target), and says so."""
-    passed = None if value is None else bool(met(value)) or verdict == "no difference"
+    """A target of the issue. A ratio that misses it but lies inside the control's spread ("no difference":
+    the run cannot tell it from parity) passes only where parity meets the target: a ">= 0.97" row inside a
+    wide spread cannot be told from 1.0, but a ">= 1.2" goal is not met by a ratio that equals 1.0."""
+    passed = None if value is None else bool(met(value)) or (verdict == "no difference" and bool(met(1.0)))
     return {"check": name, "where": where, "value": value, "target": target, "verdict": verdict, "passed": passed}
 
 

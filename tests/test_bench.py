@@ -149,8 +149,19 @@ def test_latency_load_compile_and_acceptance(smoke):
             "ours load time vs diffusers", "recompiles + CUDA-graph re-records across LoRA changes"} <= checks.keys()
     for check in results["acceptance"]:
         assert check["passed"] in (True, False, None)
-        if check["verdict"] == "no difference":
+        if check["verdict"] == "no difference" and check["target"] in (">= 1.0", ">= 0.97", ">= 0.95"):
             assert check["passed"] is True
+
+
+def test_no_difference_passes_only_targets_that_parity_meets():
+    """A ratio the control cannot tell from 1.0 passes a ">= 0.97" target, but not a ">= 1.2" goal: the
+    H200 run of 2026-11-28 listed fp8 compute at 0.92x as passing its 1.2x goal."""
+    from benchmarks.report import _check
+
+    assert _check("parity goal", "row", 0.72, ">= 0.97", lambda v: v >= 0.97, "no difference")["passed"] is True
+    assert _check("speed-up goal", "row", 0.92, ">= 1.2", lambda v: v >= 1.2, "no difference")["passed"] is False
+    assert _check("speed-up goal", "row", 1.25, ">= 1.2", lambda v: v >= 1.2, "ours better")["passed"] is True
+    assert _check("parity goal", "row", 0.72, ">= 0.97", lambda v: v >= 0.97, "ours worse")["passed"] is False
 
 
 def test_compiled_engine_runs_the_configured_backend(smoke):
