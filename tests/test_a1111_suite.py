@@ -232,3 +232,10 @@ def test_hires_at_denoising_strength_zero_is_the_upscale_alone(base):
     first = _image(_post(f"{base}/txt2img", _on(model))["images"][0]).convert("RGB")
     hires = _post(f"{base}/txt2img", _on(model, enable_hr=True, hr_upscaler="Lanczos", denoising_strength=0))
     assert _pixels(hires["images"][0]) == first.resize((128, 128), Image.Resampling.LANCZOS).tobytes()
+
+
+def test_the_page_says_offload_changes_nothing_without_a_gpu(base):
+    """The Offload choice on a machine without a GPU carries the note that no mode changes anything."""
+    config = requests.get(base.removesuffix("/sdapi/v1") + "/config", timeout=60).json()
+    infos = [c["props"].get("info") for c in config["components"] if c["props"].get("label") == "Offload"]
+    assert infos == ["no GPU here: no mode changes anything (offload saves GPU memory)"]
