@@ -195,7 +195,8 @@ def test_euler_a_on_a_flow_model_is_the_seeded_stochastic_flow_euler(base):
 
 
 def test_a_sampler_a_family_lacks_runs_its_nearest_and_says_so(base):
-    """DDIM on FLUX.1 runs flow Euler (the same picture as asking for Euler) and the answer's comments say so."""
+    """DDIM on FLUX.1 runs flow Euler (the same picture as asking for Euler) and the answer's comments say so; so
+    does a hires pass's sampler."""
     model = CHECKPOINTS["flux-dev"]
     ddim = _post(f"{base}/txt2img", _on(model, sampler_name="DDIM"))
     euler = _post(f"{base}/txt2img", _on(model, sampler_name="Euler"))
@@ -203,6 +204,9 @@ def test_a_sampler_a_family_lacks_runs_its_nearest_and_says_so(base):
     assert info["sampler_name"] == "Euler" and "sampler DDIM: FLUX.1-dev has no such sampler; ran Euler" in \
         info["comments"]
     assert _pixels(ddim["images"][0]) == _pixels(euler["images"][0])
+    hires = _post(f"{base}/txt2img", _on(model, enable_hr=True, hr_sampler_name="UniPC", denoising_strength=0.5))
+    assert "hires pass: sampler UniPC: FLUX.1-dev has no such sampler; ran Euler" in json.loads(hires["info"])[
+        "comments"]
 
 
 def test_plms_is_pndm_and_differs_from_ddim(base):

@@ -118,11 +118,14 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
     if req.refiner_switch_at is not None:
         values["refiner_switch_at"] = req.refiner_switch_at
     values["sampler"], stand_in = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
+    hires_stand_in = sampler_for(req.hr_sampler_name, req.hr_scheduler, arch)[1] \
+        if req.enable_hr and req.hr_sampler_name else None
     values["clip_skip"] = (req.override_settings or {}).get(CLIP_SKIP, clip_skip)
     values["step_cache"] = (req.override_settings or {}).get(STEP_CACHE, 0)
     values["tiling"] = bool(req.tiling)
     params, notes = params_from_form(values, arch)
-    return params, (*([stand_in] if stand_in else []), *notes)
+    stand_ins = [stand_in, hires_stand_in and f"hires pass: {hires_stand_in}"]
+    return params, (*(note for note in stand_ins if note), *notes)
 
 
 def hires(req: Txt2ImgRequest, arch: str | None) -> HiresParams | None:
