@@ -243,3 +243,24 @@ def test_the_page_says_offload_changes_nothing_without_a_gpu(base):
     config = requests.get(base.removesuffix("/sdapi/v1") + "/config", timeout=60).json()
     infos = [c["props"].get("info") for c in config["components"] if c["props"].get("label") == "Offload"]
     assert infos == ["no GPU here: no mode changes anything (offload saves GPU memory)"]
+
+
+def test_sd_upscale_puts_every_tile_back_where_it_was_cut():
+    """The script's tiling and blending alone: with a denoise that returns its tile unchanged, the result is the
+    upscaled picture pixel for pixel (every tile back at its place, overlaps weighted to exactly 1)."""
+    from app.a1111 import sd_upscale
+    from app.engine.generate import GeneratedImage, GenerateParams
+
+    picture = _picture().resize((100, 76))
+    big = picture.resize((200, 152), Image.Resampling.LANCZOS)
+    tiles = []
+
+    def same(params, tile):
+        tiles.append(tile.size)
+        return GeneratedImage(tile, 7, f"a, Steps: 3, Size: {params.width}x{params.height}")
+
+    args = sd_upscale.parse_args(["", 8, "Lanczos", 2.0], ["None", "Lanczos"])
+    out = sd_upscale.upscale_tiled(picture, GenerateParams("a", steps=3, width=64, height=64, sampler="Euler"), args,
+                                   lambda image, extras: image.resize((200, 152), Image.Resampling.LANCZOS), same)
+    assert out.image.tobytes() == big.tobytes() and len(tiles) == 4 * 3 and set(tiles) == {(64, 64)}
+    assert "Size: 200x152" in out.infotext and "SD upscale overlap: 8" in out.infotext
