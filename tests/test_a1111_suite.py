@@ -264,3 +264,29 @@ def test_sd_upscale_puts_every_tile_back_where_it_was_cut():
                                    lambda image, extras: image.resize((200, 152), Image.Resampling.LANCZOS), same)
     assert out.image.tobytes() == big.tobytes() and len(tiles) == 4 * 3 and set(tiles) == {(64, 64)}
     assert "Size: 200x152" in out.infotext and "SD upscale overlap: 8" in out.infotext
+
+
+def test_sd_upscale_draws_a_random_seed_once_and_counts_results_on_from_it():
+    """Seed -1: every tile of a result shares one seed drawn once (as A1111's script), and `n_iter` 2 gives two
+    results, the second at seed + 1."""
+    from types import SimpleNamespace
+
+    from app.a1111 import img2img, sd_upscale
+    from app.accounts import LOCAL_ACCOUNT
+    from app.engine.generate import GeneratedImage, GenerateParams
+
+    seeds = []
+
+    def record(params, tile):
+        seeds.append(params.seed)
+        return GeneratedImage(tile, params.seed, f"a, Size: {params.width}x{params.height}")
+
+    def extras(images, params, owner):
+        return [SimpleNamespace(image=images[0].resize((128, 128)))]
+
+    state = SimpleNamespace(engine=SimpleNamespace(extras=extras))
+    params = GenerateParams("a", steps=3, width=64, height=64, sampler="Euler", seed=-1, n_iter=2)
+    args = sd_upscale.SdUpscaleArgs(overlap=8, upscaler="Lanczos", scale=2.0)
+    out = img2img._sd_upscaled(state, LOCAL_ACCOUNT, [_picture()], params, args, record)
+    assert len(out) == 2 and len(seeds) == 18 and seeds[0] != -1
+    assert set(seeds[:9]) == {seeds[0]} and set(seeds[9:]) == {seeds[0] + 1}

@@ -14,6 +14,8 @@ model that takes none refuses it by name.
 
 from __future__ import annotations
 
+import dataclasses
+
 from app import heap
 from app.a1111 import sd_upscale, txt2img
 from app.a1111.errors import ApiError
@@ -22,7 +24,7 @@ from app.a1111.schema import Img2ImgRequest
 from app.a1111.state import ApiState, owner_of
 from app.accounts import LOCAL_ACCOUNT, Account
 from app.engine.desired import Desired
-from app.engine.generate import GeneratedImage, GenerateParams
+from app.engine.generate import MAX_SEED, GeneratedImage, GenerateParams, resolve_seed
 
 ONLY_MASKED = ("inpaint_full_res (only masked) is not supported: the whole picture was repainted at its size")
 
@@ -78,9 +80,13 @@ def script_args(state: ApiState, req: Img2ImgRequest) -> sd_upscale.SdUpscaleArg
 
 def _sd_upscaled(state: ApiState, account: Account, images: list, params: GenerateParams,
                  args: sd_upscale.SdUpscaleArgs, denoise) -> list[GeneratedImage]:
-    """Each init image through the script (`sd_upscale.upscale_tiled`), the Extras job upscaling it first."""
+    """Each init image through the script (`sd_upscale.upscale_tiled`), the Extras job upscaling it first; as
+    A1111's script, `n_iter` makes that many results, result n with seed + n for all its tiles (a random seed is
+    drawn once, not per tile)."""
     def upscale(image, extras_params):
         return state.engine.extras([image], extras_params, owner=owner_of(account))[0].image
 
-    done = [sd_upscale.upscale_tiled(image, params, args, upscale, denoise) for image in images]
+    seed = resolve_seed(params.seed)
+    done = [sd_upscale.upscale_tiled(image, dataclasses.replace(params, seed=(seed + n) % (MAX_SEED + 1)), args,
+                                     upscale, denoise) for n in range(params.n_iter) for image in images]
     return [image for image in done if image is not None]
