@@ -7,7 +7,8 @@ the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fiel
 `subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles` names saved
 styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
 `refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at`
-(default 0.8); `override_settings` `steady_step_cache` (ours) is the step cache's threshold for the request
+(default 0.8); `alwayson_scripts.controlnet` units (`app.a1111.controlnet`; any other always-on script is refused)
+go on the parameters as `controlnet_units`; `override_settings` `steady_step_cache` (ours) is the step cache's threshold for the request
 (`app/engine/step_cache.py`, 0 or absent: off). Features this app does not have (face restoration, tiling,
 hires to a fixed size, scripts, infotext-filled requests) are refused with a 422 that names them instead of silently
 producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored.
@@ -28,7 +29,7 @@ from typing import Any
 
 from PIL import Image, PngImagePlugin
 
-from app.a1111 import checkpoints
+from app.a1111 import checkpoints, controlnet
 from app.a1111.errors import ApiError
 from app.a1111.options import CLIP_SKIP, OVERRIDABLE, STEP_CACHE, unsupported_overrides
 from app.a1111.schema import Txt2ImgRequest
@@ -55,7 +56,7 @@ UNSUPPORTED = (("restore_faces", "face restoration"), ("tiling", "tiling"),
                ("hr_resize_x", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_resize_y", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_checkpoint_name", "another checkpoint for the hires pass"),
-               ("script_name", "scripts"), ("alwayson_scripts", "always-on scripts (extensions)"),
+               ("script_name", "scripts"),
                ("firstpass_image", "a first-pass image"),
                ("infotext", "filling the request from infotext (send the fields instead)"))
 
@@ -93,6 +94,7 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
     out-of-range values. `styles` (names in the account's `book`) are applied to the prompts as A1111
     applies them; `clip_skip` is the account's option, which `override_settings` may override."""
     asked = list(dict.fromkeys(what for field, what in UNSUPPORTED if getattr(req, field)))
+    asked += [f"the always-on script {name!r}" for name in controlnet.unsupported_scripts(req.alwayson_scripts)]
     if asked:
         raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
     fields = {"prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "steps", "cfg": "cfg_scale",
@@ -157,6 +159,7 @@ def run(state: ApiState, req: Txt2ImgRequest, account: Account = LOCAL_ACCOUNT,
     parameters and the state they carry (default: txt2img, with hires fix when asked; img2img passes its
     own); `notes` go to the answer's comments."""
     wanted = asked_checkpoint(state, req)
+    units = controlnet.request_units(req.alwayson_scripts, state.ctx.settings)
     notes = [*notes, *unsupported_overrides(state.ctx.settings, req.override_settings or {})]
     produce = produce or (lambda params, desired: state.engine.generate(
         params, owner=owner_of(account), hires=hires(req, checkpoints.arch_of(state, desired.model)),
@@ -168,6 +171,8 @@ def run(state: ApiState, req: Txt2ImgRequest, account: Account = LOCAL_ACCOUNT,
         if req.refiner_checkpoint not in (None, "", "None", "none"):  # A1111's spellings of "no refiner"
             params = dataclasses.replace(params, refiner_checkpoint=checkpoints.resolve(
                 state.ctx.settings, state.engine.snapshot(), req.refiner_checkpoint))
+        if units:  # cn-engine's GenerateParams field: the engine runs them
+            params = dataclasses.replace(params, controlnet_units=units)
         notes.extend(rounding)
         images = produce(params, desired_for(state, model, account))
         ran = parse_infotext(images[0].infotext).settings if images else {}

@@ -37,6 +37,7 @@ class ControlUnit:
     processor_res: int = 512
     threshold_a: float = -1.0  # -1: the preprocessor's own default
     threshold_b: float = -1.0
+    mask: Image.Image | None = None  # the inpaint mask sent with `image` (white: repaint), for `inpaint_only`
 
     def __post_init__(self) -> None:
         if not self.model or self.model == NO_MODEL:
