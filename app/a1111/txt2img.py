@@ -1,19 +1,17 @@
 """`POST /sdapi/v1/txt2img`: an A1111 request -> the UI's `GenerateParams` -> the engine -> A1111's answer.
 
-The numbers go through `params_from_form`, the rule set the UI uses, so the API has the UI's
-limits (steps 1–150, sizes 64–2048 rounded down to the family's multiple, the prompt and
-pixel-step caps) and its messages. `<lora:…>` tags in the prompt apply to this request only, as
-the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fields); `subseed`,
-`subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles` names saved
-styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
-`refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at`
-(default 0.8); `alwayson_scripts.controlnet` units (`app.a1111.controlnet`; any other always-on script is refused)
-go on the parameters as `controlnet_units`; `override_settings` `steady_step_cache` (ours) is the step cache's threshold for the request
-(`app/engine/step_cache.py`, 0 or absent: off). Features this app does not have (face restoration, tiling,
-hires to a fixed size, scripts, infotext-filled requests) are refused with a 422 that names them instead of silently
-producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored.
-Images always go to the outputs folder too, as the engine saves every image it makes.
-"""
+The numbers go through `params_from_form`, the rule set the UI uses, so the API has the UI's limits (steps 1–150,
+sizes 64–2048 rounded down to the family's multiple, the prompt and pixel-step caps) and its messages. `<lora:…>`
+tags in the prompt apply to this request only, as the engine does for the UI; `enable_hr` runs the engine's hires
+fix (`hr_*` fields); `subseed`, `subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles`
+names saved styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
+`refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at` (default 0.8);
+`alwayson_scripts.controlnet` units (`app.a1111.controlnet`; any other always-on script is refused) go on the
+parameters as `controlnet_units`; `override_settings` `steady_step_cache` (ours) is the step cache's threshold for
+the request (`app/engine/step_cache.py`, 0 or absent: off). Features this app does not have (face restoration,
+tiling, hires to a fixed size, scripts, infotext-filled requests) are refused with a 422 that names them instead of
+silently producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored. Images
+always go to the outputs folder too, as the engine saves every image it makes."""
 
 from __future__ import annotations
 
