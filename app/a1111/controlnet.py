@@ -31,6 +31,7 @@ from app.a1111.errors import A1111Route, ApiError
 from app.a1111.pnginfo import decode_images
 from app.a1111.schema import Name
 from app.a1111.state import ApiState
+from app.controlnet.listing import bare_name, model_names
 from app.controlnet.preprocessors import check_module, detect_map, module_list
 from app.controlnet.units import CONTROL_MODES, MAX_UNITS, NO_MODEL, RESIZE_MODES, ControlUnit
 from app.settings import Settings
@@ -49,24 +50,12 @@ UNIT_KEYS = {"image", "mask", "module", "model", "weight", "guidance_start", "gu
              "resize_mode", "pixel_perfect", "processor_res", "threshold_a", "threshold_b", "enabled"}
 
 
-def model_names(settings: Settings) -> list[str]:
-    """The ControlNets in `models/ControlNet/`: `.safetensors` files by stem, diffusers folders by name."""
-    folder = settings.controlnet_dir
-    if not folder.is_dir():
-        return []
-    found = {p.stem for p in folder.glob("*.safetensors") if p.is_file()}
-    found |= {p.name for p in folder.iterdir() if p.is_dir() and (p / "config.json").is_file()}
-    return sorted(found, key=str.lower)
-
-
 def _model(asked: Any, settings: Settings, where: str) -> str:
     """The listed model a unit names (bare, or titled `name [hash]` as the extension's list titles it)."""
     if not isinstance(asked, str) or asked.strip() in ("", NO_MODEL, "none"):
         raise ApiError(422, f"{where}: model is missing; choose one of GET /controlnet/model_list")
-    name = asked.strip()
-    if name.endswith("]") and " [" in name:
-        name = name.rpartition(" [")[0]
-    have = model_names(settings)
+    name = bare_name(asked)
+    have = model_names(settings.controlnet_dir)
     if name not in have:
         raise ApiError(422, f"{where}: ControlNet model {asked!r} not found in models/ControlNet/; available: "
                             f"{', '.join(have) or 'none'}")
@@ -225,7 +214,7 @@ def controlnet_router(state: ApiState) -> APIRouter:
 
     @router.get("/model_list")
     def model_list(update: bool = True) -> dict:
-        return {"model_list": model_names(settings)}
+        return {"model_list": model_names(settings.controlnet_dir)}
 
     @router.get("/module_list")
     def modules(alias_names: bool = False) -> dict:

@@ -33,6 +33,7 @@ from app.a1111.options import CLIP_SKIP, OVERRIDABLE, STEP_CACHE, unsupported_ov
 from app.a1111.schema import Txt2ImgRequest
 from app.a1111.state import ApiState, owner_of
 from app.accounts import LOCAL_ACCOUNT, Account
+from app.controlnet.units import with_units
 from app.engine.desired import Desired
 from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
 from app.engine.stage_params import SAME, HiresParams
@@ -169,8 +170,7 @@ def run(state: ApiState, req: Txt2ImgRequest, account: Account = LOCAL_ACCOUNT,
         if req.refiner_checkpoint not in (None, "", "None", "none"):  # A1111's spellings of "no refiner"
             params = dataclasses.replace(params, refiner_checkpoint=checkpoints.resolve(
                 state.ctx.settings, state.engine.snapshot(), req.refiner_checkpoint))
-        if units:  # cn-engine's GenerateParams field: the engine runs them
-            params = dataclasses.replace(params, controlnet_units=units)
+        params = with_units(params, units)
         notes.extend(rounding)
         images = produce(params, desired_for(state, model, account))
         ran = parse_infotext(images[0].infotext).settings if images else {}
