@@ -66,8 +66,10 @@ class ControlNetPanel:
 def _module_choices(settings: Settings) -> tuple[list[str], str]:
     """The modules that run here, and a line naming those that need a model file first."""
     rows = module_list(settings.controlnet_preprocessor_dir)
-    missing = [f"{row.name} ({row.reason})" for row in rows if not row.available]
-    return [row.name for row in rows if row.available], ("unavailable: " + "; ".join(missing)) if missing else ""
+    missing = [row.name for row in rows if not row.available]
+    line = (f"needing a model file first: {', '.join(missing)} (put <name>.onnx in models/ControlNetPreprocessor; "
+            "never a .pth)") if missing else ""
+    return [row.name for row in rows if row.available], line
 
 
 def _unit_fields(ctx: UiContext, prefix: str, index: int) -> UnitFields:
@@ -75,7 +77,8 @@ def _unit_fields(ctx: UiContext, prefix: str, index: int) -> UnitFields:
     eid = f"{prefix}-cn{index}"
     with gr.Row():
         image = gr.Image(type="pil", label="Control image", elem_id=f"{eid}-image", height=220)
-        detected = gr.Image(type="pil", label="Detected map", elem_id=f"{eid}-map", height=220, interactive=False)
+        detected = gr.Image(type="pil", label="Detected map", elem_id=f"{eid}-map", height=220, interactive=False,
+                            format="png")  # lossless: the map as the model will see it
     with gr.Row(equal_height=True):
         enabled = gr.Checkbox(False, label="Enable", elem_id=f"{eid}-enable")
         pixel_perfect = gr.Checkbox(False, label="Pixel perfect", elem_id=f"{eid}-pixel-perfect")
