@@ -46,14 +46,15 @@ def _add_controlnets(data) -> None:
 def app(tmp_path_factory, demo_dir):
     data = make_ui_data(tmp_path_factory.mktemp("a1111-controlnet"), demo_dir)
     _add_controlnets(data)
-    settings = Settings(data_dir=data, device="cpu", port=free_port(), max_upload_mib=2)
-    with running_app(settings) as (server, engine):
+    settings = Settings(data_dir=data, device="cpu", port=free_port())
+    with running_app(settings) as (server, _engine):
         yield server.local_url.rstrip("/"), settings
 
 
 @pytest.fixture(scope="module")
 def api(app):
-    return webuiapi.WebUIApi(baseurl=f"{app[0]}/sdapi/v1", sampler="Euler", steps=2)
+    """The client as scripts make it (its ControlNet calls strip `/sdapi/v1` from this base)."""
+    return webuiapi.WebUIApi(baseurl=app[0] + "/sdapi/v1", steps=1)
 
 
 def _png(b64: str) -> np.ndarray:
