@@ -19,6 +19,7 @@ from served_app import free_port, make_ui_data, running_app
 
 from app.a1111.controlnet import request_units
 from app.a1111.errors import ApiError
+from app.controlnet.listing import model_names
 from app.controlnet.preprocessors import detect_map
 from app.engine.generate import GenerateParams
 from app.settings import Settings
@@ -34,9 +35,13 @@ def _picture() -> Image.Image:
     return image
 
 
-def _add_controlnets(data) -> None:
+def _add_controlnets(data, demo_dir) -> None:
+    """Two stand-ins (listed, never loaded), a pickle, and the demo's tiny ControlNets where the demo writes them."""
     folder = data / "models" / "ControlNet"
     (folder / FOLDER_MODEL).mkdir(parents=True)
+    demo = demo_dir / "models" / "ControlNet"
+    for path in demo.iterdir() if demo.is_dir() else ():
+        (folder / path.name).symlink_to(path)
     (folder / FOLDER_MODEL / "config.json").write_text("{}")
     (folder / f"{MODEL}.safetensors").write_bytes(b"\0" * 8)
     (folder / "old.pth").write_bytes(b"\0" * 8)  # a pickle: never listed
@@ -45,7 +50,7 @@ def _add_controlnets(data) -> None:
 @pytest.fixture(scope="module")
 def app(tmp_path_factory, demo_dir):
     data = make_ui_data(tmp_path_factory.mktemp("a1111-controlnet"), demo_dir)
-    _add_controlnets(data)
+    _add_controlnets(data, demo_dir)
     settings = Settings(data_dir=data, device="cpu", port=free_port())
     with running_app(settings) as (server, _engine):
         yield server.local_url.rstrip("/"), settings
@@ -67,7 +72,8 @@ def test_version_model_list_and_module_list_answer_as_the_extension(api, app):
     extension's sliders (canny: resolution 512 in 64…2048, low 100 and high 200 in 1…255) plus ours, `available`
     and `reason` (depth_anything unavailable, naming its file); `alias_names=true` gives the extension's aliases."""
     assert api.controlnet_version() == 2
-    assert api.controlnet_model_list() == [MODEL, FOLDER_MODEL]
+    listed = api.controlnet_model_list()
+    assert MODEL in listed and FOLDER_MODEL in listed and "old" not in listed
     answer = requests.get(f"{app[0]}/controlnet/module_list", timeout=30).json()
     assert {"none", "canny", "invert", "threshold", "scribble_xdog", "tile_resample", "blur_gaussian",
             "inpaint_only", "lineart_standard"} <= set(answer["module_list"])
@@ -198,10 +204,14 @@ def test_txt2img_refuses_bad_units_more_than_three_and_other_scripts_before_gene
 @pytest.mark.skipif("controlnet_units" not in {f.name for f in dataclasses.fields(GenerateParams)},
                     reason="GenerateParams.controlnet_units is cn-engine's field (issue 38); runs once merged")
 def test_txt2img_and_img2img_carry_webuiapi_units_to_the_engine(api, app, monkeypatch):
-    """With cn-engine's field: `api.txt2img(controlnet_units=[...])` and `api.img2img(...)` reach the engine with
-    the parsed units on `GenerateParams.controlnet_units` (what the engine then runs is cn-engine's to test)."""
+    """With cn-engine's field and demo ControlNet: `api.txt2img(controlnet_units=[...])` and `api.img2img(...)`
+    hand the engine the parsed units on `GenerateParams.controlnet_units` and answer an image each (what the
+    units do to the picture is cn-engine's to test)."""
     from app.engine.worker import Engine
 
+    demo = [name for name in model_names(app[1].controlnet_dir) if name not in (MODEL, FOLDER_MODEL)]
+    if not demo:
+        pytest.skip("no demo ControlNet in models/ControlNet (cn-engine writes one)")
     seen = []
     for name in ("generate", "img2img"):
         original = getattr(Engine, name)
@@ -211,10 +221,8 @@ def test_txt2img_and_img2img_carry_webuiapi_units_to_the_engine(api, app, monkey
             return _original(self, params, *args, **kwargs)
 
         monkeypatch.setattr(Engine, name, spy)
-    unit = webuiapi.ControlNetUnit(image=_picture(), module="canny", model=MODEL, weight=0.5)
-    try:
-        api.txt2img(prompt="p", steps=1, width=64, height=64, controlnet_units=[unit])
-        api.img2img(images=[_picture()], prompt="p", steps=1, width=64, height=64, controlnet_units=[unit])
-    except RuntimeError:
-        pass  # the stand-in model file cannot load; the units reached the engine first
-    assert [len(units) for units in seen] and all(u[0].module == "canny" and u[0].weight == 0.5 for u in seen)
+    unit = webuiapi.ControlNetUnit(image=_picture(), module="canny", model=demo[0], weight=0.5)
+    made = [api.txt2img(prompt="p", steps=1, width=64, height=64, controlnet_units=[unit]),
+            api.img2img(images=[_picture()], prompt="p", steps=1, width=64, height=64, controlnet_units=[unit])]
+    assert all(len(result.images) == 1 for result in made)
+    assert len(seen) == 2 and all(len(u) == 1 and u[0].module == "canny" and u[0].weight == 0.5 for u in seen)
