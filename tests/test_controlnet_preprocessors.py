@@ -131,7 +131,8 @@ def test_inpaint_only_blanks_the_masked_pixels_and_gives_the_engine_minus_one_th
 
 def test_bad_module_resolution_or_threshold_is_one_clear_error():
     """An unknown module names the choices; the extension's alias names work; a resolution or threshold out of
-    the extension's range is refused naming the slider and its range."""
+    the extension's range is refused naming the slider and its range; a map over 4096² pixels (a thin picture
+    at a high resolution) is refused before any memory is taken for it."""
     with pytest.raises(ValueError, match="unknown ControlNet preprocessor 'sobel'.*canny"):
         detect_map("sobel", _square(), 512, -1, -1)
     assert find("invert (from white bg & black line)").name == "invert" and find("Canny").name == "canny"
@@ -139,6 +140,8 @@ def test_bad_module_resolution_or_threshold_is_one_clear_error():
         detect_map("canny", _square(), 4096, -1, -1)
     with pytest.raises(ValueError, match="Canny High Threshold must be in 1…255, got 300"):
         detect_map("canny", _square(), 512, 100, 300)
+    with pytest.raises(ValueError, match="a 2048x8 picture at preprocessor resolution 2048 makes a 524288x2048 map"):
+        detect_map("canny", Image.new("RGB", (2048, 8)), 2048, -1, -1)  # 1 G pixels, refused before resizing
 
 
 # ------------------------------------------------------------------------------ model-based modules

@@ -29,6 +29,7 @@ from app.controlnet import preprocessor_models
 
 RESOLUTION_LABEL = "Preprocessor Resolution"  # the extension's label for processor_res
 RESOLUTION_RANGE = (64, 2048, 512)  # low, high, default
+MAX_MAP_PIXELS = 4096 * 4096  # one map, as one input picture (`app.image_inputs.MAX_INPUT_PIXELS`)
 
 
 @dataclass(frozen=True)
@@ -186,12 +187,16 @@ def check_module(module: str, models_dir: Path) -> Preprocessor:
 
 
 def fit_short_side(image: np.ndarray, resolution: int) -> np.ndarray:
-    """`image` scaled so its short side is `resolution` (area filter down, cubic up; unchanged when equal)."""
+    """`image` scaled so its short side is `resolution` (area filter down, cubic up; unchanged when equal). A
+    map over `MAX_MAP_PIXELS` is refused: a 4096×64 picture at resolution 2048 would be 131072×2048 (800 MB)."""
     height, width = image.shape[:2]
     scale = resolution / min(height, width)
     if scale == 1:
         return image
     size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    if size[0] * size[1] > MAX_MAP_PIXELS:
+        raise ValueError(f"a {width}x{height} picture at {RESOLUTION_LABEL.lower()} {resolution} makes a "
+                         f"{size[0]}x{size[1]} map, over {MAX_MAP_PIXELS:,} pixels: lower the resolution")
     return cv2.resize(image, size, interpolation=cv2.INTER_CUBIC if scale > 1 else cv2.INTER_AREA)
 
 
