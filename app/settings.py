@@ -184,6 +184,16 @@ class Settings:
         return self.data_dir / "models" / "VAE"
 
     @property
+    def controlnet_dir(self) -> Path:
+        """ControlNet models (diffusers folders and single files), A1111's folder."""
+        return self.data_dir / "models" / "ControlNet"
+
+    @property
+    def controlnet_preprocessor_dir(self) -> Path:
+        """Model files of the model-based ControlNet preprocessors (`<module>.onnx`, `preprocessor_models`)."""
+        return self.data_dir / "models" / "ControlNetPreprocessor"
+
+    @property
     def part_choices_file(self) -> Path:
         """Which text-encoder/VAE file each checkpoint uses, remembered per checkpoint."""
         return self.data_dir / "part-choices.json"

@@ -28,7 +28,6 @@ from test_team_engines import SD15, private_data
 
 from app.a1111 import api_body_bytes
 from app.settings import Settings
-from app.ui.guard import MAX_BODY_BYTES
 from app.ui.login_throttle import FREE_ATTEMPTS
 
 ray = pytest.importorskip("ray")
@@ -164,12 +163,12 @@ def test_wrong_passwords_are_throttled_whatever_address_a_request_forwards(clust
 
 
 def test_bodies_over_the_apps_caps_are_refused_before_they_are_read(cluster, data):
-    """Finding 10: the gateway keeps the app's body caps (`MAX_BODY_BYTES` for txt2img, `api_body_bytes` for
+    """Finding 10: the gateway keeps the app's body caps (`api_body_bytes` for txt2img's ControlNet pictures and
     img2img's images): a logged-in request announcing one byte more is refused 413, naming the cap, without
     any of its body sent; a chunked body, whose size nothing announces, is refused 411."""
     login = {"Authorization": _basic(*LOGIN), "Content-Type": "application/json"}
-    for path, cap in (("/sdapi/v1/txt2img", MAX_BODY_BYTES),
-                      ("/sdapi/v1/img2img", api_body_bytes(Settings(data_dir=data)))):
+    for path in ("/sdapi/v1/txt2img", "/sdapi/v1/img2img"):
+        cap = api_body_bytes(Settings(data_dir=data))
         status, text = _answer_to_headers(cluster, path, {**login, "Content-Length": str(cap + 1)})
         assert status == 413 and f"over {cap:,} bytes" in text, (path, status, text)
     status, text = _answer_to_headers(cluster, "/sdapi/v1/txt2img", {**login, "Transfer-Encoding": "chunked"})

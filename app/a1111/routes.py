@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.a1111 import checkpoints, extras, img2img, listings, options, pnginfo, progress, sd_upscale, txt2img
+from app.a1111 import (checkpoints, controlnet, extras, img2img, listings, options, pnginfo, progress, sd_upscale,
+                       txt2img)
 from app.a1111.errors import A1111Route
 from app.a1111.schema import (
     EmbeddingsResponse,
@@ -54,6 +55,7 @@ def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState, account: Account) ->
     if isinstance(req, Img2ImgRequest):
         img2img.script_args(state, req)
     txt2img.hires(req, arch)
+    controlnet.request_units(req.alwayson_scripts, state.ctx.settings)  # a unit the app cannot run: 422 now
     if req.enable_hr:  # a model upscaler must be in a folder now
         state.engine.check_upscaler(req.hr_upscaler or "Latent", hires=True)
 

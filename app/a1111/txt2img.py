@@ -1,18 +1,17 @@
 """`POST /sdapi/v1/txt2img`: an A1111 request -> the UI's `GenerateParams` -> the engine -> A1111's answer.
 
-The numbers go through `params_from_form`, the rule set the UI uses, so the API has the UI's
-limits (steps 1–150, sizes 64–2048 rounded down to the family's multiple, the prompt and
-pixel-step caps) and its messages. `<lora:…>` tags in the prompt apply to this request only, as
-the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fields); `subseed`,
-`subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles` names saved
-styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
-`refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at`
-(default 0.8); `override_settings` `steady_step_cache` (ours) is the step cache's threshold for the request
-(`app/engine/step_cache.py`, 0 or absent: off). Features this app does not have (face restoration, tiling,
-hires to a fixed size, scripts, infotext-filled requests) are refused with a 422 that names them instead of silently
-producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored.
-Images always go to the outputs folder too, as the engine saves every image it makes.
-"""
+The numbers go through `params_from_form`, the rule set the UI uses, so the API has the UI's limits (steps 1–150,
+sizes 64–2048 rounded down to the family's multiple, the prompt and pixel-step caps) and its messages. `<lora:…>`
+tags in the prompt apply to this request only, as the engine does for the UI; `enable_hr` runs the engine's hires
+fix (`hr_*` fields); `subseed`, `subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles`
+names saved styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
+`refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at` (default 0.8);
+`alwayson_scripts.controlnet` units (`app.a1111.controlnet`; any other always-on script is refused) go on the
+parameters as `controlnet_units`; `override_settings` `steady_step_cache` (ours) is the step cache's threshold for
+the request (`app/engine/step_cache.py`, 0 or absent: off). Features this app does not have (face restoration,
+tiling, hires to a fixed size, scripts, infotext-filled requests) are refused with a 422 that names them instead of
+silently producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored. Images
+always go to the outputs folder too, as the engine saves every image it makes."""
 
 from __future__ import annotations
 
@@ -28,12 +27,13 @@ from typing import Any
 
 from PIL import Image, PngImagePlugin
 
-from app.a1111 import checkpoints
+from app.a1111 import checkpoints, controlnet
 from app.a1111.errors import ApiError
 from app.a1111.options import CLIP_SKIP, OVERRIDABLE, STEP_CACHE, unsupported_overrides
 from app.a1111.schema import Txt2ImgRequest
 from app.a1111.state import ApiState, owner_of
 from app.accounts import LOCAL_ACCOUNT, Account
+from app.controlnet.units import with_units
 from app.engine.desired import Desired
 from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
 from app.engine.stage_params import SAME, HiresParams
@@ -58,7 +58,6 @@ UNSUPPORTED = (("restore_faces", "face restoration (no GFPGAN or CodeFormer mode
                ("hr_resize_x", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_resize_y", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_checkpoint_name", "another checkpoint for the hires pass"),
-               ("alwayson_scripts", "always-on scripts (extensions)"),
                ("firstpass_image", "a first-pass image"),
                ("infotext", "filling the request from infotext (send the fields instead)"))
 
@@ -101,6 +100,7 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
     out-of-range values. `styles` (names in the account's `book`) are applied to the prompts as A1111
     applies them; `clip_skip` is the account's option, which `override_settings` may override."""
     asked = list(dict.fromkeys(what for field, what in UNSUPPORTED if getattr(req, field)))
+    asked += [f"the always-on script {name!r}" for name in controlnet.unsupported_scripts(req.alwayson_scripts)]
     if asked:
         raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
     if req.script_name and type(req) is Txt2ImgRequest:
@@ -173,6 +173,7 @@ def run(state: ApiState, req: Txt2ImgRequest, account: Account = LOCAL_ACCOUNT,
     parameters and the state they carry (default: txt2img, with hires fix when asked; img2img passes its
     own); `notes` go to the answer's comments."""
     wanted = asked_checkpoint(state, req)
+    units = controlnet.request_units(req.alwayson_scripts, state.ctx.settings)
     notes = [*notes, *unsupported_overrides(state.ctx.settings, req.override_settings or {})]
     produce = produce or (lambda params, desired: state.engine.generate(
         params, owner=owner_of(account), hires=hires(req, checkpoints.arch_of(state, desired.model)),
@@ -184,6 +185,7 @@ def run(state: ApiState, req: Txt2ImgRequest, account: Account = LOCAL_ACCOUNT,
         if req.refiner_checkpoint not in (None, "", "None", "none"):  # A1111's spellings of "no refiner"
             params = dataclasses.replace(params, refiner_checkpoint=checkpoints.resolve(
                 state.ctx.settings, state.engine.snapshot(), req.refiner_checkpoint))
+        params = with_units(params, units)
         notes.extend(rounding)
         images = produce(params, desired_for(state, model, account))
         ran = parse_infotext(images[0].infotext).settings if images else {}

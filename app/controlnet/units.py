@@ -9,6 +9,7 @@ pixel perfect, processor resolution, thresholds), because clients send them by t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from PIL import Image
@@ -37,6 +38,7 @@ class ControlUnit:
     processor_res: int = 512
     threshold_a: float = -1.0  # -1: the preprocessor's own default
     threshold_b: float = -1.0
+    mask: Image.Image | None = None  # the inpaint mask sent with `image` (white: repaint), for `inpaint_only`
 
     def __post_init__(self) -> None:
         if not self.model or self.model == NO_MODEL:
@@ -59,3 +61,9 @@ def check_units(units: tuple[ControlUnit, ...]) -> tuple[ControlUnit, ...]:
     if len(units) > MAX_UNITS:
         raise ValueError(f"at most {MAX_UNITS} ControlNet units run at once, got {len(units)}")
     return units
+
+
+def with_units(params, units: tuple[ControlUnit, ...]):
+    """`params` (a `GenerateParams`) carrying `units` on its `controlnet_units` field, the one hand-off from
+    the UI and the API to the engine; `params` itself when there are none."""
+    return dataclasses.replace(params, controlnet_units=check_units(units)) if units else params

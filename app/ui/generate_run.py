@@ -32,6 +32,7 @@ from typing import Any
 import gradio as gr
 from PIL import Image
 
+from app.controlnet.units import with_units
 from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import Snapshot
@@ -48,6 +49,7 @@ from app.ui.common import (
     report_progress,
     user_errors,
 )
+from app.ui.controlnet_panel import units_from_form
 from app.ui.hires_fields import hires_from_form
 from app.ui.lora_panel import LoraSlots, panel_unchanged, panel_view, selected_specs, sync_selection
 
@@ -200,7 +202,7 @@ def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
 
 
 def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hires_values: tuple, infos: list,
-              state: tuple):
+              state: tuple, controlnet: tuple = ()):
     """Check the settings, hand the engine the LoRA selection if it differs from its wanted list, then
     generate (with the hires fix when ticked) with this tab's whole state (`state`: the values of
     `GenerateTab.state_inputs`), streaming previews; the size fields then show the size used, with the
@@ -208,6 +210,7 @@ def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hi
     slot_names = state[1]
     with user_errors("Generation", ctx.settings.data_dir):
         params, notes = generate_params(ctx, *settings, book=ctx.styles_for(ctx.account(request)))
+        params = with_units(params, units_from_form(ctx.settings, controlnet, needs_image=True))
         hires = hires_from_form(*hires_values)
         desired = desired_from_panel(ctx, state)
         sync_selection(ctx, desired.loras, progress)
@@ -262,19 +265,20 @@ def wire_stop(ctx: UiContext, stops: StopControls) -> None:
     stops.skip.click(ui_skip, None, None, **stop)
 
 
-def wire_generate(ctx: UiContext, go: gr.Button, stops: StopControls, fields: tuple[list, list, list],
+def wire_generate(ctx: UiContext, go: gr.Button, stops: StopControls, fields: tuple[list, list, list, list],
                   slots: LoraSlots, results: list) -> None:
     """Generate (in the generation lane) and its Interrupt and Skip. `fields`: the settings, the hires
-    fix's fields and the tab's state (`GenerateTab.state_inputs`); `results`: gallery, infotext, the
-    images' infos, the chosen seed, width, height and the settings note."""
-    settings, hires, state = fields
-    split = (len(settings), len(settings) + len(hires))
+    fix's fields, the tab's state (`GenerateTab.state_inputs`) and the ControlNet units' fields; `results`:
+    gallery, infotext, the images' infos, the chosen seed, width, height and the settings note."""
+    settings, hires, state, controlnet = fields
+    split = (len(settings), len(settings) + len(hires), len(settings) + len(hires) + 1 + len(state))
 
     def ui_generate(request: gr.Request, progress=PROGRESS, *args):
-        infos, *values = args[split[1]:]
-        yield from _generate(ctx, request, progress, args[:split[0]], args[split[0]:split[1]], infos, tuple(values))
+        infos, *values = args[split[1]:split[2]]
+        yield from _generate(ctx, request, progress, args[:split[0]], args[split[0]:split[1]], infos, tuple(values),
+                             args[split[2]:])
 
-    go.click(ui_generate, [*settings, *hires, results[2], *state],
+    go.click(ui_generate, [*settings, *hires, results[2], *state, *controlnet],
              [*results, go, *stops.buttons, *slots.view], api_visibility="private", **generation_lane(),
              show_progress_on=[results[0]])
     wire_stop(ctx, stops)

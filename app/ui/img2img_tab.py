@@ -10,6 +10,7 @@ cards, with the engine-wide dtype, offload and weight storage) plus any `<lora:â
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import gradio as gr
@@ -19,6 +20,7 @@ from app.engine.snapshot import Snapshot
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, STAGE_LIMITS
 from app.families import family
 from app.ui.common import UiContext, gallery_items, user_errors
+from app.ui.controlnet_panel import ControlNetPanel, build_controlnet_panel, units_from_form
 from app.ui.generate_run import (
     Generation,
     StopControls,
@@ -101,6 +103,7 @@ class Img2ImgTab:
     panels: gr.Tabs
     stops: StopControls
     shown: gr.State
+    controlnet: ControlNetPanel
 
     @property
     def family_components(self) -> list:
@@ -133,7 +136,12 @@ def family_fields(ctx: UiContext, shown: ModelShown | None) -> list:
     return [*(fill.get(name, gr.update()) for name in FAMILY_FIELDS), now]
 
 
-def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> tuple[gr.Image, gr.Number]:
+def _controlnet_units(ctx: UiContext, values: Sequence) -> tuple:
+    """The ControlNet accordion's units (a unit without a picture takes the init image, as in the extension)."""
+    return units_from_form(ctx.settings, values, needs_image=False)
+
+
+def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list, cn: list) -> tuple[gr.Image, gr.Number]:
     image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300)
     with gr.Row():
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode", elem_id="sd-i2i-resize")
@@ -142,15 +150,17 @@ def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> tup
 
     def img2img(request: gr.Request, last, *values):
         init, strength_v, resize_v = values[9:12]
+        units = values[12:12 + len(cn)]
         yield from _stream(ctx, request, "img2img", RUN_IMG2IMG, lambda desired: img2img_job(
-            ctx, list(values[:9]), init, strength_v, resize_v, desired=desired), last, values[12:])
+            ctx, list(values[:9]), init, strength_v, resize_v, desired=desired,
+            controlnet_units=_controlnet_units(ctx, units)), last, values[12 + len(cn):])
 
-    go.click(img2img, [out.last, *base, image, strength, resize, *page], out.run_outputs(go),
+    go.click(img2img, [out.last, *base, image, strength, resize, *cn, *page], out.run_outputs(go),
              api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
     return image, strength
 
 
-def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> None:
+def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list, cn: list) -> None:
     editor = gr.ImageEditor(type="pil", label="Image and mask (paint the area to repaint)", elem_id="sd-inpaint-editor",
                             brush=gr.Brush(colors=["#ffffff"], color_mode="fixed", default_size=12),
                             height=360, layers=False, transforms=(), format="png")  # lossless: the pixels outside
@@ -166,19 +176,20 @@ def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> Non
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode")
     go = gr.Button(RUN_INPAINT, variant="primary", elem_id="sd-inpaint-run")
 
-    def prepare(desired, base_values, edited, upload, strength_v, resize_v, blur_v, fill_v, invert_v):
+    def prepare(desired, base_values, units, edited, upload, strength_v, resize_v, blur_v, fill_v, invert_v):
         image, painted = editor_mask(edited)
         mask = upload if upload is not None else painted
         if image is not None and mask is None:
             raise ValueError("paint the area to repaint, or upload a mask")
         return img2img_job(ctx, base_values, image, strength_v, resize_v, mask, blur_v, fill_v, invert_v,
-                           desired=desired)
+                           desired=desired, controlnet_units=_controlnet_units(ctx, units))
 
     def inpaint(request: gr.Request, last, *values):
+        units, rest = values[16:16 + len(cn)], values[16 + len(cn):]
         yield from _stream(ctx, request, "inpaint", RUN_INPAINT,
-                           lambda desired: prepare(desired, list(values[:9]), *values[9:16]), last, values[16:])
+                           lambda desired: prepare(desired, list(values[:9]), units, *values[9:16]), last, rest)
 
-    go.click(inpaint, [out.last, *base, editor, uploaded, strength, resize, blur, fill, invert, *page],
+    go.click(inpaint, [out.last, *base, editor, uploaded, strength, resize, blur, fill, invert, *cn, *page],
              out.run_outputs(go), api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
 
 
@@ -227,11 +238,12 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
         with gr.Column(scale=3):
             base = _settings()
             note = gr.Markdown(elem_id="sd-i2i-note")  # what "send to img2img" filled in, or could not
+            controlnet = build_controlnet_panel(ctx, "sd-i2i")
             with gr.Tabs() as panels:
                 with gr.Tab("img2img", id="i2i-img2img"):
-                    image, strength = _img2img_panel(ctx, base, out, page)
+                    image, strength = _img2img_panel(ctx, base, out, page, controlnet.inputs)
                 with gr.Tab("Inpaint", id="i2i-inpaint"):
-                    _inpaint_panel(ctx, base, out, page)
+                    _inpaint_panel(ctx, base, out, page, controlnet.inputs)
                 # shown for a model that takes reference images, checked at page load and on every panel choice
                 with gr.Tab("Reference images", id="i2i-reference",
                             visible=reference_panel_state(ctx)[0]) as references:
@@ -240,4 +252,4 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
     gr.on([panels.select], lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     gr.on(None, lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     wire_stop(ctx, stops)
-    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None))
+    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None), controlnet)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
+from app.controlnet.units import with_units
 from app.engine.desired import Desired
 from app.engine.generate import SCHEDULERS, GenerateParams, params_from_form
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, stage_values
@@ -48,16 +49,17 @@ def _answer(images, notes) -> tuple:
 
 
 def img2img_job(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
-                inpainting_fill="original", invert=False, desired: Desired | None = None
+                inpainting_fill="original", invert=False, desired: Desired | None = None, controlnet_units=()
                 ) -> tuple[GenerateParams, Callable, tuple]:
     """img2img (no mask) or inpaint, checked: (request, `call(owner)` running it on the engine with the
-    state `desired` (None: as the engine holds it), rounding notes). Every refusal is a ValueError
-    before anything is queued."""
+    state `desired` (None: as the engine holds it) and the ControlNet units, rounding notes). Every refusal is
+    a ValueError before anything is queued."""
     if init_image is None:
         raise ValueError("upload an init image first")
     values = {**dict(zip(BASE_FIELDS, base, strict=True)), "denoising_strength": denoising_strength,
               "mask_blur": mask_blur}
     params, stage, notes = checked(ctx, values, ("denoising_strength", "mask_blur"))
+    params = with_units(params, controlnet_units)
 
     def call(owner: str | None) -> list:
         return ctx.engine.img2img(params, [init_image], denoising_strength=stage["denoising_strength"],
