@@ -43,7 +43,7 @@ def _box_mask(size: tuple[int, int], box=BOX) -> Image.Image:
 
 
 def _unit(**changes) -> DetailPass:
-    settings = {"label": "box", "find": lambda image: [_box_mask(image.size)], "denoising_strength": 0.5,
+    settings = {"label": "box", "find": lambda image: ([_box_mask(image.size)], ""), "denoising_strength": 0.5,
                 "width": 64, "height": 64, **changes}
     return DetailPass(**settings)
 
@@ -151,7 +151,7 @@ def test_no_region_found_returns_the_image_unchanged_with_a_note(strict, picture
     """A detector that finds nothing: the picture comes back bit for bit, and the image carries a note
     naming the unit; no encode or detail stage runs."""
     start = len(strict.snapshot().history)
-    out = strict.img2img(PARAMS, [picture], details=DetailParams((_unit(label="face", find=lambda image: []),),
+    out = strict.img2img(PARAMS, [picture], details=DetailParams((_unit(label="face", find=lambda image: ([], "")),),
                                                                  skip_img2img=True))[0]
     assert np.array_equal(_pixels(out.image), _pixels(picture))
     assert out.notes == ("detailer unit 1 (face): no region found; the image is unchanged",)
@@ -161,7 +161,7 @@ def test_no_region_found_returns_the_image_unchanged_with_a_note(strict, picture
 def test_a_mask_covering_everything_is_one_clear_message(strict, picture):
     """A region mask over the whole picture would be img2img, not a detail pass: the picture comes back as
     it was with one note saying so and what to change; a second, ordinary unit still runs."""
-    everything = _unit(find=lambda image: [Image.new("L", image.size, 255)])
+    everything = _unit(find=lambda image: ([Image.new("L", image.size, 255)], ""))
     out = strict.img2img(PARAMS, [picture], details=DetailParams((everything, _unit()), skip_img2img=True))[0]
     assert len(out.notes) == 1 and "covers the whole image" in out.notes[0] and "dilation" in out.notes[0]
     assert not np.array_equal(_pixels(out.image), _pixels(picture))  # the second unit ran

@@ -44,12 +44,13 @@ _PAINTED = 128
 
 @dataclass(frozen=True)
 class DetailPass:
-    """One detailer unit as the engine runs it. `find(image)` -> the region masks (L, the image's size,
-    white = redraw), in the order they are redrawn; `label` names the unit in notes and stage details.
-    Zero or None settings take the main generation's (A1111's `ad_use_*` switches off)."""
+    """One detailer unit as the engine runs it. `find(image)` -> (the region masks (L, the image's size,
+    white = redraw) in the order they are redrawn, what to say when there are none: "nothing detected",
+    "every region filtered out" …); `label` names the unit in notes and stage details. Zero or None
+    settings take the main generation's (ADetailer's `ad_use_*` switches off)."""
 
     label: str
-    find: Callable[[Image.Image], Sequence[Image.Image]]
+    find: Callable[[Image.Image], tuple[Sequence[Image.Image], str]]
     prompt: str = ""
     negative_prompt: str = ""
     denoising_strength: float = 0.4
@@ -61,12 +62,14 @@ class DetailPass:
     steps: int = 0
     cfg: float | None = None
     sampler: str = ""
+    clip_skip: int = 0
 
     def pass_params(self, main: GenerateParams, prompt: str, negative: str, size: tuple[int, int]) -> GenerateParams:
         """The request of one region's pass: one image at the crop's size, this unit's settings."""
         return dataclasses.replace(main, prompt=prompt, negative_prompt=negative, width=size[0], height=size[1],
                                    batch=1, n_iter=1, steps=self.steps or main.steps,
                                    cfg=main.cfg if self.cfg is None else self.cfg, sampler=self.sampler or main.sampler,
+                                   clip_skip=self.clip_skip or main.clip_skip,
                                    subseed_strength=0.0, seed_resize_from_w=0, seed_resize_from_h=0,
                                    refiner_checkpoint="", step_cache=0.0)
 
@@ -190,11 +193,11 @@ class Detailing:
     def _detail_unit(self, image: Image.Image, unit: DetailPass, number: int, params: GenerateParams, seed: int,
                      phase: str, job, passes, notes: list, masks: list) -> Image.Image:
         """One unit on one picture: its detect stage, then each region's encode and detail stages."""
-        found = list(self._stage("detail detect", f"unit {number}: {unit.label}, {image.width}x{image.height}",
-                                 lambda: unit.find(image)))
+        found, why = self._stage("detail detect", f"unit {number}: {unit.label}, {image.width}x{image.height}",
+                                 lambda: unit.find(image))
         masks.extend(found)
         if not found:
-            notes.append(f"detailer unit {number} ({unit.label}): no region found; the image is unchanged")
+            notes.append(f"detailer unit {number} ({unit.label}): {why or 'no region found'}; the image is unchanged")
             return image
         prompts = region_prompts(unit.prompt, params.prompt, len(found))
         negatives = region_prompts(unit.negative_prompt, params.negative_prompt, len(found))

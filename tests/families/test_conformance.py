@@ -419,7 +419,7 @@ def test_the_detail_pass_runs_in_every_offload_mode_where_the_family_inpaints(mo
     picture, box = Image.new("RGB", (64, 64), (40, 120, 200)), (24, 24, 40, 40)
     mask = Image.new("L", (64, 64), 0)
     mask.paste(255, box)
-    unit = DetailPass("box", lambda image: [mask], width=64, height=64, denoising_strength=0.5, mask_blur=2)
+    unit = DetailPass("box", lambda image: ([mask], ""), width=64, height=64, denoising_strength=0.5, mask_blur=2)
     details = DetailParams((unit,), skip_img2img=True)
     if "inpaint" not in family(arch).stage_pipelines:
         with pytest.raises(ValueError, match=f"{family(arch).label} models cannot"):
