@@ -10,6 +10,9 @@ default) is not built, so it is ignored and the answer's comments say so.
 `reference_images: true` (ours: a model whose family takes reference images) reads `init_images` as the
 reference pictures the model edits from or combines (`Engine.edit`), generating at the request's size; a
 model that takes none refuses it by name.
+
+`alwayson_scripts.ADetailer` details the result; with ADetailer's "skip img2img" the init images are
+detailed as they are, with no img2img pass (`Engine.detail`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def _run(state: ApiState, req: Img2ImgRequest, account: Account) -> dict:
         return state.engine.img2img(
             params, images, denoising_strength=txt2img.field_value(req, "denoising_strength"),
             resize_mode=req.resize_mode or 0, mask=mask, mask_blur=blur, inpainting_fill=req.inpainting_fill or 0,
-            inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=owner_of(account), desired=desired)
+            inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=owner_of(account), desired=desired,
+            details=txt2img.details(state, req))
 
     notes = (ONLY_MASKED,) if mask is not None and req.inpaint_full_res else ()
     return txt2img.run(state, req, account, produce, notes)

@@ -6,11 +6,13 @@ pixel-step caps) and its messages. `<lora:…>` tags in the prompt apply to this
 the engine does for the UI; `enable_hr` runs the engine's hires fix (`hr_*` fields); `subseed`,
 `subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles` names saved
 styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
+`alwayson_scripts.ADetailer` runs the detail passes after the image (`details`);
 `refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at`
 (default 0.8); `override_settings` `steady_step_cache` (ours) is the step cache's threshold for the request
 (`app/engine/step_cache.py`, 0 or absent: off). Features this app does not have (face restoration, tiling,
-hires to a fixed size, scripts, infotext-filled requests) are refused with a 422 that names them instead of silently
-producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored.
+hires to a fixed size, scripts, always-on scripts other than ADetailer, infotext-filled requests) are
+refused with a 422 that names them instead of silently producing a different picture; sampler tuning
+(`eta`, `s_churn` …) and saving switches are ignored.
 Images always go to the outputs folder too, as the engine saves every image it makes.
 """
 
@@ -34,7 +36,10 @@ from app.a1111.options import CLIP_SKIP, OVERRIDABLE, STEP_CACHE, unsupported_ov
 from app.a1111.schema import Txt2ImgRequest
 from app.a1111.state import ApiState, owner_of
 from app.accounts import LOCAL_ACCOUNT, Account
+from app.detailer import passes, units
+from app.detailer.detect import DetectorLibrary
 from app.engine.desired import Desired
+from app.engine.detailing import DetailParams
 from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
 from app.engine.stage_params import SAME, HiresParams
 from app.families import family
@@ -55,9 +60,22 @@ UNSUPPORTED = (("restore_faces", "face restoration"), ("tiling", "tiling"),
                ("hr_resize_x", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_resize_y", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_checkpoint_name", "another checkpoint for the hires pass"),
-               ("script_name", "scripts"), ("alwayson_scripts", "always-on scripts (extensions)"),
+               ("script_name", "scripts"),
                ("firstpass_image", "a first-pass image"),
                ("infotext", "filling the request from infotext (send the fields instead)"))
+
+
+# The always-on scripts (A1111's extension titles, matched without case) this app runs; others are refused.
+ALWAYSON = ("adetailer",)
+
+
+def details(state: ApiState, req: Txt2ImgRequest) -> DetailParams | None:
+    """ADetailer's `alwayson_scripts.ADetailer.args` as the engine's detail passes (None: not asked or not
+    enabled); a bad unit or detector is refused (422) with the `ad_*` key or the file named."""
+    asked = units.from_alwayson(req.alwayson_scripts)
+    if asked is None or not asked.enabled:
+        return None
+    return passes.detail_params(asked.units, DetectorLibrary(state.ctx.settings.adetailer_dir), asked.skip_img2img)
 
 
 def sampler_for(name: str | None, schedule: str | None, arch: str | None) -> str:
@@ -93,6 +111,9 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
     out-of-range values. `styles` (names in the account's `book`) are applied to the prompts as A1111
     applies them; `clip_skip` is the account's option, which `override_settings` may override."""
     asked = list(dict.fromkeys(what for field, what in UNSUPPORTED if getattr(req, field)))
+    others = [name for name in req.alwayson_scripts or {} if name.lower() not in ALWAYSON]
+    if others:
+        asked.append(f"always-on scripts (extensions) other than ADetailer: {', '.join(others)}")
     if asked:
         raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
     fields = {"prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "steps", "cfg": "cfg_scale",
@@ -160,7 +181,7 @@ def run(state: ApiState, req: Txt2ImgRequest, account: Account = LOCAL_ACCOUNT,
     notes = [*notes, *unsupported_overrides(state.ctx.settings, req.override_settings or {})]
     produce = produce or (lambda params, desired: state.engine.generate(
         params, owner=owner_of(account), hires=hires(req, checkpoints.arch_of(state, desired.model)),
-        desired=desired))
+        desired=desired, details=details(state, req)))
 
     def generate(model: str) -> Outcome:
         params, rounding = plan(req, checkpoints.arch_of(state, model), state.ctx.styles_for(account),
@@ -220,7 +241,7 @@ def _stop_notes(images: list[GeneratedImage]) -> list[str]:
 def info_json(state: ApiState, outcome: Outcome, notes: list[str]) -> str:
     """A1111's `info`: the JSON of its `Processed` object, with the keys clients read."""
     params, images = outcome.params, outcome.images
-    notes = [*notes, *_stop_notes(images)]
+    notes = [*notes, *_stop_notes(images), *(note for im in images for note in im.notes)]
     seeds = [im.seed for im in images]
     subseeds = [-1 if im.subseed is None else im.subseed for im in images]
     count = len(images)

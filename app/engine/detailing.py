@@ -197,7 +197,7 @@ class Detailing:
                                  lambda: unit.find(image))
         masks.extend(found)
         if not found:
-            notes.append(f"detailer unit {number} ({unit.label}): {why or 'no region found'}; the image is unchanged")
+            notes.append(f"detailer unit {number} ({unit.label}): {why or 'no region found; the image is unchanged'}")
             return image
         prompts = region_prompts(unit.prompt, params.prompt, len(found))
         negatives = region_prompts(unit.negative_prompt, params.negative_prompt, len(found))

@@ -19,6 +19,7 @@ from app.engine.snapshot import Snapshot
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, STAGE_LIMITS
 from app.families import family
 from app.ui.common import UiContext, gallery_items, user_errors
+from app.ui.detailer_panel import DetailerPanel, build_detailer_panel, details_from_form, mask_previews, notes_of
 from app.ui.generate_run import (
     Generation,
     StopControls,
@@ -51,10 +52,12 @@ class _Outputs:
         return [self.gallery, self.infotext, self.last, go, *self.stops.buttons]
 
 
-def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepare, last: list, page: tuple):
+def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepare, last: list, page: tuple,
+            show_masks: bool = False):
     """Run the checked job `prepare(desired)` returns (params, call(owner), notes) as this page's, with
     the page's state (`page`: the values of the Generate tab's `state_inputs`), streaming previews into
-    the gallery and the step on the run button, as Generate does."""
+    the gallery and the step on the run button, as Generate does; the Detailer's notes are toasts and its
+    mask previews (`show_masks`) follow the images."""
     with user_errors(action, ctx.settings.data_dir):
         params, call, _notes = prepare(desired_from_panel(ctx, page))
     job = Generation(ctx.engine, call, owner_of(request))
@@ -63,7 +66,10 @@ def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepar
         return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label, snap is not None and job.runs_in(snap))]
 
     images = yield from stream_job(job, (params.width, params.height), action, frame, last)
-    yield [result_gallery(images, params.steps), images[0].infotext if images else "", gallery_items(images),
+    for note in notes_of(images):
+        gr.Info(note)
+    masks = mask_previews(images) if show_masks else None
+    yield [result_gallery(images, params.steps, masks), images[0].infotext if images else "", gallery_items(images),
            *run_buttons(None, label)]
 
 
@@ -101,6 +107,7 @@ class Img2ImgTab:
     panels: gr.Tabs
     stops: StopControls
     shown: gr.State
+    detailer: DetailerPanel
 
     @property
     def family_components(self) -> list:
@@ -138,16 +145,21 @@ def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> tup
     with gr.Row():
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode", elem_id="sd-i2i-resize")
         strength = _number("denoising_strength", "Denoising strength", 0.75, 0.05)
+    detailer = build_detailer_panel(ctx, "sd-i2i-ad", skip_option=True)
     go = gr.Button(RUN_IMG2IMG, variant="primary", elem_id="sd-i2i-run")
+    split = 12 + len(detailer.inputs)
 
     def img2img(request: gr.Request, last, *values):
         init, strength_v, resize_v = values[9:12]
-        yield from _stream(ctx, request, "img2img", RUN_IMG2IMG, lambda desired: img2img_job(
-            ctx, list(values[:9]), init, strength_v, resize_v, desired=desired), last, values[12:])
 
-    go.click(img2img, [out.last, *base, image, strength, resize, *page], out.run_outputs(go),
+        def prepare(desired):
+            details = details_from_form(ctx, *values[12:split])
+            return img2img_job(ctx, list(values[:9]), init, strength_v, resize_v, desired=desired, details=details)
+        yield from _stream(ctx, request, "img2img", RUN_IMG2IMG, prepare, last, values[split:], values[14])
+
+    go.click(img2img, [out.last, *base, image, strength, resize, *detailer.inputs, *page], out.run_outputs(go),
              api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
-    return image, strength
+    return image, strength, detailer
 
 
 def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> None:
@@ -229,7 +241,7 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
             note = gr.Markdown(elem_id="sd-i2i-note")  # what "send to img2img" filled in, or could not
             with gr.Tabs() as panels:
                 with gr.Tab("img2img", id="i2i-img2img"):
-                    image, strength = _img2img_panel(ctx, base, out, page)
+                    image, strength, detailer = _img2img_panel(ctx, base, out, page)
                 with gr.Tab("Inpaint", id="i2i-inpaint"):
                     _inpaint_panel(ctx, base, out, page)
                 # shown for a model that takes reference images, checked at page load and on every panel choice
@@ -240,4 +252,4 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
     gr.on([panels.select], lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     gr.on(None, lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     wire_stop(ctx, stops)
-    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None))
+    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None), detailer)

@@ -25,6 +25,7 @@ from app.engine.generate import SCHEDULERS
 from app.image_inputs import open_checked
 from app.infotext import Infotext, parse_infotext
 from app.ui.common import MAX_LORAS, NO_REFINER, PROGRESS, UiContext, run_with_progress, user_errors
+from app.ui.detailer_panel import fields_from_infotext as detailer_fields
 from app.ui.generate_tab import GenerateTab, loaded_text
 from app.ui.img2img_tab import Img2ImgTab, family_fill
 from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
@@ -118,7 +119,8 @@ def _refiner_field(ctx: UiContext, settings: dict[str, str], notes: list[str]) -
 def plan_send(ctx: UiContext, info: Infotext) -> SendPlan:
     notes: list[str] = []
     fields = {"prompt": info.prompt, "negative": info.negative_prompt, **fields_from_infotext(info.settings, notes),
-              "refiner_checkpoint": _refiner_field(ctx, info.settings, notes)}
+              "refiner_checkpoint": _refiner_field(ctx, info.settings, notes),
+              **detailer_fields(info.settings, notes)}
     checkpoint, note = find_checkpoint(ctx, info.settings.get("Model hash", ""), info.settings.get("Model", ""))
     notes.append(note)
     known = set(ctx.engine.library.names())
@@ -162,10 +164,12 @@ def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Sender
     return Senders(generate, (
         SendTarget("generate", "Generate", {**dict(zip(_FIELDS, generate.settings, strict=False)),
                                             "clip_skip": generate.clip_skip, **generate.variation,
-                                            **generate.refiner, "step_cache": generate.step_cache},
+                                            **generate.refiner, "step_cache": generate.step_cache,
+                                            **generate.detailer.send_fields},
                    generate.note, ((tabs, "generate"),)),
         SendTarget("img2img", "img2img", {**dict(zip(_FIELDS, img2img.settings, strict=False)),
-                                          "denoising_strength": img2img.strength}, img2img.note,
+                                          "denoising_strength": img2img.strength, **img2img.detailer.send_fields},
+                   img2img.note,
                    ((tabs, "img2img"), (img2img.panels, "i2i-img2img")), img2img.image, img2img.shown)))
 
 
