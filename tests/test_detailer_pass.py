@@ -24,6 +24,9 @@ import torch
 from PIL import Image, ImageFilter
 from weight_digest import weights_digest
 
+from app.detailer import passes
+from app.detailer.detect import BUILTIN_FACE, DetectorLibrary
+from app.detailer.units import DetailUnit
 from app.engine.detailing import DetailParams, DetailPass, crop_box, region_prompts, target_size
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
@@ -225,3 +228,24 @@ def test_crop_and_target_sizes():
     assert crop_box(_box_mask((128, 128)), 64) == (0, 0, 128, 128)
     assert target_size((0, 0, 100, 50), 512, 8) == (720, 360)
     assert torch.tensor(target_size((0, 0, 50, 50), 256, 8)).tolist() == [256, 256]
+
+
+def test_a_real_photograph_face_is_found_and_redrawn_and_nothing_else_moves(strict, tmp_path):
+    """The acceptance on a real photograph (scikit-image's `astronaut`, a NASA portrait): the built-in face
+    detector finds the face through ADetailer's unit (detector → mask rules → pass), skip img2img redraws
+    it, and every pixel outside the dilated, blurred mask is the input's bit for bit; the image carries the
+    mask it redrew and ADetailer's infotext keys."""
+    skdata = pytest.importorskip("skimage.data")
+    photo = Image.fromarray(skdata.astronaut()).resize((256, 256), Image.Resampling.LANCZOS)
+    unit = DetailUnit(BUILTIN_FACE, prompt="a smiling face", denoising_strength=0.6, use_inpaint_width_height=True,
+                      inpaint_width=64, inpaint_height=64)
+    details = passes.detail_params([unit], DetectorLibrary(tmp_path), skip_img2img=True)
+    out = strict.img2img(PARAMS, [photo], details=details)[0]
+    assert len(out.masks) == 1 and out.notes == ()
+    x0, y0, x1, y1 = out.masks[0].getbbox()
+    assert x0 < 110 < x1 and y0 < 55 < y1  # the face (measured on the photograph: about 88…137 × 33…82)
+    outside = np.asarray(out.masks[0].filter(ImageFilter.GaussianBlur(unit.mask_blur))) == 0
+    before, after = _pixels(photo), _pixels(out.image)
+    assert outside.mean() > 0.8 and np.array_equal(before[outside], after[outside])
+    assert np.abs(before[~outside] - after[~outside]).mean() > 4.0
+    assert "ADetailer model: face_opencv_haar" in out.infotext and "ADetailer prompt: a smiling face" in out.infotext
