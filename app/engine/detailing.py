@@ -149,7 +149,7 @@ class Detailing:
             raise ValueError("the detailer needs at least one picture to detail")
         self.check_detail(detail, desired)
         pictures = [im.convert("RGB") for im in images]
-        params = dataclasses.replace(params, batch=len(pictures), n_iter=1)
+        params = dataclasses.replace(params, batch=len(pictures), n_iter=1, **_size_of(pictures[0]))
 
         def run(first, phase, job, passes, run_params):
             return self._detail_images(list(pictures), detail, run_params, first, phase, job, passes)
@@ -280,6 +280,13 @@ def _paste(region: _Region, drawn: Image.Image) -> Image.Image:
     pasted = region.image.copy()
     pasted.paste(crop.resize((x2 - x1, y2 - y1), Image.Resampling.LANCZOS), (x1, y1))
     return Image.composite(pasted, region.image, region.mask)
+
+
+def _size_of(picture: Image.Image) -> dict[str, int]:
+    """The request's width and height as the picture's (what its infotext's `Size` must say), where they are
+    sizes a request may have; otherwise none (the request's stay)."""
+    fits = all(side % 8 == 0 and LIMITS["width"].low <= side <= LIMITS["width"].high for side in picture.size)
+    return {"width": picture.width, "height": picture.height} if fits else {}
 
 
 def _size(params: GenerateParams) -> str:
