@@ -24,6 +24,7 @@ import torch
 from PIL import Image, ImageFilter
 from weight_digest import weights_digest
 
+from app.adapters.specs import LoraSpec
 from app.detailer import passes
 from app.detailer.detect import BUILTIN_FACE, DetectorLibrary
 from app.detailer.units import DetailUnit
@@ -95,20 +96,29 @@ def test_skip_img2img_redraws_the_region_and_keeps_every_other_pixel_bit_for_bit
 
 
 def test_a_lora_in_the_detail_prompt_changes_the_region_only_and_the_model_comes_back_bit_for_bit(strict, picture):
-    """`<lora:…>` in a unit's prompt applies to that pass only: the region differs from the same pass
-    without it, nothing outside the mask moves, and afterwards the weights are bit for bit as before and a
-    plain generation draws the image it drew before the job."""
+    """`<lora:…>` in a unit's prompt applies to that pass only, exactly as if it were selected: the region
+    equals, bit for bit, the same pass with the LoRA selected and the tag left out, and differs from the pass
+    without it; nothing outside the mask moves; afterwards the weights are bit for bit as before and a plain
+    generation draws the image it drew before the job."""
     digest = weights_digest(strict.pipeline)
     plain = _pixels(strict.generate(PARAMS)[0].image)
     without = strict.img2img(PARAMS, [picture], details=DetailParams((_unit(prompt="a face"),), skip_img2img=True))
     tagged = DetailParams((_unit(prompt="a face <lora:demo-detail-sd15:1>"),), skip_img2img=True)
     with_lora = strict.img2img(PARAMS, [picture], details=tagged)
+    assert weights_digest(strict.pipeline) == digest and strict.snapshot().loras == ()
+    assert np.array_equal(_pixels(strict.generate(PARAMS)[0].image), plain)
+    strict.set_loras([LoraSpec("demo-detail-sd15", 1.0)])
+    try:
+        selected = strict.img2img(PARAMS, [picture], details=DetailParams((_unit(prompt="a face"),),
+                                                                          skip_img2img=True))
+    finally:
+        strict.set_loras([])
     outside = np.asarray(_box_mask(picture.size).filter(ImageFilter.GaussianBlur(4))) == 0
     a, b = _pixels(without[0].image), _pixels(with_lora[0].image)
     assert np.array_equal(a[outside], b[outside]) and np.array_equal(b[outside], _pixels(picture)[outside])
     assert np.abs(a[~outside] - b[~outside]).mean() > 2.0
-    assert weights_digest(strict.pipeline) == digest and strict.snapshot().loras == ()
-    assert np.array_equal(_pixels(strict.generate(PARAMS)[0].image), plain)
+    assert np.array_equal(b, _pixels(selected[0].image))
+    assert weights_digest(strict.pipeline) == digest
 
 
 def _count_denoiser_calls(engine: Engine, run) -> int:
