@@ -58,6 +58,8 @@ def test_build_masks_in_adetailers_order_and_outcomes():
     unit = DetailUnit("face_opencv_haar", mask_k=1, dilate_erode=0, x_offset=0, mask_min_ratio=0.05)
     result = masks.build_masks([SMALL, LARGE], SIZE, unit)
     assert result.outcome == masks.OK and [_on(m) for m in result.masks] == [2400]
+    ratio_first = masks.build_masks([SMALL, LARGE], SIZE, DetailUnit("face_opencv_haar", mask_k=1, mask_max_ratio=0.1))
+    assert [_on(m) for m in ratio_first.masks] == [759]  # the ratio drops LARGE before top-1 picks; then dilate 4
     nothing = masks.build_masks([], SIZE, unit)
     assert nothing.outcome == masks.NOTHING_DETECTED and "found nothing" in nothing.note
     filtered = masks.build_masks([SMALL], SIZE, DetailUnit("face_opencv_haar", mask_min_ratio=0.5))

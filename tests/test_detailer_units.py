@@ -41,6 +41,8 @@ def test_args_switch_and_skip_img2img():
     assert parse_args([True, True, unit]) == DetailRequest(True, True, (DetailUnit("face_opencv_haar"),))
     assert parse_args([unit]).enabled is True  # no leading bool: on
     assert parse_args([True, {"ad_model": "None"}]).enabled is False
+    same = {"ad_use_checkpoint": True, "ad_checkpoint": "Use same checkpoint", "ad_use_vae": False, "ad_vae": "x"}
+    assert parse_args([{**unit, **same}]).units == (DetailUnit("face_opencv_haar"),)  # asks for nothing different
     assert from_alwayson({"adetailer": {"args": [True, unit]}}).units == (DetailUnit("face_opencv_haar"),)
     assert from_alwayson({"controlnet": {"args": []}}) is None
     with pytest.raises(ValueError, match="at most 2 ADetailer units"):
@@ -57,6 +59,7 @@ def test_args_switch_and_skip_img2img():
     ({"ad_restore_face": True}, "ad_restore_face: face restoration"),
     ({"ad_use_checkpoint": True, "ad_checkpoint": "x"}, "ad_use_checkpoint: a separate checkpoint"),
     ({"ad_controlnet_model": "control_v11p_sd15_inpaint"}, "ad_controlnet_model"),
+    ({"ad_use_vae": True, "ad_vae": "vae-ft-mse.safetensors"}, "ad_use_vae: a separate VAE"),
 ])
 def test_bad_unit_is_refused_naming_the_key(bad, named):
     """Each bad setting is one ValueError that names the ad_* key and the unit."""

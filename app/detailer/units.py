@@ -28,19 +28,21 @@ SAME_SCHEDULER = "Use same scheduler"
 # Keys of the second, third… unit carry ADetailer's ordinal suffix: "ADetailer model 2nd".
 _ORDINALS = {1: "st", 2: "nd", 3: "rd"}
 
-# ad_* keys a client may send that this app cannot run: (key, the values that mean "off", why).
+# ad_* settings this app cannot run: (the switch, the value it turns on, why). A switch left off, or on with
+# the value saying "the same" (ADetailer's "Use same checkpoint"), asks for nothing and passes.
 _REFUSED = (
-    ("ad_use_checkpoint", (False,), "a separate checkpoint for the detail pass is not supported; "
+    ("ad_use_checkpoint", "ad_checkpoint", "a separate checkpoint for the detail pass is not supported; "
      "switch the checkpoint for the whole generation instead"),
-    ("ad_use_vae", (False,), "a separate VAE for the detail pass is not supported"),
-    ("ad_restore_face", (False,), "face restoration (CodeFormer/GFPGAN) is not part of this app"),
-    ("ad_controlnet_model", ("None", None, ""), "a ControlNet inside the detail pass is not supported"),
+    ("ad_use_vae", "ad_vae", "a separate VAE for the detail pass is not supported"),
+    ("ad_restore_face", None, "face restoration (CodeFormer/GFPGAN) is not part of this app"),
+    (None, "ad_controlnet_model", "a ControlNet inside the detail pass is not supported"),
 )
-# Keys read and ignored: the UI's own bookkeeping and settings only the refused features use.
-_IGNORED = frozenset({"is_api", "ad_model_classes", "ad_checkpoint", "ad_vae", "ad_controlnet_module",
-                      "ad_controlnet_weight", "ad_controlnet_guidance_start", "ad_controlnet_guidance_end"})
+_SAME = (None, "", "None", "Use same checkpoint", "Use same VAE")
+# Keys read and ignored: the UI's own bookkeeping, YOLO-World's class list, the refused features' details.
+_IGNORED = frozenset({"is_api", "ad_tab_enable", "ad_model_classes", "ad_controlnet_module", "ad_controlnet_weight",
+                      "ad_controlnet_guidance_start", "ad_controlnet_guidance_end"})
 _RENAMED = {"ad_mask_k_largest": "ad_mask_k"}
-_SKIPPED = _IGNORED | {key for key, _, _ in _REFUSED} | {"ad_tab_enable"}  # checked above, or not ours
+_SKIPPED = _IGNORED | {key for row in _REFUSED for key in row[:2] if key}  # checked first, or not ours
 
 
 class _Range(NamedTuple):
@@ -153,9 +155,9 @@ def from_a1111(args: dict[str, Any]) -> DetailUnit | None:
         raise ValueError(f"an ADetailer unit must be a dict of ad_* settings, got {type(args).__name__}")
     if args.get("ad_model", NO_MODEL) in (NO_MODEL, None) or args.get("ad_tab_enable", True) is False:
         return None
-    for key, off, why in _REFUSED:
-        if args.get(key, off[0]) not in off:
-            raise ValueError(f"{key}: {why}")
+    for switch, value, why in _REFUSED:
+        if (switch is None or args.get(switch) is True) and (value is None or args.get(value) not in _SAME):
+            raise ValueError(f"{switch or value}: {why}")
     values: dict[str, Any] = {}
     for key, value in args.items():
         key = _RENAMED.get(key, key)
