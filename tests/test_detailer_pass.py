@@ -30,6 +30,7 @@ from app.detailer.detect import BUILTIN_FACE, DetectorLibrary
 from app.detailer.units import DetailUnit
 from app.engine.detailing import DetailParams, DetailPass, crop_box, region_prompts, target_size
 from app.engine.generate import GenerateParams
+from app.engine.stage_params import HiresParams
 from app.engine.worker import Engine
 from app.families import FAMILIES
 from app.report import build_bug_report
@@ -147,17 +148,21 @@ def test_a_detail_pass_makes_the_denoiser_calls_of_an_inpaint_of_the_crop_size(s
     assert detailed == inpainted == int(PARAMS.steps * 0.5)
 
 
-def test_txt2img_and_img2img_run_the_detail_pass_after_their_own(strict, picture):
-    """txt2img (its first pass a stage of its own) and img2img, each followed by the detail stages: the
-    detailed txt2img image equals its plain image outside the blurred mask and differs inside."""
+def test_txt2img_hires_and_img2img_run_the_detail_pass_after_their_own(strict, picture):
+    """txt2img (its first pass a stage of its own), txt2img with the hires fix and img2img, each followed by
+    the detail stages: the detailed txt2img image equals its plain image outside the blurred mask and
+    differs inside; after the hires fix the pass details the upscaled picture."""
     start = len(strict.snapshot().history)
     detailed = strict.generate(PARAMS, details=DetailParams((_unit(),)))[0].image
     outside = np.asarray(_box_mask(picture.size).filter(ImageFilter.GaussianBlur(4))) == 0
     assert np.array_equal(_pixels(detailed)[outside], _pixels(picture)[outside])
     assert not np.array_equal(_pixels(detailed), _pixels(picture))
     strict.img2img(PARAMS, [picture], denoising_strength=0.5, details=DetailParams((_unit(),)))
+    hires = HiresParams(scale=1.5, upscaler="Lanczos", steps=2, denoising_strength=0.5)
+    assert strict.generate(PARAMS, hires=hires, details=DetailParams((_unit(),)))[0].image.size == (192, 192)
     names = [r.command for r in _rows_since(strict, start)]
-    assert names == ["txt2img", *DETAIL_STAGES, "img2img encode", "img2img", *DETAIL_STAGES], names
+    assert names == ["txt2img", *DETAIL_STAGES, "img2img encode", "img2img", *DETAIL_STAGES,
+                     "txt2img", "hires upscale", "hires fix", *DETAIL_STAGES], names
 
 
 def test_no_region_found_returns_the_image_unchanged_with_a_note(strict, picture):
