@@ -210,6 +210,28 @@ def test_an_interrupt_inside_a_detail_pass_leaves_the_region_as_it_was(strict, p
     assert strict.snapshot().state == "READY"
 
 
+def test_skip_inside_a_detail_pass_ends_that_run_only(strict):
+    """Skip inside the first run's detail pass: that run's image is its txt2img image as it was (the region
+    left alone, a note says so), and the second run is detailed as usual."""
+    params = dataclasses.replace(PARAMS, n_iter=2)
+    plain = strict.generate(params)
+    original, skipped = strict._set_progress, []
+
+    def watch(phase, step, total, *rest):
+        if phase.startswith("detail") and step == 1 and not skipped:
+            skipped.append(strict.skip())
+        original(phase, step, total, *rest)
+
+    strict._set_progress = watch
+    try:
+        runs = strict.generate(params, details=DetailParams((_unit(denoising_strength=1.0),)))
+    finally:
+        del strict._set_progress
+    assert skipped == [True] and len(runs) == 2
+    assert np.array_equal(_pixels(runs[0].image), _pixels(plain[0].image)) and "stopped at step 1" in runs[0].notes[0]
+    assert not np.array_equal(_pixels(runs[1].image), _pixels(plain[1].image)) and runs[1].notes == ()
+
+
 def test_diagnostics_and_the_bug_report_name_the_detail_stages(strict, picture):
     """The job's timeline is the detail workflow's, and the bug report's history names its stages."""
     strict.img2img(PARAMS, [picture], details=DetailParams((_unit(),), skip_img2img=True))
