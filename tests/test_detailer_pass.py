@@ -242,11 +242,16 @@ def test_diagnostics_and_the_bug_report_name_the_detail_stages(strict, picture):
     assert set(DETAIL_STAGES) <= set(commands)
 
 
-def test_a_family_without_inpaint_is_refused_by_name(strict, monkeypatch):
-    """The detailer redraws by inpainting: a family without an inpaint stage refuses it before queueing."""
+def test_what_cannot_run_is_refused_before_anything_runs(strict, monkeypatch):
+    """An inpaint size past the limits, and a family without an inpaint stage (the detailer redraws by
+    inpainting), are refused by name before the job is queued: no transition runs."""
+    rows = len(strict.snapshot().history)
+    with pytest.raises(ValueError, match="detailer unit 1's inpaint width must be a whole number in 64…2048"):
+        strict.generate(PARAMS, details=DetailParams((_unit(width=4096),)))
     monkeypatch.setitem(FAMILIES, "sd15", dataclasses.replace(FAMILIES["sd15"], stage_pipelines={}))
     with pytest.raises(ValueError, match="SD1.5 models cannot do yet"):
         strict.generate(PARAMS, details=DetailParams((_unit(),)))
+    assert len(strict.snapshot().history) == rows
 
 
 def test_adetailer_prompts():

@@ -165,6 +165,10 @@ class Detailing:
                              "cannot do yet")
         if not detail.passes:
             raise ValueError("the detailer is on but has no unit to run: enable a unit or turn it off")
+        for number, unit in enumerate(detail.passes, 1):
+            for field, side in (("width", unit.width), ("height", unit.height)):
+                if side:  # 0: the native area's
+                    LIMITS[field].check(f"detailer unit {number}'s inpaint {field}", side)
 
     def _then_detail(self, result, detail: DetailParams, params: GenerateParams, first: int, phase: str, job,
                      passes):
