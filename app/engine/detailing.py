@@ -32,7 +32,6 @@ from PIL import Image, ImageFilter
 
 from app.engine import image_ops, stages
 from app.engine.generate import LIMITS, GeneratedImage, GenerateParams
-from app.engine.snapshot import EngineState
 from app.engine.stage_params import InitImages
 from app.families import family
 
@@ -270,9 +269,8 @@ class Detailing:
                 return region.image
             return _paste(region, images[0])
 
-        return self._run_stage("detail", f"unit {number} region {j + 1}: {source.steps_run(params)} steps at "
-                                         f"{unit.denoising_strength:g} {size[0]}x{size[1]}",
-                               EngineState.GENERATING, redraw)
+        return self._stage("detail", f"unit {number} region {j + 1}: {source.steps_run(params)} steps at "
+                                     f"{unit.denoising_strength:g} {size[0]}x{size[1]}", redraw)
 
 
 def _paste(region: _Region, drawn: Image.Image) -> Image.Image:
