@@ -233,9 +233,11 @@ def test_skip_inside_a_detail_pass_ends_that_run_only(strict):
 
 
 def test_diagnostics_and_the_bug_report_name_the_detail_stages(strict, picture):
-    """The job's timeline is the detail workflow's, and the bug report's history names its stages."""
+    """The job's timeline is the detail workflow's, with its detect and paste phases beside the denoising,
+    and the bug report's history names its stages."""
     strict.img2img(PARAMS, [picture], details=DetailParams((_unit(),), skip_img2img=True))
-    assert strict.snapshot().last_generation.command == "detail"
+    spent = strict.snapshot().last_generation
+    assert spent.command == "detail" and all(spent.phase(p) for p in ("detect", "detail paste", "denoise"))
     with zipfile.ZipFile(io.BytesIO(build_bug_report(strict, strict.settings))) as bundle:
         report = json.loads(bundle.read("report.json"))
     commands = [row["command"] if isinstance(row, dict) else row[0] for row in report["history"]]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageFilter
 
-from app.engine import image_ops, stages
+from app.engine import image_ops, stages, timeline
 from app.engine.generate import LIMITS, GeneratedImage, GenerateParams
 from app.engine.stage_params import InitImages
 from app.families import family
@@ -196,8 +196,11 @@ class Detailing:
     def _detail_unit(self, image: Image.Image, unit: DetailPass, number: int, params: GenerateParams, seed: int,
                      phase: str, job, passes, notes: list, masks: list) -> Image.Image:
         """One unit on one picture: its detect stage, then each region's encode and detail stages."""
-        found, why = self._stage("detail detect", f"unit {number}: {unit.label}, {image.width}x{image.height}",
-                                 lambda: unit.find(image))
+        def detect():
+            with timeline.phase("detect"):
+                return unit.find(image)
+
+        found, why = self._stage("detail detect", f"unit {number}: {unit.label}, {image.width}x{image.height}", detect)
         masks.extend(found)
         if not found:
             notes.append(f"detailer unit {number} ({unit.label}): {why or 'no region found; the image is unchanged'}")
@@ -267,7 +270,8 @@ class Detailing:
             if stopped is not None or not images:
                 notes.append(f"{what}: stopped at step {stopped} of {total}; the region was left as it was")
                 return region.image
-            return _paste(region, images[0])
+            with timeline.phase("detail paste"):
+                return _paste(region, images[0])
 
         return self._stage("detail", f"unit {number} region {j + 1}: {source.steps_run(params)} steps at "
                                      f"{unit.denoising_strength:g} {size[0]}x{size[1]}", redraw)
