@@ -508,3 +508,48 @@ def test_each_answered_image_is_encoded_once_and_is_the_saved_file(app, monkeypa
     saved = {path.read_bytes() for path in set(engine.settings.outputs_dir.rglob("*.png")) - before}
     sent = {base64.b64decode(b64) for b64 in answer.json()["images"]}
     assert len(saved) == len(sent) == 2 and sent == saved
+
+
+# ------------------------------------------------------------------------------ ADetailer (alwayson_scripts)
+def test_webuiapi_adetailer_runs_the_detail_pass_and_writes_adetailers_infotext(api, app):
+    """`webuiapi.ADetailer(...)` on txt2img: the built-in face detector runs as the job's `detail detect`
+    stage; on the tiny model's picture it finds no face, so the image is the plain txt2img's bit for bit and
+    the answer's comments say so; the infotext carries ADetailer's keys, which PNG Info reads back."""
+    unit = webuiapi.ADetailer(ad_model="face_opencv_haar", ad_prompt="a detailed face", ad_denoising_strength=0.5)
+    made = api.txt2img(prompt="a fox", seed=4, adetailer=[unit], **SMALL)
+    plain = api.txt2img(prompt="a fox", seed=4, **SMALL)
+    assert np.array_equal(_pixels(made.image), _pixels(plain.image))
+    assert "face_opencv_haar found nothing" in made.info["comments"]
+    text = made.image.info["parameters"]
+    assert 'ADetailer model: face_opencv_haar' in text and 'ADetailer prompt: a detailed face' in text
+    assert "ADetailer version: 25.3.0" in text
+    history = [row.command for row in app[1].snapshot().history]
+    assert "detail detect" in history and "txt2img" in history
+    read = requests.post(f"{app[0]}/sdapi/v1/png-info",
+                         json={"image": "data:image/png;base64," + webuiapi.raw_b64_img(made.image)}).json()
+    assert read["parameters"]["ADetailer model"] == "face_opencv_haar"
+    assert read["parameters"]["ADetailer denoising strength"] in ("0.5", 0.5)
+
+
+def test_webuiapi_adetailer_skip_img2img_details_the_init_image_as_it_is(api, app):
+    """img2img with ADetailer's "skip img2img" (`adetailer_skip_img2img` / args[1]): no img2img pass runs,
+    the picture is detailed as it is (nothing found here: returned bit for bit); a unit this app cannot run
+    or a pickled detector is refused with one message naming it (422), before anything runs."""
+    init = _init_picture()
+    start = len(app[1].snapshot().history)
+    unit = webuiapi.ADetailer(ad_model="face_opencv_haar")
+    body = {"init_images": [webuiapi.raw_b64_img(init)], "prompt": "a fox", "seed": 3, **SMALL,
+            "alwayson_scripts": {"ADetailer": {"args": [True, True, unit.to_dict()]}}}
+    answer = requests.post(f"{app[0]}/sdapi/v1/img2img", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert np.array_equal(_pixels(_png(answer.json()["images"][0])), _pixels(init))
+    commands = [row.command for row in app[1].snapshot().history[start:]]
+    assert "detail detect" in commands and "img2img" not in commands
+    for bad, named in (({"ad_model": "face_yolov8n.pt"}, "face_yolov8n.pt"),
+                       ({"ad_model": "face_opencv_haar", "ad_restore_face": True}, "ad_restore_face")):
+        body["alwayson_scripts"] = {"ADetailer": {"args": [True, False, bad]}}
+        refused = requests.post(f"{app[0]}/sdapi/v1/img2img", json=body, timeout=60)
+        assert refused.status_code == 422 and named in refused.text, refused.text
+    body["alwayson_scripts"] = {"SomeOtherExtension": {"args": []}}
+    refused = requests.post(f"{app[0]}/sdapi/v1/img2img", json=body, timeout=60)
+    assert refused.status_code == 422 and "SomeOtherExtension" in refused.text

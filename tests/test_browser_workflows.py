@@ -278,3 +278,30 @@ def test_a_refused_upload_says_why_in_the_page(browser, served, tmp_path):
     assert page.locator("#sd-i2i-image img").count() == 0
     save(page, "refused-upload.png")
     page.close()
+
+
+def test_a_detailer_unit_redraws_a_face_and_shows_its_mask(browser, served, tmp_path):
+    """The img2img tab's Detailer accordion: enabled with "skip img2img" and "show mask previews", its first
+    unit (the built-in face detector, own size 64²) redraws the face of a real photograph (scikit-image's
+    `astronaut`): the gallery shows the image and the mask preview after it, the PNG's infotext carries
+    ADetailer's keys, and the engine ran the detail stages (no img2img pass)."""
+    skdata = pytest.importorskip("skimage.data")
+    photo = tmp_path / "astronaut.png"
+    Image.fromarray(skdata.astronaut()).resize((256, 256), Image.Resampling.LANCZOS).save(photo)
+    url, engine = served
+    start = len(engine.snapshot().history)
+    page = _img2img_tab(browser, url, "an astronaut", steps="4", seed="9")
+    page.locator("#sd-i2i-image input[type=file]").set_input_files(str(photo))
+    page.click("#sd-i2i-ad")
+    for box in ("sd-i2i-ad-enable", "sd-i2i-ad-skip", "sd-i2i-ad-show-masks", "sd-i2i-ad-0-use_inpaint_width_height"):
+        page.locator(f"#{box} input").check()
+    for field, value in (("inpaint_width", "64"), ("inpaint_height", "64"), ("denoising_strength", "0.6")):
+        set_number(page, f"sd-i2i-ad-0-{field}", value)
+    _run(page, "sd-i2i-run", "ADetailer model: face_opencv_haar")
+    page.wait_for_function("document.querySelectorAll('#sd-i2i-gallery img').length >= 2", timeout=TIMEOUT_MS)
+    assert page.locator("#sd-i2i-gallery").get_by_text("detailer mask 1").count() >= 1
+    image, text = _last_output(engine)
+    assert image.size == (256, 256) and "ADetailer denoising strength: 0.6" in text and "Size: 256x256" in text
+    commands = [row.command for row in engine.snapshot().history[start:]]
+    assert {"detail detect", "detail encode", "detail"} <= set(commands) and "img2img" not in commands
+    save(page, "detailer.png")

@@ -178,7 +178,8 @@ def test_send_plan_maps_a1111_settings_finds_models_by_hash_and_names_what_it_ca
                            "height": 1216, "sampler": "DPM++ 2M Karras", "denoising_strength": 0.4, "clip_skip": 2,
                            "subseed_strength": 0, "seed_resize_from_w": 0, "seed_resize_from_h": 0,  # no variation
                            "step_cache": 0, "refiner_checkpoint": "None",  # nor a step cache
-                           "cn0_enabled": False, "cn1_enabled": False, "cn2_enabled": False}  # nor ControlNet units
+                           "cn0_enabled": False, "cn1_enabled": False, "cn2_enabled": False,  # nor ControlNet units
+                           "ad_enable": False}  # nor a detail pass
     assert plan.checkpoint == "tiny-sdxl.safetensors"
     assert [(s.name, s.unet_strength, s.te_strength) for s in plan.loras] == [("style", 1.5, 0.5)]
     assert plan.notes == ("LoRA missing is not in models/Lora",)  # relative, as every message names files

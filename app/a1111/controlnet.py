@@ -137,11 +137,6 @@ def parse_unit(raw: Any, index: int, settings: Settings) -> ControlUnit | None:
         raise ApiError(422, f"{where}: {exc}") from None
 
 
-def unsupported_scripts(scripts: Mapping[str, Any] | None) -> list[str]:
-    """The always-on scripts a request names that this app does not have (all but ControlNet)."""
-    return [name for name in scripts or {} if name.lower() != SCRIPT_TITLE]
-
-
 def request_units(scripts: Mapping[str, Any] | None, settings: Settings) -> tuple[ControlUnit, ...]:
     """The enabled units of `alwayson_scripts` (none when ControlNet is not named); 422 for a unit the app
     cannot run, and for more than `MAX_UNITS` enabled ones."""

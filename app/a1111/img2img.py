@@ -10,6 +10,9 @@ default) is not built, so it is ignored and the answer's comments say so.
 `reference_images: true` (ours: a model whose family takes reference images) reads `init_images` as the
 reference pictures the model edits from or combines (`Engine.edit`), generating at the request's size; a
 model that takes none refuses it by name.
+
+`alwayson_scripts.ADetailer` details the result; with ADetailer's "skip img2img" the init images are
+detailed as they are, with no img2img pass (`Engine.detail`).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def _run(state: ApiState, req: Img2ImgRequest, account: Account) -> dict:
         return state.engine.img2img(
             params, pictures, denoising_strength=txt2img.field_value(req, "denoising_strength"),
             resize_mode=req.resize_mode or 0, mask=mask, mask_blur=blur, inpainting_fill=req.inpainting_fill or 0,
-            inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=owner_of(account), desired=desired)
+            inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=owner_of(account), desired=desired,
+            details=txt2img.details(state, req))
 
     def produce(params: GenerateParams, desired: Desired) -> list[GeneratedImage]:
         if script is not None:

@@ -17,8 +17,18 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.a1111 import (checkpoints, controlnet, extras, img2img, listings, options, pnginfo, progress, sd_upscale,
-                       txt2img)
+from app.a1111 import (
+    checkpoints,
+    controlnet,
+    extras,
+    img2img,
+    listings,
+    options,
+    pnginfo,
+    progress,
+    sd_upscale,
+    txt2img,
+)
 from app.a1111.errors import A1111Route
 from app.a1111.schema import (
     EmbeddingsResponse,

@@ -6,12 +6,13 @@ tags in the prompt apply to this request only, as the engine does for the UI; `e
 fix (`hr_*` fields); `subseed`, `subseed_strength` and `seed_resize_from_w/h` are A1111's variation seed; `styles`
 names saved styles (the shared `styles.csv` and the account's own, applied as A1111 applies them);
 `refiner_checkpoint` (a checkpoint's name or title) finishes the image after `refiner_switch_at` (default 0.8);
-`alwayson_scripts.controlnet` units (`app.a1111.controlnet`; any other always-on script is refused) go on the
-parameters as `controlnet_units`; `override_settings` `steady_step_cache` (ours) is the step cache's threshold for
-the request (`app/engine/step_cache.py`, 0 or absent: off). Features this app does not have (face restoration,
-tiling, hires to a fixed size, scripts, infotext-filled requests) are refused with a 422 that names them instead of
-silently producing a different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored. Images
-always go to the outputs folder too, as the engine saves every image it makes."""
+`alwayson_scripts.controlnet` units (`app.a1111.controlnet`) go on the parameters as `controlnet_units`, and
+`alwayson_scripts.ADetailer` runs the detail passes after the image (`details`); other always-on scripts are
+refused; `override_settings` `steady_step_cache` (ours) is the step cache's threshold for the request
+(`app/engine/step_cache.py`, 0 or absent: off). Features this app does not have (hires to a fixed size, scripts
+on txt2img, infotext-filled requests) are refused with a 422 that names them instead of silently producing a
+different picture; sampler tuning (`eta`, `s_churn` …) and saving switches are ignored. Images always go to the
+outputs folder too, as the engine saves every image it makes."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ from app.a1111.schema import Txt2ImgRequest
 from app.a1111.state import ApiState, owner_of
 from app.accounts import LOCAL_ACCOUNT, Account
 from app.controlnet.units import with_units
+from app.detailer import passes, units
+from app.detailer.detect import DetectorLibrary
 from app.engine.desired import Desired
+from app.engine.detailing import DetailParams
 from app.engine.generate import SCHEDULERS, GeneratedImage, GenerateParams, params_from_form
 from app.engine.stage_params import SAME, HiresParams
 from app.families import family
@@ -60,6 +64,19 @@ UNSUPPORTED = (("restore_faces", "face restoration (no GFPGAN or CodeFormer mode
                ("hr_checkpoint_name", "another checkpoint for the hires pass"),
                ("firstpass_image", "a first-pass image"),
                ("infotext", "filling the request from infotext (send the fields instead)"))
+
+
+# The always-on scripts (A1111's extension titles, matched without case) this app runs; others are refused.
+ALWAYSON = ("adetailer", controlnet.SCRIPT_TITLE)
+
+
+def details(state: ApiState, req: Txt2ImgRequest) -> DetailParams | None:
+    """ADetailer's `alwayson_scripts.ADetailer.args` as the engine's detail passes (None: not asked or not
+    enabled); a bad unit or detector is refused (422) with the `ad_*` key or the file named."""
+    asked = units.from_alwayson(req.alwayson_scripts)
+    if asked is None or not asked.enabled:
+        return None
+    return passes.detail_params(asked.units, DetectorLibrary(state.ctx.settings.adetailer_dir), asked.skip_img2img)
 
 
 def sampler_for(name: str | None, schedule: str | None, arch: str | None) -> tuple[str, str | None]:
@@ -100,7 +117,8 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
     out-of-range values. `styles` (names in the account's `book`) are applied to the prompts as A1111
     applies them; `clip_skip` is the account's option, which `override_settings` may override."""
     asked = list(dict.fromkeys(what for field, what in UNSUPPORTED if getattr(req, field)))
-    asked += [f"the always-on script {name!r}" for name in controlnet.unsupported_scripts(req.alwayson_scripts)]
+    others = [name for name in req.alwayson_scripts or {} if name.lower() not in ALWAYSON]
+    asked += [f"the always-on script {name!r}" for name in others]
     if asked:
         raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
     if req.script_name and type(req) is Txt2ImgRequest:
@@ -177,7 +195,7 @@ def run(state: ApiState, req: Txt2ImgRequest, account: Account = LOCAL_ACCOUNT,
     notes = [*notes, *unsupported_overrides(state.ctx.settings, req.override_settings or {})]
     produce = produce or (lambda params, desired: state.engine.generate(
         params, owner=owner_of(account), hires=hires(req, checkpoints.arch_of(state, desired.model)),
-        desired=desired))
+        desired=desired, details=details(state, req)))
 
     def generate(model: str) -> Outcome:
         params, rounding = plan(req, checkpoints.arch_of(state, model), state.ctx.styles_for(account),
@@ -238,7 +256,7 @@ def _stop_notes(images: list[GeneratedImage]) -> list[str]:
 def info_json(state: ApiState, outcome: Outcome, notes: list[str]) -> str:
     """A1111's `info`: the JSON of its `Processed` object, with the keys clients read."""
     params, images = outcome.params, outcome.images
-    notes = [*notes, *_stop_notes(images)]
+    notes = [*notes, *_stop_notes(images), *(note for im in images for note in im.notes)]
     seeds = [im.seed for im in images]
     subseeds = [-1 if im.subseed is None else im.subseed for im in images]
     count = len(images)

@@ -230,6 +230,8 @@ class GeneratedImage:
     path: Path | None = None
     stopped_at: int | None = None  # the step an Interrupt or Skip stopped the denoising at (None: ran all)
     subseed: int | None = None  # the variation seed mixed in (None: none)
+    notes: tuple[str, ...] = ()  # what a detail pass has to say about this image (no region found, …)
+    masks: tuple[Image.Image, ...] = ()  # the region masks its detail passes redrew (the mask preview)
 
     @property
     def complete(self) -> bool:

@@ -29,7 +29,8 @@ from app.preview import pictures, preview_pixels
 
 # The commands that generate: each becomes the current `Job` when it leaves the queue, for all of
 # its stages, so Interrupt and Skip reach every denoising pass of it (img2img, inpaint, hires).
-GENERATIONS = frozenset({"generate", "txt2img_hires", "txt2img_refiner", "img2img", "inpaint", "edit"})
+GENERATIONS = frozenset({"generate", "txt2img_hires", "txt2img_refiner", "txt2img_detail", "img2img", "inpaint",
+                         "edit", "detail"})
 # How long the decode of what a stopped pass reached may run after the Interrupt or Skip: the images of a
 # streamed batch decoded by then are kept, the rest dropped. Under the README's 2.5 s, so the engine is READY
 # within 5 s at any size (the stop landing and the PNGs saved included); a 512² batch on a CPU decodes well
@@ -179,7 +180,8 @@ class Generating:
         for run in range(params.n_iter):
             first, run_params = seed + run * params.batch * step, variation.for_run(params, run)
             saved = dataclasses.replace(run_params, prompt=saved_prompt)
-            images, stopped_at = batch_run(first, f"denoising, run {run + 1}/{params.n_iter}", run_params)
+            # a run with detail passes also says, per image, what they noted and the region masks they drew
+            images, stopped_at, *marks = batch_run(first, f"denoising, run {run + 1}/{params.n_iter}", run_params)
             if job.stop == "drop":
                 return []
             for i, image in enumerate(images or ()):  # none when a stop came before the first step ended
@@ -193,8 +195,9 @@ class Generating:
                 with timeline.phase("png save"):
                     path = generate.save_png(image, text, self.settings.outputs_dir, image_seed,
                                              compress_level=self.settings.png_compress_level)
+                notes, masks = marks[0][i] if marks else ((), ())
                 out.append(GeneratedImage(image, image_seed, text, path, stopped_at,
-                                          variation.subseed_of(run_params, i)))
+                                          variation.subseed_of(run_params, i), notes, masks))
             if job.stop == "interrupt":
                 break
             job.stop = None  # a Skip ends this run only

@@ -40,11 +40,11 @@ class Refining:
 
     _refiner: ModelLifecycle | None = None
 
-    def txt2img_refined(self, params: GenerateParams, *, owner: str | None = None,
-                        desired: Desired | None = None) -> list[GeneratedImage]:
+    def txt2img_refined(self, params: GenerateParams, *, owner: str | None = None, desired: Desired | None = None,
+                        details=None) -> list[GeneratedImage]:
         """txt2img finished by `params.refiner_checkpoint` after `params.refiner_switch_at` of the schedule;
-        `owner` and `desired` as `Engine.generate`'s (the refiner takes the base model's dtype, offload and
-        storage from the `Desired` the job reconciled to)."""
+        `owner` and `desired` as `Engine.generate`'s, `details` its detail passes (the refiner takes the base
+        model's dtype, offload and storage from the `Desired` the job reconciled to)."""
         arch = self._arch_for(desired)
         if arch is not None and not family(arch).refiner_families:
             raise ValueError(f"{family(arch).label} models have no refiner stage; clear the refiner checkpoint")
@@ -53,7 +53,7 @@ class Refining:
                   f"{params.width}x{params.height} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_refiner", detail, params, owner, named,
                               lambda first, phase, job, passes, run: self._refined_run(run, first, phase, job,
-                                                                                      passes, named), desired)
+                                                                                      passes, named), desired, details)
 
     def _refiner_lifecycle(self) -> ModelLifecycle:
         if self._refiner is None:

@@ -32,6 +32,7 @@ from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
 from app.engine import job_memory, lora_options, part_choices, placement, timeline
 from app.engine.desired import Desired
+from app.engine.detailing import Detailing, DetailParams
 from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.generating import GENERATIONS, Generating, Job
@@ -56,10 +57,11 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineBusy"]
 
 
-class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
+class Engine(Generating, Workflows, Detailing, Refining, Upscaling, Verifying):
     """Public, blocking API over the command queue. Thread-safe; every call waits for its result.
     Generation, Interrupt and Skip come from `Generating` (app/engine/generating.py); img2img,
-    inpaint and hires fix from `Workflows` (app/engine/workflows.py); the refiner from `Refining`
+    inpaint and hires fix from `Workflows` (app/engine/workflows.py); the detail pass from `Detailing`
+    (app/engine/detailing.py); the refiner from `Refining`
     (app/engine/refining.py); Extras and the upscaler models from `Upscaling` (app/engine/upscaling.py); the
     checks around every transition and the snapshot it publishes from `Verifying` (app/engine/verifying.py)."""
 
@@ -184,19 +186,22 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         return self._change("unload", "", EngineState.MOVING, lambda d: d.replace(model=None))
 
     def generate(self, params: GenerateParams, *, owner: str | None = None, hires: HiresParams | None = None,
-                 desired: Desired | None = None) -> list[GeneratedImage]:
+                 desired: Desired | None = None, details: DetailParams | None = None) -> list[GeneratedImage]:
         """Generate `params.n_iter` × `params.batch` images; `owner` names who may interrupt it. With
         `hires` each run is A1111's hires fix, one transition per stage (`Workflows.txt2img_hires`); with
         a refiner checkpoint in `params`, A1111's refiner (`Refining.txt2img_refined`). With `desired` the
-        model is first made to match it (None: as the engine holds it now)."""
+        model is first made to match it (None: as the engine holds it now). With `details` the images then go
+        through the detail passes (`Detailing`, app/engine/detailing.py)."""
         if hires is None:
             self._admit("txt2img", params, desired)
         if refined(params):
             if hires is not None:
                 raise ValueError("the refiner and the hires fix do not run together yet: use one of them")
-            return self.txt2img_refined(params, owner=owner, desired=desired)
+            return self.txt2img_refined(params, owner=owner, desired=desired, details=details)
         if hires is not None:
-            return self.txt2img_hires(params, hires, owner=owner, desired=desired)
+            return self.txt2img_hires(params, hires, owner=owner, desired=desired, details=details)
+        if details is not None:
+            return self.txt2img_detailed(params, details, owner=owner, desired=desired)
         detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
         future = self.submit("generate", detail, EngineState.GENERATING, lambda: self._do_generate(params), owner=owner,
                              desired=desired)

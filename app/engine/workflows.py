@@ -32,6 +32,7 @@ from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
 from app.engine import generate, image_ops, job_memory, models, stages, variation
 from app.engine.desired import Desired
+from app.engine.detailing import DetailParams
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import EngineState
 from app.engine.stage_params import HiresParams, InitImages
@@ -50,9 +51,9 @@ class Workflows:
     """The multi-stage workflows of `Engine` (see the module docstring)."""
 
     def txt2img_hires(self, params: GenerateParams, hires: HiresParams, *, owner: str | None = None,
-                      desired: Desired | None = None) -> list[GeneratedImage]:
+                      desired: Desired | None = None, details: DetailParams | None = None) -> list[GeneratedImage]:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
-        second pass. Sizes and steps are checked before anything is queued."""
+        second pass, then the `details` passes if any. Sizes and steps are checked before anything is queued."""
         arch = self._arch_for(desired)
         self._require_stage(arch, "img2img", "hires fix")
         self.check_upscaler(hires.upscaler, hires=True)
@@ -62,18 +63,21 @@ class Workflows:
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
                               lambda first, phase, job, passes, run: self._hires_run(run, hires, first, phase, job,
-                                                                                     passes), desired)
+                                                                                     passes), desired, details)
 
     def img2img(self, params: GenerateParams, init_images: Sequence[Image.Image], *, denoising_strength: float = 0.75,
                 resize_mode: str | int = "just resize", mask: Image.Image | None = None, mask_blur: int = 4,
                 inpainting_fill: str | int = "original", inpainting_mask_invert: bool = False,
-                owner: str | None = None, desired: Desired | None = None) -> list[GeneratedImage]:
+                owner: str | None = None, desired: Desired | None = None,
+                details: DetailParams | None = None) -> list[GeneratedImage]:
         """A1111's `/sdapi/v1/img2img`: start from `init_images` (batch item i from image i mod their
         number) resized to `params`' size by `resize_mode`, denoised by `denoising_strength`; with a
         `mask` it is inpaint (white repaints; `inpainting_fill` is what the masked area starts from).
         Modes and fills take A1111's names or its indices. An inpainting checkpoint (9-channel UNet)
         runs img2img as inpaint with the whole picture masked, as A1111 does. `owner` and `desired` as
-        `Engine.generate`'s."""
+        `Engine.generate`'s; `details`: the detail passes after it (with `skip_img2img`, instead of it)."""
+        if details is not None and details.skip_img2img:
+            return self.detail(params, init_images, details, owner=owner, desired=desired)
         source = InitImages(tuple(init_images), denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
                             inpainting_mask_invert)
         source.steps_run(params)
@@ -87,7 +91,16 @@ class Workflows:
                   f"{source.resize_mode} x{params.batch}x{params.n_iter}")
         return self._workflow(source.workflow, detail, params, owner, source.infotext_pairs(),
                               lambda first, phase, job, passes, run: self._init_image_run(run, source, first, phase,
-                                                                                          job, passes), desired)
+                                                                                          job, passes), desired,
+                              details)
+
+    def txt2img_detailed(self, params: GenerateParams, details: DetailParams, *, owner: str | None = None,
+                         desired: Desired | None = None) -> list[GeneratedImage]:
+        """txt2img followed by the `details` passes: the txt2img pass a stage of its own, as in the hires fix."""
+        detail = f"{params.steps} steps {params.width}x{params.height} x{params.batch}x{params.n_iter}"
+        return self._workflow("txt2img_detail", detail, params, owner, (),
+                              lambda first, phase, job, passes, run: self._txt2img_run(run, first, phase, job, passes),
+                              desired, details)
 
     def inpaint(self, params: GenerateParams, init_image: Image.Image, mask: Image.Image, **options: Any
                 ) -> list[GeneratedImage]:
@@ -167,10 +180,20 @@ class Workflows:
             raise ValueError(f"{what} is not available for {family(arch).label} models yet")
 
     def _workflow(self, name: str, detail: str, params: GenerateParams, owner: str | None,
-                  extra: tuple[tuple[str, object], ...], batch_run, desired: Desired | None) -> list[GeneratedImage]:
+                  extra: tuple[tuple[str, object], ...], batch_run, desired: Desired | None,
+                  details: DetailParams | None = None) -> list[GeneratedImage]:
         """Queue the workflow as one command; on the worker its stages run as transitions. The first
-        pass's prompt tags are applied first (`apply_loras`), so the infotext names their hashes."""
+        pass's prompt tags are applied first (`apply_loras`), so the infotext names their hashes. With
+        `details` each run's images then go through the detail passes (app/engine/detailing.py)."""
         state = EngineState
+        if details is not None:
+            self.check_detail(details, desired)
+            extra, inner = (*extra, *details.infotext), batch_run
+            detail += f", detailer {details.describe()}"
+
+            def batch_run(first, phase, job, passes, run):
+                return self._then_detail(inner(first, phase, job, passes, run), details, run, first, phase, job,
+                                         passes)
 
         def body() -> list[GeneratedImage]:
             if self._lifecycle.pipeline is None:
@@ -219,6 +242,15 @@ class Workflows:
                 lambda pipe: generate.run(pipe, stripped, first, on_step, image=list(pictures)), _size(params)))
 
         return self._stage("edit", f"{len(pictures)} reference image(s), seed {first}", edit)
+
+    def _txt2img_run(self, params, first: int, phase: str, job, passes: _Passes):
+        """One txt2img run as a stage (its prompt's tags applied for it)."""
+        def txt2img():
+            stripped = self._with_loras(params, passes)
+            return self._denoise_run(params.steps, job, phase, lambda on_step: self._lifecycle.denoise(
+                stripped, first, on_step))
+
+        return self._stage("txt2img", f"{params.width}x{params.height}, seed {first}", txt2img)
 
     # ------------------------------------------------------------------ hires fix
     def _hires_run(self, params, hires: HiresParams, first: int, phase: str, job, passes: _Passes):
@@ -318,12 +350,7 @@ class Workflows:
 
         def denoise():
             stripped = self._with_loras(params, passes)
-            inputs = {"latents": carry.get("latents")}
-            if source.mask is not None:
-                # SD1.5's and Flux's pipelines would mask pixels themselves without masked-image latents;
-                # a regular denoiser never reads them, so there the init latents stand in.
-                masked = carry.get("masked") if nine else inputs["latents"]
-                inputs.update(mask_image=carry.get("mask"), masked_image_latents=masked)
+            inputs = {"latents": carry.get("latents")} if source.mask is None else self._carried_inpaint(nine)
             images, stopped = self._denoise_and_decode(stripped, kind, first, source.steps_run(params),
                                                        source.denoising_strength, job, f"{kind}, {phase}", **inputs)
             if source.mask is not None:
@@ -331,6 +358,16 @@ class Workflows:
             return images, stopped
 
         return self._stage(kind, f"{source.steps_run(params)} steps at {source.denoising_strength:g}", denoise)
+
+
+    def _carried_inpaint(self, nine: bool) -> dict[str, Any]:
+        """The inpaint stage's inputs from the carry. SD1.5's and Flux's pipelines would mask pixels
+        themselves without masked-image latents; a regular denoiser never reads them, so there the init
+        latents stand in."""
+        carry = self._lifecycle.carry
+        latents = carry.get("latents")
+        return {"latents": latents, "mask_image": carry.get("mask"),
+                "masked_image_latents": carry.get("masked") if nine else latents}
 
 
 def _size(params: GenerateParams) -> str:

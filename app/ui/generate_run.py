@@ -50,6 +50,7 @@ from app.ui.common import (
     user_errors,
 )
 from app.ui.controlnet_panel import units_from_form
+from app.ui.detailer_panel import details_from_form, mask_previews, notes_of
 from app.ui.hires_fields import hires_from_form
 from app.ui.lora_panel import LoraSlots, panel_unchanged, panel_view, selected_specs, sync_selection
 
@@ -183,11 +184,12 @@ def stream_job(job: Generation, size: tuple[int, int], action: str, frame: Calla
         raise
 
 
-def result_gallery(images: list[GeneratedImage], steps: int) -> gr.Gallery:
-    """The images, labelled with the step an Interrupt or Skip stopped them at."""
+def result_gallery(images: list[GeneratedImage], steps: int, extra: list | None = None) -> gr.Gallery:
+    """The images, labelled with the step an Interrupt or Skip stopped them at; `extra` (captioned
+    pictures: the Detailer's mask previews) after them."""
     cut = sorted({im.stopped_at for im in images if not im.complete})
     label = GALLERY_LABEL + (f" — stopped early at step {', '.join(map(str, cut))} of {steps}" if cut else "")
-    return gr.Gallery(gallery_items(images), label=label)
+    return gr.Gallery([*gallery_items(images), *(extra or [])], label=label)
 
 
 def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
@@ -201,21 +203,22 @@ def _stop_note(images: list[GeneratedImage], params: GenerateParams) -> str:
             "(kept as they were).")
 
 
-def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hires_values: tuple, infos: list,
-              state: tuple, controlnet: tuple = ()):
+def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hires_values: tuple,
+              detail_values: tuple, infos: list, state: tuple, controlnet: tuple = ()):
     """Check the settings, hand the engine the LoRA selection if it differs from its wanted list, then
-    generate (with the hires fix when ticked) with this tab's whole state (`state`: the values of
-    `GenerateTab.state_inputs`), streaming previews; the size fields then show the size used, with the
-    notes. `infos`: the last result's (its gallery comes back after a failure)."""
+    generate (with the hires fix and the Detailer when ticked) with this tab's whole state (`state`: the
+    values of `GenerateTab.state_inputs`), streaming previews; the size fields then show the size used, with
+    the notes (the Detailer's too). `infos`: the last result's (its gallery comes back after a failure)."""
     slot_names = state[1]
     with user_errors("Generation", ctx.settings.data_dir):
         params, notes = generate_params(ctx, *settings, book=ctx.styles_for(ctx.account(request)))
         params = with_units(params, units_from_form(ctx.settings, controlnet, needs_image=True))
         hires = hires_from_form(*hires_values)
+        details = details_from_form(ctx, *detail_values)
         desired = desired_from_panel(ctx, state)
         sync_selection(ctx, desired.loras, progress)
-    job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner, hires=hires, desired=desired),
-                     owner_of(request))
+    job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner, hires=hires, desired=desired,
+                                                                    details=details), owner_of(request))
     keep = [gr.skip()] * 6
 
     def frame(gallery, snap):
@@ -226,9 +229,10 @@ def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hi
     images = yield from stream_job(job, (params.width, params.height), "Generation", frame, last)
     shown = gallery_items(images)
     infos = [{"seed": im.seed, "infotext": im.infotext, "item": item} for im, item in zip(images, shown, strict=True)]
-    note = "\n\n".join(filter(None, [*(f"ℹ️ {n}" for n in notes), _stop_note(images, params)]))
+    note = "\n\n".join(filter(None, [*(f"ℹ️ {n}" for n in (*notes, *notes_of(images))), _stop_note(images, params)]))
     first = infos[0] if infos else {"seed": None, "infotext": ""}
-    yield [result_gallery(images, params.steps), first["infotext"], infos, first["seed"], params.width,
+    masks = mask_previews(images) if detail_values[2] else []
+    yield [result_gallery(images, params.steps, masks), first["infotext"], infos, first["seed"], params.width,
            params.height, note, *run_buttons(None, "Generate"), *panel_view(ctx, list(slot_names))]
 
 
@@ -265,20 +269,21 @@ def wire_stop(ctx: UiContext, stops: StopControls) -> None:
     stops.skip.click(ui_skip, None, None, **stop)
 
 
-def wire_generate(ctx: UiContext, go: gr.Button, stops: StopControls, fields: tuple[list, list, list, list],
+def wire_generate(ctx: UiContext, go: gr.Button, stops: StopControls, fields: tuple[list, list, list, list, list],
                   slots: LoraSlots, results: list) -> None:
     """Generate (in the generation lane) and its Interrupt and Skip. `fields`: the settings, the hires
-    fix's fields, the tab's state (`GenerateTab.state_inputs`) and the ControlNet units' fields; `results`:
-    gallery, infotext, the images' infos, the chosen seed, width, height and the settings note."""
-    settings, hires, state, controlnet = fields
-    split = (len(settings), len(settings) + len(hires), len(settings) + len(hires) + 1 + len(state))
+    fix's fields, the Detailer's, the tab's state (`GenerateTab.state_inputs`) and the ControlNet units' fields;
+    `results`: gallery, infotext, the images' infos, the chosen seed, width, height and the settings note."""
+    settings, hires, detailer, state, controlnet = fields
+    split = (len(settings), len(settings) + len(hires), len(settings) + len(hires) + len(detailer),
+             len(settings) + len(hires) + len(detailer) + 1 + len(state))
 
     def ui_generate(request: gr.Request, progress=PROGRESS, *args):
-        infos, *values = args[split[1]:split[2]]
-        yield from _generate(ctx, request, progress, args[:split[0]], args[split[0]:split[1]], infos, tuple(values),
-                             args[split[2]:])
+        infos, *values = args[split[2]:split[3]]
+        yield from _generate(ctx, request, progress, args[:split[0]], args[split[0]:split[1]],
+                             args[split[1]:split[2]], infos, tuple(values), args[split[3]:])
 
-    go.click(ui_generate, [*settings, *hires, results[2], *state, *controlnet],
+    go.click(ui_generate, [*settings, *hires, *detailer, results[2], *state, *controlnet],
              [*results, go, *stops.buttons, *slots.view], api_visibility="private", **generation_lane(),
              show_progress_on=[results[0]])
     wire_stop(ctx, stops)

@@ -30,6 +30,7 @@ from app.ui.common import (
     user_errors,
 )
 from app.ui.controlnet_panel import ControlNetPanel, build_controlnet_panel
+from app.ui.detailer_panel import DetailerPanel, build_detailer_panel
 from app.ui.generate_run import GALLERY_LABEL, StopControls, build_stop_controls, owner_of, wire_generate
 from app.ui.hires_fields import HiresFields, build_hires_fields
 from app.ui.lora_browser import build_lora_browser
@@ -67,6 +68,7 @@ class GenerateTab:
     stops: StopControls
     step_cache: gr.Number
     controlnet: ControlNetPanel
+    detailer: DetailerPanel
 
     @property
     def state_inputs(self) -> list:
@@ -219,6 +221,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
                 reuse_seed = gr.Button("♻ reuse", scale=0, min_width=80, elem_id="sd-reuse-seed")
             variation = _variation_fields()
             hires = build_hires_fields(ctx)
+            detailer = build_detailer_panel(ctx, "sd-ad", skip_option=False)
             refiner = _refiner_fields(ctx)
             step_cache = _step_cache_field()
             controlnet = build_controlnet_panel(ctx, "sd")
@@ -233,13 +236,13 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
                                   elem_id="sd-infotext")
     tab = GenerateTab(model, dtype, offload, model_status, loras, prompt, negative, sampler, steps, cfg, seed, width,
                       height, batch, n_iter, clip_skip, note, options, variation, styles, refiner, hires, stops,
-                      step_cache, controlnet)
+                      step_cache, controlnet, detailer)
     infos, chosen_seed = gr.State([]), gr.State(None)
     _wire_model(ctx, tab, refresh)
     wire_loras(ctx, loras)
     # Progress and a failure's "Error" mark go on the gallery only; the message itself is one toast.
-    wire_generate(ctx, go, stops, (tab.settings, hires.inputs, tab.state_inputs, controlnet.inputs), loras,
-                  [gallery, infotext, infos, chosen_seed, width, height, note])
+    wire_generate(ctx, go, stops, (tab.settings, hires.inputs, detailer.inputs, tab.state_inputs, controlnet.inputs),
+                  loras, [gallery, infotext, infos, chosen_seed, width, height, note])
     gallery.select(_select_image, [infos], [infotext, chosen_seed], api_visibility="private")
     for field, box in (("width", width), ("height", height)):
         box.input(lambda text, f=field: without_size_note(text, f), note, note, api_visibility="private",

@@ -21,6 +21,7 @@ from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, STAGE_LIMITS
 from app.families import family
 from app.ui.common import UiContext, gallery_items, user_errors
 from app.ui.controlnet_panel import ControlNetPanel, build_controlnet_panel, units_from_form
+from app.ui.detailer_panel import DetailerPanel, build_detailer_panel, details_from_form, mask_previews, notes_of
 from app.ui.generate_run import (
     Generation,
     StopControls,
@@ -53,10 +54,12 @@ class _Outputs:
         return [self.gallery, self.infotext, self.last, go, *self.stops.buttons]
 
 
-def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepare, last: list, page: tuple):
+def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepare, last: list, page: tuple,
+            show_masks: bool = False):
     """Run the checked job `prepare(desired)` returns (params, call(owner), notes) as this page's, with
     the page's state (`page`: the values of the Generate tab's `state_inputs`), streaming previews into
-    the gallery and the step on the run button, as Generate does."""
+    the gallery and the step on the run button, as Generate does; the Detailer's notes are toasts and its
+    mask previews (`show_masks`) follow the images."""
     with user_errors(action, ctx.settings.data_dir):
         params, call, _notes = prepare(desired_from_panel(ctx, page))
     job = Generation(ctx.engine, call, owner_of(request))
@@ -65,7 +68,10 @@ def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepar
         return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label, snap is not None and job.runs_in(snap))]
 
     images = yield from stream_job(job, (params.width, params.height), action, frame, last)
-    yield [result_gallery(images, params.steps), images[0].infotext if images else "", gallery_items(images),
+    for note in notes_of(images):
+        gr.Info(note)
+    masks = mask_previews(images) if show_masks else None
+    yield [result_gallery(images, params.steps, masks), images[0].infotext if images else "", gallery_items(images),
            *run_buttons(None, label)]
 
 
@@ -104,6 +110,7 @@ class Img2ImgTab:
     stops: StopControls
     shown: gr.State
     controlnet: ControlNetPanel
+    detailer: DetailerPanel
 
     @property
     def family_components(self) -> list:
@@ -141,23 +148,28 @@ def _controlnet_units(ctx: UiContext, values: Sequence) -> tuple:
     return units_from_form(ctx.settings, values, needs_image=False)
 
 
-def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list, cn: list) -> tuple[gr.Image, gr.Number]:
+def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list,
+                   cn: list) -> tuple[gr.Image, gr.Number, DetailerPanel]:
     image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300)
     with gr.Row():
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode", elem_id="sd-i2i-resize")
         strength = _number("denoising_strength", "Denoising strength", 0.75, 0.05)
+    detailer = build_detailer_panel(ctx, "sd-i2i-ad", skip_option=True)
     go = gr.Button(RUN_IMG2IMG, variant="primary", elem_id="sd-i2i-run")
+    split = 12 + len(detailer.inputs)
 
     def img2img(request: gr.Request, last, *values):
         init, strength_v, resize_v = values[9:12]
-        units = values[12:12 + len(cn)]
-        yield from _stream(ctx, request, "img2img", RUN_IMG2IMG, lambda desired: img2img_job(
-            ctx, list(values[:9]), init, strength_v, resize_v, desired=desired,
-            controlnet_units=_controlnet_units(ctx, units)), last, values[12 + len(cn):])
 
-    go.click(img2img, [out.last, *base, image, strength, resize, *cn, *page], out.run_outputs(go),
+        def prepare(desired):
+            details = details_from_form(ctx, *values[12:split])
+            return img2img_job(ctx, list(values[:9]), init, strength_v, resize_v, desired=desired, details=details,
+                               controlnet_units=_controlnet_units(ctx, values[split:split + len(cn)]))
+        yield from _stream(ctx, request, "img2img", RUN_IMG2IMG, prepare, last, values[split + len(cn):], values[14])
+
+    go.click(img2img, [out.last, *base, image, strength, resize, *detailer.inputs, *cn, *page], out.run_outputs(go),
              api_visibility="private", concurrency_id=QUEUE, show_progress_on=[out.gallery])
-    return image, strength
+    return image, strength, detailer
 
 
 def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list, cn: list) -> None:
@@ -241,7 +253,7 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
             controlnet = build_controlnet_panel(ctx, "sd-i2i")
             with gr.Tabs() as panels:
                 with gr.Tab("img2img", id="i2i-img2img"):
-                    image, strength = _img2img_panel(ctx, base, out, page, controlnet.inputs)
+                    image, strength, detailer = _img2img_panel(ctx, base, out, page, controlnet.inputs)
                 with gr.Tab("Inpaint", id="i2i-inpaint"):
                     _inpaint_panel(ctx, base, out, page, controlnet.inputs)
                 # shown for a model that takes reference images, checked at page load and on every panel choice
@@ -252,4 +264,4 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
     gr.on([panels.select], lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     gr.on(None, lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     wire_stop(ctx, stops)
-    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None), controlnet)
+    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None), controlnet, detailer)

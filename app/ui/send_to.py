@@ -26,6 +26,7 @@ from app.image_inputs import open_checked
 from app.infotext import Infotext, parse_infotext
 from app.ui.common import MAX_LORAS, NO_REFINER, PROGRESS, UiContext, run_with_progress, user_errors
 from app.ui.controlnet_panel import fields_from_infotext as controlnet_fields
+from app.ui.detailer_panel import fields_from_infotext as detailer_fields
 from app.ui.generate_tab import GenerateTab, loaded_text
 from app.ui.img2img_tab import Img2ImgTab, family_fill
 from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
@@ -120,7 +121,7 @@ def plan_send(ctx: UiContext, info: Infotext) -> SendPlan:
     notes: list[str] = []
     fields = {"prompt": info.prompt, "negative": info.negative_prompt, **fields_from_infotext(info.settings, notes),
               "refiner_checkpoint": _refiner_field(ctx, info.settings, notes),
-              **controlnet_fields(info.settings, notes, ctx.settings)}
+              **controlnet_fields(info.settings, notes, ctx.settings), **detailer_fields(info.settings, notes)}
     checkpoint, note = find_checkpoint(ctx, info.settings.get("Model hash", ""), info.settings.get("Model", ""))
     notes.append(note)
     known = set(ctx.engine.library.names())
@@ -165,10 +166,11 @@ def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Sender
         SendTarget("generate", "Generate", {**dict(zip(_FIELDS, generate.settings, strict=False)),
                                             "clip_skip": generate.clip_skip, **generate.variation,
                                             **generate.refiner, "step_cache": generate.step_cache,
-                                            **generate.controlnet.fields()},
+                                            **generate.controlnet.fields(), **generate.detailer.send_fields},
                    generate.note, ((tabs, "generate"),)),
         SendTarget("img2img", "img2img", {**dict(zip(_FIELDS, img2img.settings, strict=False)),
-                                          "denoising_strength": img2img.strength, **img2img.controlnet.fields()},
+                                          "denoising_strength": img2img.strength, **img2img.controlnet.fields(),
+                                          **img2img.detailer.send_fields},
                    img2img.note,
                    ((tabs, "img2img"), (img2img.panels, "i2i-img2img")), img2img.image, img2img.shown)))
 

@@ -49,11 +49,11 @@ def _answer(images, notes) -> tuple:
 
 
 def img2img_job(ctx: UiContext, base: list, init_image, denoising_strength, resize_mode, mask=None, mask_blur=4,
-                inpainting_fill="original", invert=False, desired: Desired | None = None, controlnet_units=()
-                ) -> tuple[GenerateParams, Callable, tuple]:
+                inpainting_fill="original", invert=False, desired: Desired | None = None, controlnet_units=(),
+                details=None) -> tuple[GenerateParams, Callable, tuple]:
     """img2img (no mask) or inpaint, checked: (request, `call(owner)` running it on the engine with the
-    state `desired` (None: as the engine holds it) and the ControlNet units, rounding notes). Every refusal is
-    a ValueError before anything is queued."""
+    state `desired` (None: as the engine holds it), the ControlNet units and the Detailer's `details`, rounding
+    notes). Every refusal is a ValueError before anything is queued."""
     if init_image is None:
         raise ValueError("upload an init image first")
     values = {**dict(zip(BASE_FIELDS, base, strict=True)), "denoising_strength": denoising_strength,
@@ -65,7 +65,7 @@ def img2img_job(ctx: UiContext, base: list, init_image, denoising_strength, resi
         return ctx.engine.img2img(params, [init_image], denoising_strength=stage["denoising_strength"],
                                   resize_mode=resize_mode, mask=mask, mask_blur=stage["mask_blur"],
                                   inpainting_fill=inpainting_fill, inpainting_mask_invert=bool(invert), owner=owner,
-                                  desired=desired)
+                                  desired=desired, details=details)
     return params, call, notes
 
 

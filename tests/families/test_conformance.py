@@ -30,7 +30,7 @@ import pytest
 import torch
 import toy_family
 from hook_plan import actual_hooks, expected_hooks
-from PIL import Image
+from PIL import Image, ImageFilter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.adapters.files import read_adapter
@@ -39,6 +39,7 @@ from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests, write_demo_loras
 from app.demo import build_tiny_pipeline
 from app.engine import checkpoint_files, compiled, fp8_matmul, models, offload, placement
+from app.engine.detailing import DetailParams, DetailPass
 from app.engine.generate import GenerateParams, denoise
 from app.engine.strict import StrictForwardError
 from app.engine.worker import Engine
@@ -406,6 +407,33 @@ def test_img2img_and_inpaint_run_where_the_family_declares_them(moving, arch):
             assert moving.inpaint(params(arch), image, mask, denoising_strength=0.9)[0].image.size == (64, 64)
         rows = moving.snapshot().history[start:]
         assert rows and all(row.outcome == "ok" and row.violations_found == 0 for row in rows), (mode, rows)
+    moving.set_offload("none")
+
+
+def test_the_detail_pass_runs_in_every_offload_mode_where_the_family_inpaints(moving, arch):
+    """The detail pass (app/engine/detailing.py) on a picture as it is (skip img2img), weights resting in fp32
+    and computing in bf16, strict forwards on, in every offload mode: its detect, encode and detail stages
+    `ok` with zero violations, and every pixel outside the blurred mask the picture's bit for bit. A family
+    without an inpaint stage refuses it by name before anything runs."""
+    moving.load_model(checkpoint(arch))
+    picture, box = Image.new("RGB", (64, 64), (40, 120, 200)), (24, 24, 40, 40)
+    mask = Image.new("L", (64, 64), 0)
+    mask.paste(255, box)
+    unit = DetailPass("box", lambda image: ([mask], ""), width=64, height=64, denoising_strength=0.5, mask_blur=2)
+    details = DetailParams((unit,), skip_img2img=True)
+    if "inpaint" not in family(arch).stage_pipelines:
+        with pytest.raises(ValueError, match=f"{family(arch).label} models cannot"):
+            moving.img2img(params(arch), [picture], details=details)
+        return
+    outside = np.asarray(mask.filter(ImageFilter.GaussianBlur(2))) == 0
+    for mode in offload.MODES:
+        moving.set_offload(mode)
+        start = len(moving.snapshot().history)
+        out = moving.img2img(params(arch, steps=2), [picture], details=details)[0].image
+        rows = moving.snapshot().history[start:]
+        assert [r.command for r in rows] == ["detail detect", "detail encode", "detail"], (mode, rows)
+        assert all(row.outcome == "ok" and row.violations_found == 0 for row in rows), (mode, rows)
+        assert np.array_equal(np.asarray(out)[outside], np.asarray(picture)[outside]), mode
     moving.set_offload("none")
 
 
