@@ -37,7 +37,9 @@ def load(entry: ControlNetEntry, fam: Family, dtype: torch.dtype) -> torch.nn.Mo
         model = _from_folder(entry, kit) if entry.folder else _from_file(entry, kit)
     except SafetensorsFileError as exc:
         raise ControlNetFileError(f"ControlNet {entry.name}: {exc}") from exc
-    model = model.to(dtype=dtype).eval()
+    if any(p.dtype != dtype for p in model.parameters()):
+        model = model.to(dtype=dtype)
+    model.eval()
     model.requires_grad_(False)
     return model
 

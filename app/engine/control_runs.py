@@ -18,7 +18,7 @@ from PIL import Image
 
 from app.controlnet import infotext as control_infotext
 from app.controlnet.files import ControlNetFileError
-from app.controlnet.maps import control_map
+from app.controlnet.maps import control_map, source_of
 from app.controlnet.units import HR_OPTIONS, ControlUnit, check_units
 from app.families import family, family_of
 
@@ -65,6 +65,8 @@ class ControlRuns:
             raise ValueError(f"ControlNet units with {kind} are not available for {fam.label} models yet")
         library = self.controlnet_library
         for i, unit in enumerate(units):
+            if unit.image is not None or kind == "txt2img":  # img2img: a unit without one reads the init image
+                source_of(i, unit, None)
             entry = library.resolve(unit.model)
             made_for = library.facts(entry)[1]
             if made_for != arch:
