@@ -20,6 +20,7 @@ from app.controlnet import infotext as control_infotext
 from app.controlnet.files import ControlNetFileError
 from app.controlnet.maps import control_map, source_of
 from app.controlnet.units import HR_OPTIONS, ControlUnit, check_units
+from app.engine.snapshot import EngineState
 from app.families import family, family_of
 
 # which pass -> the hr_options that run in it ("only": no hires fix, every unit runs)
@@ -49,6 +50,11 @@ class ControlRuns:
     def controlnet_models(self, arch: str | None = None) -> list[str]:
         """`name [hash]` of every usable ControlNet (`arch`'s only, when given): `/controlnet/model_list`."""
         return self.controlnet_library.titles(arch)
+
+    def unload_controlnets(self):
+        """Detach the ControlNet stack from the loaded model and give its memory back (the next unit reads its
+        model again); a transition of its own, verified like any."""
+        return self._call("unload_controlnets", "", EngineState.MOVING, self._lifecycle.release_controlnets)
 
     def _check_units(self, units: tuple[ControlUnit, ...], arch: str | None, kind: str) -> None:
         """Refuse, before queueing, units the job cannot run: too many, a model missing, pickled, unreadable
