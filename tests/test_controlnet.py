@@ -265,3 +265,27 @@ class _Marker:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
+
+
+def test_model_offload_keeps_the_controlnet_beside_the_denoiser(data, monkeypatch):
+    """Under model offload the ControlNet stack and the UNet, which take turns at every step, are brought in
+    once per generation each, not once per step (bf16 compute, fp32 rest: every move is a real cast)."""
+    moves = []
+    real = placement.move_component
+
+    def counting(component, name, want, *, reason, pinned=None):
+        moves.append((name, reason))
+        return real(component, name, want, reason=reason, pinned=pinned)
+
+    monkeypatch.setattr(placement, "move_component", counting)
+    eng = Engine(Settings(data_dir=data, device="cpu", dtype="bf16", rest_dtype="fp32", offload="model",
+                          strict_forwards=True))
+    try:
+        eng.load_model("tiny-sd15-diffusers")
+        eng.generate(params(ControlUnit("tiny-sd15-controlnet", picture(1)), steps=4))
+        moves.clear()
+        eng.generate(params(ControlUnit("tiny-sd15-controlnet", picture(1)), steps=4))
+        onloads = [name for name, reason in moves if reason == "model: onload"]
+        assert onloads.count("controlnet") == 1 and onloads.count("unet") == 1, onloads
+    finally:
+        eng.close()
