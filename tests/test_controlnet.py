@@ -43,18 +43,21 @@ ORACLES = {"sd15": StableDiffusionControlNetPipeline, "sdxl": StableDiffusionXLC
 
 
 @pytest.fixture(scope="module")
-def data(demo_dir, tmp_path_factory):
+def engine(demo_dir, tmp_path_factory):
+    """fp32 on the CPU with strict forwards, on hard links to the session's demo checkpoints and ControlNets."""
     root = tmp_path_factory.mktemp("controlnet")
     for sub in ("models/Stable-diffusion", "models/Lora", "models/ControlNet"):
         shutil.copytree(demo_dir / sub, root / sub, copy_function=os.link)
-    return root
+    eng = Engine(Settings(data_dir=root, device="cpu", strict_forwards=True))
+    try:
+        yield eng
+    finally:
+        eng.close()
 
 
 @pytest.fixture(scope="module")
-def engine(data):
-    eng = Engine(Settings(data_dir=data, device="cpu", strict_forwards=True))
-    yield eng
-    eng.close()
+def data(engine):
+    return engine.settings.data_dir
 
 
 def picture(seed: int, side: int = 64) -> Image.Image:
