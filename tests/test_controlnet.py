@@ -305,3 +305,36 @@ def test_the_demo_writes_a_tiny_controlnet_for_every_family_with_a_kit(data):
         assert entry.folder and library.facts(entry)[1] == arch
         assert library.title(entry) in library.titles(arch)
         assert all(library.title(entry) not in library.titles(other) for other in kits if other != arch)
+
+
+def test_a_failed_attach_puts_the_previous_stack_and_placement_back(engine, monkeypatch):
+    """A ControlNet swap that fails while the model is placed anew (here: the placement raises) leaves the
+    previous stack attached, the previous plan and hooks in force and every tensor where the plan says; the
+    next generation with the previous unit draws the same image as before."""
+    from app.engine.controlnet_slot import ControlNetSlot
+
+    engine.load_model("tiny-sd15-diffusers")
+    unit = ControlUnit("tiny-sd15-controlnet", picture(1))
+    before_image = pixels(engine.generate(params(unit, steps=2))[0])
+    before = (_state(engine), engine.placement_plan)
+
+    def failing(self, loaded, name):
+        raise RuntimeError("placement failed")
+
+    monkeypatch.setattr(ControlNetSlot, "_replace", failing)
+    with pytest.raises(RuntimeError, match="placement failed"):
+        engine.generate(params(ControlUnit("tiny-sd15-controlnet-single", picture(1)), steps=2))
+    monkeypatch.undo()
+    assert (_state(engine), engine.placement_plan) == before
+    assert not placement.verify(engine.pipeline, engine.placement_plan)
+    assert np.array_equal(pixels(engine.generate(params(unit, steps=2))[0]), before_image)
+
+
+def test_the_compiled_path_refuses_units_by_name(tmp_path):
+    """With `--compile` a ControlNet unit is refused before anything is queued, naming the switch."""
+    eng = Engine(Settings(data_dir=tmp_path, device="cpu", compile=True))
+    try:
+        with pytest.raises(ValueError, match="compiled path"):
+            eng.generate(params(ControlUnit("tiny-sd15-controlnet", picture(1))))
+    finally:
+        eng.close()
