@@ -338,3 +338,27 @@ def test_the_compiled_path_refuses_units_by_name(tmp_path):
             eng.generate(params(ControlUnit("tiny-sd15-controlnet", picture(1))))
     finally:
         eng.close()
+
+
+def test_interrupt_and_live_preview_reach_a_controlnet_generation(engine):
+    """A long generation with a unit shows previews (the progress carries pictures) and Interrupt stops it within
+    two steps of the ask, keeping the partial image; the stack stays attached and placed."""
+    import threading
+    import time
+
+    engine.load_model("tiny-sd15-diffusers")
+    found, job = {}, params(ControlUnit("tiny-sd15-controlnet", picture(1)), steps=150)
+    thread = threading.Thread(target=lambda: found.setdefault("images", engine.generate(job, owner="tab-1")))
+    thread.start()
+    deadline, asked_at, previewed = time.monotonic() + 120, None, False
+    while asked_at is None and time.monotonic() < deadline:
+        progress = engine.snapshot().progress
+        previewed = previewed or bool(progress is not None and progress.preview)
+        if progress is not None and progress.step >= 4 and previewed:
+            asked_at = progress.step
+        time.sleep(0.01)
+    assert asked_at is not None and engine.interrupt(owner="tab-1")
+    thread.join(timeout=120)
+    (image,) = found["images"]
+    assert not image.complete and asked_at <= image.stopped_at <= asked_at + 2
+    assert engine._lifecycle.controlnets is not None and not placement.verify(engine.pipeline, engine.placement_plan)
