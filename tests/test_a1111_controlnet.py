@@ -19,7 +19,7 @@ from served_app import free_port, make_ui_data, running_app
 
 from app.a1111.controlnet import request_units
 from app.a1111.errors import ApiError
-from app.controlnet.listing import model_names
+from app.controlnet.files import model_names
 from app.controlnet.preprocessors import detect_map
 from app.engine.generate import GenerateParams
 from app.settings import Settings
@@ -173,7 +173,7 @@ def test_webuiapi_units_become_control_units_field_by_field(app):
     ({"control_mode": 7}, "control_mode 7 is not one of Balanced"),
     ({"resize_mode": "Stretch"}, "resize_mode 'Stretch' is not one of"),
     ({"processor_res": 8}, "processor resolution must be in 64…2048"),
-    ({"hr_option": "Low res only"}, "hr_option 'Low res only' is not built"),
+    ({"hr_option": "Low only"}, "hr_option 'Low only' is not one of Both"),
     ({"advanced_weighting": [0.5] * 13}, "not supported by this app: advanced_weighting"),
 ])
 def test_a_unit_the_app_cannot_run_is_refused_by_name(app, change, detail):

@@ -11,9 +11,9 @@ sends "ControlNet") is a list of unit dicts as `webuiapi.ControlNetUnit.to_dict`
 `external_code` write them: `image` or `input_image` (base64, or `{"image", "mask"}`), `mask`, `module`,
 `model`, `weight`, `guidance_start`, `guidance_end` (or `guidance`), `control_mode` and `resize_mode`
 (index or name, the extension's aliases too), `pixel_perfect`, `processor_res`, `threshold_a/b`,
-`enabled`, `hr_option`. A disabled unit is skipped, as the extension skips it; every other unit the app
-cannot run (unknown module or model, a picture that is not one, a bad number, more than `MAX_UNITS`) is
-refused with a 422 naming the unit and the fix, never dropped. `low_vram` is accepted and has no effect.
+`enabled`, `hr_option` (which passes of a hires fix it guides). A disabled unit is skipped, as the
+extension skips it; every other unit the app cannot run (unknown module or model, a picture that is not one, a
+bad number, more than `MAX_UNITS`) is refused with a 422 naming the unit and the fix, never dropped. `low_vram` is accepted and has no effect.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from app.a1111.errors import A1111Route, ApiError
 from app.a1111.pnginfo import decode_images
 from app.a1111.schema import Name
 from app.a1111.state import ApiState
-from app.controlnet.listing import bare_name, model_names
+from app.controlnet.files import bare_name, model_names
 from app.controlnet.preprocessors import check_module, detect_map, module_list
-from app.controlnet.units import CONTROL_MODES, MAX_UNITS, NO_MODEL, RESIZE_MODES, ControlUnit
+from app.controlnet.units import CONTROL_MODES, HR_OPTIONS, MAX_UNITS, NO_MODEL, RESIZE_MODES, ControlUnit
 from app.settings import Settings
 
 API_VERSION = 2  # the extension's `external_code.get_api_version()`
@@ -42,7 +42,6 @@ SCRIPT_TITLE = "controlnet"
 RESIZE_ALIASES = {"Inner Fit (Scale to Fit)": "Crop and Resize", "Outer Fit (Shrink to Fit)": "Resize and Fill",
                   "Scale to Fit (Inner Fit)": "Crop and Resize", "Envelope (Outer Fit)": "Resize and Fill"}
 KEY_ALIASES = {"input_image": "image", "guidance": "guidance_end", "lowvram": "low_vram"}
-HR_OPTIONS = ("Both", "Low res only", "High res only")
 # Keys that change nothing here: memory hints, and the UI's own state the extension's unit also carries.
 HARMLESS_KEYS = {"low_vram", "guessmode", "guess_mode", "save_detected_map", "is_ui", "input_mode", "hr_option",
                  "use_preview_as_input", "generated_image"}
@@ -111,9 +110,6 @@ def parse_unit(raw: Any, index: int, settings: Settings) -> ControlUnit | None:
                             f"{', '.join(sorted(UNIT_KEYS))}")
     if not unit.get("enabled", True):
         return None
-    if unit.get("hr_option", HR_OPTIONS[0]) != HR_OPTIONS[0]:
-        raise ApiError(422, f"{where}: hr_option {unit['hr_option']!r} is not built: a unit guides both passes "
-                            "(hr_option 'Both')")
     try:
         module = check_module(unit.get("module") or "none", settings.controlnet_preprocessor_dir).name
     except ValueError as exc:
@@ -132,7 +128,8 @@ def parse_unit(raw: Any, index: int, settings: Settings) -> ControlUnit | None:
             control_mode=_choice(unit.get("control_mode", 0), CONTROL_MODES, "control_mode", where),
             resize_mode=_choice(unit.get("resize_mode", 1), RESIZE_MODES, "resize_mode", where, RESIZE_ALIASES),
             pixel_perfect=bool(unit.get("pixel_perfect", False)), processor_res=512 if res == -1 else int(res),
-            threshold_a=_number(unit, "threshold_a", -1, where), threshold_b=_number(unit, "threshold_b", -1, where))
+            threshold_a=_number(unit, "threshold_a", -1, where), threshold_b=_number(unit, "threshold_b", -1, where),
+            hr_option=_choice(unit.get("hr_option", HR_OPTIONS[0]), HR_OPTIONS, "hr_option", where))
     except ValueError as exc:
         raise ApiError(422, f"{where}: {exc}") from None
 

@@ -18,6 +18,8 @@ MAX_UNITS = 3
 CONTROL_MODES = ("Balanced", "My prompt is more important", "ControlNet is more important")
 RESIZE_MODES = ("Just Resize", "Crop and Resize", "Resize and Fill")
 NO_MODEL = "None"
+# Which passes of a txt2img with hires fix a unit controls (the extension's `hr_option`)
+HR_OPTIONS = ("Both", "Low res only", "High res only")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class ControlUnit:
     control_mode: str = CONTROL_MODES[0]
     resize_mode: str = RESIZE_MODES[1]
     pixel_perfect: bool = False
+    hr_option: str = HR_OPTIONS[0]  # with hires fix: the passes the unit controls
     processor_res: int = 512
     threshold_a: float = -1.0  # -1: the preprocessor's own default
     threshold_b: float = -1.0
@@ -52,6 +55,8 @@ class ControlUnit:
             raise ValueError(f"unknown ControlNet control mode {self.control_mode!r}; choose one of {CONTROL_MODES}")
         if self.resize_mode not in RESIZE_MODES:
             raise ValueError(f"unknown ControlNet resize mode {self.resize_mode!r}; choose one of {RESIZE_MODES}")
+        if self.hr_option not in HR_OPTIONS:
+            raise ValueError(f"unknown ControlNet hires option {self.hr_option!r}; choose one of {HR_OPTIONS}")
         if not 64 <= self.processor_res <= 2048:
             raise ValueError(f"ControlNet processor resolution must be in 64…2048, got {self.processor_res!r}")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import gradio as gr
 from PIL import Image
 
-from app.controlnet.listing import bare_name, model_names
+from app.controlnet.files import bare_name, model_names
 from app.controlnet.preprocessors import check_module, detect_map, module_list
 from app.controlnet.units import CONTROL_MODES, MAX_UNITS, NO_MODEL, RESIZE_MODES, ControlUnit
 from app.settings import Settings
