@@ -13,7 +13,8 @@ sends "ControlNet") is a list of unit dicts as `webuiapi.ControlNetUnit.to_dict`
 (index or name, the extension's aliases too), `pixel_perfect`, `processor_res`, `threshold_a/b`,
 `enabled`, `hr_option` (which passes of a hires fix it guides). A disabled unit is skipped, as the
 extension skips it; every other unit the app cannot run (unknown module or model, a picture that is not one, a
-bad number, more than `MAX_UNITS`) is refused with a 422 naming the unit and the fix, never dropped. `low_vram` is accepted and has no effect.
+bad number, more than `MAX_UNITS`) is refused with a 422 naming the unit and the fix, never dropped. `low_vram`
+is accepted and has no effect.
 """
 
 from __future__ import annotations
