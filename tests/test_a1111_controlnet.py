@@ -8,7 +8,6 @@ shapes are sd-webui-controlnet's own (`scripts/api.py`, `external_code.py`, `pro
 from __future__ import annotations
 
 import base64
-import dataclasses
 import io
 
 import numpy as np
@@ -19,9 +18,8 @@ from served_app import free_port, make_ui_data, running_app
 
 from app.a1111.controlnet import request_units
 from app.a1111.errors import ApiError
-from app.controlnet.files import model_names
+from app.controlnet.files import FOLDER_WEIGHTS, model_names
 from app.controlnet.preprocessors import detect_map
-from app.engine.generate import GenerateParams
 from app.settings import Settings
 
 webuiapi = pytest.importorskip("webuiapi")
@@ -43,6 +41,7 @@ def _add_controlnets(data, demo_dir) -> None:
     for path in demo.iterdir() if demo.is_dir() else ():
         (folder / path.name).symlink_to(path)
     (folder / FOLDER_MODEL / "config.json").write_text("{}")
+    (folder / FOLDER_MODEL / FOLDER_WEIGHTS).write_bytes(b"\0" * 8)  # a folder is listed with its weights
     (folder / f"{MODEL}.safetensors").write_bytes(b"\0" * 8)
     (folder / "old.pth").write_bytes(b"\0" * 8)  # a pickle: never listed
 
@@ -201,17 +200,14 @@ def test_txt2img_refuses_bad_units_more_than_three_and_other_scripts_before_gene
         assert answer.status_code == 422 and detail in answer.json()["detail"], answer.text
 
 
-@pytest.mark.skipif("controlnet_units" not in {f.name for f in dataclasses.fields(GenerateParams)},
-                    reason="GenerateParams.controlnet_units is cn-engine's field (issue 38); runs once merged")
 def test_txt2img_and_img2img_carry_webuiapi_units_to_the_engine(api, app, monkeypatch):
-    """With cn-engine's field and demo ControlNet: `api.txt2img(controlnet_units=[...])` and `api.img2img(...)`
+    """With a demo ControlNet: `api.txt2img(controlnet_units=[...])` and `api.img2img(...)`
     hand the engine the parsed units on `GenerateParams.controlnet_units` and answer an image each (what the
     units do to the picture is cn-engine's to test)."""
     from app.engine.worker import Engine
 
     demo = [name for name in model_names(app[1].controlnet_dir) if name not in (MODEL, FOLDER_MODEL)]
-    if not demo:
-        pytest.skip("no demo ControlNet in models/ControlNet (cn-engine writes one)")
+    assert demo, "the demo writes tiny ControlNets into models/ControlNet"
     seen = []
     for name in ("generate", "img2img"):
         original = getattr(Engine, name)
@@ -223,6 +219,6 @@ def test_txt2img_and_img2img_carry_webuiapi_units_to_the_engine(api, app, monkey
         monkeypatch.setattr(Engine, name, spy)
     unit = webuiapi.ControlNetUnit(image=_picture(), module="canny", model=demo[0], weight=0.5)
     made = [api.txt2img(prompt="p", steps=1, width=64, height=64, controlnet_units=[unit]),
-            api.img2img(images=[_picture()], prompt="p", steps=1, width=64, height=64, controlnet_units=[unit])]
+            api.img2img(images=[_picture()], prompt="p", steps=2, width=64, height=64, controlnet_units=[unit])]
     assert all(len(result.images) == 1 for result in made)
     assert len(seen) == 2 and all(len(u) == 1 and u[0].module == "canny" and u[0].weight == 0.5 for u in seen)
