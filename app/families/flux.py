@@ -21,6 +21,7 @@ from types import MappingProxyType
 
 import torch
 from diffusers import (
+    FluxControlNetPipeline,
     FluxImg2ImgPipeline,
     FluxInpaintPipeline,
     FluxPipeline,
@@ -58,6 +59,32 @@ class _PackedPatches(EnginePipeline):
 
 class SteadyFluxPipeline(_PackedPatches, VariedNoise, FluxPipeline):
     """FLUX.1 pipeline whose execution device is set by the engine."""
+
+
+class SteadyFluxControlNetPipeline(_PackedPatches, VariedNoise, FluxControlNetPipeline):
+    """FLUX.1 txt2img steered by ControlNets (InstantX/Shakker, XLabs; several at once as diffusers'
+    `FluxMultiControlNetModel`), with two changes to diffusers' pipeline, both so a ControlNet steers the
+    image the seed draws without it:
+
+    * the first noise is drawn from the generators' seeds as if fresh: diffusers draws the control image's
+      VAE sample from the same generators first, so adding a ControlNet (even at weight 0, or from step 0.9)
+      would change the noise, the whole composition. The control image's sample is drawn from the seed too,
+      as the engine encodes every image (`stages.encode`: image i's generator seeded `seed + i`);
+    * the control image is prepared in its consumer's compute dtype (the VAE's for InstantX, which encodes it;
+      the ControlNet's for XLabs, whose hint encoder reads pixels), not in the VAE's resting dtype."""
+
+    def prepare_latents(self, batch_size, num_channels_latents, height, width, dtype, device, generator,
+                        latents=None):
+        fresh = [torch.Generator(g.device).manual_seed(g.initial_seed()) for g in generator]
+        return super().prepare_latents(batch_size, num_channels_latents, height, width, dtype, device, fresh, latents)
+
+    def prepare_image(self, image, width, height, batch_size, num_images_per_prompt, device, dtype,
+                      do_classifier_free_guidance=False, guess_mode=False):
+        nets = getattr(self.controlnet, "nets", [self.controlnet])
+        reader = "vae" if nets[0].input_hint_block is None else "controlnet"
+        dtype = self.compute_dtypes.get(reader, dtype)
+        return super().prepare_image(image, width, height, batch_size, num_images_per_prompt, device, dtype,
+                                     do_classifier_free_guidance, guess_mode)
 
 
 class _FluxStage(_PackedPatches):

@@ -28,6 +28,7 @@ from types import MappingProxyType
 import torch
 from diffusers import (
     StableDiffusionImg2ImgPipeline,
+    ZImageControlNetPipeline,
     ZImageImg2ImgPipeline,
     ZImageInpaintPipeline,
     ZImagePipeline,
@@ -51,6 +52,18 @@ AI_TOOLKIT = "ai-toolkit (diffusion_model., diffusers names)"
 
 class SteadyZImagePipeline(EnginePipeline, VariedNoise, ZImagePipeline):
     """Z-Image pipeline whose execution device is set by the engine, with A1111's variation seeds."""
+
+
+class SteadyZImageControlNetPipeline(EnginePipeline, VariedNoise, ZImageControlNetPipeline):
+    """Z-Image txt2img steered by a union ControlNet (`zimage_controlnet.ZImageControlOnDenoiser`, which borrows
+    the transformer's embedders and refiners without owning them). The control image is prepared in the VAE's
+    compute dtype (diffusers reads the VAE's resting one); its latents are the VAE's mean, drawing nothing
+    from the generators, so the first noise is the one the seed draws without a ControlNet."""
+
+    def prepare_image(self, image, width, height, batch_size, num_images_per_prompt, device, dtype,
+                      do_classifier_free_guidance=False, guess_mode=False):
+        return super().prepare_image(image, width, height, batch_size, num_images_per_prompt, device,
+                                     self.compute_dtypes.get("vae", dtype), do_classifier_free_guidance, guess_mode)
 
 
 class _ZImageStage(EnginePipeline):
