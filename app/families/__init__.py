@@ -41,7 +41,7 @@ import fnmatch
 import importlib
 import json
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -174,6 +174,42 @@ FOREIGN_ADAPTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
+# (stack, stage kind, control maps (PIL, at the generation's size), units, guidance) -> the control pipeline's
+# keyword arguments for one call; it may also ready the stack for that call (per-unit control modes).
+ControlArm = Callable[[Any, str, Sequence[Any], Sequence[Any], float], dict]
+
+
+@dataclass(frozen=True)
+class ControlNetKit:
+    """What ControlNets a family takes and how it runs them (`Family.controlnet`; app/controlnet/,
+    app/engine/control.py). Why on the family: generic code loads, places and runs ControlNets without
+    naming a family; a file made for another family is recognised (`matches`) and set aside with the reason.
+
+    The engine holds the ControlNets of a generation's units as ONE pipeline component, `component`
+    (`stack_class(nets)`: one entry per unit, in unit order), beside the denoiser: placed, offloaded, stored
+    in fp8, verified and strict-checked like it. The control pipelines are stage pipelines built on the
+    loaded pipeline's own components (app/engine/stages.py) plus that component."""
+
+    model_classes: tuple[type, ...]  # diffusers ControlNet classes its files load as; [0] reads single files
+    pipelines: Mapping[str, type]  # stage kind ("txt2img", "img2img", "inpaint") -> control pipeline class
+    stack_class: type  # the component holding the loaded nets: `stack_class(list_of_nets)`
+    # A file's {tensor name: shape} (its safetensors header) -> was it made for this family? Shapes decide
+    # where names do not (SD1.5's and SDXL's ControlNets share names; cross-attention width differs).
+    matches: Callable[[Mapping[str, tuple[int, ...]]], bool]
+    # The diffusers configs its single files may have, tried in order until one fits the file's shapes
+    # (full-size ones first, then `tiny_config`): a single file carries no config.
+    single_file_configs: Callable[[], tuple[Mapping[str, object], ...]]
+    tiny_config: Mapping[str, object]  # a tiny ControlNet fitting `Family.tiny_configs` (tests, the demo)
+    arm: ControlArm  # units -> pipeline kwargs (see `ControlArm`)
+    # A single file's state dict -> diffusers names (None: diffusers' own single-file converter of
+    # `model_classes[0]`, e.g. LDM `control_model.*` names for SD); called as convert(state, config).
+    convert: Callable[[dict, Mapping[str, object]], dict] | None = None
+    # (diffusers-named state, config) -> the single-file layout users have (the tests' writer; None: users'
+    # files are diffusers-named)
+    to_single_file: Callable[[dict, Mapping[str, object]], dict] | None = None
+    component: str = "controlnet"  # the pipeline attribute the control pipelines take it as
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything family-specific; see the module docstring."""
@@ -280,6 +316,7 @@ class Family:
     first_block: str = "down_blocks.0"
     step_distilled: Callable[[Any], bool] = lambda pipe: False
     bench: BenchSpec | None = None  # None: the benchmark does not run this family
+    controlnet: ControlNetKit | None = None  # None: this family takes no ControlNet (a unit is refused by name)
 
     @property
     def plain_pipeline_class(self) -> type:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline, StableDiffusionPipeline
+from diffusers import (
+    StableDiffusionControlNetImg2ImgPipeline,
+    StableDiffusionControlNetInpaintPipeline,
+    StableDiffusionControlNetPipeline,
+    StableDiffusionImg2ImgPipeline,
+    StableDiffusionInpaintPipeline,
+    StableDiffusionPipeline,
+)
 from transformers import CLIPTextModel
 
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, Family, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
+from app.families.sd_controlnet import sd_controlnet_kit
 from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
 
 
@@ -26,8 +34,29 @@ class SteadySDInpaintPipeline(EnginePipeline, StableDiffusionInpaintPipeline):
     """SD1.5 inpaint stage pipeline (4- or 9-channel UNet)."""
 
 
+class SteadySDControlNetPipeline(EnginePipeline, VariedNoise, StableDiffusionControlNetPipeline):
+    """SD1.5 txt2img with ControlNet units (a stage pipeline on the loaded components)."""
+
+
+class SteadySDControlNetImg2ImgPipeline(EnginePipeline, StableDiffusionControlNetImg2ImgPipeline):
+    """img2img and the hires pass with ControlNet units."""
+
+
+class SteadySDControlNetInpaintPipeline(EnginePipeline, StableDiffusionControlNetInpaintPipeline):
+    """inpaint with ControlNet units."""
+
+
 _CLIP = TextEncoder("text_encoder", "tokenizer", CLIPTextModel, "cond_stage_model.transformer.text_model.",
                     open_clip=False, lora_prefix="lora_te_", embedding_key="emb_params")
+
+_TINY_UNET = dict(TINY_UNET, layers_per_block=2, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                  cross_attention_dim=TINY_CLIP_L["hidden_size"], attention_head_dim=8)
+_CONTROLNET = sd_controlnet_kit(
+    {"txt2img": SteadySDControlNetPipeline, "img2img": SteadySDControlNetImg2ImgPipeline,
+     "inpaint": SteadySDControlNetInpaintPipeline},
+    text_time=False, widths=(768, TINY_CLIP_L["hidden_size"]), config_dir=ASSETS_DIR / "configs" / "sd15",
+    tiny_unet=_TINY_UNET)
 
 SD15 = Family(
     name="sd15",
@@ -44,9 +73,7 @@ SD15 = Family(
     tiny_inpainting_channels=9,  # latents + mask + masked-image latents
     # SD1.5 mirrors the real layout (attention on top levels, plain bottom level, layers_per_block 2).
     tiny_configs=MappingProxyType({
-        "unet": dict(TINY_UNET, layers_per_block=2, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-                     cross_attention_dim=TINY_CLIP_L["hidden_size"], attention_head_dim=8),
+        "unet": _TINY_UNET,
         "vae": dict(TINY_VAE, scaling_factor=0.18215),
         "text_encoder": dict(TINY_CLIP_L, num_hidden_layers=5),
     }),
@@ -58,6 +85,7 @@ SD15 = Family(
     # The safety checker is never loaded (nothing to download, nothing to run).
     pipeline_kwargs=MappingProxyType({"safety_checker": None, "feature_extractor": None,
                                       "requires_safety_checker": False}),
+    controlnet=_CONTROLNET,
     bench=sd_bench(512, check=("--sections", "throughput,latency", "--batches", "1", "--loras", "0,3",
                                "--no-channels-last", "--repeats", "4"),
                    check_s=85, check_order=1,

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from diffusers import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    StableDiffusionXLControlNetImg2ImgPipeline,
+    StableDiffusionXLControlNetInpaintPipeline,
+    StableDiffusionXLControlNetPipeline,
+    StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLPipeline,
+)
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, Family, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
+from app.families.sd_controlnet import sd_controlnet_kit
 from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
 
 
@@ -26,6 +34,18 @@ class SteadySDXLInpaintPipeline(EnginePipeline, StableDiffusionXLInpaintPipeline
     """SDXL inpaint stage pipeline (4- or 9-channel UNet)."""
 
 
+class SteadySDXLControlNetPipeline(EnginePipeline, VariedNoise, StableDiffusionXLControlNetPipeline):
+    """SDXL txt2img with ControlNet units (a stage pipeline on the loaded components)."""
+
+
+class SteadySDXLControlNetImg2ImgPipeline(EnginePipeline, StableDiffusionXLControlNetImg2ImgPipeline):
+    """img2img and the hires pass with ControlNet units."""
+
+
+class SteadySDXLControlNetInpaintPipeline(EnginePipeline, StableDiffusionXLControlNetInpaintPipeline):
+    """inpaint with ControlNet units."""
+
+
 _TIME_EMBED_DIM = 8
 # The second encoder must be wider than the first: diffusers' single-file loader tells the two
 # apart by the width of their position embeddings and would give both the first one's weights.
@@ -37,6 +57,18 @@ _CLIP_L = TextEncoder("text_encoder", "tokenizer", CLIPTextModel,
 _CLIP_G = TextEncoder("text_encoder_2", "tokenizer_2", CLIPTextModelWithProjection, "conditioner.embedders.1.model.",
                       open_clip=True, lora_prefix="lora_te2_", embedding_key="clip_g", pad_token="!",
                       reads="both", layer="penultimate")
+
+_TINY_UNET = dict(TINY_UNET, layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+                  cross_attention_dim=TINY_CLIP_L["hidden_size"] + _TINY_CLIP_G["hidden_size"],
+                  attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), use_linear_projection=True,
+                  addition_embed_type="text_time", addition_time_embed_dim=_TIME_EMBED_DIM,
+                  projection_class_embeddings_input_dim=6 * _TIME_EMBED_DIM + _TINY_CLIP_G["projection_dim"])
+_CONTROLNET = sd_controlnet_kit(
+    {"txt2img": SteadySDXLControlNetPipeline, "img2img": SteadySDXLControlNetImg2ImgPipeline,
+     "inpaint": SteadySDXLControlNetInpaintPipeline},
+    text_time=True, widths=(2048, TINY_CLIP_L["hidden_size"] + _TINY_CLIP_G["hidden_size"]),
+    config_dir=ASSETS_DIR / "configs" / "sdxl", tiny_unet=_TINY_UNET)
 
 SDXL = Family(
     name="sdxl",
@@ -55,12 +87,7 @@ SDXL = Family(
     **SD_SHARED,
     # layers_per_block 1 (SD1.5's tiny UNet has 2), so the LDM block numbering is exercised for both values
     tiny_configs=MappingProxyType({
-        "unet": dict(TINY_UNET, layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                     up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-                     cross_attention_dim=TINY_CLIP_L["hidden_size"] + _TINY_CLIP_G["hidden_size"],
-                     attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), use_linear_projection=True,
-                     addition_embed_type="text_time", addition_time_embed_dim=_TIME_EMBED_DIM,
-                     projection_class_embeddings_input_dim=6 * _TIME_EMBED_DIM + _TINY_CLIP_G["projection_dim"]),
+        "unet": _TINY_UNET,
         "vae": dict(TINY_VAE, scaling_factor=0.13025, force_upcast=True),
         "text_encoder": TINY_CLIP_L,
         "text_encoder_2": _TINY_CLIP_G,
@@ -71,6 +98,7 @@ SDXL = Family(
     adapter_markers=("sdxl_base_v1-0", "stable-diffusion-xl-v1-base", "sdxl", "stable-diffusion-xl", "xl"),
     kohya_ldm_names=True,
     # benched beside SD1.5 in the compile and channels_last sections; no device-check section of its own
+    controlnet=_CONTROLNET,
     bench=sd_bench(1024),
 )
 FAMILIES = (SDXL,)
