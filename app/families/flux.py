@@ -35,6 +35,7 @@ from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, TextEncoder
 from app.families.file_layout import module_parts, own_names
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flux_controlnet import flux_controlnet_kit
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
 from app.families.ldm_layout import clip_layout
 from app.families.tiny_parts import TINY_CLIP_L
@@ -229,6 +230,8 @@ def _family(name: str, label: str, dev: bool) -> Family:
         adapter_markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux"),
         lora_targets=_LORA_TARGETS,
         demo_lora_targets=_DEMO_LORA_TARGETS,
+        controlnet=flux_controlnet_kit({"txt2img": SteadyFluxControlNetPipeline}, ASSETS_DIR / "configs" / name,
+                                       dict(_TINY_TRANSFORMER, guidance_embeds=dev)),
         bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
     )
 
