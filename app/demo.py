@@ -105,6 +105,38 @@ def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]
     return tensors
 
 
+def build_tiny_controlnet(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random-weight ControlNet of `arch`'s (its kit's `tiny_config`). The layers a ControlNet is
+    trained from zero (its zero convolutions, the hint embedding's last conv) are drawn too: left at zero the
+    ControlNet would add nothing, and no test could tell one control image from another."""
+    kit = family(arch).controlnet
+    torch.manual_seed(seed)
+    model = kit.model_classes[0].from_config(dict(kit.tiny_config))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and not param.any():
+                param.normal_(0.0, 0.05)
+    return model.eval()
+
+
+def write_demo_controlnets(settings: Settings, seed: int = 0) -> dict[str, Path]:
+    """For each family taking ControlNets, a tiny one as a diffusers folder in `models/ControlNet/`
+    (`tiny-<arch>-controlnet`), and in the users' single-file layout where the family has one
+    (`tiny-<arch>-controlnet-single.safetensors`: LDM names for SD1.5)."""
+    paths = {}
+    for arch, fam in FAMILIES.items():
+        if fam.controlnet is None:
+            continue
+        model = build_tiny_controlnet(arch, seed)
+        paths[f"{arch}_controlnet"] = settings.controlnet_dir / f"tiny-{arch}-controlnet"
+        model.save_pretrained(paths[f"{arch}_controlnet"], safe_serialization=True)
+        if fam.controlnet.to_single_file is not None:
+            paths[f"{arch}_controlnet_file"] = settings.controlnet_dir / f"tiny-{arch}-controlnet-single.safetensors"
+            state = fam.controlnet.to_single_file(model.state_dict(), model.config)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(paths[f"{arch}_controlnet_file"]))
+    return paths
+
+
 def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int = 0,
                inpainting: bool = False, folders: bool = True) -> dict[str, Path]:
     """Write tiny checkpoints (single file, and with `folders` a diffusers folder) and embeddings
@@ -147,6 +179,7 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
             write_single_file(build_tiny_pipeline(arch, seed, in_channels=channels), arch,
                               paths[f"{arch}_inpainting_file"])
     paths["upscaler_file"] = write_demo_upscaler(settings.data_dir / "models", seed)
+    paths.update(write_demo_controlnets(settings, seed))
     return paths
 
 

@@ -173,6 +173,11 @@ class Settings:
         return self.data_dir / "models" / "VAE"
 
     @property
+    def controlnet_dir(self) -> Path:
+        """ControlNet models (single files and diffusers folders), A1111's folder."""
+        return self.data_dir / "models" / "ControlNet"
+
+    @property
     def part_choices_file(self) -> Path:
         """Which text-encoder/VAE file each checkpoint uses, remembered per checkpoint."""
         return self.data_dir / "part-choices.json"

@@ -17,6 +17,8 @@ MAX_UNITS = 3
 CONTROL_MODES = ("Balanced", "My prompt is more important", "ControlNet is more important")
 RESIZE_MODES = ("Just Resize", "Crop and Resize", "Resize and Fill")
 NO_MODEL = "None"
+# Which passes of a txt2img with hires fix a unit controls (the extension's `hr_option`)
+HR_OPTIONS = ("Both", "Low res only", "High res only")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class ControlUnit:
     processor_res: int = 512
     threshold_a: float = -1.0  # -1: the preprocessor's own default
     threshold_b: float = -1.0
+    hr_option: str = HR_OPTIONS[0]
 
     def __post_init__(self) -> None:
         if not self.model or self.model == NO_MODEL:
@@ -50,6 +53,8 @@ class ControlUnit:
             raise ValueError(f"unknown ControlNet control mode {self.control_mode!r}; choose one of {CONTROL_MODES}")
         if self.resize_mode not in RESIZE_MODES:
             raise ValueError(f"unknown ControlNet resize mode {self.resize_mode!r}; choose one of {RESIZE_MODES}")
+        if self.hr_option not in HR_OPTIONS:
+            raise ValueError(f"unknown ControlNet hires option {self.hr_option!r}; choose one of {HR_OPTIONS}")
         if not 64 <= self.processor_res <= 2048:
             raise ValueError(f"ControlNet processor resolution must be in 64…2048, got {self.processor_res!r}")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from PIL import Image, PngImagePlugin
 
+from app.controlnet.units import ControlUnit, check_units
 from app.engine import decoding, timeline, variation
 from app.engine.host_read import HostRead
 from app.engine.interrupt import StepInterrupted
@@ -122,6 +123,7 @@ class GenerateParams:
     refiner_checkpoint: str = ""  # a checkpoint that finishes the txt2img after `refiner_switch_at` ("": none)
     refiner_switch_at: float = 0.8
     step_cache: float = 0.0  # the step cache's threshold; 0: off (every step runs the whole denoiser)
+    controlnet_units: tuple[ControlUnit, ...] = ()  # the enabled ControlNet units, at most `MAX_UNITS` (app/controlnet)
 
     def __post_init__(self) -> None:
         for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
@@ -136,6 +138,7 @@ class GenerateParams:
             if side % DEFAULT_SIZE_MULTIPLE:
                 raise ValueError(f"width and height must be multiples of {DEFAULT_SIZE_MULTIPLE}, got {side}")
         check_work(self.n_iter, self.batch, self.width, self.height, self.steps)
+        check_units(self.controlnet_units)
 
 
 def check_work(runs: int, batch: int, width: int, height: int, steps: int, what: str = "") -> None:

@@ -147,7 +147,9 @@ class Generating:
                 with timeline.phase("verify before denoising"):
                     self._verify_and_repair("before denoising")
                 self._state = EngineState.GENERATING
-            return self._generate_images(params, saved_prompt, job)
+            titles = self._control_ready(params.controlnet_units)
+            return self._generate_images(params, saved_prompt, job,
+                                         extra=self._control_infotext(params.controlnet_units, titles))
         finally:
             if tagged:
                 with timeline.phase("prompt LoRAs"):
@@ -168,7 +170,8 @@ class Generating:
         ctx = None  # made when the first image is saved: after a first load its file may still be being hashed
         job.step_cache = params.step_cache
         batch_run = batch_run or (lambda first, phase, run_params: self._denoise_run(
-            params.steps, job, phase, lambda on_step: self._lifecycle.denoise(run_params, first, on_step)))
+            params.steps, job, phase, lambda on_step: self._lifecycle.denoise(
+                run_params, first, on_step, self._control_pass(run_params, "only"))))
         out = []
         for run in range(params.n_iter):
             first, run_params = seed + run * params.batch * step, variation.for_run(params, run)

@@ -38,6 +38,7 @@ from app.engine import (
     storage,
 )
 from app.engine.checkpoint_files import ModelLoadError, resolve_checkpoint
+from app.engine.controlnet_slot import AttachedControlNets, ControlNetSlot
 from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GenerateParams
@@ -77,9 +78,10 @@ class _Loaded:
     compile: compiled.CompileState | None = None
     stage_pipes: dict[str, object] = field(default_factory=dict)  # img2img/inpaint pipelines on the same components
     shown: tuple | None = None  # (what they depend on, the placement rows last built): `ModelLifecycle.rows`
+    control: AttachedControlNets | None = None  # the ControlNet stack attached as a component (controlnet_slot.py)
 
 
-class ModelLifecycle(Placing):
+class ModelLifecycle(Placing, ControlNetSlot):
     """Owns the loaded pipeline; the worker's only way to change it. Where it lives (plan, hooks, parking)
     is `Placing`'s (app/engine/placing.py)."""
 
@@ -335,10 +337,11 @@ class ModelLifecycle(Placing):
         release_memory()
 
     # ------------------------------------------------------------------ generation
-    def denoise(self, params: GenerateParams, seed: int, on_step: Callable[[int, int], None]) -> list:
-        """Run one generation; afterwards every component is back at its resting placement."""
+    def denoise(self, params: GenerateParams, seed: int, on_step: Callable[[int, int], None], control=None) -> list:
+        """Run one generation (`control`: its `ControlPass`, or None); afterwards every component is back at its
+        resting placement."""
         def txt2img(pipe):
-            latents = stages.txt2img_latents(pipe, self.stage_for, params, seed, on_step)
+            latents = stages.txt2img_latents(pipe, self.stage_for, params, seed, on_step, control=control)
             return [] if latents is None else decoding.decode(pipe, latents)  # None: stopped before a step
         return self.run_on_model(txt2img, f"{params.batch}x{params.width}x{params.height}")
 

@@ -4,7 +4,8 @@ Each strategy installs forward hooks that ask `placement` (the only mover) to br
 the compute device when a forward needs them, and `remove()` takes away every hook it added.
 What each mode moves:
 
-* **model**: whole components; one on the GPU at a time, the previous one goes back to the CPU.
+* **model**: whole components; one on the GPU at a time, the previous one goes back to the CPU (the
+  denoiser and an attached ControlNet stack count as one: `step_partners`).
 * **balanced**: whole components; they stay resident while the GPU stays under a watermark
   (fraction of VRAM, capped by `--vram-budget`); the least recently used is evicted when a
   newcomer would not fit. A component is never left half on each device.
@@ -114,8 +115,10 @@ class ModelOffload(OffloadStrategy):
         return pre_hook
 
     def _make_room(self, incoming: str) -> None:
+        kept = step_partners(self.pipe, incoming)
         for name in list(self._on_device):
-            self._evict(name)
+            if name not in kept:
+                self._evict(name)
 
     def remove(self) -> None:
         self._on_device.clear()
@@ -129,6 +132,15 @@ class ModelOffload(OffloadStrategy):
     def settle(self) -> None:
         for name in [n for n in self._on_device if n not in self.resident()]:
             self._evict(name)
+
+
+def step_partners(pipe, name: str) -> frozenset[str]:
+    """The components that stay on the device with `name` under model offload: the denoiser and the ControlNet
+    stack attached beside it (`ControlNetKit.component`) take turns at every step, and sending one back for the
+    other would move both once per step (diffusers' model offload keeps its ControlNet beside the UNet too)."""
+    fam = family_of(pipe)
+    group = {fam.denoiser} | ({fam.controlnet.component} if fam.controlnet is not None else set())
+    return frozenset(group) if name in group else frozenset({name})
 
 
 class BalancedOffload(ModelOffload):

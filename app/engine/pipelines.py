@@ -33,6 +33,23 @@ class EnginePipeline:
     # The dtype each component computes in, by name; may differ from the dtype its weights rest in.
     compute_dtypes: Mapping[str, torch.dtype] = MappingProxyType({})
     family = None  # the `app.families.Family` it was loaded as (set by `models.load_pipeline`)
+    # Modules the engine attached beside the pipeline's own (the ControlNet stack, app/engine/controlnet_slot.py):
+    # components like the others for placement, offload, storage, strict forwards and Diagnostics, and what a
+    # control stage pipeline built on this one takes. Never in the pipeline's config: a saved pipeline is the model.
+    attached: Mapping[str, torch.nn.Module] = MappingProxyType({})
+
+    @property
+    def components(self) -> dict:
+        return {**super().components, **self.attached}
+
+    def attach(self, name: str, module: torch.nn.Module | None) -> None:
+        """Attach `module` as component `name` (None: detach it); the only way `attached` changes."""
+        kept = {k: v for k, v in self.attached.items() if k != name}
+        self.attached = MappingProxyType(kept if module is None else {**kept, name: module})
+        if module is None:
+            self.__dict__.pop(name, None)
+        else:
+            self.__dict__[name] = module  # `getattr(pipe, name)`, as for the pipeline's own components
 
     @property
     def _execution_device(self) -> torch.device:

@@ -21,6 +21,7 @@ import logging
 import torch
 
 from app.engine import generate, image_ops, placement
+from app.engine.controlnet_slot import CONTROL_STAGE
 from app.engine.generate import GenerateParams, StepCallback
 from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS, HiresParams, InitImages
 from app.families import family_of
@@ -77,13 +78,20 @@ def inpainting_checkpoint(pipe) -> bool:
 
 
 def txt2img_latents(pipe, stage_for, params: GenerateParams, seed: int, on_step: StepCallback | None = None,
-                    total: int | None = None, **inputs) -> torch.Tensor | None:
+                    total: int | None = None, control=None, **inputs) -> torch.Tensor | None:
     """txt2img's denoised latents (None: stopped before a step completed); `total` and `inputs` as
     `generate.denoise` takes them (the refiner's base pass stops at `denoising_end`). An inpainting
     checkpoint (its denoiser also reads a mask and the masked-image latents) runs as A1111 runs it:
     its conditioning is a blank picture (0.5 grey) masked whole, and the `stage_for("inpaint")`
-    pipeline denoises from pure noise (strength 1)."""
+    pipeline denoises from pure noise (strength 1). With `control` (a `ControlPass`) the family's control
+    pipeline runs instead, given the pass's maps (an inpainting checkpoint's control pass is refused)."""
     total = params.steps if total is None else total
+    if control is not None:
+        if inpainting_checkpoint(pipe):
+            raise ValueError("ControlNet units on an inpainting checkpoint are not available yet")
+        stage = stage_for(CONTROL_STAGE + "txt2img")
+        return generate.denoise(stage, params, seed, on_step, total, width=params.width, height=params.height,
+                                **control.arguments(stage, "txt2img", params.cfg), **inputs)
     if not inpainting_checkpoint(pipe):
         return generate.denoise(pipe, params, seed, on_step, total, width=params.width, height=params.height,
                                 **inputs)
@@ -114,7 +122,13 @@ def stage_pipeline(pipe, fam, kind: str):
     """The family's `kind` pipeline on `pipe`'s components (the same objects: no weight is copied or
     cast). The scheduler is a fresh copy, because pipeline constructors may rewrite an old
     scheduler config in place."""
-    cls = fam.stage_pipelines.get(kind)
+    if kind.startswith(CONTROL_STAGE):  # a control pipeline (needs the ControlNet stack attached)
+        kit, base = fam.controlnet, kind.removeprefix(CONTROL_STAGE)
+        cls = None if kit is None else kit.pipelines.get(base)
+        if cls is None:
+            raise ValueError(f"ControlNet units with {base} are not available for {fam.label} models yet")
+    else:
+        cls = fam.stage_pipelines.get(kind)
     if cls is None:
         raise ValueError(f"{kind} is not available for {fam.label} models yet")
     expected, optional = cls._get_signature_keys(cls)
@@ -199,10 +213,14 @@ def inpaint_inputs(pipe, source: InitImages, params: GenerateParams, seed: int,
 
 
 def denoise_stage(pipe, params: GenerateParams, seed: int, on_step: StepCallback, total: int,
-                  strength: float, latents: torch.Tensor, **inputs) -> torch.Tensor | None:
+                  strength: float, latents: torch.Tensor, control=None, kind: str = "img2img",
+                  **inputs) -> torch.Tensor | None:
     """The img2img/inpaint pass: our `generate.denoise` on a stage pipeline, started from the spatial
     `latents` (the pipeline casts them to its dtype, adds noise for `strength` from the seed's
-    generators and, for Flux, packs them into patches)."""
+    generators and, for Flux, packs them into patches). `control` (a `ControlPass`): `pipe` is the `kind`
+    control pipeline, given the pass's maps."""
+    if control is not None:
+        inputs.update(control.arguments(pipe, kind, params.cfg))
     return generate.denoise(pipe, params, seed, on_step, total, image=latents, strength=strength,
                             width=params.width, height=params.height, **inputs)
 

@@ -80,17 +80,24 @@ def storage_dtype(weights: str) -> torch.dtype | None:
 
 def layers_to_store(pipe, family: Family, weights: str) -> Stored:
     """The layers whose weight rests in `weights`' storage dtype (none for "full")."""
+    out: Stored = {}
+    for component in family.components:
+        layers = component_layers(getattr(pipe, component), component, family, weights)
+        if layers:
+            out[component] = layers
+    return out
+
+
+def component_layers(root: torch.nn.Module, component: str, family: Family, weights: str) -> dict[str, torch.dtype]:
+    """Of one component (the denoiser, a text encoder, an attached ControlNet), the layers `layers_to_store`
+    picks: linear and convolution weights, the family's high-precision layers and pinned tensors aside."""
     dtype = WEIGHTS_MODES[weights]
     if dtype is None:
         return {}
     keep = re.compile("|".join(f"(?:^|\\.){re.escape(name)}(?:\\.|$)" for name in family.high_precision))
-    out: Stored = {}
-    for component in family.components:
-        for path, module in getattr(pipe, component).named_modules():
-            pinned = family.pinned_dtype(component, path, "weight") is not None
-            if isinstance(module, _STORABLE) and not pinned and not (family.high_precision and keep.search(path)):
-                out.setdefault(component, {})[path] = dtype
-    return out
+    return {path: dtype for path, module in root.named_modules()
+            if isinstance(module, _STORABLE) and family.pinned_dtype(component, path, "weight") is None
+            and not (family.high_precision and keep.search(path))}
 
 
 def matmul_layers(pipe, layers: Stored, weights: str, compute_dtype: torch.dtype) -> MatmulLayers:

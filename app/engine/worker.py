@@ -30,7 +30,9 @@ from app import diagnostics, gc_policy
 from app.adapters.errors import AdapterError, LoraApplyError
 from app.adapters.files import LoraLibrary
 from app.adapters.specs import LoraSpec
+from app.controlnet.files import ControlNetLibrary
 from app.engine import job_memory, lora_options, part_choices, placement, timeline
+from app.engine.control_runs import ControlRuns
 from app.engine.desired import Desired
 from app.engine.file_scans import FileScans, ModelScan
 from app.engine.generate import GeneratedImage, GenerateParams
@@ -56,7 +58,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineBusy"]
 
 
-class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
+class Engine(Generating, Workflows, Refining, Upscaling, ControlRuns, Verifying):
     """Public, blocking API over the command queue. Thread-safe; every call waits for its result.
     Generation, Interrupt and Skip come from `Generating` (app/engine/generating.py); img2img,
     inpaint and hires fix from `Workflows` (app/engine/workflows.py); the refiner from `Refining`
@@ -81,6 +83,7 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         self._lifecycle = ModelLifecycle(settings, self.device, self._timers, self._open_lora, self._set_progress,
                                          self._scans)
         self.upscalers = UpscalerLibrary(settings.data_dir / "models")
+        self.controlnet_library = ControlNetLibrary(settings.controlnet_dir)  # units' models (control_runs.py)
         self._upscaler = UpscalerSlot(settings, self.device, self._timers)  # a component verified with the model
         self._found_total = 0
         self._repaired_total = 0
@@ -185,7 +188,10 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         model is first made to match it (None: as the engine holds it now)."""
         if hires is None:
             self._admit("txt2img", params, desired)
+        self._check_units(params.controlnet_units, self._arch_for(desired), "txt2img")
         if refined(params):
+            if params.controlnet_units:
+                raise ValueError("ControlNet units and the refiner do not run together yet: use one of them")
             if hires is not None:
                 raise ValueError("the refiner and the hires fix do not run together yet: use one of them")
             return self.txt2img_refined(params, owner=owner, desired=desired)

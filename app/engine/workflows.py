@@ -31,6 +31,7 @@ from PIL import Image
 from app.adapters.prompt import merge_prompt_loras
 from app.adapters.specs import LoraSpec
 from app.engine import generate, image_ops, job_memory, models, stages, variation
+from app.engine.controlnet_slot import CONTROL_STAGE
 from app.engine.desired import Desired
 from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.snapshot import EngineState
@@ -58,6 +59,7 @@ class Workflows:
         self.check_upscaler(hires.upscaler, hires=True)
         hires.second_pass(params, _size_multiple(arch))
         self._admit("txt2img with hires fix", params, desired, hires)
+        self._check_units(params.controlnet_units, arch, "img2img")  # the hires pass's pipeline
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
@@ -79,6 +81,7 @@ class Workflows:
         source.steps_run(params)
         self._require_stage(self._arch_for(desired), source.workflow, source.workflow)
         self._admit(source.workflow, params, desired, encodes=True)
+        self._check_units(params.controlnet_units, self._arch_for(desired), source.workflow)
         if variation.of(params) is not None or params.refiner_checkpoint:
             raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
                              f"variation strength and the resize sizes to 0 and clear the refiner for "
@@ -105,6 +108,8 @@ class Workflows:
         arch = self._arch_for(desired)
         if not references:
             raise ValueError("reference editing takes at least one reference image")
+        if params.controlnet_units:
+            raise ValueError("reference editing takes no ControlNet units")
         if arch is not None:
             fam = family(arch)
             if not fam.reference_images:
@@ -181,11 +186,13 @@ class Workflows:
                 self._run_stage("apply_loras", f"prompt tags for {name}", state.PATCHING,
                                 lambda: self._with_loras(params, passes))
             job = self._job  # set when the command left the queue (`Engine._serve`)
+            titles = self._control_ready(params.controlnet_units)
+            pairs = (*extra, *self._control_infotext(params.controlnet_units, titles))
             try:
                 # A run's own parameters (its variation seeds) with the prompt's tags, which each pass reads.
                 def run_batch(first, phase, run):
                     return batch_run(first, phase, job, passes, dataclasses.replace(run, prompt=params.prompt))
-                return self._generate_images(stripped, params.prompt, job, run_batch, extra)
+                return self._generate_images(stripped, params.prompt, job, run_batch, pairs)
             finally:
                 self._job = None
                 self._lifecycle.carry.clear()
@@ -231,7 +238,8 @@ class Workflows:
             stripped = self._with_loras(params, passes)
             latents, stopped = self._denoise_run(params.steps, job, f"first pass, {phase}", lambda on_step: (
                 self._lifecycle.run_on_model(lambda pipe: stages.txt2img_latents(
-                    pipe, self._lifecycle.stage_for, stripped, first, on_step), _size(params))))
+                    pipe, self._lifecycle.stage_for, stripped, first, on_step,
+                    control=self._control_pass(stripped, "first")), _size(params))))
             carry.clear()  # no step completed: nothing is carried, nothing decoded
             if latents is not None:
                 carry.put(plan(), latents=latents)
@@ -268,7 +276,8 @@ class Workflows:
                 inputs.update(self._lifecycle.run_on_model(lambda pipe: stages.unmasked_inputs(pipe, second, first),
                                                            _size(second)))
             return self._denoise_and_decode(stripped, kind, first, hires.steps_run(params), hires.denoising_strength,
-                                            job, f"hires pass, {phase}", **inputs)
+                                            job, f"hires pass, {phase}", self._control_pass(stripped, "hires"),
+                                            **inputs)
 
         return self._stage("hires fix", f"{second.steps} steps at {hires.denoising_strength:g} "
                                         f"{second.width}x{second.height}", second_pass)
@@ -277,11 +286,17 @@ class Workflows:
         return self._decode(self._lifecycle, self._lifecycle.carry.get("latents"), job, _size(params))
 
     def _denoise_and_decode(self, params, kind: str, first: int, total: int, strength: float, job, phase: str,
-                            **inputs) -> tuple[list[Image.Image], int | None]:
-        """A stage pipeline's pass from the carried inputs, decoded on the loaded pipeline's VAE."""
+                            control=None, **inputs) -> tuple[list[Image.Image], int | None]:
+        """A stage pipeline's pass from the carried inputs, decoded on the loaded pipeline's VAE; with `control`
+        (a `ControlPass`) the family's control pipeline of that `kind` runs it."""
+        if control is not None and kind not in family(self.snapshot().arch).controlnet.pipelines:
+            raise ValueError(f"ControlNet units with {kind} are not available for this model yet")
+        stage = kind if control is None else CONTROL_STAGE + kind
+
         def run(on_step):
             return self._lifecycle.run_on_model(lambda pipe: stages.denoise_stage(
-                pipe, params, first, on_step, total, strength, **inputs), _size(params), stage=kind)
+                pipe, params, first, on_step, total, strength, control=control, kind=kind, **inputs), _size(params),
+                stage=stage)
 
         latents, stopped = self._denoise_run(total, job, phase, run)
         if latents is None:  # stopped before a step completed
@@ -318,8 +333,10 @@ class Workflows:
                 # a regular denoiser never reads them, so there the init latents stand in.
                 masked = carry.get("masked") if nine else inputs["latents"]
                 inputs.update(mask_image=carry.get("mask"), masked_image_latents=masked)
+            control = self._control_pass(stripped, "only", source.images[0])
             images, stopped = self._denoise_and_decode(stripped, kind, first, source.steps_run(params),
-                                                       source.denoising_strength, job, f"{kind}, {phase}", **inputs)
+                                                       source.denoising_strength, job, f"{kind}, {phase}", control,
+                                                       **inputs)
             if source.mask is not None:
                 images = [image_ops.overlay(im, kept["originals"][i], kept["mask"]) for i, im in enumerate(images)]
             return images, stopped

@@ -6,7 +6,6 @@ from types import MappingProxyType
 
 from diffusers import (
     StableDiffusionControlNetImg2ImgPipeline,
-    StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline,
     StableDiffusionImg2ImgPipeline,
     StableDiffusionInpaintPipeline,
@@ -42,10 +41,6 @@ class SteadySDControlNetImg2ImgPipeline(EnginePipeline, StableDiffusionControlNe
     """img2img and the hires pass with ControlNet units."""
 
 
-class SteadySDControlNetInpaintPipeline(EnginePipeline, StableDiffusionControlNetInpaintPipeline):
-    """inpaint with ControlNet units."""
-
-
 _CLIP = TextEncoder("text_encoder", "tokenizer", CLIPTextModel, "cond_stage_model.transformer.text_model.",
                     open_clip=False, lora_prefix="lora_te_", embedding_key="emb_params")
 
@@ -53,10 +48,9 @@ _TINY_UNET = dict(TINY_UNET, layers_per_block=2, down_block_types=("CrossAttnDow
                   up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
                   cross_attention_dim=TINY_CLIP_L["hidden_size"], attention_head_dim=8)
 _CONTROLNET = sd_controlnet_kit(
-    {"txt2img": SteadySDControlNetPipeline, "img2img": SteadySDControlNetImg2ImgPipeline,
-     "inpaint": SteadySDControlNetInpaintPipeline},
+    {"txt2img": SteadySDControlNetPipeline, "img2img": SteadySDControlNetImg2ImgPipeline},
     text_time=False, widths=(768, TINY_CLIP_L["hidden_size"]), config_dir=ASSETS_DIR / "configs" / "sd15",
-    tiny_unet=_TINY_UNET)
+    tiny_unet=_TINY_UNET, ldm_files=True)
 
 SD15 = Family(
     name="sd15",

@@ -154,9 +154,11 @@ def to_ldm_controlnet(state: dict, layers_per_block: int) -> dict:
 
 
 def sd_controlnet_kit(pipelines: Mapping[str, type], *, text_time: bool, widths: tuple[int, ...], config_dir: Path,
-                      tiny_unet: Mapping[str, object]):
+                      tiny_unet: Mapping[str, object], ldm_files: bool):
     """An SD family's `ControlNetKit`: diffusers' `ControlNetModel`, this module's stack and `arm`, single files
-    in LDM names (read by diffusers' converter) with the family's UNet config or the tiny one."""
+    read by diffusers' converter (LDM `control_model.*` names, or diffusers names as they are) with the family's
+    UNet config or the tiny one. `ldm_files`: users' single files are in LDM names (lllyasviel's SD1.5 ones;
+    SDXL's are diffusers-named, and diffusers' converter drops an LDM file's text-time embedding)."""
     from app.families import ControlNetKit
 
     tiny = MappingProxyType(controlnet_config(tiny_unet, conditioning_embedding_out_channels=TINY_EMBEDDING))
@@ -165,4 +167,5 @@ def sd_controlnet_kit(pipelines: Mapping[str, type], *, text_time: bool, widths:
         matches=matcher(text_time, widths),
         single_file_configs=lambda: (controlnet_config(bundled_unet_config(config_dir)), dict(tiny)),
         tiny_config=tiny, arm=arm,
-        to_single_file=lambda state, config: to_ldm_controlnet(state, int(config["layers_per_block"])))
+        to_single_file=(lambda state, config: to_ldm_controlnet(state, int(config["layers_per_block"])))
+        if ldm_files else None)

@@ -6,7 +6,6 @@ from types import MappingProxyType
 
 from diffusers import (
     StableDiffusionXLControlNetImg2ImgPipeline,
-    StableDiffusionXLControlNetInpaintPipeline,
     StableDiffusionXLControlNetPipeline,
     StableDiffusionXLImg2ImgPipeline,
     StableDiffusionXLInpaintPipeline,
@@ -42,10 +41,6 @@ class SteadySDXLControlNetImg2ImgPipeline(EnginePipeline, StableDiffusionXLContr
     """img2img and the hires pass with ControlNet units."""
 
 
-class SteadySDXLControlNetInpaintPipeline(EnginePipeline, StableDiffusionXLControlNetInpaintPipeline):
-    """inpaint with ControlNet units."""
-
-
 _TIME_EMBED_DIM = 8
 # The second encoder must be wider than the first: diffusers' single-file loader tells the two
 # apart by the width of their position embeddings and would give both the first one's weights.
@@ -65,10 +60,9 @@ _TINY_UNET = dict(TINY_UNET, layers_per_block=1, down_block_types=("DownBlock2D"
                   addition_embed_type="text_time", addition_time_embed_dim=_TIME_EMBED_DIM,
                   projection_class_embeddings_input_dim=6 * _TIME_EMBED_DIM + _TINY_CLIP_G["projection_dim"])
 _CONTROLNET = sd_controlnet_kit(
-    {"txt2img": SteadySDXLControlNetPipeline, "img2img": SteadySDXLControlNetImg2ImgPipeline,
-     "inpaint": SteadySDXLControlNetInpaintPipeline},
+    {"txt2img": SteadySDXLControlNetPipeline, "img2img": SteadySDXLControlNetImg2ImgPipeline},
     text_time=True, widths=(2048, TINY_CLIP_L["hidden_size"] + _TINY_CLIP_G["hidden_size"]),
-    config_dir=ASSETS_DIR / "configs" / "sdxl", tiny_unet=_TINY_UNET)
+    config_dir=ASSETS_DIR / "configs" / "sdxl", tiny_unet=_TINY_UNET, ldm_files=False)
 
 SDXL = Family(
     name="sdxl",
