@@ -69,8 +69,9 @@ def zimage():
 
 
 def _flux_net(kind: str) -> FluxControlNetModel:
-    kit, transformer = family("flux-dev").controlnet, family("flux-dev").tiny_configs["transformer"]
-    configs = {"union": dict(kit.tiny_config), "xlabs": flux_controlnet._configs(dict(transformer))[6]}
+    transformer = family("flux-dev").tiny_configs["transformer"]
+    configs = {"union": flux_controlnet.tiny_config(transformer, union=True),
+               "xlabs": flux_controlnet._configs(dict(transformer))[6]}
     assert configs["xlabs"]["conditioning_embedding_channels"]
     torch.manual_seed(1)
     return _trained(FluxControlNetModel(**configs[kind]), 2)

@@ -86,8 +86,9 @@ class ControlNetLibrary:
     def usable(self) -> list[ControlNetEntry]:
         return [e for e in self.entries() if not e.refusal]
 
-    def facts(self, entry: ControlNetEntry) -> tuple[str, str | None]:
-        """(short hash, family name or None) of a usable entry; a corrupt file raises `ControlNetFileError`."""
+    def facts(self, entry: ControlNetEntry) -> tuple[str, tuple[str, ...]]:
+        """(short hash, the names of the families it fits) of a usable entry; a corrupt file raises
+        `ControlNetFileError`."""
         identity = FileIdentity.of(entry.weights)
         known = self._facts.get(entry.weights)
         if known is None or known[0] != identity:
@@ -95,8 +96,7 @@ class ControlNetLibrary:
                 shapes = read_shapes(entry.weights)
             except SafetensorsFileError as exc:
                 raise ControlNetFileError(f"ControlNet {entry.name}: {exc}") from exc
-            fam = family_of_shapes(shapes)
-            known = (identity, model_hash(entry.weights), None if fam is None else fam.name)
+            known = (identity, model_hash(entry.weights), tuple(fam.name for fam in families_of_shapes(shapes)))
             self._facts[entry.weights] = known
         return known[1], known[2]
 
@@ -109,10 +109,10 @@ class ControlNetLibrary:
         out = []
         for entry in self.usable():
             try:
-                short, fam = self.facts(entry)
+                short, fits = self.facts(entry)
             except ControlNetFileError:
                 continue
-            if arch is None or fam == arch:
+            if arch is None or arch in fits:
                 out.append(f"{entry.name} [{short}]")
         return out
 
@@ -142,7 +142,7 @@ def _entry(path: Path) -> ControlNetEntry | None:
     return None
 
 
-def family_of_shapes(shapes: Mapping[str, tuple[int, ...]]) -> Family | None:
-    """The family whose `ControlNetKit.matches` these tensor shapes; None: no family here takes it."""
-    return next((fam for fam in FAMILIES.values() if fam.controlnet is not None and fam.controlnet.matches(shapes)),
-                None)
+def families_of_shapes(shapes: Mapping[str, tuple[int, ...]]) -> tuple[Family, ...]:
+    """The families whose `ControlNetKit.matches` these tensor shapes (families on one architecture share their
+    ControlNets: FLUX.1-dev and -schnell, Z-Image Turbo and Base); empty: no family here takes it."""
+    return tuple(fam for fam in FAMILIES.values() if fam.controlnet is not None and fam.controlnet.matches(shapes))

@@ -75,8 +75,8 @@ class ControlRuns:
                 source_of(i, unit, None)
             entry = library.resolve(unit.model)
             made_for = library.facts(entry)[1]
-            if made_for != arch:
-                what = f"{family(made_for).label} models" if made_for else "no model family here"
+            if arch not in made_for:
+                what = f"{family(made_for[0]).label} models" if made_for else "no model family here"
                 raise ControlNetFileError(f"ControlNet unit {i}: {entry.name} is made for {what}; the model is "
                                           f"{fam.label}: choose a {fam.label} ControlNet")
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from app.controlnet import loading
-from app.controlnet.files import ControlNetEntry, ControlNetFileError, family_of_shapes
+from app.controlnet.files import ControlNetEntry, ControlNetFileError, families_of_shapes
 from app.engine import compiled, offload, storage, strict
 from app.engine.memory import release_memory
 from app.families import Family, family
@@ -53,13 +53,13 @@ def refuse_foreign(entry: ControlNetEntry, fam: Family) -> None:
     """Refuse, by name, a ControlNet made for another family (or for none here): running the generation
     without it would hand back a picture the unit did not shape."""
     try:
-        made_for = family_of_shapes(read_shapes(entry.weights))
+        made_for = families_of_shapes(read_shapes(entry.weights))
     except ValueError as exc:
         raise ControlNetFileError(f"ControlNet {entry.name}: {exc}") from exc
-    if made_for is None:
+    if not made_for:
         raise ControlNetFileError(f"ControlNet {entry.name} is not a ControlNet any model family here takes")
-    if made_for.name != fam.name:
-        raise ControlNetFileError(f"ControlNet {entry.name} is made for {made_for.label} models; the loaded model "
+    if fam not in made_for:
+        raise ControlNetFileError(f"ControlNet {entry.name} is made for {made_for[0].label} models; the loaded model "
                                   f"is {fam.label}: choose a {fam.label} ControlNet")
 
 

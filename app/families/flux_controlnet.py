@@ -131,7 +131,7 @@ def _configs(base: Mapping) -> list[dict]:
 def single_file_configs(config_dir: Path, tiny_transformer: Mapping) -> tuple[dict, ...]:
     """Every layout on the full-size transformer (the bundled config), then on the tiny one."""
     full = json.loads((config_dir / "transformer" / "config.json").read_text())
-    return (*_configs(full), *_configs(tiny_transformer), tiny_config(tiny_transformer, plain=True))
+    return (*_configs(full), *_configs(tiny_transformer), tiny_config(tiny_transformer, union=True))
 
 
 def convert(state: dict, config: Mapping) -> dict:
@@ -173,11 +173,12 @@ def to_single_file(state: dict, config: Mapping) -> dict:
     return to_file(layout, state, file_shapes(layout, shapes))
 
 
-def tiny_config(transformer: Mapping, plain: bool = False) -> dict:
-    """A tiny InstantX-style ControlNet on the tiny FLUX.1 transformer: one double and one single block (whose
-    residuals spread over the transformer's two of each) and InstantX's 10 union mode slots (`plain`: none)."""
+def tiny_config(transformer: Mapping, union: bool = False) -> dict:
+    """A tiny InstantX-style ControlNet on the tiny FLUX.1 transformer: one double and one single block, whose
+    residuals spread over the transformer's two of each; with `union`, InstantX's 10 mode slots. The demo's is
+    plain, so a unit with any preprocessor (or none) runs it."""
     return dict({k: transformer[k] for k in _BASE_KEYS}, num_layers=1, num_single_layers=1,
-                guidance_embeds=transformer["guidance_embeds"], num_mode=None if plain else 10)
+                guidance_embeds=transformer["guidance_embeds"], num_mode=10 if union else None)
 
 
 def flux_controlnet_kit(pipelines: Mapping[str, type], config_dir: Path, tiny_transformer: Mapping):

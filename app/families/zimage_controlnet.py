@@ -87,12 +87,16 @@ class ZImageControlNetStack(ModelMixin):
         step, self._step = self._step, self._step + 1
         units = len(self.nets)
         scales = conditioning_scale if isinstance(conditioning_scale, (list, tuple)) else [conditioning_scale] * units
+        # The pad tokens are tensors the transformer owns itself, brought in around the transformer's own forward
+        # only (offload streams them so): lent as the latents' device and dtype, as that forward would see them.
+        lent = {k: v.to(device=x[0].device, dtype=x[0].dtype) if isinstance(v, torch.Tensor) else v
+                for k, v in self._borrowed.items()}
         total: dict[int, torch.Tensor] = {}
         for u, net in enumerate(self.nets):
             start, end = self.windows[u] if u < len(self.windows) else (0.0, 1.0)
             if step / self.steps < start or (step + 1) / self.steps > end:  # diffusers' keep rule for SD and FLUX.1
                 continue
-            for name, value in self._borrowed.items():
+            for name, value in lent.items():
                 object.__setattr__(net, name, value)  # lent, never registered: the transformer owns them
             out = net(x, t, cap_feats, _padded(control_context[u::units], net.config.control_in_dim),
                       conditioning_scale=scales[u], patch_size=patch_size, f_patch_size=f_patch_size)
