@@ -149,6 +149,8 @@ def test_xlabs_file_reads_to_the_model_it_was_written_from():
     written = flux_controlnet.to_single_file(state, config)
     assert torch.equal(written["double_blocks.0.img_attn.qkv.weight"], torch.cat(
         [state[f"transformer_blocks.0.attn.to_{p}.weight"] for p in "qkv"]))
+    assert torch.equal(written["input_hint_block.2.weight"], state["input_hint_block.blocks.0.weight"])
+    assert torch.equal(written["input_hint_block.4.weight"], state["input_hint_block.blocks.1.weight"])
     assert torch.equal(written["input_hint_block.14.weight"], state["input_hint_block.conv_out.weight"])
     assert torch.equal(written["pos_embed_input.weight"], state["controlnet_x_embedder.weight"])
     fitting = [c for c in family("flux-dev").controlnet.single_file_configs() if _converts(written, c)]
