@@ -91,6 +91,7 @@ def _plan() -> tuple[Section, ...]:
     """The GPU tests, each family's headline rows, the sections that compare engine features across
     SD1.5 and SDXL, then each family's offload rows; lettered in that order."""
     headline, family_offload = _family_sections()
+    controlled = [fam for fam in FAMILIES.values() if fam.bench and fam.controlnet]  # families with ControlNet rows
     sections = [
         Section("gpu-tests", "", "-m gpu correctness tests, fast form: placement repair, forced OOM, LoRA math on "
                 "the weight's device, pinned backups, VRAM returned on switches, SD.Next sequences in every offload "
@@ -101,6 +102,11 @@ def _plan() -> tuple[Section, ...]:
                 "1024², 20 steps: speed, whole denoiser calls, PSNR (estimate not yet from a run)", 150,
                 ("--archs", "sd15,flux-dev", "--sections", "cache", "--batches", "1", "--repeats", "4", "--steps",
                  "20")),
+        Section("controlnet", "", "one ControlNet unit, ours vs diffusers' ControlNet pipeline on the same weights, "
+                f"{', '.join(f.label for f in controlled)} at their bench sides, 20 steps: it/s, per-image time, VRAM "
+                "(estimate not yet from a run)", 90 * len(controlled),
+                ("--archs", ",".join(f.name for f in controlled), "--sections", "controlnet", "--batches", "1",
+                 "--repeats", "4", "--steps", "20")),
         Section("compile", "", "compiled denoiser (reduce-overhead): speed vs eager, recompiles and CUDA-graph "
                 "re-records across LoRA changes, SD1.5 then SDXL", 330,
                 ("--archs", "sd15,sdxl", "--sections", "compile", "--batches", "1", "--repeats", "2")),

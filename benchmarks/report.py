@@ -127,6 +127,9 @@ def _row_checks(row: dict[str, Any]) -> list[dict[str, Any]]:
         return [_check("ours fp8 + 3 LoRA bypasses vs ours fp8", where, ratio, ">= 0.95", lambda v: v >= 0.95, verdict)]
     if section == "cache":
         return [_check("ours step cache vs ours uncached", where, ratio, ">= 1.5", lambda v: v >= 1.5, verdict)]
+    if section == "controlnet":
+        return [_check("ours ControlNet vs diffusers' ControlNet pipeline", where, ratio, ">= 1.0", lambda v: v >= 1.0,
+                       verdict)]
     if section == "offload" and row["offload"] == "balanced":
         return [_check("balanced (ample VRAM) vs ours none", where, ratio, ">= 0.95", lambda v: v >= 0.95, verdict)]
     if section == "compile" and row["loras"] == 0 and row["baseline"] == "diffusers" and row["batch"] == 1 \

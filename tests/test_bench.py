@@ -68,7 +68,7 @@ def test_every_section_has_rows_with_paired_ratios_and_a_control(smoke):
     verdict; or no ratio and a reason when the baseline cannot run (no CUDA here)."""
     _out, results = smoke
     rows = results["rows"]
-    assert {r["section"] for r in rows} == {"throughput", "offload", "compile", "fp8", "cache"}
+    assert {r["section"] for r in rows} == {"throughput", "offload", "compile", "fp8", "cache", "controlnet"}
     assert {r["offload"] for r in rows} == {"none", "model", "balanced", "balanced-3gib", "sequential", "group"}
     assert {r["loras"] for r in rows} == {0, 1, 3}
     repeats = results["config"]["repeats"]
@@ -87,6 +87,15 @@ def test_every_section_has_rows_with_paired_ratios_and_a_control(smoke):
     assert any(r["ratio"] is not None and r["baseline"] == "diffusers" for r in rows)
     nhwc = {(r["loras"], r["baseline"]) for r in rows if r["ours"] == "ours channels_last"}
     assert nhwc == {(0, "ours"), (3, "ours fused")}  # `--channels-last` against ours contiguous, same pool
+
+
+def test_the_controlnet_row_pairs_ours_with_the_familys_diffusers_control_pipeline(smoke):
+    """The controlnet section: one row, ours with one ControlNet unit against diffusers' control pipeline on the
+    same weights, measured in one pool (a ratio, its interval, per-image seconds of both sides)."""
+    _out, results = smoke
+    rows = [r for r in results["rows"] if r["section"] == "controlnet"]
+    assert [(r["ours"], r["baseline"]) for r in rows] == [("ours ControlNet", "diffusers ControlNet pipeline")]
+    assert rows[0]["ratio"] is not None and rows[0]["ours_its"] > 0 and rows[0]["baseline_its"] > 0
 
 
 def test_per_image_rows_carry_where_our_generation_went(smoke):

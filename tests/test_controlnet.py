@@ -34,7 +34,7 @@ from app.engine import placement
 from app.engine.generate import GenerateParams
 from app.engine.stage_params import HiresParams
 from app.engine.worker import Engine
-from app.families import family
+from app.families import FAMILIES, family
 from app.families.sd_controlnet import ControlNetStack
 from app.infotext import parse_infotext
 from app.settings import Settings
@@ -43,18 +43,21 @@ ORACLES = {"sd15": StableDiffusionControlNetPipeline, "sdxl": StableDiffusionXLC
 
 
 @pytest.fixture(scope="module")
-def data(demo_dir, tmp_path_factory):
+def engine(demo_dir, tmp_path_factory):
+    """fp32 on the CPU with strict forwards, on hard links to the session's demo checkpoints and ControlNets."""
     root = tmp_path_factory.mktemp("controlnet")
     for sub in ("models/Stable-diffusion", "models/Lora", "models/ControlNet"):
         shutil.copytree(demo_dir / sub, root / sub, copy_function=os.link)
-    return root
+    eng = Engine(Settings(data_dir=root, device="cpu", strict_forwards=True))
+    try:
+        yield eng
+    finally:
+        eng.close()
 
 
 @pytest.fixture(scope="module")
-def engine(data):
-    eng = Engine(Settings(data_dir=data, device="cpu", strict_forwards=True))
-    yield eng
-    eng.close()
+def data(engine):
+    return engine.settings.data_dir
 
 
 def picture(seed: int, side: int = 64) -> Image.Image:
@@ -289,3 +292,16 @@ def test_model_offload_keeps_the_controlnet_beside_the_denoiser(data, monkeypatc
         assert onloads.count("controlnet") == 1 and onloads.count("unet") == 1, onloads
     finally:
         eng.close()
+
+
+def test_the_demo_writes_a_tiny_controlnet_for_every_family_with_a_kit(data):
+    """`app.demo` writes `tiny-<arch>-controlnet` (a diffusers folder) for each family declaring ControlNet
+    support, each listed with its `name [hash]` title and recognised as made for that family by its shapes."""
+    library = ControlNetLibrary(data / "models/ControlNet")
+    kits = [arch for arch in FAMILIES if family(arch).controlnet is not None]
+    assert {"sd15", "sdxl"} <= set(kits)
+    for arch in kits:
+        entry = library.resolve(f"tiny-{arch}-controlnet")
+        assert entry.folder and library.facts(entry)[1] == arch
+        assert library.title(entry) in library.titles(arch)
+        assert all(library.title(entry) not in library.titles(other) for other in kits if other != arch)

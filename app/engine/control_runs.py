@@ -87,8 +87,9 @@ class ControlRuns:
             return ()
         library = self.controlnet_library
         entries = [library.resolve(u.model) for u in units]
-        self._lifecycle.ensure_controlnets(entries)
-        self._verify_and_repair("after attaching ControlNets")
+        before = self._lifecycle.controlnets
+        if self._lifecycle.ensure_controlnets(entries) is not before:  # the same stack: nothing moved since the
+            self._verify_and_repair("after attaching ControlNets")  # verify that began this transition
         return tuple(library.title(e) for e in entries)
 
     def _control_pass(self, params, which: str, init: Image.Image | None = None) -> ControlPass | None:

@@ -135,11 +135,14 @@ class ModelOffload(OffloadStrategy):
 
 
 def step_partners(pipe, name: str) -> frozenset[str]:
-    """The components that stay on the device with `name` under model offload: the denoiser and the ControlNet
-    stack attached beside it (`ControlNetKit.component`) take turns at every step, and sending one back for the
-    other would move both once per step (diffusers' model offload keeps its ControlNet beside the UNet too)."""
-    fam = family_of(pipe)
-    group = {fam.denoiser} | ({fam.controlnet.component} if fam.controlnet is not None else set())
+    """The components that stay on the device with `name` under model offload: the denoiser and what the engine
+    attached beside it (`EnginePipeline.attached`: a ControlNet stack) take turns at every step, and sending one
+    back for the other would move both once per step (diffusers' model offload keeps its ControlNet beside the
+    UNet too). Anything else, or a holder with nothing attached (the upscaler's), stands alone."""
+    attached = getattr(pipe, "attached", None)
+    if not attached:
+        return frozenset({name})
+    group = {family_of(pipe).denoiser, *attached}
     return frozenset(group) if name in group else frozenset({name})
 
 
