@@ -35,10 +35,11 @@ from app.families.flux_layout import xlabs_controlnet_layout
 
 Shapes = Mapping[str, tuple[int, ...]]
 
-# (double blocks, single blocks, union modes) of the InstantX-style files people use: InstantX's Union (and
-# Shakker-Labs' Union-Pro, 10 mode slots), InstantX's single-purpose ones (Canny, Depth), Shakker-Labs'
-# Union-Pro-2.0, jasperai's (Upscaler, Depth, Surface Normals), and the two others DiffSynth-Studio lists.
-PUBLISHED = ((5, 10, 10), (5, 10, None), (6, 0, None), (5, 0, None), (4, 10, None), (4, 1, None))
+# (double blocks, single blocks, union modes) of the InstantX-style files people use: InstantX's single-purpose
+# ones (Canny, Depth; first: the bench's full-size ControlNet, which any preprocessor runs), its Union (and
+# Shakker-Labs' Union-Pro, 10 mode slots), Shakker-Labs' Union-Pro-2.0, jasperai's (Upscaler, Depth, Surface
+# Normals), and the two others DiffSynth-Studio lists.
+PUBLISHED = ((5, 10, None), (5, 10, 10), (6, 0, None), (5, 0, None), (4, 10, None), (4, 1, None))
 XLABS_DOUBLE_BLOCKS = 2  # x-flux's ControlNetFlux(controlnet_depth=2)
 _BASE_KEYS = ("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
               "pooled_projection_dim", "axes_dims_rope")
