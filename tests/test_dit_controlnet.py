@@ -28,7 +28,12 @@ from PIL import Image
 from app.controlnet.units import ControlUnit
 from app.demo import build_tiny_pipeline
 from app.families import family, flux_controlnet, zimage_controlnet
-from app.families.flux import SteadyFluxControlNetPipeline, SteadyFluxPipeline
+from app.families.flux import (
+    SteadyFluxControlNetImg2ImgPipeline,
+    SteadyFluxControlNetPipeline,
+    SteadyFluxImg2ImgPipeline,
+    SteadyFluxPipeline,
+)
 from app.families.zimage import SteadyZImageControlNetPipeline, SteadyZImagePipeline
 
 SEED, SIDE, STEPS = 7, 64, 2
@@ -125,6 +130,24 @@ def test_two_flux_units_sum_as_diffusers_and_two_maps_give_two_images(flux):
     assert torch.equal(ours, theirs)
     swapped = _ours_flux(flux, [net, net], units, [_map(1), _map(0)])
     assert (swapped - ours).abs().max() > 1e-3
+
+
+def test_flux_img2img_control_at_weight_zero_is_the_img2img_stage(flux):
+    """The img2img (and hires) control pipeline, handed latents as the engine's stages are: at weight 0 it draws
+    the plain img2img stage's image bit for bit (same steps × strength, same noise), at 0.8 another one."""
+    kit, net = family("flux-dev").controlnet, _flux_net("union")
+    call = dict(FLUX_CALL, num_inference_steps=4, strength=0.6,
+                image=torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(3)))
+    plain = _quiet(SteadyFluxImg2ImgPipeline(**flux.components))(generator=_gens(), **call).images
+    parts = {k: v for k, v in flux.components.items() if k not in ("image_encoder", "feature_extractor")}
+    out = {}
+    for weight in (0.0, 0.8):
+        stack = kit.stack_class([net])
+        pipe = _quiet(SteadyFluxControlNetImg2ImgPipeline(**parts, controlnet=stack))
+        unit = ControlUnit(model="tiny", module="tile_resample", weight=weight)
+        out[weight] = pipe(generator=_gens(), **call, **kit.arm(stack, "img2img", [_map(0)], [unit], 3.5)).images
+    assert torch.equal(out[0.0], plain)
+    assert (out[0.8] - plain).abs().max() > 1e-2
 
 
 def test_flux_units_the_kit_cannot_run_are_refused_by_name(flux):

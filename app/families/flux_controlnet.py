@@ -132,7 +132,8 @@ def _configs(base: Mapping) -> list[dict]:
 def single_file_configs(config_dir: Path, tiny_transformer: Mapping) -> tuple[dict, ...]:
     """Every layout on the full-size transformer (the bundled config), then on the tiny one."""
     full = json.loads((config_dir / "transformer" / "config.json").read_text())
-    return (*_configs(full), *_configs(tiny_transformer), tiny_config(tiny_transformer, union=True))
+    return (*_configs(full), *_configs(tiny_transformer), tiny_config(tiny_transformer),
+            tiny_config(tiny_transformer, union=True))
 
 
 def convert(state: dict, config: Mapping) -> dict:
@@ -142,7 +143,9 @@ def convert(state: dict, config: Mapping) -> dict:
     xlabs = config.get("conditioning_embedding_channels") is not None
     blocks = _count(shapes, "double_blocks" if xlabs else "controlnet_blocks")
     if xlabs != ("pos_embed_input.weight" in shapes) or blocks != config["num_layers"]:
-        raise ValueError(f"{blocks} double blocks ({'XLabs' if xlabs else 'InstantX'} layout expected)")
+        names = "BFL" if "img_in.weight" in shapes else "diffusers"
+        raise ValueError(f"not the {'XLabs' if xlabs else 'InstantX'} layout of {config['num_layers']} double "
+                         f"blocks (the file has {blocks} in {names} names)")
     embedder = shapes["img_in.weight" if xlabs else "x_embedder.weight"]
     if embedder != (config["num_attention_heads"] * config["attention_head_dim"], config["in_channels"]):
         raise ValueError(f"its patch embedder is {embedder}")
