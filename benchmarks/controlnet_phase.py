@@ -72,7 +72,7 @@ def controlnet_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
                             height=side, sampler="Euler", controlnet_units=(unit,))
     kit, pipeline = fam.controlnet, _diffusers_base(fam.controlnet.pipelines["txt2img"])
     # diffusers' multi-ControlNet class the stack is built on, holding the net; where diffusers has none (its
-    # pipeline takes one ControlNet: Z-Image), the net itself, given the unit's values rather than lists
+    # pipeline takes one ControlNet), the net itself, given the unit's values rather than lists
     multi = _diffusers_base(kit.stack_class)
     single = multi is ModelMixin
     expected, _optional = pipeline._get_signature_keys(pipeline)

@@ -143,6 +143,6 @@ def _entry(path: Path) -> ControlNetEntry | None:
 
 
 def families_of_shapes(shapes: Mapping[str, tuple[int, ...]]) -> tuple[Family, ...]:
-    """The families whose `ControlNetKit.matches` these tensor shapes (families on one architecture share their
-    ControlNets: FLUX.1-dev and -schnell, Z-Image Turbo and Base); empty: no family here takes it."""
+    """The families whose `ControlNetKit.matches` these tensor shapes (families on one architecture, a distilled
+    and an undistilled variant, share their ControlNets); empty: no family here takes it."""
     return tuple(fam for fam in FAMILIES.values() if fam.controlnet is not None and fam.controlnet.matches(shapes))
