@@ -21,6 +21,7 @@ from types import MappingProxyType
 
 import torch
 from diffusers import (
+    FluxControlNetImg2ImgPipeline,
     FluxControlNetPipeline,
     FluxImg2ImgPipeline,
     FluxInpaintPipeline,
@@ -28,6 +29,7 @@ from diffusers import (
     FluxTransformer2DModel,
     StableDiffusionImg2ImgPipeline,
 )
+from diffusers.image_processor import VaeImageProcessor
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
 from app.engine.pipelines import EnginePipeline
@@ -62,22 +64,21 @@ class SteadyFluxPipeline(_PackedPatches, VariedNoise, FluxPipeline):
     """FLUX.1 pipeline whose execution device is set by the engine."""
 
 
-class SteadyFluxControlNetPipeline(_PackedPatches, VariedNoise, FluxControlNetPipeline):
-    """FLUX.1 txt2img steered by ControlNets (InstantX/Shakker, XLabs; several at once as diffusers'
-    `FluxMultiControlNetModel`), with two changes to diffusers' pipeline, both so a ControlNet steers the
-    image the seed draws without it:
+def _fresh(generators: list[torch.Generator]) -> list[torch.Generator]:
+    """Generators at their seeds' first draw, whatever was drawn from them since."""
+    return [torch.Generator(g.device).manual_seed(g.initial_seed()) for g in generators]
 
-    * the first noise is drawn from the generators' seeds as if fresh: diffusers draws the control image's
-      VAE sample from the same generators first, so adding a ControlNet (even at weight 0, or from step 0.9)
-      would change the noise, the whole composition. The control image's sample is drawn from the seed too,
-      as the engine encodes every image (`stages.encode`: image i's generator seeded `seed + i`);
+
+class _FluxControl(_PackedPatches):
+    """What FLUX.1's control pipelines change in diffusers', so a ControlNet steers the image the seed draws
+    without it:
+
+    * the noise is drawn from the generators' seeds as if fresh: diffusers draws the control image's VAE
+      sample from the same generators first, so adding a ControlNet (even at weight 0, or from step 0.9) would
+      change the noise, the whole composition. The control image's sample is drawn from the seed too, as the
+      engine encodes every image (`stages.encode`: image i's generator seeded `seed + i`);
     * the control image is prepared in its consumer's compute dtype (the VAE's for InstantX, which encodes it;
       the ControlNet's for XLabs, whose hint encoder reads pixels), not in the VAE's resting dtype."""
-
-    def prepare_latents(self, batch_size, num_channels_latents, height, width, dtype, device, generator,
-                        latents=None):
-        fresh = [torch.Generator(g.device).manual_seed(g.initial_seed()) for g in generator]
-        return super().prepare_latents(batch_size, num_channels_latents, height, width, dtype, device, fresh, latents)
 
     def prepare_image(self, image, width, height, batch_size, num_images_per_prompt, device, dtype,
                       do_classifier_free_guidance=False, guess_mode=False):
@@ -86,6 +87,38 @@ class SteadyFluxControlNetPipeline(_PackedPatches, VariedNoise, FluxControlNetPi
         dtype = self.compute_dtypes.get(reader, dtype)
         return super().prepare_image(image, width, height, batch_size, num_images_per_prompt, device, dtype,
                                      do_classifier_free_guidance, guess_mode)
+
+
+class SteadyFluxControlNetPipeline(_FluxControl, VariedNoise, FluxControlNetPipeline):
+    """FLUX.1 txt2img steered by ControlNets (InstantX/Shakker, XLabs; the units' stack is diffusers'
+    `FluxMultiControlNetModel`)."""
+
+    def prepare_latents(self, batch_size, num_channels_latents, height, width, dtype, device, generator,
+                        latents=None):
+        return super().prepare_latents(batch_size, num_channels_latents, height, width, dtype, device,
+                                       _fresh(generator), latents)
+
+
+class SteadyFluxControlNetImg2ImgPipeline(_FluxControl, FluxControlNetImg2ImgPipeline):
+    """FLUX.1 img2img (and the hires pass) steered by ControlNets. As the engine's other stage pipelines it takes
+    latents the engine encoded (`FluxImg2ImgPipeline`'s latent path, which diffusers' control variant lacks:
+    it VAE-encodes whatever it is given) and runs int(steps × strength) steps (as `_FluxStage`)."""
+
+    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+
+    def __init__(self, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer,
+                 controlnet) -> None:
+        super().__init__(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+                         controlnet=controlnet)
+        self.latent_channels = self.vae.config.latent_channels
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2,
+                                                 vae_latent_channels=self.latent_channels)
+
+    def prepare_latents(self, image, timestep, batch_size, num_channels_latents, height, width, dtype, device,
+                        generator, latents=None):
+        return FluxImg2ImgPipeline.prepare_latents(self, image, timestep, batch_size, num_channels_latents, height,
+                                                   width, dtype, device, _fresh(generator), latents)
 
 
 class _FluxStage(_PackedPatches):
@@ -173,6 +206,9 @@ _DEMO_LORA_TARGETS = (
 
 # No Flux Fill (a 384-channel inpainting transformer) here: inpaint blends the regular model's latents.
 _STAGES = MappingProxyType({"img2img": SteadyFluxImg2ImgPipeline, "inpaint": SteadyFluxInpaintPipeline})
+# With ControlNet units: txt2img, and img2img (the hires pass too); no inpaint yet
+_CONTROL_PIPELINES = MappingProxyType({"txt2img": SteadyFluxControlNetPipeline,
+                                       "img2img": SteadyFluxControlNetImg2ImgPipeline})
 
 
 def _call_inputs(fam, cfg, rows: int, latent_side: int, empty) -> dict:
@@ -230,7 +266,7 @@ def _family(name: str, label: str, dev: bool) -> Family:
         adapter_markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux"),
         lora_targets=_LORA_TARGETS,
         demo_lora_targets=_DEMO_LORA_TARGETS,
-        controlnet=flux_controlnet_kit({"txt2img": SteadyFluxControlNetPipeline}, ASSETS_DIR / "configs" / name,
+        controlnet=flux_controlnet_kit(_CONTROL_PIPELINES, ASSETS_DIR / "configs" / name,
                                        dict(_TINY_TRANSFORMER, guidance_embeds=dev)),
         bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
     )
