@@ -165,10 +165,10 @@ def test_flux_units_the_kit_cannot_run_are_refused_by_name(flux):
                 [ControlUnit(model="tiny", module="canny")] * 2, 3.5)
 
 
-def test_xlabs_file_reads_to_the_model_it_was_written_from():
-    """An XLabs file (BFL names: fused qkv, `pos_embed_input`, the hint encoder's Sequential indices) reads back
-    to the same tensors; its fused q/k/v rows are diffusers' to_q, to_k, to_v in that order (x-flux's layout);
-    and only the XLabs candidate config reads it (`convert` refuses the InstantX ones before any build)."""
+def test_xlabs_file_reads_to_the_model_it_was_written_from(tmp_path):
+    """An XLabs file (BFL names: fused qkv, `pos_embed_input`, the hint encoder's Sequential indices) loads,
+    through the engine's ControlNet loader, to the tensors it was written from; its fused q/k/v rows are
+    diffusers' to_q, to_k, to_v in that order and its convolutions keep x-flux's order (InvokeAI's port)."""
     net = _flux_net("xlabs")
     config, state = dict(net.config), net.state_dict()
     written = flux_controlnet.to_single_file(state, config)
@@ -178,18 +178,21 @@ def test_xlabs_file_reads_to_the_model_it_was_written_from():
     assert torch.equal(written["input_hint_block.4.weight"], state["input_hint_block.blocks.1.weight"])
     assert torch.equal(written["input_hint_block.14.weight"], state["input_hint_block.conv_out.weight"])
     assert torch.equal(written["pos_embed_input.weight"], state["controlnet_x_embedder.weight"])
-    fitting = [c for c in family("flux-dev").controlnet.single_file_configs() if _converts(written, c)]
-    assert len(fitting) == 1 and fitting[0]["conditioning_embedding_channels"] == 16
-    read = flux_controlnet.convert(written, fitting[0])
-    assert read.keys() == state.keys() and all(torch.equal(read[k], state[k]) for k in state)
+    read = _loaded(tmp_path, "xlabs", written, "flux-dev")
+    assert read.config.conditioning_embedding_channels == 16 and read.state_dict().keys() == state.keys()
+    assert all(torch.equal(read.state_dict()[k], state[k]) for k in state)
 
 
-def _converts(state, config) -> bool:
-    try:
-        flux_controlnet.convert(state, config)
-    except ValueError:
-        return False
-    return True
+def _loaded(folder, name: str, tensors: dict, arch: str) -> torch.nn.Module:
+    """`tensors` saved as a single file and read by the engine's ControlNet loader for `arch`."""
+    from safetensors.torch import save_file
+
+    from app.controlnet import loading
+    from app.controlnet.files import ControlNetEntry
+
+    path = folder / f"{name}.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    return loading.load(ControlNetEntry(name, path, path), family(arch), torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ Z-Image
@@ -256,28 +259,17 @@ def test_zimage_units_add_up_and_the_guidance_window_counts_steps(zimage):
 
 
 def test_zimage_files_read_as_their_version(tmp_path):
-    """2.1 (trained refiner `before_proj`) reads as 2.1; the same shapes with that projection zero read as 2.0,
-    its refiner tensors left out; both as diffusers' `from_single_file` reads them (with the same config)."""
-    from safetensors.torch import save_file
-
-    kit = family("zimage-turbo").controlnet
+    """Through the engine's loader: 2.1 (trained refiner `before_proj`) reads as 2.1; the same shapes with that
+    projection zero read as 2.0, its refiner tensors left out; both to the tensors diffusers' `from_single_file`
+    reads from the same file (given the same config: it would fetch one from the hub)."""
     state = _zimage_net().state_dict()
     untrained = dict(state, **{zimage_controlnet._BEFORE: torch.zeros_like(state[zimage_controlnet._BEFORE])})
     for file_state, kind in ((state, "control_noise_refiner"), (untrained, "control_layers")):
-        fitting = [c for c in kit.single_file_configs() if _zimage_converts(file_state, c)]
-        assert fitting[0]["add_control_noise_refiner"] == kind
-        ours = kit.convert(dict(file_state), fitting[0])
-        assert any(k.startswith("control_noise_refiner.") for k in ours) == (kind != "control_layers")
-        path, folder = tmp_path / f"{kind}.safetensors", tmp_path / kind
-        save_file(file_state, path)
-        ZImageControlNetModel(**fitting[0]).save_config(folder)
-        theirs = ZImageControlNetModel.from_single_file(path, config=str(folder)).state_dict()
-        assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
-
-
-def _zimage_converts(state, config) -> bool:
-    try:
-        zimage_controlnet.convert(dict(state), config)
-    except ValueError:
-        return False
-    return True
+        ours = _loaded(tmp_path, kind, file_state, "zimage-turbo")
+        assert ours.config.add_control_noise_refiner == kind
+        assert any(k.startswith("control_noise_refiner.") for k in ours.state_dict()) == (kind != "control_layers")
+        ZImageControlNetModel(**ours.config).save_config(tmp_path / kind)
+        theirs = ZImageControlNetModel.from_single_file(tmp_path / f"{kind}.safetensors",
+                                                        config=str(tmp_path / kind)).state_dict()
+        assert theirs.keys() == ours.state_dict().keys()
+        assert all(torch.equal(theirs[k], ours.state_dict()[k]) for k in theirs)
