@@ -1,7 +1,8 @@
 """ControlNet model files: `models/ControlNet/` as A1111 lays it out, names, hashes, and which family each is for.
 
-What users have there: single `.safetensors` files (lllyasviel's SD1.5 `control_v11*` in LDM names,
-diffusers-named SDXL and FLUX files) and diffusers folders (`config.json` + `diffusion_pytorch_model.safetensors`).
+What users have there: single `.safetensors` files (in the names their authors wrote: lllyasviel's
+`control_v11*` in LDM names, most later ones in diffusers names; a family's kit says which it reads) and
+diffusers folders (`config.json` + `diffusion_pytorch_model.safetensors`).
 A `.pth`/`.ckpt`/`.pt`/`.bin` is a pickle: it is listed with the reason it is refused and never opened
 (lllyasviel's originals are `.pth`; converted `.safetensors` copies of each exist). A model is named by its
 file stem or folder name, and titled `name [hash]` as the extension's model list titles it.
@@ -143,6 +144,6 @@ def _entry(path: Path) -> ControlNetEntry | None:
 
 
 def families_of_shapes(shapes: Mapping[str, tuple[int, ...]]) -> tuple[Family, ...]:
-    """The families whose `ControlNetKit.matches` these tensor shapes (families on one architecture, a distilled
-    and an undistilled variant, share their ControlNets); empty: no family here takes it."""
+    """The families whose `ControlNetKit.matches` these tensor shapes (families on one architecture share their
+    ControlNets: a distilled variant and its base); empty: no family here takes it."""
     return tuple(fam for fam in FAMILIES.values() if fam.controlnet is not None and fam.controlnet.matches(shapes))

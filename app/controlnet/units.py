@@ -36,10 +36,10 @@ class ControlUnit:
     control_mode: str = CONTROL_MODES[0]
     resize_mode: str = RESIZE_MODES[1]
     pixel_perfect: bool = False
+    hr_option: str = HR_OPTIONS[0]  # with hires fix: the passes the unit controls
     processor_res: int = 512
     threshold_a: float = -1.0  # -1: the preprocessor's own default
     threshold_b: float = -1.0
-    hr_option: str = HR_OPTIONS[0]
 
     def __post_init__(self) -> None:
         if not self.model or self.model == NO_MODEL:

@@ -62,6 +62,8 @@ class ControlRuns:
         if not units:
             return
         check_units(units)
+        if self.settings.compile:
+            raise ValueError("ControlNet units run on the eager model: turn the compiled path (--compile) off")
         if arch is None:
             return
         fam = family(arch)

@@ -136,7 +136,7 @@ class ControlNetSlot:
             pipe.attach(name, None if previous is None else previous.stack)
             loaded.stored = old_stored
             self._restore_placement(loaded)
-            if previous is not None:
+            if name in loaded.stored:
                 self._hook_stored(loaded, name)
             self._sync_compile(loaded)
             raise

@@ -187,7 +187,8 @@ class Workflows:
                                 lambda: self._with_loras(params, passes))
             job = self._job  # set when the command left the queue (`Engine._serve`)
             titles = self._control_ready(params.controlnet_units)
-            pairs = (*extra, *self._control_infotext(params.controlnet_units, titles))
+            control = self._control_infotext(params.controlnet_units, titles)
+            pairs = (*extra, *control) if control else extra  # the refiner fills its list in as it runs
             try:
                 # A run's own parameters (its variation seeds) with the prompt's tags, which each pass reads.
                 def run_batch(first, phase, run):
