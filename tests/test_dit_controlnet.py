@@ -26,7 +26,7 @@ from diffusers import (
 from PIL import Image
 
 from app.controlnet.units import ControlUnit
-from app.demo import build_tiny_pipeline
+from app.demo import build_tiny_controlnet, build_tiny_pipeline
 from app.families import family, flux_controlnet, zimage_controlnet
 from app.families.flux import (
     SteadyFluxControlNetImg2ImgPipeline,
@@ -37,17 +37,6 @@ from app.families.flux import (
 from app.families.zimage import SteadyZImageControlNetPipeline, SteadyZImagePipeline
 
 SEED, SIDE, STEPS = 7, 64, 2
-
-
-def _trained(net: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """`net` with its zero-initialised projections (every ControlNet starts with them, so its residuals are 0)
-    filled with small random values, as training leaves them: only then can a wrong ControlNet path show."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in net.parameters():
-            if not p.any():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return net.eval()
 
 
 def _map(seed: int) -> Image.Image:
@@ -78,8 +67,7 @@ def _flux_net(kind: str) -> FluxControlNetModel:
     configs = {"union": flux_controlnet.tiny_config(transformer, union=True),
                "xlabs": flux_controlnet._configs(dict(transformer))[6]}
     assert configs["xlabs"]["conditioning_embedding_channels"]
-    torch.manual_seed(1)
-    return _trained(FluxControlNetModel(**configs[kind]), 2)
+    return build_tiny_controlnet("flux-dev", 1, configs[kind])
 
 
 FLUX_CALL = dict(prompt="a red cube", num_inference_steps=STEPS, height=SIDE, width=SIDE, guidance_scale=3.5,
@@ -200,9 +188,8 @@ ZIMAGE_CALL = dict(prompt="a red cube", num_inference_steps=STEPS, height=SIDE, 
                    max_sequence_length=32)
 
 
-def _zimage_net(config=None) -> ZImageControlNetModel:
-    torch.manual_seed(3)
-    return _trained(ZImageControlNetModel(**(config or dict(family("zimage-turbo").controlnet.tiny_config))), 4)
+def _zimage_net() -> ZImageControlNetModel:
+    return build_tiny_controlnet("zimage-turbo", 3)
 
 
 def _ours_zimage(zimage, nets, units, maps, guidance=0.0):
