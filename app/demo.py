@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import diffusers
@@ -105,13 +105,14 @@ def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]
     return tensors
 
 
-def build_tiny_controlnet(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random-weight ControlNet of `arch`'s (its kit's `tiny_config`). The layers a ControlNet is
-    trained from zero (its zero convolutions, the hint embedding's last conv) are drawn too: left at zero the
-    ControlNet would add nothing, and no test could tell one control image from another."""
+def build_tiny_controlnet(arch: str, seed: int = 0, config: Mapping[str, object] | None = None) -> torch.nn.Module:
+    """A tiny random-weight ControlNet of `arch`'s (its kit's `tiny_config`, or `config`: another layout the
+    kit reads). The layers a ControlNet is trained from zero (its zero convolutions, the hint embedding's last
+    conv) are drawn too: left at zero the ControlNet would add nothing, and no test could tell one control
+    image from another."""
     kit = family(arch).controlnet
     torch.manual_seed(seed)
-    model = kit.model_classes[0].from_config(dict(kit.tiny_config))
+    model = kit.model_classes[0].from_config(dict(kit.tiny_config if config is None else config))
     with torch.no_grad():
         for param in model.parameters():
             if param.is_floating_point() and not param.any():

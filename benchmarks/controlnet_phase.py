@@ -14,6 +14,7 @@ import logging
 
 import numpy as np
 import torch
+from diffusers.models.modeling_utils import ModelMixin
 from PIL import Image
 
 from app.controlnet.units import ControlUnit
@@ -70,13 +71,17 @@ def controlnet_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
     params = GenerateParams(PROMPT, steps=bench.config.steps, cfg=guidance(model.arch), seed=SEED, width=side,
                             height=side, sampler="Euler", controlnet_units=(unit,))
     kit, pipeline = fam.controlnet, _diffusers_base(fam.controlnet.pipelines["txt2img"])
-    stack = _diffusers_base(kit.stack_class)([net])
+    # diffusers' multi-ControlNet class the stack is built on, holding the net; where diffusers has none (its
+    # pipeline takes one ControlNet), the net itself, given the unit's values rather than lists
+    multi = _diffusers_base(kit.stack_class)
+    single = multi is ModelMixin
     expected, _optional = pipeline._get_signature_keys(pipeline)
     parts = {k: v for k, v in theirs.pipe.components.items() if k in expected}
-    control_pipe = pipeline(**parts, **{kit.component: stack})
+    control_pipe = pipeline(**parts, **{kit.component: net if single else multi([net])})
     control_pipe.set_progress_bar_config(disable=True)
+    armed = kit.arm(kit.stack_class([net]), "txt2img", [control], [unit], guidance(model.arch))
     arguments = {**fam.call_arguments(guidance(model.arch)),
-                 **kit.arm(kit.stack_class([net]), "txt2img", [control], [unit], guidance(model.arch))}
+                 **({k: v[0] if isinstance(v, list) else v for k, v in armed.items()} if single else armed)}
 
     def diffusers_generate():
         return control_pipe(prompt=PROMPT, num_inference_steps=bench.config.steps, width=side, height=side,

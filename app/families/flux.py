@@ -21,12 +21,15 @@ from types import MappingProxyType
 
 import torch
 from diffusers import (
+    FluxControlNetImg2ImgPipeline,
+    FluxControlNetPipeline,
     FluxImg2ImgPipeline,
     FluxInpaintPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     StableDiffusionImg2ImgPipeline,
 )
+from diffusers.image_processor import VaeImageProcessor
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
 from app.engine.pipelines import EnginePipeline
@@ -34,6 +37,7 @@ from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, TextEncoder
 from app.families.file_layout import module_parts, own_names
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flux_controlnet import flux_controlnet_kit
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
 from app.families.ldm_layout import clip_layout
 from app.families.tiny_parts import TINY_CLIP_L
@@ -58,6 +62,63 @@ class _PackedPatches(EnginePipeline):
 
 class SteadyFluxPipeline(_PackedPatches, VariedNoise, FluxPipeline):
     """FLUX.1 pipeline whose execution device is set by the engine."""
+
+
+def _fresh(generators: list[torch.Generator]) -> list[torch.Generator]:
+    """Generators at their seeds' first draw, whatever was drawn from them since."""
+    return [torch.Generator(g.device).manual_seed(g.initial_seed()) for g in generators]
+
+
+class _FluxControl(_PackedPatches):
+    """What FLUX.1's control pipelines change in diffusers', so a ControlNet steers the image the seed draws
+    without it:
+
+    * the noise is drawn from the generators' seeds as if fresh: diffusers draws the control image's VAE
+      sample from the same generators first, so adding a ControlNet (even at weight 0, or from step 0.9) would
+      change the noise, the whole composition. The control image's sample is drawn from the seed too, as the
+      engine encodes every image (`stages.encode`: image i's generator seeded `seed + i`);
+    * the control image is prepared in its consumer's compute dtype (the VAE's for InstantX, which encodes it;
+      the ControlNet's for XLabs, whose hint encoder reads pixels), not in the VAE's resting dtype."""
+
+    def prepare_image(self, image, width, height, batch_size, num_images_per_prompt, device, dtype,
+                      do_classifier_free_guidance=False, guess_mode=False):
+        nets = getattr(self.controlnet, "nets", [self.controlnet])
+        reader = "vae" if nets[0].input_hint_block is None else "controlnet"
+        dtype = self.compute_dtypes.get(reader, dtype)
+        return super().prepare_image(image, width, height, batch_size, num_images_per_prompt, device, dtype,
+                                     do_classifier_free_guidance, guess_mode)
+
+
+class SteadyFluxControlNetPipeline(_FluxControl, VariedNoise, FluxControlNetPipeline):
+    """FLUX.1 txt2img steered by ControlNets (InstantX/Shakker, XLabs; the units' stack is diffusers'
+    `FluxMultiControlNetModel`)."""
+
+    def prepare_latents(self, batch_size, num_channels_latents, height, width, dtype, device, generator,
+                        latents=None):
+        return super().prepare_latents(batch_size, num_channels_latents, height, width, dtype, device,
+                                       _fresh(generator), latents)
+
+
+class SteadyFluxControlNetImg2ImgPipeline(_FluxControl, FluxControlNetImg2ImgPipeline):
+    """FLUX.1 img2img (and the hires pass) steered by ControlNets. As the engine's other stage pipelines it takes
+    latents the engine encoded (`FluxImg2ImgPipeline`'s latent path, which diffusers' control variant lacks:
+    it VAE-encodes whatever it is given) and runs int(steps × strength) steps (as `_FluxStage`)."""
+
+    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+
+    def __init__(self, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer,
+                 controlnet) -> None:
+        super().__init__(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+                         controlnet=controlnet)
+        self.latent_channels = self.vae.config.latent_channels
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2,
+                                                 vae_latent_channels=self.latent_channels)
+
+    def prepare_latents(self, image, timestep, batch_size, num_channels_latents, height, width, dtype, device,
+                        generator, latents=None):
+        return FluxImg2ImgPipeline.prepare_latents(self, image, timestep, batch_size, num_channels_latents, height,
+                                                   width, dtype, device, _fresh(generator), latents)
 
 
 class _FluxStage(_PackedPatches):
@@ -145,6 +206,9 @@ _DEMO_LORA_TARGETS = (
 
 # No Flux Fill (a 384-channel inpainting transformer) here: inpaint blends the regular model's latents.
 _STAGES = MappingProxyType({"img2img": SteadyFluxImg2ImgPipeline, "inpaint": SteadyFluxInpaintPipeline})
+# With ControlNet units: txt2img, and img2img (the hires pass too); no inpaint yet
+_CONTROL_PIPELINES = MappingProxyType({"txt2img": SteadyFluxControlNetPipeline,
+                                       "img2img": SteadyFluxControlNetImg2ImgPipeline})
 
 
 def _call_inputs(fam, cfg, rows: int, latent_side: int, empty) -> dict:
@@ -202,6 +266,8 @@ def _family(name: str, label: str, dev: bool) -> Family:
         adapter_markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux"),
         lora_targets=_LORA_TARGETS,
         demo_lora_targets=_DEMO_LORA_TARGETS,
+        controlnet=flux_controlnet_kit(_CONTROL_PIPELINES, ASSETS_DIR / "configs" / name,
+                                       dict(_TINY_TRANSFORMER, guidance_embeds=dev)),
         bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
     )
 

@@ -92,8 +92,9 @@ FLUX1 = BflNames(_TOP, _BLOCKS, "Flux")
 def _module_rows(transformer: torch.nn.Module, names: BflNames) -> dict[str, tuple[str, Rows | None]]:
     """diffusers module path -> (BFL module path, its rows there, None for the whole tensor)."""
     table: dict[str, tuple[str, Rows | None]] = dict((k, (v, None)) for k, v in names.top.items())
-    half = transformer.norm_out.linear.out_features // 2
-    table["norm_out.linear"] = (names.top["norm_out.linear"], ((half, 2 * half), (0, half)))
+    if "norm_out.linear" in names.top:  # a ControlNet has no final layer
+        half = transformer.norm_out.linear.out_features // 2
+        table["norm_out.linear"] = (names.top["norm_out.linear"], ((half, 2 * half), (0, half)))
     for ours, theirs, plain, fused in names.blocks:
         for i, block in enumerate(getattr(transformer, ours)):
             table.update({f"{ours}.{i}.{k}": (f"{theirs}.{i}.{v}", None) for k, v in plain.items()})
@@ -124,6 +125,20 @@ def bfl_layout(transformer: torch.nn.Module, names: BflNames) -> Layout:
 def transformer_layout(transformer: torch.nn.Module) -> Layout:
     """A `FluxTransformer2DModel`'s tensors under their BFL keys."""
     return bfl_layout(transformer, FLUX1)
+
+
+def xlabs_controlnet_layout(controlnet: torch.nn.Module) -> Layout:
+    """A `FluxControlNetModel` read from an XLabs ControlNet file (x-flux's `ControlNetFlux`): BFL names for
+    the embedders and double blocks (no single blocks, no final layer), `pos_embed_input` for diffusers'
+    `controlnet_x_embedder`, and the hint encoder as one `Sequential` whose convolutions sit at every other
+    index (SiLUs between): diffusers' `conv_in`, `blocks.*`, `conv_out`."""
+    hint = len(controlnet.input_hint_block.blocks)
+    top = {k: v for k, v in _TOP.items() if k not in ("proj_out", "norm_out.linear")}
+    top |= {"controlnet_x_embedder": "pos_embed_input", "input_hint_block.conv_in": "input_hint_block.0",
+            "input_hint_block.conv_out": f"input_hint_block.{2 * hint + 2}",
+            **{f"input_hint_block.blocks.{i}": f"input_hint_block.{2 * i + 2}" for i in range(hint)},
+            **{f"controlnet_blocks.{i}": f"controlnet_blocks.{i}" for i in range(len(controlnet.controlnet_blocks))}}
+    return bfl_layout(controlnet, BflNames(top, _BLOCKS[:1], "XLabs Flux ControlNet"))
 
 
 def bfl_aliases(transformer: torch.nn.Module, layout: Layout):

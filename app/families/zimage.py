@@ -28,6 +28,7 @@ from types import MappingProxyType
 import torch
 from diffusers import (
     StableDiffusionImg2ImgPipeline,
+    ZImageControlNetPipeline,
     ZImageImg2ImgPipeline,
     ZImageInpaintPipeline,
     ZImagePipeline,
@@ -42,6 +43,7 @@ from app.families.file_layout import module_parts
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
 from app.families.qwen3 import QWEN3, QWEN3_PART, QWEN3_PINNED
+from app.families.zimage_controlnet import zimage_controlnet_kit
 from app.families.zimage_layout import transformer_layout
 
 KOHYA_ORIGINAL = "kohya (original Z-Image names)"
@@ -51,6 +53,26 @@ AI_TOOLKIT = "ai-toolkit (diffusion_model., diffusers names)"
 
 class SteadyZImagePipeline(EnginePipeline, VariedNoise, ZImagePipeline):
     """Z-Image pipeline whose execution device is set by the engine, with A1111's variation seeds."""
+
+
+class SteadyZImageControlNetPipeline(EnginePipeline, VariedNoise, ZImageControlNetPipeline):
+    """Z-Image txt2img steered by union ControlNets, held by `zimage_controlnet.ZImageControlNetStack` (which
+    borrows the transformer's embedders and refiners without owning them). Its control image is a list, one map
+    per unit, VAE-encoded image-major and unit-minor (the stack's layout), in the VAE's compute dtype (diffusers
+    reads the VAE's resting one). The control latents are the VAE's mean, drawing nothing from the generators:
+    the first noise is the one the seed draws without a ControlNet."""
+
+    def __call__(self, *args, num_inference_steps: int = 50, **kwargs):
+        self.controlnet.begin(num_inference_steps)
+        return super().__call__(*args, num_inference_steps=num_inference_steps, **kwargs)
+
+    def prepare_image(self, image, width, height, batch_size, num_images_per_prompt, device, dtype,
+                      do_classifier_free_guidance=False, guess_mode=False):
+        dtype = self.compute_dtypes.get("vae", dtype)
+        maps = [super(SteadyZImageControlNetPipeline, self).prepare_image(
+            one, width, height, batch_size, num_images_per_prompt, device, dtype, do_classifier_free_guidance,
+            guess_mode) for one in (image if isinstance(image, list) else [image])]
+        return torch.stack(maps, dim=1).flatten(0, 1)
 
 
 class _ZImageStage(EnginePipeline):
@@ -197,6 +219,8 @@ def _family(name: str, label: str, turbo: bool) -> Family:
                                        "text_encoder": _TINY_QWEN3}),
         lora_targets=_LORA_TARGETS,
         demo_lora_targets=_DEMO_LORA_TARGETS,
+        controlnet=zimage_controlnet_kit({"txt2img": SteadyZImageControlNetPipeline}, ASSETS_DIR / "configs" / name,
+                                         _TINY_TRANSFORMER),
         bench=_BENCH if turbo else None,  # Base is Turbo's architecture
     )
 
