@@ -23,6 +23,7 @@ import gradio as gr
 
 from app.accounts import Account, Accounts
 from app.adapters.specs import LoraSpec
+from app.diagnostics import SHOWN_ERRORS_LOGGER, ShownErrors
 from app.engine import checkpoint_files
 from app.engine.generate import GeneratedImage, GenerateParams, params_from_form
 from app.engine.snapshot import Snapshot
@@ -37,6 +38,7 @@ from app.ui.lora_cards import CardCache
 from app.ui.sessions import SessionStates
 
 log = logging.getLogger(__name__)
+shown_log = logging.getLogger(SHOWN_ERRORS_LOGGER)
 POLL_S = 0.15
 GENERATION_LANE = "generate"  # the Gradio lane of every generation
 MAX_LORAS = 8  # slots on the Generate tab; the API takes any number
@@ -85,6 +87,7 @@ class UiContext:
     sessions: SessionStates | None = None  # None: the app's own, remembering its default in the data folder
     accounts: Accounts = field(default_factory=Accounts)
     login_jobs: LoginJobs = field(default_factory=LoginJobs)
+    shown_errors: ShownErrors = field(default_factory=lambda: ShownErrors().attach())  # detached by the server's close
 
     def __post_init__(self) -> None:
         if self.sessions is None:
@@ -117,17 +120,18 @@ def user_errors(action: str, data_dir: Path, browser: bool = True) -> Iterator[N
     Gradio's own traceback print is off, so each error is in the log once. The message names files
     relative to `data_dir` (the app's data folder), and no install or home folder: whoever the app
     serves reads it, a stranger on a share link too. Toasts render HTML, so for the browser the
-    message is escaped: a `<lora:…>` in it would otherwise cut it short."""
+    message is escaped: a `<lora:…>` in it would otherwise cut it short. The log entry goes to
+    `SHOWN_ERRORS_LOGGER`, where `ShownErrors` keeps it for Diagnostics and the bug report."""
     try:
         yield
     except gr.Error:
         raise
     except Exception as exc:
-        if isinstance(exc, (ValueError, OSError, EngineCallError)):
-            log.info("%s refused: %s", action, str(exc))
-        else:
-            log.exception("%s failed", action)
         message = without_folders(f"{action} failed: {exc}", data_dir)
+        if isinstance(exc, (ValueError, OSError, EngineCallError)):
+            shown_log.info("%s", message)
+        else:
+            shown_log.exception("%s", message)
         raise gr.Error(html.escape(message) if browser else message, duration=None, print_exception=False) from exc
 
 

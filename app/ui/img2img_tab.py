@@ -30,7 +30,7 @@ from app.ui.generate_run import (
     stream_job,
     wire_stop,
 )
-from app.ui.generate_tab import ModelShown, family_updates, native_size_updates
+from app.ui.generate_tab import NEGATIVE_LABEL, ModelShown, family_updates, native_size_updates, wire_negative_box
 from app.ui.workflow_api import BASE_FIELDS, edit_job, editor_mask, img2img_job
 
 QUEUE = "loras"  # the lane every engine-changing event shares, in order
@@ -77,7 +77,7 @@ def _settings() -> list:
     """The request's fields, in `workflow_api.BASE_FIELDS` order."""
     defaults = GenerateParams("")
     prompt = gr.Textbox(label="Prompt", lines=2, elem_id="sd-i2i-prompt")
-    negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="sd-i2i-negative")
+    negative = gr.Textbox(label=NEGATIVE_LABEL, lines=1, elem_id="sd-i2i-negative")
     with gr.Row():
         sampler = gr.Dropdown(list(SCHEDULERS), value=defaults.sampler, label="Sampler", elem_id="sd-i2i-sampler")
         steps, cfg = _number("steps", "Steps", defaults.steps, 1), _number("cfg", "CFG scale", defaults.cfg, 0.5)
@@ -239,5 +239,6 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
         results.render()
     gr.on([panels.select], lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
     gr.on(None, lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
+    wire_negative_box(ctx, base[4], base[1])
     wire_stop(ctx, stops)
     return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None))

@@ -83,9 +83,12 @@ class Server:
     local_url: str
     share_url: str | None
     policy: AuthPolicy
+    ctx: UiContext | None = None
 
     def close(self) -> None:
         self.demo.close()
+        if self.ctx is not None:
+            self.ctx.shown_errors.detach()  # its errors stop counting with the app
 
 
 def host_for(settings: Settings) -> str:
@@ -119,7 +122,7 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
     install(app, demo, guard, ctx.login_jobs)
     count_jobs_by_account(ctx, demo)
     trust_proxies(demo.server.config, settings.forwarded_allow_ips)
-    return Server(demo, local_url, share_url, policy)
+    return Server(demo, local_url, share_url, policy, ctx)
 
 
 def count_jobs_by_account(ctx: UiContext, demo: gr.Blocks) -> None:
