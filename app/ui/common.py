@@ -22,6 +22,7 @@ from typing import Any
 import gradio as gr
 
 from app.accounts import Account, Accounts
+from app.adapters.prompt import missing_lora_note, without_missing_loras
 from app.adapters.specs import LoraSpec
 from app.diagnostics import SHOWN_ERRORS_LOGGER, ShownErrors
 from app.engine import checkpoint_files
@@ -245,7 +246,10 @@ def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed,
                   subseed_strength=subseed_strength, seed_resize_from_w=seed_resize_from_w,
                   seed_resize_from_h=seed_resize_from_h, refiner_checkpoint=refiner,
                   refiner_switch_at=refiner_switch_at, step_cache=step_cache)
-    return params_from_form(values, ctx.engine.snapshot().arch)
+    params, notes = params_from_form(values, ctx.engine.snapshot().arch)
+    missing = without_missing_loras(params, ctx.engine.library.exists)[1]  # the engine leaves them out
+    folder = ctx.settings.lora_dir.relative_to(ctx.settings.data_dir).as_posix()
+    return params, (*notes, *filter(None, [missing_lora_note(missing, folder)]))
 
 
 def gallery_items(images: list[GeneratedImage]) -> list[tuple]:

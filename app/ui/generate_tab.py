@@ -289,7 +289,8 @@ def load_checkpoint(ctx: UiContext, name: str, progress, admin: bool = False) ->
 
 
 def loaded_text(snap) -> str:
-    return f"Loaded **{snap.model}** ({snap.arch}, {snap.dtype} on {snap.device}; native size {snap.native_size}²)"
+    return (f"Loaded **{snap.model}** ({snap.model_label}, {snap.dtype} on {snap.device}; "
+            f"native size {snap.native_size}²)")
 
 
 def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button, negative: dict) -> None:

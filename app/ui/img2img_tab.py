@@ -24,6 +24,7 @@ from app.ui.generate_run import (
     StopControls,
     build_stop_controls,
     desired_from_panel,
+    failed_gallery,
     owner_of,
     result_gallery,
     run_buttons,
@@ -31,6 +32,7 @@ from app.ui.generate_run import (
     wire_stop,
 )
 from app.ui.generate_tab import NEGATIVE_LABEL, ModelShown, family_updates, native_size_updates, wire_negative_box
+from app.ui.kept_upload import keep_on_refusal
 from app.ui.workflow_api import BASE_FIELDS, edit_job, editor_mask, img2img_job
 
 QUEUE = "loras"  # the lane every engine-changing event shares, in order
@@ -55,8 +57,12 @@ def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepar
     """Run the checked job `prepare(desired)` returns (params, call(owner), notes) as this page's, with
     the page's state (`page`: the values of the Generate tab's `state_inputs`), streaming previews into
     the gallery and the step on the run button, as Generate does."""
-    with user_errors(action, ctx.settings.data_dir):
-        params, call, _notes = prepare(desired_from_panel(ctx, page))
+    try:
+        with user_errors(action, ctx.settings.data_dir):
+            params, call, _notes = prepare(desired_from_panel(ctx, page))
+    except gr.Error:  # refused before it ran: the last result is not this run's either
+        yield [failed_gallery(last), gr.skip(), gr.skip(), *run_buttons(None, label)]
+        raise
     job = Generation(ctx.engine, call, owner_of(request))
 
     def frame(gallery, snap) -> list:
@@ -101,6 +107,9 @@ class Img2ImgTab:
     panels: gr.Tabs
     stops: StopControls
     shown: gr.State
+    # the event arguments that show or hide the "Reference images" panel for the loaded model: run as the tab
+    # opens and after a load, not only at a panel choice (with Inpaint active it stayed hidden on Klein)
+    show_references: dict
 
     @property
     def family_components(self) -> list:
@@ -134,7 +143,7 @@ def family_fields(ctx: UiContext, shown: ModelShown | None) -> list:
 
 
 def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list) -> tuple[gr.Image, gr.Number]:
-    image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300)
+    image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300, format="png")
     with gr.Row():
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode", elem_id="sd-i2i-resize")
         strength = _number("denoising_strength", "Denoising strength", 0.75, 0.05)
@@ -237,8 +246,11 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
                             visible=reference_panel_state(ctx)[0]) as references:
                     pictures = _reference_panel(ctx, base, out, page)
         results.render()
-    gr.on([panels.select], lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
-    gr.on(None, lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
+    show_references = dict(fn=lambda: _reference_updates(ctx), inputs=None, outputs=[references, pictures],
+                           api_visibility="private", show_progress="hidden")
+    panels.select(**show_references)
+    gr.on(None, **show_references)
     wire_negative_box(ctx, base[4], base[1])
+    keep_on_refusal(image, note)
     wire_stop(ctx, stops)
-    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None))
+    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None), show_references)

@@ -181,7 +181,7 @@ def _ensure_demo(settings: Settings) -> None:
 
     print(f"No checkpoints in {settings.checkpoints_dir}: writing tiny random-weight demo models and LoRAs there.",
           flush=True)
-    write_demo(settings.data_dir, lora_writer=write_demo_loras, folders=False)
+    write_demo(settings.data_dir, lora_writer=write_demo_loras, folders=False, inpainting=True)
 
 
 def port_problem(settings: Settings) -> str | None:
