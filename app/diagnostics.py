@@ -247,7 +247,10 @@ class ShownErrors(logging.Handler):
         return list(self._records)
 
     def attach(self) -> ShownErrors:
-        logging.getLogger(SHOWN_ERRORS_LOGGER).addHandler(self)
+        logger = logging.getLogger(SHOWN_ERRORS_LOGGER)
+        if logger.level == logging.NOTSET:  # a refusal is logged at INFO: kept whatever the root's level
+            logger.setLevel(logging.INFO)
+        logger.addHandler(self)
         return self
 
     def detach(self) -> None:
