@@ -91,11 +91,11 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         wire_page_load(ctx, tab, demo)
         admin_controls(ctx, diag, demo)
         wire_cancel_on_leave(ctx, demo)
-        demo.load(lambda: views.engines_html(ctx.engine.snapshots()), None, status, api_visibility="private")
-        # the demo banner: on page load, and after every load of this page's (its status line says what loaded)
-        show_banner = dict(fn=lambda: banner_update(ctx), outputs=banner, api_visibility="private",
-                           show_progress="hidden")
-        demo.load(**show_banner)
-        tab.model_status.change(**show_banner)
+        # the status line and the demo banner on page load (one event: a page's load events count against its
+        # --session-queue-size), the banner again after every load of this page's (its model line changes)
+        demo.load(lambda: [views.engines_html(ctx.engine.snapshots()), banner_update(ctx)], None, [status, banner],
+                  api_visibility="private")
+        tab.model_status.change(lambda: banner_update(ctx), None, banner, api_visibility="private",
+                                show_progress="hidden")
         tab.model_status.change(**i2i.show_references)
     return demo

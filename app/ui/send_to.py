@@ -1,16 +1,16 @@
 """"Send to Generate" and "Send to img2img": an infotext (from PNG Info or History) becomes a tab's
 settings; img2img also takes the picture itself as its init image.
 
-Prompt, negative prompt, sampler, steps, CFG, seed, size (and, for img2img, the denoising strength)
-are put in as written: a value our rules refuse (say 200 steps from another tool) is refused by the
-tab with the range, never clamped here. They go into the LOADED family's controls (`fit_to_family`,
+Prompt, negative prompt, sampler, steps, CFG, seed, size (and, for img2img, the denoising strength) are
+put in as written: a value our rules refuse (say 200 steps from another tool) is refused by the tab with
+the range, never clamped here. They go into the LOADED family's controls (`fit_to_family`,
 `family_control`): its sampler list, a sampler it lacks becoming its nearest with a note, and its
-guidance's name and range; a dropdown is never handed a value it would refuse at the next run. LoRAs are selected with both weights and handed to the
-engine the same way as a pick in the selector (img2img runs with the engine's LoRAs too). The
-checkpoint is found by the infotext's "Model hash" (sha256[:10] of the file, as A1111 writes it),
-else by its "Model" name, and loaded before the LoRAs are applied. Whatever cannot be matched is
-listed in the receiving tab's note. A picture without infotext still goes in as the init image; the
-settings then stay as they were, and the note says why.
+guidance's name and range; a dropdown is never handed a value it would refuse at the next run. LoRAs are
+selected with both weights and handed to the engine the same way as a pick in the selector (img2img runs
+with the engine's LoRAs too). The checkpoint is found by the infotext's "Model hash" (sha256[:10] of the
+file, as A1111 writes it), else by its "Model" name, and loaded before the LoRAs are applied. Whatever
+cannot be matched is listed in the receiving tab's note. A picture without infotext still goes in as the
+init image; the settings then stay as they were, and the note says why.
 """
 
 from __future__ import annotations
