@@ -199,7 +199,8 @@ def render_card(report: dict) -> Image.Image:
     canvas.text(report.get("created", ""), 12, _MUTED)
     if snap:
         found, repaired = snap.get("violations_found_total", 0), snap.get("violations_repaired_total", 0)
-        canvas.text(f"state {snap.get('state')} · model {snap.get('model') or 'none'} ({snap.get('model_label') or snap.get('arch') or '-'}, "
+        kind = snap.get("model_label") or snap.get("arch") or "-"
+        canvas.text(f"state {snap.get('state')} · model {snap.get('model') or 'none'} ({kind}, "
                     f"{snap.get('model_hash') or '-'}) · device {snap.get('device')} · dtype {snap.get('dtype') or '-'}"
                     f" (asked {snap.get('requested_dtype')}) · offload {snap.get('offload')}", 14)
         canvas.text(f"violations found {found}, repaired {repaired} since start", 14, _BAD if found else _INK)
