@@ -22,7 +22,18 @@ import json
 import zipfile
 
 import pytest
-from browser_kit import SHOTS, TIMEOUT_MS, choose, close_toasts, generate_and_wait, outputs, save, set_number, toasts
+from browser_kit import (
+    SHOTS,
+    TIMEOUT_MS,
+    choose,
+    close_toasts,
+    generate_and_wait,
+    offered,
+    outputs,
+    save,
+    set_number,
+    toasts,
+)
 from PIL import Image
 from served_app import fresh_start
 
@@ -59,14 +70,6 @@ def _load(page, model: str) -> None:
     page.get_by_role("tab", name="Generate").first.click()
     choose(page, "sd-model", model)
     page.wait_for_selector(f"#sd-model-status >> text=Loaded {model}", timeout=TIMEOUT_MS)
-
-
-def _offered(page, elem_id: str) -> list[str]:
-    page.click(f"#{elem_id} input")
-    offered = page.locator(f"#{elem_id} li[role=option]").evaluate_all(
-        "options => options.map(o => o.getAttribute('aria-label'))")
-    page.keyboard.press("Escape")
-    return offered
 
 
 def _run_and_wait(page, engine, button: str) -> None:
@@ -123,7 +126,7 @@ def test_sends_fit_the_loaded_family_and_the_page_keeps_its_errors(page, served,
     page.click("#sd-history-send-img2img")
     page.wait_for_selector("#sd-i2i-note >> text=Settings sent from an infotext", timeout=TIMEOUT_MS)
     assert page.input_value("#sd-i2i-sampler input") == "Euler a"
-    assert _offered(page, "sd-i2i-sampler") == list(family("sd15").samplers)
+    assert offered(page, "sd-i2i-sampler") == list(family("sd15").samplers)
     cfg_label = page.inner_text("#sd-i2i-cfg")
     assert "CFG scale" in cfg_label and "Distilled" not in cfg_label, cfg_label
     save(page, "newcomer-send-to-img2img.png")

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from served_app import MODEL, free_port, make_ui_data, running_app
+from served_app import MODEL, served_demo
 
 from app.demo import is_demo_checkpoint
 from app.engine.generate import GenerateParams, RunContext, infotext, params_from_form
@@ -37,20 +37,15 @@ INPAINTING = "tiny-sd15-inpainting.safetensors"
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory, demo_dir):
-    data = make_ui_data(tmp_path_factory.mktemp("newcomer"), demo_dir)
-    with running_app(Settings(data_dir=data, device="cpu", port=free_port())) as (server, engine):
-        yield server, engine
+    with served_demo(tmp_path_factory.mktemp("newcomer"), demo_dir) as started:
+        yield started
 
 
-@pytest.fixture(scope="module")
-def client(app):
-    return gradio_client.Client(app[0].local_url, verbose=False)
-
-
-def test_a_missing_lora_tag_warns_and_draws_without_it(client):
+def test_a_missing_lora_tag_warns_and_draws_without_it(app):
     """A pasted prompt naming a LoRA the folder lacks draws (it failed with "LoRA 'x' not found"), a note
     says which and where it was looked for, and the infotext keeps nothing of it (no tag, no hash); a LoRA
     that is there still applies."""
+    client = gradio_client.Client(app[0].local_url, verbose=False)
     _images, text, details = client.predict(prompt="a fox <lora:nowhere:0.8> <lora:style:0.5>", sampler="Euler",
                                             steps=2, cfg=5.0, seed=3, width=64, height=64, api_name="/generate")
     notes = details[0]["notes"]
@@ -59,9 +54,10 @@ def test_a_missing_lora_tag_warns_and_draws_without_it(client):
     assert [spec.name for spec in parse_infotext(text).loras] == ["style"], text
 
 
-def test_an_error_a_request_was_shown_is_in_the_bug_report(app, client):
+def test_an_error_a_request_was_shown_is_in_the_bug_report(app):
     """A refused Generate (steps over the limit) is listed in the bug report's errors, marked as shown
     (the report said "no errors this session" after one)."""
+    client = gradio_client.Client(app[0].local_url, verbose=False)
     with pytest.raises(gradio_client.exceptions.AppError, match="steps"):
         client.predict(prompt="a fox", sampler="Euler", steps=9999, cfg=5.0, seed=3, width=64, height=64,
                        api_name="/generate")

@@ -159,7 +159,7 @@ class Generating:
 
     def _found_loras_only(self, params: GenerateParams) -> GenerateParams:
         """`params` without prompt tags naming a LoRA the library lacks, each warned of (`without_missing_loras`)."""
-        params, missing = without_missing_loras(params, self.library.exists)
+        params, missing = without_missing_loras(params, self.library.found)
         for name in missing:
             log.warning("LoRA %r not found in the LoRA folder: its prompt tag is left out, the image drawn without it",
                         name)
