@@ -247,9 +247,14 @@ def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed,
                   seed_resize_from_h=seed_resize_from_h, refiner_checkpoint=refiner,
                   refiner_switch_at=refiner_switch_at, step_cache=step_cache)
     params, notes = params_from_form(values, ctx.engine.snapshot().arch)
-    missing = without_missing_loras(params, ctx.engine.library.found)[1]  # the engine leaves them out
+    return params, (*notes, *missing_lora_notes(ctx, params))
+
+
+def missing_lora_notes(ctx: UiContext, params: GenerateParams) -> tuple[str, ...]:
+    """The note for the prompt's tags naming a LoRA the folder lacks, which the engine leaves out."""
+    missing = without_missing_loras(params, ctx.engine.library.found)[1]
     folder = ctx.settings.lora_dir.relative_to(ctx.settings.data_dir).as_posix()
-    return params, (*notes, *filter(None, [missing_lora_note(missing, folder)]))
+    return tuple(filter(None, [missing_lora_note(missing, folder)]))
 
 
 def gallery_items(images: list[GeneratedImage]) -> list[tuple]:

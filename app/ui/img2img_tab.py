@@ -42,15 +42,17 @@ RUN_IMG2IMG, RUN_INPAINT, RUN_EDIT = "Run img2img", "Run inpaint", "Run edit"
 @dataclass
 class _Outputs:
     """Where the tab's runs show: the gallery (live previews, then the result), the infotext, the last
-    result (it comes back after a failure), Interrupt and Skip."""
+    result (it comes back after a failure), Interrupt and Skip, and the note (a run's notes: an unused
+    negative prompt, a missing LoRA left out, as the Generate tab's note says them)."""
 
     gallery: gr.Gallery
     infotext: gr.Textbox
     last: gr.State
     stops: StopControls
+    note: gr.Markdown
 
     def run_outputs(self, go: gr.Button) -> list:
-        return [self.gallery, self.infotext, self.last, go, *self.stops.buttons]
+        return [self.gallery, self.infotext, self.last, go, *self.stops.buttons, self.note]
 
 
 def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepare, last: list, page: tuple):
@@ -59,18 +61,19 @@ def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepar
     the gallery and the step on the run button, as Generate does."""
     try:
         with user_errors(action, ctx.settings.data_dir):
-            params, call, _notes = prepare(desired_from_panel(ctx, page))
+            params, call, notes = prepare(desired_from_panel(ctx, page))
     except gr.Error:  # refused before it ran: the last result is not this run's either
-        yield [failed_gallery(last), gr.skip(), gr.skip(), *run_buttons(None, label)]
+        yield [failed_gallery(last), gr.skip(), gr.skip(), *run_buttons(None, label), gr.skip()]
         raise
     job = Generation(ctx.engine, call, owner_of(request))
 
     def frame(gallery, snap) -> list:
-        return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label, snap is not None and job.runs_in(snap))]
+        return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label, snap is not None and job.runs_in(snap)),
+                gr.skip()]
 
     images = yield from stream_job(job, (params.width, params.height), action, frame, last)
     yield [result_gallery(images, params.steps), images[0].infotext if images else "", gallery_items(images),
-           *run_buttons(None, label)]
+           *run_buttons(None, label), "\n\n".join(f"ℹ️ {note}" for note in notes)]
 
 
 def _number(field: str, label: str, value: float, step: float, panel: str = "i2i") -> gr.Number:
@@ -232,10 +235,10 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
             out = _Outputs(gr.Gallery(label="Images", columns=2, height=420, elem_id="sd-i2i-gallery", format="png",
                                       object_fit="contain"),
                            gr.Textbox(label="Infotext", lines=6, buttons=["copy"], elem_id="sd-i2i-infotext"),
-                           gr.State([]), stops)
+                           gr.State([]), stops, gr.Markdown(elem_id="sd-i2i-note", render=False))
         with gr.Column(scale=3):
             base = _settings()
-            note = gr.Markdown(elem_id="sd-i2i-note")  # what "send to img2img" filled in, or could not
+            note = out.note.render()  # what "send to img2img" filled in, or could not; a run's notes
             with gr.Tabs() as panels:
                 with gr.Tab("img2img", id="i2i-img2img"):
                     image, strength = _img2img_panel(ctx, base, out, page)
