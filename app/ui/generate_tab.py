@@ -118,7 +118,7 @@ def family_updates(previous: Snapshot | ModelShown | None, current: Snapshot) ->
 
 def negative_box(arch: str | None, guidance) -> gr.Textbox:
     """The negative prompt box as the loaded family at `guidance` reads it: its label and placeholder say
-    so where nothing reads it (`Family.negative_unused`: FLUX.1, FLUX.2 Klein, CFG 1), so a newcomer does
+    so where nothing reads it (`Family.negative_unused`: distilled guidance, no CFG at all, CFG 1), so a newcomer does
     not write one believing it counts. It stays editable: the text comes back into use on a model or CFG
     that reads it."""
     why = family(arch).negative_unused(float(guidance)) if arch is not None and isinstance(guidance, int | float) \

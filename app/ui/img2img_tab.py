@@ -111,7 +111,7 @@ class Img2ImgTab:
     stops: StopControls
     shown: gr.State
     # the event arguments that show or hide the "Reference images" panel for the loaded model: run as the tab
-    # opens and after a load, not only at a panel choice (with Inpaint active it stayed hidden on Klein)
+    # opens and after a load, not only at a panel choice (with Inpaint active it stayed hidden)
     show_references: dict
 
     @property
