@@ -15,6 +15,7 @@ import json
 import zipfile
 from pathlib import Path
 
+import httpx
 import pytest
 from served_app import MODEL, served_demo
 
@@ -44,7 +45,7 @@ def app(tmp_path_factory, demo_dir):
 def test_a_missing_lora_tag_warns_and_draws_without_it(app):
     """A pasted prompt naming a LoRA the folder lacks draws (it failed with "LoRA 'x' not found"), a note
     says which and where it was looked for, and the infotext keeps nothing of it (no tag, no hash); a LoRA
-    that is there still applies."""
+    that is there still applies. The A1111 API draws too (it answered 422)."""
     client = gradio_client.Client(app[0].local_url, verbose=False)
     _images, text, details = client.predict(prompt="a fox <lora:nowhere:0.8> <lora:style:0.5>", sampler="Euler",
                                             steps=2, cfg=5.0, seed=3, width=64, height=64, api_name="/generate")
@@ -52,6 +53,11 @@ def test_a_missing_lora_tag_warns_and_draws_without_it(app):
     assert any("'nowhere' not found in models/Lora" in note and "drawn without it" in note for note in notes), notes
     assert "nowhere" not in text, text
     assert [spec.name for spec in parse_infotext(text).loras] == ["style"], text
+    # the A1111 API draws too, as A1111 does (it answered 422)
+    answer = httpx.post(f"{app[0].local_url.rstrip('/')}/sdapi/v1/txt2img", timeout=120,
+                        json={"prompt": "a fox <lora:nowhere:1>", "steps": 2, "width": 64, "height": 64})
+    assert answer.status_code == 200 and len(answer.json()["images"]) == 1, answer.text[:300]
+    assert "nowhere" not in json.loads(answer.json()["info"])["infotexts"][0]
 
 
 def test_an_error_a_request_was_shown_is_in_the_bug_report(app):
