@@ -10,7 +10,11 @@ states its tiny configs and component classes (`Family.tiny_configs`, app/famili
 PyTorch's default initialisation already gives structured, prompt-dependent images at this size
 (tests check it), so no weight rescaling is applied.
 
-    python -m app.demo DIR     # writes DIR/models/Stable-diffusion, DIR/embeddings
+    python -m app.demo DIR     # writes DIR/models/Stable-diffusion (with an SD1.5 inpainting checkpoint),
+                               # DIR/models/Lora, DIR/embeddings, DIR/models/RealESRGAN
+
+Every checkpoint it writes is marked as a demo (`DEMO_METADATA_KEY`, `DEMO_NOTE_FILE`), so the page can
+say that its noise is the weights', not a broken app.
 """
 
 from __future__ import annotations
@@ -26,10 +30,17 @@ from safetensors.torch import save_file
 
 from app.engine.models import CONFIGS_METADATA_KEY
 from app.families import FAMILIES, family
+from app.safetensors_files import read_header
 from app.settings import Settings
 from app.upscalers.demo import write_demo_upscaler
 
 EMBEDDING_VECTORS = 2
+# How a demo checkpoint says it is one (the page shows a banner while one is loaded: `is_demo_checkpoint`):
+# a single file in its safetensors metadata, a diffusers folder by a note file beside model_index.json.
+DEMO_METADATA_KEY = "steady_diffusion.demo"
+DEMO_NOTE_FILE = "STEADY-DIFFUSION-DEMO.txt"
+DEMO_NOTE = ("Random weights written by `python -m app.demo` (or the first start of the app): the images are "
+             "noise. Real checkpoints go in models/Stable-diffusion/.")
 
 LoraWriter = Callable[[Path, object, str], None]
 
@@ -89,8 +100,19 @@ def component_configs(pipe, arch: str) -> dict[str, dict]:
 def write_single_file(pipe, arch: str, path: Path) -> None:
     """Save in the family's single-file layout (LDM for SD, the all-in-one for Flux) with the
     component configs embedded in the metadata."""
-    metadata = {"format": "pt", CONFIGS_METADATA_KEY: json.dumps(component_configs(pipe, arch))}
+    metadata = {"format": "pt", CONFIGS_METADATA_KEY: json.dumps(component_configs(pipe, arch)),
+                DEMO_METADATA_KEY: DEMO_NOTE}
     save_file(family(arch).single_file_state(pipe), str(path), metadata=metadata)
+
+
+def is_demo_checkpoint(path: Path) -> bool:
+    """Whether the checkpoint at `path` (a file or a diffusers folder) is one the demo wrote (random weights)."""
+    if path.is_dir():
+        return (path / DEMO_NOTE_FILE).is_file()
+    try:
+        return DEMO_METADATA_KEY in read_header(path)[1]
+    except (OSError, ValueError):  # unreadable: the load names why; this is only the banner
+        return False
 
 
 def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -149,9 +171,10 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
     `checkpoints_dir`, `lora_dir`, `embeddings_dir`, and `upscaler_file`, the tiny upscaler model). With
     `inpainting` also `<arch>_inpainting_file`, an inpainting checkpoint (a 9-channel UNet) of each family
     stating `tiny_inpainting_channels`. The command line and the tests write both
-    extras; the first start of the app writes neither: one checkpoint per family is all a newcomer
-    needs (a folder for a family that loads no single file), and the folders cost 1.0 of the 3.3
-    CPU s (2 cores) that writing everything takes.
+    extras; the first start of the app writes the inpainting checkpoints (so the Inpaint sub-tab can be
+    tried at once) but no folders: one checkpoint per family is all a newcomer needs (a folder for a
+    family that loads no single file), and the folders cost 1.0 of the 3.3 CPU s (2 cores) that writing
+    everything takes.
     """
     settings = Settings(data_dir=Path(data_dir))
     paths = {
@@ -169,6 +192,7 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
         if "folder" in family(arch).layouts and (folders or "file" not in family(arch).layouts):
             paths[f"{arch}_folder"] = settings.checkpoints_dir / f"tiny-{arch}-diffusers"
             pipe.save_pretrained(paths[f"{arch}_folder"], safe_serialization=True)
+            (paths[f"{arch}_folder"] / DEMO_NOTE_FILE).write_text(DEMO_NOTE + "\n", encoding="utf-8")
         if family(arch).takes_embeddings:
             paths[f"{arch}_embedding"] = settings.embeddings_dir / f"tiny-{arch}-embedding.safetensors"
             save_file(embedding_tensors(pipe, arch, seed), str(paths[f"{arch}_embedding"]))

@@ -222,6 +222,41 @@ class RecentLogHandler(logging.Handler):
         return list(self._lines)
 
 
+SHOWN_ERRORS_LOGGER = "app.ui.errors"  # `app.ui.common.user_errors` logs every error a page shows here
+
+
+class ShownErrors(logging.Handler):
+    """The errors the pages showed this session (a refused value, a failed generation: each toast of
+    `user_errors`), newest last, for the Diagnostics tab and the bug report. The engine's own `last_error`
+    holds only failed transitions; without these a report after a refused send said "no errors this
+    session" while the user looked at a red toast. `attach` listens on `SHOWN_ERRORS_LOGGER`; `detach`
+    stops (an app closing)."""
+
+    def __init__(self, capacity: int = 50) -> None:
+        super().__init__(logging.INFO)
+        self._records: collections.deque[dict] = collections.deque(maxlen=capacity)
+        self.count = 0  # every one shown, beyond `capacity` too
+
+    def emit(self, record: logging.LogRecord) -> None:
+        action, _, message = record.getMessage().partition(": ")
+        self._records.append({"command": action, "message": message, "at": record.created, "traceback": "",
+                              "shown": True})
+        self.count += 1
+
+    def records(self) -> list[dict]:
+        return list(self._records)
+
+    def attach(self) -> ShownErrors:
+        logger = logging.getLogger(SHOWN_ERRORS_LOGGER)
+        if logger.level == logging.NOTSET:  # a refusal is logged at INFO: kept whatever the root's level
+            logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def detach(self) -> None:
+        logging.getLogger(SHOWN_ERRORS_LOGGER).removeHandler(self)
+
+
 def set_debug_logging(lora_debug: bool, move_debug: bool) -> None:
     """Apply the run-time debug toggles: DEBUG level on the adapter and placement loggers."""
     logging.getLogger("app.adapters").setLevel(logging.DEBUG if lora_debug else logging.INFO)

@@ -132,12 +132,16 @@ def versions() -> dict[str, Any]:
     return out
 
 
-def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), secrets: Iterable[str] = ()) -> dict:
-    """Everything a maintainer needs, redacted. `engine` may be None (the UI could not start)."""
+def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), secrets: Iterable[str] = (),
+                   shown_errors: Iterable[dict] = ()) -> dict:
+    """Everything a maintainer needs, redacted. `engine` may be None (the UI could not start).
+    `shown_errors`: what the pages showed as errors (`app.diagnostics.ShownErrors`), listed after the
+    engine's last failed transition (a failed generation is both: its toast and the transition)."""
     snapshot = engine.snapshot() if engine is not None else None
-    errors = []
+    errors: list = []
     if snapshot is not None and snapshot.last_error is not None:
         errors.append(snapshot.last_error)
+    errors += list(shown_errors)
     report = {
         "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "versions": versions(),
@@ -161,9 +165,9 @@ def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), se
 
 
 def build_bug_report(engine, settings: Settings, log_lines: Iterable[str] = (),
-                     secrets: Iterable[str] = ()) -> bytes:
+                     secrets: Iterable[str] = (), shown_errors: Iterable[dict] = ()) -> bytes:
     """The zip bundle as bytes: `report.json` and `card.png`."""
-    report = collect_report(engine, settings, log_lines, secrets)
+    report = collect_report(engine, settings, log_lines, secrets, shown_errors)
     png = io.BytesIO()
     render_card(report).save(png, format="PNG")
     buffer = io.BytesIO()

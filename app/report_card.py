@@ -5,12 +5,15 @@ the redacted report dict (`app.report`), so it cannot show more than the JSON.""
 
 from __future__ import annotations
 
+import time
+
 from PIL import Image, ImageDraw, ImageFont
 
 _WIDTH, _MARGIN, _LABEL_W, _BAR_H = 1100, 20, 130, 24
 _INK, _MUTED, _BAD, _WARN, _BG = "#1f2328", "#57606a", "#d1242f", "#bc4c00", "#ffffff"
 _DEVICE_COLOURS = {"cpu": ("#1f5fa8", "#4c8fd6", "#9cc3ee"), "cuda": ("#2a7d2e", "#4fae53", "#9fd6a1"),
                    "meta": ("#6e7781", "#8c959f", "#afb8c1"), "mps": ("#6f42c1", "#8a63d2", "#c2a8f0")}
+_SHOWN_ERRORS = 6  # the newest errors the pages showed, one line each (the JSON has them all)
 _DTYPE_SHADE = {"fp32": 0, "bf16": 1, "fp16": 2}
 # Typographic characters engine messages use, spelled so any fallback font can draw them.
 _ASCII_PUNCTUATION = str.maketrans({"—": "-", "–": "-", "→": "->", "←": "<-", "…": "...", "✗": "x", "✓": "v",
@@ -166,8 +169,15 @@ def _draw_history(canvas: _Canvas, report: dict) -> None:
         fixes = f" · {h['violations_found']} violations, {h['violations_repaired']} repaired" \
             if h["violations_found"] else ""
         canvas.text(f"{h['command']} {h['detail']} -> {h['outcome']} ({h['duration_s']:.2f} s){fixes}", 12, colour)
-    for err in report.get("errors") or []:
+    errors = report.get("errors") or []
+    engine_errors = [err for err in errors if not err.get("shown")]
+    shown = [err for err in errors if err.get("shown")]
+    for err in engine_errors:
         canvas.text(f"last error in {err['command']}: {err['message']}", 13, _BAD, bold=True)
+    canvas.heading(f"Errors shown on the page: {len(shown)}" if shown else "Errors shown on the page: none")
+    for err in shown[-_SHOWN_ERRORS:]:
+        stamp = time.strftime("%H:%M:%S", time.localtime(err["at"]))
+        canvas.text(f"[{stamp}] {err['command']}: {err['message']}", 12, _BAD)
 
 
 def _versions_line(report: dict) -> str:
@@ -189,7 +199,8 @@ def render_card(report: dict) -> Image.Image:
     canvas.text(report.get("created", ""), 12, _MUTED)
     if snap:
         found, repaired = snap.get("violations_found_total", 0), snap.get("violations_repaired_total", 0)
-        canvas.text(f"state {snap.get('state')} · model {snap.get('model') or 'none'} ({snap.get('arch') or '-'}, "
+        kind = snap.get("model_label") or snap.get("arch") or "-"
+        canvas.text(f"state {snap.get('state')} · model {snap.get('model') or 'none'} ({kind}, "
                     f"{snap.get('model_hash') or '-'}) · device {snap.get('device')} · dtype {snap.get('dtype') or '-'}"
                     f" (asked {snap.get('requested_dtype')}) · offload {snap.get('offload')}", 14)
         canvas.text(f"violations found {found}, repaired {repaired} since start", 14, _BAD if found else _INK)

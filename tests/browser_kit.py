@@ -126,6 +126,15 @@ def generate_and_wait(page, engine) -> Path:
     return outputs(engine)[-1]
 
 
+def offered(page, elem_id: str) -> list[str]:
+    """The options a dropdown offers, as a user sees them on opening it."""
+    page.click(f"#{elem_id} input")
+    options = page.locator(f"#{elem_id} li[role=option]").evaluate_all(
+        "options => options.map(o => o.getAttribute('aria-label'))")
+    page.keyboard.press("Escape")
+    return options
+
+
 def choose(page, elem_id: str, option: str) -> None:
     page.click(f"#{elem_id} input")
     page.click(f"#{elem_id} li[role=option][aria-label='{option}']")

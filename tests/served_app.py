@@ -89,6 +89,13 @@ def running_app(settings: Settings, engine: Engine | None = None):
             engine.close()
 
 
+@contextlib.contextmanager
+def served_demo(root: Path, demo_dir: Path):
+    """The app on a private copy of the demo models and the LoRAs above, the tiny SD1.5 loaded; yields
+    (server, engine)."""
+    with running_app(Settings(data_dir=make_ui_data(root, demo_dir), device="cpu", port=free_port())) as started:
+        yield started
+
 
 @contextlib.contextmanager
 def fresh_start(root: Path, demo_dir: Path):

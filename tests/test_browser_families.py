@@ -10,7 +10,7 @@ skips without them.
 from __future__ import annotations
 
 import pytest
-from browser_kit import TIMEOUT_MS, choose, generate_and_wait, save, set_number
+from browser_kit import TIMEOUT_MS, choose, generate_and_wait, offered, save, set_number
 from served_app import fresh_start
 
 from app.engine.stage_params import SAME
@@ -29,31 +29,23 @@ def served(tmp_path_factory, demo_dir):
         yield started
 
 
-def _offered(page, elem_id: str) -> list[str]:
-    page.click(f"#{elem_id} input")
-    offered = page.locator(f"#{elem_id} li[role=option]").evaluate_all(
-        "options => options.map(o => o.getAttribute('aria-label'))")
-    page.keyboard.press("Escape")
-    return offered
-
-
 def _fields(page) -> dict[str, str]:
     return {"sampler": page.input_value("#sd-sampler input"), "steps": page.input_value("#sd-steps input"),
             "cfg": page.input_value("#sd-cfg input"), "cfg label": page.inner_text("#sd-cfg"),
-            "offered": _offered(page, "sd-sampler")}
+            "offered": offered(page, "sd-sampler")}
 
 
 def _other_fields(page, samplers: list[str], steps: int) -> tuple[list[str], dict[str, str]]:
     """(hires sampler list, the img2img tab's fields) once the img2img tab's sampler is one of `samplers`
     and its steps are `steps`: the update that fills them as the tab opens may land after the click."""
     page.get_by_label("Hires. fix").check()
-    hires = _offered(page, "sd-hires-sampler")
+    hires = offered(page, "sd-hires-sampler")
     page.get_by_label("Hires. fix").uncheck()
     size = page.input_value("#sd-width input"), page.input_value("#sd-height input")
     page.get_by_role("tab", name="img2img").first.click()
     page.wait_for_function(f"""{samplers!r}.includes(document.querySelector('#sd-i2i-sampler input')?.value)
         && Number(document.querySelector('#sd-i2i-steps input')?.value) === {steps}""", timeout=TIMEOUT_MS)
-    image_to_image = {"offered": _offered(page, "sd-i2i-sampler"), "sampler": page.input_value("#sd-i2i-sampler input"),
+    image_to_image = {"offered": offered(page, "sd-i2i-sampler"), "sampler": page.input_value("#sd-i2i-sampler input"),
                       "steps": page.input_value("#sd-i2i-steps input"), "cfg": page.input_value("#sd-i2i-cfg input"),
                       "cfg label": page.inner_text("#sd-i2i-cfg"),
                       "size": (page.input_value("#sd-i2i-width input"), page.input_value("#sd-i2i-height input")),

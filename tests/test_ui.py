@@ -346,11 +346,12 @@ def test_share_without_auth_requires_the_generated_password(tmp_path):
         assert "Could not create a Gradio share link" in output and "gradio.live" not in output
         _assert_locked(url)
         authed = gradio_client.Client(url, auth=("steady", password), verbose=False)
-        # One checkpoint per family, a single file where it loads one: the other folders are left to
-        # `python -m app.demo`.
+        # One checkpoint per family, a single file where it loads one, and the inpainting checkpoints (issue
+        # 45: the Inpaint sub-tab can be tried at once): the other folders are left to `python -m app.demo`.
         assert authed.predict(api_name="/list_models") == sorted(
-            f"tiny-{arch}.safetensors" if "file" in fam.layouts else f"tiny-{arch}-diffusers"
-            for arch, fam in FAMILIES.items())
+            [f"tiny-{arch}.safetensors" if "file" in fam.layouts else f"tiny-{arch}-diffusers"
+             for arch, fam in FAMILIES.items()]
+            + [f"tiny-{arch}-inpainting.safetensors" for arch, fam in FAMILIES.items() if fam.tiny_inpainting_channels])
         # CPU seconds, not wall time: on a shared 2-core CI box other jobs stretch the wall clock.
         # Importing torch, diffusers and Gradio alone takes 12-14 CPU s on a 2-core CI box, so the
         # bound is on what follows them; the whole-process bound only catches a runaway start.

@@ -50,7 +50,7 @@ def steady_router(state: ApiState) -> APIRouter:
 
     @router.get("/bug-report")
     def bug_report() -> Response:
-        bundle = build_bug_report(ctx.engine, ctx.settings, ctx.log_lines(), ctx.secrets)
+        bundle = build_bug_report(ctx.engine, ctx.settings, ctx.log_lines(), ctx.secrets, ctx.shown_errors.records())
         return Response(bundle, media_type="application/zip",
                         headers={"Content-Disposition": 'attachment; filename="steady-bug-report.zip"'})
 

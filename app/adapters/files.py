@@ -117,6 +117,11 @@ class LoraLibrary:
             raise FileNotFoundError(f"LoRA {name!r} not found in {self.root} (was it moved or deleted?)")
         return path
 
+    def found(self, name: str) -> bool:
+        """Whether `name` is a LoRA file in the library; an unsafe name is refused (`UnsafePathError`), never
+        taken for a missing file (a prompt tag naming a missing one is left out: `without_missing_loras`)."""
+        return self._path(name).is_file()
+
     def exists(self, name: str) -> bool:
         """Whether `name` is a LoRA file in the library (an unsafe or absent name is not)."""
         try:

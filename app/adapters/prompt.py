@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 from app.adapters.specs import LoraSpec
 
@@ -37,6 +38,34 @@ def parse_prompt_loras(prompt: str) -> tuple[str, tuple[LoraSpec, ...]]:
         found[name] = LoraSpec(name, weight=first, unet_weight=unet, te_weight=first if unet is not None else None)
     stripped = re.sub(r"\s{2,}", " ", _TAG.sub("", prompt)).strip(" ,")
     return stripped, tuple(found.values())
+
+
+def without_missing_loras(params, exists: Callable[[str], bool]):
+    """(`params` without the prompt's tags naming a LoRA that does not `exist`, those names): A1111 warns of a
+    LoRA it cannot find and draws without it, so a pasted prompt works here too, and nothing of the missing
+    LoRA reaches the image or its infotext."""
+    missing: list[str] = []
+
+    def keep(match: re.Match) -> str:
+        name = match.group(1).strip()
+        if exists(name):
+            return match.group(0)
+        missing.append(name)
+        return ""
+
+    prompt = _TAG.sub(keep, params.prompt)
+    if not missing:
+        return params, ()
+    return dataclasses.replace(params, prompt=re.sub(r"\s{2,}", " ", prompt).strip(" ,")), tuple(dict.fromkeys(missing))
+
+
+def missing_lora_note(missing: tuple[str, ...], folder: str) -> str:
+    """The note for tags `without_missing_loras` took out (`folder`: the LoRA folder as messages name it)."""
+    if not missing:
+        return ""
+    names = ", ".join(repr(name) for name in missing)
+    return (f"LoRA {names} not found in {folder}: drawn without it (its tag was left out, as A1111 does); "
+            "put the file there and press ↻ to use it")
 
 
 def merge_prompt_loras(params, desired: tuple[LoraSpec, ...]):

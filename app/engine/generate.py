@@ -27,7 +27,7 @@ from app.families import FAMILIES, family, family_of
 from app.infotext import LoraUse, format_infotext
 from app.prompts.editing import EditedPass, encoded_texts, not_edited_note
 from app.prompts.encode import CLIP_SKIP_MAX
-from app.prompts.notes import prompt_notes
+from app.prompts.notes import negative_note, prompt_notes
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,7 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
     if arch is not None:
         fam = family(arch)
         notes += prompt_notes(fam, *encoded_texts(fam, params.prompt, params.negative_prompt, params.steps))
+        notes.append(negative_note(fam, params.negative_prompt, params.cfg))
         notes.append(not_edited_note(fam, params.prompt, params.negative_prompt, params.steps))
     return params, tuple(n for n in notes if n)
 
@@ -261,12 +262,15 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
     A guidance-distilled family (Flux dev) writes what Forge writes: `CFG scale: 1` (no CFG runs) and
     the guidance as `Distilled CFG Scale`. `extra` holds a workflow's own pairs (`Denoising
     strength`, `Hires upscale`, …), written after `Model` as A1111 writes them. A family that has no
-    negative prompt (Flux) ran without it, so none is written: a reader must not believe it counted."""
+    negative prompt (Flux) ran without it, so none is written: a reader must not believe it counted; and
+    wherever a written negative prompt was not read (that, or CFG 1), `Negative prompt unused` says why."""
     fam = family(ctx.arch) if ctx.arch is not None else None
     distilled = fam is not None and fam.distilled_guidance
     negative = params.negative_prompt if fam is None or fam.negative_prompt else ""
+    unused = fam.negative_unused(params.cfg) if fam is not None and params.negative_prompt.strip() else ""
     guidance = [("CFG scale", "1"), ("Distilled CFG Scale", f"{params.cfg:g}")] if distilled \
         else [("CFG scale", f"{params.cfg:g}")]
+    guidance += [("Negative prompt unused", unused)] if unused else []
     settings = [("Steps", params.steps), ("Sampler", params.sampler), *guidance, ("Seed", seed),
                 ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name),
                 *extra, *([("Clip skip", params.clip_skip)] if params.clip_skip > 1 else []),

@@ -10,12 +10,13 @@ queue is taken off it by `cancel_queued`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from app.adapters.prompt import merge_prompt_loras
+from app.adapters.prompt import merge_prompt_loras, without_missing_loras
 from app.engine import decoding, generate, seamless, timeline, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.host_read import HostRead
@@ -26,6 +27,8 @@ from app.engine.snapshot import EngineState
 from app.families import family
 from app.infotext import LoraUse
 from app.preview import pictures, preview_pixels
+
+log = logging.getLogger(__name__)
 
 # The commands that generate: each becomes the current `Job` when it leaves the queue, for all of
 # its stages, so Interrupt and Skip reach every denoising pass of it (img2img, inpaint, hires).
@@ -135,6 +138,7 @@ class Generating:
         if self._lifecycle.pipeline is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
         self._release_refiner()  # a txt2img without one: the memory a held refiner takes goes back
+        params = self._found_loras_only(params)
         saved_prompt = params.prompt  # tags stay in the saved prompt, as A1111 writes it
         params, wanted = merge_prompt_loras(params, self._desired.loras)
         self.library.validate_specs(wanted)
@@ -155,6 +159,14 @@ class Generating:
             if tagged:
                 with timeline.phase("prompt LoRAs"):
                     self._realise(self._desired, self._desired.loras)
+
+    def _found_loras_only(self, params: GenerateParams) -> GenerateParams:
+        """`params` without prompt tags naming a LoRA the library lacks, each warned of (`without_missing_loras`)."""
+        params, missing = without_missing_loras(params, self.library.found)
+        for name in missing:
+            log.warning("LoRA %r not found in the LoRA folder: its prompt tag is left out, the image drawn without it",
+                        name)
+        return params
 
     def _generate_images(self, params: GenerateParams, saved_prompt: str, job: Job, batch_run=None,
                          extra: tuple[tuple[str, object], ...] = ()) -> list[GeneratedImage]:

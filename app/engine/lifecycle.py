@@ -138,7 +138,8 @@ class ModelLifecycle(Placing, ControlNetSlot):
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
                            dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
                            storage.bytes_saved(pipe, loaded.stored, pipe.compute_dtypes),
-                           loaded.stack.backup_summary(), len(loaded.matmul), loaded.matmul.unfit_summary())
+                           loaded.stack.backup_summary(), len(loaded.matmul), loaded.matmul.unfit_summary(),
+                           pipe.family.label + (" inpainting" if pipe.family.inpainting(pipe) else ""))
 
     def rows(self, violations) -> tuple[diagnostics.ModuleRow, ...]:
         """Diagnostics' rows, one per module. Built after the verify that ends every transition: with no

@@ -87,6 +87,7 @@ class Snapshot:
     state: str
     model: str | None = None
     arch: str | None = None
+    model_label: str | None = None  # "SD1.5", "SD1.5 inpainting": the family as the page names the loaded model
     model_hash: str | None = None  # None also while a first load's file is being read (file_scans)
     native_size: int | None = None  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
     defaults: tuple[int, float] | None = None  # the steps and guidance the page fills in for this model
@@ -149,6 +150,7 @@ class LoadedFacts:
     lora_backups: str  # originals held for fused LoRAs: layers, size, where (LoraStack.backup_summary)
     matmul_layers: int = 0  # stored layers computed as fp8 matmuls
     matmul_unfit: tuple[str, ...] = ()  # why the other stored layers widen instead (MatmulLayers.unfit_summary)
+    label: str = ""  # what the page calls it: the family's label, "SD1.5 inpainting" for an inpainting checkpoint
 
 
 def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,
@@ -183,7 +185,8 @@ def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFa
                   taken_at=time.time())
     if facts is None:
         return Snapshot(**common)
-    return Snapshot(model=facts.model, arch=facts.arch, model_hash=facts.model_hash, native_size=facts.native_size,
+    return Snapshot(model=facts.model, arch=facts.arch, model_label=facts.label or facts.arch,
+                    model_hash=facts.model_hash, native_size=facts.native_size,
                     defaults=facts.defaults, dtype=placement.dtype_name(facts.dtype), loras=facts.loras,
                     lora_mode=facts.lora_mode, embeddings=facts.embeddings, stored_layers=facts.stored_layers,
                     bytes_saved=facts.bytes_saved, lora_backups=facts.lora_backups, matmul_layers=facts.matmul_layers,

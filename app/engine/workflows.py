@@ -201,8 +201,10 @@ class Workflows:
                                          passes)
 
         def body() -> list[GeneratedImage]:
+            nonlocal params
             if self._lifecycle.pipeline is None:
                 self._run_stage(name, detail, state.GENERATING, _no_model)
+            params = self._found_loras_only(params)
             passes = _Passes(self._desired.loras)
             stripped, wanted = merge_prompt_loras(params, self._desired.loras)
             if wanted != passes.current:

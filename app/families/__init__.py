@@ -362,6 +362,16 @@ class Family:
         if not low <= value <= high:
             raise ValueError(f"{self.label} takes {self.guidance_label} {low:g}…{high:g}, got {value:g}")
 
+    def negative_unused(self, guidance: float) -> str:
+        """Why a negative prompt changes nothing at `guidance`, or "" where it counts: it is read only by an
+        unconditional pass, which a family without CFG (distilled guidance, FLUX.2 Klein) never runs, nor
+        CFG at 1 or below (diffusers' pipelines skip it there: Z-Image Turbo's default)."""
+        if not self.negative_prompt or self.distilled_guidance:
+            return f"{self.label} runs no unconditional pass"
+        if guidance <= 1:
+            return f"{self.guidance_label} {guidance:g} runs no unconditional pass (above 1 it does)"
+        return ""
+
     def latents_for_vae(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """Denoised latents -> what the VAE decodes (the one rule `decode` uses; `latents_from_vae` inverts it)."""
         stats = self.latent_stats(vae.config)

@@ -49,3 +49,10 @@ def prompt_chunks(fam: Family, prompt: str, negative_prompt: str, steps: int) ->
     tokenizers = _tokenizers(fam.name)
     return sum(max(chunk_tokens(tokenizers[te.tokenizer], text).chunks for te in chunked for text in pair)
                for _end, *pair in (pairs if editable(fam) else pairs[:1]))
+
+
+def negative_note(fam: Family, negative_prompt: str, guidance: float) -> str:
+    """The note when a negative prompt was written and `fam` at `guidance` never reads it (`Family.negative_unused`),
+    as the emphasis note says what a plain-text encoder leaves out: A1111 and Forge drop it silently."""
+    why = fam.negative_unused(guidance) if negative_prompt.strip() else ""
+    return f"the negative prompt is not used: {why}" if why else ""

@@ -14,6 +14,7 @@ import gradio as gr
 from app.ui import views
 from app.ui.api import register_api
 from app.ui.common import UiContext
+from app.ui.demo_banner import banner_update, build_demo_banner
 from app.ui.diagnostics_tab import admin_controls, build_diagnostics_tab, refresh
 from app.ui.extras_tab import build_extras_tab
 from app.ui.generate_run import owner_of, stop_buttons, wire_cancel_on_leave
@@ -47,6 +48,7 @@ def build_app(ctx: UiContext) -> gr.Blocks:
         with gr.Row(elem_classes="sd-header"):
             gr.Markdown("## Steady Diffusion")
             status = gr.HTML(elem_id="sd-status-line")
+        banner = build_demo_banner()
         with gr.Tabs() as tabs:
             with gr.Tab("Generate", id="generate") as generate_tab:
                 tab = build_generate_tab(ctx)
@@ -82,11 +84,18 @@ def build_app(ctx: UiContext) -> gr.Blocks:
                             outputs=[*i2i.family_components, i2i.shown], api_visibility="private",
                             show_progress="hidden")
         img2img_tab.select(**fill_img2img)
+        img2img_tab.select(**i2i.show_references)
         demo.load(**fill_img2img)
         for other in (generate_tab, img2img_tab, extras_tab, pnginfo_tab, history_tab):
             other.select(lambda: gr.Timer(active=False), None, diag.timer, api_visibility="private")
         wire_page_load(ctx, tab, demo)
         admin_controls(ctx, diag, demo)
         wire_cancel_on_leave(ctx, demo)
-        demo.load(lambda: views.engines_html(ctx.engine.snapshots()), None, status, api_visibility="private")
+        # the status line and the demo banner on page load (one event: a page's load events count against its
+        # --session-queue-size), the banner again after every load of this page's (its model line changes)
+        demo.load(lambda: [views.engines_html(ctx.engine.snapshots()), banner_update(ctx)], None, [status, banner],
+                  api_visibility="private")
+        tab.model_status.change(lambda: banner_update(ctx), None, banner, api_visibility="private",
+                                show_progress="hidden")
+        tab.model_status.change(**i2i.show_references)
     return demo

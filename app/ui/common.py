@@ -22,7 +22,9 @@ from typing import Any
 import gradio as gr
 
 from app.accounts import Account, Accounts
+from app.adapters.prompt import missing_lora_note, without_missing_loras
 from app.adapters.specs import LoraSpec
+from app.diagnostics import SHOWN_ERRORS_LOGGER, ShownErrors
 from app.engine import checkpoint_files
 from app.engine.generate import GeneratedImage, GenerateParams, params_from_form
 from app.engine.snapshot import Snapshot
@@ -37,6 +39,7 @@ from app.ui.lora_cards import CardCache
 from app.ui.sessions import SessionStates
 
 log = logging.getLogger(__name__)
+shown_log = logging.getLogger(SHOWN_ERRORS_LOGGER)
 POLL_S = 0.15
 GENERATION_LANE = "generate"  # the Gradio lane of every generation
 MAX_LORAS = 8  # slots on the Generate tab; the API takes any number
@@ -85,6 +88,7 @@ class UiContext:
     sessions: SessionStates | None = None  # None: the app's own, remembering its default in the data folder
     accounts: Accounts = field(default_factory=Accounts)
     login_jobs: LoginJobs = field(default_factory=LoginJobs)
+    shown_errors: ShownErrors = field(default_factory=lambda: ShownErrors().attach())  # detached by the server's close
 
     def __post_init__(self) -> None:
         if self.sessions is None:
@@ -117,17 +121,18 @@ def user_errors(action: str, data_dir: Path, browser: bool = True) -> Iterator[N
     Gradio's own traceback print is off, so each error is in the log once. The message names files
     relative to `data_dir` (the app's data folder), and no install or home folder: whoever the app
     serves reads it, a stranger on a share link too. Toasts render HTML, so for the browser the
-    message is escaped: a `<lora:…>` in it would otherwise cut it short."""
+    message is escaped: a `<lora:…>` in it would otherwise cut it short. The log entry goes to
+    `SHOWN_ERRORS_LOGGER`, where `ShownErrors` keeps it for Diagnostics and the bug report."""
     try:
         yield
     except gr.Error:
         raise
     except Exception as exc:
-        if isinstance(exc, (ValueError, OSError, EngineCallError)):
-            log.info("%s refused: %s", action, str(exc))
-        else:
-            log.exception("%s failed", action)
         message = without_folders(f"{action} failed: {exc}", data_dir)
+        if isinstance(exc, (ValueError, OSError, EngineCallError)):
+            shown_log.info("%s", message)
+        else:
+            shown_log.exception("%s", message)
         raise gr.Error(html.escape(message) if browser else message, duration=None, print_exception=False) from exc
 
 
@@ -241,7 +246,15 @@ def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed,
                   subseed_strength=subseed_strength, seed_resize_from_w=seed_resize_from_w,
                   seed_resize_from_h=seed_resize_from_h, refiner_checkpoint=refiner,
                   refiner_switch_at=refiner_switch_at, step_cache=step_cache)
-    return params_from_form(values, ctx.engine.snapshot().arch)
+    params, notes = params_from_form(values, ctx.engine.snapshot().arch)
+    return params, (*notes, *missing_lora_notes(ctx, params))
+
+
+def missing_lora_notes(ctx: UiContext, params: GenerateParams) -> tuple[str, ...]:
+    """The note for the prompt's tags naming a LoRA the folder lacks, which the engine leaves out."""
+    missing = without_missing_loras(params, ctx.engine.library.found)[1]
+    folder = ctx.settings.lora_dir.relative_to(ctx.settings.data_dir).as_posix()
+    return tuple(filter(None, [missing_lora_note(missing, folder)]))
 
 
 def gallery_items(images: list[GeneratedImage]) -> list[tuple]:

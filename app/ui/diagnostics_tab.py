@@ -67,7 +67,7 @@ def refresh(ctx: UiContext, engine: int | None, component: str, text: str, only_
         gpu_note,
         views.timer_rows(snap),
         views.timeline_svg(ctx.engine.timeline.snapshot()),
-        views.error_text(snap),
+        views.error_text(snap, ctx.shown_errors.records()),
     ]
 
 
@@ -137,7 +137,7 @@ def admin_controls(ctx: UiContext, tab: DiagnosticsTab, demo: gr.Blocks) -> None
 
 def export_bug_report(ctx: UiContext) -> tuple[str, str]:
     """Write the zip and its card into a fresh temp folder; Gradio serves both from its cache."""
-    data = build_bug_report(ctx.engine, ctx.settings, ctx.log_lines(), ctx.secrets)
+    data = build_bug_report(ctx.engine, ctx.settings, ctx.log_lines(), ctx.secrets, ctx.shown_errors.records())
     folder = Path(tempfile.mkdtemp(prefix="sd-bug-report-"))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     zip_path = folder / f"steady-diffusion-bug-report-{stamp}.zip"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from app.ui.common import PROGRESS, UiContext, run_with_progress, user_errors
+from app.ui.kept_upload import keep_on_refusal
 from app.upscalers.extras import EXTRAS_LIMITS, NONE, RESIZE_MODES, ExtrasParams
 
 QUEUE = "loras"  # the lane every engine-changing event shares, in order
@@ -58,7 +59,7 @@ def build_extras_tab(ctx: UiContext) -> ExtrasTab:
             source = gr.State("single")
             with gr.Tabs():
                 with gr.Tab("Single image", id="extras-single") as single_tab:
-                    single = gr.Image(type="pil", label="Image", elem_id="sd-extras-image", height=300)
+                    single = gr.Image(type="pil", label="Image", elem_id="sd-extras-image", height=300, format="png")
                 with gr.Tab("Batch", id="extras-batch") as batch_tab:
                     batch = gr.Gallery(type="pil", label="Images", elem_id="sd-extras-batch", interactive=True,
                                        columns=4, height=300)
@@ -80,6 +81,7 @@ def build_extras_tab(ctx: UiContext) -> ExtrasTab:
             gallery = gr.Gallery(label="Upscaled", columns=2, height=420, elem_id="sd-extras-gallery", format="png",
                                  object_fit="contain")
             infotext = gr.Textbox(label="Postprocessing", lines=3, buttons=["copy"], elem_id="sd-extras-infotext")
+    keep_on_refusal(single, infotext)  # the text of the last result is not left beside an emptied field
     go.click(lambda progress=PROGRESS, *v: run_extras(ctx, *v, progress=progress),
              [single, batch, source, mode, factor, width, height, crop, upscaler, upscaler_2, visibility],
              [gallery, infotext], api_visibility="private", concurrency_id=QUEUE, show_progress_on=[gallery])

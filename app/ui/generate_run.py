@@ -56,6 +56,7 @@ from app.ui.lora_panel import LoraSlots, panel_unchanged, panel_view, selected_s
 
 log = logging.getLogger(__name__)
 GALLERY_LABEL = "Images"
+FAILED_LABEL = "⚠ The last run failed (see its message): these images are from the run before"
 STOP_QUEUE = "stop"  # Interrupt and Skip never wait behind the generation they stop
 
 
@@ -180,8 +181,14 @@ def stream_job(job: Generation, size: tuple[int, int], action: str, frame: Calla
         with user_errors(action, job.engine.settings.data_dir):
             return job.images()
     except gr.Error:
-        yield frame(gr.skip() if shown is None else gr.Gallery(last, label=GALLERY_LABEL), None)
+        yield frame(failed_gallery(last), None)
         raise
+
+
+def failed_gallery(last: list) -> gr.Gallery:
+    """The gallery after a failed run: the `last` result, labelled as the run before's, so it is never
+    taken for this run's answer (the failure itself is the toast)."""
+    return gr.Gallery(last, label=FAILED_LABEL if last else GALLERY_LABEL)
 
 
 def result_gallery(images: list[GeneratedImage], steps: int, extra: list | None = None) -> gr.Gallery:
@@ -210,13 +217,18 @@ def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hi
     values of `GenerateTab.state_inputs`), streaming previews; the size fields then show the size used, with
     the notes (the Detailer's too). `infos`: the last result's (its gallery comes back after a failure)."""
     slot_names = state[1]
-    with user_errors("Generation", ctx.settings.data_dir):
-        params, notes = generate_params(ctx, *settings, book=ctx.styles_for(ctx.account(request)))
-        params = with_units(params, units_from_form(ctx.settings, controlnet, needs_image=True))
-        hires = hires_from_form(*hires_values)
-        details = details_from_form(ctx, *detail_values)
-        desired = desired_from_panel(ctx, state)
-        sync_selection(ctx, desired.loras, progress)
+    last = [info["item"] for info in infos or [] if "item" in info]
+    try:
+        with user_errors("Generation", ctx.settings.data_dir):
+            params, notes = generate_params(ctx, *settings, book=ctx.styles_for(ctx.account(request)))
+            params = with_units(params, units_from_form(ctx.settings, controlnet, needs_image=True))
+            hires = hires_from_form(*hires_values)
+            details = details_from_form(ctx, *detail_values)
+            desired = desired_from_panel(ctx, state)
+            sync_selection(ctx, desired.loras, progress)
+    except gr.Error:  # refused before it ran: the last result is not this run's either
+        yield [failed_gallery(last), *[gr.skip()] * 6, *run_buttons(None, "Generate"), *panel_unchanged()]
+        raise
     job = Generation(ctx.engine, lambda owner: ctx.engine.generate(params, owner=owner, hires=hires, desired=desired,
                                                                     details=details), owner_of(request))
     keep = [gr.skip()] * 6
@@ -225,7 +237,6 @@ def _generate(ctx: UiContext, request: gr.Request, progress, settings: tuple, hi
         view = panel_unchanged() if snap is not None else panel_view(ctx, list(slot_names))
         return [gallery, *keep, *run_buttons(snap, "Generate", snap is not None and job.runs_in(snap)), *view]
 
-    last = [info["item"] for info in infos or [] if "item" in info]
     images = yield from stream_job(job, (params.width, params.height), "Generation", frame, last)
     shown = gallery_items(images)
     infos = [{"seed": im.seed, "infotext": im.infotext, "item": item} for im, item in zip(images, shown, strict=True)]

@@ -38,6 +38,8 @@ from app.ui.lora_panel import LORA_QUEUE, LoraSlots, build_lora_panel, selection
 from app.ui.model_options import ModelOptions, build_model_options, engine_wide, option_updates, wire_model_options
 from app.ui.styles_panel import build_styles_row, refresh_styles
 
+NEGATIVE_LABEL = "Negative prompt"
+
 
 @dataclass
 class GenerateTab:
@@ -119,6 +121,28 @@ def family_updates(previous: Snapshot | ModelShown | None, current: Snapshot) ->
             gr.Number(value=guidance, label=fam.guidance_label, info=f"{low:g}…{high:g}")]
 
 
+def negative_box(arch: str | None, guidance) -> gr.Textbox:
+    """The negative prompt box as the loaded family at `guidance` reads it: its label and placeholder say
+    so where nothing reads it (`Family.negative_unused`: distilled guidance, no CFG at all, CFG 1), so a newcomer does
+    not write one believing it counts. It stays editable: the text comes back into use on a model or CFG
+    that reads it."""
+    why = family(arch).negative_unused(float(guidance)) if arch is not None and isinstance(guidance, int | float) \
+        else ""
+    if not why:
+        return gr.Textbox(label=NEGATIVE_LABEL, placeholder="")
+    return gr.Textbox(label=f"{NEGATIVE_LABEL} (not used: {why})",
+                      placeholder=f"not used: {why}; a model or CFG that reads it uses what is written here")
+
+
+def wire_negative_box(ctx: UiContext, cfg: gr.Number, negative: gr.Textbox, *after: object) -> dict:
+    """Redraw `negative` (`negative_box`) when the guidance changes; returns the event arguments `after`
+    (a model load, the page load, a tab's fill) runs too."""
+    redraw = dict(fn=lambda value: negative_box(ctx.engine.snapshot().arch, value), inputs=cfg, outputs=negative,
+                  api_visibility="private", show_progress="hidden")
+    cfg.change(**redraw)
+    return redraw
+
+
 def native_size_updates(previous: int | None, current: int | None) -> list:
     """Width and height jump to a newly loaded model's native size when it differs from the last
     model's (SDXL draws badly at SD1.5's 512², SD1.5 slowly and oddly at 1024²); otherwise the
@@ -159,7 +183,7 @@ def _settings_fields() -> list:
     defaults = GenerateParams("")
     prompt = gr.Textbox(label="Prompt", lines=3, elem_id="sd-prompt",
                         placeholder="a watercolour fox <lora:name:0.8>  (tags apply LoRAs for this prompt)")
-    negative = gr.Textbox(label="Negative prompt", lines=2, elem_id="sd-negative")
+    negative = gr.Textbox(label=NEGATIVE_LABEL, lines=2, elem_id="sd-negative")
     with gr.Row():
         sampler = gr.Dropdown(list(SCHEDULERS), value=defaults.sampler, label="Sampler", elem_id="sd-sampler")
         steps = _number("steps", "Steps", defaults.steps, 1)
@@ -238,7 +262,7 @@ def build_generate_tab(ctx: UiContext) -> GenerateTab:
                       height, batch, n_iter, clip_skip, note, options, variation, styles, refiner, hires, stops,
                       step_cache, controlnet, detailer)
     infos, chosen_seed = gr.State([]), gr.State(None)
-    _wire_model(ctx, tab, refresh)
+    _wire_model(ctx, tab, refresh, wire_negative_box(ctx, cfg, negative))
     wire_loras(ctx, loras)
     # Progress and a failure's "Error" mark go on the gallery only; the message itself is one toast.
     wire_generate(ctx, go, stops, (tab.settings, hires.inputs, detailer.inputs, tab.state_inputs, controlnet.inputs),
@@ -275,10 +299,11 @@ def load_checkpoint(ctx: UiContext, name: str, progress, admin: bool = False) ->
 
 
 def loaded_text(snap) -> str:
-    return f"Loaded **{snap.model}** ({snap.arch}, {snap.dtype} on {snap.device}; native size {snap.native_size}²)"
+    return (f"Loaded **{snap.model}** ({snap.model_label}, {snap.dtype} on {snap.device}; "
+            f"native size {snap.native_size}²)")
 
 
-def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
+def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button, negative: dict) -> None:
     engine = ctx.engine
 
     def ui_set_dtype(dtype, request: gr.Request, progress=PROGRESS):
@@ -307,7 +332,8 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
                                tab.cfg],
                               show_progress_on=[tab.model_status], **private)
     loaded.failure(lambda: gr.Dropdown(value=engine.snapshot().model), None, tab.model, api_visibility="private")
-    loaded.success(**redraw).then(lambda: option_updates(ctx), None, tab.options.outputs, api_visibility="private")
+    loaded.success(**redraw).then(lambda: option_updates(ctx), None, tab.options.outputs,
+                                  api_visibility="private").then(**negative)
     wire_model_options(ctx, tab.options, tab.model_status, **private)
     tab.dtype.input(ui_set_dtype, tab.dtype, tab.model_status, **private).success(**redraw)
     tab.offload.input(ui_set_offload, tab.offload, tab.model_status, **private).success(**redraw)

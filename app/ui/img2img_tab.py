@@ -27,13 +27,15 @@ from app.ui.generate_run import (
     StopControls,
     build_stop_controls,
     desired_from_panel,
+    failed_gallery,
     owner_of,
     result_gallery,
     run_buttons,
     stream_job,
     wire_stop,
 )
-from app.ui.generate_tab import ModelShown, family_updates, native_size_updates
+from app.ui.generate_tab import NEGATIVE_LABEL, ModelShown, family_updates, native_size_updates, wire_negative_box
+from app.ui.kept_upload import keep_on_refusal
 from app.ui.workflow_api import BASE_FIELDS, edit_job, editor_mask, img2img_job
 
 QUEUE = "loras"  # the lane every engine-changing event shares, in order
@@ -43,36 +45,43 @@ RUN_IMG2IMG, RUN_INPAINT, RUN_EDIT = "Run img2img", "Run inpaint", "Run edit"
 @dataclass
 class _Outputs:
     """Where the tab's runs show: the gallery (live previews, then the result), the infotext, the last
-    result (it comes back after a failure), Interrupt and Skip."""
+    result (it comes back after a failure), Interrupt and Skip, and the note (a run's notes: an unused
+    negative prompt, a missing LoRA left out, as the Generate tab's note says them)."""
 
     gallery: gr.Gallery
     infotext: gr.Textbox
     last: gr.State
     stops: StopControls
+    note: gr.Markdown
 
     def run_outputs(self, go: gr.Button) -> list:
-        return [self.gallery, self.infotext, self.last, go, *self.stops.buttons]
+        return [self.gallery, self.infotext, self.last, go, *self.stops.buttons, self.note]
 
 
 def _stream(ctx: UiContext, request: gr.Request, action: str, label: str, prepare, last: list, page: tuple,
             show_masks: bool = False):
     """Run the checked job `prepare(desired)` returns (params, call(owner), notes) as this page's, with
     the page's state (`page`: the values of the Generate tab's `state_inputs`), streaming previews into
-    the gallery and the step on the run button, as Generate does; the Detailer's notes are toasts and its
-    mask previews (`show_masks`) follow the images."""
-    with user_errors(action, ctx.settings.data_dir):
-        params, call, _notes = prepare(desired_from_panel(ctx, page))
+    the gallery and the step on the run button, as Generate does; the run's notes go under the settings, the
+    Detailer's are toasts and its mask previews (`show_masks`) follow the images."""
+    try:
+        with user_errors(action, ctx.settings.data_dir):
+            params, call, notes = prepare(desired_from_panel(ctx, page))
+    except gr.Error:  # refused before it ran: the last result is not this run's either
+        yield [failed_gallery(last), gr.skip(), gr.skip(), *run_buttons(None, label), gr.skip()]
+        raise
     job = Generation(ctx.engine, call, owner_of(request))
 
     def frame(gallery, snap) -> list:
-        return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label, snap is not None and job.runs_in(snap))]
+        return [gallery, gr.skip(), gr.skip(), *run_buttons(snap, label, snap is not None and job.runs_in(snap)),
+                gr.skip()]
 
     images = yield from stream_job(job, (params.width, params.height), action, frame, last)
     for note in notes_of(images):
         gr.Info(note)
     masks = mask_previews(images) if show_masks else None
     yield [result_gallery(images, params.steps, masks), images[0].infotext if images else "", gallery_items(images),
-           *run_buttons(None, label)]
+           *run_buttons(None, label), "\n\n".join(f"ℹ️ {note}" for note in notes)]
 
 
 def _number(field: str, label: str, value: float, step: float, panel: str = "i2i") -> gr.Number:
@@ -85,7 +94,7 @@ def _settings() -> list:
     """The request's fields, in `workflow_api.BASE_FIELDS` order."""
     defaults = GenerateParams("")
     prompt = gr.Textbox(label="Prompt", lines=2, elem_id="sd-i2i-prompt")
-    negative = gr.Textbox(label="Negative prompt", lines=1, elem_id="sd-i2i-negative")
+    negative = gr.Textbox(label=NEGATIVE_LABEL, lines=1, elem_id="sd-i2i-negative")
     with gr.Row():
         sampler = gr.Dropdown(list(SCHEDULERS), value=defaults.sampler, label="Sampler", elem_id="sd-i2i-sampler")
         steps, cfg = _number("steps", "Steps", defaults.steps, 1), _number("cfg", "CFG scale", defaults.cfg, 0.5)
@@ -111,6 +120,9 @@ class Img2ImgTab:
     shown: gr.State
     controlnet: ControlNetPanel
     detailer: DetailerPanel
+    # the event arguments that show or hide the "Reference images" panel for the loaded model: run as the tab
+    # opens and after a load, not only at a panel choice (with Inpaint active it stayed hidden)
+    show_references: dict
 
     @property
     def family_components(self) -> list:
@@ -150,7 +162,7 @@ def _controlnet_units(ctx: UiContext, values: Sequence) -> tuple:
 
 def _img2img_panel(ctx: UiContext, base: list, out: _Outputs, page: list,
                    cn: list) -> tuple[gr.Image, gr.Number, DetailerPanel]:
-    image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300)
+    image = gr.Image(type="pil", label="Init image", elem_id="sd-i2i-image", height=300, format="png")
     with gr.Row():
         resize = gr.Radio(list(RESIZE_MODES), value=RESIZE_MODES[0], label="Resize mode", elem_id="sd-i2i-resize")
         strength = _number("denoising_strength", "Denoising strength", 0.75, 0.05)
@@ -246,10 +258,10 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
             out = _Outputs(gr.Gallery(label="Images", columns=2, height=420, elem_id="sd-i2i-gallery", format="png",
                                       object_fit="contain"),
                            gr.Textbox(label="Infotext", lines=6, buttons=["copy"], elem_id="sd-i2i-infotext"),
-                           gr.State([]), stops)
+                           gr.State([]), stops, gr.Markdown(elem_id="sd-i2i-note", render=False))
         with gr.Column(scale=3):
             base = _settings()
-            note = gr.Markdown(elem_id="sd-i2i-note")  # what "send to img2img" filled in, or could not
+            note = out.note.render()  # what "send to img2img" filled in, or could not; a run's notes
             controlnet = build_controlnet_panel(ctx, "sd-i2i")
             with gr.Tabs() as panels:
                 with gr.Tab("img2img", id="i2i-img2img"):
@@ -261,7 +273,12 @@ def build_img2img_tab(ctx: UiContext, page: list) -> Img2ImgTab:
                             visible=reference_panel_state(ctx)[0]) as references:
                     pictures = _reference_panel(ctx, base, out, page)
         results.render()
-    gr.on([panels.select], lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
-    gr.on(None, lambda: _reference_updates(ctx), None, [references, pictures], api_visibility="private")
+    show_references = dict(fn=lambda: _reference_updates(ctx), inputs=None, outputs=[references, pictures],
+                           api_visibility="private", show_progress="hidden")
+    panels.select(**show_references)
+    gr.on(None, **show_references)
+    wire_negative_box(ctx, base[4], base[1])
+    keep_on_refusal(image, note)
     wire_stop(ctx, stops)
-    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None), controlnet, detailer)
+    return Img2ImgTab(base, image, strength, note, panels, stops, gr.State(None), controlnet, detailer,
+                      show_references)

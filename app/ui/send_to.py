@@ -1,14 +1,16 @@
 """"Send to Generate" and "Send to img2img": an infotext (from PNG Info or History) becomes a tab's
 settings; img2img also takes the picture itself as its init image.
 
-Prompt, negative prompt, sampler, steps, CFG, seed, size (and, for img2img, the denoising strength)
-are put in as written: a value our rules refuse (say 200 steps from another tool) is refused by the
-tab with the range, never clamped here. LoRAs are selected with both weights and handed to the
-engine the same way as a pick in the selector (img2img runs with the engine's LoRAs too). The
-checkpoint is found by the infotext's "Model hash" (sha256[:10] of the file, as A1111 writes it),
-else by its "Model" name, and loaded before the LoRAs are applied. Whatever cannot be matched is
-listed in the receiving tab's note. A picture without infotext still goes in as the init image; the
-settings then stay as they were, and the note says why.
+Prompt, negative prompt, sampler, steps, CFG, seed, size (and, for img2img, the denoising strength) are
+put in as written: a value our rules refuse (say 200 steps from another tool) is refused by the tab with
+the range, never clamped here. They go into the LOADED family's controls (`fit_to_family`,
+`family_control`): its sampler list, a sampler it lacks becoming its nearest with a note, and its
+guidance's name and range; a dropdown is never handed a value it would refuse at the next run. LoRAs are
+selected with both weights and handed to the engine the same way as a pick in the selector (img2img runs
+with the engine's LoRAs too). The checkpoint is found by the infotext's "Model hash" (sha256[:10] of the
+file, as A1111 writes it), else by its "Model" name, and loaded before the LoRAs are applied. Whatever
+cannot be matched is listed in the receiving tab's note. A picture without infotext still goes in as the
+init image; the settings then stay as they were, and the note says why.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import gradio as gr
 from app.adapters.specs import LoraSpec
 from app.engine import checkpoint_files
 from app.engine.generate import SCHEDULERS
+from app.families import Family, family
 from app.image_inputs import open_checked
 from app.infotext import Infotext, parse_infotext
 from app.ui.common import MAX_LORAS, NO_REFINER, PROGRESS, UiContext, run_with_progress, user_errors
 from app.ui.controlnet_panel import fields_from_infotext as controlnet_fields
 from app.ui.detailer_panel import fields_from_infotext as detailer_fields
-from app.ui.generate_tab import GenerateTab, loaded_text
+from app.ui.generate_tab import GenerateTab, family_updates, loaded_text, native_size_updates
 from app.ui.img2img_tab import Img2ImgTab, family_fill
 from app.ui.lora_panel import LORA_QUEUE, selection_updates, sync_panel
 
@@ -78,6 +81,9 @@ def fields_from_infotext(settings: dict[str, str], notes: list[str]) -> dict[str
             for field, text in zip(pair, (first, second), strict=True):
                 if (value := _number(text, key, notes)) is not None:
                     fields[field] = value
+    if (distilled := settings.get("Distilled CFG Scale")) and (value := _number(distilled, "Distilled CFG Scale",
+                                                                                 notes)) is not None:
+        fields["distilled_cfg"] = value  # the guidance of a guidance-distilled family (`fit_to_family`)
     sampler, schedule = settings.get("Sampler", ""), settings.get("Schedule type", "")
     match = next((s for s in (f"{sampler} {schedule}", sampler) if s in SCHEDULERS), None)
     if match:
@@ -85,6 +91,42 @@ def fields_from_infotext(settings: dict[str, str], notes: list[str]) -> dict[str
     elif sampler:
         notes.append(f"sampler {sampler!r} is not available here ({', '.join(SCHEDULERS)}); left as it was")
     return fields
+
+
+def nearest_sampler(fam: Family, sampler: str) -> str:
+    """`fam`'s own sampler for `sampler`: itself where `fam` has it, else the one of the same method (the
+    first word: "Euler a" -> "Euler", "DPM++ 2M Karras" -> "DPM++ 2M"), else `fam`'s default."""
+    if sampler in fam.samplers:
+        return sampler
+    method = sampler.split(" ")[0]
+    return next((own for own in fam.samplers if own.split(" ")[0] == method), fam.default_sampler)
+
+
+def fit_to_family(fields: dict[str, object], fam: Family, notes: list[str]) -> dict[str, object]:
+    """The sent fields as the loaded family's controls take them: a sampler it lacks becomes its nearest
+    (named in `notes`: the dropdown would refuse it, and the next run failed with Gradio's raw "not in the
+    list of choices"); a guidance-distilled family takes the infotext's `Distilled CFG Scale` (its `CFG
+    scale` is 1: no CFG ran), another family the `CFG scale`."""
+    fitted = dict(fields)
+    distilled = fitted.pop("distilled_cfg", None)
+    if fam.distilled_guidance and distilled is not None:
+        fitted["cfg"] = distilled
+    sampler = fitted.get("sampler")
+    if isinstance(sampler, str) and (own := nearest_sampler(fam, sampler)) != sampler:
+        notes.append(f"sampler {sampler!r}: {fam.label} has no such sampler; {own!r}, the nearest it has, was put in")
+        fitted["sampler"] = own
+    return fitted
+
+
+def family_control(field: str, value: object, fam: Family | None):
+    """The update putting `value` into the control of `field`, drawn as the loaded family's: the sampler
+    list and the guidance's name and range are its own (a send never leaves another family's there)."""
+    if fam is None or field not in ("sampler", "cfg"):
+        return gr.update(value=value)
+    if field == "sampler":
+        return gr.Dropdown(choices=list(fam.samplers), value=value)
+    low, high = fam.guidance_range
+    return gr.Number(value=value, label=fam.guidance_label, info=f"{low:g}…{high:g}")
 
 
 def find_checkpoint(ctx: UiContext, model_hash: str, model_name: str) -> tuple[str | None, str]:
@@ -166,7 +208,8 @@ def senders(generate: GenerateTab, img2img: Img2ImgTab, tabs: gr.Tabs) -> Sender
         SendTarget("generate", "Generate", {**dict(zip(_FIELDS, generate.settings, strict=False)),
                                             "clip_skip": generate.clip_skip, **generate.variation,
                                             **generate.refiner, "step_cache": generate.step_cache,
-                                            **generate.controlnet.fields(), **generate.detailer.send_fields},
+                                            "hires_sampler": generate.hires.sampler, **generate.controlnet.fields(),
+                                            **generate.detailer.send_fields},
                    generate.note, ((tabs, "generate"),)),
         SendTarget("img2img", "img2img", {**dict(zip(_FIELDS, img2img.settings, strict=False)),
                                           "denoising_strength": img2img.strength, **img2img.controlnet.fields(),
@@ -186,11 +229,24 @@ def readable_picture(path: str | None) -> str | None:
     return path or None
 
 
-def _note(plan: SendPlan | None, picture: str | None) -> str:
+def _note(plan: SendPlan | None, picture: str | None, fitted: list[str]) -> str:
     lines = ["ℹ️ Init image sent."] if picture else []
     if plan is None:
         return "\n\n".join([*lines, NO_INFOTEXT])
-    return "\n\n".join([*lines, "ℹ️ Settings sent from an infotext.", *(f"⚠ {n}" for n in plan.notes)])
+    return "\n\n".join([*lines, "ℹ️ Settings sent from an infotext.", *(f"⚠ {n}" for n in (*plan.notes, *fitted))])
+
+
+def loaded_fill(target: SendTarget, before, snap, shown):
+    """(the family fields to fill by name, the img2img tab's new `shown`): img2img's as when it opens
+    (`family_fill`); the Generate tab's, where the send loaded a model, as a pick in its dropdown fills them
+    (`family_updates`, `native_size_updates`)."""
+    if target.shown is not None:
+        return family_fill(snap, shown)
+    if snap.arch is None or snap.model == before.model:
+        return {}, None
+    sampler, hires, steps, cfg = family_updates(before, snap)
+    width, height = native_size_updates(before.native_size, snap.native_size)
+    return dict(sampler=sampler, hires_sampler=hires, steps=steps, cfg=cfg, width=width, height=height), None
 
 
 def add_send_buttons(ctx: UiContext, sends: Senders, text: gr.Textbox, picture: gr.components.Component,
@@ -213,16 +269,18 @@ def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, picture: gr.c
             path = readable_picture(path) if target.image is not None else None
             text = (infotext or "").strip()
             plan = plan_send(ctx, parse_infotext(text)) if text else None
-            status = gr.update()
+            status, before = gr.update(), engine.snapshot()
             if plan is not None and plan.checkpoint is not None:
                 status = loaded_text(run_with_progress(engine, lambda: engine.load_model(plan.checkpoint), progress))
-        known = plan.fields if plan is not None else {}
-        fill, shown = family_fill(engine.snapshot(), shown) if target.shown is not None else ({}, None)
-        fields = [gr.update(value=known[f]) if f in known else fill.get(f, gr.update()) for f in target.fields]
+        snap, fitted = engine.snapshot(), []
+        fam = family(snap.arch) if snap.arch is not None else None
+        known = {} if plan is None else plan.fields if fam is None else fit_to_family(plan.fields, fam, fitted)
+        fill, shown = loaded_fill(target, before, snap, shown)
+        fields = [family_control(f, known[f], fam) if f in known else fill.get(f, gr.update()) for f in target.fields]
         image = [gr.update(value=path) if path else gr.update()] if target.image is not None else []
         loras = (selection_updates(ctx, list(plan.loras)) if plan is not None
                  else [gr.update()] * (1 + len(slots.layout)))
-        return [*fields, *image, *([shown] if target.shown is not None else []), _note(plan, path),
+        return [*fields, *image, *([shown] if target.shown is not None else []), _note(plan, path, fitted),
                 gr.Dropdown(value=engine.snapshot().model), status, *loras,
                 *(gr.Tabs(selected=tab_id) for _tabs, tab_id in target.tabs)]
 

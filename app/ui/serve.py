@@ -83,9 +83,12 @@ class Server:
     local_url: str
     share_url: str | None
     policy: AuthPolicy
+    ctx: UiContext | None = None
 
     def close(self) -> None:
         self.demo.close()
+        if self.ctx is not None:
+            self.ctx.shown_errors.detach()  # its errors stop counting with the app
 
 
 def host_for(settings: Settings) -> str:
@@ -119,7 +122,7 @@ def start_server(ctx: UiContext, policy: AuthPolicy) -> Server:
     install(app, demo, guard, ctx.login_jobs)
     count_jobs_by_account(ctx, demo)
     trust_proxies(demo.server.config, settings.forwarded_allow_ips)
-    return Server(demo, local_url, share_url, policy)
+    return Server(demo, local_url, share_url, policy, ctx)
 
 
 def count_jobs_by_account(ctx: UiContext, demo: gr.Blocks) -> None:
@@ -178,7 +181,7 @@ def _ensure_demo(settings: Settings) -> None:
 
     print(f"No checkpoints in {settings.checkpoints_dir}: writing tiny random-weight demo models and LoRAs there.",
           flush=True)
-    write_demo(settings.data_dir, lora_writer=write_demo_loras, folders=False)
+    write_demo(settings.data_dir, lora_writer=write_demo_loras, folders=False, inpainting=True)
 
 
 def port_problem(settings: Settings) -> str | None:

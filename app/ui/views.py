@@ -91,7 +91,7 @@ def status_html(snap: Snapshot, index: int | None = None) -> str:
     model = html.escape(snap.model or "no model loaded")
     parts = [
         ("" if index is None else f"engine {index} ") + f"<span class='sd-state sd-{css}'>{state}</span>{progress}",
-        f"model <b>{model}</b>" + (f" ({snap.arch})" if snap.arch else ""),
+        f"model <b>{model}</b>" + (f" ({html.escape(snap.model_label or snap.arch)})" if snap.arch else ""),
         f"{snap.device} · {snap.dtype or snap.requested_dtype} · offload {snap.offload}"
         + (f" · {html.escape(holder_text(snap.held_for))}" if snap.model else ""),
         f"LoRAs {html.escape(loras_text(snap))}" + (f" ({snap.lora_mode})" if snap.loras else ""),
@@ -188,11 +188,15 @@ def gpu_rows(stats: list[dict] | str) -> tuple[list[list], str]:
     return rows, f"{len(rows)} GPU(s) via NVML"
 
 
-def error_text(snap: Snapshot) -> str:
+def error_text(snap: Snapshot, shown: Sequence[dict] = ()) -> str:
+    """The engine's last failed transition (with its traceback) and the errors the pages showed
+    (`app.diagnostics.ShownErrors`), newest last."""
     err = snap.last_error
-    if err is None:
-        return "no errors this session"
-    return f"[{_clock(err.at)}] {err.command}: {err.message}\n\n{err.traceback}"
+    parts = [f"[{_clock(err.at)}] {err.command}: {err.message}\n\n{err.traceback}"] if err is not None else []
+    if shown:
+        parts.append(f"{len(shown)} error(s) shown on the page:\n" + "\n".join(
+            f"[{_clock(e['at'])}] {e['command']}: {e['message']}" for e in shown))
+    return "\n\n".join(parts) or "no errors this session"
 
 
 def _series_path(points: Sequence[tuple[float, float]], x0: float, span: float, lo: float, hi: float, w: int,

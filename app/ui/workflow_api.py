@@ -18,7 +18,15 @@ from app.controlnet.units import with_units
 from app.engine.desired import Desired
 from app.engine.generate import SCHEDULERS, GenerateParams, params_from_form
 from app.engine.stage_params import MASKED_CONTENT, RESIZE_MODES, SAME, stage_values
-from app.ui.common import PROGRESS, UiContext, gallery_items, generation_lane, run_with_progress, user_errors
+from app.ui.common import (
+    PROGRESS,
+    UiContext,
+    gallery_items,
+    generation_lane,
+    missing_lora_notes,
+    run_with_progress,
+    user_errors,
+)
 from app.ui.generate_run import owner_of
 from app.ui.hires_fields import hires_params
 
@@ -39,7 +47,7 @@ def checked(ctx: UiContext, values: dict, stage_fields: tuple[str, ...]) -> tupl
         problems.append(str(exc))
     if problems:
         raise ValueError(";\n".join(problems))
-    return params, stage, notes
+    return params, stage, (*notes, *missing_lora_notes(ctx, params))
 
 
 def _answer(images, notes) -> tuple:
