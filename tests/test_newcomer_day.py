@@ -74,16 +74,18 @@ def test_an_error_a_request_was_shown_is_in_the_bug_report(app):
 
 
 def test_a_sent_sampler_a_family_lacks_becomes_its_nearest_and_distilled_guidance_is_read():
-    """"Euler a" from an SD1.5 infotext is Klein's "Euler" (named in a note), "DPM++ 2M Karras" on FLUX is
-    its default; SD keeps "Euler a"; FLUX.1-dev takes `Distilled CFG Scale` (its `CFG scale` is 1), SD1.5
-    the `CFG scale`."""
+    """"DPM++ 2M" from an SD1.5 infotext is Klein's "Euler" (its stated nearest, named in a note), "DPM++ 2M
+    Karras" on FLUX its "Euler Karras", a name no family maps falls back to the default; SD keeps "Euler a";
+    FLUX.1-dev takes `Distilled CFG Scale` (its `CFG scale` is 1), SD1.5 the `CFG scale`."""
     notes: list[str] = []
-    fields = {"sampler": "Euler a", "cfg": 1, "distilled_cfg": 3.5}
+    fields = {"sampler": "DPM++ 2M", "cfg": 1, "distilled_cfg": 3.5}
     assert fit_to_family(fields, family("flux2-klein-4b"), notes)["sampler"] == "Euler"
-    assert notes == ["sampler 'Euler a': FLUX.2 Klein 4B has no such sampler; 'Euler', the nearest it has, was put in"]
-    assert nearest_sampler(family("flux-dev"), "DPM++ 2M Karras") == family("flux-dev").default_sampler
+    assert notes == ["sampler 'DPM++ 2M': FLUX.2 Klein 4B has no such sampler; 'Euler', the nearest it has, was "
+                     "put in"]
+    assert nearest_sampler(family("flux-dev"), "DPM++ 2M Karras") == "Euler Karras"
+    assert nearest_sampler(family("flux-dev"), "LMS") == family("flux-dev").default_sampler
     assert fit_to_family(fields, family("flux-dev"), [])["cfg"] == 3.5
-    assert fit_to_family(fields, family("sd15"), []) == {"sampler": "Euler a", "cfg": 1}
+    assert fit_to_family({**fields, "sampler": "Euler a"}, family("sd15"), []) == {"sampler": "Euler a", "cfg": 1}
 
 
 def test_a_negative_prompt_nothing_reads_is_noted_and_stated_in_the_infotext():

@@ -94,10 +94,13 @@ def fields_from_infotext(settings: dict[str, str], notes: list[str]) -> dict[str
 
 
 def nearest_sampler(fam: Family, sampler: str) -> str:
-    """`fam`'s own sampler for `sampler`: itself where `fam` has it, else the one of the same method (the
-    first word: "Euler a" -> "Euler", "DPM++ 2M Karras" -> "DPM++ 2M"), else `fam`'s default."""
+    """`fam`'s own sampler for `sampler`: itself where `fam` has it, else the one the family names as its
+    nearest (`Family.nearest_samplers`, what the A1111 API runs too), else the one of the same method (the first
+    word: "Euler a" -> "Euler", "DPM++ 2M Karras" -> "DPM++ 2M"), else `fam`'s default."""
     if sampler in fam.samplers:
         return sampler
+    if sampler in fam.nearest_samplers:
+        return fam.nearest_samplers[sampler]
     method = sampler.split(" ")[0]
     return next((own for own in fam.samplers if own.split(" ")[0] == method), fam.default_sampler)
 
