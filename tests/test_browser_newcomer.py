@@ -46,7 +46,7 @@ from app.ui.kept_upload import REFUSED
 pytestmark = pytest.mark.browser
 SD15, KLEIN = "tiny-sd15.safetensors", "tiny-flux2-klein-4b.safetensors"
 # An SD1.5 infotext from another install: its checkpoint is not among ours, its sampler not one Klein has.
-FOREIGN = ("a lighthouse at dusk\nNegative prompt: fog\nSteps: 2, Sampler: Euler a, CFG scale: 7, Seed: 5, "
+FOREIGN = ("a lighthouse at dusk\nNegative prompt: fog\nSteps: 2, Sampler: DPM++ 2M, CFG scale: 7, Seed: 5, "
            "Size: 64x64, Model hash: 0123456789, Model: v1-5-pruned-emaonly, Version: v1.10.1")
 
 
@@ -108,7 +108,7 @@ def test_sends_fit_the_loaded_family_and_the_page_keeps_its_errors(page, served,
     """(2) img2img filled for FLUX.1, SD1.5 loaded and an image drawn: History → Send to img2img puts SD's
     sampler list, "Euler a" and "CFG scale" there, and img2img draws. (7) With the Inpaint sub-tab
     active, loading Klein shows "Reference images" beside it. (2) PNG Info → Send to Generate of an SD1.5
-    infotext while Klein is loaded: "Euler a" becomes Klein's "Euler" with a note, and Generate draws.
+    infotext while Klein is loaded: "DPM++ 2M" becomes Klein's "Euler" with a note, and Generate draws.
     (3) A refused Generate marks the last images as the run before's, and the Diagnostics box and the bug
     report (its JSON and card) list the error."""
     _url, engine = served
