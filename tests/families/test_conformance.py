@@ -167,7 +167,7 @@ def test_one_seed_one_image_and_the_guidance_reaches_the_model(plain, arch):
     if not fam.negative_prompt:
         negative = plain.generate(params(arch, negative_prompt="blurry"))
         assert np.array_equal(pixels(first), pixels(negative))
-        assert "Negative prompt" not in negative[0].infotext and "blurry" not in negative[0].infotext
+        assert "\nNegative prompt: " not in negative[0].infotext and "blurry" not in negative[0].infotext
 
 
 class _HostReads(TorchDispatchMode):

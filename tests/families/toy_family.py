@@ -74,4 +74,5 @@ def toy_family():
         denoiser_class=ToyUNet, layouts=("folder",), checkpoint_markers=("toy.only.marker",),
         pinned_dtypes={"unet.*inv_freq": torch.float32}, tiny_inpainting_channels=None,
         adapter_arch=NAME, adapter_markers=("toy_v1", "toy-v1"), adapter_label="Toy",
-        lora_targets=(*sd15.lora_targets, "unet.context_in.text"))
+        lora_targets=(*sd15.lora_targets, "unet.context_in.text"),
+        controlnet=None)  # SD1.5's ControlNets do not know the toy denoiser's extra layers
