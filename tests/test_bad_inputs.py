@@ -617,3 +617,20 @@ def test_generation_after_switching_architecture_with_loras_set(env, ready):
     snap = env.engine.load_model(SD15, dtype="fp32")
     assert snap.loras == (GOOD,)
     assert weights_digest(env.engine.pipeline) == ready.digest
+
+
+def test_a_lora_with_a_garbage_header_length_gets_the_engines_message_on_its_card(tmp_path):
+    """A LoRA whose first 8 bytes (the header length) are garbage: its card says what the engine says when
+    applying it (one clear message, naming the file), never the hash's "cannot fit 'int' into an offset-sized
+    integer"."""
+    from app.adapters.files import read_adapter
+    from app.ui.lora_cards import CardCache
+
+    path = tmp_path / "garbage-header.safetensors"
+    path.write_bytes(struct.pack("<Q", 2**63 + 5) + b"{}" + bytes(100))
+    with pytest.raises(AdapterFormatError) as engine_says:
+        read_adapter("garbage-header", path)
+    with pytest.raises(AdapterFormatError) as card_says:
+        CardCache().card("garbage-header", path)
+    assert str(card_says.value) == str(engine_says.value)
+    assert "garbage-header.safetensors: not a valid safetensors file" in str(card_says.value)

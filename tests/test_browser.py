@@ -275,3 +275,27 @@ def test_a_saved_style_and_a_variation_seed_reach_the_image(page, served):
     set_numbers_on_opening(page, "sd-variation", {"sd-subseed": "77", "sd-subseed_strength": "0.4"})
     text = read_parameters(generate_and_wait(page, engine))
     assert text.startswith("framed, a fox\n") and "Variation seed: 77, Variation seed strength: 0.4" in text
+
+
+def test_lora_browser_captions_show_whole_long_names(page, served):
+    """A long LoRA name is shown whole on its thumbnail (wrapped, inside the tile), not cut to "demo-detai…"."""
+    _url, engine = served
+    long_name = "demo-detail-flux2-klein-9b-extra-long-name"
+    lora_dir = engine.settings.lora_dir
+    shutil.copyfile(lora_dir / "style.safetensors", lora_dir / f"{long_name}.safetensors")
+    try:
+        page.click("#sd-lora-browser-panel > button")
+        page.wait_for_selector("#sd-lora-browser .thumbnail-item img", timeout=TIMEOUT_MS)
+        tiles = page.locator("#sd-lora-browser .thumbnail-item").all()
+        shown = {}
+        for tile in tiles:
+            caption = tile.locator(".caption-label")
+            box, inside = caption.bounding_box(), tile.bounding_box()
+            cut = caption.evaluate("el => el.scrollWidth > el.clientWidth || el.scrollHeight > el.clientHeight")
+            shown[caption.inner_text()] = (cut, box["x"] >= inside["x"] and box["x"] + box["width"]
+                                           <= inside["x"] + inside["width"] + 0.5)
+        save(page, "lora-browser-long-name.png")
+        assert shown[long_name] == (False, True), shown
+        assert all(fits == (False, True) for fits in shown.values()), shown
+    finally:
+        (lora_dir / f"{long_name}.safetensors").unlink()

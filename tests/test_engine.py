@@ -336,3 +336,24 @@ def test_a_step_callbacks_host_read_waits_for_that_step_alone(read):
     if read == "preview":
         assert value[0].size == (128, 128)
     watch.settle()  # step 2's flag: finite
+
+
+def test_embedding_notes_are_said_once_and_only_where_relevant(data_dir, caplog):
+    """A shared embeddings folder: another family's files are skipped without a log line on every load (A1111
+    skips them silently), and a file that no family reads is noted once, naming its tensors, not on each load."""
+    import logging
+
+    from safetensors.torch import save_file
+
+    from app.engine import embeddings
+
+    folder = data_dir / "embeddings"
+    save_file({"weird": torch.zeros(2, 32)}, str(folder / "junk.safetensors"))
+    assert {p.name for p in folder.glob("*.safetensors")} > {"tiny-sdxl-embedding.safetensors", "junk.safetensors"}
+    caplog.set_level(logging.INFO, logger="app.engine.embeddings")
+    noted: set = set()
+    for _load in range(2):  # two model loads, each on a fresh pipeline
+        assert embeddings.load_all(build_tiny_pipeline("sd15"), "sd15", folder, noted) == ("tiny-sd15-embedding",)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == ["embedding junk.safetensors skipped: junk.safetensors: its tensors ['weird'] are no family's "
+                    "embedding layout (SD1.5 reads emb_params)"], said

@@ -94,3 +94,20 @@ def test_launch_flags_set_the_balanced_budget_and_nonsense_is_refused():
             Settings(**bad)
     with pytest.raises(ValueError, match="VRAM budget must be a positive number of GiB"):
         Settings(vram_budget_gib=0)
+
+
+def test_an_offload_mode_on_a_machine_without_a_gpu_says_it_changes_nothing(tmp_path, caplog):
+    """On the CPU every mode keeps the model in RAM, where it computes: picking one (the `--offload` flag or the
+    page's choice) says so in the log, once per choice; "none" says nothing."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="app.engine.worker")
+    engine = Engine(Settings(data_dir=tmp_path, device="cpu", offload="model"))
+    try:
+        engine.set_offload("sequential")
+        engine.set_offload("none")
+    finally:
+        engine.close()
+    said = [r.getMessage() for r in caplog.records if "changes nothing on this machine" in r.getMessage()]
+    assert [m.split("'")[1] for m in said] == ["model", "sequential"], said
+    assert all("there is no GPU, so the model computes in RAM" in m for m in said)

@@ -190,7 +190,7 @@ def test_non_utf8_names_are_skipped_with_a_logged_reason(data_dir, caplog):
     lora_names = LoraLibrary(loras).names()
     assert lora_names and all(n.encode() for n in lora_names)
     pipe = models.load_pipeline(checkpoint_files.resolve_checkpoint(SD15, ckpts), torch.float32).pipe
-    assert embeddings.load_all(pipe, "sd15", embeds) == ("tiny-sd15-embedding",)
+    assert embeddings.load_all(pipe, "sd15", embeds, set()) == ("tiny-sd15-embedding",)
     skipped = [r.getMessage() for r in caplog.records if "not valid UTF-8" in r.getMessage()]
     assert {m.split(" file ")[0] for m in skipped} == {"checkpoint", "LoRA", "embedding"}
     assert all("caf\\udce9-latin1.safetensors" in m for m in skipped)
@@ -246,7 +246,7 @@ def test_embedding_with_non_finite_or_absurd_values_is_skipped(data_dir, caplog,
     pipe = build_tiny_pipeline("sd15")
     vocabulary = len(pipe.tokenizer)
     caplog.set_level(logging.INFO, logger="app.engine.embeddings")
-    assert embeddings.load_all(pipe, "sd15", embeds) == ()
+    assert embeddings.load_all(pipe, "sd15", embeds, set()) == ()
     assert len(pipe.tokenizer) == vocabulary
     assert any("poisoned-vector.safetensors skipped: poisoned-vector.safetensors: tensor emb_params" in r.getMessage()
                for r in caplog.records)

@@ -266,3 +266,32 @@ def test_bug_report_tracebacks_do_not_show_where_the_app_and_python_live(app):
     with zipfile.ZipFile(io.BytesIO(build_bug_report(engine, settings))) as bundle:
         text = bundle.read("report.json").decode()
     assert 'File \\"<app>/app/engine/' in text and str(ROOT) not in text and sys.prefix not in text
+
+
+def test_a_client_that_goes_away_mid_answer_is_one_log_line_not_a_traceback(caplog):
+    """A page closed while its answer streams: Starlette raises `ClientDisconnect` (a send that fails), which
+    reached the server as an "Exception in ASGI application" traceback; the guard says it in one line instead."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from starlette.responses import StreamingResponse
+
+    from app.ui.guard import GuardPolicy, RequestGuard
+
+    async def gone(_message: dict) -> None:
+        raise OSError("connection reset by peer")
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    answer = StreamingResponse(iter([b"data: 1\n\n", b"data: 2\n\n"]), media_type="text/event-stream")
+    guard = RequestGuard(answer, SimpleNamespace(), GuardPolicy(None, 8))
+    scope = {"type": "http", "method": "GET", "path": "/gradio_api/queue/data", "headers": [],
+             "query_string": b"", "asgi": {"spec_version": "2.4"}}
+    caplog.set_level(logging.INFO, logger="app.ui.guard")
+    asyncio.run(guard(scope, receive, gone))  # raises nothing
+    said = [r for r in caplog.records if r.name == "app.ui.guard"]
+    assert [r.getMessage() for r in said] == ["client went away during GET /gradio_api/queue/data; its request "
+                                              "was dropped"]
+    assert all(r.exc_info is None for r in said)

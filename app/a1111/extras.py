@@ -74,6 +74,13 @@ def upscalers(state: ApiState) -> list[dict]:
     return without_folders(out, state.ctx.settings.data_dir)
 
 
+def realesrgan_models(state: ApiState) -> list[dict]:
+    """`GET /sdapi/v1/realesrgan-models`: the upscaler files in `models/RealESRGAN`, with A1111's fields."""
+    entries = [e for e in state.engine.upscalers.entries() if e.folder == "RealESRGAN"]
+    out = [{"name": e.name, "path": str(e.path), "scale": _scale_in_name(e.name)} for e in entries]
+    return without_folders(out, state.ctx.settings.data_dir)
+
+
 def _scale_in_name(name: str) -> float | None:
     found = _SCALE_IN_NAME.search(name.lower())
     return None if found is None else float(found.group(1) or found.group(2))

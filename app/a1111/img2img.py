@@ -14,15 +14,17 @@ model that takes none refuses it by name.
 
 from __future__ import annotations
 
+import dataclasses
+
 from app import heap
-from app.a1111 import txt2img
+from app.a1111 import sd_upscale, txt2img
 from app.a1111.errors import ApiError
 from app.a1111.pnginfo import decode_images
 from app.a1111.schema import Img2ImgRequest
 from app.a1111.state import ApiState, owner_of
 from app.accounts import LOCAL_ACCOUNT, Account
 from app.engine.desired import Desired
-from app.engine.generate import GeneratedImage, GenerateParams
+from app.engine.generate import MAX_SEED, GeneratedImage, GenerateParams, resolve_seed
 
 ONLY_MASKED = ("inpaint_full_res (only masked) is not supported: the whole picture was repainted at its size")
 
@@ -43,15 +45,48 @@ def _run(state: ApiState, req: Img2ImgRequest, account: Account) -> dict:
     sent = [(data, f"init_images[{i}]") for i, data in enumerate(req.init_images)]
     decoded = decode_images(sent + ([(req.mask, "mask")] if req.mask else []))
     images, mask = (decoded[:-1], decoded[-1]) if req.mask else (decoded, None)
+    script = script_args(state, req)
     blur = req.mask_blur if req.mask_blur is not None else max(req.mask_blur_x or 0, req.mask_blur_y or 0)
 
-    def produce(params: GenerateParams, desired: Desired) -> list[GeneratedImage]:
-        if req.reference_images:
-            return state.engine.edit(params, images, owner=owner_of(account), desired=desired)
+    def img2img(params: GenerateParams, desired: Desired, pictures: list) -> list[GeneratedImage]:
         return state.engine.img2img(
-            params, images, denoising_strength=txt2img.field_value(req, "denoising_strength"),
+            params, pictures, denoising_strength=txt2img.field_value(req, "denoising_strength"),
             resize_mode=req.resize_mode or 0, mask=mask, mask_blur=blur, inpainting_fill=req.inpainting_fill or 0,
             inpainting_mask_invert=bool(req.inpainting_mask_invert), owner=owner_of(account), desired=desired)
 
+    def produce(params: GenerateParams, desired: Desired) -> list[GeneratedImage]:
+        if script is not None:
+            return _sd_upscaled(state, account, images, params, script,
+                                lambda tile_params, tile: next(iter(img2img(tile_params, desired, [tile])), None))
+        if req.reference_images:
+            return state.engine.edit(params, images, owner=owner_of(account), desired=desired)
+        return img2img(params, desired, images)
+
     notes = (ONLY_MASKED,) if mask is not None and req.inpaint_full_res else ()
     return txt2img.run(state, req, account, produce, notes)
+
+
+def script_args(state: ApiState, req: Img2ImgRequest) -> sd_upscale.SdUpscaleArgs | None:
+    """The "SD upscale" script's arguments when the request names it (None without a script); 422 for another
+    script, or for the script with a mask or reference images, which it does not take."""
+    if not req.script_name:
+        return None
+    if not sd_upscale.asked(req.script_name):
+        raise ApiError(422, f"script {req.script_name!r} not found; img2img has: {sd_upscale.TITLE}")
+    if req.mask or req.reference_images:
+        raise ApiError(422, f"{sd_upscale.TITLE} upscales whole pictures: send it without a mask or reference_images")
+    return sd_upscale.parse_args(req.script_args or [], state.engine.extras_upscalers())
+
+
+def _sd_upscaled(state: ApiState, account: Account, images: list, params: GenerateParams,
+                 args: sd_upscale.SdUpscaleArgs, denoise) -> list[GeneratedImage]:
+    """Each init image through the script (`sd_upscale.upscale_tiled`), the Extras job upscaling it first; as
+    A1111's script, `n_iter` makes that many results, result n with seed + n for all its tiles (a random seed is
+    drawn once, not per tile)."""
+    def upscale(image, extras_params):
+        return state.engine.extras([image], extras_params, owner=owner_of(account))[0].image
+
+    seed = resolve_seed(params.seed)
+    done = [sd_upscale.upscale_tiled(image, dataclasses.replace(params, seed=(seed + n) % (MAX_SEED + 1)), args,
+                                     upscale, denoise) for n in range(params.n_iter) for image in images]
+    return [image for image in done if image is not None]

@@ -18,9 +18,12 @@ import torch
 from app.a1111.txt2img import KARRAS, SAMPLER_ALIASES, SCHEDULES
 from app.engine.generate import SCHEDULERS
 from app.paths import utf8_names
+from app.report import redact
 from app.safetensors_files import SafetensorsFileError, read_header, read_shapes
+from app.settings import Settings
 from app.shown_paths import without_folders
 from app.ui.common import UiContext
+from app.upscalers import faces
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,20 @@ def samplers() -> list[dict]:
             options["uses_ensd"] = "True"
         out.append({"name": name, "aliases": SAMPLER_ALIASES.get(name, []), "options": options})
     return out
+
+
+def cmd_flags(settings: Settings) -> dict:
+    """`GET /sdapi/v1/cmd-flags`: the options this app was started with (A1111 answers its argparse namespace), with
+    passwords removed and paths relative to the data folder, as the bug report shows them."""
+    secrets = [password for _user, password in (*settings.auth, *settings.api_auth)]
+    return redact(settings.public_dict(), secrets, data_dir=str(settings.data_dir))
+
+
+def face_restorers(settings: Settings) -> list[dict]:
+    """`GET /sdapi/v1/face-restorers`: each face-restoration model file in A1111's folders (`models/GFPGAN`,
+    `models/Codeformer`), named by its file's stem, with its folder as `cmd_dir` (relative to the data folder)."""
+    return without_folders([{"name": path.stem, "cmd_dir": str(path.parent)}
+                            for path in faces.model_files(settings.data_dir / "models")], settings.data_dir)
 
 
 def schedulers() -> list[dict]:

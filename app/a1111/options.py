@@ -29,6 +29,10 @@ OVERRIDABLE = "sd_model_checkpoint"  # `override_settings` switches the checkpoi
 CLIP_SKIP = "CLIP_stop_at_last_layers"  # … and the clip skip (read by `txt2img.plan`)
 STEP_CACHE = "steady_step_cache"  # ours, per request only: the step cache's threshold (read by `txt2img.plan`)
 DTYPE, OFFLOAD = "steady_dtype", "steady_offload"
+# A1111's "send the seed with Send to" switch (default on). It steers A1111's page only; clients read it and write
+# it back (A1111's own API test does), so it is kept per account and answered, and changes nothing here: this
+# app's Send to buttons always carry the seed, as A1111's do by default.
+SEND_SEED = "send_seed"
 
 
 def fixed_options(settings: Settings) -> dict[str, Any]:
@@ -41,7 +45,8 @@ def fixed_options(settings: Settings) -> dict[str, Any]:
 def current(state: ApiState, account: Account) -> dict[str, Any]:
     own = state.ctx.desired_for(owner_of(account))
     return {OVERRIDABLE: checkpoints.current_title(state, account), CLIP_SKIP: state.clip_skip(account),
-            **fixed_options(state.ctx.settings), DTYPE: own.dtype, OFFLOAD: own.offload}
+            SEND_SEED: state.send_seeds.get(account.name, True), **fixed_options(state.ctx.settings),
+            DTYPE: own.dtype, OFFLOAD: own.offload}
 
 
 def unsupported_overrides(settings: Settings, overrides: Mapping[str, Any]) -> Iterator[str]:
@@ -58,6 +63,8 @@ def _refusals(state: ApiState, changes: Mapping[str, Any], known: Mapping[str, A
     problems = [f"{key} (unknown here)" for key in changes if key not in known]
     problems += [f"{key}={changes[key]!r} (fixed at {value!r} in this app)" for key, value in fixed.items()
                  if key in changes and changes[key] != value]
+    if SEND_SEED in changes and not isinstance(changes[SEND_SEED], bool):
+        problems.append(f"{SEND_SEED}={changes[SEND_SEED]!r} (true or false)")
     if CLIP_SKIP in changes:
         try:
             LIMITS["clip_skip"].check(CLIP_SKIP, changes[CLIP_SKIP])
@@ -72,7 +79,7 @@ def apply(state: ApiState, changes: Mapping[str, Any], account: Account) -> None
     problems = _refusals(state, changes, known)
     if problems:
         raise ApiError(422, f"options not accepted, nothing changed: {'; '.join(problems)}. Settable here: "
-                            f"{OVERRIDABLE}, {CLIP_SKIP}, {DTYPE}, {OFFLOAD}")
+                            f"{OVERRIDABLE}, {CLIP_SKIP}, {SEND_SEED}, {DTYPE}, {OFFLOAD}")
     engine_wide = [key for key in (DTYPE, OFFLOAD) if key in changes and changes[key] != known[key]]
     if engine_wide:
         require_admin(account, f"POST /options {', '.join(engine_wide)}")
@@ -80,6 +87,8 @@ def apply(state: ApiState, changes: Mapping[str, Any], account: Account) -> None
     name = checkpoints.resolve(state.ctx.settings, snap, changes[OVERRIDABLE]) if OVERRIDABLE in changes else None
     if CLIP_SKIP in changes:
         state.clip_skips[account.name] = int(changes[CLIP_SKIP])
+    if SEND_SEED in changes:
+        state.send_seeds[account.name] = changes[SEND_SEED]
     dtype, offload = (changes[key] if key in engine_wide else None for key in (DTYPE, OFFLOAD))
     if name is not None and name != snap.model:
         engine.load_model(name, dtype=dtype)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.a1111 import checkpoints, extras, img2img, listings, options, pnginfo, progress, txt2img
+from app.a1111 import checkpoints, extras, img2img, listings, options, pnginfo, progress, sd_upscale, txt2img
 from app.a1111.errors import A1111Route
 from app.a1111.schema import (
     EmbeddingsResponse,
@@ -51,6 +51,8 @@ def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState, account: Account) ->
     """Check the numbers (and the hires fix's) before the request waits in the lane or switches a checkpoint."""
     arch = state.engine.snapshot().arch
     txt2img.plan(req, arch, state.ctx.styles_for(account), state.clip_skip(account))
+    if isinstance(req, Img2ImgRequest):
+        img2img.script_args(state, req)
     txt2img.hires(req, arch)
     if req.enable_hr:  # a model upscaler must be in a folder now
         state.engine.check_upscaler(req.hr_upscaler or "Latent", hires=True)
@@ -190,7 +192,24 @@ def _probed_by_clients(router: APIRouter, state: ApiState) -> None:
 
     @router.get("/scripts", response_model=ScriptsList)
     def scripts() -> dict:
-        return {"txt2img": [], "img2img": []}
+        return {"txt2img": [], "img2img": [sd_upscale.TITLE]}
+
+    @router.get("/cmd-flags")
+    def cmd_flags() -> dict:
+        return listings.cmd_flags(state.ctx.settings)
+
+    @router.get("/hypernetworks")
+    def hypernetworks() -> list[dict]:
+        """A1111's hypernetworks (`models/hypernetworks`) are a network kind this app does not load: none."""
+        return []
+
+    @router.get("/face-restorers")
+    def face_restorers() -> list[dict]:
+        return listings.face_restorers(state.ctx.settings)
+
+    @router.get("/realesrgan-models")
+    def realesrgan_models() -> list[dict]:
+        return extras.realesrgan_models(state)
 
 
 def sdapi_router(state: ApiState) -> APIRouter:

@@ -78,6 +78,7 @@ class ApiState:
     last_model: str | None = None  # the checkpoint to load back after an unload (A1111 reloads on demand)
     seen_since: float | None = None  # when `/progress` first saw the engine busy with a job not the API's
     clip_skips: dict[str, int] = field(default_factory=dict)  # account -> A1111's `CLIP_stop_at_last_layers`
+    send_seeds: dict[str, bool] = field(default_factory=dict)  # account -> A1111's `send_seed` (app/a1111/options.py)
 
     @property
     def engine(self):

@@ -41,42 +41,50 @@ from app.families import family
 from app.infotext import parse_infotext
 from app.report import app_version
 from app.styles import StyleBook
+from app.upscalers.faces import FACE_FOLDERS
 
 log = logging.getLogger(__name__)
 # A1111's names for the samplers we share with it (`/sdapi/v1/samplers` lists them as aliases).
 SAMPLER_ALIASES: dict[str, list[str]] = {
     "Euler": ["k_euler"], "Euler a": ["k_euler_a", "k_euler_ancestral"], "DPM++ 2M": ["k_dpmpp_2m"],
-    "DPM++ 2M Karras": ["k_dpmpp_2m_ka"], "DDIM": ["ddim"], "UniPC": ["unipc"],
+    "DPM++ 2M Karras": ["k_dpmpp_2m_ka"], "DDIM": ["ddim"], "UniPC": ["unipc"], "PLMS": ["plms"],
 }
 KARRAS = " Karras"
 SCHEDULES = ("automatic", "karras")  # A1111 schedule types this app can honour
 # (field, what it asks for): a request setting one of these to a true value is refused.
-UNSUPPORTED = (("restore_faces", "face restoration"), ("tiling", "tiling"),
+UNSUPPORTED = (("restore_faces", "face restoration (no GFPGAN or CodeFormer model runs here yet; A1111 reads them "
+                                  f"from {' or '.join(f'models/{folder}' for folder in FACE_FOLDERS)}, and would "
+                                  "download one, which this app never does)"),
                ("hr_resize_x", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_resize_y", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_checkpoint_name", "another checkpoint for the hires pass"),
-               ("script_name", "scripts"), ("alwayson_scripts", "always-on scripts (extensions)"),
+               ("alwayson_scripts", "always-on scripts (extensions)"),
                ("firstpass_image", "a first-pass image"),
                ("infotext", "filling the request from infotext (send the fields instead)"))
 
 
-def sampler_for(name: str | None, schedule: str | None, arch: str | None) -> str:
+def sampler_for(name: str | None, schedule: str | None, arch: str | None) -> tuple[str, str | None]:
     """Our sampler for A1111's sampler (name or alias, any case) and schedule type on the loaded
-    family (`arch`; any family's with none loaded); 400 if there is none."""
-    ours = family(arch).samplers if arch else SCHEDULERS
-    lookup = {n.lower(): n for n in ours}
-    lookup |= {alias: n for n, aliases in SAMPLER_ALIASES.items() if n in ours for alias in aliases}
-    base = lookup.get((name or "Euler").strip().lower())
-    if base is None:
+    family (`arch`; any family's with none loaded), and a note when the family has no exact counterpart and runs
+    its nearest one instead (`Family.nearest_samplers`); 400 if there is neither."""
+    fam = family(arch) if arch else None
+    ours = fam.samplers if fam else SCHEDULERS
+    known = {n: n for n in ours} | (dict(fam.nearest_samplers) if fam else {})
+    lookup = {n.lower(): n for n in known}
+    lookup |= {alias: n for n, aliases in SAMPLER_ALIASES.items() if n in known for alias in aliases}
+    asked = lookup.get((name or "Euler").strip().lower())
+    if asked is None:
         raise ApiError(400, f"Sampler not found: {name!r}; choose one of {', '.join(ours)} "
                             "(GET /sdapi/v1/samplers)")
+    base = known[asked]
+    note = None if base == asked else f"sampler {asked}: {fam.label} has no such sampler; ran {base}, its nearest"
     kind = (schedule or "automatic").strip().lower()
     if kind not in SCHEDULES:
         raise ApiError(400, f"Scheduler not found: {schedule!r}; this app has {', '.join(SCHEDULES)}")
     if kind == "automatic" or base.endswith(KARRAS):
-        return base
+        return base, note
     if base + KARRAS in ours:
-        return base + KARRAS
+        return base + KARRAS, note
     with_karras = [n.removesuffix(KARRAS) for n in ours if n.endswith(KARRAS)]
     raise ApiError(400, f"sampler {base} has no Karras schedule here; Karras works with {', '.join(with_karras)}")
 
@@ -95,6 +103,9 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
     asked = list(dict.fromkeys(what for field, what in UNSUPPORTED if getattr(req, field)))
     if asked:
         raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
+    if req.script_name and type(req) is Txt2ImgRequest:
+        raise ApiError(422, f"script {req.script_name!r} not found: txt2img has no scripts here (img2img has "
+                            "\"SD upscale\")")
     fields = {"prompt": "prompt", "negative_prompt": "negative_prompt", "steps": "steps", "cfg": "cfg_scale",
               "seed": "seed", "width": "width", "height": "height", "batch": "batch_size", "n_iter": "n_iter",
               "subseed": "subseed", "subseed_strength": "subseed_strength"}
@@ -106,10 +117,15 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
         values[field] = 0 if isinstance(value, int) and value < 0 else value
     if req.refiner_switch_at is not None:
         values["refiner_switch_at"] = req.refiner_switch_at
-    values["sampler"] = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
+    values["sampler"], stand_in = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
+    hires_stand_in = sampler_for(req.hr_sampler_name, req.hr_scheduler, arch)[1] \
+        if req.enable_hr and req.hr_sampler_name else None
     values["clip_skip"] = (req.override_settings or {}).get(CLIP_SKIP, clip_skip)
     values["step_cache"] = (req.override_settings or {}).get(STEP_CACHE, 0)
-    return params_from_form(values, arch)
+    values["tiling"] = bool(req.tiling)
+    params, notes = params_from_form(values, arch)
+    stand_ins = [stand_in, hires_stand_in and f"hires pass: {hires_stand_in}"]
+    return params, (*(note for note in stand_ins if note), *notes)
 
 
 def hires(req: Txt2ImgRequest, arch: str | None) -> HiresParams | None:
@@ -117,7 +133,7 @@ def hires(req: Txt2ImgRequest, arch: str | None) -> HiresParams | None:
     refused (422, `errors`) with the range, like every other field."""
     if not req.enable_hr:
         return None
-    sampler = sampler_for(req.hr_sampler_name, req.hr_scheduler, arch) if req.hr_sampler_name else SAME
+    sampler = sampler_for(req.hr_sampler_name, req.hr_scheduler, arch)[0] if req.hr_sampler_name else SAME
     return HiresParams(scale=field_value(req, "hr_scale"), upscaler=req.hr_upscaler or "Latent",
                        steps=field_value(req, "hr_second_pass_steps"),
                        denoising_strength=field_value(req, "denoising_strength"),

@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from app.families import family
+from app.families import FAMILIES, family
 from app.paths import utf8_names
 from app.safetensors_files import read_header, refuse_bad_values
 
 log = logging.getLogger(__name__)
-
 
 
 def _layout(arch: str) -> tuple[tuple[str, str, str], ...]:
@@ -67,13 +66,27 @@ def _add_vectors(tokenizer, encoder, tokens: list[str], vectors: torch.Tensor) -
         weight[ids] = vectors.to(device=weight.device, dtype=weight.dtype)
 
 
+class OtherFamilyEmbedding(EmbeddingError):
+    """A file laid out for another family's text encoders: it belongs in a shared folder, nothing is wrong."""
+
+
+def _families_reading(keys: set[str]) -> list[str]:
+    """The labels of the families whose every text encoder finds its vectors among `keys`."""
+    return [fam.label for fam in FAMILIES.values() if fam.takes_embeddings and fam.text_encoders
+            and all(te.embedding_key in keys for te in fam.text_encoders)]
+
+
 def _check_fits(pipe, arch: str, path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Every check before the first token is added, so a misfit never half-loads."""
     layout = _layout(arch)
     missing = [key for key, _tok, _enc in layout if key not in tensors]
     if missing:
-        raise EmbeddingError(f"{path.name}: no {', '.join(missing)} tensor; has {sorted(tensors)} "
-                             f"(not an {arch.upper()} embedding?)")
+        readers = _families_reading(set(tensors))
+        if readers:
+            raise OtherFamilyEmbedding(f"{path.name}: for {' and '.join(dict.fromkeys(readers))} models, not "
+                                       f"{family(arch).label}")
+        raise EmbeddingError(f"{path.name}: its tensors {sorted(tensors)} are no family's embedding layout "
+                             f"({family(arch).label} reads {', '.join(key for key, _t, _e in layout)})")
     for key, tok_attr, enc_attr in layout:
         if path.stem in getattr(pipe, tok_attr).get_vocab():
             raise EmbeddingError(f"{path.name}: token {path.stem!r} already exists in the vocabulary")
@@ -96,15 +109,23 @@ def load_embedding(pipe, arch: str, path: Path) -> str:
     return path.stem
 
 
-def load_all(pipe, arch: str, folder: Path) -> tuple[str, ...]:
-    """Load every fitting `.safetensors` embedding in `folder`; others are logged and skipped. A family
-    that takes no embeddings (`Family.takes_embeddings`) does not read the folder."""
+def load_all(pipe, arch: str, folder: Path, noted: set[tuple[str, int]]) -> tuple[str, ...]:
+    """Load every fitting `.safetensors` embedding in `folder`; the others are skipped. A family that takes no
+    embeddings (`Family.takes_embeddings`) does not read the folder. Why the log stays quiet: a shared folder
+    holds every family's embeddings, and A1111 skips another family's without a word (the API lists them as
+    skipped), so such a file is noted at debug level only; a file that is wrong for every family is noted once
+    per content (`noted`: the caller's record of (path, mtime) already told), not on every model load."""
     if not folder.is_dir() or not family(arch).takes_embeddings:
         return ()
     loaded = []
     for path in sorted(utf8_names(folder, folder.glob("*.safetensors"), "embedding")):
         try:
             loaded.append(load_embedding(pipe, arch, path))
+        except OtherFamilyEmbedding as exc:
+            log.debug("embedding %s skipped: %s", path.name, exc)
         except (EmbeddingError, ValueError) as exc:
-            log.info("embedding %s skipped: %s", path.name, str(exc))
+            seen = (str(path), path.stat().st_mtime_ns)
+            if seen not in noted:
+                noted.add(seen)
+                log.info("embedding %s skipped: %s", path.name, exc)
     return tuple(loaded)

@@ -122,6 +122,7 @@ class GenerateParams:
     refiner_checkpoint: str = ""  # a checkpoint that finishes the txt2img after `refiner_switch_at` ("": none)
     refiner_switch_at: float = 0.8
     step_cache: float = 0.0  # the step cache's threshold; 0: off (every step runs the whole denoiser)
+    tiling: bool = False  # A1111's "Tiling": an image that repeats seamlessly (app/engine/seamless.py)
 
     def __post_init__(self) -> None:
         for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
@@ -180,7 +181,8 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
         notes.append(note)
     params = GenerateParams(str(values.get("prompt") or ""), str(values.get("negative_prompt") or ""),
                             sampler=str(values.get("sampler")),
-                            refiner_checkpoint=str(values.get("refiner_checkpoint") or ""), **checked)
+                            refiner_checkpoint=str(values.get("refiner_checkpoint") or ""),
+                            tiling=bool(values.get("tiling")), **checked)
     if arch is not None:
         fam = family(arch)
         notes += prompt_notes(fam, *encoded_texts(fam, params.prompt, params.negative_prompt, params.steps))
@@ -263,6 +265,7 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
     settings = [("Steps", params.steps), ("Sampler", params.sampler), *guidance, ("Seed", seed),
                 ("Size", f"{params.width}x{params.height}"), ("Model hash", ctx.model_hash), ("Model", ctx.model_name),
                 *extra, *([("Clip skip", params.clip_skip)] if params.clip_skip > 1 else []),
+                *([("Tiling", True)] if params.tiling else []),
                 *([("Step cache", f"{params.step_cache:g}")] if params.step_cache > 0 else [])]
     settings = [(key, value) for key, value in settings if value is not None]
     loras = tuple(LoraUse(*entry) for entry in ctx.loras)
@@ -344,6 +347,10 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
 
     # no_grad, not inference_mode: offload hooks move weights during the call, and inference-mode
     # tensors could not be patched in place afterwards.
+    generators = seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1)
+    seed_step_noise = getattr(pipe.scheduler, "seed_step_noise_", None)
+    if seed_step_noise is not None:  # a sampler that draws noise in its step, which the pipeline calls unseeded
+        seed_step_noise(generators)
     try:
         with torch.no_grad(), variation.drawing_with(pipe, variation.of(params)):
             with timeline.phase("text encode"):
@@ -352,7 +359,7 @@ def denoise(pipe, params: GenerateParams, seed: int, on_step: StepCallback | Non
                 latents = pipe(
                     num_inference_steps=params.steps,
                     num_images_per_prompt=params.batch,
-                    generator=seed_generators(seed, params.batch, step=0 if variation.varies(params) else 1),
+                    generator=generators,
                     output_type="latent",
                     callback_on_step_end=step_end,
                     **({"callback_on_step_end_tensor_inputs": ["latents", *edits.callback_inputs]}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.adapters.prompt import merge_prompt_loras
-from app.engine import decoding, generate, timeline, variation
+from app.engine import decoding, generate, seamless, timeline, variation
 from app.engine.generate import GeneratedImage, GenerateParams, RunContext
 from app.engine.host_read import HostRead
 from app.engine.interrupt import StepInterrupted
@@ -165,10 +165,16 @@ class Generating:
         step = 0 if variation.varies(params) else 1
         applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
                         for s in facts.loras)
-        ctx = None  # made when the first image is saved: after a first load its file may still be being hashed
         job.step_cache = params.step_cache
         batch_run = batch_run or (lambda first, phase, run_params: self._denoise_run(
             params.steps, job, phase, lambda on_step: self._lifecycle.denoise(run_params, first, on_step)))
+        with seamless.tiled(self._lifecycle.pipeline, family(facts.arch).conv_components, params.tiling):
+            return self._runs(params, saved_prompt, job, batch_run, extra, seed, step, facts, applied)
+
+    def _runs(self, params: GenerateParams, saved_prompt: str, job: Job, batch_run, extra, seed: int, step: int,
+              facts, applied) -> list[GeneratedImage]:
+        """`_generate_images`' runs, each image saved with its infotext."""
+        ctx = None  # made when the first image is saved: after a first load its file may still be being hashed
         out = []
         for run in range(params.n_iter):
             first, run_params = seed + run * params.batch * step, variation.for_run(params, run)

@@ -92,6 +92,7 @@ class ModelLifecycle(Placing):
         self._progress = progress
         self._loaded: _Loaded | None = None
         self._parked: placement.PlacementPlan | None = None  # the all-CPU plan while parked (`park`)
+        self._embedding_notes: set[tuple[str, int]] = set()  # embedding files whose misfit was logged once
         self._scans = scans  # reads a loaded model's files after its load (the worker begins them)
         self.strict_forwards = settings.strict_forwards  # the `debug.strict` check on every forward (strict.py)
         self.carry = stages.Carry()  # tensors a workflow stage hands to the next (verified with the model)
@@ -293,7 +294,7 @@ class ModelLifecycle(Placing):
         try:
             if old is not None and self._device.type != "cpu":
                 self.park("park previous model")
-            embedded = embeddings.load_all(fresh.pipe, fresh.arch, self._settings.embeddings_dir)
+            embedded = embeddings.load_all(fresh.pipe, fresh.arch, self._settings.embeddings_dir, self._embedding_notes)
             strategy = self._place(fresh.pipe, plan, hooks, reason="load")
             storage.install_dequant(hooks, fresh.pipe, stored, fresh.pipe.compute_dtypes, matmul, readers)
         except BaseException:

@@ -357,6 +357,15 @@ if tuple(MODES) != OFFLOAD_CHOICES:
     raise ImportError(f"offload strategies {tuple(MODES)} and settings.OFFLOAD_CHOICES {OFFLOAD_CHOICES} disagree")
 
 
+def idle_note(mode: str, device: torch.device | str) -> str | None:
+    """What to tell a user who picks `mode` where it has nothing to do: on a machine without a GPU the model
+    computes where it rests, in RAM, so no mode moves anything (None: the mode does what it says)."""
+    if torch.device(device).type != "cpu" or not MODES[mode].moves_weights:
+        return None
+    return (f"offload {mode!r} changes nothing on this machine: there is no GPU, so the model computes in RAM, "
+            "where it already rests (offload saves GPU memory only)")
+
+
 def make_strategy(pipe, plan: PlacementPlan, hooks: HookRegistry, vram_budget_gib: float | None,
                   watermark: float) -> OffloadStrategy:
     """The strategy object for `plan.offload` (on the CPU every mode is a no-op move, hooks included)."""

@@ -107,7 +107,8 @@ class HiresParams:
         """The request of the second pass; refuses one over the pixel-step cap or running no step."""
         width, height = self.target_size(params, multiple)
         steps = self.steps or params.steps
-        _steps_run(steps, self.denoising_strength, "hires fix")
+        if not self.upscale_only:
+            _steps_run(steps, self.denoising_strength, "hires fix")
         check_work(params.n_iter, params.batch, width, height, steps, "hires fix")
         # The second pass is noised from the seed alone: a variation seed shapes the first pass's noise.
         return dataclasses.replace(variation.without(params), width=width, height=height, steps=steps,
@@ -115,8 +116,15 @@ class HiresParams:
                                    prompt=self.prompt or params.prompt,
                                    negative_prompt=self.negative_prompt or params.negative_prompt)
 
+    @property
+    def upscale_only(self) -> bool:
+        """Denoising strength 0: the upscaled first pass is the image, with no second pass (A1111's pass at 0
+        runs one step at the last sigma, which leaves the upscale as it is)."""
+        return self.denoising_strength == 0
+
     def steps_run(self, params: GenerateParams) -> int:
-        return _steps_run(self.steps or params.steps, self.denoising_strength, "hires fix")
+        return 0 if self.upscale_only else _steps_run(self.steps or params.steps, self.denoising_strength,
+                                                      "hires fix")
 
     def infotext_pairs(self, params: GenerateParams) -> tuple[tuple[str, object], ...]:
         """The pairs A1111 writes for a hires image, in its order; optional ones only when set."""

@@ -37,7 +37,7 @@ from app.engine.generate import GeneratedImage, GenerateParams
 from app.engine.generating import GENERATIONS, Generating, Job
 from app.engine.lifecycle import ModelLifecycle
 from app.engine.lora_counters import LoraCounterBook, capped
-from app.engine.offload import MODES
+from app.engine.offload import MODES, idle_note
 from app.engine.queue import Command, CommandQueue, EngineBusy
 from app.engine.refining import Refining, refined
 from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition
@@ -67,6 +67,8 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
         gc_policy.freeze_startup_objects()
         self.settings = settings
         self.device = placement.resolve_device(settings.device)
+        if (note := idle_note(settings.offload, self.device)) is not None:  # `--offload` on a machine without a GPU
+            log.info(note)
         self.memory_budget = job_memory.budget_for(settings.memory_budget_gib, self.device)  # what one job may plan
         self.library = LoraLibrary(settings.lora_dir, cache_bytes=settings.lora_cache_mib * 2**20)
         self._queue = CommandQueue(settings.queue_size)
@@ -138,7 +140,11 @@ class Engine(Generating, Workflows, Refining, Upscaling, Verifying):
 
     def set_offload(self, mode: str) -> Snapshot:
         self._check_choice("offload", mode, tuple(MODES))
-        return self._change("set_offload", mode, EngineState.MOVING, lambda d: d.replace(offload=mode))
+        snap = self._change("set_offload", mode, EngineState.MOVING, lambda d: d.replace(offload=mode))
+        note = idle_note(mode, self.device)
+        if note is not None:
+            log.info(note)
+        return snap
 
     def set_loras(self, specs: Sequence[LoraSpec], *, set_aside_unfit: bool = False) -> Snapshot:
         """The full wanted list. By default applied all or nothing: a LoRA that does not fit fails the

@@ -252,12 +252,18 @@ class Workflows:
                 else stages.upscale_images(images, hires, size)
             if images is None:
                 return True  # Interrupt or Skip between two tiles: the first pass is the result
+            if hires.upscale_only:  # the upscaled pictures are the result: no encode, no second pass
+                upscaled.extend(images)
+                return
             carry.put(plan(), latents=self._lifecycle.run_on_model(lambda pipe: stages.encode(pipe, images, first),
                                                                    _size(second)))
 
+        upscaled: list[Image.Image] = []
         if self._stage("hires upscale", f"{hires.upscaler} x{hires.scale:g} -> {second.width}x{second.height}",
                        upscale):
             return self._decode_carried(params, job), params.steps
+        if hires.upscale_only:  # a latent upscale is decoded at the hires size; the others are pictures already
+            return upscaled or self._decode_carried(second, job), None
 
         def second_pass():
             stripped = self._with_loras(second, passes)

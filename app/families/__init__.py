@@ -54,6 +54,7 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
+    PNDMScheduler,
     UNet2DConditionModel,
     UniPCMultistepScheduler,
 )
@@ -73,6 +74,9 @@ SD_SAMPLERS: Samplers = MappingProxyType({
     "DPM++ 2M Karras": (DPMSolverMultistepScheduler, {"use_karras_sigmas": True}),
     "DDIM": (DDIMScheduler, {}),
     "UniPC": (UniPCMultistepScheduler, {}),
+    # A1111's PLMS is the pseudo linear multistep method without Runge-Kutta warm-up steps: diffusers' PNDM
+    # with `skip_prk_steps`.
+    "PLMS": (PNDMScheduler, {"skip_prk_steps": True}),
 })
 
 
@@ -215,6 +219,9 @@ class Family:
     # named "…base…"); a diffusers folder states them in its model_index.json.
     file_pipeline_kwargs: Callable[[Path], Mapping[str, object]] = lambda path: {}
     samplers: Samplers = field(default_factory=lambda: SD_SAMPLERS)
+    # A1111 sampler names this family has no exact counterpart for -> the nearest of its own `samplers`: what an
+    # A1111 client's request runs instead (the answer says so), as Forge and ComfyUI run them on such models.
+    nearest_samplers: Mapping[str, str] = field(default_factory=dict)
     default_steps: int = 20
     default_guidance: float = 7.0
     guidance_range: tuple[float, float] = (1.0, 30.0)  # what the CFG field takes for this family

@@ -32,21 +32,47 @@ FLUX_PREVIEW = (((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -
                  (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
                  (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499),
                  (-0.1262, -0.0982, -0.0778)), (-0.0329, -0.0718, -0.0851))
+
+
+class AncestralFlowEuler(FlowMatchEulerDiscreteScheduler):
+    """Flow-match Euler with `stochastic_sampling`: each step predicts the clean latents and re-noises them to the
+    next sigma with fresh noise, the flow counterpart of A1111's "Euler a" (Forge and ComfyUI run "Euler a" so on
+    these models). Why a subclass: the flow pipelines call `scheduler.step` without a generator, so diffusers would
+    draw that noise from the global RNG and a seed would not give its image again; the engine hands the job's
+    per-image generators over with `seed_step_noise_` before the loop."""
+
+    _step_generators: list | None = None
+
+    def seed_step_noise_(self, generators: list) -> None:
+        self._step_generators = generators
+
+    def step(self, *args, generator=None, **kwargs):
+        return super().step(*args, generator=generator or self._step_generators, **kwargs)
+
+
 # Flow-match Euler with each sigma schedule diffusers offers (the pipelines pass their own sigmas
-# and time shift, which only this scheduler family takes). Every entry states all three switches: a
+# and time shift, which only this scheduler family takes). Every entry states all four switches: a
 # sampler is built from the previous one's config, which would carry its switch over.
-_PLAIN = {"use_karras_sigmas": False, "use_exponential_sigmas": False, "use_beta_sigmas": False}
+_PLAIN = {"use_karras_sigmas": False, "use_exponential_sigmas": False, "use_beta_sigmas": False,
+          "stochastic_sampling": False}
 SAMPLERS = MappingProxyType({
     "Euler": (FlowMatchEulerDiscreteScheduler, _PLAIN),
+    "Euler a": (AncestralFlowEuler, {**_PLAIN, "stochastic_sampling": True}),
     "Euler Karras": (FlowMatchEulerDiscreteScheduler, {**_PLAIN, "use_karras_sigmas": True}),
     "Euler exponential": (FlowMatchEulerDiscreteScheduler, {**_PLAIN, "use_exponential_sigmas": True}),
     "Euler beta": (FlowMatchEulerDiscreteScheduler, {**_PLAIN, "use_beta_sigmas": True}),
 })
+# A1111's other sampler names on a flow model: DDIM run deterministically on a flow model is flow Euler; the
+# multistep solvers (DPM++ 2M, UniPC, PLMS) have no flow-sigma counterpart that takes these pipelines' shifted
+# sigmas, so they run flow Euler on the same schedule (Karras: Euler Karras).
+NEAREST_SAMPLERS = MappingProxyType({"DDIM": "Euler", "UniPC": "Euler", "PLMS": "Euler", "DPM++ 2M": "Euler",
+                                     "DPM++ 2M Karras": "Euler Karras"})
 # The `Family` fields such a DiT states alike: its transformer is the denoiser (no conv weights:
 # only the VAE may rest channels_last), its files may sit under ComfyUI's `model.diffusion_model.`,
 # sizes are whole 2×2 patches of 8× latents, bf16 or fp32 (activations overflow fp16), the native
 # size is the VAE's; `--compile` compiles the blocks diffusers declares repeated.
 DIT_SHARED = MappingProxyType(dict(
-    default_sampler="Euler", samplers=SAMPLERS, size_multiple=16, denoiser="transformer", conv_components=("vae",),
+    default_sampler="Euler", samplers=SAMPLERS, nearest_samplers=NEAREST_SAMPLERS, size_multiple=16,
+    denoiser="transformer", conv_components=("vae",),
     marker_prefixes=("", "model.diffusion_model."), fp16_ok=False, preview_rgb=FLUX_PREVIEW,
     native_size=lambda pipe: pipe.vae.config.sample_size, compile_regions=declared_repeated_blocks))

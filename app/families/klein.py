@@ -40,7 +40,7 @@ from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, LatentStats, TextEncoder
 from app.families.file_layout import own_names
-from app.families.flow_dit import SAMPLERS
+from app.families.flow_dit import NEAREST_SAMPLERS, SAMPLERS
 from app.families.flux_layout import bfl_aliases
 from app.families.klein_layout import transformer_layout, vae_layout
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer
@@ -241,6 +241,7 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         parts=_parts(encoder, encoder_file),
         file_pipeline_kwargs=_distilled_flag,
         samplers=SAMPLERS,
+        nearest_samplers=NEAREST_SAMPLERS,
         default_steps=4,
         default_guidance=1.0,
         loaded_defaults=_defaults,

@@ -15,6 +15,7 @@ import gradio as gr
 
 from app.accounts import require_admin
 from app.engine.generate import LIMITS, SCHEDULERS, GenerateParams
+from app.engine.offload import idle_note
 from app.engine.snapshot import Snapshot
 from app.engine.stage_params import SAME
 from app.families import family
@@ -137,7 +138,10 @@ def _model_row(ctx: UiContext) -> tuple[gr.Dropdown, gr.Button, gr.Radio, gr.Rad
                             info="files and diffusers folders under models/Stable-diffusion")
         refresh = gr.Button("↻", scale=0, min_width=44, elem_id="sd-model-refresh")
         dtype = gr.Radio(list(DTYPE_CHOICES), value=ctx.settings.dtype, label="dtype", scale=2)
-        offload = gr.Radio(list(OFFLOAD_CHOICES), value=ctx.settings.offload, label="Offload", scale=3)
+        # Without a GPU every mode keeps the model in RAM: said where the mode is chosen.
+        no_gpu = any(idle_note(mode, ctx.engine.snapshot().device) for mode in OFFLOAD_CHOICES)
+        offload = gr.Radio(list(OFFLOAD_CHOICES), value=ctx.settings.offload, label="Offload", scale=3,
+                           info="no GPU here: no mode changes anything (offload saves GPU memory)" if no_gpu else None)
     status = gr.Markdown(elem_id="sd-model-status")
     return model, refresh, dtype, offload, status
 
@@ -281,7 +285,8 @@ def _wire_model(ctx: UiContext, tab: GenerateTab, refresh: gr.Button) -> None:
         with user_errors("Changing the offload mode", ctx.settings.data_dir):
             require_admin(ctx.account(request), "Changing the offload mode")
             snap = run_with_progress(engine, lambda: engine.set_offload(mode), progress)
-        return f"offload now **{snap.offload}**"
+        note = idle_note(snap.offload, snap.device)
+        return f"offload now **{snap.offload}**" + (f": {note}" if note else "")
 
     def ui_load(name, request: gr.Request, progress=PROGRESS):
         return load_checkpoint(ctx, name, progress, admin=ctx.account(request).admin)

@@ -42,7 +42,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import anyio
 from starlette.datastructures import Headers
-from starlette.requests import cookie_parser
+from starlette.requests import ClientDisconnect, cookie_parser
 
 from app.accounts import LOCAL
 from app.image_inputs import ImageInputError, open_checked
@@ -127,6 +127,12 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        try:
+            await self._guarded(scope, receive, send)
+        except ClientDisconnect:  # the page was closed or the client gave up: nothing is wrong with the app
+            log.info("client went away during %s %s; its request was dropped", scope["method"], scope["path"])
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = Headers(scope=scope)
         refusal = self._refusal_before_body(scope, headers) or self._named_in_route(scope, headers)
         if refusal is not None:

@@ -10,6 +10,7 @@ because that report only changes when either side changes.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import threading
@@ -211,7 +212,11 @@ class CardCache:
             card = self._cards.get(key)
         if card is not None and (card.short_hash or not hashed):
             return card
-        card = read_card(name, path, lora_short_hash(path) if hashed else None)
+        # The header is read (and a corrupt file refused, with the engine's own words) before the hash, which
+        # would seek past the end of a file whose header length is garbage and say only "cannot fit 'int'…".
+        card = read_card(name, path, None)
+        if hashed:
+            card = dataclasses.replace(card, short_hash=lora_short_hash(path))
         with self._lock:
             self._cards[key] = card
         return card
