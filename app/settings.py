@@ -174,6 +174,11 @@ class Settings:
         return self.data_dir / "models" / "text_encoder"
 
     @property
+    def adetailer_dir(self) -> Path:
+        """User detectors for the Detailer (ONNX YOLO exports), ADetailer's folder."""
+        return self.data_dir / "models" / "adetailer"
+
+    @property
     def vae_dir(self) -> Path:
         """Separate VAE files (Flux: `ae.safetensors`), A1111's and Forge's folder."""
         return self.data_dir / "models" / "VAE"

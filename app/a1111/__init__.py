@@ -12,6 +12,7 @@ Gradio has built its app by then, and the routes carry their own error handling 
 
 from __future__ import annotations
 
+from app.a1111.adetailer import adetailer_router
 from app.a1111.auth import BasicAuth, api_enabled, api_logins
 from app.a1111.routes import sdapi_router
 from app.a1111.state import ApiState
@@ -20,7 +21,7 @@ from app.settings import Settings
 from app.ui.common import UiContext
 from app.ui.login_jobs import quota
 
-GATED_PREFIXES = ("/sdapi/", "/steady/")  # behind the API's login, checked by the request guard
+GATED_PREFIXES = ("/sdapi/", "/steady/", "/adetailer/")  # behind the API's login, checked by the request guard
 # The routes that take base64 images in their JSON; every other route has the guard's 1 MiB cap.
 IMAGE_ROUTES = ("/sdapi/v1/img2img", "/sdapi/v1/png-info", "/sdapi/v1/extra-single-image",
                 "/sdapi/v1/extra-batch-images")
@@ -48,7 +49,7 @@ def install_api(app, ctx: UiContext, ui_logins: tuple[tuple[str, str], ...]) -> 
         return ("A1111 API (/sdapi/v1) is off: the app is reachable without a login. Add --api-auth USER:PASS "
                 "(or --auth) to serve it behind one, or --api to serve it open.")
     state = ApiState(ctx, quota(settings, bool(api_logins(settings, ui_logins))))
-    routes = [*sdapi_router(state).routes, *steady_router(state).routes]
+    routes = [*sdapi_router(state).routes, *steady_router(state).routes, *adetailer_router(state).routes]
     for route in routes:
         route.data_dir = settings.data_dir  # its answers name files relative to the data folder
     app.router.routes[0:0] = routes
