@@ -17,17 +17,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
+from app.detailer.detect import BUILTIN_FACE, DetectorLibrary
 from app.engine import generate, job_memory
 from app.engine.generating import Job
 from app.engine.snapshot import EngineState, Snapshot
 from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS
+from app.upscalers import faces
 from app.upscalers.extras import NONE, ExtrasParams
+from app.upscalers.face_paste import restore_faces
 from app.upscalers.tiling import Tiling, UpscaleStopped, upscale_by
 
 EXTRAS_FOLDER = "extras-images"  # under the outputs folder, as A1111 names it
+FACE_CONFIDENCE = 0.3  # the built-in face detector's threshold: ADetailer's default, which it is tuned for
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,10 @@ class Upscaling:
         `job_memory.ASSUMED_UPSCALER_SCALE` (`_upscale_image` checks the budget again once it is loaded)."""
         facts = self._upscaler.facts()
         return facts.scale if facts is not None and facts.name == name else job_memory.ASSUMED_UPSCALER_SCALE
+
+    def check_face_restorer(self) -> faces.FaceModel:
+        """The face-restoration model `restore_faces` would run, or `FaceModelError` naming the folders."""
+        return faces.first_model(self.upscalers.models_dir)
 
     def unload_upscaler(self) -> Snapshot:
         """Drop the loaded upscaler model and give its memory back (it is read again at its next use)."""
@@ -184,5 +193,27 @@ class Upscaling:
         except torch.OutOfMemoryError as exc:
             raise MemoryError(f"out of GPU memory upscaling {image.width}x{image.height} with {name}: try an offload "
                               "mode (model, sequential) or a smaller tile") from exc
+        finally:
+            slot.settle()
+
+    def _restore_faces(self, image: Image.Image, visibility: float = 1.0) -> tuple[Image.Image, str]:
+        """`image` with its faces (the built-in detector's) restored by the first face model (`faces`), and that
+        model's kind for the infotext. The model is a placed component of its own slot, settled after the image."""
+        model = faces.first_model(self.upscalers.models_dir)
+        slot = self._face_restorer
+        slot.ensure(model.name, model.path, self._desired.dtype, self._desired.offload)
+        rgb = image.convert("RGB")
+        found = DetectorLibrary(self.upscalers.models_dir / "adetailer").detect(rgb, BUILTIN_FACE, FACE_CONFIDENCE)
+        self._set_progress(f"restoring {len(found)} face(s) with {model.name}", 0, max(1, len(found)))
+
+        def run(face: Image.Image) -> Image.Image:
+            tensor = torch.from_numpy(np.array(face)).permute(2, 0, 1)[None].float().div(255)
+            out = slot.run_tile(tensor)[0].float().clamp(0, 1).mul(255).round().byte().permute(1, 2, 0).cpu()
+            return Image.fromarray(out.numpy())
+
+        try:
+            with torch.inference_mode():
+                return restore_faces(rgb, [r.box for r in found], run, faces.input_size(slot.descriptor),
+                                     visibility), model.kind
         finally:
             slot.settle()
