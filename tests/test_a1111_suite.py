@@ -17,8 +17,8 @@ import json
 
 import pytest
 import requests
-from PIL import Image, ImageDraw
 from face_models import write_tiny_restorer
+from PIL import Image, ImageDraw
 from served_app import free_port, make_ui_data, running_app
 
 from app.families import FAMILIES
