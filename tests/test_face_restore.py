@@ -118,3 +118,22 @@ def test_a_codeformer_file_is_refused_with_the_licence_reason():
     tensors = {"position_emb": torch.zeros(256, 512), "idx_pred_layer.0.weight": torch.zeros(512, 512)}
     with pytest.raises(UpscalerFormatError, match="spandrel_extra_arches"):
         faces.describe(tensors, "codeformer-v0.1.0")
+
+
+def test_extras_restores_faces_after_the_upscale_at_each_visibility(face_engine, astronaut):
+    """Extras' `gfpgan_visibility` runs the models/GFPGAN file on the upscaled picture (A1111's order) and writes
+    A1111's text; visibility 0 restores nothing (the picture as sent); `codeformer_visibility` with no file in
+    models/Codeformer is refused naming that folder before anything runs."""
+    from app.upscalers.extras import ExtrasParams
+
+    small = astronaut.resize((256, 256), Image.Resampling.LANCZOS)
+    upscaled = face_engine.extras([small], ExtrasParams(upscaler="Lanczos", factor=2.0))[0].image
+    [done] = face_engine.extras([small], ExtrasParams(upscaler="Lanczos", factor=2.0, gfpgan_visibility=0.8))
+    assert done.infotext == "Postprocess upscale by: 2, Postprocess upscaler: Lanczos, GFPGAN visibility: 0.8"
+    changed = np.any(np.asarray(done.image) != np.asarray(upscaled), axis=2)
+    x0, y0, x1, y1 = ASTRONAUT_FACE
+    assert changed[y0:y1, x0:x1].mean() > 0.9 and not changed[:, 400:].any()
+    [same] = face_engine.extras([small], ExtrasParams(gfpgan_visibility=0.0))
+    assert np.array_equal(np.asarray(same.image), np.asarray(small)) and same.infotext == ""
+    with pytest.raises(faces.FaceModelError, match="models/Codeformer under"):
+        face_engine.extras([small], ExtrasParams(codeformer_visibility=0.5, codeformer_weight=0.5))

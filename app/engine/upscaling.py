@@ -83,9 +83,9 @@ class Upscaling:
         facts = self._upscaler.facts()
         return facts.scale if facts is not None and facts.name == name else job_memory.ASSUMED_UPSCALER_SCALE
 
-    def check_face_restorer(self) -> faces.FaceModel:
+    def check_face_restorer(self, folders: tuple[str, ...] = faces.FACE_FOLDERS) -> faces.FaceModel:
         """The face-restoration model `restore_faces` would run, or `FaceModelError` naming the folders."""
-        return faces.first_model(self.upscalers.models_dir)
+        return faces.first_model(self.upscalers.models_dir, folders)
 
     def unload_upscaler(self) -> Snapshot:
         """Drop the loaded upscaler model and give its memory back (it is read again at its next use)."""
@@ -101,6 +101,8 @@ class Upscaling:
             raise ValueError("extras needs at least one image (PNG, JPEG or WebP)")
         for name in (params.upscaler, params.upscaler_2):
             self.check_upscaler(name)
+        for folder, _visibility in params.face_passes():  # a face model must be there now (never downloaded)
+            self.check_face_restorer((folder,))
         scales = {name: self.upscaler_scale(name) for name in (params.upscaler, params.upscaler_2)
                   if name != NONE and name not in PIXEL_UPSCALERS}  # the models' (factors checked in `extras`)
         job_memory.admit(self.memory_budget, job_memory.extras([im.size for im in images], params, scales,
@@ -134,8 +136,12 @@ class Upscaling:
         """One image through upscaler 1 (and 2, blended); None when stopped between tiles."""
         self._job = job  # each stage's transition ends by clearing it
         rgb = image.convert("RGB")
-        if params.upscaler == NONE:
-            return rgb
+        upscaled = rgb if params.upscaler == NONE else self._extras_upscale(rgb, params, job, phase)
+        for folder, visibility in params.face_passes() if upscaled is not None else ():
+            upscaled = self._restore_faces(upscaled, visibility, (folder,))[0]
+        return upscaled
+
+    def _extras_upscale(self, rgb: Image.Image, params: ExtrasParams, job: Job, phase: str) -> Image.Image | None:
         factor = params.factor_for(rgb.size)
         first = self._upscale_image(rgb, params.upscaler, factor, job, phase)
         if first is None or not params.blends:
@@ -146,7 +152,7 @@ class Upscaling:
         return params.finish(Image.blend(first, second, params.visibility_2))
 
     def _save_extras(self, source: Image.Image, image: Image.Image, params: ExtrasParams, index: int) -> UpscaledImage:
-        text = params.infotext() if params.upscaler != NONE else ""
+        text = params.infotext()
         chunks = {"postprocessing": text, "extras": text}
         if isinstance(source.info.get("parameters"), str):
             chunks = {"parameters": source.info["parameters"], **chunks}
@@ -196,10 +202,11 @@ class Upscaling:
         finally:
             slot.settle()
 
-    def _restore_faces(self, image: Image.Image, visibility: float = 1.0) -> tuple[Image.Image, str]:
+    def _restore_faces(self, image: Image.Image, visibility: float = 1.0,
+                       folders: tuple[str, ...] = faces.FACE_FOLDERS) -> tuple[Image.Image, str]:
         """`image` with its faces (the built-in detector's) restored by the first face model (`faces`), and that
         model's kind for the infotext. The model is a placed component of its own slot, settled after the image."""
-        model = faces.first_model(self.upscalers.models_dir)
+        model = faces.first_model(self.upscalers.models_dir, folders)
         slot = self._face_restorer
         slot.ensure(model.name, model.path, self._desired.dtype, self._desired.offload)
         rgb = image.convert("RGB")

@@ -44,10 +44,10 @@ class FaceModel:
     kind: str  # "GFPGAN" or "CodeFormer": the folder's, as A1111's infotext writes it
 
 
-def model_files(models_dir: Path) -> list[Path]:
+def model_files(models_dir: Path, folders: tuple[str, ...] = FACE_FOLDERS) -> list[Path]:
     """The face-restoration model files under `models_dir`, folder by folder in A1111's order, by name."""
     out = []
-    for folder in FACE_FOLDERS:
+    for folder in folders:
         root = models_dir / folder
         if root.is_dir():
             files = [p for p in root.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES]
@@ -55,12 +55,13 @@ def model_files(models_dir: Path) -> list[Path]:
     return out
 
 
-def first_model(models_dir: Path) -> FaceModel:
-    """The model `restore_faces` runs (see the module docstring), or the reason there is none."""
-    files = model_files(models_dir)
+def first_model(models_dir: Path, folders: tuple[str, ...] = FACE_FOLDERS) -> FaceModel:
+    """The model `restore_faces` runs (see the module docstring; Extras names one folder), or why there is none."""
+    files = model_files(models_dir, folders)
     if not files:
-        raise FaceModelError("face restoration needs a GFPGAN or CodeFormer model file (.safetensors, or a .pth "
-                             f"of tensors) in {' or '.join(f'models/{f}' for f in FACE_FOLDERS)} under "
+        kinds = " or ".join(KINDS[f] for f in folders)
+        raise FaceModelError(f"face restoration needs a {kinds} model file (.safetensors, or a .pth "
+                             f"of tensors) in {' or '.join(f'models/{f}' for f in folders)} under "
                              f"{models_dir.parent}; A1111 would download one, which this app never does")
     path = files[0]
     return FaceModel(path.stem, path, KINDS[path.parent.name])
