@@ -22,7 +22,7 @@ import spandrel
 import torch
 
 from app.paths import utf8_names
-from app.upscalers.arch import UpscalerFormatError
+from app.upscalers.arch import UpscalerFormatError, build
 from app.upscalers.files import SUFFIXES
 
 FACE_FOLDERS = ("GFPGAN", "Codeformer")
@@ -74,14 +74,7 @@ def describe(state_dict: dict[str, torch.Tensor], name: str):
         raise UpscalerFormatError(f"face restorer {name!r} is a CodeFormer model: spandrel builds it only with "
                                   f"the separate package {_EXTRA_ARCHES} (non-commercial licence, so not a "
                                   "dependency of this app); install it yourself or use a GFPGAN model")
-    try:
-        descriptor = registry.load(state_dict)
-    except spandrel.UnsupportedModelError:
-        raise UpscalerFormatError(f"face restorer {name!r}: spandrel recognises no architecture in these tensors "
-                                  f"({len(state_dict)} tensors, e.g. {next(iter(state_dict), 'none')})") from None
-    except (KeyError, ValueError, RuntimeError, AssertionError, TypeError, IndexError) as exc:
-        raise UpscalerFormatError(f"face restorer {name!r}: its tensors do not build the architecture they "
-                                  f"resemble ({type(exc).__name__}: {exc})") from None
+    descriptor = build(state_dict, f"face restorer {name!r}", registry)
     if getattr(descriptor, "purpose", None) != PURPOSE or (descriptor.input_channels,
                                                           descriptor.output_channels) != (3, 3):
         raise UpscalerFormatError(f"face restorer {name!r}: a {descriptor.architecture.name} model for "
