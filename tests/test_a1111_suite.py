@@ -144,8 +144,8 @@ def test_a1111_img2img_requests(base, arch, variant):
 
 def test_a1111_restore_faces(base, suite_data, tmp_path):
     """test_txt2img.py's restore_faces request (and img2img's): 200 with the face model in models/GFPGAN and
-    A1111's infotext `Face restoration: GFPGAN`; with the folder emptied (A1111 would download a model, this app never does) one
-    clear 422 naming the folders."""
+    A1111's infotext `Face restoration: GFPGAN`; with the folder emptied (A1111 would download a model, this app
+    never does) one clear 422 naming the folders."""
     for route, body in (("txt2img", TXT2IMG), ("img2img", {**IMG2IMG, "init_images": [_b64(_picture())]})):
         out = _post(f"{base}/{route}", {**body, "restore_faces": True})
         assert len(out["images"]) == 1 and "Face restoration: GFPGAN" in json.loads(out["info"])["infotexts"][0]
