@@ -137,3 +137,11 @@ def test_extras_restores_faces_after_the_upscale_at_each_visibility(face_engine,
     assert np.array_equal(np.asarray(same.image), np.asarray(small)) and same.infotext == ""
     with pytest.raises(faces.FaceModelError, match="models/Codeformer under"):
         face_engine.extras([small], ExtrasParams(codeformer_visibility=0.5, codeformer_weight=0.5))
+
+
+def test_unload_upscaler_drops_the_face_restorer_too(face_engine, astronaut):
+    """`Engine.unload_upscaler` gives the face model's memory back as it does the upscaler's."""
+    _restore(face_engine, astronaut, 0.5)
+    assert face_engine._face_restorer.plan is not None
+    face_engine.unload_upscaler()
+    assert face_engine._face_restorer.plan is None
