@@ -184,7 +184,8 @@ def test_a1111_options_and_listings(base):
         answer = requests.get(f"{base}/{route}", timeout=60)
         assert answer.status_code == 200, (route, answer.text)
         answers[route] = answer.json()
-    assert answers["hypernetworks"] == [] and answers["face-restorers"] == []
+    assert answers["hypernetworks"] == []
+    assert answers["face-restorers"] == [{"name": "tiny-face", "cmd_dir": "models/GFPGAN"}]
     assert [m["name"] for m in answers["realesrgan-models"]] == ["tiny-realesrgan-x4"]
     assert answers["cmd-flags"]["device"] == "cpu" and "auth" not in answers["cmd-flags"]
     assert {"PLMS", "Euler a"} <= {s["name"] for s in answers["samplers"]}
