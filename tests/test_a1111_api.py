@@ -281,7 +281,7 @@ def test_the_upscaler_lists_name_what_the_hires_fix_takes(api):
 def test_extras_through_webuiapi_upscale_with_the_model_and_keep_the_source_infotext(api, app):
     """`webuiapi`'s `extra_single_image` and `extra_batch_images` with the demo upscaler model: sizes by
     A1111's rules, the postprocessing text as A1111 writes it (in `html_info` and the PNG) with the source
-    image's `parameters` kept; face restoration is refused with a 422 naming it."""
+    image's `parameters` kept; face restoration with no model in models/GFPGAN is refused with a 422 naming it."""
     made = api.txt2img(prompt="a fox", seed=4, **SMALL)
     single = api.extra_single_image(made.image, upscaler_1="tiny-realesrgan-x4", upscaling_resize=2)
     assert single.image.size == (128, 128)
@@ -296,7 +296,8 @@ def test_extras_through_webuiapi_upscale_with_the_model_and_keep_the_source_info
                           "Postprocess upscaler 2: tiny-realesrgan-x4")
     refused = requests.post(f"{app[0]}/sdapi/v1/extra-single-image",
                             json={"image": webuiapi.raw_b64_img(made.image), "gfpgan_visibility": 0.5}, timeout=60)
-    assert refused.status_code == 422 and "GFPGAN face restoration" in refused.json()["detail"]
+    assert refused.status_code == 422 and "a GFPGAN model file" in refused.json()["detail"]
+    assert "models/GFPGAN under" in refused.json()["detail"]
 
 
 def test_png_info_reads_our_own_output(api, app):

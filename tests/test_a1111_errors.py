@@ -60,8 +60,8 @@ def _refused(answer: requests.Response, status: int, *words: str) -> dict:
     ({"width": 4096}, 422, ("width", "64…2048")),
     ({"batch_size": 16, "width": 2048, "height": 2048, "steps": 150}, 422, ("per-request cap",)),
     ({"prompt": "x" * 16_001}, 422, ("16,000 characters",)),
-    ({"enable_hr": True, "hr_resize_x": 256, "restore_faces": True}, 422,
-     ("hires fix to a fixed size", "face restoration")),
+    ({"enable_hr": True, "hr_resize_x": 256}, 422, ("hires fix to a fixed size",)),
+    ({"restore_faces": True}, 422, ("face restoration needs", "models/GFPGAN or models/Codeformer")),
     ({"enable_hr": True, "hr_scale": 5}, 422, ("hires_scale", "1…4")),
     ({"enable_hr": True, "hr_upscaler": "R-ESRGAN 4x+"}, 422, ("unknown hires upscaler", "Lanczos")),
     ({"enable_hr": True, "denoising_strength": 0.1}, 422, ("run no step",)),
@@ -69,7 +69,7 @@ def _refused(answer: requests.Response, status: int, *words: str) -> dict:
 ])
 def test_bad_txt2img_requests_are_refused_in_a1111s_shape(app, change, status, words):
     body = _refused(requests.post(f"{app[0]}/sdapi/v1/txt2img", json={**SMALL, **change}), status, *words)
-    assert body["error"] in ("HTTPException", "ValueError", "LoraApplyError")
+    assert body["error"] in ("HTTPException", "ValueError", "LoraApplyError", "FaceModelError")
     assert app[1].snapshot().model == MODEL and app[1].snapshot().loras == ()  # nothing was changed
 
 

@@ -5,8 +5,8 @@ requests that A1111 answers 200. The same requests (its fields and values, writt
 with each family's demo checkpoint loaded in turn, through `POST /options` as a client switches: every one answers
 200 with an image where one is due, and the work asked for was done (a sampler the family has no counterpart for
 runs its nearest and the answer says so; tiling is in the infotext; hires at denoising strength 0 is the upscale;
-SD upscale answers the upscaled size). Face restoration is the exception: with no face-restoration model installed
-A1111 would download one, which this app never does, so the request is refused with a 422 naming the folders.
+SD upscale answers the upscaled size; restore_faces runs the tiny face restorer in models/GFPGAN). With no
+face-restoration model installed A1111 would download one, which this app never does: a 422 naming the folders.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 
 import pytest
 import requests
+from face_models import write_tiny_restorer
 from PIL import Image, ImageDraw
 from served_app import free_port, make_ui_data, running_app
 
@@ -77,9 +78,15 @@ def _mask() -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory, demo_dir):
+def suite_data(tmp_path_factory, demo_dir):
     data = make_ui_data(tmp_path_factory.mktemp("a1111-suite"), demo_dir)
-    settings = Settings(data_dir=data, device="cpu", port=free_port())
+    write_tiny_restorer(data / "models" / "GFPGAN" / "tiny-face.safetensors")
+    return data
+
+
+@pytest.fixture(scope="module")
+def base(suite_data):
+    settings = Settings(data_dir=suite_data, device="cpu", port=free_port())
     with running_app(settings) as (server, _engine):
         yield f"{server.local_url.rstrip('/')}/sdapi/v1"
 
@@ -135,9 +142,19 @@ def test_a1111_img2img_requests(base, arch, variant):
     assert [_image(b64).size for b64 in out["images"]] == [(128, 128) if variant == "sd_upscale" else (64, 64)]
 
 
-def test_a1111_restore_faces_without_a_model_is_refused_by_name(base):
-    """A1111 would download a face-restoration model; this app never downloads: a clear 422 naming the folders."""
-    answer = requests.post(f"{base}/txt2img", json={**TXT2IMG, "restore_faces": True}, timeout=60)
+def test_a1111_restore_faces(base, suite_data, tmp_path):
+    """test_txt2img.py's restore_faces request (and img2img's): 200 with the face model in models/GFPGAN and
+    A1111's infotext `Face restoration: GFPGAN`; with the folder emptied (A1111 would download a model, this app
+    never does) one clear 422 naming the folders."""
+    for route, body in (("txt2img", TXT2IMG), ("img2img", {**IMG2IMG, "init_images": [_b64(_picture())]})):
+        out = _post(f"{base}/{route}", {**body, "restore_faces": True})
+        assert len(out["images"]) == 1 and "Face restoration: GFPGAN" in json.loads(out["info"])["infotexts"][0]
+    model = suite_data / "models" / "GFPGAN" / "tiny-face.safetensors"
+    moved = model.rename(tmp_path / model.name)
+    try:
+        answer = requests.post(f"{base}/txt2img", json={**TXT2IMG, "restore_faces": True}, timeout=60)
+    finally:
+        moved.rename(model)
     assert answer.status_code == 422
     assert "face restoration" in answer.json()["detail"] and "models/GFPGAN or models/Codeformer" in \
         answer.json()["detail"]
@@ -167,7 +184,8 @@ def test_a1111_options_and_listings(base):
         answer = requests.get(f"{base}/{route}", timeout=60)
         assert answer.status_code == 200, (route, answer.text)
         answers[route] = answer.json()
-    assert answers["hypernetworks"] == [] and answers["face-restorers"] == []
+    assert answers["hypernetworks"] == []
+    assert answers["face-restorers"] == [{"name": "tiny-face", "cmd_dir": "models/GFPGAN"}]
     assert [m["name"] for m in answers["realesrgan-models"]] == ["tiny-realesrgan-x4"]
     assert answers["cmd-flags"]["device"] == "cpu" and "auth" not in answers["cmd-flags"]
     assert {"PLMS", "Euler a"} <= {s["name"] for s in answers["samplers"]}

@@ -2,9 +2,9 @@
 
 The request's A1111 fields become `ExtrasParams` (the rule set the Extras tab uses); images are
 decoded by the API's one decoder (`pnginfo.decode_images`: header-checked, pixel-capped). Face
-restoration (`gfpgan_visibility`,
-`codeformer_visibility`) is not built and is refused with a 422 naming it rather than silently
-skipped. The answer is A1111's: the upscaled PNG(s) in base64, carrying the source's `parameters`
+restoration (`gfpgan_visibility`, `codeformer_visibility`) runs the model in `models/GFPGAN` or
+`models/Codeformer`; with none there the request is refused with a 422 naming the folder. The answer
+is A1111's: the upscaled PNG(s) in base64, carrying the source's `parameters`
 and the postprocessing text, and that text as `html_info`.
 """
 
@@ -26,17 +26,15 @@ _SCALE_IN_NAME = re.compile(r"(?<![0-9a-z])([1-8])x|x([1-8])(?![0-9])")  # 4x-Ul
 
 
 def params(req: ExtrasBaseRequest) -> ExtrasParams:
-    """The engine's settings for the request; unsupported features and bad values refused (422)."""
-    asked = [what for field, what in (("gfpgan_visibility", "GFPGAN face restoration"),
-                                       ("codeformer_visibility", "CodeFormer face restoration"))
-             if getattr(req, field)]
-    if asked:
-        raise ApiError(422, f"not supported by this app: {', '.join(asked)}")
+    """The engine's settings for the request; bad values refused (422)."""
     fields = {name: field_value(req, name) for name in ExtrasBaseRequest.model_fields}  # defaults for nulls
     return ExtrasParams(upscaler=fields["upscaler_1"], resize_mode=fields["resize_mode"],
                         factor=fields["upscaling_resize"], width=fields["upscaling_resize_w"],
                         height=fields["upscaling_resize_h"], crop=bool(fields["upscaling_crop"]),
-                        upscaler_2=fields["upscaler_2"], visibility_2=fields["extras_upscaler_2_visibility"])
+                        upscaler_2=fields["upscaler_2"], visibility_2=fields["extras_upscaler_2_visibility"],
+                        gfpgan_visibility=fields["gfpgan_visibility"],
+                        codeformer_visibility=fields["codeformer_visibility"],
+                        codeformer_weight=fields["codeformer_weight"])
 
 
 def _png(result: UpscaledImage) -> str:

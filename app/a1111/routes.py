@@ -66,6 +66,8 @@ def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState, account: Account) ->
         img2img.script_args(state, req)
     txt2img.hires(req, arch)
     controlnet.request_units(req.alwayson_scripts, state.ctx.settings)  # a unit the app cannot run: 422 now
+    if req.restore_faces:  # a face model must be in models/GFPGAN or models/Codeformer now (never downloaded)
+        state.engine.check_face_restorer()
     if req.enable_hr:  # a model upscaler must be in a folder now
         state.engine.check_upscaler(req.hr_upscaler or "Latent", hires=True)
 

@@ -45,7 +45,6 @@ from app.families import family
 from app.infotext import parse_infotext
 from app.report import app_version
 from app.styles import StyleBook
-from app.upscalers.faces import FACE_FOLDERS
 
 log = logging.getLogger(__name__)
 # A1111's names for the samplers we share with it (`/sdapi/v1/samplers` lists them as aliases).
@@ -56,10 +55,7 @@ SAMPLER_ALIASES: dict[str, list[str]] = {
 KARRAS = " Karras"
 SCHEDULES = ("automatic", "karras")  # A1111 schedule types this app can honour
 # (field, what it asks for): a request setting one of these to a true value is refused.
-UNSUPPORTED = (("restore_faces", "face restoration (no GFPGAN or CodeFormer model runs here yet; A1111 reads them "
-                                  f"from {' or '.join(f'models/{folder}' for folder in FACE_FOLDERS)}, and would "
-                                  "download one, which this app never does)"),
-               ("hr_resize_x", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
+UNSUPPORTED = (("hr_resize_x", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_resize_y", "hires fix to a fixed size (hr_resize_x/y; use hr_scale)"),
                ("hr_checkpoint_name", "another checkpoint for the hires pass"),
                ("firstpass_image", "a first-pass image"),
@@ -141,6 +137,7 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
     values["clip_skip"] = (req.override_settings or {}).get(CLIP_SKIP, clip_skip)
     values["step_cache"] = (req.override_settings or {}).get(STEP_CACHE, 0)
     values["tiling"] = bool(req.tiling)
+    values["restore_faces"] = bool(req.restore_faces)
     params, notes = params_from_form(values, arch)
     stand_ins = [stand_in, hires_stand_in and f"hires pass: {hires_stand_in}"]
     return params, (*(note for note in stand_ins if note), *notes)
@@ -267,7 +264,8 @@ def info_json(state: ApiState, outcome: Outcome, notes: list[str]) -> str:
         "subseed": subseeds[0] if subseeds else params.subseed, "all_subseeds": subseeds,
         "subseed_strength": params.subseed_strength,
         "width": params.width, "height": params.height, "sampler_name": params.sampler, "cfg_scale": params.cfg,
-        "steps": params.steps, "batch_size": params.batch, "restore_faces": False, "face_restoration_model": None,
+        "steps": params.steps, "batch_size": params.batch, "restore_faces": params.restore_faces,
+        "face_restoration_model": None,
         "sd_model_name": checkpoints.model_name(outcome.model or ""), "sd_model_hash": outcome.model_hash,
         "sd_vae_name": None, "sd_vae_hash": None, "seed_resize_from_w": params.seed_resize_from_w or -1,
         "seed_resize_from_h": params.seed_resize_from_h or -1,

@@ -125,6 +125,7 @@ class GenerateParams:
     step_cache: float = 0.0  # the step cache's threshold; 0: off (every step runs the whole denoiser)
     tiling: bool = False  # A1111's "Tiling": an image that repeats seamlessly (app/engine/seamless.py)
     controlnet_units: tuple[ControlUnit, ...] = ()  # the enabled ControlNet units, at most `MAX_UNITS` (app/controlnet)
+    restore_faces: bool = False  # A1111's "Restore faces": each saved image's faces restored (`Upscaling`)
 
     def __post_init__(self) -> None:
         for label, text in (("prompt", self.prompt), ("negative prompt", self.negative_prompt)):
@@ -185,7 +186,8 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
     params = GenerateParams(str(values.get("prompt") or ""), str(values.get("negative_prompt") or ""),
                             sampler=str(values.get("sampler")),
                             refiner_checkpoint=str(values.get("refiner_checkpoint") or ""),
-                            tiling=bool(values.get("tiling")), **checked)
+                            tiling=bool(values.get("tiling")), restore_faces=bool(values.get("restore_faces")),
+                            **checked)
     if arch is not None:
         fam = family(arch)
         notes += prompt_notes(fam, *encoded_texts(fam, params.prompt, params.negative_prompt, params.steps))

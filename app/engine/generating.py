@@ -122,6 +122,7 @@ class Generating:
             def adopt() -> None:
                 self._realise(want, want.loras, set_aside_unfit=True)
                 self._upscaler.follow(want.dtype, want.offload)
+                self._face_restorer.follow(want.dtype, want.offload)
                 self._desired, self._held_for = want, command.owner
             step = Command("reconcile", capped(f"for {command.owner or 'a caller'}: {want.describe()}"), state, adopt,
                            Future())
@@ -204,9 +205,14 @@ class Generating:
                     with timeline.phase("model hash"):
                         ctx = RunContext(facts.model, self._lifecycle.model_hash(), applied, facts.arch)
                 image_seed = first + i * step
+                restored = ()
+                if params.restore_faces:  # A1111 restores before saving, after every pass
+                    with timeline.phase("face restoration"):
+                        image, kind = self._restore_faces(image)
+                    restored = (("Face restoration", kind),)
                 with timeline.phase("infotext"):
                     text = generate.infotext(saved, image_seed, ctx,
-                                             (*variation.infotext_pairs(run_params, i), *extra))
+                                             (*restored, *variation.infotext_pairs(run_params, i), *extra))
                 with timeline.phase("png save"):
                     path = generate.save_png(image, text, self.settings.outputs_dir, image_seed,
                                              compress_level=self.settings.png_compress_level)

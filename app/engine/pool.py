@@ -100,6 +100,7 @@ class EnginePool:
     hires_upscalers = _on_first("hires_upscalers")
     extras_upscalers = _on_first("extras_upscalers")
     check_upscaler = _on_first("check_upscaler")
+    check_face_restorer = _on_first("check_face_restorer")
 
     def unload_upscaler(self) -> Snapshot:
         """Every engine gives its upscaler's memory back; the first one's snapshot, as `Engine`'s."""

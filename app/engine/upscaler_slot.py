@@ -37,6 +37,7 @@ from app.upscalers import arch, files
 log = logging.getLogger(__name__)
 
 COMPONENT = "upscaler"
+FACE_COMPONENT = "face restorer"  # the face-restoration model: a second slot of this class (`Upscaling`)
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ class UpscalerFacts:
 class _Parts:
     """A one-component holder: what `placement` and `offload` read from a pipeline (`components`)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.components = {COMPONENT: module}
+    def __init__(self, module: torch.nn.Module, component: str) -> None:
+        self.components = {component: module}
 
 
 @dataclass
@@ -72,10 +73,14 @@ class _Loaded:
 
 
 class UpscalerSlot:
-    """Holds at most one upscaler; only the worker calls it."""
+    """Holds at most one upscaler; only the worker calls it. The face restorer is a second slot under its own
+    component name (`FACE_COMPONENT`) with its own file reader (`describe`: spandrel's face models), so a hires
+    upscale and a face restoration in one job keep both models loaded, each placed and verified."""
 
-    def __init__(self, settings: Settings, device: torch.device, timers: diagnostics.Timers) -> None:
+    def __init__(self, settings: Settings, device: torch.device, timers: diagnostics.Timers,
+                 component: str = COMPONENT, describe=arch.describe) -> None:
         self._settings, self._device, self._timers = settings, device, timers
+        self.component, self._describe = component, describe
         self._loaded: _Loaded | None = None
 
     # ------------------------------------------------------------------ reading
@@ -87,6 +92,11 @@ class UpscalerSlot:
     def model(self) -> torch.nn.Module | None:
         """The live module, for tests. Not for the UI."""
         return None if self._loaded is None else self._loaded.descriptor.model
+
+    @property
+    def descriptor(self):
+        """spandrel's descriptor of the loaded model (its size requirements, architecture)."""
+        return self._require().descriptor
 
     @property
     def scale(self) -> int:
@@ -105,7 +115,7 @@ class UpscalerSlot:
         loaded = self._loaded
         if loaded is None:
             return ()
-        mine = [v for v in violations if v.component == COMPONENT]
+        mine = [v for v in violations if v.component == self.component]
         return diagnostics.placement_rows(loaded.parts, loaded.plan, {}, mine, loaded.hooks)
 
     def verify_and_repair(self, when: str) -> tuple[list[placement.Violation], int]:
@@ -137,7 +147,8 @@ class UpscalerSlot:
             try:
                 self._place(loaded, self._plan(loaded.plan.dtype, mode), f"offload {mode}")
             except Exception:  # noqa: BLE001 - logged; the next use loads it afresh and reports its own error
-                log.exception("upscaler %s could not be placed for offload %s; unloaded", loaded.name, mode)
+                log.exception("%s %s could not be placed for offload %s; unloaded", self.component, loaded.name,
+                              mode)
                 self.unload()
 
     def unload(self) -> None:
@@ -151,17 +162,17 @@ class UpscalerSlot:
     def _load(self, name: str, path: Path, requested: str, mode: str) -> None:
         t0 = time.perf_counter()
         identity = FileIdentity.of(path)
-        descriptor = arch.describe(files.read_state_dict(path), name)
+        descriptor = self._describe(files.read_state_dict(path), name)
         wanted = placement.resolve_dtype(requested, self._device)
         dtype = arch.compute_dtype(descriptor, wanted)
-        parts = _Parts(descriptor.model)
-        placement.move_component(descriptor.model, COMPONENT, Placement(torch.device("cpu"), dtype), reason="load")
+        parts = _Parts(descriptor.model, self.component)
+        placement.move_component(descriptor.model, self.component, Placement(torch.device("cpu"), dtype), reason="load")
         loaded = _Loaded(name, identity, descriptor, parts, requested, self._plan(dtype, mode), HookRegistry())
-        self._place(loaded, loaded.plan, "load upscaler")
+        self._place(loaded, loaded.plan, f"load {self.component}")
         self._loaded = loaded
-        self._timers.record("load upscaler", time.perf_counter() - t0)
-        log.info("upscaler %s loaded: %s x%d, %s, offload %s", name, descriptor.architecture.name, descriptor.scale,
-                 placement.dtype_name(dtype), mode)
+        self._timers.record(f"load {self.component}", time.perf_counter() - t0)
+        log.info("%s %s loaded: %s x%d, %s, offload %s", self.component, name, descriptor.architecture.name,
+                 descriptor.scale, placement.dtype_name(dtype), mode)
 
     def _plan(self, dtype: torch.dtype, mode: str) -> PlacementPlan:
         """The component's plan: resting on the CPU (in `Settings.rest_dtype` if set) under a mode that
@@ -169,7 +180,7 @@ class UpscalerSlot:
         compute = Placement(self._device, dtype)
         rest_dtype = placement.DTYPES.get(self._settings.rest_dtype or "", dtype)
         rest = Placement(torch.device("cpu"), rest_dtype) if offload.MODES[mode].moves_weights else compute
-        return PlacementPlan(self._device, dtype, mode, {COMPONENT: ComponentPlan(rest=rest, compute=compute)})
+        return PlacementPlan(self._device, dtype, mode, {self.component: ComponentPlan(rest=rest, compute=compute)})
 
     def _place(self, loaded: _Loaded, plan: PlacementPlan, reason: str) -> None:
         """Take the old strategy's hooks off, apply `plan`, install its mode's hooks (group offload streams
@@ -188,7 +199,7 @@ class UpscalerSlot:
         """spandrel's own call of the model on one tile ((1, 3, h, w) in [0, 1]), given on the compute
         device in the compute dtype; the result stays there."""
         loaded = self._require()
-        compute = loaded.plan.components[COMPONENT].compute
+        compute = loaded.plan.components[self.component].compute
         return loaded.descriptor(tile.to(device=compute.device, dtype=compute.dtype))
 
     def settle(self) -> None:
@@ -200,5 +211,5 @@ class UpscalerSlot:
 
     def _require(self) -> _Loaded:
         if self._loaded is None:
-            raise RuntimeError("no upscaler loaded")
+            raise RuntimeError(f"no {self.component} loaded")
         return self._loaded

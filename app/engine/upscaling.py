@@ -17,17 +17,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
+from app.detailer.detect import BUILTIN_FACE, DetectorLibrary
 from app.engine import generate, job_memory
 from app.engine.generating import Job
 from app.engine.snapshot import EngineState, Snapshot
 from app.engine.stage_params import LATENT_UPSCALERS, PIXEL_UPSCALERS
+from app.upscalers import faces
 from app.upscalers.extras import NONE, ExtrasParams
+from app.upscalers.face_paste import restore_faces
 from app.upscalers.tiling import Tiling, UpscaleStopped, upscale_by
 
 EXTRAS_FOLDER = "extras-images"  # under the outputs folder, as A1111 names it
+FACE_CONFIDENCE = 0.3  # the built-in face detector's threshold: ADetailer's default, which it is tuned for
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,10 @@ class Upscaling:
         facts = self._upscaler.facts()
         return facts.scale if facts is not None and facts.name == name else job_memory.ASSUMED_UPSCALER_SCALE
 
+    def check_face_restorer(self, folders: tuple[str, ...] = faces.FACE_FOLDERS) -> faces.FaceModel:
+        """The face-restoration model `restore_faces` would run, or `FaceModelError` naming the folders."""
+        return faces.first_model(self.upscalers.models_dir, folders)
+
     def unload_upscaler(self) -> Snapshot:
         """Drop the loaded upscaler model and give its memory back (it is read again at its next use)."""
         return self._call("unload_upscaler", "", EngineState.MOVING, self._upscaler.unload)
@@ -92,6 +101,8 @@ class Upscaling:
             raise ValueError("extras needs at least one image (PNG, JPEG or WebP)")
         for name in (params.upscaler, params.upscaler_2):
             self.check_upscaler(name)
+        for folder, _visibility in params.face_passes():  # a face model must be there now (never downloaded)
+            self.check_face_restorer((folder,))
         scales = {name: self.upscaler_scale(name) for name in (params.upscaler, params.upscaler_2)
                   if name != NONE and name not in PIXEL_UPSCALERS}  # the models' (factors checked in `extras`)
         job_memory.admit(self.memory_budget, job_memory.extras([im.size for im in images], params, scales,
@@ -125,8 +136,12 @@ class Upscaling:
         """One image through upscaler 1 (and 2, blended); None when stopped between tiles."""
         self._job = job  # each stage's transition ends by clearing it
         rgb = image.convert("RGB")
-        if params.upscaler == NONE:
-            return rgb
+        upscaled = rgb if params.upscaler == NONE else self._extras_upscale(rgb, params, job, phase)
+        for folder, visibility in params.face_passes() if upscaled is not None else ():
+            upscaled = self._restore_faces(upscaled, visibility, (folder,))[0]
+        return upscaled
+
+    def _extras_upscale(self, rgb: Image.Image, params: ExtrasParams, job: Job, phase: str) -> Image.Image | None:
         factor = params.factor_for(rgb.size)
         first = self._upscale_image(rgb, params.upscaler, factor, job, phase)
         if first is None or not params.blends:
@@ -137,7 +152,7 @@ class Upscaling:
         return params.finish(Image.blend(first, second, params.visibility_2))
 
     def _save_extras(self, source: Image.Image, image: Image.Image, params: ExtrasParams, index: int) -> UpscaledImage:
-        text = params.infotext() if params.upscaler != NONE else ""
+        text = params.infotext()
         chunks = {"postprocessing": text, "extras": text}
         if isinstance(source.info.get("parameters"), str):
             chunks = {"parameters": source.info["parameters"], **chunks}
@@ -184,5 +199,28 @@ class Upscaling:
         except torch.OutOfMemoryError as exc:
             raise MemoryError(f"out of GPU memory upscaling {image.width}x{image.height} with {name}: try an offload "
                               "mode (model, sequential) or a smaller tile") from exc
+        finally:
+            slot.settle()
+
+    def _restore_faces(self, image: Image.Image, visibility: float = 1.0,
+                       folders: tuple[str, ...] = faces.FACE_FOLDERS) -> tuple[Image.Image, str]:
+        """`image` with its faces (the built-in detector's) restored by the first face model (`faces`), and that
+        model's kind for the infotext. The model is a placed component of its own slot, settled after the image."""
+        model = faces.first_model(self.upscalers.models_dir, folders)
+        slot = self._face_restorer
+        slot.ensure(model.name, model.path, self._desired.dtype, self._desired.offload)
+        rgb = image.convert("RGB")
+        found = DetectorLibrary(self.upscalers.models_dir / "adetailer").detect(rgb, BUILTIN_FACE, FACE_CONFIDENCE)
+        self._set_progress(f"restoring {len(found)} face(s) with {model.name}", 0, max(1, len(found)))
+
+        def run(face: Image.Image) -> Image.Image:
+            tensor = torch.from_numpy(np.array(face)).permute(2, 0, 1)[None].float().div(255)
+            out = slot.run_tile(tensor)[0].float().clamp(0, 1).mul(255).round().byte().permute(1, 2, 0).cpu()
+            return Image.fromarray(out.numpy())
+
+        try:
+            with torch.inference_mode():
+                return restore_faces(rgb, [r.box for r in found], run, faces.input_size(slot.descriptor),
+                                     visibility), model.kind
         finally:
             slot.settle()

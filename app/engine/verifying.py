@@ -70,7 +70,9 @@ class Verifying:
         found, repaired = self._lifecycle.verify_and_repair(when, after_lora_change)
         refiner_found, refiner_repaired = self._verify_refiner(when)
         upscaler_found, upscaler_repaired = self._upscaler.verify_and_repair(when)
-        found, repaired = found + refiner_found + upscaler_found, repaired + refiner_repaired + upscaler_repaired
+        faces_found, faces_repaired = self._face_restorer.verify_and_repair(when)
+        found = found + refiner_found + upscaler_found + faces_found
+        repaired += refiner_repaired + upscaler_repaired + faces_repaired
         self._timers.record("verify", time.perf_counter() - t0)
         self._last_violations += tuple(found)
         self._found_total += len(found)
@@ -85,7 +87,8 @@ class Verifying:
     def _publish(self) -> None:
         self._published = (build_snapshot(
             state=self._state.value, device=str(self.device), desired=self._desired, facts=self._lifecycle.facts(),
-            rows=self._lifecycle.rows(self._last_violations) + self._upscaler.rows(self._last_violations),
+            rows=self._lifecycle.rows(self._last_violations) + self._upscaler.rows(self._last_violations)
+            + self._face_restorer.rows(self._last_violations),
             upscaler=self._upscaler.facts(), violations=self._last_violations,
             found_total=self._found_total, repaired_total=self._repaired_total,
             counters=self._counters.snapshot(), timers=self._timers.snapshot(), history=tuple(self._history),

@@ -46,11 +46,12 @@ from app.engine.refining import Refining, refined
 from app.engine.snapshot import EngineState, ErrorRecord, Progress, Snapshot, Transition
 from app.engine.stage_params import HiresParams
 from app.engine.storage import WEIGHTS_CHOICES
-from app.engine.upscaler_slot import UpscalerSlot
+from app.engine.upscaler_slot import FACE_COMPONENT, UpscalerSlot
 from app.engine.upscaling import Upscaling
 from app.engine.verifying import Verifying
 from app.engine.workflows import Workflows
 from app.settings import DTYPE_CHOICES, Settings
+from app.upscalers import faces
 from app.upscalers.files import UpscalerLibrary
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Engine(Generating, Workflows, Detailing, Refining, Upscaling, ControlRuns,
         self.upscalers = UpscalerLibrary(settings.data_dir / "models")
         self.controlnet_library = ControlNetLibrary(settings.controlnet_dir)  # units' models (control_runs.py)
         self._upscaler = UpscalerSlot(settings, self.device, self._timers)  # a component verified with the model
+        self._face_restorer = UpscalerSlot(settings, self.device, self._timers, FACE_COMPONENT, faces.describe)
         self._found_total = 0
         self._repaired_total = 0
         self._last_error: ErrorRecord | None = None
@@ -312,6 +314,7 @@ class Engine(Generating, Workflows, Detailing, Refining, Upscaling, ControlRuns,
                 self._counters.enable_all()
             self._realise(want, want.loras, **realise_options)
             self._upscaler.follow(want.dtype, want.offload)
+            self._face_restorer.follow(want.dtype, want.offload)
             self._desired, self._held_for = want, None
         return self._call(name, detail, state, body)
 

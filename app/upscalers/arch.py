@@ -18,17 +18,22 @@ class UpscalerFormatError(ValueError):
     """The tensors are not an upscaler spandrel can build; the message names the file and says why."""
 
 
+def build(state_dict: dict[str, torch.Tensor], label: str, registry=spandrel.MAIN_REGISTRY):
+    """What `registry` builds from the tensors, or `UpscalerFormatError` starting with `label` ("upscaler 'x'")."""
+    try:
+        return registry.load(state_dict)
+    except spandrel.UnsupportedModelError:
+        raise UpscalerFormatError(f"{label}: spandrel recognises no architecture in these tensors "
+                                  f"({len(state_dict)} tensors, e.g. {next(iter(state_dict), 'none')})") from None
+    except (KeyError, ValueError, RuntimeError, AssertionError, TypeError, IndexError) as exc:
+        raise UpscalerFormatError(f"{label}: its tensors do not build the architecture they resemble "
+                                  f"({type(exc).__name__}: {exc})") from None
+
+
 def describe(state_dict: dict[str, torch.Tensor], name: str):
     """spandrel's `ImageModelDescriptor` for the tensors (the model on the CPU, in eval mode, weights
     loaded as stored), or `UpscalerFormatError`."""
-    try:
-        descriptor = spandrel.MAIN_REGISTRY.load(state_dict)
-    except spandrel.UnsupportedModelError:
-        raise UpscalerFormatError(f"upscaler {name!r}: spandrel recognises no architecture in these tensors "
-                                  f"({len(state_dict)} tensors, e.g. {next(iter(state_dict), 'none')})") from None
-    except (KeyError, ValueError, RuntimeError, AssertionError, TypeError, IndexError) as exc:
-        raise UpscalerFormatError(f"upscaler {name!r}: its tensors do not build the architecture they resemble "
-                                  f"({type(exc).__name__}: {exc})") from None
+    descriptor = build(state_dict, f"upscaler {name!r}")
     purpose = getattr(descriptor, "purpose", None)
     if not isinstance(descriptor, spandrel.ImageModelDescriptor) or purpose not in PURPOSES:
         raise UpscalerFormatError(f"upscaler {name!r}: a {descriptor.architecture.name} model for {purpose}, "

@@ -6,6 +6,10 @@ cropped to the size with `upscaling_crop`); `upscaler_1`, and `upscaler_2` blend
 `extras_upscaler_2_visibility`. "None" as the first upscaler leaves the image as it is. What an image
 went through is written as A1111 writes it: `Postprocess upscale by: 2, Postprocess upscaler: X,
 Postprocess upscaler 2: Y` (`infotext`), kept in the PNG's `postprocessing` and `extras` chunks.
+Face restoration runs after the upscale, as A1111 orders its postprocessing: the model in `models/GFPGAN`
+at `gfpgan_visibility`, then the one in `models/Codeformer` at `codeformer_visibility`
+(`app/upscalers/faces.py`). `codeformer_weight` is CodeFormer's own fidelity input; spandrel's core builds no
+CodeFormer, so it is checked and written to the text as A1111 writes it, and reaches no model here.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ EXTRAS_LIMITS: dict[str, Range] = {
     "upscaling_resize_w": Range(64, 8192),
     "upscaling_resize_h": Range(64, 8192),
     "extras_upscaler_2_visibility": Range(0, 1, whole=False),
+    "gfpgan_visibility": Range(0, 1, whole=False),
+    "codeformer_visibility": Range(0, 1, whole=False),
+    "codeformer_weight": Range(0, 1, whole=False),
 }
+FACE_PASSES = (("gfpgan_visibility", "GFPGAN"), ("codeformer_visibility", "Codeformer"))  # field, models/ folder
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,9 @@ class ExtrasParams:
     crop: bool = True
     upscaler_2: str = NONE
     visibility_2: float = 0.0
+    gfpgan_visibility: float = 0.0
+    codeformer_visibility: float = 0.0
+    codeformer_weight: float = 0.0
 
     def __post_init__(self) -> None:
         mode = self.resize_mode
@@ -48,7 +59,9 @@ class ExtrasParams:
         elif mode not in RESIZE_MODES:
             raise ValueError(f"resize mode must be one of {', '.join(RESIZE_MODES)} (or 0, 1), got {mode!r}")
         for field, value in (("upscaling_resize", self.factor), ("upscaling_resize_w", self.width),
-                             ("upscaling_resize_h", self.height), ("extras_upscaler_2_visibility", self.visibility_2)):
+                             ("upscaling_resize_h", self.height), ("extras_upscaler_2_visibility", self.visibility_2),
+                             *((field, getattr(self, field)) for field in
+                               ("gfpgan_visibility", "codeformer_visibility", "codeformer_weight"))):
             EXTRAS_LIMITS[field].check(field, value)
         for field in ("upscaler", "upscaler_2"):
             if not isinstance(getattr(self, field), str) or not getattr(self, field):
@@ -80,8 +93,21 @@ class ExtrasParams:
         canvas.paste(image, (self.width // 2 - image.width // 2, self.height // 2 - image.height // 2))
         return canvas
 
+    def face_passes(self) -> list[tuple[str, float]]:
+        """(models/ folder, visibility) of each face restoration asked for, in A1111's order."""
+        return [(folder, getattr(self, field)) for field, folder in FACE_PASSES if getattr(self, field) > 0]
+
     def infotext(self) -> str:
-        """A1111's postprocessing text for this request, in its order."""
+        """A1111's postprocessing text for this request, in its order ("" when nothing was done)."""
+        pairs = self._upscale_pairs() if self.upscaler != NONE else []
+        if self.gfpgan_visibility > 0:
+            pairs.append(("GFPGAN visibility", round(self.gfpgan_visibility, 3)))
+        if self.codeformer_visibility > 0:
+            pairs += [("CodeFormer visibility", round(self.codeformer_visibility, 3)),
+                      ("CodeFormer weight", round(self.codeformer_weight, 3))]
+        return ", ".join(f"{key}: {quote(value)}" for key, value in pairs)
+
+    def _upscale_pairs(self) -> list[tuple[str, object]]:
         pairs: list[tuple[str, object]] = []
         if self.to_size:
             pairs.append(("Postprocess upscale to", f"{self.width}x{self.height}"))
@@ -92,4 +118,4 @@ class ExtrasParams:
         pairs.append(("Postprocess upscaler", self.upscaler))
         if self.blends:
             pairs.append(("Postprocess upscaler 2", self.upscaler_2))
-        return ", ".join(f"{key}: {quote(value)}" for key, value in pairs)
+        return pairs
