@@ -88,8 +88,12 @@ class Upscaling:
         return faces.first_model(self.upscalers.models_dir, folders)
 
     def unload_upscaler(self) -> Snapshot:
-        """Drop the loaded upscaler model and give its memory back (it is read again at its next use)."""
-        return self._call("unload_upscaler", "", EngineState.MOVING, self._upscaler.unload)
+        """Drop the loaded upscaler and face-restoration models and give their memory back (each is read again at
+        its next use)."""
+        def unload() -> None:
+            self._upscaler.unload()
+            self._face_restorer.unload()
+        return self._call("unload_upscaler", "", EngineState.MOVING, unload)
 
     def extras(self, images: Sequence[Image.Image], params: ExtrasParams, *,
                owner: str | None = None) -> list[UpscaledImage]:
