@@ -517,7 +517,8 @@ def test_webuiapi_adetailer_runs_the_detail_pass_and_writes_adetailers_infotext(
     stage; on the tiny model's picture it finds no face, so the image is the plain txt2img's bit for bit and
     the answer's comments say so; the infotext carries ADetailer's keys, which PNG Info reads back."""
     unit = webuiapi.ADetailer(ad_model="face_opencv_haar", ad_prompt="a detailed face", ad_denoising_strength=0.5)
-    made = api.txt2img(prompt="a fox", seed=4, adetailer=[unit], **SMALL)
+    # a fresh dict: webuiapi fills its default `alwayson_scripts={}` in place, and every later call would send it
+    made = api.txt2img(prompt="a fox", seed=4, adetailer=[unit], alwayson_scripts={}, **SMALL)
     plain = api.txt2img(prompt="a fox", seed=4, **SMALL)
     assert np.array_equal(_pixels(made.image), _pixels(plain.image))
     assert "face_opencv_haar found nothing" in made.info["comments"]

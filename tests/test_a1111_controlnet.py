@@ -218,7 +218,9 @@ def test_txt2img_and_img2img_carry_webuiapi_units_to_the_engine(api, app, monkey
 
         monkeypatch.setattr(Engine, name, spy)
     unit = webuiapi.ControlNetUnit(image=_picture(), module="canny", model=demo[0], weight=0.5)
-    made = [api.txt2img(prompt="p", steps=1, width=64, height=64, controlnet_units=[unit]),
-            api.img2img(images=[_picture()], prompt="p", steps=2, width=64, height=64, controlnet_units=[unit])]
+    # fresh dicts: webuiapi fills its default `alwayson_scripts={}` in place, and every later call would send the unit
+    made = [api.txt2img(prompt="p", steps=1, width=64, height=64, controlnet_units=[unit], alwayson_scripts={}),
+            api.img2img(images=[_picture()], prompt="p", steps=2, width=64, height=64, controlnet_units=[unit],
+                        alwayson_scripts={})]
     assert all(len(result.images) == 1 for result in made)
     assert len(seen) == 2 and all(len(u) == 1 and u[0].module == "canny" and u[0].weight == 0.5 for u in seen)

@@ -9,12 +9,11 @@ Which file runs: A1111's setting `face_restoration_model` picks GFPGAN or CodeFo
 runs, `models/GFPGAN/` before `models/Codeformer/`, and the infotext names its kind as A1111 writes it
 (`Face restoration: GFPGAN`). spandrel 0.4.2 builds GFPGAN (v1 "clean") and RestoreFormer from their tensors;
 CodeFormer is in `spandrel_extra_arches`, under a non-commercial licence, so this app does not depend on it:
-a CodeFormer file is refused with that reason unless the user installed the package.
+a CodeFormer file is refused with that reason.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,12 +68,11 @@ def first_model(models_dir: Path, folders: tuple[str, ...] = FACE_FOLDERS) -> Fa
 
 def describe(state_dict: dict[str, torch.Tensor], name: str):
     """spandrel's descriptor of a face-restoration model (on the CPU, eval mode), or `UpscalerFormatError`."""
-    registry = _registry()
-    if registry is spandrel.MAIN_REGISTRY and all(k in state_dict for k in _CODEFORMER_KEYS):
+    if all(k in state_dict for k in _CODEFORMER_KEYS):
         raise UpscalerFormatError(f"face restorer {name!r} is a CodeFormer model: spandrel builds it only with "
                                   f"the separate package {_EXTRA_ARCHES} (non-commercial licence, so not a "
-                                  "dependency of this app); install it yourself or use a GFPGAN model")
-    descriptor = build(state_dict, f"face restorer {name!r}", registry)
+                                  "dependency of this app); use a GFPGAN or RestoreFormer model")
+    descriptor = build(state_dict, f"face restorer {name!r}", spandrel.MAIN_REGISTRY)
     if getattr(descriptor, "purpose", None) != PURPOSE or (descriptor.input_channels,
                                                           descriptor.output_channels) != (3, 3):
         raise UpscalerFormatError(f"face restorer {name!r}: a {descriptor.architecture.name} model for "
@@ -89,14 +87,3 @@ def input_size(descriptor) -> int:
     needs = descriptor.size_requirements
     side = max(needs.minimum or 0, DEFAULT_SIZE)
     return -(-side // needs.multiple_of) * needs.multiple_of
-
-
-def _registry():
-    """spandrel's registry, with the extra architectures (CodeFormer) where the user installed them."""
-    if importlib.util.find_spec(_EXTRA_ARCHES) is None:
-        return spandrel.MAIN_REGISTRY
-    from spandrel_extra_arches import EXTRA_REGISTRY  # noqa: PLC0415 - optional, user-installed
-
-    registry = spandrel.ArchRegistry()
-    registry.add(*spandrel.MAIN_REGISTRY, *EXTRA_REGISTRY)
-    return registry
