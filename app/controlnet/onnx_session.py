@@ -2,8 +2,9 @@
 
 Why ONNX: a model-based preprocessor (depth, normals, lineart) is a network the app does not build
 in; ONNX carries the graph and the weights together in a format that runs no code on load, unlike
-the `.pth` pickles the extension downloads. Only this module imports onnxruntime, so the app runs
-without the extra and lists those modules as unavailable (`preprocessor_models`).
+the `.pth` pickles the extension downloads. Only this module imports onnxruntime (the Detailer's ONNX detectors
+open their sessions here too), so the app runs without the extra and lists those modules as unavailable
+(`preprocessor_models`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,19 @@ import numpy as np
 import onnxruntime
 
 
+def open_session(path: Path, providers: list[str] | None = None) -> onnxruntime.InferenceSession:
+    """An onnxruntime session on `path` (`providers`: every available one when None); ValueError naming the file
+    when onnxruntime cannot read it."""
+    try:
+        return onnxruntime.InferenceSession(str(path), providers=providers or onnxruntime.get_available_providers())
+    except Exception as exc:  # onnxruntime's own error types (InvalidProtobuf, Fail, …) share no base but Exception
+        raise ValueError(f"{path.name} is not an ONNX model onnxruntime can read: {exc}") from None
+
+
 def run_image(path: Path, batch: np.ndarray, multiple: int) -> np.ndarray:
     """The network's first output for `batch` (NCHW float32). A network with a fixed input size gets the batch
     resized to it by the caller's `resize`; one with free sizes takes it as is (`multiple`: its sides' step)."""
-    try:
-        session = onnxruntime.InferenceSession(str(path), providers=onnxruntime.get_available_providers())
-    except Exception as exc:  # onnxruntime's own error types (InvalidProtobuf, Fail, …) share no base but Exception
-        raise ValueError(f"{path.name} is not an ONNX model onnxruntime can read: {exc}") from exc
+    session = open_session(path)
     inputs = session.get_inputs()
     if len(inputs) != 1 or len(inputs[0].shape) != 4:
         raise ValueError(f"{path.name}: a preprocessor network takes one image input (N, C, H, W), this one takes "

@@ -5,7 +5,8 @@ code); `yolo export model=face_yolov8n.pt format=onnx` writes the same network a
 weights that run no code on load. ultralytics stores what the network finds in the file's metadata
 (`task`: detect, segment, pose, …; `names`: {0: 'face'}; `imgsz`), read here to refuse a network
 that cannot give regions. It runs on the CPU: a YOLOv8n pass is tens of milliseconds there, and the
-accelerator's memory stays the engine's. Only this module imports onnxruntime.
+accelerator's memory stays the engine's. Its session is opened by `app.controlnet.onnx_session`, the one
+module that imports onnxruntime.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime
 from PIL import Image
 
+from app.controlnet.onnx_session import open_session
 from app.detailer import yolo
 from app.detailer.regions import Region
 
@@ -29,7 +30,7 @@ _DEFAULT_SIZE = 640  # ultralytics' export size when the file states none
 class YoloFile:
     """An opened export: its session, what it finds (`names` by class index), its input size."""
 
-    session: onnxruntime.InferenceSession
+    session: object  # onnxruntime.InferenceSession
     task: str
     names: dict[int, str]
     width: int
@@ -47,10 +48,7 @@ def _literal(text: str | None) -> object:
 def open_file(path: Path) -> YoloFile:
     """Open `path`; ValueError naming the file when onnxruntime cannot read it or its outputs are not
     a YOLOv8 head's."""
-    try:
-        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime's error types share no base but Exception
-        raise ValueError(f"{path.name} is not an ONNX model onnxruntime can read: {exc}") from None
+    session = open_session(path, ["CPUExecutionProvider"])
     meta = session.get_modelmeta().custom_metadata_map
     inputs, outputs = session.get_inputs(), session.get_outputs()
     if len(inputs) != 1 or len(inputs[0].shape) != 4 or len(outputs[0].shape) != 3:
