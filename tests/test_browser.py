@@ -15,6 +15,7 @@ from urllib.parse import urljoin
 
 import pytest
 from browser_kit import (
+    SHOTS,
     TIMEOUT_MS,
     choose,
     close_toasts,
@@ -30,6 +31,9 @@ from browser_kit import (
 from PIL import Image
 from served_app import MODEL, STYLE_PREVIEW_RGB, free_port, make_ui_data, running_app
 
+from app.engine.detailing import DetailParams, DetailPass
+from app.engine.generate import GenerateParams
+from app.engine.stage_params import HiresParams
 from app.infotext import read_parameters
 from app.settings import Settings
 from app.styles import read_styles
@@ -38,6 +42,7 @@ pytestmark = pytest.mark.browser
 
 
 BROKEN = "zz-broken.safetensors"  # listed in the dropdown, fails to load
+NARROW, WIDE = 1024, 1600  # viewport widths the layout tests measure at
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +164,96 @@ def test_a_failed_load_puts_the_dropdown_back_and_reselecting_does_not_reload(pa
     page.wait_for_timeout(1500)
     assert sum(h.command == "load_model" for h in engine.snapshot().history) == loads + 1  # only the refused one
     assert toasts(page) == []
+
+
+def _boxes_meet(a: dict, b: dict, slack: float = 0.5) -> bool:
+    """Whether two {x, y, width, height} boxes overlap by more than `slack` px both ways."""
+    return (a["x"] + slack < b["x"] + b["width"] and b["x"] + slack < a["x"] + a["width"]
+            and a["y"] + slack < b["y"] + b["height"] and b["y"] + slack < a["y"] + a["height"])
+
+
+def test_a_failed_load_badges_the_model_line_beside_its_text(page, served):
+    """Issue 45 (10): after a refused load Gradio marks the model line (the output of the load) with an
+    "Error" badge, which sat centred on top of the line's text ("Loaded … (SD1.5 inp[Error]pu; …").
+    It now has a row of its own: at a narrow and a wide window the badge is shown whole inside the
+    model line's block and its box meets none of the line's text boxes."""
+    _url, engine = served
+    other = "tiny-sd15-inpainting.safetensors"
+    try:
+        choose(page, "sd-model", other)
+        page.wait_for_selector(f"#sd-model-status >> text=Loaded {other}", timeout=TIMEOUT_MS)
+        choose(page, "sd-model", BROKEN)
+        page.wait_for_selector("#sd-model-status .error", timeout=TIMEOUT_MS)
+        close_toasts(page)
+        for width in (NARROW, WIDE):
+            page.set_viewport_size({"width": width, "height": 900})
+            badge = page.locator("#sd-model-status .error").bounding_box()
+            block = page.locator("#sd-model-status").bounding_box()
+            text = page.locator("#sd-model-status .md").evaluate("""md => {
+                const range = document.createRange(); range.selectNodeContents(md);
+                return [...range.getClientRects()].map(r => ({x: r.x, y: r.y, width: r.width, height: r.height}));
+            }""")
+            assert text and "Loaded " + other in page.inner_text("#sd-model-status .md")
+            assert badge["width"] > 20 and badge["height"] > 10, badge
+            assert not any(_boxes_meet(badge, box) for box in text), (width, badge, text)
+            assert block["y"] <= badge["y"] and badge["y"] + badge["height"] <= block["y"] + block["height"] + 0.5, \
+                (badge, block)  # shown whole, not clipped by the block
+            page.locator("#sd-model-status").scroll_into_view_if_needed()
+            save(page, f"load-refused-badge-{width}.png")
+    finally:
+        engine.load_model(MODEL)
+
+
+# One job of many short stages: the first pass, the hires upscale and pass, two detail units' passes.
+_CROWDED_STAGES = ("txt2img", "hires upscale", "hires fix", "detail detect", "detail encode", "detail")
+_TIMELINE_LAYOUT = """() => {
+    const svg = document.querySelector('#sd-timeline svg');
+    const tip = el => {  // the tooltip a user hovers: the element's own <title>, else its group's
+        const own = el.querySelector(':scope > title');
+        const group = el.closest('g'), theirs = group && group.querySelector(':scope > title');
+        return own ? own.textContent : theirs ? theirs.textContent : el.textContent; };
+    const box = el => { const r = el.getBoundingClientRect();
+                        return {x: r.x, y: r.y, width: r.width, height: r.height}; };
+    return {labels: [...svg.querySelectorAll("text[fill='#bc4c00']")].map(
+                t => ({text: t.textContent, tip: tip(t), ...box(t)})),
+            lines: [...svg.querySelectorAll('line')].map(l => ({tip: tip(l), ...box(l)})),
+            paths: [...svg.querySelectorAll('path')].map(box)};
+}"""
+
+
+def test_memory_timeline_labels_stay_clear_of_each_other_the_lines_and_the_plot(page, served):
+    """Issue 45 (10): a hires fix with two detail units runs nine transitions within a second; their
+    labels were stacked over the chart, crossed by each other's dashed lines and by the RAM line, and a
+    transition at the window's left edge had none. Measured in Chromium at a narrow and a wide window:
+    no two labels' boxes meet, a dashed line crossing a label is one that label names, no label meets
+    the plotted memory, and every transition drawn is named by a label or its tooltip."""
+    _url, engine = served
+    def region(image):
+        mask = Image.new("L", image.size, 0)
+        mask.paste(255, (8, 8, 40, 40))
+        return [mask], ""
+    units = tuple(DetailPass(f"box {i}", region, width=64, height=64) for i in (1, 2))
+    engine.generate(GenerateParams("a red house", seed=5, steps=4, width=64, height=64, sampler="Euler"),
+                    hires=HiresParams(scale=1.5, upscaler="Lanczos", steps=2, denoising_strength=0.5),
+                    details=DetailParams(units))
+    page.get_by_role("tab", name="Diagnostics").click()
+    page.wait_for_selector("#sd-timeline svg", timeout=TIMEOUT_MS)
+    for width in (NARROW, WIDE):
+        page.set_viewport_size({"width": width, "height": 900})
+        drawn = page.evaluate(_TIMELINE_LAYOUT)
+        labels, lines = drawn["labels"], drawn["lines"]
+        named = " | ".join(f"{label['text']} | {label['tip']}" for label in labels)
+        assert all(stage in named for stage in _CROWDED_STAGES), (width, named)
+        assert all(line["tip"] in named for line in lines), (width, named, [line["tip"] for line in lines])
+        for i, label in enumerate(labels):
+            assert not any(_boxes_meet(label, other) for other in labels[i + 1:]), (width, label, labels)
+            assert not any(_boxes_meet(label, plot) for plot in drawn["paths"]), (width, label, drawn["paths"])
+            crossing = [line["tip"] for line in lines if label["x"] + 0.5 < line["x"] + line["width"] / 2
+                        < label["x"] + label["width"] - 0.5 and _boxes_meet(label, {**line, "width": label["width"],
+                                                                                     "x": label["x"]})]
+            assert all(tip == label["tip"] for tip in crossing), (width, label, crossing)
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.locator("#sd-timeline").screenshot(path=str(SHOTS / f"diagnostics-timeline-{width}.png"))
 
 
 # ------------------------------------------------------------------------------- LoRA browser

@@ -7,6 +7,7 @@ share/auth test launches `launch.py` itself on an empty folder, as a newcomer wo
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import os
@@ -497,18 +498,30 @@ def test_weight_storage_switches_through_the_api_and_back(client):
 
 
 def test_memory_timeline_labels_of_close_transitions_do_not_overlap():
-    """Issue 32: transitions a second apart wrote their labels on top of each other. Each label now
-    takes the first free row; every label drawn is clear of the others (and of the axis label)."""
+    """Issues 32 and 45: transitions a second apart wrote their labels on top of each other, and then
+    (stacked in rows) across each other's dashed lines and the memory line. Labels now sit in one band
+    above the plot; transitions whose lines are too close for a label each share one ("… (4)"), and a
+    label with little room is cut ("unl… (2)"), each naming them all in its tooltip; no line crosses a
+    label that does not name it, and labels are clear of each other and of the chart's edges."""
     samples = [{"t": float(t), "ram_mib": 900.0 + t} for t in range(61)]
-    for t, name in ((10, "load_model"), (11, "set_loras"), (12, "generate"), (13, "set_offload"), (58, "unload")):
+    marks = ((0, "load_model"), (10, "set_loras"), (11, "txt2img"), (12, "hires fix"), (13, "detail"), (58, "unload"),
+             (60, "set_offload"))
+    for t, name in marks:
         samples[t]["marker"] = name
     svg = views.timeline_svg(samples)
-    drawn = re.findall(r"<text x='([\d.]+)' y='(\d+)' font-size='10' fill='#bc4c00'>([^<]+)</text>", svg)
-    assert sorted(name for _x, _y, name in drawn) == ["generate", "load_model", "set_loras", "set_offload", "unload"]
-    boxes = [(float(x), float(x) + len(name) * views._CHAR_PX, int(y)) for x, y, name in drawn]
-    boxes.append((4.0, 70.0, 24))  # the top axis label
-    for i, (left, right, y) in enumerate(boxes):
-        for other_left, other_right, other_y in boxes[i + 1:]:
-            assert y != other_y or right <= other_left or other_right <= left, svg
-    assert all(float(x) + len(n) * views._CHAR_PX <= 760 for x, _y, n in drawn)  # none runs off the right edge
-
+    drawn = re.findall(r"<g><title>([^<]+)</title><text x='([\d.-]+)' y='(\d+)' font-size='10' fill='#bc4c00'>"
+                       r"([^<]+)</text></g>", svg)
+    assert [tip for tip, _x, _y, _label in drawn] == [
+        "load_model", "set_loras → txt2img → hires fix → detail", "unload → set_offload"], svg
+    assert [label for *_rest, label in drawn] == ["load_model", "set_loras · txt2img · hires fix · detail (4)",
+                                                  "unl… (2)"]  # cut at the right edge, whole in its tooltip
+    spans = [(float(x), float(x) + len(label) * views._CHAR_PX) for _tip, x, _y, label in drawn]
+    assert all(right + views._LABEL_GAP <= left for (_l, right), (left, _r) in itertools.pairwise(spans)), spans
+    assert spans[0][0] >= 0 and spans[-1][1] <= 760  # the one at the left edge is drawn, none runs off the right
+    assert {int(y) for *_rest, y, _label in drawn} == {views._LABEL_BAND - 4}
+    lines = [(float(x), tip) for tip, group in re.findall(r"<g><title>([^<]+)</title>((?:<line [^>]+/>)+)</g>", svg)
+             for x in re.findall(r"x1='([\d.]+)'", group)]
+    assert len(lines) == len(marks) == svg.count(f"y1='{views._LABEL_BAND}'")  # every line starts below the band
+    for x, tip in lines:  # a line under a label is one that label names
+        assert all(tip == other or not left <= x <= right
+                   for (left, right), (other, *_r) in zip(spans, drawn, strict=True)), x

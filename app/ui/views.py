@@ -6,6 +6,7 @@ check (and to keep honest) when they take an immutable `Snapshot` and return pla
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import time
 from collections.abc import Sequence
@@ -200,50 +201,75 @@ def error_text(snap: Snapshot, shown: Sequence[dict] = ()) -> str:
 
 
 def _series_path(points: Sequence[tuple[float, float]], x0: float, span: float, lo: float, hi: float, w: int,
-                 h: int) -> str:
-    coords = [f"{(t - x0) / span * w:.1f},{h - (v - lo) / (hi - lo) * h:.1f}" for t, v in points]
+                 h: int, top: int = 0) -> str:
+    """The line through `points`, time across `w`, `lo`…`hi` from `h` up to `top`."""
+    coords = [f"{(t - x0) / span * w:.1f},{h - (v - lo) / (hi - lo) * (h - top):.1f}" for t, v in points]
     return "M" + " L".join(coords) if coords else ""
 
 
-_LABEL_ROW = 12  # px between rows of transition labels (font size 10)
+_LABEL_BAND = 16  # px above the plot where the transition labels go (font size 10), clear of the memory lines
 _CHAR_PX = 6.0  # a generous width per character at font size 10, so labels never touch
+_LABEL_GAP = 4.0  # px kept free between a label and the next transition's line
+_MIN_LABEL = 8  # characters a label is never cut below ("txt… (9)"): closer lines share one label
 
 
-def marker_rows(marks: Sequence[tuple[float, str]], width: int, rows: int) -> list[int | None]:
-    """The row each transition label goes in: the first row (from the top) whose last label ends left
-    of it, so close transitions stack instead of overlapping; None where every row is taken (that
-    label is then only the line's tooltip). Row 1 starts right of the axis label drawn there."""
-    ends = [0.0, 70.0, *[0.0] * (rows - 2)][:rows]
-    placed: list[int | None] = []
-    for x, label in marks:
-        left, right = _label_span(x, label, width)
-        row = next((i for i, end in enumerate(ends) if left >= end + 4), None)
-        if row is not None:
-            ends[row] = right
-        placed.append(row)
-    return placed
+@dataclasses.dataclass
+class _MarkGroup:
+    """Transitions named by one label: one alone, or several whose lines are too close for a label each
+    (a hires fix with detail passes runs nine within a second: their labels crossed each other's lines).
+    The label starts at `left` and has the room up to the next group; its tooltip names every transition."""
+
+    xs: list[float]
+    names: list[str]
+    left: float
+
+    def label(self, room: float) -> str:
+        """The name (for several, their distinct names and how many) cut with "…" to fit `room` px."""
+        count = f" ({len(self.names)})" if len(self.names) > 1 else ""
+        text = " · ".join(dict.fromkeys(self.names))
+        chars = max(int(room // _CHAR_PX), _MIN_LABEL)
+        if len(text) + len(count) <= chars:
+            return text + count
+        return text[:max(chars - len(count) - 1, 1)].rstrip(" ·") + "…" + count
 
 
-def _label_span(x: float, label: str, width: int) -> tuple[float, float]:
-    """Where a label at line `x` is drawn: right of the line, or left of it near the right edge."""
-    size = len(label) * _CHAR_PX
-    return (x + 2, x + 2 + size) if x + 2 + size <= width else (x - 2 - size, x - 2)
+def marker_groups(marks: Sequence[tuple[float, str]], width: int) -> list[tuple[_MarkGroup, str]]:
+    """The transitions (x, name), in time order, as groups with their labels. A label starts right of its
+    first line (left of the chart's right edge where it must); a line, or label, that would fall under
+    the current group's shortest label, or a label that would cover that group's last line, joins the
+    group. Each label ends before the next group's line and label: no line crosses a label that does
+    not name it, and no two labels meet."""
+    shortest = _MIN_LABEL * _CHAR_PX
+    groups: list[_MarkGroup] = []
+    for x, name in marks:
+        left = min(x + 2, width - shortest)
+        last = groups[-1] if groups else None
+        if last is not None and (min(x, left) < last.left + shortest + _LABEL_GAP or left < last.xs[-1] + _LABEL_GAP):
+            last.xs.append(x)
+            last.names.append(name)
+        else:
+            groups.append(_MarkGroup([x], [name], left))
+    ends = [min(after.xs[0], after.left) - _LABEL_GAP for after in groups[1:]] + [width]
+    return [(group, group.label(end - group.left)) for group, end in zip(groups, ends, strict=True)]
 
 
 def _markers(marks: Sequence[tuple[float, str]], width: int, height: int) -> str:
-    out = []
-    for (x, label), row in zip(marks, marker_rows(marks, width, max(1, (height - 30) // _LABEL_ROW)), strict=True):
-        name = html.escape(label)
-        out.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='0' y2='{height}' stroke='#bc4c00' stroke-dasharray='3,3'>"
-                   f"<title>{name}</title></line>")
-        if row is not None:
-            left = _label_span(x, label, width)[0]
-            out.append(f"<text x='{left:.1f}' y='{_LABEL_ROW * (row + 1)}' font-size='10' fill='#bc4c00'>{name}</text>")
-    return "".join(out)
+    """The dashed lines down the plot, each group's label in the band above them (so no line crosses a
+    label); a group's lines and label share one tooltip naming every transition in it."""
+    lines, labels = [], []
+    for group, label in marker_groups(marks, width):
+        tip = f"<title>{html.escape(' → '.join(group.names))}</title>"
+        lines.append("<g>" + tip + "".join(
+            f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{_LABEL_BAND}' y2='{height}' stroke='#bc4c00' "
+            "stroke-dasharray='3,3'/>" for x in group.xs) + "</g>")
+        labels.append(f"<g>{tip}<text x='{group.left:.1f}' y='{_LABEL_BAND - 4}' font-size='10' fill='#bc4c00'>"
+                      f"{html.escape(label)}</text></g>")
+    return "".join(lines + labels)
 
 
 def timeline_svg(samples: Sequence[dict], width: int = 760, height: int = 180) -> str:
-    """RAM (and VRAM where present) over the sampled window, one dashed line per transition.
+    """RAM (and VRAM where present) over the sampled window, one dashed line per transition, named
+    in a band above the plot (`marker_groups`).
 
     Inline SVG keeps the chart in the page (no image files written per tick, nothing fetched).
     The y axis spans the observed range (labelled), so a few hundred MiB freed stay visible.
@@ -259,13 +285,14 @@ def timeline_svg(samples: Sequence[dict], width: int = 760, height: int = 180) -
     lo, hi = min(values) * 0.95, max(values) * 1.05 + 1.0
     lines, marks = [], []
     for label, key in present.items():
-        path = _series_path([(s["t"], s[key]) for s in samples if key in s], x0, span, lo, hi, width, height)
+        path = _series_path([(s["t"], s[key]) for s in samples if key in s], x0, span, lo, hi, width, height,
+                            _LABEL_BAND + 2)
         lines.append(f"<path d='{path}' fill='none' stroke='{colours[label]}' stroke-width='2'/>")
     for s in samples:
         if s.get("marker"):
             marks.append(((s["t"] - x0) / span * width, s["marker"]))
     axis = (f"<text x='4' y='{height - 4}' font-size='10' fill='#57606a'>{lo:,.0f} MiB</text>"
-            f"<text x='4' y='{2 * _LABEL_ROW}' font-size='10' fill='#57606a'>{hi:,.0f} MiB</text>")
+            f"<text x='4' y='{_LABEL_BAND + 14}' font-size='10' fill='#57606a'>{hi:,.0f} MiB</text>")
     legend = " ".join(f"<span style='color:{colours[label]}'>■ {label}</span>" for label in present)
     last = samples[-1]
     now = ", ".join(f"{label} {last[key]:,.0f} MiB" for label, key in present.items() if key in last)
