@@ -447,7 +447,8 @@ def _stopped_at(info: dict) -> list[int]:
 def test_interrupt_and_skip_stop_img2img_and_inpaint_within_one_step(app, masked, stop):
     """Issue 32: `/interrupt` and `/skip` during an img2img or inpaint run answered 200 while the run
     went on to step 150 with `interrupted: false`. They must stop the pass within one step, mark the
-    answer interrupted, return the partial image (as txt2img does); an interrupted run is listed so."""
+    answer interrupted, return the partial image (as txt2img does); an interrupted run is listed so.
+    Issue 45 (10): the PNG's infotext keeps the asked steps (A1111's) and says the step it stopped at."""
     body = {"init_images": [_b64(_init_picture())], "prompt": "a fox", "steps": 150, "width": 64, "height": 64,
             "seed": 4, "denoising_strength": 1.0, "sampler_name": "Euler"}
     if masked:
@@ -459,6 +460,7 @@ def test_interrupt_and_skip_stop_img2img_and_inpaint_within_one_step(app, masked
     (stopped_at,) = _stopped_at(info)
     assert info["interrupted"] is True and asked_at <= stopped_at <= asked_at + 1 < 150
     assert len(images) == 1 and images[0].size == (64, 64) and "Steps: 150" in images[0].info["parameters"]
+    assert re.search(rf"Stopped at step: {stopped_at}\b", images[0].info["parameters"])  # 45 (10): not 150 alone
     rows = [(h.command, h.outcome) for h in app[1].snapshot().history]
     assert (kind, "interrupted" if stop == "interrupt" else "ok") in rows[-3:]
 
@@ -472,7 +474,7 @@ def test_interrupt_reaches_the_hires_pass(app):
     asked_at, info, images = _stop_mid_run(app, "txt2img", body, "interrupt", "hires pass")
     (stopped_at,) = _stopped_at(info)
     assert info["interrupted"] is True and asked_at <= stopped_at <= asked_at + 1 < 150
-    assert images[0].size == (96, 96)
+    assert images[0].size == (96, 96) and re.search(rf"Stopped at step: {stopped_at}\b", images[0].info["parameters"])
     assert [h.outcome for h in app[1].snapshot().history if h.command == "hires fix"][-1] == "interrupted"
 
 

@@ -140,7 +140,8 @@ def test_a_long_run_streams_previews_and_interrupt_stops_it_within_two_steps(pag
     page.wait_for_selector(f"#sd-settings-note >> text=at step {stopped_at} of 150", timeout=TIMEOUT_MS)
     page.wait_for_selector("#sd-generate:enabled:has-text('Generate')", timeout=TIMEOUT_MS)
     assert page.locator("#sd-interrupt").is_disabled() and page.locator("#sd-skip").is_disabled()
-    assert "Steps: 150" in read_parameters(outputs(engine)[-1])
+    written = read_parameters(outputs(engine)[-1])
+    assert "Steps: 150" in written and f"Stopped at step: {stopped_at}" in written  # issue 45 (10): not 150 alone
     save(page, "interrupted.png")
 
 

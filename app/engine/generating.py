@@ -210,9 +210,12 @@ class Generating:
                     with timeline.phase("face restoration"):
                         image, kind = self._restore_faces(image)
                     restored = (("Face restoration", kind),)
+                # A1111 keeps the asked `Steps` of an interrupted image (Send-to runs the whole job again); the
+                # step it stopped at is said beside them, or the PNG claims 150 steps after 6.
+                stopped = (("Stopped at step", stopped_at),) if stopped_at is not None else ()
                 with timeline.phase("infotext"):
                     text = generate.infotext(saved, image_seed, ctx,
-                                             (*restored, *variation.infotext_pairs(run_params, i), *extra))
+                                             (*restored, *variation.infotext_pairs(run_params, i), *extra, *stopped))
                 with timeline.phase("png save"):
                     path = generate.save_png(image, text, self.settings.outputs_dir, image_seed,
                                              compress_level=self.settings.png_compress_level)
