@@ -11,7 +11,8 @@
   the images of the run before are marked as such.
 - The Klein "Reference images" sub-tab is there while the Inpaint sub-tab is active.
 - A refused upload keeps the picture already in the img2img and Extras fields and says why.
-Screenshots go to test-output/screenshots/newcomer-*.png; the app's console shows no traceback.
+Screenshots go to test-output/screenshots/newcomer-*.png; the app's console and the page's show no
+traceback (nor uncaught JavaScript error).
 Needs Playwright and Debian's chromium (see `browser_kit`); skips without them.
 """
 
@@ -59,11 +60,15 @@ def served(tmp_path_factory, demo_dir):
 
 
 @pytest.fixture
-def console(capfd):
-    """The app's console during a test: it must show no traceback for anything the user did."""
+def console(capfd, page):
+    """The app's console during a test, and the page's: neither may show a traceback (a Python one, an
+    uncaught JavaScript error) for anything the user did."""
+    thrown: list[str] = []
+    page.on("pageerror", lambda error: thrown.append(str(error)))
     yield
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err, (out + err)[-4000:]
+    assert thrown == [], thrown
 
 
 def _load(page, model: str) -> None:
