@@ -297,7 +297,7 @@ def timeline_svg(samples: Sequence[dict], width: int = 760, height: int = 180) -
     last = samples[-1]
     now = ", ".join(f"{label} {last[key]:,.0f} MiB" for label, key in present.items() if key in last)
     return (f"<div id='sd-timeline'><div class='sd-muted'>{legend} — now: {now}; last {span:.0f} s; "
-            f"dashed lines = transitions</div>"
+            f"dashed lines = transitions (hover a label for each one it stands for)</div>"
             f"<svg viewBox='0 0 {width} {height}' width='100%' height='{height}' role='img' "
             f"style='background:#f6f8fa;border-radius:6px'>{axis}{_markers(marks, width, height)}{''.join(lines)}"
             "</svg></div>")
