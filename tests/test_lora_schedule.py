@@ -143,6 +143,60 @@ def test_scheduled_image_differs_from_constant_and_the_model_is_exact_after(modu
     assert spec == parse_prompt_loras(f"<lora:{style}:{SCHEDULE}>")[1][0]
 
 
+@pytest.mark.parametrize("offload", ["none", "sequential"])
+def test_hires_pass_restarts_the_schedule_and_an_interrupt_leaves_the_model_exact(module_engine, offload):
+    """Fused (offload none) and bypass (sequential streams the UNet): the hires pass runs the schedule again over
+    its own steps (read back per UNet forward as the strength in effect), after the job the tag's LoRA is gone
+    bit for bit, and a panel LoRA's job interrupted mid-schedule leaves every parameter at its resting state."""
+    from app.engine.stage_params import HiresParams
+
+    engine, style = module_engine, "demo-style-sd15"
+    engine.load_model(CHECKPOINTS["sd15"])
+    engine.set_offload(offload)
+    try:
+        strength_now = _strength_reader(engine, style, bypassed=offload == "sequential")
+        before = weights_digest(engine.pipeline)
+        seen: list[float] = []
+        handle = engine.pipeline.unet.register_forward_pre_hook(lambda _m, _a: seen.append(strength_now()))
+        try:
+            engine.generate(GenerateParams(f"a cat <lora:{style}:{SCHEDULE}>", seed=4, steps=STEPS, width=64,
+                                           height=64, cfg=5.0, sampler="Euler"),
+                            hires=HiresParams(scale=1.5, steps=4, denoising_strength=0.75))
+            assert weights_digest(engine.pipeline) == before
+            schedule = parse_schedule(SCHEDULE, style, "test")
+            assert seen == pytest.approx(schedule.strengths(STEPS) + schedule.strengths(3), abs=1e-5)
+            handle.remove()
+            engine.set_loras(parse_prompt_loras(f"<lora:{style}:{SCHEDULE}>")[1])  # the panel's: it stays on
+            resting, seen[:] = weights_digest(engine.pipeline), []
+            handle = engine.pipeline.unet.register_forward_pre_hook(
+                lambda _m, _a: seen.append(len(seen) == 2 and engine.interrupt()))
+            engine.generate(GenerateParams("a cat", seed=4, steps=STEPS, width=64, height=64, cfg=5.0,
+                                           sampler="Euler"))
+            assert len(seen) < STEPS  # the interrupt landed mid-schedule
+            assert weights_digest(engine.pipeline) == resting
+        finally:
+            handle.remove()
+    finally:
+        engine.set_loras([])
+        engine.set_offload("none")
+
+
+def _strength_reader(engine, name: str, *, bypassed: bool):
+    """A function reading the strength of LoRA `name` in effect on one UNet layer now: the bypass hook's, or the
+    fused weight's projection on its ΔW (W − W0 against W(1) − W0, float64)."""
+    engine.set_loras([LoraSpec(name, 1.0)])
+    (target, *_rest) = _denoiser_targets(engine, "unet")
+    assert bool(engine.lora_stack.bypassed()) == bypassed
+    if bypassed:
+        engine.set_loras([])
+        return lambda: dict((c[0], c[1]) for c in engine.lora_stack.bypassed()[target])[name]
+    w1 = _weights(engine, [target])[target]
+    engine.set_loras([])
+    w0 = _weights(engine, [target])[target]
+    delta = w1 - w0
+    return lambda: float(((_weights(engine, [target])[target] - w0) * delta).sum() / (delta * delta).sum())
+
+
 # ----------------------------------------------------------------------------------- the stack's paths
 ATTENTION = ("unet.*attn[12].to_[qkv]", "text_encoder.*self_attn.q_proj")
 
