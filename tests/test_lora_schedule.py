@@ -108,7 +108,7 @@ def test_scheduled_weights_are_w0_plus_s_delta_at_every_step_and_exact_after(mod
     finally:
         handle.remove()
     assert len(runs) == STEPS and targets
-    for step, (recorded, s) in enumerate(zip(runs, EXPECTED)):
+    for step, (recorded, s) in enumerate(zip(runs, EXPECTED, strict=True)):
         for t in targets:
             want = w0[t] + s * (w1[t] - w0[t])
             scale = max(w0[t].abs().max().item(), w1[t].abs().max().item())

@@ -50,7 +50,7 @@ class StrengthSchedule:
             return y0
         if x >= xn:
             return yn
-        for (xa, ya), (xb, yb) in zip(self.points, self.points[1:]):
+        for (xa, ya), (xb, yb) in zip(self.points, self.points[1:], strict=False):
             if xa <= x <= xb:
                 return ya + (yb - ya) * (x - xa) / (xb - xa)
         raise AssertionError("unreachable: x lies between the first and the last point")
