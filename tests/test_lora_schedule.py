@@ -67,6 +67,16 @@ def test_malformed_schedules_are_refused_naming_the_tag(tag, says):
     assert tag in str(caught.value) and says in str(caught.value)
 
 
+def test_a_forced_schedule_beyond_the_strength_cap_is_refused_before_queueing(tmp_path):
+    """A spec built by hand (scripts, the JSON API) with a schedule point past ±100 is refused by the library's
+    check like a plain strength would be, naming the LoRA: it would overflow the fused weights mid-job."""
+    from app.adapters.files import LoraLibrary
+
+    forced = LoraSpec("a", 1.0, schedule=StrengthSchedule(((0.0, 1.0), (1.0, -1e30))))
+    with pytest.raises(ValueError, match="'a': scheduled UNet strength"):
+        LoraLibrary(tmp_path).validate_specs([forced])
+
+
 # -------------------------------------------------------------------------------------------- engine
 def _denoiser_targets(engine, component: str):
     return [(c, p) for (c, p) in engine.lora_stack.patched_modules() if c == component]
