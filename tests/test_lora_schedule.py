@@ -67,6 +67,20 @@ def test_malformed_schedules_are_refused_naming_the_tag(tag, says):
     assert tag in str(caught.value) and says in str(caught.value)
 
 
+def test_the_json_api_takes_a_schedule_field_for_the_unet_weight():
+    """Scripts' `set_loras`/`generate` JSON: `"schedule"` stands for the UNet weight (a constant one is the plain
+    weight), `te_weight` stays; a malformed or non-string schedule is refused naming the LoRA."""
+    from app.ui.common import specs_from_json
+
+    ramp, flat = specs_from_json([{"name": "a", "weight": 0.5, "schedule": "1@0,0@1"},
+                                  {"name": "b", "te_weight": 0.2, "schedule": "0.7@0,0.7@1"}])
+    assert (ramp.unet_strength, ramp.te_strength, ramp.schedule.strengths(3)) == (1.0, 0.5, (1.0, 0.5, 0.0))
+    assert (flat.unet_strength, flat.te_strength, flat.schedule) == (0.7, 0.2, None)
+    for bad, says in (("1@0,0", "LoRA 'a' schedule: '1@0,0'"), (3, "must be a string")):
+        with pytest.raises(ValueError, match=says):
+            specs_from_json([{"name": "a", "schedule": bad}])
+
+
 def test_a_forced_schedule_beyond_the_strength_cap_is_refused_before_queueing(tmp_path):
     """A spec built by hand (scripts, the JSON API) with a schedule point past ±100 is refused by the library's
     check like a plain strength would be, naming the LoRA: it would overflow the fused weights mid-job."""

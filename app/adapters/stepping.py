@@ -87,12 +87,10 @@ class StepStrengths:
         self._fits: bool | None = None  # whether the cache fit the device (None: not built yet)
         self.changes = 0  # steps before which the strengths changed (the layers were rewritten)
         self.cached_bytes = 0  # what the cache holds (0: none, or the per-step recompute from backups runs)
-        self.strengths: list[dict[str, float]] = []  # the strengths each step ran at, in order
 
     def before_step(self, step: int) -> None:
         """Set the strengths of step `step` (from 0) where they differ from the step before."""
         wanted = {name: schedule.at(step, self.total) for name, schedule in self._schedules.items()}
-        self.strengths.append(wanted)
         if wanted == self._current:
             return
         self._current = wanted

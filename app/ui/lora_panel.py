@@ -89,7 +89,7 @@ def slot_spec(name: str, unet: float, te: float, schedule: str) -> LoraSpec:
     unused); a malformed schedule is a ValueError naming the LoRA."""
     if not schedule:
         return LoraSpec(name, weight=unet, te_weight=te)
-    parsed = parse_schedule(schedule, name, f"LoRA {name!r}, UNet strength by step")
+    parsed = parse_schedule(schedule, name, f"LoRA {name!r}, UNet weight by step")
     if isinstance(parsed, float):
         return LoraSpec(name, weight=parsed, te_weight=te)
     return LoraSpec(name, weight=unet, te_weight=te, schedule=parsed)
