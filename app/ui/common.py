@@ -286,9 +286,11 @@ def snapshot_summary(ctx: UiContext) -> dict:
     return {
         "state": snap.state, "model": snap.model, "arch": snap.arch, "device": snap.device, "dtype": snap.dtype,
         "offload": snap.offload,
-        "loras": [{"name": s.name, "unet_weight": s.unet_strength, "te_weight": s.te_strength} for s in snap.loras],
+        "loras": [{"name": s.name, "unet_weight": s.unet_strength, "te_weight": s.te_strength,
+                   "schedule": s.schedule_text} for s in snap.loras],
         "lora_states": [{"name": s.name, "unet_weight": s.unet_strength, "te_weight": s.te_strength,
-                         "status": s.status, "reason": s.reason} for s in snap.lora_states],
+                         "schedule": s.schedule.text if s.schedule else "", "status": s.status, "reason": s.reason}
+                        for s in snap.lora_states],
         "lora_counters": {k: {"matched_layers": v.matched_layers, "unmatched_keys": v.unmatched_keys,
                               "apply_errors": v.apply_errors, "runtime_errors": v.runtime_errors,
                               "message": v.message} for k, v in snap.lora_counters.items()},
