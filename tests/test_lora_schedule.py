@@ -101,10 +101,15 @@ def _weights(engine, targets) -> dict:
     return {t: getattr(pipe, t[0]).get_submodule(t[1]).weight.detach().to(torch.float64).clone() for t in targets}
 
 
-def _record_steps(engine, component: str, targets, runs: list) -> torch.utils.hooks.RemovableHandle:
-    """Every denoiser forward records the touched layers' weights as it runs them (one forward per step here)."""
-    return getattr(engine.pipeline, component).register_forward_pre_hook(
-        lambda _module, _args: runs.append(_weights(engine, targets)))
+def _record_steps(engine, component: str, targets, runs: list, name: str) -> torch.utils.hooks.RemovableHandle:
+    """Every denoiser forward (one per step here) records the touched layers' weights as it runs them, and under
+    "hook" the strength of LoRA `name` in the first layer's bypass hook (None where the LoRA is fused)."""
+    def record(_module, _args):
+        seen, bypassed = _weights(engine, targets), engine.lora_stack.bypassed()
+        seen["hook"] = dict((c[0], c[1]) for c in bypassed[targets[0]])[name] if bypassed else None
+        runs.append(seen)
+
+    return getattr(engine.pipeline, component).register_forward_pre_hook(record)
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
@@ -112,9 +117,30 @@ def test_scheduled_weights_are_w0_plus_s_delta_at_every_step_and_exact_after(mod
     """A panel LoRA with a schedule: before each step the denoiser's layers hold W0 + s(step)·ΔW (float64, to a
     few float32 ulps), the text encoder and a constant LoRA's layers keep theirs, the re-weight runs only when s
     changes, and after the job every parameter of the pipeline is bit for bit the resting state."""
-    engine, component = module_engine, FAMILIES[arch]
+    _check_scheduled_steps(module_engine, arch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", ["none", "model", "sequential"])
+def test_scheduled_weights_on_gpu_in_fp16(gpu_data_dir, offload):
+    """The same on CUDA in fp16 (fused from GPU backups, fused under model offload, bypass under sequential):
+    W0 + s(step)·ΔW to a few fp16 ulps at every step, every parameter bit for bit at rest after the job."""
+    from app.engine.worker import Engine
+    from app.settings import Settings
+
+    engine = Engine(Settings(data_dir=gpu_data_dir, device="cuda", offload=offload))
+    try:
+        _check_scheduled_steps(engine, "sd15", dtype="fp16")
+    finally:
+        engine.close()
+
+
+def _check_scheduled_steps(engine, arch: str, dtype: str | None = None) -> None:
+    """`test_scheduled_weights_are_w0_plus_s_delta_at_every_step_and_exact_after` on `engine`; in a bypass mode
+    the stored weights never change and the strength in effect is the hook's."""
+    component = FAMILIES[arch]
     style, detail = f"demo-style-{arch}", f"demo-detail-{arch}"
-    engine.load_model(CHECKPOINTS[arch])
+    engine.load_model(CHECKPOINTS[arch], dtype=dtype)
     engine.set_loras([LoraSpec(detail, 0.5)])
     base = engine.lora_stack.patched_modules()
     engine.set_loras([LoraSpec(style, 1.0), LoraSpec(detail, 0.5)])
@@ -124,20 +150,24 @@ def test_scheduled_weights_are_w0_plus_s_delta_at_every_step_and_exact_after(mod
     w0 = _weights(engine, targets)
     (spec,) = parse_prompt_loras(f"<lora:{style}:{SCHEDULE}>")[1]
     engine.set_loras([spec, LoraSpec(detail, 0.5)])
-    resting = weights_digest(engine.pipeline)
+    resting, bypassed = weights_digest(engine.pipeline), engine.lora_stack.bypassed()
     runs: list = []
-    handle = _record_steps(engine, component, targets, runs)
+    handle = _record_steps(engine, component, targets, runs, style)
     try:
         engine.generate(GenerateParams("a cat", seed=1, steps=STEPS, width=64, height=64, cfg=5.0, sampler="Euler"))
     finally:
         handle.remove()
     assert len(runs) == STEPS and targets
+    eps = torch.finfo(getattr(engine.pipeline, component).get_submodule(targets[0][1]).weight.dtype).eps
     for step, (recorded, s) in enumerate(zip(runs, EXPECTED, strict=True)):
+        if bypassed:  # the stored weights stay W0; the hook adds s·Δ(x)
+            assert all(torch.equal(recorded[t], w0[t]) for t in targets) and recorded["hook"] == s, step
+            continue
         for t in targets:
             want = w0[t] + s * (w1[t] - w0[t])
             scale = max(w0[t].abs().max().item(), w1[t].abs().max().item())
             error = (recorded[t] - want).abs().max().item()
-            assert error <= 4 * torch.finfo(torch.float32).eps * scale, (step, t, error)
+            assert error <= 4 * eps * scale, (step, t, error)
     assert weights_digest(engine.pipeline) == resting
     engine.set_loras([])
 
