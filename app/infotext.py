@@ -41,12 +41,14 @@ MAX_INFOTEXT_CHARS = 1 << 20  # longer texts are refused unread (`png_text` caps
 
 
 class LoraUse(NamedTuple):
-    """A LoRA a generation ran with; `te` None means the text-encoder weight equals `unet`."""
+    """A LoRA a generation ran with; `te` None means the text-encoder weight equals `unet`; `schedule` the
+    denoiser's step schedule as typed ("" for none; `unet` is then its step-0 strength)."""
 
     name: str
     unet: float
     short_hash: str = ""
     te: float | None = None
+    schedule: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,18 +71,20 @@ def quote(value: object) -> str:
     return json.dumps(text, ensure_ascii=False) if any(c in text for c in ',:\n"') else text
 
 
-def lora_tag(name: str, unet: float, te: float | None = None) -> str:
-    """`<lora:name:w>`, or `<lora:name:te:unet>` (A1111's order) when the text-encoder weight differs."""
+def lora_tag(name: str, unet: float, te: float | None = None, schedule: str = "") -> str:
+    """`<lora:name:w>`, or `<lora:name:te:unet>` (A1111's order) when the text-encoder weight differs; a step
+    `schedule` stands for the UNet weight (`<lora:name:1@0,0@0.3>`: the text encoder at its step-0 strength)."""
+    unet_text = schedule or f"{unet:g}"
     if te is None or te == unet:
-        return f"<lora:{name}:{unet:g}>"
-    return f"<lora:{name}:{te:g}:{unet:g}>"
+        return f"<lora:{name}:{unet_text}>"
+    return f"<lora:{name}:{te:g}:{unet_text}>"
 
 
 def prompt_with_tags(prompt: str, loras: tuple[LoraUse, ...]) -> str:
     """The prompt plus a tag for every LoRA it does not already carry, so other tools see them all."""
     _stripped, tagged = parse_prompt_loras(prompt)
     present = {spec.name for spec in tagged}
-    tags = [lora_tag(u.name, u.unet, u.te) for u in loras if u.name not in present]
+    tags = [lora_tag(u.name, u.unet, u.te, u.schedule) for u in loras if u.name not in present]
     return " ".join([prompt.strip(), *tags]).strip()
 
 

@@ -138,6 +138,22 @@ def test_txt2img_with_a_lora_tag_applies_it_for_that_request_only(api, app):
     assert np.array_equal(_pixels(again.image), _pixels(plain.image))
 
 
+def test_txt2img_takes_a_step_scheduled_lora_tag_and_refuses_a_malformed_one(api, app):
+    """The loractl tag `<lora:style:1@0,0@0.5>` through the A1111 API: another picture than the constant strength,
+    the infotext keeps the schedule as typed, the LoRA is off again after; a malformed schedule is one clear error
+    naming the tag, nothing generated."""
+    small = {**SMALL, "steps": 3}
+    constant = api.txt2img(prompt="a fox <lora:style:1>", seed=12, **small)
+    scheduled = api.txt2img(prompt="a fox <lora:style:1@0,0@0.5>", seed=12, **small)
+    assert not np.array_equal(_pixels(constant.image), _pixels(scheduled.image))
+    assert scheduled.image.info["parameters"].startswith("a fox <lora:style:1@0,0@0.5>\n")
+    assert app[1].snapshot().loras == ()
+    answer = requests.post(f"{app[0]}/sdapi/v1/txt2img", json={"prompt": "a fox <lora:style:1@0,0>", **small},
+                           timeout=60)
+    assert answer.status_code in (400, 422), answer.text
+    assert "<lora:style:1@0,0>" in answer.text and "@step" in answer.text
+
+
 def test_a1111_emphasis_and_long_prompts_reach_the_picture(api):
     """Prompts mean what they mean in A1111: `a (cat:1.0)` is `a cat` bit for bit, `(cat:1.5)` is another
     picture, and words past CLIP's 77th token change the picture (75-token chunks, not a silent cut)."""

@@ -333,6 +333,42 @@ def test_png_info_round_trip_gives_the_same_image_bytes(page, served):
     assert second != first and second.read_bytes() == first.read_bytes()
 
 
+def test_a_lora_schedule_typed_in_the_panel_reaches_the_engine_the_infotext_and_comes_back_from_png_info(page,
+                                                                                                        served):
+    """The card's "UNet weight by step" box: a malformed schedule is refused in the status line naming the LoRA
+    (nothing changes); a good one (Enter) becomes the engine's wanted LoRA, the image's infotext keeps it as
+    typed, and PNG Info -> Send to Generate puts it back in the box and the engine."""
+    _url, engine = served
+    page.wait_for_selector("#sd-lora-status >> text=Applied: none", timeout=TIMEOUT_MS)
+    pick_loras(page, ["style"])
+    page.wait_for_selector("#sd-lora-card-0 >> text=applied", timeout=TIMEOUT_MS)
+    box = "#sd-lora-schedule-0 input"
+    page.fill(box, "1@0,0")
+    page.press(box, "Enter")
+    page.wait_for_selector("#sd-lora-status >> text=LoRAs not changed", timeout=TIMEOUT_MS)
+    assert "'style'" in page.inner_text("#sd-lora-status") and engine.snapshot().loras[0].schedule is None
+    page.fill(box, "1@0, 0@0.5")
+    page.press(box, "Enter")
+    page.wait_for_selector("#sd-lora-status >> text=style UNet 1@0, 0@0.5", timeout=TIMEOUT_MS)
+    (spec,) = engine.snapshot().desired.loras
+    assert spec.schedule is not None and spec.schedule.strengths(3) == (1.0, 0.0, 0.0)
+    set_number(page, "sd-steps", "3")
+    first = generate_and_wait(page, engine)
+    assert "<lora:style:1@0, 0@0.5>" in read_parameters(first).splitlines()[0]
+    page.fill(box, "")  # an empty box: the slider's constant strength again
+    page.press(box, "Enter")
+    page.wait_for_selector("#sd-lora-status >> text=style UNet 1 /", timeout=TIMEOUT_MS)
+    assert engine.snapshot().desired.loras[0].schedule is None
+    page.get_by_role("tab", name="PNG Info").click()
+    page.set_input_files("#sd-pnginfo-image input[type=file]", str(first))
+    page.wait_for_selector("#sd-pnginfo-summary table", timeout=TIMEOUT_MS)
+    page.click("#sd-pnginfo-send-generate")
+    page.wait_for_selector("#sd-lora-status >> text=style UNet 1@0, 0@0.5", timeout=TIMEOUT_MS)
+    assert page.input_value(box) == "1@0, 0@0.5"
+    assert [s.schedule for s in engine.snapshot().desired.loras] == [spec.schedule]
+    engine.set_loras([])
+
+
 def test_history_lists_this_session_and_the_outputs_folder(page, served):
     """Images written before this session show under "all outputs" only; selecting one shows its infotext."""
     _url, engine = served

@@ -453,11 +453,15 @@ def test_the_img2img_tab_fills_its_family_fields_when_the_model_it_shows_changes
 
 
 def test_slider_values_map_to_specs_and_every_selected_lora_is_kept():
-    """No LoRA is left out by the page: what does not fit is the engine's to set aside."""
-    values = (0.5, 1.0, *[1.0] * 6, 0.25, -1.0, *[1.0] * 6)
-    assert slot_weights(["a", "b"], values) == {"a": (0.5, 0.25), "b": (1.0, -1.0)}
+    """No LoRA is left out by the page: what does not fit is the engine's to set aside. A card's schedule box
+    (UNet weight by step) stands for its UNet slider; a malformed one is refused naming the LoRA."""
+    values = (0.5, 1.0, *[1.0] * 6, 0.25, -1.0, *[1.0] * 6, "", " 0@0,1@1 ", *[""] * 6)
+    assert slot_weights(["a", "b"], values) == {"a": (0.5, 0.25, ""), "b": (1.0, -1.0, "0@0,1@1")}
     specs = selected_specs(["a", "b"], values)
-    assert [(s.name, s.unet_strength, s.te_strength) for s in specs] == [("a", 0.5, 0.25), ("b", 1.0, -1.0)]
+    assert [(s.name, s.unet_strength, s.te_strength) for s in specs] == [("a", 0.5, 0.25), ("b", 0.0, -1.0)]
+    assert specs[0].schedule is None and specs[1].schedule.strengths(3) == (0.0, 0.5, 1.0)
+    with pytest.raises(ValueError, match="LoRA 'b', UNet weight by step: '0@0,1' is not a strength schedule"):
+        selected_specs(["a", "b"], (*values[:17], "0@0,1", *values[18:]))
 
 
 def test_module_table_filters_and_names_hooks(app):

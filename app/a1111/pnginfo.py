@@ -53,7 +53,7 @@ def parameters(text: str) -> dict[str, str]:
         info = parse_infotext(text)
     except ValueError:
         return {"Prompt": text.strip(), "Negative prompt": ""}
-    uses = tuple(LoraUse(s.name, s.unet_strength, "", s.te_strength) for s in info.loras)
+    uses = tuple(LoraUse(s.name, s.unet_strength, "", s.te_strength, s.schedule_text) for s in info.loras)
     out = {"Prompt": prompt_with_tags(info.prompt, uses), "Negative prompt": info.negative_prompt}
     for key, value in info.settings.items():
         out[key] = value

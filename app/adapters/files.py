@@ -140,6 +140,8 @@ class LoraLibrary:
             resolve_under(self.root, spec.name, "LoRA")  # the bare name: empty, NUL, `..`, absolute
             check_strength(spec.name, "UNet strength", spec.unet_strength)  # again: a spec can be forced
             check_strength(spec.name, "text-encoder strength", spec.te_strength)
+            for _position, strength in spec.schedule.points if spec.schedule is not None else ():
+                check_strength(spec.name, "scheduled UNet strength", strength)
 
     def _key(self, name: str) -> tuple[Path, tuple]:
         path = self.path_for(name)

@@ -44,6 +44,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from app.adapters.bypass import BypassLayer, Contributions
@@ -53,6 +54,7 @@ from app.adapters.files import AdapterFile
 from app.adapters.keys import KeyTable, Target
 from app.adapters.matching import MatchReport, PreparedAdapter, match_adapter
 from app.adapters.specs import LoraSpec
+from app.adapters.stepping import SteppedLayer, StepStrengths
 from app.hooks import HookRegistry
 
 log = logging.getLogger(__name__)
@@ -330,11 +332,16 @@ class LoraStack:
                     touched.update(dict.fromkeys(source.layers))
         return list(touched)
 
+    @staticmethod
+    def _contributions(target: Target, specs, prepared) -> Contributions:
+        """(name, strength, adapter) of every spec touching `target`. A fixed order (by name) makes the float32
+        sum, and so the bits, independent of list order."""
+        return tuple((s.name, s.strength_for(target[0]), prepared[s.name].layers[target])
+                     for s in sorted(specs, key=lambda s: s.name) if target in prepared[s.name].layers)
+
     def _write_layer(self, target: Target, specs, prepared) -> None:
         module = self._module(target)
-        # A fixed order (by name) makes the float32 sum, and so the bits, independent of list order.
-        contributions = tuple((s.name, s.strength_for(target[0]), prepared[s.name].layers[target])
-                              for s in sorted(specs, key=lambda s: s.name) if target in prepared[s.name].layers)
+        contributions = self._contributions(target, specs, prepared)
         if target[0] in self._bypass_components:
             self._set_bypass(module, target, contributions)
             return
@@ -393,6 +400,56 @@ class LoraStack:
             torch.cuda.synchronize(device)
         self.traffic.waits += len(self._queued)
         self._queued.clear()
+
+    # ---------------------------------------------------------------- scheduled strengths
+    def stepping(self, total: int) -> StepStrengths | None:
+        """The step-by-step strengths of the applied LoRAs that carry a schedule, for one pass of `total`
+        steps (app/adapters/stepping.py); None when none does. Only the denoiser's layers step: a text
+        encoder keeps the step-0 strength."""
+        schedules = {s.name: s.schedule for s in self._applied if s.schedule is not None}
+        if not schedules:
+            return None
+        targets = [t for t, names in self.patched_modules().items()
+                   if not t[0].startswith("text_encoder") and schedules.keys() & set(names)]
+        return StepStrengths(total, schedules, [t for t in targets if t[0] not in self._bypass_components],
+                             [t for t in targets if t[0] in self._bypass_components], build=self._stepped_layer,
+                             rewrite=self._rewrite_at, room=self._step_cache_room)
+
+    def _stepped_layer(self, target: Target, scheduled: frozenset[str]) -> SteppedLayer:
+        """One fused layer's parts for a scheduled pass, from its exact backup: B = W0 + Σ constant
+        contributions (as `_combine` fuses them) and each scheduled LoRA's ΔW at strength 1 (as it adds it)."""
+        module, backup = self._module(target), self._backups[target]
+        device = self._compute_device or module.weight.device
+        contributions = self._contributions(target, self._applied, self._prepared)
+        bias = backup.bias if backup.bias is not None else module.bias
+        with torch.no_grad():
+            base, base_bias = _combine(target, tuple(c for c in contributions if c[0] not in scheduled),
+                                       backup.weight, bias, device)
+            w0 = backup.weight.to(device).to(torch.float32, memory_format=torch.contiguous_format)
+            b0 = None if bias is None else bias.to(device).to(torch.float32)
+            deltas = []
+            for name, _strength, adapter in (c for c in contributions if c[0] in scheduled):
+                delta = torch.zeros_like(w0)
+                deltas.append((name, delta, adapter.accumulate(delta, w0, b0, 1.0)))
+        if base_bias is None and any(db is not None for _, _, db in deltas):
+            base_bias = b0
+        return SteppedLayer(module, base, base_bias, tuple(deltas))
+
+    def _rewrite_at(self, targets: Sequence[Target], strengths: Mapping[str, float]) -> None:
+        """Recompute `targets` from their backups (fused) or hook lists (bypass) with the named LoRAs' denoiser
+        at `strengths` and the others as applied; {}: everything as applied (at rest)."""
+        specs = tuple(s.with_denoiser_strength(strengths[s.name]) if s.name in strengths else s
+                      for s in self._applied)
+        for target in targets:
+            self._write_layer(target, specs, self._prepared)
+
+    def _step_cache_room(self) -> int:
+        """Bytes a scheduled pass's float32 parts may take on the compute device: free CUDA memory above the
+        headroom; on the host, the memory available above the same headroom."""
+        device = self._compute_device
+        if device is not None and device.type == "cuda":
+            return _device_room(device)
+        return max(0, psutil.virtual_memory().available - GPU_BACKUP_HEADROOM)
 
     # ---------------------------------------------------------------- the bypass path
     def set_bypass(self, components: frozenset[str]) -> None:

@@ -1,5 +1,8 @@
 """`<lora:name:weight>` and `<lora:name:te_w:unet_w>` prompt tags, in A1111's order.
 
+A weight may also be a step schedule, `<lora:name:1@0,0@0.3>`, or named, `<lora:name:te=1:unet=0@0,1@1>`
+(the sd-webui-loractl syntax A1111 users know; `app.adapters.strength_schedule` says how it reads).
+
 A1111 and Forge read a second number as the UNet's weight and the first as the text encoder's
 (its networks extension: `te_multiplier`, then `unet_multiplier`); we read and write the same, so
 a prompt moves between the tools with the same meaning.
@@ -15,6 +18,7 @@ import re
 from collections.abc import Callable
 
 from app.adapters.specs import LoraSpec
+from app.adapters.strength_schedule import StrengthSchedule, is_schedule, parse_schedule
 
 _TAG = re.compile(r"<lora:([^:>]+)((?::[^:>]*){0,2})>", re.IGNORECASE)
 
@@ -26,16 +30,49 @@ def _number(text: str, tag: str) -> float:
         raise ValueError(f"prompt tag {tag!r}: {text!r} is not a number") from None
 
 
+def _value(text: str, name: str, tag: str) -> float | StrengthSchedule:
+    """A weight field: a number, or a step schedule (`1@0,0@0.3`, loractl's syntax)."""
+    return parse_schedule(text, name, f"prompt tag {tag!r}") if is_schedule(text) else _number(text, tag)
+
+
+def _fields(parts: list[str], tag: str) -> tuple[str | None, str | None]:
+    """(te, unet) texts from a tag's fields: positional in A1111's order, or named `te=` / `unet=`."""
+    named, positional = {}, []
+    for part in parts:
+        key, equals, value = part.partition("=")
+        if not equals:
+            positional.append(part)
+        elif key.strip().lower() in ("te", "unet"):
+            named[key.strip().lower()] = value.strip()
+        else:
+            raise ValueError(f"prompt tag {tag!r}: {key.strip()!r}= is not a LoRA field here (te= and unet= are; a "
+                             "hires pass takes its strengths from its own prompt's tags)")
+    te = named.get("te", positional[0] if positional else None)
+    unet = named.get("unet", positional[1] if len(positional) > 1 else None)
+    return te, unet
+
+
+def _spec(name: str, parts: list[str], tag: str) -> LoraSpec:
+    """One tag's spec: a single weight (number or schedule) sets both; two are te then unet. A schedule given
+    for the text encoder applies at its step-0 strength (the prompt is encoded once, before the first step)."""
+    te_text, unet_text = _fields(parts, tag)
+    te = 1.0 if te_text is None else _value(te_text, name, tag)
+    unet = te if unet_text is None else _value(unet_text, name, tag)
+    te_strength = te.start if isinstance(te, StrengthSchedule) else te
+    if isinstance(unet, StrengthSchedule):
+        return LoraSpec(name, weight=te_strength, te_weight=te_strength, schedule=unet)
+    if unet_text is None:
+        return LoraSpec(name, weight=te_strength)
+    return LoraSpec(name, weight=te_strength, unet_weight=unet, te_weight=te_strength)
+
+
 def parse_prompt_loras(prompt: str) -> tuple[str, tuple[LoraSpec, ...]]:
     """Return the prompt without tags and the specs the tags ask for (last tag wins per name)."""
     found: dict[str, LoraSpec] = {}
     for match in _TAG.finditer(prompt):
         name = match.group(1).strip()
-        numbers = [n for n in match.group(2).split(":")[1:] if n.strip()]
-        values = [_number(n.strip(), match.group(0)) for n in numbers]
-        first = values[0] if values else 1.0
-        unet = values[1] if len(values) > 1 else None
-        found[name] = LoraSpec(name, weight=first, unet_weight=unet, te_weight=first if unet is not None else None)
+        parts = [n.strip() for n in match.group(2).split(":")[1:] if n.strip()]
+        found[name] = _spec(name, parts, match.group(0))
     stripped = re.sub(r"\s{2,}", " ", _TAG.sub("", prompt)).strip(" ,")
     return stripped, tuple(found.values())
 

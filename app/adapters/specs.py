@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the schedule module imports `check_strength` from here
+    from app.adapters.strength_schedule import StrengthSchedule
 
 MAX_STRENGTH = 100.0
 
@@ -28,12 +32,17 @@ def check_strength(name: str, label: str, value: float) -> None:
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """A LoRA by library name with its strength; UNet/text-encoder strengths default to `weight`."""
+    """A LoRA by library name with its strength; UNet/text-encoder strengths default to `weight`.
+
+    `schedule`: the denoiser's strength by step (`app.adapters.strength_schedule`); it then rests at the
+    schedule's step-0 strength (`unet_strength`), which is also what the text encoder gets unless `te_weight`
+    says otherwise (the prompt is encoded once, before the first step)."""
 
     name: str
     weight: float = 1.0
     unet_weight: float | None = None
     te_weight: float | None = None
+    schedule: StrengthSchedule | None = None
 
     def __post_init__(self) -> None:
         for label, value in (("weight", self.weight), ("unet_weight", self.unet_weight),
@@ -43,7 +52,19 @@ class LoraSpec:
 
     @property
     def unet_strength(self) -> float:
+        """The denoiser's strength at rest (a schedule's step-0 strength)."""
+        if self.schedule is not None:
+            return self.schedule.start
         return self.weight if self.unet_weight is None else self.unet_weight
+
+    @property
+    def schedule_text(self) -> str:
+        """The schedule as typed ("" for none): what the infotext writes back."""
+        return "" if self.schedule is None else self.schedule.text
+
+    def with_denoiser_strength(self, strength: float) -> LoraSpec:
+        """This LoRA with the denoiser at `strength` and no schedule (one step of a scheduled pass)."""
+        return LoraSpec(self.name, self.weight, strength, self.te_strength)
 
     @property
     def te_strength(self) -> float:

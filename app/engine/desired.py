@@ -38,9 +38,10 @@ class Desired:
         """What a change of needs a reload: the checkpoint, its dtype and the weight storage."""
         return self.model, self.dtype, self.weights
 
-    def loras_key(self) -> tuple[tuple[str, float, float], ...]:
-        """The LoRA list by strengths (`LoraSpec("a", 1)` and `LoraSpec("a", 1, 1, 1)` are the same LoRA set)."""
-        return tuple((s.name, s.unet_strength, s.te_strength) for s in self.loras)
+    def loras_key(self) -> tuple[tuple[str, float, float, str], ...]:
+        """The LoRA list by strengths (`LoraSpec("a", 1)` and `LoraSpec("a", 1, 1, 1)` are the same LoRA set)
+        and step schedules (compared by their points, shown as typed)."""
+        return tuple((s.name, s.unet_strength, s.te_strength, s.schedule) for s in self.loras)
 
     def same_as(self, other: Desired | None) -> bool:
         """Whether realising `other` after this one would change nothing."""
@@ -49,5 +50,6 @@ class Desired:
 
     def describe(self) -> str:
         """One line for the history and the status line: model, dtype, offload, storage, LoRAs."""
-        loras = ", ".join(f"{n}:{u:g}/{t:g}" for n, u, t in self.loras_key()) or "no LoRAs"
+        loras = ", ".join(f"{s.name}:{s.schedule_text or format(s.unet_strength, 'g')}/{s.te_strength:g}"
+                          for s in self.loras) or "no LoRAs"
         return f"{self.model or 'no model'} {self.dtype} offload {self.offload} weights {self.weights}; {loras}"

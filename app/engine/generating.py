@@ -179,8 +179,8 @@ class Generating:
         seed = generate.resolve_seed(params.seed)
         params = variation.resolved(params)
         step = 0 if variation.varies(params) else 1
-        applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength)
-                        for s in facts.loras)
+        applied = tuple(LoraUse(s.name, s.unet_strength, self.library.short_hash(s.name), s.te_strength,
+                                s.schedule_text) for s in facts.loras)
         job.step_cache = params.step_cache
         batch_run = batch_run or (lambda first, phase, run_params: self._denoise_run(
             params.steps, job, phase, lambda on_step: self._lifecycle.denoise(
@@ -227,14 +227,18 @@ class Generating:
             job.stop = None  # a Skip ends this run only
         return out
 
-    def _denoise_run(self, total: int, job: Job, phase: str, run) -> tuple[Any, int | None]:
+    def _denoise_run(self, total: int, job: Job, phase: str, run, lifecycle=None) -> tuple[Any, int | None]:
         """One denoising pass of `total` steps, `run(on_step)`; returns its result and the step it was
         stopped at (None: all ran). Every `preview_every` steps the progress carries a cheap preview
         of the latents. A stop lands between two steps (`on_step`) or inside one, before the next
         block of the model (`interrupt.stop_checks`); the latents reached are then decoded as they are
         within `STOPPED_DECODE_SECONDS` (`Job.decode_should_stop`), unless the stop drops them (the result
-        is then None)."""
+        is then None). LoRAs with a step schedule get each step's strength before it (`stepped_loras`: the
+        schedule runs over this pass's own `total` steps) and are back at rest after the pass; `lifecycle`:
+        the model the pass runs on when not the loaded one (the refiner's)."""
         reached, ending, arch = 0, False, self._lifecycle.facts().arch
+        lifecycle = lifecycle or self._lifecycle
+        stepper = None
         previews = family(arch).preview_rgb is not None  # no factors: no preview
         taken: tuple[int, HostRead] | None = None  # the last preview's step and pixels, on their way to the host
 
@@ -250,6 +254,9 @@ class Generating:
                 taken = (step, HostRead(preview_pixels(latents, arch))) if wanted else None
             self._set_progress(phase, step, total, shown, of)
             ending = job.stop is not None
+            if stepper is not None and not ending and step < total:
+                with timeline.phase("scheduled LoRAs"):
+                    stepper.before_step(step)
             return ending
 
         def stop_inside() -> bool:
@@ -265,7 +272,7 @@ class Generating:
         self._set_progress(phase, 0, total)
         with self._lifecycle.step_cached(job.step_cache):  # a refusal (a distilled model) is no LoRA's fault
             try:
-                with self._lifecycle.interruptible(stop_inside):
+                with self._lifecycle.interruptible(stop_inside), lifecycle.stepped_loras(total) as stepper:
                     result = run(on_step)
             except StepInterrupted:  # dropped mid-decode: nothing to keep
                 result = None

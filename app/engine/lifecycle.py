@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +25,7 @@ from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
+from app.adapters.stepping import StepStrengths
 from app.engine import (
     compiled,
     decoding,
@@ -360,6 +361,20 @@ class ModelLifecycle(Placing, ControlNetSlot):
         if loaded is None or loaded.compile is not None:
             return contextlib.nullcontext()
         return stop_checks(loaded.hooks, loaded.model.pipe, should_stop, slice_attention=self._device.type == "cpu")
+
+    @contextlib.contextmanager
+    def stepped_loras(self, total: int) -> Iterator[StepStrengths | None]:
+        """The scheduled LoRA strengths of one denoising pass of `total` steps (None: no LoRA applied has a
+        schedule): the caller sets each step's before it runs (`before_step`); on leaving, however the pass
+        ended (done, Interrupt, an error), the layers are back at their resting strengths, bit for bit."""
+        loaded = self._loaded
+        stepper = None if loaded is None else loaded.stack.stepping(total)
+        try:
+            yield stepper
+        finally:
+            if stepper is not None:
+                with phase("scheduled LoRAs back to rest"):
+                    stepper.close()
 
     def step_cached(self, threshold: float) -> contextlib.AbstractContextManager:
         """The step cache (`app/engine/step_cache.py`) on the loaded denoiser for one pass, gone after it;

@@ -138,7 +138,7 @@ class Refining:
                 steps_before=base_steps),
                 _size(params), stage="img2img")
 
-        refined, stopped = self._denoise_run(total, job, f"refiner, {phase}", run)
+        refined, stopped = self._denoise_run(total, job, f"refiner, {phase}", run, refiner)
         if refined is None:  # stopped before the refiner's first step completed
             return [], stopped
         return self._decode(refiner, refined, job, _size(params)), stopped

@@ -16,6 +16,7 @@ import torch
 
 from app import diagnostics
 from app.adapters.specs import LoraSpec
+from app.adapters.strength_schedule import StrengthSchedule
 from app.engine import compiled, placement
 from app.engine.desired import Desired
 from app.engine.timeline import JobTimeline
@@ -78,6 +79,12 @@ class LoraState:
     te_strength: float
     status: str  # "applied" | "set aside" | "disabled" | "no model loaded"
     reason: str = ""  # why set aside or disabled
+    schedule: StrengthSchedule | None = None  # the UNet strength by step (`unet_strength`: its step-0 one)
+
+    @property
+    def unet_shown(self) -> str:
+        """The UNet strength as the page shows it: the schedule as typed, else the number."""
+        return self.schedule.text if self.schedule is not None else f"{self.unet_strength:g}"
 
 
 @dataclass(frozen=True)
@@ -168,7 +175,7 @@ def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,
             status, reason = "disabled", counter.message
         else:
             status, reason = "set aside", facts.set_aside.get(spec.name, "")
-        out.append(LoraState(spec.name, spec.unet_strength, spec.te_strength, status, reason))
+        out.append(LoraState(spec.name, spec.unet_strength, spec.te_strength, status, reason, spec.schedule))
     return tuple(out)
 
 

@@ -24,6 +24,7 @@ import gradio as gr
 from app.accounts import Account, Accounts
 from app.adapters.prompt import missing_lora_note, without_missing_loras
 from app.adapters.specs import LoraSpec
+from app.adapters.strength_schedule import parse_schedule
 from app.diagnostics import SHOWN_ERRORS_LOGGER, ShownErrors
 from app.engine import checkpoint_files
 from app.engine.generate import GeneratedImage, GenerateParams, params_from_form
@@ -212,7 +213,8 @@ def _finite(value: Any, what: str) -> float:
 
 
 def specs_from_json(items: Any) -> list[LoraSpec]:
-    """`[{"name": str, "weight": 1.0, "unet_weight"?: x, "te_weight"?: y}, ...]` (or `[name, weight]` pairs)."""
+    """`[{"name": str, "weight": 1.0, "unet_weight"?: x, "te_weight"?: y, "schedule"?: "1@0,0@0.3"}, ...]` (or
+    `[name, weight]` pairs); a `schedule` (the UNet's strength by step, loractl's syntax) stands for `unet_weight`."""
     if not isinstance(items, list):
         raise ValueError("loras must be a list of {name, weight[, unet_weight, te_weight]} objects")
     specs = []
@@ -221,13 +223,26 @@ def specs_from_json(items: Any) -> list[LoraSpec]:
             item = {"name": item[0], "weight": item[1]}
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise ValueError(f"each LoRA needs a string 'name'; got {item!r}")
-        unknown = set(item) - {"name", "weight", "unet_weight", "te_weight"}
+        unknown = set(item) - {"name", "weight", "unet_weight", "te_weight", "schedule"}
         if unknown:
             raise ValueError(f"LoRA {item['name']!r}: unknown fields {sorted(unknown)}")
         optional = {k: _finite(item[k], f"{item['name']}.{k}") for k in ("unet_weight", "te_weight")
                     if item.get(k) is not None}
-        specs.append(LoraSpec(item["name"], _finite(item.get("weight", 1.0), f"{item['name']}.weight"), **optional))
+        spec = LoraSpec(item["name"], _finite(item.get("weight", 1.0), f"{item['name']}.weight"), **optional)
+        specs.append(_with_schedule(spec, item.get("schedule")))
     return specs
+
+
+def _with_schedule(spec: LoraSpec, text: Any) -> LoraSpec:
+    """`spec` with the UNet strength by step `text` asks for (None or "": unchanged)."""
+    if text is None or text == "":
+        return spec
+    if not isinstance(text, str):
+        raise ValueError(f"LoRA {spec.name!r}: schedule must be a string like '1@0,0@0.3', got {text!r}")
+    parsed = parse_schedule(text, spec.name, f"LoRA {spec.name!r} schedule")
+    if isinstance(parsed, float):
+        return LoraSpec(spec.name, spec.weight, parsed, spec.te_strength)
+    return LoraSpec(spec.name, spec.weight, None, spec.te_strength, parsed)
 
 
 def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed, width, height, batch,
@@ -271,9 +286,11 @@ def snapshot_summary(ctx: UiContext) -> dict:
     return {
         "state": snap.state, "model": snap.model, "arch": snap.arch, "device": snap.device, "dtype": snap.dtype,
         "offload": snap.offload,
-        "loras": [{"name": s.name, "unet_weight": s.unet_strength, "te_weight": s.te_strength} for s in snap.loras],
+        "loras": [{"name": s.name, "unet_weight": s.unet_strength, "te_weight": s.te_strength,
+                   "schedule": s.schedule_text} for s in snap.loras],
         "lora_states": [{"name": s.name, "unet_weight": s.unet_strength, "te_weight": s.te_strength,
-                         "status": s.status, "reason": s.reason} for s in snap.lora_states],
+                         "schedule": s.schedule.text if s.schedule else "", "status": s.status, "reason": s.reason}
+                        for s in snap.lora_states],
         "lora_counters": {k: {"matched_layers": v.matched_layers, "unmatched_keys": v.unmatched_keys,
                               "apply_errors": v.apply_errors, "runtime_errors": v.runtime_errors,
                               "message": v.message} for k, v in snap.lora_counters.items()},

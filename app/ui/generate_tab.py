@@ -76,7 +76,7 @@ class GenerateTab:
     def state_inputs(self) -> list:
         """The page's own state every generation on it carries (`desired_from_panel` reads them): checkpoint and
         the LoRA cards (dtype, offload and weight storage are engine-wide)."""
-        return [self.model, self.loras.slot_names, *self.loras.sliders]
+        return [self.model, self.loras.slot_names, *self.loras.values]
 
     @property
     def settings(self) -> list:

@@ -203,7 +203,7 @@ def build_lora_browser(ctx: UiContext, prompt: gr.Textbox, slots: LoraSlots) -> 
     ui.search.input(trigger_mode="always_last", **refresh)
     ui.sort.input(**refresh)
     ui.only_fitting.input(**refresh)
-    ui.gallery.select(pick, [ui.shown, slots.select, slots.slot_names, *slots.sliders],
+    ui.gallery.select(pick, [ui.shown, slots.select, slots.slot_names, *slots.values],
                       [ui.details, ui.triggers, slots.select, *slots.layout], api_visibility="private",
                       concurrency_id=LORA_QUEUE).then(**sync_panel(ctx, slots))
     ui.triggers.click(_add_word, [prompt, ui.triggers], prompt, api_visibility="private")

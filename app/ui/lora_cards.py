@@ -157,7 +157,7 @@ def state_badge(state: LoraState | None, counters: LoraCounters | None, fit: Fit
         badge = "<span class='sd-badge sd-badge-error'>✗ not applied</span> the engine refused the list (see below)"
     elif state.status == "applied":
         layers = f": {counters.matched_layers} layers" if counters is not None else ""
-        badge = (f"<span class='sd-badge sd-badge-ok'>✓ applied{layers}</span> UNet {state.unet_strength:g} / "
+        badge = (f"<span class='sd-badge sd-badge-ok'>✓ applied{layers}</span> UNet {state.unet_shown} / "
                  f"TE {state.te_strength:g}")
         if counters is not None and counters.unmatched_keys:
             badge += f" <span class='sd-badge sd-badge-warn'>⚠ {counters.unmatched_keys} tensors matched nothing</span>"

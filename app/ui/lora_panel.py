@@ -12,6 +12,9 @@ rest aside with its reason; the cards then draw the engine's `lora_states` and c
 parts of the page (the LoRA browser, "send to Generate", a model load) select LoRAs through
 `selection_updates` followed by `sync_panel`, the same path as a pick in the selector.
 
+Each card also takes the UNet's strength by step (`1@0,0@0.3`, the prompt tags' loractl syntax): a schedule
+there stands for the UNet slider, and a malformed one is refused in the status line, the engine's list unchanged.
+
 Each card has the LoRA's "apply in part" box: the engine refuses a LoRA of which less than half the
 tensors match the loaded model unless an admin allows it, once, for that LoRA (remembered by the
 engine in the data folder for every user, `Engine.set_lora_partial`).
@@ -27,12 +30,14 @@ import gradio as gr
 
 from app.accounts import AdminRequired, require_admin
 from app.adapters.specs import LoraSpec
+from app.adapters.strength_schedule import parse_schedule
 from app.engine.snapshot import Snapshot
 from app.ui.common import MAX_LORAS, PROGRESS, EngineCallError, UiContext, run_with_progress
 from app.ui.lora_cards import card_markdown, state_badge
 
 log = logging.getLogger(__name__)
 LORA_QUEUE = "loras"  # one ordered lane for selection changes, slider moves and generate's LoRA sync
+SCHEDULE_HINT = "e.g. 1@0,0@0.3: strength@step, linear between (steps ≤ 1: fractions of the pass, above: step numbers)"
 PARTIAL_LABEL = "Apply even when less than half of its tensors match this model (remembered for this LoRA)"
 
 
@@ -47,6 +52,7 @@ class LoraSlots:
     cards: list[gr.Markdown]
     unet: list[gr.Slider]
     te: list[gr.Slider]
+    schedule: list[gr.Textbox]
     partial: list[gr.Checkbox]
     slot_names: gr.State
 
@@ -55,9 +61,15 @@ class LoraSlots:
         return [*self.unet, *self.te]
 
     @property
+    def values(self) -> list:
+        """Every slot's strengths: UNet sliders, text-encoder sliders, then UNet step schedules (the order
+        `slot_weights` reads)."""
+        return [*self.unet, *self.te, *self.schedule]
+
+    @property
     def layout(self) -> list:
         """What `slot_updates` writes, in its order."""
-        return [*self.groups, *self.cards, *self.sliders, *self.partial, self.slot_names]
+        return [*self.groups, *self.cards, *self.values, *self.partial, self.slot_names]
 
     @property
     def view(self) -> list:
@@ -65,21 +77,34 @@ class LoraSlots:
         return [*self.cards, self.status]
 
 
-def slot_weights(slot_names: list[str], values: tuple) -> dict[str, tuple[float, float]]:
-    """{name: (unet, te)} from the slider values (the first MAX_LORAS are UNet, the rest TE)."""
-    return {name: (float(values[i]), float(values[MAX_LORAS + i])) for i, name in enumerate(slot_names)}
+def slot_weights(slot_names: list[str], values: tuple) -> dict[str, tuple[float, float, str]]:
+    """{name: (unet, te, schedule)} from `LoraSlots.values` (MAX_LORAS UNet sliders, as many TE sliders, as many
+    schedule boxes)."""
+    return {name: (float(values[i]), float(values[MAX_LORAS + i]), (values[2 * MAX_LORAS + i] or "").strip())
+            for i, name in enumerate(slot_names)}
+
+
+def slot_spec(name: str, unet: float, te: float, schedule: str) -> LoraSpec:
+    """One card's spec: the sliders, or the UNet's step schedule when its box holds one (the slider is then
+    unused); a malformed schedule is a ValueError naming the LoRA."""
+    if not schedule:
+        return LoraSpec(name, weight=unet, te_weight=te)
+    parsed = parse_schedule(schedule, name, f"LoRA {name!r}, UNet weight by step")
+    if isinstance(parsed, float):
+        return LoraSpec(name, weight=parsed, te_weight=te)
+    return LoraSpec(name, weight=unet, te_weight=te, schedule=parsed)
 
 
 def selected_specs(slot_names: list[str], values: tuple) -> tuple[LoraSpec, ...]:
-    """Every selected LoRA with its two slider weights, in the selector's order."""
+    """Every selected LoRA with its slider weights and schedule, in the selector's order."""
     weights = slot_weights(slot_names, values)
-    return tuple(LoraSpec(name, weight=weights[name][0], te_weight=weights[name][1]) for name in slot_names)
+    return tuple(slot_spec(name, *weights[name]) for name in slot_names)
 
 
 def wanted_differs(specs: tuple[LoraSpec, ...], snap: Snapshot) -> bool:
     """Whether the page's selection differs from the engine's wanted list (applied or set aside)."""
-    wanted = [(s.name, s.unet_strength, s.te_strength) for s in snap.lora_states]
-    return [(s.name, s.unet_strength, s.te_strength) for s in specs] != wanted
+    wanted = [(s.name, s.unet_strength, s.te_strength, s.schedule) for s in snap.lora_states]
+    return [(s.name, s.unet_strength, s.te_strength, s.schedule) for s in specs] != wanted
 
 
 def sync_selection(ctx: UiContext, specs: tuple[LoraSpec, ...], progress) -> None:
@@ -99,19 +124,22 @@ def build_lora_panel(ctx: UiContext) -> LoraSlots:
                                  info=f"a slider move re-weights at once; range {lo:g}…{hi:g} (API: any finite)")
             refresh = gr.Button("↻", scale=0, min_width=44, elem_id="sd-lora-refresh")
         status = gr.Markdown(elem_id="sd-lora-status")
-        groups, cards, unet, te, partial = [], [], [], [], []
+        groups, cards, unet, te, schedule, partial = [], [], [], [], [], []
         for i in range(MAX_LORAS):
             with gr.Group(visible=False, elem_classes="sd-lora-card") as group:
                 cards.append(gr.Markdown(elem_id=f"sd-lora-card-{i}"))
                 unet.append(gr.Slider(lo, hi, value=1.0, step=0.05, label="UNet weight", interactive=True,
                                       elem_id=f"sd-lora-unet-{i}"))
+                schedule.append(gr.Textbox(label="UNet weight by step (instead of the slider; Enter applies)",
+                                           placeholder=SCHEDULE_HINT, max_lines=1, interactive=True,
+                                           elem_id=f"sd-lora-schedule-{i}"))
                 with gr.Accordion("Text-encoder weight", open=False):
                     te.append(gr.Slider(lo, hi, value=1.0, step=0.05, label="Text-encoder weight",
                                         interactive=True, elem_id=f"sd-lora-te-{i}"))
                 partial.append(gr.Checkbox(False, label=PARTIAL_LABEL, interactive=True,
                                            elem_id=f"sd-lora-partial-{i}"))
             groups.append(group)
-    return LoraSlots(select, refresh, status, groups, cards, unet, te, partial, gr.State([]))
+    return LoraSlots(select, refresh, status, groups, cards, unet, te, schedule, partial, gr.State([]))
 
 
 def slot_updates(ctx: UiContext, names: list[str], weights: dict[str, tuple[float, float]]) -> list:
@@ -119,29 +147,31 @@ def slot_updates(ctx: UiContext, names: list[str], weights: dict[str, tuple[floa
 
     Cards say "asking the engine…" until the follow-up `sync_panel` draws the engine's answer."""
     names = list(names or [])[:MAX_LORAS]
-    groups, cards, unet, te, partial = [], [], [], [], []
+    groups, cards, unet, te, schedule, partial = [], [], [], [], [], []
     for i in range(MAX_LORAS):
         if i >= len(names):
             groups.append(gr.Group(visible=False))
             cards.append(gr.Markdown())
             unet.append(gr.Slider())
             te.append(gr.Slider())
+            schedule.append(gr.Textbox(value=""))
             partial.append(gr.Checkbox())
             continue
         name = names[i]
         groups.append(gr.Group(visible=True))
         cards.append(gr.Markdown(_card_text(ctx, name, "<span class='sd-badge'>asking the engine…</span>")))
-        u, t = weights.get(name, (1.0, 1.0))
+        u, t, steps = weights.get(name, (1.0, 1.0, ""))
         unet.append(gr.Slider(value=u, label=f"{name} — UNet weight"))
         te.append(gr.Slider(value=t, label=f"{name} — text-encoder weight"))
+        schedule.append(gr.Textbox(value=steps))
         partial.append(gr.Checkbox(value=ctx.engine.lora_partial_allowed(name)))
-    return [*groups, *cards, *unet, *te, *partial, names]
+    return [*groups, *cards, *unet, *te, *schedule, *partial, names]
 
 
 def selection_updates(ctx: UiContext, specs: list[LoraSpec]) -> list:
     """The selector plus the card layout for exactly `specs` (outputs: `[slots.select, *slots.layout]`)."""
     names = [spec.name for spec in specs][:MAX_LORAS]
-    weights = {spec.name: (spec.unet_strength, spec.te_strength) for spec in specs}
+    weights = {spec.name: (spec.unet_strength, spec.te_strength, spec.schedule_text) for spec in specs}
     return [gr.Dropdown(choices=ctx.engine.library.names(), value=names), *slot_updates(ctx, names, weights)]
 
 
@@ -175,7 +205,7 @@ def panel_status(snap: Snapshot, problem: str = "") -> str:
     """One line per status as the engine reports it (each card says why), and why a change was refused."""
     by_status: dict[str, list[str]] = {}
     for s in snap.lora_states:
-        by_status.setdefault(s.status, []).append(f"`{s.name}` UNet {s.unet_strength:g} / TE {s.te_strength:g}")
+        by_status.setdefault(s.status, []).append(f"`{s.name}` UNet {s.unet_shown} / TE {s.te_strength:g}")
     lines = ["Applied: " + ("; ".join(by_status.pop("applied", [])) or "none")]
     lines += [f"{_STATUS_LABELS.get(status, status)}: " + "; ".join(items) for status, items in by_status.items()]
     if problem:
@@ -210,7 +240,7 @@ def sync_panel(ctx: UiContext, slots: LoraSlots) -> dict:
             problem = str(exc)
         return panel_view(ctx, list(slot_names), problem)
 
-    return dict(fn=sync, inputs=[slots.slot_names, *slots.sliders], outputs=slots.view, api_visibility="private",
+    return dict(fn=sync, inputs=[slots.slot_names, *slots.values], outputs=slots.view, api_visibility="private",
                 concurrency_id=LORA_QUEUE, show_progress_on=[slots.status])
 
 
@@ -231,7 +261,7 @@ def allow_partial_event(ctx: UiContext, slots: LoraSlots, slot: int) -> dict:
             problem = str(exc)
         return panel_view(ctx, list(slot_names), problem)
 
-    return dict(fn=allow_partial, inputs=[slots.partial[slot], slots.slot_names, *slots.sliders], outputs=slots.view,
+    return dict(fn=allow_partial, inputs=[slots.partial[slot], slots.slot_names, *slots.values], outputs=slots.view,
                 api_visibility="private", concurrency_id=LORA_QUEUE, show_progress_on=[slots.status])
 
 
@@ -241,10 +271,13 @@ def wire_loras(ctx: UiContext, slots: LoraSlots) -> None:
     def on_select(names, slot_names, *values):
         return slot_updates(ctx, names, slot_weights(slot_names, values))
 
-    slots.select.input(on_select, [slots.select, slots.slot_names, *slots.sliders], slots.layout,
+    slots.select.input(on_select, [slots.select, slots.slot_names, *slots.values], slots.layout,
                        **private).then(**sync_panel(ctx, slots))
     for slider in slots.sliders:
         slider.release(**sync_panel(ctx, slots))
+    for box in slots.schedule:
+        box.submit(**sync_panel(ctx, slots))
+        box.blur(**sync_panel(ctx, slots))
     for slot, box in enumerate(slots.partial):
         box.input(**allow_partial_event(ctx, slots, slot))
     slots.refresh.click(lambda: gr.Dropdown(choices=ctx.engine.library.names()), None, slots.select,

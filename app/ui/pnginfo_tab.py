@@ -25,7 +25,8 @@ def summary_markdown(info: Infotext) -> str:
     def row(key: str, value: str) -> str:
         return f"| {html.escape(key)} | {html.escape(value).replace('|', '&#124;') or '—'} |"
 
-    loras = ", ".join(f"{s.name} (UNet {s.unet_strength:g} / TE {s.te_strength:g})" for s in info.loras)
+    loras = ", ".join(f"{s.name} (UNet {s.schedule_text or format(s.unet_strength, 'g')} / TE {s.te_strength:g})"
+                      for s in info.loras)
     rows = [row("Prompt", info.prompt), row("Negative prompt", info.negative_prompt), row("LoRAs", loras or "none")]
     rows += [row(key, value) for key, value in info.settings.items() if key != "Lora weights"]
     origin = "this app" if info.ours else f"another tool ({info.settings.get('Version', 'version not recorded')})"

@@ -33,7 +33,8 @@ def _clock(t: float) -> str:
 
 
 def loras_text(snap: Snapshot) -> str:
-    return ", ".join(f"{s.name} {s.unet_strength:g}/{s.te_strength:g}" for s in snap.loras) or "none"
+    return ", ".join(f"{s.name} {s.schedule_text or format(s.unet_strength, 'g')}/{s.te_strength:g}"
+                     for s in snap.loras) or "none"
 
 
 def _shortened(text: str) -> str:
@@ -161,7 +162,7 @@ def lora_rows(snap: Snapshot) -> list[list]:
     for name in dict.fromkeys([*states, *snap.lora_counters]):
         state, c = states.get(name), snap.lora_counters.get(name)
         status = state.status if state is not None else "not wanted"
-        weight = f"{state.unet_strength:g} / {state.te_strength:g}" if state is not None else ""
+        weight = f"{state.unet_shown} / {state.te_strength:g}" if state is not None else ""
         note = (state.reason if state is not None and state.reason else "") or (c.message if c is not None else "")
         counts = [c.matched_layers, c.unmatched_keys, c.apply_errors, c.runtime_errors] if c else ["", "", "", ""]
         rows.append([name, status, weight, *counts, note])
