@@ -232,7 +232,7 @@ class Generating:
         within `STOPPED_DECODE_SECONDS` (`Job.decode_should_stop`), unless the stop drops them (the result
         is then None)."""
         reached, ending, arch = 0, False, self._lifecycle.facts().arch
-        previews = family(arch).preview_rgb is not None  # no factors: no preview
+        previews = family(arch).latent_format.preview_rgb is not None  # no factors: no preview
         taken: tuple[int, HostRead] | None = None  # the last preview's step and pixels, on their way to the host
 
         def on_step(step: int, total: int, latents) -> bool:

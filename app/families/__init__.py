@@ -16,8 +16,9 @@ How to add a family (Z-Image, Flux.2 Klein, …), in five lines:
    and the tests build random-weight models from them), and bundle offline configs in `assets/`.
 3. State what differs from the defaults: text encoders, checkpoint markers and `parts` (single
    files), samplers, guidance (range, `guidance_call`), `pinned_dtypes` (RoPE `inv_freq` in fp32),
-   `blocks` (group offload), `takes_embeddings`, `preview_rgb`, adapter markers and LoRA targets, and
-   `bench` (its benchmark rows and device-check sections: `benchmarks/` never names a family).
+   `blocks` (group offload), `takes_embeddings`, `latent_format` (statistics, preview, frames),
+   adapter markers and LoRA targets, and `bench` (its benchmark rows and device-check sections:
+   `benchmarks/` never names a family).
 4. Run `python -m pytest -n 0 tests/families`: the conformance suite parametrises itself over the
    registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, stages).
 5. Add a test file for the family's native file formats only, and its README section.
@@ -37,6 +38,7 @@ defaults (steps, guidance, sampler; the size is the loaded model's native size) 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import importlib
 import json
@@ -126,25 +128,84 @@ class ComponentFile:
 class LatentStats:
     """How a VAE's raw latents relate to the ones the denoiser works on, per channel or for all:
     denoised = (raw - mean) * scale / std, raw = denoised * std / scale + mean. SD: mean 0, std 1;
-    Flux: mean = the VAE's shift factor; VAEs with `latents_mean`/`latents_std` use those."""
+    Flux: mean = the VAE's shift factor; VAEs with `latents_mean`/`latents_std` use those.
 
-    scale: float
+    `inverse_std`: the family's pipeline states the std as its reciprocal r = 1/std, computed in the
+    latents' dtype (Qwen-Image: raw = denoised / r + mean, denoised = (raw - mean) * r). It is the
+    same number on paper, but rounds differently from `x * std`: an image off by a grey level against
+    the family's own pipeline. The op order is part of the format, so bit-exactness is."""
+
+    scale: float = 1.0
     mean: float | tuple[float, ...] = 0.0
     std: float | tuple[float, ...] = 1.0
+    inverse_std: bool = False
+
+    def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
+        """Denoised latents -> what the VAE decodes."""
+        mean, std = _per_channel(self.mean, latents), _per_channel(self.std, latents)
+        if self.inverse_std:
+            return latents / (1.0 / std) / self.scale + mean
+        return latents * std / self.scale + mean
+
+    def from_vae(self, raw: torch.Tensor) -> torch.Tensor:
+        """What the VAE encoded -> the latents the denoiser works on (the inverse of `to_vae`)."""
+        mean, std = _per_channel(self.mean, raw), _per_channel(self.std, raw)
+        if self.inverse_std:
+            return (raw - mean) * (1.0 / std) * self.scale
+        return (raw - mean) * self.scale / std
 
 
 def vae_latent_stats(config) -> LatentStats:
-    """The rule diffusers' pipelines apply, read from the VAE's config (the default `latent_stats`)."""
+    """The rule diffusers' pipelines apply, read from the VAE's config (the default `LatentFormat.stats`)."""
+    scale = getattr(config, "scaling_factor", None) or 1.0
     mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
     if mean is not None and std is not None:
-        return LatentStats(config.scaling_factor, tuple(mean), tuple(std))
-    return LatentStats(config.scaling_factor, getattr(config, "shift_factor", None) or 0.0)
+        return LatentStats(scale, tuple(mean), tuple(std))
+    return LatentStats(scale, getattr(config, "shift_factor", None) or 0.0)
+
+
+def inverse_std_stats(config) -> LatentStats:
+    """`vae_latent_stats` with the std applied as its reciprocal (see `LatentStats.inverse_std`)."""
+    return dataclasses.replace(vae_latent_stats(config), inverse_std=True)
 
 
 def _per_channel(value: float | tuple[float, ...], like: torch.Tensor) -> float | torch.Tensor:
+    """A per-channel statistic as a tensor in `like`'s dtype on its device, shaped to broadcast over
+    axis 1 of any rank (an image's (b, c, h, w), a video VAE's (b, c, frames, h, w)), as pipelines build it."""
     if isinstance(value, tuple):
-        return torch.tensor(value, device=like.device, dtype=like.dtype).view(1, -1, 1, 1)
+        return torch.tensor(value).view(1, -1, *(1,) * (like.ndim - 2)).to(like.device, like.dtype)
     return value
+
+
+# (factors: one RGB row per latent channel, RGB bias): the live preview's linear map (app/preview.py)
+PreviewFactors = tuple[tuple[tuple[float, float, float], ...], tuple[float, float, float]]
+
+
+@dataclass(frozen=True)
+class LatentFormat:
+    """One latent space: what a VAE's latents are, shared by every family on that VAE (as ComfyUI keeps
+    one latent format per VAE). Why one object: the statistics, the preview factors and the frame axis
+    describe the VAE, not the family, and two families on one VAE must not state them twice.
+
+    The engine's latents are images, (batch, channels, h, w), whatever the VAE: a video VAE (`frames`:
+    Qwen-Image's, Wan's) takes and returns (batch, channels, frames, h, w), so the engine adds a one-frame
+    axis at the VAE's boundary and takes it off what the VAE gives back (`app/engine/decoding.py`,
+    `app/engine/stages.py`)."""
+
+    stats: Callable[[Any], LatentStats] = vae_latent_stats  # VAE config -> LatentStats
+    preview_rgb: PreviewFactors | None = None  # None: no live preview of the latents
+    frames: bool = False  # the VAE has a frame axis (a video VAE); images are one frame
+
+    def to_vae_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An image-shaped tensor (latents or pixels) as the VAE takes it: one frame where it has frames."""
+        return tensor.unsqueeze(2) if self.frames and tensor.ndim == 4 else tensor
+
+    def from_vae_output(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What the VAE gave back, image-shaped: its one frame where it has frames."""
+        return tensor[:, :, 0] if self.frames and tensor.ndim == 5 else tensor
+
+
+IMAGE_LATENTS = LatentFormat()  # SD's VAE rule, read from the VAE's config, no preview
 
 
 # (family, denoiser config, rows, latent side, empty(*shape) -> a meta tensor) -> one denoiser call's arguments
@@ -168,8 +229,6 @@ class BenchSpec:
     offload_check_s: int = 0  # > 0: a later section of every offload mode at `check`'s steps, this estimate
 
 
-# (factors: one RGB row per latent channel, RGB bias): the live preview's linear map (app/preview.py)
-PreviewFactors = tuple[tuple[tuple[float, float, float], ...], tuple[float, float, float]]
 # Architectures whose LoRAs exist but that no family here runs: (LoRA arch, badge, metadata markers),
 # so a LoRA card and a refusal can still say what a file was made for.
 FOREIGN_ADAPTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -283,8 +342,7 @@ class Family:
     # what executes: ModuleList/ModuleDict elements, other children whole, tensors the component
     # owns itself around its forward); a callable (component name, module) -> [modules] replaces it.
     blocks: Callable[[str, torch.nn.Module], list[torch.nn.Module]] | None = None
-    latent_stats: Callable[[Any], LatentStats] = vae_latent_stats  # VAE config -> LatentStats
-    preview_rgb: PreviewFactors | None = None  # None: no live preview of the latents
+    latent_format: LatentFormat = IMAGE_LATENTS  # the VAE's latent space: statistics, preview, frames
     # Does this loaded pipeline's denoiser read a mask and masked-image latents (an inpainting checkpoint)?
     inpainting: Callable[[Any], bool] = lambda pipe: False
     # --- adapters: what LoRA metadata calls the architecture ("flux" for dev and schnell), its badge,
@@ -374,13 +432,11 @@ class Family:
 
     def latents_for_vae(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """Denoised latents -> what the VAE decodes (the one rule `decode` uses; `latents_from_vae` inverts it)."""
-        stats = self.latent_stats(vae.config)
-        return latents * _per_channel(stats.std, latents) / stats.scale + _per_channel(stats.mean, latents)
+        return self.latent_format.stats(vae.config).to_vae(latents)
 
     def latents_from_vae(self, vae, raw: torch.Tensor) -> torch.Tensor:
         """What the VAE encoded -> the latents the denoiser works on (the inverse of `latents_for_vae`)."""
-        stats = self.latent_stats(vae.config)
-        return (raw - _per_channel(stats.mean, raw)) * stats.scale / _per_channel(stats.std, raw)
+        return self.latent_format.stats(vae.config).from_vae(raw)
 
     def matches(self, keys: frozenset[str] | set[str]) -> bool:
         """Does a single file with these tensor names hold this family's markers?"""

@@ -38,7 +38,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from app.engine.compile_regions import declared_repeated_blocks
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, LatentStats, TextEncoder
+from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, LatentFormat, LatentStats, TextEncoder
 from app.families.file_layout import own_names
 from app.families.flow_dit import NEAREST_SAMPLERS, SAMPLERS
 from app.families.flux_layout import bfl_aliases
@@ -170,6 +170,8 @@ _PREVIEW = (((0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0099, 0.009
              (-0.0465, -0.0204, -0.0312), (0.0095, 0.0012, -0.0066), (0.0290, -0.0034, 0.0025),
              (0.0220, 0.0169, -0.0048), (-0.0332, -0.0457, -0.0468), (-0.0085, 0.0389, 0.0609),
              (-0.0076, 0.0003, -0.0043), (-0.0111, -0.0460, -0.0614)), (-0.0329, -0.0718, -0.0851))
+# The VAE's own statistics normalise the latents inside the pipeline (its `bn`): the engine's are the VAE's own.
+_LATENTS = LatentFormat(stats=lambda config: LatentStats(1.0), preview_rgb=_PREVIEW)
 # Every layer kind: double-block attention (q and output), both MLPs, a single block's fused
 # projection and output, a shared modulation, the embedders, and Qwen3's attention and MLP.
 _LORA_TARGETS = (
@@ -256,8 +258,7 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has no such files
         reference_images=4,  # each adds up to 4,096 tokens (1024² / 16²) to every attention
         pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32}),
-        # the VAE's own statistics normalise the latents inside the pipeline: the engine's are the VAE's own
-        latent_stats=lambda config: LatentStats(1.0),
+        latent_format=_LATENTS,
         # a folder is the 9B's when it has the 9B's eight double blocks, else the 4B's (FAMILIES lists the 9B first)
         folder_config=MappingProxyType({"transformer/config.json": {"num_layers": double_blocks}} if size == "9b"
                                        else {}),
@@ -267,7 +268,6 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, num_layers=double_blocks if size == "9b"
                                                            else 2),
                                        "vae": _TINY_VAE, "text_encoder": _TINY_QWEN3}),
-        preview_rgb=_PREVIEW,
         adapter_arch=f"flux2-klein-{size}",
         foreign_adapter_layers=(("FLUX.1", _FLUX1_LAYERS),),
         adapter_label=f"Klein {size.upper()}",

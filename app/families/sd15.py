@@ -15,7 +15,7 @@ from transformers import CLIPTextModel
 
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, Family, TextEncoder
+from app.families import ASSETS_DIR, Family, LatentFormat, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
 from app.families.sd_controlnet import sd_controlnet_kit
 from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
@@ -72,8 +72,9 @@ SD15 = Family(
         "text_encoder": dict(TINY_CLIP_L, num_hidden_layers=5),
     }),
     # ComfyUI's published latent-preview fit (comfy/latent_formats.py, SD15)
-    preview_rgb=(((0.3512, 0.2297, 0.3227), (0.3250, 0.4974, 0.2350), (-0.2829, 0.1762, 0.2721),
-                  (-0.2120, -0.2616, -0.7177)), (0.0, 0.0, 0.0)),
+    latent_format=LatentFormat(preview_rgb=(
+        ((0.3512, 0.2297, 0.3227), (0.3250, 0.4974, 0.2350), (-0.2829, 0.1762, 0.2721),
+         (-0.2120, -0.2616, -0.7177)), (0.0, 0.0, 0.0))),
     adapter_label="SD1.5",
     adapter_markers=("sd_v1", "stable-diffusion-v1", "sd1", "sd_1", "sd 1", "v1"),
     # The safety checker is never loaded (nothing to download, nothing to run).

@@ -15,7 +15,7 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, Family, TextEncoder
+from app.families import ASSETS_DIR, Family, LatentFormat, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
 from app.families.sd_controlnet import sd_controlnet_kit
 from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
@@ -87,8 +87,9 @@ SDXL = Family(
         "text_encoder_2": _TINY_CLIP_G,
     }),
     # ComfyUI's published latent-preview fit (comfy/latent_formats.py, SDXL)
-    preview_rgb=(((0.3651, 0.4232, 0.4341), (-0.2533, -0.0042, 0.1068), (0.1076, 0.1111, -0.0362),
-                  (-0.3165, -0.2492, -0.2188)), (0.1084, -0.0175, -0.0011)),
+    latent_format=LatentFormat(preview_rgb=(
+        ((0.3651, 0.4232, 0.4341), (-0.2533, -0.0042, 0.1068), (0.1076, 0.1111, -0.0362),
+         (-0.3165, -0.2492, -0.2188)), (0.1084, -0.0175, -0.0011))),
     adapter_markers=("sdxl_base_v1-0", "stable-diffusion-xl-v1-base", "sdxl", "stable-diffusion-xl", "xl"),
     kohya_ldm_names=True,
     # benched beside SD1.5 in the compile and channels_last sections; no device-check section of its own
