@@ -1,0 +1,170 @@
+"""Qwen-Image 2.1 (and its Turbo): a single-stream, block-causal DiT over the 64-channel RGBA latents of its own
+16× VAE, with the Qwen3-VL-8B encoder, 1024² native size (Qwen, Apache-2.0; diffusers' `QwenImage21Pipeline`).
+
+One pipeline generates from a prompt and edits or combines reference images: Qwen3-VL reads each picture in
+the vision slots its template reserves, and the picture's VAE latents join the sequence ahead of the image
+being made; every picture is resized to the generated image's area (the pipeline's `output_resolution`). The
+model is sampled without guidance (CFG 1, 40 steps, the pipeline's defaults); CFG above 1 runs its
+unconditional pass with the negative prompt, as A1111 computes it. Turbo is the same pipeline whose folder
+states the model author's `sample_sigmas`: its steps are their count, and other step counts run the plain
+linear schedule, as the pipeline runs any call without them.
+
+Files: a diffusers folder; or ComfyUI's transformer (`txt_in.text_norm` is its marker; bf16, or fp8 with
+`weight_scale`) with the Qwen3-VL encoder in `models/text_encoder` (`qwen3vl_8b*.safetensors`) and the VAE in
+`models/VAE` (`qwen_image_2.1_vae*.safetensors`, diffusers' names), or an all-in-one under ComfyUI's prefixes.
+Names: `qwen_image_layout.py`; the encoder and its bundled processor: `qwen3_vl.py`. The VAE's frames axis and
+RGBA pictures are the VAE's own: the engine hands it spatial latents; img2img and inpaint are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+from types import MappingProxyType
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from app.engine.pipelines import EnginePipeline
+from app.engine.variation import VariedNoise
+from app.families import ASSETS_DIR, ComponentFile, Family, LatentFormat, TextEncoder
+from app.families.file_layout import own_names
+from app.families.flow_dit import DIT_SHARED
+from app.families.qwen3_vl import QWEN3_VL_PINNED, QWEN3_VL_TOKENIZER_DIR, BundledQwen3VLProcessor, qwen3_vl_part
+from app.families.qwen_image_layout import lora_aliases, transformer_layout
+
+
+class SteadyQwenImage21Pipeline(EnginePipeline, VariedNoise, QwenImage21Pipeline):
+    """Qwen-Image 2.1 txt2img and reference editing (`image=[…]`). It denoises the latents unpatched, as a
+    (batch, rows·columns, 64) sequence; the engine's spatial latents are (batch, 64, rows, columns)."""
+
+    def __call__(self, *args, num_inference_steps: int = 40, sigmas=None, height: int | None = None,
+                 width: int | None = None, output_resolution: int | None = None, **kwargs):
+        """The model author's `sample_sigmas` where the steps are their count, else the linear schedule the
+        pipeline uses without them: the engine always runs the steps it was asked for. References are resized
+        to the generated image's area (the pipeline's `output_resolution`, which it would otherwise also derive
+        the size from: 1024 at the native 1024²)."""
+        if sigmas is None:
+            authored = self.config.get("sample_sigmas")
+            sigmas = (authored if authored and len(authored) == num_inference_steps
+                      else np.linspace(1.0, 1 / num_inference_steps, num_inference_steps))
+        side = output_resolution or (round(math.sqrt(height * width)) if height and width else 1024)
+        return super().__call__(*args, num_inference_steps=num_inference_steps, sigmas=sigmas, height=height,
+                                width=width, output_resolution=side, **kwargs)
+
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        multiple = self.vae_scale_factor * 2
+        return 2 * (int(height) // multiple), 2 * (int(width) // multiple)
+
+    def pack_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        return noise.flatten(2).transpose(1, 2)
+
+    def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        if latents.dim() == 4:
+            return latents
+        return latents.transpose(1, 2).reshape(latents.shape[0], latents.shape[2], *self.latent_grid(height, width))
+
+    def prepare_latents(self, images, batch_size, num_channels_latents, height, width, dtype, device, generator,
+                        latents=None):
+        """A variation seed's first noise is mixed spatially (`VariedNoise`) and packed; the pipeline draws the
+        same numbers with a frames axis of 1."""
+        if latents is None and self.variation is not None:
+            shape = (batch_size, num_channels_latents, *self.latent_grid(height, width))
+            latents = self.pack_noise(self.variation.noise(shape, self.latent_grid, dtype, device, generator))
+        return QwenImage21Pipeline.prepare_latents(self, images, batch_size, num_channels_latents, height, width,
+                                                   dtype, device, generator, latents)
+
+    def _encode_vae_image(self, image: torch.Tensor, generator):
+        """References are encoded in the VAE's compute dtype (diffusers hands them over in the text encoder's)."""
+        dtype = self.compute_dtypes.get("vae") or image.dtype
+        return super()._encode_vae_image(image.to(dtype=dtype), generator).to(image.dtype)
+
+
+# The VAE's own per-channel statistics, as the pipeline applies them (`x·std + mean`); one frame; no preview fit yet.
+QWEN_IMAGE_21_LATENTS = LatentFormat(frames=True)
+QWEN3_VL = TextEncoder("text_encoder", "processor", Qwen3VLForConditionalGeneration,
+                       "text_encoders.qwen3vl_8b.transformer.", open_clip=False, lora_prefix="lora_te_",
+                       embedding_key="qwen3vl", config_class=Qwen3VLConfig, tokenizer_class=BundledQwen3VLProcessor,
+                       tokenizer_dir=QWEN3_VL_TOKENIZER_DIR, reads="text", chunked=False)
+_PARTS = (
+    ComponentFile("transformer", "transformer", QwenImage21Transformer2DModel, ("model.diffusion_model.", ""),
+                  "txt_in.text_norm.weight", transformer_layout),
+    qwen3_vl_part("qwen3vl_8b.safetensors", QWEN3_VL.single_file_prefix),
+    ComponentFile("vae", "VAE (qwen_image_2.1_vae.safetensors)", AutoencoderKLQwenImage21, ("vae.", ""),
+                  "decoder.norm_out.gamma", own_names, folder="vae_dir"),
+)
+# Tiny: the real 64 latent channels, 16× VAE (five stages, four downsamples) and RGBA pictures; 2 blocks of 2
+# heads x 8 with rope axes 2/2/4; Qwen3-VL with the real vocabulary, 2 text layers and a 2-block vision tower
+# whose 16-pixel patches and 2×2 merge are the real ones (a reference's vision slots match its latents).
+_TINY_TEXT = dict(vocab_size=151936, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                  rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[2, 1, 1],
+                                       mrope_interleaved=True))
+_TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=37, num_heads=2, out_hidden_size=32, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                    deepstack_visual_indexes=[1])
+_TINY = MappingProxyType({
+    "transformer": dict(in_channels=64, out_channels=64, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+                        context_in_dim=32, axes_dims_rope=(2, 2, 4)),
+    "vae": dict(base_dim=8, decoder_base_dim=8, z_dim=64, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+                temperal_downsample=[False, False, False, False]),
+    "text_encoder": dict(text_config=_TINY_TEXT, vision_config=_TINY_VISION, tie_word_embeddings=True),
+})
+# Every layer kind: attention (q, out), both SwiGLU halves and its output, the shared modulation, the text and
+# image embedders, the final layer, and Qwen3-VL's attention, MLP and vision tower.
+_LORA_TARGETS = (
+    "transformer.transformer_blocks.0.attn.to_q", "transformer.transformer_blocks.*.attn.to_out.0",
+    "transformer.transformer_blocks.1.img_mlp.gate_layer", "transformer.transformer_blocks.0.img_mlp.proj",
+    "transformer.transformer_blocks.0.img_mlp.out", "transformer.modulation.1", "transformer.txt_in.in_layer",
+    "transformer.img_in", "transformer.norm_out.linear",
+    "text_encoder.model.language_model.layers.0.self_attn.q_proj",
+    "text_encoder.model.language_model.layers.1.mlp.down_proj", "text_encoder.model.visual.blocks.0.attn.qkv",
+)
+_DEMO_LORA_TARGETS = (
+    ("transformer.*attn.to_[qkv]", "transformer.*attn.to_out.0", "text_encoder.*self_attn.[qkvo]_proj"),
+    ("transformer.*img_mlp.*", "text_encoder.*language_model*mlp.*_proj"),
+)
+
+
+def _defaults(pipe) -> tuple[int, float]:
+    """Turbo's own steps (its `sample_sigmas`), else the pipeline's 40; no guidance either way."""
+    authored = pipe.config.get("sample_sigmas")
+    return (len(authored) if authored else 40), 1.0
+
+
+QWEN_IMAGE_21 = Family(
+    name="qwen-image-2.1",
+    label="Qwen-Image 2.1",
+    pipeline_class=SteadyQwenImage21Pipeline,
+    diffusers_pipeline="QwenImage21Pipeline",
+    text_encoders=(QWEN3_VL,),
+    checkpoint_markers=("txt_in.text_norm.weight", "transformer_blocks.0.img_mlp.gate_up.weight"),
+    config_dir=ASSETS_DIR / "configs" / "qwen-image-2.1",
+    denoiser_class=QwenImage21Transformer2DModel,
+    vae_class=AutoencoderKLQwenImage21,
+    **{**DIT_SHARED, "size_multiple": 32, "latent_format": QWEN_IMAGE_21_LATENTS,
+       # 1024² as the pipeline makes it; a demo-size model (under 1024 wide) 64²
+       "native_size": lambda pipe: 1024 if pipe.transformer.inner_dim >= 1024 else 64},
+    parts=_PARTS,
+    default_steps=40,
+    default_guidance=1.0,
+    loaded_defaults=_defaults,
+    guidance_call=lambda cfg: {"true_cfg_scale": cfg},
+    guidance_label="CFG scale (true CFG)",
+    first_block="transformer_blocks.0",
+    step_distilled=lambda pipe: bool(pipe.config.get("sample_sigmas")),
+    # fp8 storage keeps the embedders, the shared modulation and the final layers in the compute dtype
+    high_precision=("img_in", "txt_in", "time_text_embed", "modulation", "norm_out", "proj_out", "lm_head"),
+    takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3-VL has none
+    reference_images=4,  # each adds 4,096 tokens (1024² / 16²) to every attention; the pipeline takes up to 10
+    pinned_dtypes=QWEN3_VL_PINNED,
+    adapter_arch="qwen-image-2.1",
+    adapter_label="Qwen-Image 2.1",
+    adapter_markers=("qwen_image_2.1", "qwen-image-2.1", "qwen_image_21", "qwenimage21", "qwen-image-21"),
+    native_modules=lora_aliases,
+    tiny_configs=_TINY,
+    lora_targets=_LORA_TARGETS,
+    demo_lora_targets=_DEMO_LORA_TARGETS,
+)
+FAMILIES = (QWEN_IMAGE_21,)
