@@ -50,6 +50,8 @@ class SteadyQwenImage21Pipeline(EnginePipeline, VariedNoise, QwenImage21Pipeline
             sigmas = (authored if authored and len(authored) == num_inference_steps
                       else np.linspace(1.0, 1 / num_inference_steps, num_inference_steps))
         side = output_resolution or (round(math.sqrt(height * width)) if height and width else 1024)
+        if kwargs.get("true_cfg_scale", 1.0) <= 1:  # no unconditional pass reads it (diffusers warns each call)
+            kwargs.pop("negative_prompt", None)
         return super().__call__(*args, num_inference_steps=num_inference_steps, sigmas=sigmas, height=height,
                                 width=width, output_resolution=side, **kwargs)
 
@@ -151,14 +153,14 @@ QWEN_IMAGE_21 = Family(
     default_guidance=1.0,
     loaded_defaults=_defaults,
     guidance_call=lambda cfg: {"true_cfg_scale": cfg},
-    guidance_label="CFG scale (true CFG)",
     first_block="transformer_blocks.0",
     step_distilled=lambda pipe: bool(pipe.config.get("sample_sigmas")),
     # fp8 storage keeps the embedders, the shared modulation and the final layers in the compute dtype
     high_precision=("img_in", "txt_in", "time_text_embed", "modulation", "norm_out", "proj_out", "lm_head"),
     takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3-VL has none
     reference_images=4,  # each adds 4,096 tokens (1024² / 16²) to every attention; the pipeline takes up to 10
-    pinned_dtypes=QWEN3_VL_PINNED,
+    # the timestep embedding's frequencies stay fp32 on a bf16 load, as diffusers' `from_pretrained` keeps them
+    pinned_dtypes={**QWEN3_VL_PINNED, "transformer.time_text_embed.time_proj.freqs": torch.float32},
     adapter_arch="qwen-image-2.1",
     adapter_label="Qwen-Image 2.1",
     adapter_markers=("qwen_image_2.1", "qwen-image-2.1", "qwen_image_21", "qwenimage21", "qwen-image-21"),
