@@ -69,7 +69,9 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     frames = fam.latent_format
 
     def vae_decode(part: torch.Tensor) -> torch.Tensor:
-        return frames.from_vae_output(vae.decode(frames.to_vae_input(part), return_dict=False)[0])
+        """The VAE's pictures as RGB: an RGBA VAE's alpha channel is left out, as every tool that
+        reads the engine's pictures (upscalers, ControlNet maps, A1111 clients' JPEGs) reads RGB."""
+        return frames.from_vae_output(vae.decode(frames.to_vae_input(part), return_dict=False)[0])[:, :3]
     scale = pipe.vae_scale_factor
     rows, columns = latents.shape[-2:]
     image_pixels = rows * columns * scale * scale
