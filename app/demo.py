@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.engine.models import CONFIGS_METADATA_KEY
-from app.families import FAMILIES, family
+from app.families import DEMO_SIDE, FAMILIES, FamilyContractError, family
 from app.safetensors_files import read_header
 from app.settings import Settings
 from app.upscalers.demo import write_demo_upscaler
@@ -61,10 +61,16 @@ def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None
 
     The global RNG is forked so building a pipeline does not disturb the caller's random state.
     """
-    fam = family(arch)
-    configs = fam.tiny_configs
-    if not configs:
-        raise ValueError(f"{fam.label} states no tiny_configs (app/families/): no tiny model can be built")
+    fam = family(arch)  # registered: its tiny_configs state every component (`check_contract`)
+    pipe = _tiny_pipeline(fam, fam.tiny_configs, seed, in_channels)
+    if fam.native_size(pipe) != DEMO_SIDE:
+        raise FamilyContractError(f"model family {fam.name!r} breaks the family contract: its tiny model's native "
+                                  f"size is {fam.native_size(pipe)}, the demo's rule is {DEMO_SIDE} (DEMO_SIDE)")
+    return pipe
+
+
+def _tiny_pipeline(fam, configs, seed: int, in_channels: int | None):
+    """The family's plain diffusers pipeline of random-weight components built from `configs`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         components = {

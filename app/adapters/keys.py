@@ -191,8 +191,9 @@ class KeyTable:
         for number, te in enumerate(fam.text_encoders, start=1):
             if te.component in self.components:
                 first = _FIRST_TE_PREFIXES if number == 1 else ()
-                kohya = tuple(dict.fromkeys((*first, f"lora_te{number}_", te.lora_prefix)))
-                dotted = (f"{te.component}.",) + (() if te.open_clip else (te.single_file_prefix,))
+                kohya = tuple(dict.fromkeys((*first, f"lora_te{number}_", fam.kohya_prefix(te.component))))
+                in_files = te.single_file_prefix is not None and not te.open_clip
+                dotted = (f"{te.component}.",) + ((te.single_file_prefix,) if in_files else ())
                 yield from self._text_encoder_aliases(te.component, getattr(pipe, te.component), kohya, dotted)
 
     @staticmethod

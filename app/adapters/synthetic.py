@@ -44,7 +44,7 @@ Target = tuple[str, str]  # (component, module path), as `app.adapters.keys` res
 
 # --------------------------------------------------------------------------------------- layouts
 def _kohya_te(arch: str, component: str) -> str:
-    return family(arch).text_encoder(component).lora_prefix
+    return family(arch).kohya_prefix(component)
 
 
 def _peft_te(_arch: str, component: str) -> str:

@@ -66,6 +66,12 @@ from app.families.file_layout import Layout, all_in_one_state
 from app.families.ldm_layout import to_ldm_state_dict
 
 ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
+# The demo's rules (app/demo.py writes tiny models every test builds; tests/test_demo.py holds them to these):
+# a tiny model's native size is DEMO_SIDE pixels, and its image of a prompt is not flat (pixel std above
+# DEMO_MIN_STD, in [0, 1]) and changes with the prompt (some pixel by more than DEMO_MIN_CHANGE).
+DEMO_SIDE = 64
+DEMO_MIN_STD = 0.05
+DEMO_MIN_CHANGE = 0.01
 CLIP_TOKENIZER_DIR = ASSETS_DIR / "clip_tokenizer"
 # sampler name -> (scheduler class, overrides of the model's scheduler config)
 Samplers = Mapping[str, tuple[type, Mapping[str, object]]]
@@ -84,15 +90,17 @@ SD_SAMPLERS: Samplers = MappingProxyType({
 
 @dataclass(frozen=True)
 class TextEncoder:
-    """One text encoder of a family and every name it goes by."""
+    """One text encoder of a family and every name it goes by. The names of the files it may appear in are
+    optional: an encoder that never sits in a single file, a LoRA or an embedding states none (None), and
+    `check_contract` asks for each only where the family reads such files."""
 
     component: str  # pipeline attribute: "text_encoder", "text_encoder_2"
     tokenizer: str  # its tokenizer's pipeline attribute
     model_class: type[PreTrainedModel]
-    single_file_prefix: str  # where its tensors live in an LDM single file
-    open_clip: bool  # OpenCLIP key layout in single files (fused qkv), else CLIP's
-    lora_prefix: str  # kohya LoRA key prefix ("lora_te_", "lora_te1_", …)
-    embedding_key: str  # its vectors' key in a textual-inversion file ("emb_params", "clip_l", …)
+    single_file_prefix: str | None = None  # where its tensors live in a single file; None: never in one
+    open_clip: bool = False  # OpenCLIP key layout in single files (fused qkv), else CLIP's
+    lora_prefix: str | None = None  # kohya LoRA key prefix ("lora_te_", …); None: kohya's positional `lora_teN_`
+    embedding_key: str | None = None  # its vectors' key in a textual-inversion file ("emb_params", …); None: none
     pad_token: str | None = None  # the bundled CLIP tokenizer pads with this instead of its own
     config_class: type[PretrainedConfig] = CLIPTextConfig
     tokenizer_class: type = CLIPTokenizer
@@ -282,8 +290,10 @@ class Family:
     pipeline_class: type  # our pipeline subclass (EnginePipeline first)
     diffusers_pipeline: str  # `_class_name` in a diffusers folder's model_index.json
     text_encoders: tuple[TextEncoder, ...]
-    checkpoint_markers: tuple[str, ...]  # keys a single file must hold to be this family
     config_dir: Path  # bundled offline configs (model_index.json, component configs, scheduler)
+    # Keys a single file must hold to be this family; a folder-only family may state none, or state them so that
+    # a single file of it is refused as such (`layouts`) instead of as an unknown file.
+    checkpoint_markers: tuple[str, ...] = ()
     pipeline_kwargs: Mapping[str, object] = field(default_factory=dict)  # passed when a pipeline is built
     # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
     # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
@@ -440,7 +450,8 @@ class Family:
 
     def matches(self, keys: frozenset[str] | set[str]) -> bool:
         """Does a single file with these tensor names hold this family's markers?"""
-        return any(all(p + m in keys for m in self.checkpoint_markers) for p in self.marker_prefixes)
+        return bool(self.checkpoint_markers) and any(all(p + m in keys for m in self.checkpoint_markers)
+                                                     for p in self.marker_prefixes)
 
     def single_file_state(self, pipe) -> dict:
         """The pipeline's weights as one single file of this family (the demo's and the tests' writer):
@@ -458,6 +469,11 @@ class Family:
     def text_encoder(self, component: str) -> TextEncoder:
         return next(te for te in self.text_encoders if te.component == component)
 
+    def kohya_prefix(self, component: str) -> str:
+        """The kohya LoRA key prefix of a text encoder: its own, else kohya's positional `lora_te<N>_`."""
+        number = next(n for n, te in enumerate(self.text_encoders, start=1) if te.component == component)
+        return self.text_encoder(component).lora_prefix or f"lora_te{number}_"
+
     def tokenizers(self) -> dict[str, object]:
         """The bundled tokenizer(s) as pipeline keyword arguments (no download, ever)."""
         out = {}
@@ -467,15 +483,48 @@ class Family:
         return out
 
 
+class FamilyContractError(ValueError):
+    """A family that breaks a rule of the contract, named with the rule when it is registered."""
+
+
+def check_contract(fam: Family) -> Family:
+    """Refuse a family that breaks a rule generic code or the demo relies on, naming the family and the rule
+    (found at registration, not by a crash in some test later); returns it."""
+    broken = [rule for rule, holds in _contract_rules(fam) if not holds]
+    if broken:
+        raise FamilyContractError(f"model family {fam.name!r} breaks the family contract: {'; '.join(broken)}")
+    return fam
+
+
+def _contract_rules(fam: Family) -> list[tuple[str, bool]]:
+    encoders = fam.text_encoders
+    ldm_file = "file" in fam.layouts and not fam.parts  # diffusers' single-file loader reads each encoder's prefix
+    return [
+        (f"layouts {fam.layouts} must be some of ('file', 'folder')", bool(fam.layouts)
+         and set(fam.layouts) <= {"file", "folder"}),
+        ("a family that loads single files ('file' in layouts) states checkpoint_markers",
+         "file" not in fam.layouts or bool(fam.checkpoint_markers)),
+        ("an LDM single-file family states each TextEncoder.single_file_prefix",
+         not ldm_file or all(te.single_file_prefix is not None for te in encoders)),
+        ("a family that takes embeddings states each TextEncoder.embedding_key",
+         not fam.takes_embeddings or all(te.embedding_key is not None for te in encoders)),
+        (f"the demo's tiny models are {DEMO_SIDE}² (DEMO_SIDE): size_multiple {fam.size_multiple} must divide it",
+         DEMO_SIDE % fam.size_multiple == 0),
+        ("tiny_configs states a config for the denoiser, the VAE and every text encoder (the demo builds them)",
+         set(fam.tiny_configs) == {fam.denoiser, "vae", *(te.component for te in encoders)}),
+    ]
+
+
 def discover() -> dict[str, Family]:
     """Every family the modules of this package export (`FAMILIES = (...)` in a module), modules in
-    name order and each module's families in its own order. A name exported twice is a bug."""
+    name order and each module's families in its own order, each checked against the contract
+    (`check_contract`). A name exported twice is a bug."""
     found: dict[str, Family] = {}
     for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
         for fam in getattr(importlib.import_module(f"{__name__}.{module}"), "FAMILIES", ()):
             if fam.name in found:
                 raise ImportError(f"model family {fam.name!r} is exported twice (again by app/families/{module}.py)")
-            found[fam.name] = fam
+            found[fam.name] = check_contract(fam)
     return found
 
 

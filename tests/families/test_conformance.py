@@ -22,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import io
 import os
+import re
 import shutil
 import zipfile
 
@@ -394,11 +395,21 @@ def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_strea
 def test_img2img_and_inpaint_run_where_the_family_declares_them(moving, arch):
     """Each stage pipeline the family declares runs with weights resting in fp32, whole components
     moved and leaves or blocks streamed, strict forwards on: every transition `ok`, zero violations
-    (tests/test_workflows.py runs the stages in every mode in fp32 and bf16)."""
-    stages = family(arch).stage_pipelines
+    (tests/test_workflows.py runs the stages in every mode in fp32 and bf16). A workflow the family
+    declares no stage pipeline for is refused by name, before anything runs."""
+    fam = family(arch)
+    stages = fam.stage_pipelines
     moving.load_model(checkpoint(arch))
     image, mask = Image.new("RGB", (64, 64), (40, 120, 200)), Image.new("L", (64, 64), 0)
     mask.paste(255, (16, 16, 48, 48))
+    if "img2img" not in stages:
+        with pytest.raises(ValueError, match=f"is not available for {re.escape(fam.label)} models"):
+            moving.img2img(params(arch), [image], denoising_strength=0.7)
+    if "inpaint" not in stages:
+        with pytest.raises(ValueError, match=f"is not available for {re.escape(fam.label)} models"):
+            moving.inpaint(params(arch), image, mask, denoising_strength=0.9)
+    if not stages:
+        return
     for mode in ("model", "sequential", "group"):
         moving.set_offload(mode)
         start = len(moving.snapshot().history)
@@ -499,6 +510,21 @@ def test_embeddings_load_without_shrinking_a_table(plain, arch):
         rows = getattr(plain.pipeline, te.component).get_input_embeddings().weight.shape[0]
         original = getattr(fresh, te.component).get_input_embeddings().weight.shape[0]
         assert rows == max(original, len(getattr(plain.pipeline, te.tokenizer))), te.component
+
+
+def test_every_floating_tensor_takes_the_new_dtype_after_a_dtype_change(plain, arch):
+    """Checked against the request, not against the placement plan (the engine's own verify compares with the
+    plan, so a plan that forgot a component would agree with itself): after each dtype change (fp32 -> bf16 ->
+    fp32, nothing offloaded, nothing stored in 8 bits) every floating tensor of every component, parameters and
+    buffers, is in the new dtype, the family's pinned ones in their own. (The documented exception, the VAE of
+    a family that upcasts in fp16, never applies on the CPU, where fp16 runs as fp32.)"""
+    fam = family(arch)
+    plain.load_model(checkpoint(arch))
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        plain.set_dtype(name)
+        wrong = [f"{c}.{p}.{n} is {t.dtype}" for c, p, _m, n, t, _ in placement.iter_tensors(plain.pipeline)
+                 if t.is_floating_point() and t.dtype != (fam.pinned_dtype(c, p, n) or dtype)]
+        assert wrong == [], name
 
 
 def test_diagnostics_and_the_bug_report_render(plain, arch, data):
