@@ -88,6 +88,8 @@ def _tiny_pipeline(fam, configs, seed: int, in_channels: int | None):
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.eval()
+    with torch.no_grad():
+        fam.tiny_trained(pipe)
     return pipe
 
 

@@ -314,6 +314,9 @@ class Family:
     # writes (app/demo.py) and every test builds. Keep the real structure, at a CPU-friendly size.
     tiny_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     tiny_inpainting_channels: int | None = None  # the demo also writes an inpainting checkpoint with these
+    # Tiny pipeline -> nothing, after its random init: gives it, in place, what a trained model has where random
+    # weights would hide a path the demo's rules and the tests compare (how much the prompt reaches the image).
+    tiny_trained: Callable[[Any], None] = lambda pipe: None
     layouts: tuple[str, ...] = ("file", "folder")  # checkpoint layouts it loads: single file, diffusers folder
     # Components built of 2-D convolutions, whose 4-D weights may rest channels_last (`--channels-last`);
     # text encoders have none, nor has a DiT's transformer (its patch embedding is a linear layer).
