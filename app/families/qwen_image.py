@@ -28,7 +28,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from app.engine.pipelines import EnginePipeline
 from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, ComponentFile, Family, LatentFormat, TextEncoder
+from app.families import ASSETS_DIR, DEMO_SIDE, ComponentFile, Family, LatentFormat, TextEncoder
 from app.families.file_layout import own_names
 from app.families.flow_dit import DIT_SHARED
 from app.families.qwen3_vl import QWEN3_VL_PINNED, QWEN3_VL_TOKENIZER_DIR, BundledQwen3VLProcessor, qwen3_vl_part
@@ -86,9 +86,9 @@ class SteadyQwenImage21Pipeline(EnginePipeline, VariedNoise, QwenImage21Pipeline
 # The VAE's own per-channel statistics, as the pipeline applies them (`x·std + mean`); one frame; no preview fit yet.
 QWEN_IMAGE_21_LATENTS = LatentFormat(frames=True)
 QWEN3_VL = TextEncoder("text_encoder", "processor", Qwen3VLForConditionalGeneration,
-                       "text_encoders.qwen3vl_8b.transformer.", open_clip=False, lora_prefix="lora_te_",
-                       embedding_key="qwen3vl", config_class=Qwen3VLConfig, tokenizer_class=BundledQwen3VLProcessor,
-                       tokenizer_dir=QWEN3_VL_TOKENIZER_DIR, reads="text", chunked=False)
+                       single_file_prefix="text_encoders.qwen3vl_8b.transformer.", config_class=Qwen3VLConfig,
+                       tokenizer_class=BundledQwen3VLProcessor, tokenizer_dir=QWEN3_VL_TOKENIZER_DIR, reads="text",
+                       chunked=False)
 _PARTS = (
     ComponentFile("transformer", "transformer", QwenImage21Transformer2DModel, ("model.diffusion_model.", ""),
                   "txt_in.text_norm.weight", transformer_layout),
@@ -129,6 +129,18 @@ _DEMO_LORA_TARGETS = (
 )
 
 
+def _trained_like(pipe) -> None:
+    """A random tiny model's attention is flat and its shared gates nearly shut, so the prompt moves its image
+    by a tenth of an 8-bit level; a trained model's attention is sharp and its gates open. Query/key norms ×4,
+    gate rows of the shared modulation ×10: the image follows the prompt (the demo's rule)."""
+    transformer = pipe.transformer
+    for block in transformer.transformer_blocks:
+        block.attn.norm_q.weight.mul_(4)
+        block.attn.norm_k.weight.mul_(4)
+    gates = transformer.modulation[1].weight.view(4, transformer.inner_dim, -1)  # scale1, gate1, scale2, gate2
+    gates[1::2].mul_(10)
+
+
 def _defaults(pipe) -> tuple[int, float]:
     """Turbo's own steps (its `sample_sigmas`), else the pipeline's 40; no guidance either way."""
     authored = pipe.config.get("sample_sigmas")
@@ -146,8 +158,8 @@ QWEN_IMAGE_21 = Family(
     denoiser_class=QwenImage21Transformer2DModel,
     vae_class=AutoencoderKLQwenImage21,
     **{**DIT_SHARED, "size_multiple": 32, "latent_format": QWEN_IMAGE_21_LATENTS,
-       # 1024² as the pipeline makes it; a demo-size model (under 1024 wide) 64²
-       "native_size": lambda pipe: 1024 if pipe.transformer.inner_dim >= 1024 else 64},
+       # 1024² as the pipeline makes it; a demo-size model (under 1024 wide) the demo's side
+       "native_size": lambda pipe: 1024 if pipe.transformer.inner_dim >= 1024 else DEMO_SIDE},
     parts=_PARTS,
     default_steps=40,
     default_guidance=1.0,
@@ -166,6 +178,7 @@ QWEN_IMAGE_21 = Family(
     adapter_markers=("qwen_image_2.1", "qwen-image-2.1", "qwen_image_21", "qwenimage21", "qwen-image-21"),
     native_modules=lora_aliases,
     tiny_configs=_TINY,
+    tiny_trained=_trained_like,
     lora_targets=_LORA_TARGETS,
     demo_lora_targets=_DEMO_LORA_TARGETS,
 )
