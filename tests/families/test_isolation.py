@@ -12,6 +12,7 @@ three that predate the contract:
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import re
@@ -84,6 +85,19 @@ def test_families_are_discovered_and_no_familys_words_name_another():
 
 def _tracked() -> list[str]:
     return subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_family_files_import_nothing_from_the_engine():
+    """A family builds on `app/families/` alone (its base classes and shared pieces live there): no module of the
+    package imports `app.engine`, so a new family never reaches into the engine, nor the engine's modules into it
+    by a cycle."""
+    found = []
+    for path in sorted((ROOT / "app/families").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}: {name}" for name in names if name.startswith("app.engine")]
+    assert found == []
 
 
 @pytest.mark.parametrize("module", ADDED)
