@@ -13,9 +13,9 @@ from types import MappingProxyType
 
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
-from app.engine.compile_regions import declared_repeated_blocks
 from app.families import ComponentFile, LatentFormat
 from app.families.ldm_layout import vae_layout
+from app.families.pipelines import declared_repeated_blocks
 from app.families.tiny_parts import TINY_VAE
 
 # In an all-in-one under `vae.` (ComfyUI/Forge) or `first_stage_model.` (LDM), or a file of its own

@@ -27,40 +27,21 @@ from diffusers import (
     FluxInpaintPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
-    StableDiffusionImg2ImgPipeline,
 )
 from diffusers.image_processor import VaeImageProcessor
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, TextEncoder
 from app.families.file_layout import module_parts, own_names
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.flux_controlnet import flux_controlnet_kit
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
 from app.families.ldm_layout import clip_layout
+from app.families.pipelines import PackedPatches, StrengthSteps, VariedNoise
 from app.families.tiny_parts import TINY_CLIP_L
 
 
-class _PackedPatches(EnginePipeline):
-    """Flux pipelines denoise 2×2 latent patches packed into a sequence."""
-
-    def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Unpack the (batch, h/2·w/2, 4·channels) sequence of 2×2 patches (FluxPipeline's own rule)."""
-        return self._unpack_latents(latents, height, width, self.vae_scale_factor)
-
-    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        """FluxPipeline's rule: whole 2×2 patches of latents."""
-        patch = self.vae_scale_factor * 2
-        return 2 * (int(height) // patch), 2 * (int(width) // patch)
-
-    def pack_noise(self, noise: torch.Tensor) -> torch.Tensor:
-        """Spatial noise packed into the sequence of 2×2 patches the transformer denoises."""
-        return self._pack_latents(noise, *noise.shape)
-
-
-class SteadyFluxPipeline(_PackedPatches, VariedNoise, FluxPipeline):
+class SteadyFluxPipeline(PackedPatches, VariedNoise, FluxPipeline):
     """FLUX.1 pipeline whose execution device is set by the engine."""
 
 
@@ -69,7 +50,7 @@ def _fresh(generators: list[torch.Generator]) -> list[torch.Generator]:
     return [torch.Generator(g.device).manual_seed(g.initial_seed()) for g in generators]
 
 
-class _FluxControl(_PackedPatches):
+class _FluxControl(PackedPatches):
     """What FLUX.1's control pipelines change in diffusers', so a ControlNet steers the image the seed draws
     without it:
 
@@ -99,12 +80,10 @@ class SteadyFluxControlNetPipeline(_FluxControl, VariedNoise, FluxControlNetPipe
                                        _fresh(generator), latents)
 
 
-class SteadyFluxControlNetImg2ImgPipeline(_FluxControl, FluxControlNetImg2ImgPipeline):
+class SteadyFluxControlNetImg2ImgPipeline(_FluxControl, StrengthSteps, FluxControlNetImg2ImgPipeline):
     """FLUX.1 img2img (and the hires pass) steered by ControlNets. As the engine's other stage pipelines it takes
     latents the engine encoded (`FluxImg2ImgPipeline`'s latent path, which diffusers' control variant lacks:
-    it VAE-encodes whatever it is given) and runs int(steps × strength) steps (as `_FluxStage`)."""
-
-    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+    it VAE-encodes whatever it is given) and runs int(steps × strength) steps (`StrengthSteps`)."""
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer,
                  controlnet) -> None:
@@ -121,20 +100,11 @@ class SteadyFluxControlNetImg2ImgPipeline(_FluxControl, FluxControlNetImg2ImgPip
                                                    width, dtype, device, _fresh(generator), latents)
 
 
-class _FluxStage(_PackedPatches):
-    """Flux's img2img and inpaint run int(steps × strength) steps, as SD's pipelines and A1111 do and
-    as the engine announces (`stage_params`: progress, the NaN check): diffusers' Flux rule skips
-    int(steps − steps × strength) steps instead, one step more at e.g. 3 × 0.7. SD's rule reads
-    only the scheduler, so it serves flow matching as it is."""
-
-    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
-
-
-class SteadyFluxImg2ImgPipeline(_FluxStage, FluxImg2ImgPipeline):
+class SteadyFluxImg2ImgPipeline(PackedPatches, StrengthSteps, FluxImg2ImgPipeline):
     """FLUX.1 img2img (and hires fix second pass) stage pipeline."""
 
 
-class SteadyFluxInpaintPipeline(_FluxStage, FluxInpaintPipeline):
+class SteadyFluxInpaintPipeline(PackedPatches, StrengthSteps, FluxInpaintPipeline):
     """FLUX.1 inpaint stage pipeline (the regular transformer: the mask blends latents each step)."""
 
 

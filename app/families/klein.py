@@ -31,18 +31,15 @@ from diffusers import (
     Flux2KleinInpaintPipeline,
     Flux2KleinPipeline,
     Flux2Transformer2DModel,
-    StableDiffusionImg2ImgPipeline,
 )
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from app.engine.compile_regions import declared_repeated_blocks
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, LatentFormat, LatentStats, TextEncoder
 from app.families.file_layout import own_names
 from app.families.flow_dit import NEAREST_SAMPLERS, SAMPLERS
 from app.families.flux_layout import bfl_aliases
 from app.families.klein_layout import transformer_layout, vae_layout
+from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise, declared_repeated_blocks
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer
 from app.families.tiny_parts import TINY_VAE
 
@@ -97,12 +94,10 @@ class SteadyKleinPipeline(_KleinLatents, VariedNoise, Flux2KleinPipeline):
                                                   device, generator, latents)
 
 
-class SteadyKleinStagePipeline(_KleinLatents, Flux2KleinInpaintPipeline):
+class SteadyKleinStagePipeline(_KleinLatents, StrengthSteps, Flux2KleinInpaintPipeline):
     """Klein's img2img and inpaint (diffusers' Klein inpaint pipeline): the engine hands it the VAE's
     latents, patchified here; img2img is inpaint with the whole picture masked. It runs
-    int(steps × strength) steps, as the engine announces (SD's rule, as for FLUX.1)."""
-
-    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+    int(steps × strength) steps, as the engine announces (`StrengthSteps`)."""
 
     def __call__(self, *, image: torch.Tensor, mask_image: torch.Tensor | None = None, masked_image_latents=None,
                  **kwargs):

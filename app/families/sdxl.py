@@ -13,10 +13,9 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, Family, LatentFormat, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
+from app.families.pipelines import EnginePipeline, VariedNoise
 from app.families.sd_controlnet import sd_controlnet_kit
 from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
 

@@ -27,7 +27,6 @@ from types import MappingProxyType
 
 import torch
 from diffusers import (
-    StableDiffusionImg2ImgPipeline,
     ZImageControlNetPipeline,
     ZImageImg2ImgPipeline,
     ZImageInpaintPipeline,
@@ -36,12 +35,11 @@ from diffusers import (
 )
 from diffusers.image_processor import VaeImageProcessor
 
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family
 from app.families.file_layout import module_parts
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
+from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3, QWEN3_PART, QWEN3_PINNED
 from app.families.zimage_controlnet import zimage_controlnet_kit
 from app.families.zimage_layout import transformer_layout
@@ -75,15 +73,11 @@ class SteadyZImageControlNetPipeline(EnginePipeline, VariedNoise, ZImageControlN
         return torch.stack(maps, dim=1).flatten(0, 1)
 
 
-class _ZImageStage(EnginePipeline):
+class _ZImageStage(EnginePipeline, StrengthSteps):
     """The engine hands a stage pipeline latents it encoded itself (`app/engine/stages.py`).
 
     diffusers' Z-Image stage pipelines read them only if their image processor knows latents have 16
-    channels (it is built with SD's 4), and run int(steps − steps × strength) steps where SD's
-    pipelines, A1111 and the engine's progress run int(steps × strength): SD's rule, which reads only
-    the scheduler, serves flow matching as it is (as for FLUX.1)."""
-
-    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+    channels (it is built with SD's 4); they run int(steps × strength) steps (`StrengthSteps`)."""
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer) -> None:
         # diffusers builds a pipeline from the names its __init__ states: both stage classes take these

@@ -25,9 +25,8 @@ import math
 import torch
 from diffusers import ModelMixin, StableDiffusionPipeline, UNet2DConditionModel
 
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
 from app.families import check_contract, family
+from app.families.pipelines import EnginePipeline, VariedNoise
 
 NAME = "toy"
 # A folder's model_index.json names ToyUNet's module as its library; diffusers finds how to load a
