@@ -26,11 +26,10 @@ import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
 from app.families import ASSETS_DIR, DEMO_SIDE, ComponentFile, Family, LatentFormat, TextEncoder
 from app.families.file_layout import own_names
 from app.families.flow_dit import DIT_SHARED
+from app.families.pipelines import EnginePipeline, VariedNoise
 from app.families.qwen3_vl import QWEN3_VL_PINNED, QWEN3_VL_TOKENIZER_DIR, BundledQwen3VLProcessor, qwen3_vl_part
 from app.families.qwen_image_layout import lora_aliases, transformer_layout
 
