@@ -16,48 +16,20 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig
-from PIL import Image
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests
 from app.demo import build_tiny_pipeline
-from app.engine.component_files import CONFIGS_METADATA_KEY
 from app.engine.generate import GenerateParams
-from app.engine.worker import Engine
 from app.settings import Settings
+from tests import family_files as kit
 from tests.lora_tools import expected_deltas, peft_copy
 
 ARCH = "qwen-image-2.1"
 FILE, FOLDER = f"tiny-{ARCH}.safetensors", f"tiny-{ARCH}-diffusers"
 W = 0.8  # LoRA strength
-
-
-@pytest.fixture(scope="module")
-def data(demo_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen-image")
-    for sub in ("models/Stable-diffusion", "models/Lora"):
-        (root / sub).mkdir(parents=True)
-        for path in (demo_dir / sub).glob(f"*{ARCH}*"):
-            (shutil.copytree(path, root / sub / path.name, copy_function=os.link) if path.is_dir()
-             else os.link(path, root / sub / path.name))
-    return root
-
-
-@pytest.fixture(scope="module")
-def eng(data):
-    engine = Engine(Settings(data_dir=data, device="cpu", strict_forwards=True))
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    """diffusers' own pipeline on the demo's weights (the demo builds them from seed 0)."""
-    pipe = build_tiny_pipeline(ARCH)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+data, eng, oracle = kit.data, kit.eng, kit.oracle  # the module's fixtures (tests/family_files.py)
 
 
 def params(**changes) -> GenerateParams:
@@ -74,26 +46,16 @@ def theirs(pipe, p: GenerateParams, **inputs) -> np.ndarray:
     return (out[..., :3] * 255).round().astype(np.uint8)
 
 
-def ours(images) -> np.ndarray:
-    return np.stack([np.asarray(i.image) for i in images])
-
-
-def references() -> list[Image.Image]:
-    ramp = np.linspace(0, 255, 64 * 96, dtype=np.float32).reshape(64, 96)
-    return [Image.fromarray(np.stack([ramp, ramp[::-1], 255 - ramp], -1).astype(np.uint8)),
-            Image.new("RGB", (64, 64), (200, 40, 90))]
-
-
 def test_txt2img_equals_qwen_image21_pipeline_without_and_with_cfg(eng, oracle):
     """The file at CFG 1 (no unconditional pass: the pipeline's default) and the folder at CFG 3 with a negative
     prompt (true CFG, A1111's formula) give diffusers' pixels exactly; the negative prompt changes the image."""
     eng.load_model(FILE)
-    assert np.array_equal(ours(eng.generate(params())), theirs(oracle, params()))
+    assert np.array_equal(kit.ours(eng.generate(params())), theirs(oracle, params()))
     eng.load_model(FOLDER)
     cfg = params(cfg=3.0, negative_prompt="blurry", batch=2)
-    made = ours(eng.generate(cfg))
+    made = kit.ours(eng.generate(cfg))
     assert np.array_equal(made, theirs(oracle, cfg))
-    assert not np.array_equal(made, ours(eng.generate(params(cfg=3.0, negative_prompt="sharp", batch=2))))
+    assert not np.array_equal(made, kit.ours(eng.generate(params(cfg=3.0, negative_prompt="sharp", batch=2))))
 
 
 def test_turbo_runs_its_authored_sigmas_at_their_step_count(eng, oracle, data):
@@ -107,59 +69,39 @@ def test_turbo_runs_its_authored_sigmas_at_their_step_count(eng, oracle, data):
     assert eng.load_model(turbo.name).defaults == (3, 1.0)
     oracle.register_to_config(sample_sigmas=[1.0, 0.7, 0.3])
     try:
-        authored = ours(eng.generate(params(steps=3)))
+        authored = kit.ours(eng.generate(params(steps=3)))
         assert np.array_equal(authored, theirs(oracle, params(steps=3)))
     finally:
         oracle.register_to_config(sample_sigmas=None)
-    assert np.array_equal(ours(eng.generate(params(steps=2))), theirs(oracle, params(steps=2)))
+    assert np.array_equal(kit.ours(eng.generate(params(steps=2))), theirs(oracle, params(steps=2)))
     eng.load_model(FOLDER)
-    assert not np.array_equal(ours(eng.generate(params(steps=3))), authored)
+    assert not np.array_equal(kit.ours(eng.generate(params(steps=3))), authored)
 
 
 def test_reference_editing_equals_qwen_image21_pipeline(eng, oracle):
     """One and two reference pictures (other sizes than the output), batch 2: our `edit` gives diffusers'
     pixels exactly and the infotext says how many pictures it read; more than four are refused by name."""
     eng.load_model(FILE)
-    pictures = references()
+    pictures = kit.references()
     for refs in (pictures[:1], pictures):
         made = eng.edit(params(batch=2, height=96), refs)
-        assert np.array_equal(ours(made), theirs(oracle, params(batch=2, height=96), image=refs)), len(refs)
+        assert np.array_equal(kit.ours(made), theirs(oracle, params(batch=2, height=96), image=refs)), len(refs)
         assert f"Reference images: {len(refs)}" in made[0].infotext
-    assert not np.array_equal(ours(eng.edit(params(), pictures[:1])), ours(eng.generate(params())))
+    assert not np.array_equal(kit.ours(eng.edit(params(), pictures[:1])), kit.ours(eng.generate(params())))
     with pytest.raises(ValueError, match="Qwen-Image 2.1 takes 1 to 4 reference images"):
         eng.edit(params(), pictures * 3)
-
-
-def _all_in_one(path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), "pt") as handle:
-        return {k: handle.get_tensor(k) for k in handle.keys()}, json.loads(handle.metadata()[CONFIGS_METADATA_KEY])
 
 
 def test_comfyui_separate_files_fp8_included(eng, data, oracle):
     """What a ComfyUI user has: the bare transformer (fused `img_mlp.gate_up`, here in fp8 e4m3 with ComfyUI's
     per-tensor `weight_scale`) in the checkpoint folder, `qwen3vl_8b.safetensors` in models/text_encoder and the
     VAE in models/VAE. Encoder and VAE load bit for bit; `gate_up`'s rows are the gate, then the up projection."""
-    tensors, configs = _all_in_one(data / "models/Stable-diffusion" / FILE)
     settings = Settings(data_dir=data)
     pieces = {settings.text_encoder_dir / "qwen3vl_8b.safetensors": ("text_encoders.qwen3vl_8b.transformer.",
                                                                      "text_encoder"),
               settings.vae_dir / "qwen_image_2.1_vae.safetensors": ("vae.", "vae")}
-    for path, (prefix, component) in pieces.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}, str(path),
-                  metadata={CONFIGS_METADATA_KEY: json.dumps({component: configs[component]})})
-    fp8 = {}
-    for key, tensor in tensors.items():
-        if not key.startswith("model.diffusion_model."):
-            continue
-        key = key.removeprefix("model.diffusion_model.")
-        if key.endswith(".weight") and tensor.dim() == 2:
-            scale = tensor.abs().max() / 448
-            fp8[key], fp8[key + "_scale"] = (tensor / scale).to(torch.float8_e4m3fn), scale.reshape(())
-        else:
-            fp8[key] = tensor
-    save_file(fp8, str(data / "models/Stable-diffusion" / "qwen-image-2.1-fp8.safetensors"),
-              metadata={CONFIGS_METADATA_KEY: json.dumps({"transformer": configs["transformer"]})})
+    fp8 = kit.write_separate_files(data / "models/Stable-diffusion" / FILE, pieces,
+                               data / "models/Stable-diffusion" / "qwen-image-2.1-fp8.safetensors")
     eng.load_model("qwen-image-2.1-fp8.safetensors")
     pipe = eng.pipeline
     for component in ("text_encoder", "vae"):
@@ -173,11 +115,6 @@ def test_comfyui_separate_files_fp8_included(eng, data, oracle):
 
 
 # ------------------------------------------------------------------------------------ LoRA formats
-def _factors(out_features: int, in_features: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rank, in_features, generator=g) * 0.1, torch.randn(out_features, rank, generator=g) * 0.1
-
-
 def _kohya(transformer, comfy: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A LoRA on ComfyUI's module names, fused `gate_up` included (alpha 2 at rank 4), as kohya/musubi write
     it (`lora_unet_…`, lora_down/up, alpha) or as ComfyUI does (`diffusion_model.…`, lora_A/B, alpha folded
@@ -189,7 +126,7 @@ def _kohya(transformer, comfy: bool) -> tuple[dict[str, torch.Tensor], dict[str,
               "txt_in.in_layer": (("txt_in.in_layer",), inner, transformer.txt_in.in_layer.in_features)}
     state, deltas = {}, {}
     for i, (name, (modules, out_f, in_f)) in enumerate(layers.items()):
-        down, up = _factors(out_f, in_f, 4, i)
+        down, up = kit.lora_factors(out_f, in_f, 4, i)
         if comfy:
             state |= {f"diffusion_model.{name}.lora_A.weight": down * 0.5, f"diffusion_model.{name}.lora_B.weight": up}
         else:
@@ -253,15 +190,15 @@ def test_a_qwen3_vl_lora_fuses_to_the_formula(eng, data):
     fuses to W0 + 0.8·(α/r)·B·A, changes the image and comes off bit for bit."""
     eng.load_model(FILE)
     q = eng.pipeline.text_encoder.model.language_model.layers[1].self_attn.q_proj
-    down, up = _factors(q.out_features, q.in_features, 4, 3)
+    down, up = kit.lora_factors(q.out_features, q.in_features, 4, 3)
     key = "lora_te_model_language_model_layers_1_self_attn_q_proj"
     save_file({f"{key}.lora_down.weight": down * 10, f"{key}.lora_up.weight": up * 10,
                f"{key}.alpha": torch.tensor(4.0)}, str(data / "models/Lora" / "qwen-te.safetensors"))
-    w0, plain = q.weight.detach().clone(), ours(eng.generate(params()))
+    w0, plain = q.weight.detach().clone(), kit.ours(eng.generate(params()))
     eng.set_loras([LoraSpec("qwen-te", W)])
     expected = (w0.double() + W * (up.double() * 10) @ (down.double() * 10)).float()
     torch.testing.assert_close(q.weight.detach(), expected, rtol=2e-6, atol=2e-7)
-    assert not np.array_equal(ours(eng.generate(params())), plain)
+    assert not np.array_equal(kit.ours(eng.generate(params())), plain)
     eng.set_loras([])
     assert torch.equal(q.weight.detach(), w0)
 
@@ -273,14 +210,4 @@ def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_model_generates(data, weights)
     the stored bytes as they were."""
     lora = _kohya(build_tiny_pipeline(ARCH).transformer, comfy=False)[0]
     save_file(lora, str(data / "models/Lora" / "qwen-fp32.safetensors"))
-    engine = Engine(Settings(data_dir=data, device="cpu", dtype="bf16", weights=weights, strict_forwards=True))
-    try:
-        engine.load_model(FILE)
-        digests, plain = adapter_state_digests(engine.pipeline), ours(engine.generate(params()))
-        engine.set_loras([LoraSpec("qwen-fp32", 1.0)])
-        assert not np.array_equal(ours(engine.generate(params())), plain)
-        assert engine.snapshot().violations_found_total == 0
-        engine.set_loras([])
-        assert adapter_state_digests(engine.pipeline) == digests
-    finally:
-        engine.close()
+    kit.fp32_lora_generates(data, FILE, "qwen-fp32", params(), weights)

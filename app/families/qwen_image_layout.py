@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from app.families.file_layout import FileTensor, Layout, module_parts
+from app.families.file_layout import FileTensor, Layout, file_name_aliases
 from app.families.ldm_layout import LYCORIS
 
 KOHYA_COMFY = "kohya (ComfyUI names, fused gate_up)"
@@ -44,10 +44,4 @@ def lora_aliases(transformer: torch.nn.Module):
     """(key, parts, spelling) for each module as ComfyUI's file names it, `gate_up` listing its two row
     slices: kohya (`lora_unet_transformer_blocks_0_img_mlp_gate_up`), LyCORIS, and ComfyUI / ai-toolkit
     (`diffusion_model.transformer_blocks.0.attn.to_q`, bare or under that prefix)."""
-    for name, found in module_parts(transformer_layout(transformer)).items():
-        targets = tuple((("transformer", path), rows) for path, rows in found)
-        flat = name.replace(".", "_")
-        yield f"lora_unet_{flat}", targets, KOHYA_COMFY
-        yield f"lycoris_{flat}", targets, LYCORIS
-        yield f"diffusion_model.{name}", targets, COMFY
-        yield name, targets, COMFY
+    yield from file_name_aliases(transformer_layout(transformer), "transformer", KOHYA_COMFY, LYCORIS, COMFY)

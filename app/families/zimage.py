@@ -36,7 +36,7 @@ from diffusers import (
 from diffusers.image_processor import VaeImageProcessor
 
 from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family
-from app.families.file_layout import module_parts
+from app.families.file_layout import file_name_aliases
 from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
 from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
@@ -107,13 +107,7 @@ def lora_aliases(transformer):
     """(key, parts, spelling) for each original module as kohya (`lora_unet_layers_0_attention_qkv`),
     LyCORIS over original names and ComfyUI (`diffusion_model.layers.0.attention.qkv`) spell it,
     `qkv` listing its three row slices; and ai-toolkit's `diffusion_model.` + diffusers path."""
-    for original, found in module_parts(transformer_layout(transformer)).items():
-        targets = tuple((("transformer", path), rows) for path, rows in found)
-        flat = original.replace(".", "_")
-        yield f"lora_unet_{flat}", targets, KOHYA_ORIGINAL
-        yield f"lycoris_{flat}", targets, LYCORIS
-        yield f"diffusion_model.{original}", targets, COMFY
-        yield original, targets, COMFY
+    yield from file_name_aliases(transformer_layout(transformer), "transformer", KOHYA_ORIGINAL, LYCORIS, COMFY)
     for path, module in transformer.named_modules():
         if path and getattr(module, "weight", None) is not None:
             yield f"diffusion_model.{path}", ((("transformer", path), None),), AI_TOOLKIT
