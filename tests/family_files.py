@@ -22,6 +22,7 @@ from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests
 from app.demo import build_tiny_pipeline
 from app.engine.component_files import CONFIGS_METADATA_KEY
+from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
 from app.settings import Settings
 
@@ -54,6 +55,12 @@ def oracle(request):
     return pipe
 
 
+def params(**changes) -> GenerateParams:
+    """The tiny models' job: "a red cube", 2 Euler steps at 64², seed 7, CFG 1, with `changes`."""
+    return GenerateParams("a red cube", **{"steps": 2, "width": 64, "height": 64, "seed": 7, "sampler": "Euler",
+                                           "cfg": 1.0, **changes})
+
+
 def ours(images) -> np.ndarray:
     return np.stack([np.asarray(i.image) for i in images])
 
@@ -71,12 +78,16 @@ def all_in_one(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         return {k: handle.get_tensor(k) for k in handle.keys()}, json.loads(handle.metadata()[CONFIGS_METADATA_KEY])
 
 
-def write_separate_files(checkpoint: Path, pieces: dict[Path, tuple[str, str]], transformer: Path) -> dict:
-    """ComfyUI's separate files from a demo single file: each of `pieces` (path -> (prefix in the single file,
-    component)) written bare, and the transformer (under `model.diffusion_model.`) written bare to
-    `transformer` with every 2-D weight in fp8 e4m3 and its per-tensor `weight_scale`. Returns those tensors."""
+def load_separate_files(eng, oracle, checkpoint: Path, pieces: dict[str, tuple[str, str]], name: str) -> dict:
+    """What a ComfyUI user has, from a demo single file: each of `pieces` (file name -> (its prefix in the single
+    file, component); the text encoder's file in models/text_encoder, the VAE's in models/VAE) written bare, and
+    the transformer (under `model.diffusion_model.`) written bare as checkpoint `name`, every 2-D weight in fp8
+    e4m3 with its per-tensor `weight_scale`. Loads `name`: the encoder and the VAE equal the oracle's bit for
+    bit. Returns the transformer file's tensors."""
+    settings = eng.settings
     tensors, configs = all_in_one(checkpoint)
-    for path, (prefix, component) in pieces.items():
+    for file, (prefix, component) in pieces.items():
+        path = (settings.vae_dir if component == "vae" else settings.text_encoder_dir) / file
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}, str(path),
                   metadata={CONFIGS_METADATA_KEY: json.dumps({component: configs[component]})})
@@ -90,8 +101,12 @@ def write_separate_files(checkpoint: Path, pieces: dict[Path, tuple[str, str]], 
             fp8[key], fp8[key + "_scale"] = (tensor / scale).to(torch.float8_e4m3fn), scale.reshape(())
         else:
             fp8[key] = tensor
-    save_file(fp8, str(transformer), metadata={CONFIGS_METADATA_KEY: json.dumps({"transformer":
-                                                                                 configs["transformer"]})})
+    save_file(fp8, str(checkpoint.parent / name), metadata={CONFIGS_METADATA_KEY: json.dumps(
+        {"transformer": configs["transformer"]})})
+    eng.load_model(name)
+    for component in ("text_encoder", "vae"):
+        mine, reference = getattr(eng.pipeline, component).state_dict(), getattr(oracle, component).state_dict()
+        assert all(torch.equal(mine[k], reference[k]) for k in reference), component
     return fp8
 
 

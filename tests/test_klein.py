@@ -26,7 +26,6 @@ from app.adapters.synthetic import adapter_state_digests
 from app.demo import build_tiny_pipeline
 from app.engine.generate import GenerateParams
 from app.families import family
-from app.settings import Settings
 from app.ui.generate_tab import family_updates
 from tests import family_files as kit
 
@@ -34,11 +33,7 @@ ARCH = "flux2-klein-4b"
 FILE, FOLDER = f"tiny-{ARCH}.safetensors", f"tiny-{ARCH}-diffusers"
 W = 0.8  # LoRA strength
 data, eng, oracle = kit.data, kit.eng, kit.oracle  # the module's fixtures (tests/family_files.py)
-
-
-def params(**changes) -> GenerateParams:
-    return GenerateParams("a red cube", **{"steps": 2, "width": 64, "height": 64, "seed": 7, "sampler": "Euler",
-                                           "cfg": 1.0, **changes})
+params = kit.params
 
 
 def theirs(pipe, p: GenerateParams, distilled: bool, **inputs) -> np.ndarray:
@@ -104,17 +99,11 @@ def test_bfl_and_comfyui_separate_files_fp8_included(eng, data, oracle, tmp_path
     per-tensor `weight_scale`) in the checkpoint folder, `qwen_3_4b.safetensors` in models/text_encoder
     and `flux2-vae.safetensors` in models/VAE. Text encoder and VAE load bit for bit; each transformer
     weight is its fp8 bytes times its scale."""
-    settings = Settings(data_dir=data)
-    pieces = {settings.text_encoder_dir / "qwen_3_4b.safetensors": ("text_encoders.qwen3_4b.transformer.",
-                                                                    "text_encoder"),
-              settings.vae_dir / "flux2-vae.safetensors": ("vae.", "vae")}
-    fp8 = kit.write_separate_files(data / "models/Stable-diffusion" / FILE, pieces,
-                               data / "models/Stable-diffusion" / "klein-4b-fp8.safetensors")
-    eng.load_model("klein-4b-fp8.safetensors")
+    pieces = {"qwen_3_4b.safetensors": ("text_encoders.qwen3_4b.transformer.", "text_encoder"),
+              "flux2-vae.safetensors": ("vae.", "vae")}
+    fp8 = kit.load_separate_files(eng, oracle, data / "models/Stable-diffusion" / FILE, pieces,
+                                  "klein-4b-fp8.safetensors")
     pipe = eng.pipeline
-    for component in ("text_encoder", "vae"):
-        mine, reference = getattr(pipe, component).state_dict(), getattr(oracle, component).state_dict()
-        assert all(torch.equal(mine[k], reference[k]) for k in reference), component
     loaded = pipe.transformer.state_dict()
     q = loaded["transformer_blocks.0.attn.to_q.weight"]
     qkv = fp8["double_blocks.0.img_attn.qkv.weight"].float() * fp8["double_blocks.0.img_attn.qkv.weight_scale"]
