@@ -237,6 +237,58 @@ class BenchSpec:
     offload_check_s: int = 0  # > 0: a later section of every offload mode at `check`'s steps, this estimate
 
 
+@dataclass(frozen=True)
+class Precision:
+    """What dtypes a family's tensors keep beyond the model's (`Family.precision`)."""
+
+    # Tensors that keep their own dtype whatever the model's: fnmatch patterns over
+    # "component.module.tensor" -> dtype (RoPE `inv_freq` in fp32). The load check, the placement
+    # plan, every move, streaming and verify honour them.
+    pinned_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
+    # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
+    high_precision: tuple[str, ...] = ()
+    fp16_ok: bool = True  # False: activations overflow fp16 (Flux); an fp16 request is refused with why
+    # The VAE decodes in fp32 when the model computes in fp16 and the VAE's config says
+    # `force_upcast` — where the family's own diffusers pipeline does so (SDXL's VAE overflows fp16).
+    # Nowhere else: bf16 has fp32's range, and an SD1.5 pipeline never upcasts.
+    vae_upcast_in_fp16: bool = False
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """What LoRA files call a family and how they name its layers (`Family.adapters`; app/adapters/)."""
+
+    # What LoRA metadata calls the architecture ("flux" for dev and schnell; "": the family's name), its badge
+    # ("": the family's label), and the metadata markers (substrings of kohya's `ss_base_model_version` /
+    # `modelspec.architecture`): the synthetic writer writes markers[0] and markers[1], `declared_architecture`
+    # and the LoRA card badge match any of them (the longest match over all families wins).
+    lora_arch: str = ""
+    label: str = ""
+    markers: tuple[str, ...] = ()
+    # (architecture, fragments of layer names only it has): an adapter with an unmatched layer so named is
+    # refused as made for it, even where its other layers fit by shape (FLUX.1 LoRAs on FLUX.2 Klein 4B).
+    foreign_layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    kohya_ldm_names: bool = False  # kohya's sd-scripts name this UNet's layers with LDM names (SDXL)
+    native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
+
+
+@dataclass(frozen=True)
+class TestKit:
+    """What the demo, the tests and the benchmark build for a family (`Family.test_kit`), kept out of what
+    generation reads."""
+
+    __test__ = False  # a record, not a pytest test class
+
+    # Component configs of a tiny random-weight model of this family, by component: what the demo
+    # writes (app/demo.py) and every test builds. Keep the real structure, at a CPU-friendly size.
+    tiny_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    tiny_inpainting_channels: int | None = None  # the demo also writes an inpainting checkpoint with these
+    lora_targets: tuple[str, ...] = ()  # module globs a test LoRA spreads over (every layer kind)
+    demo_lora_targets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the demo's style and detail LoRAs
+    bench: BenchSpec | None = None  # None: the benchmark does not run this family
+
+
 # Architectures whose LoRAs exist but that no family here runs: (LoRA arch, badge, metadata markers),
 # so a LoRA card and a refusal can still say what a file was made for.
 FOREIGN_ADAPTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -295,13 +347,6 @@ class Family:
     # a single file of it is refused as such (`layouts`) instead of as an unknown file.
     checkpoint_markers: tuple[str, ...] = ()
     pipeline_kwargs: Mapping[str, object] = field(default_factory=dict)  # passed when a pipeline is built
-    # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
-    # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
-    high_precision: tuple[str, ...] = ()
-    # The VAE decodes in fp32 when the model computes in fp16 and the VAE's config says
-    # `force_upcast` — where the family's own diffusers pipeline does so (SDXL's VAE overflows fp16).
-    # Nowhere else: bf16 has fp32's range, and an SD1.5 pipeline never upcasts.
-    vae_upcast_in_fp16: bool = False
     # Stage pipeline classes by workflow ("img2img", "inpaint"), built on the loaded pipeline's
     # components (app/engine/stages.py); a family without one refuses that workflow by name.
     stage_pipelines: Mapping[str, type] = field(default_factory=dict)
@@ -310,10 +355,6 @@ class Family:
     denoiser: str = "unet"  # the denoising component: "unet", or "transformer" for DiTs
     denoiser_class: type = UNet2DConditionModel
     vae_class: type = AutoencoderKL
-    # Component configs of a tiny random-weight model of this family, by component: what the demo
-    # writes (app/demo.py) and every test builds. Keep the real structure, at a CPU-friendly size.
-    tiny_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
-    tiny_inpainting_channels: int | None = None  # the demo also writes an inpainting checkpoint with these
     layouts: tuple[str, ...] = ("file", "folder")  # checkpoint layouts it loads: single file, diffusers folder
     # Components built of 2-D convolutions, whose 4-D weights may rest channels_last (`--channels-last`);
     # text encoders have none, nor has a DiT's transformer (its patch embedding is a linear layer).
@@ -334,7 +375,6 @@ class Family:
     # guidance value -> pipeline-call arguments; None: `guidance_scale=value` (CFG, or Flux's distilled guidance)
     guidance_call: Callable[[float], dict[str, object]] | None = None
     distilled_guidance: bool = False  # guidance is an input of the model (Flux dev), not CFG
-    fp16_ok: bool = True  # False: activations overflow fp16 (Flux); an fp16 request is refused with why
     negative_prompt: bool = True  # False: the pipeline has no unconditional pass to use one in
     max_sequence_length: int | None = None  # T5 tokens per prompt, where the family has T5
     # Textual-inversion embeddings (A1111's `embeddings/`): the file holds one tensor per text
@@ -344,10 +384,6 @@ class Family:
     # the img2img tab offers a "reference images" input and the A1111 img2img API reads `init_images` so
     # with `reference_images`. Each reference adds its tokens to every attention of every step.
     reference_images: int = 0
-    # Tensors that keep their own dtype whatever the model's: fnmatch patterns over
-    # "component.module.tensor" -> dtype (RoPE `inv_freq` in fp32). The load check, the placement
-    # plan, every move, streaming and verify honour them.
-    pinned_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     # A component's groups for `group` offload: None is the generic rule (app/engine/offload.py:
     # what executes: ModuleList/ModuleDict elements, other children whole, tensors the component
     # owns itself around its forward); a callable (component name, module) -> [modules] replaces it.
@@ -355,23 +391,9 @@ class Family:
     latent_format: LatentFormat = IMAGE_LATENTS  # the VAE's latent space: statistics, preview, frames
     # Does this loaded pipeline's denoiser read a mask and masked-image latents (an inpainting checkpoint)?
     inpainting: Callable[[Any], bool] = lambda pipe: False
-    # --- adapters: what LoRA metadata calls the architecture ("flux" for dev and schnell), its badge,
-    # and the metadata markers (substrings of kohya's `ss_base_model_version` / `modelspec.architecture`):
-    # the synthetic writer writes markers[0] and markers[1], `declared_architecture` and the LoRA
-    # card badge match any of them (the longest match over all families wins).
-    adapter_arch: str = ""
-    adapter_label: str = ""
-    adapter_markers: tuple[str, ...] = ()
-    # (architecture, fragments of layer names only it has): an adapter with an unmatched layer so named is
-    # refused as made for it, even where its other layers fit by shape (FLUX.1 LoRAs on FLUX.2 Klein 4B).
-    foreign_adapter_layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    kohya_ldm_names: bool = False  # kohya's sd-scripts name this UNet's layers with LDM names (SDXL)
-    lora_targets: tuple[str, ...] = ()  # module globs a test LoRA spreads over (every layer kind)
-    demo_lora_targets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the demo's style and detail LoRAs
     folder_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # tells variants' folders apart
     # The side, in pixels, the loaded model was trained at: the size the page switches to on load.
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
-    native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
     # A denoiser call's prompt length (the compiled path compiles only a few distinct ones, so a new
     # prompt never recompiles past torch's limit); None: axis 1 of `encoder_hidden_states`.
     prompt_length: Callable[[tuple, dict], int | None] | None = None
@@ -390,8 +412,10 @@ class Family:
     # pipeline is step-distilled (a few steps, each unlike the last: nothing to reuse, the cache is refused).
     first_block: str = "down_blocks.0"
     step_distilled: Callable[[Any], bool] = lambda pipe: False
-    bench: BenchSpec | None = None  # None: the benchmark does not run this family
     controlnet: ControlNetKit | None = None  # None: this family takes no ControlNet (a unit is refused by name)
+    precision: Precision = Precision()  # dtypes beyond the model's: pinned tensors, 8-bit exceptions, fp16
+    adapters: Adapters = Adapters()  # what LoRA files call the family and how they name its layers
+    test_kit: TestKit = TestKit()  # tiny models, test LoRAs and bench rows: what the demo, tests and bench read
 
     @property
     def plain_pipeline_class(self) -> type:
@@ -408,12 +432,13 @@ class Family:
 
     @property
     def lora_arch(self) -> str:
-        return self.adapter_arch or self.name
+        """What LoRA metadata calls the architecture of this family's adapters ("flux" for dev and schnell)."""
+        return self.adapters.lora_arch or self.name
 
     @property
     def badge(self) -> str:
         """The short name a LoRA card shows for adapters of this family's architecture."""
-        return self.adapter_label or self.label
+        return self.adapters.label or self.label
 
     def defaults_for(self, pipe) -> tuple[int, float]:
         """The steps and guidance the page fills in when `pipe` is loaded."""
@@ -422,7 +447,8 @@ class Family:
     def pinned_dtype(self, component: str, module: str, tensor: str) -> torch.dtype | None:
         """The dtype `pinned_dtypes` holds this tensor in, or None (it follows the model's)."""
         path = ".".join(p for p in (component, module, tensor) if p)
-        return next((d for pattern, d in self.pinned_dtypes.items() if fnmatch.fnmatchcase(path, pattern)), None)
+        pinned = self.precision.pinned_dtypes.items()
+        return next((d for pattern, d in pinned if fnmatch.fnmatchcase(path, pattern)), None)
 
     def check_guidance(self, value: float) -> None:
         """Refuse a guidance value outside this family's range, naming the range and the field."""
@@ -511,7 +537,7 @@ def _contract_rules(fam: Family) -> list[tuple[str, bool]]:
         (f"the demo's tiny models are {DEMO_SIDE}² (DEMO_SIDE): size_multiple {fam.size_multiple} must divide it",
          DEMO_SIDE % fam.size_multiple == 0),
         ("tiny_configs states a config for the denoiser, the VAE and every text encoder (the demo builds them)",
-         set(fam.tiny_configs) == {fam.denoiser, "vae", *(te.component for te in encoders)}),
+         set(fam.test_kit.tiny_configs) == {fam.denoiser, "vae", *(te.component for te in encoders)}),
     ]
 
 
@@ -544,7 +570,7 @@ def adapter_arch_of(text: str) -> tuple[str, str] | None:
     `modelspec.architecture`), families and foreign architectures alike; the longest marker found wins
     ("sdxl_base_v1-0" holds both SDXL's "sdxl" and "v1"). None when no marker is in it."""
     lowered = text.lower()
-    candidates = [(fam.lora_arch, fam.badge, m) for fam in FAMILIES.values() for m in fam.adapter_markers]
+    candidates = [(fam.lora_arch, fam.badge, m) for fam in FAMILIES.values() for m in fam.adapters.markers]
     candidates += [(arch, badge, m) for arch, badge, markers in FOREIGN_ADAPTERS for m in markers]
     found = [(len(marker), arch, badge) for arch, badge, marker in candidates if marker in lowered]
     return max(found)[1:] if found else None
