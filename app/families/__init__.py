@@ -7,21 +7,36 @@ says all of that once, as data and small callables on `Family`, and generic code
 it never branches on a family's name. Every registered family is held to the same proof by one
 conformance suite (`tests/families/`), which runs with strict forwards on (`app/engine/strict.py`).
 
-How to add a family (Z-Image, Flux.2 Klein, …), in five lines:
+A family consists of these files (`<module>`: its module's name, `<family>`: a family's `name`), and
+no others (tests/families/test_isolation.py checks this list against every family added through it):
 
-1. Write `app/families/<name>.py` with a `Family(...)` and export it: `FAMILIES = (MY_FAMILY,)`
-   (the registry imports every module here that has `FAMILIES`; no list to edit elsewhere).
-2. State its pipeline classes (`pipeline_class`, `stage_pipelines`: subclasses of diffusers' with
-   `app.engine.pipelines.EnginePipeline` first), component classes and `tiny_configs` (the demo
-   and the tests build random-weight models from them), and bundle offline configs in `assets/`.
-3. State what differs from the defaults: text encoders, checkpoint markers and `parts` (single
-   files), samplers, guidance (range, `guidance_call`), `pinned_dtypes` (RoPE `inv_freq` in fp32),
-   `blocks` (group offload), `takes_embeddings`, `latent_format` (statistics, preview, frames),
-   adapter markers and LoRA targets, and `bench` (its benchmark rows and device-check sections:
-   `benchmarks/` never names a family).
+- `app/families/<module>.py`: its `Family` records and pipeline classes, `FAMILIES = (…)` exported;
+- `app/families/<module>_layout.py` (optional): how its single files and LoRAs name its tensors;
+- `app/families/<module>_controlnet.py` (optional): its `ControlNetKit`;
+- `assets/configs/<family>/`: its bundled offline configs (`Family.config_dir`);
+- `assets/make_<module>_configs.py`: the script that wrote those configs;
+- `tests/test_<module>.py`: its native file formats (everything else is the conformance suite's);
+- and its section of README.md.
+
+How to add a family (Z-Image, Flux.2 Klein, …):
+
+1. Write `app/families/<module>.py` with a `Family(...)` and export it: `FAMILIES = (MY_FAMILY,)` (the
+   registry imports every module here that has `FAMILIES`, and refuses one that breaks a rule of the
+   contract, naming the rule: `check_contract`). It imports only from this package, never `app.engine`.
+2. Its pipeline classes build on `app.families.pipelines`: `EnginePipeline` first, `VariedNoise` on the txt2img
+   class, `StrengthSteps` on stage pipelines (`stage_pipelines`; none: img2img and inpaint are refused by name),
+   `PackedPatches` where the transformer denoises 2×2 patches. Bundle its offline configs in `assets/`.
+3. State only what differs from the defaults, grouped in records: `latent_format` (one `LatentFormat` per VAE,
+   shared: statistics in the pipeline's op order, preview factors, a video VAE's frame axis), `precision`
+   (`Precision`: pinned dtypes such as RoPE `inv_freq` in fp32, layers kept out of 8-bit storage), `adapters`
+   (`Adapters`: what LoRA metadata calls it, native layer names), `test_kit` (`TestKit`: tiny configs the demo
+   and every test build at DEMO_SIDE pixels, test LoRA targets, bench rows: `benchmarks/` never names a family),
+   and beside them text encoders (their file names only where it reads such files), checkpoint markers and
+   `parts` (single files), `layouts`, samplers, guidance, `blocks` (group offload), `controlnet`.
 4. Run `python -m pytest -n 0 tests/families`: the conformance suite parametrises itself over the
-   registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, stages).
-5. Add a test file for the family's native file formats only, and its README section.
+   registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, dtype changes,
+   stages or their refusal).
+5. Add `tests/test_<module>.py` for the family's native file formats only, and its README section.
 
 Detection order: single files are matched by `checkpoint_markers`; where several families match
 (FLUX.1 dev's markers are schnell's plus the guidance embedder), the one with the most markers wins,
