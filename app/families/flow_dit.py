@@ -75,5 +75,5 @@ NEAREST_SAMPLERS = MappingProxyType({"DDIM": "Euler", "UniPC": "Euler", "PLMS": 
 DIT_SHARED = MappingProxyType(dict(
     default_sampler="Euler", samplers=SAMPLERS, nearest_samplers=NEAREST_SAMPLERS, size_multiple=16,
     denoiser="transformer", conv_components=("vae",),
-    marker_prefixes=("", "model.diffusion_model."), latent_format=FLUX_LATENTS,
+    marker_prefixes=("", "model.diffusion_model."),
     native_size=lambda pipe: pipe.vae.config.sample_size, compile_regions=declared_repeated_blocks))

@@ -33,7 +33,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit, TextEncoder
 from app.families.file_layout import module_parts, own_names
-from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_SHARED, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.flux_controlnet import flux_controlnet_kit
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
 from app.families.ldm_layout import clip_layout
@@ -215,6 +215,7 @@ def _family(name: str, label: str, dev: bool) -> Family:
         config_dir=ASSETS_DIR / "configs" / name,
         denoiser_class=FluxTransformer2DModel,
         **DIT_SHARED,
+        latent_format=FLUX_LATENTS,
         parts=_PARTS,
         default_steps=28 if dev else 4,
         default_guidance=3.5 if dev else 1.0,

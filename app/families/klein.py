@@ -47,10 +47,10 @@ from app.families import (
     TextEncoder,
 )
 from app.families.file_layout import own_names
-from app.families.flow_dit import NEAREST_SAMPLERS, SAMPLERS
+from app.families.flow_dit import DIT_SHARED
 from app.families.flux_layout import bfl_aliases
 from app.families.klein_layout import transformer_layout, vae_layout
-from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise, declared_repeated_blocks
+from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer
 from app.families.tiny_parts import TINY_VAE
 
@@ -239,17 +239,11 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         checkpoint_markers=(*markers, *((f"double_blocks.{double_blocks - 1}.img_attn.qkv.weight",)
                                         if size == "9b" else ())),
         config_dir=ASSETS_DIR / "configs" / f"flux2-klein-{size}",
-        default_sampler="Euler",
-        size_multiple=16,  # 8× VAE downscale, then 2×2 patches
-        denoiser="transformer",
+        **DIT_SHARED,  # its double and single blocks compile as diffusers declares them
         denoiser_class=Flux2Transformer2DModel,
         vae_class=AutoencoderKLFlux2,
-        conv_components=("vae",),
-        marker_prefixes=("", "model.diffusion_model."),
         parts=_parts(encoder, encoder_file),
         file_pipeline_kwargs=_distilled_flag,
-        samplers=SAMPLERS,
-        nearest_samplers=NEAREST_SAMPLERS,
         default_steps=4,
         default_guidance=1.0,
         loaded_defaults=_defaults,
@@ -263,8 +257,6 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         # a folder is the 9B's when it has the 9B's eight double blocks, else the 4B's (FAMILIES lists the 9B first)
         folder_config=MappingProxyType({"transformer/config.json": {"num_layers": double_blocks}} if size == "9b"
                                        else {}),
-        native_size=lambda pipe: pipe.vae.config.sample_size,
-        compile_regions=declared_repeated_blocks,  # its double and single blocks, as diffusers declares them
         precision=Precision(
             fp16_ok=False,
             # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to

@@ -37,7 +37,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit
 from app.families.file_layout import module_parts
-from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_SHARED, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
 from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3, QWEN3_PART, QWEN3_PINNED
@@ -190,6 +190,7 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         config_dir=ASSETS_DIR / "configs" / name,
         denoiser_class=ZImageTransformer2DModel,
         **DIT_SHARED,
+        latent_format=FLUX_LATENTS,
         parts=_PARTS,
         layouts=("file", "folder") if turbo else ("folder",),
         default_steps=8 if turbo else 50,
