@@ -337,7 +337,7 @@ class ControlNetKit:
     # The diffusers configs its single files may have, tried in order until one fits the file's shapes
     # (full-size ones first, then `tiny_config`): a single file carries no config.
     single_file_configs: Callable[[], tuple[Mapping[str, object], ...]]
-    tiny_config: Mapping[str, object]  # a tiny ControlNet fitting `Family.tiny_configs` (tests, the demo)
+    tiny_config: Mapping[str, object]  # a tiny ControlNet fitting `TestKit.tiny_configs` (tests, the demo)
     arm: ControlArm  # units -> pipeline kwargs (see `ControlArm`)
     # A single file's state dict -> diffusers names (None: diffusers' own single-file converter of
     # `model_classes[0]`, e.g. LDM `control_model.*` names for SD); called as convert(state, config).
@@ -580,7 +580,7 @@ def detect(keys: frozenset[str] | set[str]) -> Family | None:
     return max(matching, key=lambda fam: len(fam.checkpoint_markers), default=None)
 
 
-def adapter_arch_of(text: str) -> tuple[str, str] | None:
+def lora_arch_of(text: str) -> tuple[str, str] | None:
     """(LoRA architecture, badge) named by a LoRA's recorded base model (kohya's `ss_base_model_version`,
     `modelspec.architecture`), families and foreign architectures alike; the longest marker found wins
     ("sdxl_base_v1-0" holds both SDXL's "sdxl" and "v1"). None when no marker is in it."""

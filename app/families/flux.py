@@ -3,7 +3,7 @@
 Two families on one architecture: dev is guidance-distilled (the guidance value is an input of
 the transformer, shown as "Guidance", no negative prompt) and uses a resolution-dependent time
 shift; schnell is timestep-distilled for 1–4 steps, has no guidance embedder and reads 256 T5
-tokens instead of 512. Adapters made for one fit the other (`adapter_arch = "flux"`).
+tokens instead of 512. Adapters made for one fit the other (`Adapters.lora_arch = "flux"`).
 
 Files come as a diffusers folder, as Black Forest Labs' transformer file (`double_blocks.*`,
 bare or under `model.diffusion_model.`) with the text encoders in `models/text_encoder`
