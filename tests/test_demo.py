@@ -85,7 +85,8 @@ def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
     layouts = {"folder": "tiny-{}-diffusers", "file": "tiny-{}.safetensors"}
     expected = [name for arch, fam in FAMILIES.items()
                 for name in (*(layouts[layout].format(arch) for layout in fam.layouts),
-                             *([f"tiny-{arch}-inpainting.safetensors"] if fam.tiny_inpainting_channels else []))]
+                             *([f"tiny-{arch}-inpainting.safetensors"]
+                               if fam.test_kit.tiny_inpainting_channels else []))]
     assert names == sorted(expected)
     assert "tiny-sd15-inpainting.safetensors" in names
     assert (demo_dir / "models" / "Lora").is_dir()
@@ -103,8 +104,8 @@ def test_demo_single_file_is_the_family_layout_with_embedded_configs(demo_paths,
         keys, metadata = set(handle.keys()), handle.metadata()
     assert checkpoint_files.detect_architecture(keys) == arch
     configs = json.loads(metadata[models.CONFIGS_METADATA_KEY])
-    assert set(configs) == {*fam.components, "vae"} == set(fam.tiny_configs)
-    tiny = json.loads(json.dumps(fam.tiny_configs[fam.denoiser]))  # tuples as JSON lists
+    assert set(configs) == {*fam.components, "vae"} == set(fam.test_kit.tiny_configs)
+    tiny = json.loads(json.dumps(fam.test_kit.tiny_configs[fam.denoiser]))  # tuples as JSON lists
     assert all(configs[fam.denoiser][k] == v for k, v in tiny.items())
 
 

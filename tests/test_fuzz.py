@@ -118,7 +118,7 @@ def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
     lora_dir = target / "models" / "Lora"
     for arch in ARCHS:
         pipe = build_tiny_pipeline(arch)  # seed 0, like the demo checkpoints
-        targets = family(arch).lora_targets
+        targets = family(arch).test_kit.lora_targets
         for i, (stem, algo, layout, dtype) in enumerate(ADAPTERS):
             if family(arch).denoiser != "unet" and ("tucker" in algo or layout == "kohya_ldm"):
                 continue

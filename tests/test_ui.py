@@ -351,7 +351,8 @@ def test_share_without_auth_requires_the_generated_password(tmp_path):
         assert authed.predict(api_name="/list_models") == sorted(
             [f"tiny-{arch}.safetensors" if "file" in fam.layouts else f"tiny-{arch}-diffusers"
              for arch, fam in FAMILIES.items()]
-            + [f"tiny-{arch}-inpainting.safetensors" for arch, fam in FAMILIES.items() if fam.tiny_inpainting_channels])
+            + [f"tiny-{arch}-inpainting.safetensors" for arch, fam in FAMILIES.items()
+               if fam.test_kit.tiny_inpainting_channels])
         # CPU seconds, not wall time: on a shared 2-core CI box other jobs stretch the wall clock.
         # Importing torch, diffusers and Gradio alone takes 12-14 CPU s on a 2-core CI box, so the
         # bound is on what follows them; the whole-process bound only catches a runaway start.

@@ -106,7 +106,7 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | N
     else:
         _keys, metadata = read_safetensors_header(info.path)
         load = _parts_loader(parts) if family(arch).parts else _single_file_loader(metadata, facts)
-    if dtype == torch.float16 and not family(arch).fp16_ok:
+    if dtype == torch.float16 and not family(arch).precision.fp16_ok:
         raise ModelLoadError(f"{info.name}: {family(arch).label} overflows in fp16 (activations beyond ±65504 "
                              "become Inf and the image black); use bf16, or fp32 on the CPU")
     files = _run_loader(lambda *_: _weight_files(info, arch, parts), info, arch, dtype)

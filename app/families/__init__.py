@@ -7,21 +7,36 @@ says all of that once, as data and small callables on `Family`, and generic code
 it never branches on a family's name. Every registered family is held to the same proof by one
 conformance suite (`tests/families/`), which runs with strict forwards on (`app/engine/strict.py`).
 
-How to add a family (Z-Image, Flux.2 Klein, …), in five lines:
+A family consists of these files (`<module>`: its module's name, `<family>`: a family's `name`), and
+no others (tests/families/test_isolation.py checks this list against every family added through it):
 
-1. Write `app/families/<name>.py` with a `Family(...)` and export it: `FAMILIES = (MY_FAMILY,)`
-   (the registry imports every module here that has `FAMILIES`; no list to edit elsewhere).
-2. State its pipeline classes (`pipeline_class`, `stage_pipelines`: subclasses of diffusers' with
-   `app.engine.pipelines.EnginePipeline` first), component classes and `tiny_configs` (the demo
-   and the tests build random-weight models from them), and bundle offline configs in `assets/`.
-3. State what differs from the defaults: text encoders, checkpoint markers and `parts` (single
-   files), samplers, guidance (range, `guidance_call`), `pinned_dtypes` (RoPE `inv_freq` in fp32),
-   `blocks` (group offload), `takes_embeddings`, `latent_format` (statistics, preview, frames),
-   adapter markers and LoRA targets, and `bench` (its benchmark rows and device-check sections:
-   `benchmarks/` never names a family).
+- `app/families/<module>.py`: its `Family` records and pipeline classes, `FAMILIES = (…)` exported;
+- `app/families/<module>_layout.py` (optional): how its single files and LoRAs name its tensors;
+- `app/families/<module>_controlnet.py` (optional): its `ControlNetKit`;
+- `assets/configs/<family>/`: its bundled offline configs (`Family.config_dir`);
+- `assets/make_<module>_configs.py`: the script that wrote those configs;
+- `tests/test_<module>.py`: its native file formats (everything else is the conformance suite's);
+- and its section of README.md.
+
+How to add a family (Z-Image, Flux.2 Klein, …):
+
+1. Write `app/families/<module>.py` with a `Family(...)` and export it: `FAMILIES = (MY_FAMILY,)` (the
+   registry imports every module here that has `FAMILIES`, and refuses one that breaks a rule of the
+   contract, naming the rule: `check_contract`). It imports only from this package, never `app.engine`.
+2. Its pipeline classes build on `app.families.pipelines`: `EnginePipeline` first, `VariedNoise` on the txt2img
+   class, `StrengthSteps` on stage pipelines (`stage_pipelines`; none: img2img and inpaint are refused by name),
+   `PackedPatches` where the transformer denoises 2×2 patches. Bundle its offline configs in `assets/`.
+3. State only what differs from the defaults, grouped in records: `latent_format` (one `LatentFormat` per VAE,
+   shared: statistics in the pipeline's op order, preview factors, a video VAE's frame axis), `precision`
+   (`Precision`: pinned dtypes such as RoPE `inv_freq` in fp32, layers kept out of 8-bit storage), `adapters`
+   (`Adapters`: what LoRA metadata calls it, native layer names), `test_kit` (`TestKit`: tiny configs the demo
+   and every test build at DEMO_SIDE pixels, test LoRA targets, bench rows: `benchmarks/` never names a family),
+   and beside them text encoders (their file names only where it reads such files), checkpoint markers and
+   `parts` (single files), `layouts`, samplers, guidance, `blocks` (group offload), `controlnet`.
 4. Run `python -m pytest -n 0 tests/families`: the conformance suite parametrises itself over the
-   registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, stages).
-5. Add a test file for the family's native file formats only, and its README section.
+   registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, dtype changes,
+   stages or their refusal).
+5. Add `tests/test_<module>.py` for the family's native file formats only, and its README section.
 
 Detection order: single files are matched by `checkpoint_markers`; where several families match
 (FLUX.1 dev's markers are schnell's plus the guidance embedder), the one with the most markers wins,
@@ -237,6 +252,61 @@ class BenchSpec:
     offload_check_s: int = 0  # > 0: a later section of every offload mode at `check`'s steps, this estimate
 
 
+@dataclass(frozen=True)
+class Precision:
+    """What dtypes a family's tensors keep beyond the model's (`Family.precision`)."""
+
+    # Tensors that keep their own dtype whatever the model's: fnmatch patterns over
+    # "component.module.tensor" -> dtype (RoPE `inv_freq` in fp32). The load check, the placement
+    # plan, every move, streaming and verify honour them.
+    pinned_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
+    # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
+    high_precision: tuple[str, ...] = ()
+    fp16_ok: bool = True  # False: activations overflow fp16 (Flux); an fp16 request is refused with why
+    # The VAE decodes in fp32 when the model computes in fp16 and the VAE's config says
+    # `force_upcast` — where the family's own diffusers pipeline does so (SDXL's VAE overflows fp16).
+    # Nowhere else: bf16 has fp32's range, and an SD1.5 pipeline never upcasts.
+    vae_upcast_in_fp16: bool = False
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """What LoRA files call a family and how they name its layers (`Family.adapters`; app/adapters/)."""
+
+    # What LoRA metadata calls the architecture ("flux" for dev and schnell; "": the family's name), its badge
+    # ("": the family's label), and the metadata markers (substrings of kohya's `ss_base_model_version` /
+    # `modelspec.architecture`): the synthetic writer writes markers[0] and markers[1], `declared_architecture`
+    # and the LoRA card badge match any of them (the longest match over all families wins).
+    lora_arch: str = ""
+    label: str = ""
+    markers: tuple[str, ...] = ()
+    # (architecture, fragments of layer names only it has): an adapter with an unmatched layer so named is
+    # refused as made for it, even where its other layers fit by shape (FLUX.1 LoRAs on FLUX.2 Klein 4B).
+    foreign_layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    kohya_ldm_names: bool = False  # kohya's sd-scripts name this UNet's layers with LDM names (SDXL)
+    native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
+
+
+@dataclass(frozen=True)
+class TestKit:
+    """What the demo, the tests and the benchmark build for a family (`Family.test_kit`), kept out of what
+    generation reads."""
+
+    __test__ = False  # a record, not a pytest test class
+
+    # Component configs of a tiny random-weight model of this family, by component: what the demo
+    # writes (app/demo.py) and every test builds. Keep the real structure, at a CPU-friendly size.
+    tiny_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    tiny_inpainting_channels: int | None = None  # the demo also writes an inpainting checkpoint with these
+    # Tiny pipeline -> nothing, after its random init: gives it, in place, what a trained model has where random
+    # weights would hide a path the demo's rules and the tests compare (how much the prompt reaches the image).
+    tiny_trained: Callable[[Any], None] = lambda pipe: None
+    lora_targets: tuple[str, ...] = ()  # module globs a test LoRA spreads over (every layer kind)
+    demo_lora_targets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the demo's style and detail LoRAs
+    bench: BenchSpec | None = None  # None: the benchmark does not run this family
+
+
 # Architectures whose LoRAs exist but that no family here runs: (LoRA arch, badge, metadata markers),
 # so a LoRA card and a refusal can still say what a file was made for.
 FOREIGN_ADAPTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -270,7 +340,7 @@ class ControlNetKit:
     # The diffusers configs its single files may have, tried in order until one fits the file's shapes
     # (full-size ones first, then `tiny_config`): a single file carries no config.
     single_file_configs: Callable[[], tuple[Mapping[str, object], ...]]
-    tiny_config: Mapping[str, object]  # a tiny ControlNet fitting `Family.tiny_configs` (tests, the demo)
+    tiny_config: Mapping[str, object]  # a tiny ControlNet fitting `TestKit.tiny_configs` (tests, the demo)
     arm: ControlArm  # units -> pipeline kwargs (see `ControlArm`)
     # A single file's state dict -> diffusers names (None: diffusers' own single-file converter of
     # `model_classes[0]`, e.g. LDM `control_model.*` names for SD); called as convert(state, config).
@@ -295,13 +365,6 @@ class Family:
     # a single file of it is refused as such (`layouts`) instead of as an unknown file.
     checkpoint_markers: tuple[str, ...] = ()
     pipeline_kwargs: Mapping[str, object] = field(default_factory=dict)  # passed when a pipeline is built
-    # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
-    # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
-    high_precision: tuple[str, ...] = ()
-    # The VAE decodes in fp32 when the model computes in fp16 and the VAE's config says
-    # `force_upcast` — where the family's own diffusers pipeline does so (SDXL's VAE overflows fp16).
-    # Nowhere else: bf16 has fp32's range, and an SD1.5 pipeline never upcasts.
-    vae_upcast_in_fp16: bool = False
     # Stage pipeline classes by workflow ("img2img", "inpaint"), built on the loaded pipeline's
     # components (app/engine/stages.py); a family without one refuses that workflow by name.
     stage_pipelines: Mapping[str, type] = field(default_factory=dict)
@@ -310,13 +373,6 @@ class Family:
     denoiser: str = "unet"  # the denoising component: "unet", or "transformer" for DiTs
     denoiser_class: type = UNet2DConditionModel
     vae_class: type = AutoencoderKL
-    # Component configs of a tiny random-weight model of this family, by component: what the demo
-    # writes (app/demo.py) and every test builds. Keep the real structure, at a CPU-friendly size.
-    tiny_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
-    tiny_inpainting_channels: int | None = None  # the demo also writes an inpainting checkpoint with these
-    # Tiny pipeline -> nothing, after its random init: gives it, in place, what a trained model has where random
-    # weights would hide a path the demo's rules and the tests compare (how much the prompt reaches the image).
-    tiny_trained: Callable[[Any], None] = lambda pipe: None
     layouts: tuple[str, ...] = ("file", "folder")  # checkpoint layouts it loads: single file, diffusers folder
     # Components built of 2-D convolutions, whose 4-D weights may rest channels_last (`--channels-last`);
     # text encoders have none, nor has a DiT's transformer (its patch embedding is a linear layer).
@@ -337,7 +393,6 @@ class Family:
     # guidance value -> pipeline-call arguments; None: `guidance_scale=value` (CFG, or Flux's distilled guidance)
     guidance_call: Callable[[float], dict[str, object]] | None = None
     distilled_guidance: bool = False  # guidance is an input of the model (Flux dev), not CFG
-    fp16_ok: bool = True  # False: activations overflow fp16 (Flux); an fp16 request is refused with why
     negative_prompt: bool = True  # False: the pipeline has no unconditional pass to use one in
     max_sequence_length: int | None = None  # T5 tokens per prompt, where the family has T5
     # Textual-inversion embeddings (A1111's `embeddings/`): the file holds one tensor per text
@@ -347,10 +402,6 @@ class Family:
     # the img2img tab offers a "reference images" input and the A1111 img2img API reads `init_images` so
     # with `reference_images`. Each reference adds its tokens to every attention of every step.
     reference_images: int = 0
-    # Tensors that keep their own dtype whatever the model's: fnmatch patterns over
-    # "component.module.tensor" -> dtype (RoPE `inv_freq` in fp32). The load check, the placement
-    # plan, every move, streaming and verify honour them.
-    pinned_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     # A component's groups for `group` offload: None is the generic rule (app/engine/offload.py:
     # what executes: ModuleList/ModuleDict elements, other children whole, tensors the component
     # owns itself around its forward); a callable (component name, module) -> [modules] replaces it.
@@ -358,23 +409,9 @@ class Family:
     latent_format: LatentFormat = IMAGE_LATENTS  # the VAE's latent space: statistics, preview, frames
     # Does this loaded pipeline's denoiser read a mask and masked-image latents (an inpainting checkpoint)?
     inpainting: Callable[[Any], bool] = lambda pipe: False
-    # --- adapters: what LoRA metadata calls the architecture ("flux" for dev and schnell), its badge,
-    # and the metadata markers (substrings of kohya's `ss_base_model_version` / `modelspec.architecture`):
-    # the synthetic writer writes markers[0] and markers[1], `declared_architecture` and the LoRA
-    # card badge match any of them (the longest match over all families wins).
-    adapter_arch: str = ""
-    adapter_label: str = ""
-    adapter_markers: tuple[str, ...] = ()
-    # (architecture, fragments of layer names only it has): an adapter with an unmatched layer so named is
-    # refused as made for it, even where its other layers fit by shape (FLUX.1 LoRAs on FLUX.2 Klein 4B).
-    foreign_adapter_layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    kohya_ldm_names: bool = False  # kohya's sd-scripts name this UNet's layers with LDM names (SDXL)
-    lora_targets: tuple[str, ...] = ()  # module globs a test LoRA spreads over (every layer kind)
-    demo_lora_targets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the demo's style and detail LoRAs
     folder_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # tells variants' folders apart
     # The side, in pixels, the loaded model was trained at: the size the page switches to on load.
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
-    native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
     # A denoiser call's prompt length (the compiled path compiles only a few distinct ones, so a new
     # prompt never recompiles past torch's limit); None: axis 1 of `encoder_hidden_states`.
     prompt_length: Callable[[tuple, dict], int | None] | None = None
@@ -393,8 +430,10 @@ class Family:
     # pipeline is step-distilled (a few steps, each unlike the last: nothing to reuse, the cache is refused).
     first_block: str = "down_blocks.0"
     step_distilled: Callable[[Any], bool] = lambda pipe: False
-    bench: BenchSpec | None = None  # None: the benchmark does not run this family
     controlnet: ControlNetKit | None = None  # None: this family takes no ControlNet (a unit is refused by name)
+    precision: Precision = Precision()  # dtypes beyond the model's: pinned tensors, 8-bit exceptions, fp16
+    adapters: Adapters = Adapters()  # what LoRA files call the family and how they name its layers
+    test_kit: TestKit = TestKit()  # tiny models, test LoRAs and bench rows: what the demo, tests and bench read
 
     @property
     def plain_pipeline_class(self) -> type:
@@ -411,12 +450,13 @@ class Family:
 
     @property
     def lora_arch(self) -> str:
-        return self.adapter_arch or self.name
+        """What LoRA metadata calls the architecture of this family's adapters ("flux" for dev and schnell)."""
+        return self.adapters.lora_arch or self.name
 
     @property
     def badge(self) -> str:
         """The short name a LoRA card shows for adapters of this family's architecture."""
-        return self.adapter_label or self.label
+        return self.adapters.label or self.label
 
     def defaults_for(self, pipe) -> tuple[int, float]:
         """The steps and guidance the page fills in when `pipe` is loaded."""
@@ -425,7 +465,8 @@ class Family:
     def pinned_dtype(self, component: str, module: str, tensor: str) -> torch.dtype | None:
         """The dtype `pinned_dtypes` holds this tensor in, or None (it follows the model's)."""
         path = ".".join(p for p in (component, module, tensor) if p)
-        return next((d for pattern, d in self.pinned_dtypes.items() if fnmatch.fnmatchcase(path, pattern)), None)
+        pinned = self.precision.pinned_dtypes.items()
+        return next((d for pattern, d in pinned if fnmatch.fnmatchcase(path, pattern)), None)
 
     def check_guidance(self, value: float) -> None:
         """Refuse a guidance value outside this family's range, naming the range and the field."""
@@ -514,7 +555,7 @@ def _contract_rules(fam: Family) -> list[tuple[str, bool]]:
         (f"the demo's tiny models are {DEMO_SIDE}² (DEMO_SIDE): size_multiple {fam.size_multiple} must divide it",
          DEMO_SIDE % fam.size_multiple == 0),
         ("tiny_configs states a config for the denoiser, the VAE and every text encoder (the demo builds them)",
-         set(fam.tiny_configs) == {fam.denoiser, "vae", *(te.component for te in encoders)}),
+         set(fam.test_kit.tiny_configs) == {fam.denoiser, "vae", *(te.component for te in encoders)}),
     ]
 
 
@@ -542,12 +583,12 @@ def detect(keys: frozenset[str] | set[str]) -> Family | None:
     return max(matching, key=lambda fam: len(fam.checkpoint_markers), default=None)
 
 
-def adapter_arch_of(text: str) -> tuple[str, str] | None:
+def lora_arch_of(text: str) -> tuple[str, str] | None:
     """(LoRA architecture, badge) named by a LoRA's recorded base model (kohya's `ss_base_model_version`,
     `modelspec.architecture`), families and foreign architectures alike; the longest marker found wins
     ("sdxl_base_v1-0" holds both SDXL's "sdxl" and "v1"). None when no marker is in it."""
     lowered = text.lower()
-    candidates = [(fam.lora_arch, fam.badge, m) for fam in FAMILIES.values() for m in fam.adapter_markers]
+    candidates = [(fam.lora_arch, fam.badge, m) for fam in FAMILIES.values() for m in fam.adapters.markers]
     candidates += [(arch, badge, m) for arch, badge, markers in FOREIGN_ADAPTERS for m in markers]
     found = [(len(marker), arch, badge) for arch, badge, marker in candidates if marker in lowered]
     return max(found)[1:] if found else None

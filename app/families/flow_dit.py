@@ -70,10 +70,10 @@ NEAREST_SAMPLERS = MappingProxyType({"DDIM": "Euler", "UniPC": "Euler", "PLMS": 
                                      "DPM++ 2M Karras": "Euler Karras"})
 # The `Family` fields such a DiT states alike: its transformer is the denoiser (no conv weights:
 # only the VAE may rest channels_last), its files may sit under ComfyUI's `model.diffusion_model.`,
-# sizes are whole 2×2 patches of 8× latents, bf16 or fp32 (activations overflow fp16), the native
-# size is the VAE's; `--compile` compiles the blocks diffusers declares repeated.
+# sizes are whole 2×2 patches of 8× latents, the native size is the VAE's (each DiT states
+# `Precision(fp16_ok=False)`: activations overflow fp16); `--compile` compiles the blocks diffusers declares repeated.
 DIT_SHARED = MappingProxyType(dict(
     default_sampler="Euler", samplers=SAMPLERS, nearest_samplers=NEAREST_SAMPLERS, size_multiple=16,
     denoiser="transformer", conv_components=("vae",),
-    marker_prefixes=("", "model.diffusion_model."), fp16_ok=False, latent_format=FLUX_LATENTS,
+    marker_prefixes=("", "model.diffusion_model."),
     native_size=lambda pipe: pipe.vae.config.sample_size, compile_regions=declared_repeated_blocks))

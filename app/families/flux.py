@@ -3,7 +3,7 @@
 Two families on one architecture: dev is guidance-distilled (the guidance value is an input of
 the transformer, shown as "Guidance", no negative prompt) and uses a resolution-dependent time
 shift; schnell is timestep-distilled for 1–4 steps, has no guidance embedder and reads 256 T5
-tokens instead of 512. Adapters made for one fit the other (`adapter_arch = "flux"`).
+tokens instead of 512. Adapters made for one fit the other (`Adapters.lora_arch = "flux"`).
 
 Files come as a diffusers folder, as Black Forest Labs' transformer file (`double_blocks.*`,
 bare or under `model.diffusion_model.`) with the text encoders in `models/text_encoder`
@@ -31,9 +31,9 @@ from diffusers import (
 from diffusers.image_processor import VaeImageProcessor
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
-from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, TextEncoder
+from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit, TextEncoder
 from app.families.file_layout import module_parts, own_names
-from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_SHARED, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.flux_controlnet import flux_controlnet_kit
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
 from app.families.ldm_layout import clip_layout
@@ -215,30 +215,39 @@ def _family(name: str, label: str, dev: bool) -> Family:
         config_dir=ASSETS_DIR / "configs" / name,
         denoiser_class=FluxTransformer2DModel,
         **DIT_SHARED,
+        latent_format=FLUX_LATENTS,
         parts=_PARTS,
         default_steps=28 if dev else 4,
         default_guidance=3.5 if dev else 1.0,
         distilled_guidance=dev,
         first_block="transformer_blocks.0",
         step_distilled=lambda pipe: not dev,  # schnell runs 1-4 timestep-distilled steps; dev distils guidance only
-        # fp8 storage keeps the embedders, the final layers and T5's `wo` (which the T5 code casts
-        # its input to) in the compute dtype, as peers do.
-        high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo"),
         negative_prompt=False,
         max_sequence_length=512 if dev else 256,
-        adapter_arch="flux",
         folder_config=MappingProxyType({"transformer/config.json": {"guidance_embeds": dev}}),
-        native_modules=lora_aliases,
-        tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev),
-                                       "vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP_L, "text_encoder_2": _TINY_T5}),
         guidance_label="Distilled CFG Scale" if dev else "CFG scale",
-        adapter_label="Flux",
-        adapter_markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux"),
-        lora_targets=_LORA_TARGETS,
-        demo_lora_targets=_DEMO_LORA_TARGETS,
         controlnet=flux_controlnet_kit(_CONTROL_PIPELINES, ASSETS_DIR / "configs" / name,
                                        dict(_TINY_TRANSFORMER, guidance_embeds=dev)),
-        bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
+        precision=Precision(
+            fp16_ok=False,
+            # fp8 storage keeps the embedders, the final layers and T5's `wo` (which the T5 code casts
+            # its input to) in the compute dtype, as peers do.
+            high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo")
+        ),
+        adapters=Adapters(
+            lora_arch="flux",
+            native_modules=lora_aliases,
+            label="Flux",
+            markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux")
+        ),
+        test_kit=TestKit(
+            tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev),
+                                           "vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP_L,
+                                           "text_encoder_2": _TINY_T5}),
+            lora_targets=_LORA_TARGETS,
+            demo_lora_targets=_DEMO_LORA_TARGETS,
+            bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
+        ),
     )
 
 

@@ -34,12 +34,23 @@ from diffusers import (
 )
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, LatentFormat, LatentStats, TextEncoder
+from app.families import (
+    ASSETS_DIR,
+    Adapters,
+    BenchSpec,
+    ComponentFile,
+    Family,
+    LatentFormat,
+    LatentStats,
+    Precision,
+    TestKit,
+    TextEncoder,
+)
 from app.families.file_layout import own_names
-from app.families.flow_dit import NEAREST_SAMPLERS, SAMPLERS
+from app.families.flow_dit import DIT_SHARED
 from app.families.flux_layout import bfl_aliases
 from app.families.klein_layout import transformer_layout, vae_layout
-from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise, declared_repeated_blocks
+from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer
 from app.families.tiny_parts import TINY_VAE
 
@@ -228,48 +239,46 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         checkpoint_markers=(*markers, *((f"double_blocks.{double_blocks - 1}.img_attn.qkv.weight",)
                                         if size == "9b" else ())),
         config_dir=ASSETS_DIR / "configs" / f"flux2-klein-{size}",
-        default_sampler="Euler",
-        size_multiple=16,  # 8× VAE downscale, then 2×2 patches
-        denoiser="transformer",
+        **DIT_SHARED,  # its double and single blocks compile as diffusers declares them
         denoiser_class=Flux2Transformer2DModel,
         vae_class=AutoencoderKLFlux2,
-        conv_components=("vae",),
-        marker_prefixes=("", "model.diffusion_model."),
         parts=_parts(encoder, encoder_file),
         file_pipeline_kwargs=_distilled_flag,
-        samplers=SAMPLERS,
-        nearest_samplers=NEAREST_SAMPLERS,
         default_steps=4,
         default_guidance=1.0,
         loaded_defaults=_defaults,
         first_block="transformer_blocks.0",
         step_distilled=lambda pipe: pipe.config.is_distilled,  # the released 4-step checkpoints; "base" is not
-        fp16_ok=False,
-        # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to
-        # diffusers) and the final layers in the compute dtype, as peers do.
-        high_precision=("x_embedder", "context_embedder", "time_guidance_embed", "norm_out", "proj_out", "lm_head"),
         negative_prompt=False,
         max_sequence_length=512,
         takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has no such files
         reference_images=4,  # each adds up to 4,096 tokens (1024² / 16²) to every attention
-        pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32}),
         latent_format=_LATENTS,
         # a folder is the 9B's when it has the 9B's eight double blocks, else the 4B's (FAMILIES lists the 9B first)
         folder_config=MappingProxyType({"transformer/config.json": {"num_layers": double_blocks}} if size == "9b"
                                        else {}),
-        native_size=lambda pipe: pipe.vae.config.sample_size,
-        native_modules=lora_aliases,
-        compile_regions=declared_repeated_blocks,  # its double and single blocks, as diffusers declares them
-        tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, num_layers=double_blocks if size == "9b"
-                                                           else 2),
-                                       "vae": _TINY_VAE, "text_encoder": _TINY_QWEN3}),
-        adapter_arch=f"flux2-klein-{size}",
-        foreign_adapter_layers=(("FLUX.1", _FLUX1_LAYERS),),
-        adapter_label=f"Klein {size.upper()}",
-        adapter_markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}"),
-        lora_targets=_LORA_TARGETS,
-        demo_lora_targets=_DEMO_LORA_TARGETS,
-        bench=_BENCH if size == "4b" else None,  # the 9B is the 4B's architecture, deeper and wider
+        precision=Precision(
+            fp16_ok=False,
+            # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to
+            # diffusers) and the final layers in the compute dtype, as peers do.
+            high_precision=("x_embedder", "context_embedder", "time_guidance_embed", "norm_out", "proj_out", "lm_head"),
+            pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32})
+        ),
+        adapters=Adapters(
+            native_modules=lora_aliases,
+            lora_arch=f"flux2-klein-{size}",
+            foreign_layers=(("FLUX.1", _FLUX1_LAYERS),),
+            label=f"Klein {size.upper()}",
+            markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}")
+        ),
+        test_kit=TestKit(
+            tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER,
+                                                               num_layers=double_blocks if size == "9b" else 2),
+                                           "vae": _TINY_VAE, "text_encoder": _TINY_QWEN3}),
+            lora_targets=_LORA_TARGETS,
+            demo_lora_targets=_DEMO_LORA_TARGETS,
+            bench=_BENCH if size == "4b" else None,  # the 9B is the 4B's architecture, deeper and wider
+        ),
     )
 
 

@@ -26,7 +26,17 @@ import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from app.families import ASSETS_DIR, DEMO_SIDE, ComponentFile, Family, LatentFormat, TextEncoder
+from app.families import (
+    ASSETS_DIR,
+    DEMO_SIDE,
+    Adapters,
+    ComponentFile,
+    Family,
+    LatentFormat,
+    Precision,
+    TestKit,
+    TextEncoder,
+)
 from app.families.file_layout import own_names
 from app.families.flow_dit import DIT_SHARED
 from app.families.pipelines import EnginePipeline, VariedNoise
@@ -82,8 +92,6 @@ class SteadyQwenImage21Pipeline(EnginePipeline, VariedNoise, QwenImage21Pipeline
         return super()._encode_vae_image(image.to(dtype=dtype), generator).to(image.dtype)
 
 
-# The VAE's own per-channel statistics, as the pipeline applies them (`x·std + mean`); one frame; no preview fit yet.
-QWEN_IMAGE_21_LATENTS = LatentFormat(frames=True)
 QWEN3_VL = TextEncoder("text_encoder", "processor", Qwen3VLForConditionalGeneration,
                        single_file_prefix="text_encoders.qwen3vl_8b.transformer.", config_class=Qwen3VLConfig,
                        tokenizer_class=BundledQwen3VLProcessor, tokenizer_dir=QWEN3_VL_TOKENIZER_DIR, reads="text",
@@ -156,9 +164,10 @@ QWEN_IMAGE_21 = Family(
     config_dir=ASSETS_DIR / "configs" / "qwen-image-2.1",
     denoiser_class=QwenImage21Transformer2DModel,
     vae_class=AutoencoderKLQwenImage21,
-    **{**DIT_SHARED, "size_multiple": 32, "latent_format": QWEN_IMAGE_21_LATENTS,
+    **{**DIT_SHARED, "size_multiple": 32,
        # 1024² as the pipeline makes it; a demo-size model (under 1024 wide) the demo's side
        "native_size": lambda pipe: 1024 if pipe.transformer.inner_dim >= 1024 else DEMO_SIDE},
+    latent_format=LatentFormat(frames=True),  # the VAE's own per-channel statistics; no preview fit yet
     parts=_PARTS,
     default_steps=40,
     default_guidance=1.0,
@@ -166,19 +175,18 @@ QWEN_IMAGE_21 = Family(
     guidance_call=lambda cfg: {"true_cfg_scale": cfg},
     first_block="transformer_blocks.0",
     step_distilled=lambda pipe: bool(pipe.config.get("sample_sigmas")),
-    # fp8 storage keeps the embedders, the shared modulation and the final layers in the compute dtype
-    high_precision=("img_in", "txt_in", "time_text_embed", "modulation", "norm_out", "proj_out", "lm_head"),
     takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3-VL has none
     reference_images=4,  # each adds 4,096 tokens (1024² / 16²) to every attention; the pipeline takes up to 10
-    # the timestep embedding's frequencies stay fp32 on a bf16 load, as diffusers' `from_pretrained` keeps them
-    pinned_dtypes={**QWEN3_VL_PINNED, "transformer.time_text_embed.time_proj.freqs": torch.float32},
-    adapter_arch="qwen-image-2.1",
-    adapter_label="Qwen-Image 2.1",
-    adapter_markers=("qwen_image_2.1", "qwen-image-2.1", "qwen_image_21", "qwenimage21", "qwen-image-21"),
-    native_modules=lora_aliases,
-    tiny_configs=_TINY,
-    tiny_trained=_trained_like,
-    lora_targets=_LORA_TARGETS,
-    demo_lora_targets=_DEMO_LORA_TARGETS,
+    precision=Precision(
+        fp16_ok=False,
+        # fp8 storage keeps the embedders, the shared modulation and the final layers in the compute dtype
+        high_precision=("img_in", "txt_in", "time_text_embed", "modulation", "norm_out", "proj_out", "lm_head"),
+        # the timestep embedding's frequencies stay fp32 on a bf16 load, as diffusers' `from_pretrained` keeps them
+        pinned_dtypes={**QWEN3_VL_PINNED, "transformer.time_text_embed.time_proj.freqs": torch.float32},
+    ),
+    adapters=Adapters(markers=("qwen_image_2.1", "qwen-image-2.1", "qwen_image_21", "qwenimage21"),
+                      native_modules=lora_aliases),
+    test_kit=TestKit(tiny_configs=_TINY, tiny_trained=_trained_like, lora_targets=_LORA_TARGETS,
+                     demo_lora_targets=_DEMO_LORA_TARGETS),
 )
 FAMILIES = (QWEN_IMAGE_21,)

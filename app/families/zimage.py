@@ -35,9 +35,9 @@ from diffusers import (
 )
 from diffusers.image_processor import VaeImageProcessor
 
-from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family
+from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit
 from app.families.file_layout import file_name_aliases
-from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_SHARED, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
 from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3, QWEN3_PART, QWEN3_PINNED
@@ -184,6 +184,7 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         config_dir=ASSETS_DIR / "configs" / name,
         denoiser_class=ZImageTransformer2DModel,
         **DIT_SHARED,
+        latent_format=FLUX_LATENTS,
         parts=_PARTS,
         layouts=("file", "folder") if turbo else ("folder",),
         default_steps=8 if turbo else 50,
@@ -191,25 +192,32 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         guidance_call=lambda cfg: {"guidance_scale": cfg - 1.0},
         first_block="layers.0",  # the first joint block (the refiners before it run on each stream alone)
         step_distilled=lambda pipe: turbo,  # Turbo: 8 distilled steps
-        # fp8 storage keeps the embedders and the final layer in the compute dtype, as peers' files do
-        high_precision=("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer"),
         max_sequence_length=512,
         takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has none
-        pinned_dtypes=QWEN3_PINNED,
-        adapter_arch="zimage",
-        adapter_label="Z-Image",
-        adapter_markers=("z_image", "z-image", "zimage"),
         # Turbo first: `family_of_pipeline` takes the first family whose `folder_config` fits, so a
         # folder with another shift is Base.
         folder_config=MappingProxyType({"scheduler/scheduler_config.json": {"shift": 3.0}} if turbo else {}),
-        native_modules=lora_aliases,
-        tiny_configs=MappingProxyType({"transformer": _TINY_TRANSFORMER, "vae": TINY_FLUX_VAE,
-                                       "text_encoder": _TINY_QWEN3}),
-        lora_targets=_LORA_TARGETS,
-        demo_lora_targets=_DEMO_LORA_TARGETS,
         controlnet=zimage_controlnet_kit({"txt2img": SteadyZImageControlNetPipeline}, ASSETS_DIR / "configs" / name,
                                          _TINY_TRANSFORMER),
-        bench=_BENCH if turbo else None,  # Base is Turbo's architecture
+        precision=Precision(
+            fp16_ok=False,
+            # fp8 storage keeps the embedders and the final layer in the compute dtype, as peers' files do
+            high_precision=("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer"),
+            pinned_dtypes=QWEN3_PINNED
+        ),
+        adapters=Adapters(
+            lora_arch="zimage",
+            label="Z-Image",
+            markers=("z_image", "z-image", "zimage"),
+            native_modules=lora_aliases
+        ),
+        test_kit=TestKit(
+            tiny_configs=MappingProxyType({"transformer": _TINY_TRANSFORMER, "vae": TINY_FLUX_VAE,
+                                           "text_encoder": _TINY_QWEN3}),
+            lora_targets=_LORA_TARGETS,
+            demo_lora_targets=_DEMO_LORA_TARGETS,
+            bench=_BENCH if turbo else None,  # Base is Turbo's architecture
+        ),
     )
 
 

@@ -273,7 +273,7 @@ def test_a_peft_lora_written_by_peft_fuses_to_the_formula_and_comes_off_bit_for_
     source = build_tiny_pipeline(arch)
     denoiser = getattr(source, fam.denoiser)
     targets = [path for path, module in denoiser.named_modules() if isinstance(module, torch.nn.Linear)
-               and any(fnmatch.fnmatchcase(f"{fam.denoiser}.{path}", glob) for glob in fam.lora_targets)]
+               and any(fnmatch.fnmatchcase(f"{fam.denoiser}.{path}", glob) for glob in fam.test_kit.lora_targets)]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     peft.inject_adapter_in_model(config, denoiser)
     name = f"peft-{arch}"
@@ -371,7 +371,7 @@ def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_strea
               if t.dtype == placement.STORAGE_DTYPES["fp8"]}
     scales = {f"{c}.{p}": t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
               if n == fp8_matmul.SCALE}
-    sensitive = family(arch).high_precision
+    sensitive = family(arch).precision.high_precision
     assert len(stored) == snap.stored_layers and not [k for k in stored if set(k.split(".")) & set(sensitive)]
     assert len(scales) == snap.matmul_layers and all(t.dtype == torch.float32 for t in scales.values())
     images = {}

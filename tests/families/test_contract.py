@@ -27,7 +27,8 @@ def test_a_family_breaking_a_rule_is_refused_naming_the_family_and_the_rule():
         "states each TextEncoder.single_file_prefix": dict(layouts=("file", "folder")),
         "states each TextEncoder.embedding_key": dict(takes_embeddings=True),
         "size_multiple 48 must divide it": dict(size_multiple=48),
-        "tiny_configs states a config for the denoiser": dict(tiny_configs={"unet": toy.tiny_configs["unet"]}),
+        "tiny_configs states a config for the denoiser": dict(test_kit=dataclasses.replace(
+            toy.test_kit, tiny_configs={"unet": toy.test_kit.tiny_configs["unet"]})),
         r"layouts \('files',\) must be some of": dict(layouts=("files",)),
     }
     for rule, changes in broken.items():

@@ -87,6 +87,33 @@ def _tracked() -> list[str]:
     return subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
 
 
+def _listed() -> list[tuple[str, bool]]:
+    """(path pattern, optional) for each file the contract's docstring says a family consists of."""
+    doc = families.__doc__
+    section = doc[doc.index("A family consists of these files"):doc.index("How to add a family")]
+    return [(m[1].rstrip("/"), bool(m[2])) for m in re.finditer(r"^- `([^`]+)`( \(optional\))?", section, re.M)]
+
+
+def _expand(pattern: str, module: str) -> set[str]:
+    names = [f.name for f in MODULES[module]] if "<family>" in pattern else [""]
+    return {pattern.replace("<module>", module).replace("<family>", name) for name in names}
+
+
+def test_the_contract_lists_exactly_the_files_a_family_consists_of():
+    """The docstring of `app/families/__init__.py` lists the files a family consists of: every discovered
+    family's own files (its modules, configs, config script, test file) are among them, and each file it
+    does not mark optional exists for each family, so a contributor can rely on the list both ways."""
+    listed = _listed()
+    assert len(listed) >= 5
+    for module in ADDED:
+        tests = [f"tests/test_{module}.py"] if (ROOT / f"tests/test_{module}.py").exists() else []
+        own = {*_own_files(module), *tests}
+        allowed = {path for pattern, _ in listed for path in _expand(pattern, module)}
+        required = {path for pattern, optional in listed if not optional for path in _expand(pattern, module)}
+        assert own - allowed == set(), module
+        assert required - own == set(), module
+
+
 def test_family_files_import_nothing_from_the_engine():
     """A family builds on `app/families/` alone (its base classes and shared pieces live there): no module of the
     package imports `app.engine`, so a new family never reaches into the engine, nor the engine's modules into it

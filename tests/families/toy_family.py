@@ -5,7 +5,7 @@ family has, so the generic code a new family leans on is proven before one arriv
   forward never runs, so `group` offload must hook its elements, not it;
 * `pad`, a tensor the denoiser owns itself (Z-Image's pad tokens): streamed around the
   denoiser's own forward under `group` offload;
-* `rope.inv_freq`, a buffer computed in fp32 and pinned there (`Family.pinned_dtypes`), as
+* `rope.inv_freq`, a buffer computed in fp32 and pinned there (`Precision.pinned_dtypes`), as
   transformers keeps a RoPE text encoder's on a bf16 load;
 * `gain.scale`, an unpinned floating buffer its own forward reads (a norm's statistics): it must be
   streamed in for compute like a parameter, or the strict forward names it;
@@ -103,7 +103,8 @@ def toy_family():
         sd15, name=NAME, label="Toy", pipeline_class=ToyPipeline, diffusers_pipeline="ToyPipeline",
         denoiser_class=ToyUNet, layouts=("folder",), checkpoint_markers=("toy.only.marker",),
         text_encoders=(encoder,), takes_embeddings=False, stage_pipelines={},  # txt2img only: img2img refused
-        pinned_dtypes={"unet.*inv_freq": torch.float32}, tiny_inpainting_channels=None,
-        adapter_arch=NAME, adapter_markers=("toy_v1", "toy-v1"), adapter_label="Toy",
-        lora_targets=(*sd15.lora_targets, "unet.context_in.text"),
+        precision=dataclasses.replace(sd15.precision, pinned_dtypes={"unet.*inv_freq": torch.float32}),
+        adapters=dataclasses.replace(sd15.adapters, lora_arch=NAME, markers=("toy_v1", "toy-v1"), label="Toy"),
+        test_kit=dataclasses.replace(sd15.test_kit, tiny_inpainting_channels=None,
+                                     lora_targets=(*sd15.test_kit.lora_targets, "unet.context_in.text")),
         controlnet=None))  # SD1.5's ControlNets do not know the toy denoiser's extra layers
