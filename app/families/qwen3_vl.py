@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from app.families import ComponentFile
+from app.families import ComponentFile, TextEncoder
 from app.families.file_layout import own_names
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer
 
@@ -62,13 +63,28 @@ class BundledQwen3VLProcessor:
         return cls._load(Path(folder))
 
 
-QWEN3_VL_TOKENIZER_DIR = QWEN3_TOKENIZER_DIR
 QWEN3_VL_PINNED = {"text_encoder.*rotary*inv_freq": torch.float32}  # the text's and the vision tower's
 
 
-def qwen3_vl_part(file_hint: str, prefix: str) -> ComponentFile:
-    """The encoder's separate file (`file_hint` names it for errors), or its tensors under `prefix` in an
-    all-in-one file."""
-    return ComponentFile("text_encoder", f"Qwen3-VL text encoder ({file_hint})", Qwen3VLForConditionalGeneration,
-                         (prefix, ""), "model.language_model.layers.0.self_attn.q_proj.weight", own_names,
-                         folder="text_encoder_dir", config_class=Qwen3VLConfig)
+# The pipeline reads the prompt as text, through its own template, at any length (`reads="text"`); in a ComfyUI
+# all-in-one the encoder sits under `text_encoders.qwen3vl_8b.transformer.`, alone in `models/text_encoder`.
+QWEN3_VL = TextEncoder("text_encoder", "processor", Qwen3VLForConditionalGeneration,
+                       single_file_prefix="text_encoders.qwen3vl_8b.transformer.", config_class=Qwen3VLConfig,
+                       tokenizer_class=BundledQwen3VLProcessor, tokenizer_dir=QWEN3_TOKENIZER_DIR, reads="text",
+                       chunked=False)
+QWEN3_VL_PART = ComponentFile("text_encoder", "Qwen3-VL text encoder (qwen3vl_8b.safetensors)",
+                              Qwen3VLForConditionalGeneration, (QWEN3_VL.single_file_prefix, ""),
+                              "model.language_model.layers.0.self_attn.q_proj.weight", own_names,
+                              folder="text_encoder_dir", config_class=Qwen3VLConfig)
+# Tiny (tests, the demo): the real vocabulary (the bundled tokenizer), 2 text layers with interleaved M-RoPE, and a
+# 2-block vision tower whose 16-pixel patches and 2×2 merge are the real ones (a picture's vision slots are then
+# a quarter of its 16× VAE latents, as the pipelines need).
+TINY_QWEN3_VL = MappingProxyType(dict(
+    text_config=dict(vocab_size=151936, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                     rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[2, 1, 1],
+                                          mrope_interleaved=True)),
+    vision_config=dict(depth=2, hidden_size=32, intermediate_size=37, num_heads=2, out_hidden_size=32,
+                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                       deepstack_visual_indexes=[1]),
+    tie_word_embeddings=True))

@@ -9,11 +9,9 @@ unconditional pass with the negative prompt, as A1111 computes it. Turbo is the 
 states the model author's `sample_sigmas`: its steps are their count, and other step counts run the plain
 linear schedule, as the pipeline runs any call without them.
 
-Files: a diffusers folder; or ComfyUI's transformer (`txt_in.text_norm` is its marker; bf16, or fp8 with
-`weight_scale`) with the Qwen3-VL encoder in `models/text_encoder` (`qwen3vl_8b*.safetensors`) and the VAE in
-`models/VAE` (`qwen_image_2.1_vae*.safetensors`, diffusers' names), or an all-in-one under ComfyUI's prefixes.
-Names: `qwen_image_layout.py`; the encoder and its bundled processor: `qwen3_vl.py`. The VAE's frames axis and
-RGBA pictures are the VAE's own: the engine hands it spatial latents; img2img and inpaint are refused by name.
+Files: a diffusers folder; or ComfyUI's transformer (bf16, or fp8 with `weight_scale`; names:
+`qwen_image_layout.py`) with the Qwen3-VL encoder in `models/text_encoder` (`qwen3_vl.py`) and the VAE in
+`models/VAE` (diffusers' names), or an all-in-one under ComfyUI's prefixes. No img2img or inpaint (refused).
 """
 
 from __future__ import annotations
@@ -24,23 +22,12 @@ from types import MappingProxyType
 import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from app.families import (
-    ASSETS_DIR,
-    DEMO_SIDE,
-    Adapters,
-    ComponentFile,
-    Family,
-    LatentFormat,
-    Precision,
-    TestKit,
-    TextEncoder,
-)
+from app.families import ASSETS_DIR, DEMO_SIDE, Adapters, ComponentFile, Family, LatentFormat, Precision, TestKit
 from app.families.file_layout import own_names
 from app.families.flow_dit import DIT_SHARED
 from app.families.pipelines import EnginePipeline, VariedNoise
-from app.families.qwen3_vl import QWEN3_VL_PINNED, QWEN3_VL_TOKENIZER_DIR, BundledQwen3VLProcessor, qwen3_vl_part
+from app.families.qwen3_vl import QWEN3_VL, QWEN3_VL_PART, QWEN3_VL_PINNED, TINY_QWEN3_VL
 from app.families.qwen_image_layout import lora_aliases, transformer_layout
 
 
@@ -92,33 +79,21 @@ class SteadyQwenImage21Pipeline(EnginePipeline, VariedNoise, QwenImage21Pipeline
         return super()._encode_vae_image(image.to(dtype=dtype), generator).to(image.dtype)
 
 
-QWEN3_VL = TextEncoder("text_encoder", "processor", Qwen3VLForConditionalGeneration,
-                       single_file_prefix="text_encoders.qwen3vl_8b.transformer.", config_class=Qwen3VLConfig,
-                       tokenizer_class=BundledQwen3VLProcessor, tokenizer_dir=QWEN3_VL_TOKENIZER_DIR, reads="text",
-                       chunked=False)
 _PARTS = (
     ComponentFile("transformer", "transformer", QwenImage21Transformer2DModel, ("model.diffusion_model.", ""),
                   "txt_in.text_norm.weight", transformer_layout),
-    qwen3_vl_part("qwen3vl_8b.safetensors", QWEN3_VL.single_file_prefix),
+    QWEN3_VL_PART,
     ComponentFile("vae", "VAE (qwen_image_2.1_vae.safetensors)", AutoencoderKLQwenImage21, ("vae.", ""),
                   "decoder.norm_out.gamma", own_names, folder="vae_dir"),
 )
 # Tiny: the real 64 latent channels, 16× VAE (five stages, four downsamples) and RGBA pictures; 2 blocks of 2
-# heads x 8 with rope axes 2/2/4; Qwen3-VL with the real vocabulary, 2 text layers and a 2-block vision tower
-# whose 16-pixel patches and 2×2 merge are the real ones (a reference's vision slots match its latents).
-_TINY_TEXT = dict(vocab_size=151936, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-                  rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[2, 1, 1],
-                                       mrope_interleaved=True))
-_TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=37, num_heads=2, out_hidden_size=32, patch_size=16,
-                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
-                    deepstack_visual_indexes=[1])
+# heads x 8 with rope axes 2/2/4; the tiny Qwen3-VL (`qwen3_vl.py`).
 _TINY = MappingProxyType({
     "transformer": dict(in_channels=64, out_channels=64, num_layers=2, attention_head_dim=8, num_attention_heads=2,
                         context_in_dim=32, axes_dims_rope=(2, 2, 4)),
     "vae": dict(base_dim=8, decoder_base_dim=8, z_dim=64, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
                 temperal_downsample=[False, False, False, False]),
-    "text_encoder": dict(text_config=_TINY_TEXT, vision_config=_TINY_VISION, tie_word_embeddings=True),
+    "text_encoder": TINY_QWEN3_VL,
 })
 # Every layer kind: attention (q, out), both SwiGLU halves and its output, the shared modulation, the text and
 # image embedders, the final layer, and Qwen3-VL's attention, MLP and vision tower.
@@ -148,12 +123,6 @@ def _trained_like(pipe) -> None:
     gates[1::2].mul_(10)
 
 
-def _defaults(pipe) -> tuple[int, float]:
-    """Turbo's own steps (its `sample_sigmas`), else the pipeline's 40; no guidance either way."""
-    authored = pipe.config.get("sample_sigmas")
-    return (len(authored) if authored else 40), 1.0
-
-
 QWEN_IMAGE_21 = Family(
     name="qwen-image-2.1",
     label="Qwen-Image 2.1",
@@ -171,7 +140,8 @@ QWEN_IMAGE_21 = Family(
     parts=_PARTS,
     default_steps=40,
     default_guidance=1.0,
-    loaded_defaults=_defaults,
+    # Turbo's own steps (its `sample_sigmas`), else the pipeline's 40; no guidance either way
+    loaded_defaults=lambda pipe: (len(pipe.config.get("sample_sigmas") or ()) or 40, 1.0),
     guidance_call=lambda cfg: {"true_cfg_scale": cfg},
     first_block="transformer_blocks.0",
     step_distilled=lambda pipe: bool(pipe.config.get("sample_sigmas")),
