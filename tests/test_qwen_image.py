@@ -200,3 +200,18 @@ def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_model_generates(data, weights)
     lora = _kohya(build_tiny_pipeline(ARCH).transformer, comfy=False)[0]
     save_file(lora, str(data / "models/Lora" / "qwen-fp32.safetensors"))
     kit.fp32_lora_generates(data, FILE, "qwen-fp32", params(), weights)
+
+
+def test_prompt_notes_and_the_memory_estimate_read_its_encoder_and_video_vae():
+    """Before a job: the prompt notes of a family whose encoder's "tokenizer" is a Qwen3-VL processor say the
+    emphasis is dropped (no length count: the pipeline reads any length), and the memory estimate reads the
+    Wan-style VAE's widths (`base_dim` × `dim_mult`, four 2× steps: 16×) from the bundled full-size configs."""
+    from app.engine.job_memory import model_shape
+    from app.families import family
+    from app.prompts.notes import prompt_notes
+
+    fam = family(ARCH)
+    notes = prompt_notes(fam, "a (red:1.3) cube", "")
+    assert len(notes) == 1 and "emphasis weights and BREAK have no effect" in notes[0]
+    shape = model_shape(fam)
+    assert (shape.vae_width, shape.vae_scale) == (144, 16)
