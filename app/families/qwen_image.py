@@ -1,13 +1,10 @@
 """Qwen-Image 2.1 (and its Turbo): a single-stream, block-causal DiT over the 64-channel RGBA latents of its own
 16× VAE, with the Qwen3-VL-8B encoder, 1024² native size (Qwen, Apache-2.0; diffusers' `QwenImage21Pipeline`).
 
-One pipeline generates from a prompt and edits or combines reference images: Qwen3-VL reads each picture in
-the vision slots its template reserves, and the picture's VAE latents join the sequence ahead of the image
-being made; every picture is resized to the generated image's area (the pipeline's `output_resolution`). The
-model is sampled without guidance (CFG 1, 40 steps, the pipeline's defaults); CFG above 1 runs its
-unconditional pass with the negative prompt, as A1111 computes it. Turbo is the same pipeline whose folder
-states the model author's `sample_sigmas`: its steps are their count, and other step counts run the plain
-linear schedule, as the pipeline runs any call without them.
+One pipeline generates from a prompt and edits or combines reference pictures (Qwen3-VL reads each in its
+vision slots; its VAE latents join the sequence ahead of the image). Sampled without guidance (CFG 1, 40 steps);
+CFG above 1 runs the unconditional pass with the negative prompt, as A1111 computes it. Turbo is a folder
+stating the author's `sample_sigmas`: its steps are their count.
 
 Files: a diffusers folder; or ComfyUI's transformer (bf16, or fp8 with `weight_scale`; names:
 `qwen_image_layout.py`) with the Qwen3-VL encoder in `models/text_encoder` (`qwen3_vl.py`) and the VAE in
@@ -37,10 +34,9 @@ class SteadyQwenImage21Pipeline(EnginePipeline, VariedNoise, QwenImage21Pipeline
 
     def __call__(self, *args, num_inference_steps: int = 40, sigmas=None, height: int | None = None,
                  width: int | None = None, output_resolution: int | None = None, **kwargs):
-        """The model author's `sample_sigmas` where the steps are their count, else the linear schedule the
-        pipeline uses without them: the engine always runs the steps it was asked for. References are resized
-        to the generated image's area (the pipeline's `output_resolution`, which it would otherwise also derive
-        the size from: 1024 at the native 1024²)."""
+        """The author's `sample_sigmas` where the steps are their count, else the pipeline's linear schedule (the
+        engine runs the steps asked for); references resized to the image's area (the pipeline's
+        `output_resolution`: 1024 at the native 1024²)."""
         if sigmas is None:
             authored = self.config.get("sample_sigmas")
             sigmas = (authored if authored and len(authored) == num_inference_steps
@@ -97,14 +93,11 @@ _TINY = MappingProxyType({
 })
 # Every layer kind: attention (q, out), both SwiGLU halves and its output, the shared modulation, the text and
 # image embedders, the final layer, and Qwen3-VL's attention, MLP and vision tower.
-_LORA_TARGETS = (
-    "transformer.transformer_blocks.0.attn.to_q", "transformer.transformer_blocks.*.attn.to_out.0",
-    "transformer.transformer_blocks.1.img_mlp.gate_layer", "transformer.transformer_blocks.0.img_mlp.proj",
-    "transformer.transformer_blocks.0.img_mlp.out", "transformer.modulation.1", "transformer.txt_in.in_layer",
-    "transformer.img_in", "transformer.norm_out.linear",
-    "text_encoder.model.language_model.layers.0.self_attn.q_proj",
-    "text_encoder.model.language_model.layers.1.mlp.down_proj", "text_encoder.model.visual.blocks.0.attn.qkv",
-)
+_LORA_TARGETS = tuple(f"transformer.{m}" for m in (
+    "transformer_blocks.0.attn.to_q", "transformer_blocks.*.attn.to_out.0", "transformer_blocks.1.img_mlp.gate_layer",
+    "transformer_blocks.0.img_mlp.proj", "transformer_blocks.0.img_mlp.out", "modulation.1", "txt_in.in_layer",
+    "img_in", "norm_out.linear")) + tuple(f"text_encoder.model.{m}" for m in (
+    "language_model.layers.0.self_attn.q_proj", "language_model.layers.1.mlp.down_proj", "visual.blocks.0.attn.qkv"))
 _DEMO_LORA_TARGETS = (
     ("transformer.*attn.to_[qkv]", "transformer.*attn.to_out.0", "text_encoder.*self_attn.[qkvo]_proj"),
     ("transformer.*img_mlp.*", "text_encoder.*language_model*mlp.*_proj"),
