@@ -41,7 +41,8 @@ def text_notes(fam, te, tokenizer, prompt: str, what: str) -> list[str]:
         notes.append(f"{fam.label} reads the {what} as plain text: emphasis weights and BREAK have no effect "
                      "there and were left out")
     length = templated_length(tokenizer, text, te.chat_template)
-    if fam.max_sequence_length is not None and length > fam.max_sequence_length:
+    limit = fam.sampling.max_sequence_length
+    if limit is not None and length > limit:
         notes.append(f"the {what} is {length} tokens long with its chat template and {fam.label} reads "
-                     f"{fam.max_sequence_length}: the last {length - fam.max_sequence_length} change nothing")
+                     f"{limit}: the last {length - limit} change nothing")
     return notes
