@@ -226,14 +226,12 @@ def _family(name: str, label: str, dev: bool) -> Family:
             fp16_ok=False,
             # fp8 storage keeps the embedders, the final layers and T5's `wo` (which the T5 code casts
             # its input to) in the compute dtype, as peers do.
-            high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo")
-        ),
+            high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo")),
         adapters=Adapters(
             lora_arch="flux",
             native_modules=lora_aliases,
             label="Flux",
-            markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux")
-        ),
+            markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux")),
         test_kit=TestKit(
             tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev),
                                            "vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP_L,
@@ -242,16 +240,14 @@ def _family(name: str, label: str, dev: bool) -> Family:
             demo_lora_targets=_DEMO_LORA_TARGETS,
             bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
         ),
-        sampling=dataclasses.replace(
-            FLOW_SAMPLING,
+        sampling=dataclasses.replace(FLOW_SAMPLING,
             default_steps=28 if dev else 4,
             default_guidance=3.5 if dev else 1.0,
             distilled_guidance=dev,
             step_distilled=lambda pipe: not dev,  # schnell runs 1-4 timestep-distilled steps; dev distils guidance only
             negative_prompt=False,
             max_sequence_length=512 if dev else 256,
-            guidance_label="Distilled CFG Scale" if dev else "CFG scale"
-        ),
+            guidance_label="Distilled CFG Scale" if dev else "CFG scale"),
     )
 
 

@@ -257,15 +257,13 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
             # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to
             # diffusers) and the final layers in the compute dtype, as peers do.
             high_precision=("x_embedder", "context_embedder", "time_guidance_embed", "norm_out", "proj_out", "lm_head"),
-            pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32})
-        ),
+            pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32})),
         adapters=Adapters(
             native_modules=lora_aliases,
             lora_arch=f"flux2-klein-{size}",
             foreign_layers=(("FLUX.1", _FLUX1_LAYERS),),
             label=f"Klein {size.upper()}",
-            markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}")
-        ),
+            markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}")),
         test_kit=TestKit(
             tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER,
                                                                num_layers=double_blocks if size == "9b" else 2),
@@ -274,15 +272,13 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
             demo_lora_targets=_DEMO_LORA_TARGETS,
             bench=_BENCH if size == "4b" else None,  # the 9B is the 4B's architecture, deeper and wider
         ),
-        sampling=dataclasses.replace(
-            FLOW_SAMPLING,
+        sampling=dataclasses.replace(FLOW_SAMPLING,
             default_steps=4,
             default_guidance=1.0,
             loaded_defaults=_defaults,
             step_distilled=lambda pipe: pipe.config.is_distilled,  # the released 4-step checkpoints; "base" is not
             negative_prompt=False,
-            max_sequence_length=512
-        ),
+            max_sequence_length=512),
     )
 
 

@@ -205,14 +205,12 @@ def _family(name: str, label: str, turbo: bool) -> Family:
             fp16_ok=False,
             # fp8 storage keeps the embedders and the final layer in the compute dtype, as peers' files do
             high_precision=("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer"),
-            pinned_dtypes=QWEN3_PINNED
-        ),
+            pinned_dtypes=QWEN3_PINNED),
         adapters=Adapters(
             lora_arch="zimage",
             label="Z-Image",
             markers=("z_image", "z-image", "zimage"),
-            native_modules=lora_aliases
-        ),
+            native_modules=lora_aliases),
         test_kit=TestKit(
             tiny_configs=MappingProxyType({"transformer": _TINY_TRANSFORMER, "vae": TINY_FLUX_VAE,
                                            "text_encoder": _TINY_QWEN3}),
@@ -220,14 +218,12 @@ def _family(name: str, label: str, turbo: bool) -> Family:
             demo_lora_targets=_DEMO_LORA_TARGETS,
             bench=_BENCH if turbo else None,  # Base is Turbo's architecture
         ),
-        sampling=dataclasses.replace(
-            FLOW_SAMPLING,
+        sampling=dataclasses.replace(FLOW_SAMPLING,
             default_steps=8 if turbo else 50,
             default_guidance=1.0 if turbo else 5.0,
             guidance_call=lambda cfg: {"guidance_scale": cfg - 1.0},
             step_distilled=lambda pipe: turbo,  # Turbo: 8 distilled steps
-            max_sequence_length=512
-        ),
+            max_sequence_length=512),
     )
 
 
