@@ -119,12 +119,12 @@ def guidance(arch: str) -> float:
     """The guidance value both sides pass, in the CFG field's meaning (`Family.call_arguments` maps it
     to each pipeline's call): the family's own default, as its model card runs it: SD's CFG 7
     (`CFG_SCALE`), Flux dev's distilled 3.5, a distilled model's 1 (no CFG)."""
-    return family(arch).default_guidance
+    return family(arch).sampling.default_guidance
 
 
 def runs_cfg(arch: str) -> bool:
     """Does a generation at `guidance(arch)` run the unconditional pass too (a CFG-doubled batch)?"""
-    return family(arch).negative_prompt and guidance(arch) > 1
+    return family(arch).sampling.negative_prompt and guidance(arch) > 1
 
 
 def has_package(name: str) -> bool:

@@ -350,7 +350,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _sampler(self, data) -> str:
         """A sampler the architecture has (Flux: flow-match Euler only)."""
-        return data.draw(st.sampled_from([s for s in SAMPLERS if s in family(self.arch).samplers]), label="sampler")
+        own = family(self.arch).sampling.samplers
+        return data.draw(st.sampled_from([s for s in SAMPLERS if s in own]), label="sampler")
 
     def _spec(self, data, name: str) -> LoraSpec:
         weight = data.draw(st.sampled_from(STRENGTHS), label="weight")

@@ -440,13 +440,13 @@ def test_the_img2img_tab_fills_its_family_fields_when_the_model_it_shows_changes
 
     sdxl, sd15 = snap("sdxl", (20, 5.0), 1024), snap("sd15", (20, 7.0), 512)
     fill, shown = family_fill(sdxl, None)
-    assert values(fill) == [family("sdxl").default_sampler, 20, 5.0, 1024, 1024]
+    assert values(fill) == [family("sdxl").sampling.default_sampler, 20, 5.0, 1024, 1024]
     assert shown == ModelShown("sdxl", (20, 5.0), 1024) and family_fill(sdxl, shown) == ({}, shown)
     fill, shown = family_fill(sd15, shown)
-    assert values(fill) == [family("sd15").default_sampler, 20, 7.0, 512, 512] and shown.native_size == 512
+    assert values(fill) == [family("sd15").sampling.default_sampler, 20, 7.0, 512, 512] and shown.native_size == 512
     klein, base = snap("flux2-klein-4b", (4, 1.0), 1024), snap("flux2-klein-4b", (50, 4.0), 1024)
     fill, shown = family_fill(klein, shown)
-    assert values(fill) == [family("flux2-klein-4b").default_sampler, 4, 1.0, 1024, 1024]
+    assert values(fill) == [family("flux2-klein-4b").sampling.default_sampler, 4, 1.0, 1024, 1024]
     fill, shown = family_fill(base, shown)
     assert values(fill) == [None, 50, 4.0, None, None] and shown.defaults == (50, 4.0)
     assert family_fill(snap(None, None, None), shown) == ({}, shown)

@@ -134,7 +134,7 @@ def model_shape(fam: Family, pipe=None) -> ModelShape:
     vae = _config(fam, pipe, "vae")
     widths = tuple((_width(_config(fam, pipe, te.component)), te.chunked) for te in fam.text_encoders)
     blocks = _vae_widths(vae)
-    return ModelShape(blocks[0], 2 ** (len(blocks) - 1), widths, fam.max_sequence_length or CHUNK_TOKENS)
+    return ModelShape(blocks[0], 2 ** (len(blocks) - 1), widths, fam.sampling.max_sequence_length or CHUNK_TOKENS)
 
 
 def _vae_widths(config: Mapping) -> list[int]:

@@ -307,6 +307,32 @@ class TestKit:
     bench: BenchSpec | None = None  # None: the benchmark does not run this family
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a family samples (`Family.sampling`): its samplers, the defaults the page fills in, its guidance
+    and prompt length."""
+
+    default_sampler: str = "Euler a"
+    samplers: Samplers = field(default_factory=lambda: SD_SAMPLERS)
+    # A1111 sampler names this family has no exact counterpart for -> the nearest of its own `samplers`: what an
+    # A1111 client's request runs instead (the answer says so), as Forge and ComfyUI run them on such models.
+    nearest_samplers: Mapping[str, str] = field(default_factory=dict)
+    default_steps: int = 20
+    default_guidance: float = 7.0
+    guidance_range: tuple[float, float] = (1.0, 30.0)  # what the CFG field takes for this family
+    guidance_label: str = "CFG scale"  # what the page calls the field
+    # guidance value -> pipeline-call arguments; None: `guidance_scale=value` (CFG, or Flux's distilled guidance)
+    guidance_call: Callable[[float], dict[str, object]] | None = None
+    distilled_guidance: bool = False  # guidance is an input of the model (Flux dev), not CFG
+    negative_prompt: bool = True  # False: the pipeline has no unconditional pass to use one in
+    max_sequence_length: int | None = None  # T5 tokens per prompt, where the family has T5
+    # (steps, guidance) for a loaded pipeline where checkpoints of one family want other settings (FLUX.2
+    # Klein's undistilled "base": 50 steps, guidance 4); None: `default_steps`, `default_guidance`.
+    loaded_defaults: Callable[[Any], tuple[int, float]] | None = None
+    # a step-distilled checkpoint: a few steps, each unlike the last (no step cache)
+    step_distilled: Callable[[Any], bool] = lambda pipe: False
+
+
 # Architectures whose LoRAs exist but that no family here runs: (LoRA arch, badge, metadata markers),
 # so a LoRA card and a refusal can still say what a file was made for.
 FOREIGN_ADAPTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -368,7 +394,6 @@ class Family:
     # Stage pipeline classes by workflow ("img2img", "inpaint"), built on the loaded pipeline's
     # components (app/engine/stages.py); a family without one refuses that workflow by name.
     stage_pipelines: Mapping[str, type] = field(default_factory=dict)
-    default_sampler: str = "Euler a"
     size_multiple: int = 8  # width and height are rounded to this (the VAE's downscale factor)
     denoiser: str = "unet"  # the denoising component: "unet", or "transformer" for DiTs
     denoiser_class: type = UNet2DConditionModel
@@ -382,19 +407,6 @@ class Family:
     # Pipeline arguments a single file of `parts` implies, from its path (FLUX.2 Klein: distilled unless
     # named "…base…"); a diffusers folder states them in its model_index.json.
     file_pipeline_kwargs: Callable[[Path], Mapping[str, object]] = lambda path: {}
-    samplers: Samplers = field(default_factory=lambda: SD_SAMPLERS)
-    # A1111 sampler names this family has no exact counterpart for -> the nearest of its own `samplers`: what an
-    # A1111 client's request runs instead (the answer says so), as Forge and ComfyUI run them on such models.
-    nearest_samplers: Mapping[str, str] = field(default_factory=dict)
-    default_steps: int = 20
-    default_guidance: float = 7.0
-    guidance_range: tuple[float, float] = (1.0, 30.0)  # what the CFG field takes for this family
-    guidance_label: str = "CFG scale"  # what the page calls the field
-    # guidance value -> pipeline-call arguments; None: `guidance_scale=value` (CFG, or Flux's distilled guidance)
-    guidance_call: Callable[[float], dict[str, object]] | None = None
-    distilled_guidance: bool = False  # guidance is an input of the model (Flux dev), not CFG
-    negative_prompt: bool = True  # False: the pipeline has no unconditional pass to use one in
-    max_sequence_length: int | None = None  # T5 tokens per prompt, where the family has T5
     # Textual-inversion embeddings (A1111's `embeddings/`): the file holds one tensor per text
     # encoder under `TextEncoder.embedding_key`. False: the folder is not read for this family.
     takes_embeddings: bool = True
@@ -419,17 +431,14 @@ class Family:
     # once and shared by its instances (app/engine/compile_regions.py: seconds, not minutes, for a DiT's
     # dozens of blocks). None: the whole denoiser is compiled (with CUDA graphs in reduce-overhead mode).
     compile_regions: Callable[[torch.nn.Module], tuple[str, ...]] | None = None
-    # (steps, guidance) for a loaded pipeline where checkpoints of one family want other settings (FLUX.2
-    # Klein's undistilled "base": 50 steps, guidance 4); None: `default_steps`, `default_guidance`.
-    loaded_defaults: Callable[[Any], tuple[int, float]] | None = None
     # Families whose checkpoints may finish this one's txt2img after a switch point (A1111's refiner):
     # both pipelines take diffusers' `denoising_end` / `denoising_start`. Empty: no refiner stage.
     refiner_families: tuple[str, ...] = ()
     # Step caching (app/engine/step_cache.py): the denoiser's first block (a module path), which runs every step
-    # and whose output says whether the rest may be reused from the last whole step; and whether a loaded
-    # pipeline is step-distilled (a few steps, each unlike the last: nothing to reuse, the cache is refused).
+    # and whose output says whether the rest may be reused from the last whole step (`Sampling.step_distilled`:
+    # where the cache is refused).
     first_block: str = "down_blocks.0"
-    step_distilled: Callable[[Any], bool] = lambda pipe: False
+    sampling: Sampling = Sampling()  # samplers, defaults, guidance, prompt length
     controlnet: ControlNetKit | None = None  # None: this family takes no ControlNet (a unit is refused by name)
     precision: Precision = Precision()  # dtypes beyond the model's: pinned tensors, 8-bit exceptions, fp16
     adapters: Adapters = Adapters()  # what LoRA files call the family and how they name its layers
@@ -460,7 +469,10 @@ class Family:
 
     def defaults_for(self, pipe) -> tuple[int, float]:
         """The steps and guidance the page fills in when `pipe` is loaded."""
-        return self.loaded_defaults(pipe) if self.loaded_defaults else (self.default_steps, self.default_guidance)
+        sampling = self.sampling
+        if sampling.loaded_defaults:
+            return sampling.loaded_defaults(pipe)
+        return sampling.default_steps, sampling.default_guidance
 
     def pinned_dtype(self, component: str, module: str, tensor: str) -> torch.dtype | None:
         """The dtype `pinned_dtypes` holds this tensor in, or None (it follows the model's)."""
@@ -470,18 +482,18 @@ class Family:
 
     def check_guidance(self, value: float) -> None:
         """Refuse a guidance value outside this family's range, naming the range and the field."""
-        low, high = self.guidance_range
+        low, high = self.sampling.guidance_range
         if not low <= value <= high:
-            raise ValueError(f"{self.label} takes {self.guidance_label} {low:g}…{high:g}, got {value:g}")
+            raise ValueError(f"{self.label} takes {self.sampling.guidance_label} {low:g}…{high:g}, got {value:g}")
 
     def negative_unused(self, guidance: float) -> str:
         """Why a negative prompt changes nothing at `guidance`, or "" where it counts: it is read only by an
         unconditional pass, which a family without CFG (distilled guidance, FLUX.2 Klein) never runs, nor
         CFG at 1 or below (diffusers' pipelines skip it there: Z-Image Turbo's default)."""
-        if not self.negative_prompt or self.distilled_guidance:
+        if not self.sampling.negative_prompt or self.sampling.distilled_guidance:
             return f"{self.label} runs no unconditional pass"
         if guidance <= 1:
-            return f"{self.guidance_label} {guidance:g} runs no unconditional pass (above 1 it does)"
+            return f"{self.sampling.guidance_label} {guidance:g} runs no unconditional pass (above 1 it does)"
         return ""
 
     def latents_for_vae(self, vae, latents: torch.Tensor) -> torch.Tensor:
@@ -504,10 +516,10 @@ class Family:
 
     def call_arguments(self, guidance: float) -> dict[str, object]:
         """The pipeline-call arguments that differ by family (the prompts go as embeddings: app/prompts)."""
-        call = self.guidance_call
+        call = self.sampling.guidance_call
         out: dict[str, object] = {"guidance_scale": guidance} if call is None else dict(call(guidance))
-        if self.max_sequence_length is not None:
-            out["max_sequence_length"] = self.max_sequence_length
+        if self.sampling.max_sequence_length is not None:
+            out["max_sequence_length"] = self.sampling.max_sequence_length
         return out
 
     def text_encoder(self, component: str) -> TextEncoder:

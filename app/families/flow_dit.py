@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
-from app.families import ComponentFile, LatentFormat
+from app.families import ComponentFile, LatentFormat, Sampling
 from app.families.ldm_layout import vae_layout
 from app.families.pipelines import declared_repeated_blocks
 from app.families.tiny_parts import TINY_VAE
@@ -68,12 +68,15 @@ SAMPLERS = MappingProxyType({
 # sigmas, so they run flow Euler on the same schedule (Karras: Euler Karras).
 NEAREST_SAMPLERS = MappingProxyType({"DDIM": "Euler", "UniPC": "Euler", "PLMS": "Euler", "DPM++ 2M": "Euler",
                                      "DPM++ 2M Karras": "Euler Karras"})
+# How such a DiT samples: flow Euler and its kin, A1111's other names run as their nearest
+# (`dataclasses.replace(FLOW_SAMPLING, default_steps=…)`).
+FLOW_SAMPLING = Sampling(default_sampler="Euler", samplers=SAMPLERS, nearest_samplers=NEAREST_SAMPLERS)
 # The `Family` fields such a DiT states alike: its transformer is the denoiser (no conv weights:
 # only the VAE may rest channels_last), its files may sit under ComfyUI's `model.diffusion_model.`,
 # sizes are whole 2×2 patches of 8× latents, the native size is the VAE's (each DiT states
 # `Precision(fp16_ok=False)`: activations overflow fp16); `--compile` compiles the blocks diffusers declares repeated.
 DIT_SHARED = MappingProxyType(dict(
-    default_sampler="Euler", samplers=SAMPLERS, nearest_samplers=NEAREST_SAMPLERS, size_multiple=16,
+    size_multiple=16,
     denoiser="transformer", conv_components=("vae",),
     marker_prefixes=("", "model.diffusion_model."),
     native_size=lambda pipe: pipe.vae.config.sample_size, compile_regions=declared_repeated_blocks))

@@ -17,6 +17,7 @@ from `_CLIP_L` and `_T5`; the transformer's BFL and xlabs spellings are `lora_al
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 import torch
@@ -33,7 +34,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit, TextEncoder
 from app.families.file_layout import module_parts, own_names
-from app.families.flow_dit import DIT_SHARED, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.flux_controlnet import flux_controlnet_kit
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
 from app.families.ldm_layout import clip_layout
@@ -184,7 +185,7 @@ _CONTROL_PIPELINES = MappingProxyType({"txt2img": SteadyFluxControlNetPipeline,
 def _call_inputs(fam, cfg, rows: int, latent_side: int, empty) -> dict:
     """One transformer call for the bench's op counts: 2×2 latent patches as a sequence, T5 states,
     CLIP's pooled vector, 3 position axes, and dev's distilled guidance value."""
-    tokens, text = (latent_side // 2) ** 2, fam.max_sequence_length
+    tokens, text = (latent_side // 2) ** 2, fam.sampling.max_sequence_length
     guidance = {"guidance": empty(rows)} if cfg.guidance_embeds else {}
     return {"hidden_states": empty(rows, tokens, cfg.in_channels),
             "encoder_hidden_states": empty(rows, text, cfg.joint_attention_dim), "timestep": empty(rows),
@@ -217,29 +218,20 @@ def _family(name: str, label: str, dev: bool) -> Family:
         **DIT_SHARED,
         latent_format=FLUX_LATENTS,
         parts=_PARTS,
-        default_steps=28 if dev else 4,
-        default_guidance=3.5 if dev else 1.0,
-        distilled_guidance=dev,
         first_block="transformer_blocks.0",
-        step_distilled=lambda pipe: not dev,  # schnell runs 1-4 timestep-distilled steps; dev distils guidance only
-        negative_prompt=False,
-        max_sequence_length=512 if dev else 256,
         folder_config=MappingProxyType({"transformer/config.json": {"guidance_embeds": dev}}),
-        guidance_label="Distilled CFG Scale" if dev else "CFG scale",
         controlnet=flux_controlnet_kit(_CONTROL_PIPELINES, ASSETS_DIR / "configs" / name,
                                        dict(_TINY_TRANSFORMER, guidance_embeds=dev)),
         precision=Precision(
             fp16_ok=False,
             # fp8 storage keeps the embedders, the final layers and T5's `wo` (which the T5 code casts
             # its input to) in the compute dtype, as peers do.
-            high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo")
-        ),
+            high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo")),
         adapters=Adapters(
             lora_arch="flux",
             native_modules=lora_aliases,
             label="Flux",
-            markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux")
-        ),
+            markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux")),
         test_kit=TestKit(
             tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev),
                                            "vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP_L,
@@ -248,6 +240,14 @@ def _family(name: str, label: str, dev: bool) -> Family:
             demo_lora_targets=_DEMO_LORA_TARGETS,
             bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
         ),
+        sampling=dataclasses.replace(FLOW_SAMPLING,
+            default_steps=28 if dev else 4,
+            default_guidance=3.5 if dev else 1.0,
+            distilled_guidance=dev,
+            step_distilled=lambda pipe: not dev,  # schnell runs 1-4 timestep-distilled steps; dev distils guidance only
+            negative_prompt=False,
+            max_sequence_length=512 if dev else 256,
+            guidance_label="Distilled CFG Scale" if dev else "CFG scale"),
     )
 
 

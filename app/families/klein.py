@@ -21,6 +21,7 @@ init image as a reference, as Klein was trained to.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -47,7 +48,7 @@ from app.families import (
     TextEncoder,
 )
 from app.families.file_layout import own_names
-from app.families.flow_dit import DIT_SHARED
+from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING
 from app.families.flux_layout import bfl_aliases
 from app.families.klein_layout import transformer_layout, vae_layout
 from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
@@ -205,7 +206,7 @@ _STAGES = MappingProxyType({"img2img": SteadyKleinStagePipeline, "inpaint": Stea
 def _call_inputs(fam, cfg, rows: int, latent_side: int, empty) -> dict:
     """One transformer call for the bench's op counts: 2×2 latent patches as a sequence, Qwen3 states,
     4 position axes with a batch dimension, no pooled vector."""
-    tokens, text, axes = (latent_side // 2) ** 2, fam.max_sequence_length, len(cfg.axes_dims_rope)
+    tokens, text, axes = (latent_side // 2) ** 2, fam.sampling.max_sequence_length, len(cfg.axes_dims_rope)
     guidance = {"guidance": empty(rows)} if cfg.guidance_embeds else {}
     return {"hidden_states": empty(rows, tokens, cfg.in_channels),
             "encoder_hidden_states": empty(rows, text, cfg.joint_attention_dim), "timestep": empty(rows),
@@ -244,13 +245,7 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         vae_class=AutoencoderKLFlux2,
         parts=_parts(encoder, encoder_file),
         file_pipeline_kwargs=_distilled_flag,
-        default_steps=4,
-        default_guidance=1.0,
-        loaded_defaults=_defaults,
         first_block="transformer_blocks.0",
-        step_distilled=lambda pipe: pipe.config.is_distilled,  # the released 4-step checkpoints; "base" is not
-        negative_prompt=False,
-        max_sequence_length=512,
         takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has no such files
         reference_images=4,  # each adds up to 4,096 tokens (1024² / 16²) to every attention
         latent_format=_LATENTS,
@@ -262,15 +257,13 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
             # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to
             # diffusers) and the final layers in the compute dtype, as peers do.
             high_precision=("x_embedder", "context_embedder", "time_guidance_embed", "norm_out", "proj_out", "lm_head"),
-            pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32})
-        ),
+            pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32})),
         adapters=Adapters(
             native_modules=lora_aliases,
             lora_arch=f"flux2-klein-{size}",
             foreign_layers=(("FLUX.1", _FLUX1_LAYERS),),
             label=f"Klein {size.upper()}",
-            markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}")
-        ),
+            markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}")),
         test_kit=TestKit(
             tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER,
                                                                num_layers=double_blocks if size == "9b" else 2),
@@ -279,6 +272,13 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
             demo_lora_targets=_DEMO_LORA_TARGETS,
             bench=_BENCH if size == "4b" else None,  # the 9B is the 4B's architecture, deeper and wider
         ),
+        sampling=dataclasses.replace(FLOW_SAMPLING,
+            default_steps=4,
+            default_guidance=1.0,
+            loaded_defaults=_defaults,
+            step_distilled=lambda pipe: pipe.config.is_distilled,  # the released 4-step checkpoints; "base" is not
+            negative_prompt=False,
+            max_sequence_length=512),
     )
 
 

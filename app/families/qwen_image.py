@@ -13,6 +13,7 @@ Files: a diffusers folder; or ComfyUI's transformer (bf16, or fp8 with `weight_s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import MappingProxyType
 
@@ -22,7 +23,7 @@ from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21
 
 from app.families import ASSETS_DIR, DEMO_SIDE, Adapters, ComponentFile, Family, LatentFormat, Precision, TestKit
 from app.families.file_layout import own_names
-from app.families.flow_dit import DIT_SHARED
+from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING
 from app.families.pipelines import EnginePipeline, VariedNoise
 from app.families.qwen3_vl import QWEN3_VL, QWEN3_VL_PART, QWEN3_VL_PINNED, TINY_QWEN3_VL
 from app.families.qwen_image_layout import lora_aliases, transformer_layout
@@ -131,13 +132,12 @@ QWEN_IMAGE_21 = Family(
        "native_size": lambda pipe: 1024 if pipe.transformer.inner_dim >= 1024 else DEMO_SIDE},
     latent_format=LatentFormat(frames=True),  # the VAE's own per-channel statistics; no preview fit yet
     parts=_PARTS,
-    default_steps=40,
-    default_guidance=1.0,
-    # Turbo's own steps (its `sample_sigmas`), else the pipeline's 40; no guidance either way
-    loaded_defaults=lambda pipe: (len(pipe.config.get("sample_sigmas") or ()) or 40, 1.0),
-    guidance_call=lambda cfg: {"true_cfg_scale": cfg},
     first_block="transformer_blocks.0",
-    step_distilled=lambda pipe: bool(pipe.config.get("sample_sigmas")),
+    # 40 steps without guidance, true CFG above 1; Turbo: its `sample_sigmas`' count, a step-distilled model
+    sampling=dataclasses.replace(
+        FLOW_SAMPLING, default_steps=40, default_guidance=1.0, guidance_call=lambda cfg: {"true_cfg_scale": cfg},
+        loaded_defaults=lambda pipe: (len(pipe.config.get("sample_sigmas") or ()) or 40, 1.0),
+        step_distilled=lambda pipe: bool(pipe.config.get("sample_sigmas"))),
     takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3-VL has none
     reference_images=4,  # each adds 4,096 tokens (1024² / 16²) to every attention; the pipeline takes up to 10
     precision=Precision(
@@ -145,11 +145,9 @@ QWEN_IMAGE_21 = Family(
         # fp8 storage keeps the embedders, the shared modulation and the final layers in the compute dtype
         high_precision=("img_in", "txt_in", "time_text_embed", "modulation", "norm_out", "proj_out", "lm_head"),
         # the timestep embedding's frequencies stay fp32 on a bf16 load, as diffusers' `from_pretrained` keeps them
-        pinned_dtypes={**QWEN3_VL_PINNED, "transformer.time_text_embed.time_proj.freqs": torch.float32},
-    ),
+        pinned_dtypes={**QWEN3_VL_PINNED, "transformer.time_text_embed.time_proj.freqs": torch.float32}),
     adapters=Adapters(markers=("qwen_image_2.1", "qwen-image-2.1", "qwen_image_21", "qwenimage21"),
                       native_modules=lora_aliases),
     test_kit=TestKit(tiny_configs=_TINY, tiny_trained=_trained_like, lora_targets=_LORA_TARGETS,
-                     demo_lora_targets=_DEMO_LORA_TARGETS),
-)
+                     demo_lora_targets=_DEMO_LORA_TARGETS))
 FAMILIES = (QWEN_IMAGE_21,)

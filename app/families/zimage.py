@@ -23,6 +23,7 @@ modules, fused `qkv` cut into `to_q`/`to_k`/`to_v` by rows (`lora_aliases`).
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 import torch
@@ -37,7 +38,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit
 from app.families.file_layout import file_name_aliases
-from app.families.flow_dit import DIT_SHARED, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
 from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3, QWEN3_PART, QWEN3_PINNED
@@ -187,12 +188,7 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         latent_format=FLUX_LATENTS,
         parts=_PARTS,
         layouts=("file", "folder") if turbo else ("folder",),
-        default_steps=8 if turbo else 50,
-        default_guidance=1.0 if turbo else 5.0,
-        guidance_call=lambda cfg: {"guidance_scale": cfg - 1.0},
         first_block="layers.0",  # the first joint block (the refiners before it run on each stream alone)
-        step_distilled=lambda pipe: turbo,  # Turbo: 8 distilled steps
-        max_sequence_length=512,
         takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has none
         # Turbo first: `family_of_pipeline` takes the first family whose `folder_config` fits, so a
         # folder with another shift is Base.
@@ -203,14 +199,12 @@ def _family(name: str, label: str, turbo: bool) -> Family:
             fp16_ok=False,
             # fp8 storage keeps the embedders and the final layer in the compute dtype, as peers' files do
             high_precision=("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer"),
-            pinned_dtypes=QWEN3_PINNED
-        ),
+            pinned_dtypes=QWEN3_PINNED),
         adapters=Adapters(
             lora_arch="zimage",
             label="Z-Image",
             markers=("z_image", "z-image", "zimage"),
-            native_modules=lora_aliases
-        ),
+            native_modules=lora_aliases),
         test_kit=TestKit(
             tiny_configs=MappingProxyType({"transformer": _TINY_TRANSFORMER, "vae": TINY_FLUX_VAE,
                                            "text_encoder": _TINY_QWEN3}),
@@ -218,6 +212,12 @@ def _family(name: str, label: str, turbo: bool) -> Family:
             demo_lora_targets=_DEMO_LORA_TARGETS,
             bench=_BENCH if turbo else None,  # Base is Turbo's architecture
         ),
+        sampling=dataclasses.replace(FLOW_SAMPLING,
+            default_steps=8 if turbo else 50,
+            default_guidance=1.0 if turbo else 5.0,
+            guidance_call=lambda cfg: {"guidance_scale": cfg - 1.0},
+            step_distilled=lambda pipe: turbo,  # Turbo: 8 distilled steps
+            max_sequence_length=512),
     )
 
 

@@ -120,7 +120,7 @@ def checkpoint(arch: str) -> str:
 def params(arch: str, **changes) -> GenerateParams:
     fam = family(arch)
     return GenerateParams(**{"prompt": "a red cube", "steps": 2, "width": 64, "height": 64, "seed": 7, "sampler":
-                             fam.default_sampler, "cfg": fam.default_guidance, **changes})
+                             fam.sampling.default_sampler, "cfg": fam.sampling.default_guidance, **changes})
 
 
 def pixels(images) -> np.ndarray:
@@ -159,13 +159,13 @@ def test_one_seed_one_image_and_the_guidance_reaches_the_model(plain, arch):
     first, again = plain.generate(params(arch)), plain.generate(params(arch))
     assert np.array_equal(pixels(first), pixels(again))
     assert not np.array_equal(pixels(first), pixels(plain.generate(params(arch, seed=8))))
-    assert f"{fam.guidance_label}: {fam.default_guidance:g}" in first[0].infotext
-    if fam.distilled_guidance:  # as Forge writes it: no CFG runs
-        assert f"CFG scale: 1, {fam.guidance_label}: {fam.default_guidance:g}" in first[0].infotext
-    if fam.negative_prompt or fam.distilled_guidance:
-        other = plain.generate(params(arch, cfg=fam.default_guidance + 2.5))
+    assert f"{fam.sampling.guidance_label}: {fam.sampling.default_guidance:g}" in first[0].infotext
+    if fam.sampling.distilled_guidance:  # as Forge writes it: no CFG runs
+        assert f"CFG scale: 1, {fam.sampling.guidance_label}: {fam.sampling.default_guidance:g}" in first[0].infotext
+    if fam.sampling.negative_prompt or fam.sampling.distilled_guidance:
+        other = plain.generate(params(arch, cfg=fam.sampling.default_guidance + 2.5))
         assert not np.array_equal(pixels(first), pixels(other)), "the guidance did not reach the model"
-    if not fam.negative_prompt:
+    if not fam.sampling.negative_prompt:
         negative = plain.generate(params(arch, negative_prompt="blurry"))
         assert np.array_equal(pixels(first), pixels(negative))
         assert "\nNegative prompt: " not in negative[0].infotext and "blurry" not in negative[0].infotext
@@ -210,14 +210,14 @@ def test_the_loop_reads_one_tensor_a_step_more_than_the_familys_own_pipeline(pla
         return reads["ours"].count
 
     theirs_pipe = build_tiny_pipeline(arch)
-    theirs_pipe.scheduler = generate.scheduler_for(theirs_pipe, fam.default_sampler)
+    theirs_pipe.scheduler = generate.scheduler_for(theirs_pipe, fam.sampling.default_sampler)
     theirs_pipe.set_progress_bar_config(disable=True)
 
     def theirs(steps: int) -> int:
         mode = _HostReads()
         with mode, torch.no_grad():
             theirs_pipe(prompt="a red cube", num_inference_steps=steps, height=64, width=64, output_type="latent",
-                        generator=torch.Generator().manual_seed(7), **fam.call_arguments(fam.default_guidance))
+                        generator=torch.Generator().manual_seed(7), **fam.call_arguments(fam.sampling.default_guidance))
         return mode.count
 
     per_step_ours, per_step_theirs = (ours(4) - ours(2)) / 2, (theirs(4) - theirs(2)) / 2
