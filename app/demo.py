@@ -6,7 +6,7 @@ two text encoders and text_time embedding, the real VAE scaling factors and upca
 double and single blocks, CLIP-L + T5 with the real T5 vocabulary, the 16-channel VAE with its
 shift) so every loader path — single file and diffusers folder — is exercised, at a size that runs
 on two CPU cores. A Flux single file is written in the ComfyUI/Forge all-in-one layout. Each family
-states its tiny configs and component classes (`Family.tiny_configs`, app/families/).
+states its tiny configs and component classes (`TestKit.tiny_configs`, app/families/).
 PyTorch's default initialisation already gives structured, prompt-dependent images at this size
 (tests check it), so no weight rescaling is applied.
 
@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.engine.models import CONFIGS_METADATA_KEY
-from app.families import FAMILIES, family
+from app.families import DEMO_SIDE, FAMILIES, FamilyContractError, family
 from app.safetensors_files import read_header
 from app.settings import Settings
 from app.upscalers.demo import write_demo_upscaler
@@ -61,10 +61,16 @@ def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None
 
     The global RNG is forked so building a pipeline does not disturb the caller's random state.
     """
-    fam = family(arch)
-    configs = fam.tiny_configs
-    if not configs:
-        raise ValueError(f"{fam.label} states no tiny_configs (app/families/): no tiny model can be built")
+    fam = family(arch)  # registered: its tiny_configs state every component (`check_contract`)
+    pipe = _tiny_pipeline(fam, fam.test_kit.tiny_configs, seed, in_channels)
+    if fam.native_size(pipe) != DEMO_SIDE:
+        raise FamilyContractError(f"model family {fam.name!r} breaks the family contract: its tiny model's native "
+                                  f"size is {fam.native_size(pipe)}, the demo's rule is {DEMO_SIDE} (DEMO_SIDE)")
+    return pipe
+
+
+def _tiny_pipeline(fam, configs, seed: int, in_channels: int | None):
+    """The family's plain diffusers pipeline of random-weight components built from `configs`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         components = {
@@ -82,6 +88,8 @@ def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.eval()
+    with torch.no_grad():
+        fam.test_kit.tiny_trained(pipe)
     return pipe
 
 
@@ -198,7 +206,7 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
             save_file(embedding_tensors(pipe, arch, seed), str(paths[f"{arch}_embedding"]))
         if lora_writer is not None:
             lora_writer(settings.lora_dir, pipe, arch)
-        channels = family(arch).tiny_inpainting_channels
+        channels = family(arch).test_kit.tiny_inpainting_channels
         if inpainting and channels is not None:
             paths[f"{arch}_inpainting_file"] = settings.checkpoints_dir / f"tiny-{arch}-inpainting.safetensors"
             write_single_file(build_tiny_pipeline(arch, seed, in_channels=channels), arch,

@@ -5,7 +5,7 @@ denoiser calls ran whole in the row.
 Why the whole-call count is in the row: the speed-up is a function of the calls the cache reuses, and
 which calls it reuses depends on the weights: the bench's random-weight models change their first block's
 output unlike trained ones, so the ratio of a random-weight run says what a skipped call saves, and the
-count says how many it skipped. A family whose benched checkpoint is step-distilled (`Family.step_distilled`)
+count says how many it skipped. A family whose benched checkpoint is step-distilled (`Sampling.step_distilled`)
 refuses the cache and gets a note instead of a row.
 """
 
@@ -61,7 +61,7 @@ def cache_phase(run: ArchRun, engine: Engine, _theirs: DiffusersSide, bench: Ben
     if engine.snapshot().model is None:  # an earlier phase (the VRAM budget's) unloaded it
         ours.load(engine, model.name)
     engine.set_offload("none")
-    if fam.step_distilled(engine.pipeline):
+    if fam.sampling.step_distilled(engine.pipeline):
         run.notes["cache"] = f"{fam.label}'s benched checkpoint is step-distilled: no step cache"
         log.info("[%s] cache: %s", model.arch, run.notes["cache"])
         return

@@ -22,9 +22,9 @@ from app.families import FAMILIES, family
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile", "cache", "controlnet")
-# what --archs takes: every family that states how it is benched (`Family.bench`); a full run without it does
+# what --archs takes: every family that states how it is benched (`TestKit.bench`); a full run without it does
 # SD1.5 and SDXL
-ARCHS = tuple(name for name, fam in FAMILIES.items() if fam.bench)
+ARCHS = tuple(name for name, fam in FAMILIES.items() if fam.test_kit.bench)
 OFFLOAD_CASES = ("model", "balanced", "balanced-3gib", "sequential", "group")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 SEED = 1234
@@ -64,7 +64,7 @@ class BenchConfig:
     dtype: str
     device: str
     tiny: bool
-    resolution: dict[str, int] = field(default_factory=lambda: {arch: family(arch).bench.side for arch in ARCHS})
+    resolution: dict[str, int] = field(default_factory=lambda: {a: family(a).test_kit.bench.side for a in ARCHS})
     budget_gib: float = 3.0
     budget_archs: tuple[str, ...] = ("sd15",)
     channels_last_rows: bool = True  # the throughput pools' `--channels-last` engine, where the denoiser has convs
@@ -107,7 +107,7 @@ def run_dtype(preset_dtype: str, archs: tuple[str, ...], asked: str | None) -> s
     """The compute dtype of a run: the one asked for, else the preset's, except that a preset's fp16
     becomes bf16 when an architecture computes in bf16 only (Flux overflows fp16), so
     `--archs flux-dev` runs as its users run it. Asking for fp16 with such an architecture is refused."""
-    refuses = [arch for arch in archs if not family(arch).fp16_ok]
+    refuses = [arch for arch in archs if not family(arch).precision.fp16_ok]
     if asked == "fp16" and refuses:
         raise SystemExit(f"--dtype fp16: {', '.join(refuses)} overflows in fp16; use bf16 (the default for it)")
     if asked:
@@ -119,12 +119,12 @@ def guidance(arch: str) -> float:
     """The guidance value both sides pass, in the CFG field's meaning (`Family.call_arguments` maps it
     to each pipeline's call): the family's own default, as its model card runs it: SD's CFG 7
     (`CFG_SCALE`), Flux dev's distilled 3.5, a distilled model's 1 (no CFG)."""
-    return family(arch).default_guidance
+    return family(arch).sampling.default_guidance
 
 
 def runs_cfg(arch: str) -> bool:
     """Does a generation at `guidance(arch)` run the unconditional pass too (a CFG-doubled batch)?"""
-    return family(arch).negative_prompt and guidance(arch) > 1
+    return family(arch).sampling.negative_prompt and guidance(arch) > 1
 
 
 def has_package(name: str) -> bool:

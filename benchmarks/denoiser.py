@@ -4,7 +4,7 @@ component it is, one call's inputs at a given size, and that call's FLOPs.
 Why one module: the timing hooks, the op counts and the TFLOP per step all wrap "one denoiser
 call". What that call takes differs by family (a UNet reads a spatial latent and CLIP states, a DiT
 patches as a sequence; some run the CFG-doubled batch), so the family states it
-(`Family.bench.call_inputs`) and this module only builds the meta model and counts.
+(`TestKit.bench.call_inputs`) and this module only builds the meta model and counts.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def call_inputs(arch: str, denoiser: torch.nn.Module, batch: int, latent_side: i
     def empty(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, device="meta", dtype=dtype)
 
-    return family(arch).bench.call_inputs(family(arch), cfg, rows, latent_side, empty)
+    return family(arch).test_kit.bench.call_inputs(family(arch), cfg, rows, latent_side, empty)
 
 
 def tflop_per_step(arch: str, config: dict, batch: int, latent_side: int) -> float:

@@ -71,17 +71,18 @@ class Section:
 
 
 def _family_sections() -> tuple[list[Section], list[Section]]:
-    """Each benched family's own sections, as it states them (`Family.bench`): its headline rows, in
+    """Each benched family's own sections, as it states them (`TestKit.bench`): its headline rows, in
     `check_order`, and (later in the plan) its offload rows at the same steps."""
-    benched = sorted((fam for fam in FAMILIES.values() if fam.bench and fam.bench.check),
-                     key=lambda fam: fam.bench.check_order)
-    headline = [Section(fam.name, "", fam.bench.check_title, fam.bench.check_s, ("--archs", fam.name, *fam.bench.check))
-                for fam in benched]
+    benched = sorted((fam for fam in FAMILIES.values() if fam.test_kit.bench and fam.test_kit.bench.check),
+                     key=lambda fam: fam.test_kit.bench.check_order)
+    headline = [Section(fam.name, "", fam.test_kit.bench.check_title, fam.test_kit.bench.check_s,
+                        ("--archs", fam.name, *fam.test_kit.bench.check)) for fam in benched]
     offload = []
-    for fam in (f for f in benched if f.bench.offload_check_s):
-        steps = fam.bench.check[fam.bench.check.index("--steps"):][:2] if "--steps" in fam.bench.check else ()
-        offload.append(Section(f"{fam.name}-offload", "", f"{fam.label} {fam.bench.side}²: every offload mode vs "
-                               "diffusers' model, sequential and group offload", fam.bench.offload_check_s,
+    for fam in (f for f in benched if f.test_kit.bench.offload_check_s):
+        bench = fam.test_kit.bench
+        steps = bench.check[bench.check.index("--steps"):][:2] if "--steps" in bench.check else ()
+        offload.append(Section(f"{fam.name}-offload", "", f"{fam.label} {bench.side}²: every offload mode vs "
+                               "diffusers' model, sequential and group offload", bench.offload_check_s,
                                ("--archs", fam.name, "--sections", "offload", "--batches", "1", "--repeats", "2",
                                 *steps)))
     return headline, offload
@@ -91,7 +92,7 @@ def _plan() -> tuple[Section, ...]:
     """The GPU tests, each family's headline rows, the sections that compare engine features across
     SD1.5 and SDXL, then each family's offload rows; lettered in that order."""
     headline, family_offload = _family_sections()
-    controlled = [fam for fam in FAMILIES.values() if fam.bench and fam.controlnet]  # families with ControlNet rows
+    controlled = [fam for fam in FAMILIES.values() if fam.test_kit.bench and fam.controlnet]  # with ControlNet rows
     sections = [
         Section("gpu-tests", "", "-m gpu correctness tests, fast form: placement repair, forced OOM, LoRA math on "
                 "the weight's device, pinned backups, VRAM returned on switches, SD.Next sequences in every offload "

@@ -36,7 +36,7 @@ def _enable_offload(pipe, case: str, device: torch.device) -> None:
 
 def euler(arch: str, scheduler_config):
     """The family's "Euler" sampler (SD's Euler discrete, Flux's flow-match Euler), which ours runs too."""
-    cls, overrides = family(arch).samplers["Euler"]
+    cls, overrides = family(arch).sampling.samplers["Euler"]
     return cls.from_config(scheduler_config, **overrides)
 
 

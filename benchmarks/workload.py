@@ -108,8 +108,8 @@ def single_file_numel(path: Path) -> int:
 
 def lora_targets(arch: str, denoiser: torch.nn.Module, convs: bool) -> list[tuple[str, tuple[int, ...]]]:
     """(module path, weight shape) of the layers a bench LoRA covers: the linears the family names
-    (`Family.bench.lora_layers`: attention and feed-forward), plus its convs for a LoCon."""
-    spec = family(arch).bench
+    (`TestKit.bench.lora_layers`: attention and feed-forward), plus its convs for a LoCon."""
+    spec = family(arch).test_kit.bench
     linears = re.compile(spec.lora_layers)
     conv_layers = re.compile(spec.lora_convs) if convs and spec.lora_convs else None
     found = []

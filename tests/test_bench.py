@@ -186,7 +186,7 @@ def test_regional_compile_row_of_a_dit(tmp_path):
     engine, `regional` (modes do not apply: no CUDA graphs): its first compile, graphs, no recompile
     across the LoRA changes, rows against diffusers and our eager engine, and the "first compile <= 30 s"
     target, in the smoke form the GPU command runs at full size."""
-    arch = next(name for name, fam in FAMILIES.items() if fam.compile_regions and fam.bench)
+    arch = next(name for name, fam in FAMILIES.items() if fam.compile_regions and fam.test_kit.bench)
     assert app_bench.main(["--smoke", "--archs", arch, "--sections", "compile", "--out", str(tmp_path)]) == 0
     results = json.loads(next(tmp_path.glob("*.json")).read_text())
     (info,) = results["compile"]
@@ -207,7 +207,7 @@ def test_compile_proxy_whole_against_regional(tmp_path):
     CompileState; a UNet family is skipped with the reason; the Markdown has the section. (Full size:
     `--cpu-proxies --sections compile`; here a tiny config with four blocks per run, in seconds.)"""
     arch, runs = "flux-dev", 2  # its double and its single blocks
-    deeper = {**family(arch).tiny_configs["transformer"], "num_layers": 4, "num_single_layers": 4}
+    deeper = {**family(arch).test_kit.tiny_configs["transformer"], "num_layers": 4, "num_single_layers": 4}
     cfg = proxies.ProxyConfig(cache_dir=tmp_path)
     section = proxy_compile.compile_section(arch, cfg, deeper)
     whole, regional = section["whole"], section["regional"]
@@ -325,7 +325,7 @@ def test_full_size_builds_use_the_classes_the_bundled_model_index_names(arch):
 
 
 def test_lora_targets_cover_each_familys_attention_and_feed_forward():
-    """The bench LoRAs, as each family names their layers (`Family.bench.lora_layers`): on the full-size
+    """The bench LoRAs, as each family names their layers (`TestKit.bench.lora_layers`): on the full-size
     SD1.5 UNet the 160 attention and feed-forward linears (the LoCon adds the 44 resnet convs); on
     FLUX.1-dev the 418 linears of both attention streams, both feed-forwards and the single blocks' MLP
     and output, but not the final `proj_out` or the modulation layers; on FLUX.2 Klein 4B the 100 of its

@@ -56,19 +56,19 @@ def _other_fields(page, samplers: list[str], steps: int) -> tuple[list[str], dic
 
 def _expect_family(page, arch: str, other_lists: bool = True) -> None:
     fam = family(arch)
-    page.wait_for_function(f"document.querySelector('#sd-sampler input').value === {fam.default_sampler!r}",
+    page.wait_for_function(f"document.querySelector('#sd-sampler input').value === {fam.sampling.default_sampler!r}",
                            timeout=TIMEOUT_MS)
     shown = _fields(page)
-    assert shown["offered"] == list(fam.samplers), shown
+    assert shown["offered"] == list(fam.sampling.samplers), shown
     assert (shown["sampler"], float(shown["steps"]), float(shown["cfg"])) == (
-        fam.default_sampler, fam.default_steps, fam.default_guidance), shown
-    low, high = fam.guidance_range
-    assert fam.guidance_label in shown["cfg label"] and f"{low:g}…{high:g}" in shown["cfg label"], shown
+        fam.sampling.default_sampler, fam.sampling.default_steps, fam.sampling.default_guidance), shown
+    low, high = fam.sampling.guidance_range
+    assert fam.sampling.guidance_label in shown["cfg label"] and f"{low:g}…{high:g}" in shown["cfg label"], shown
     if other_lists:
-        hires, i2i = _other_fields(page, list(fam.samplers), fam.default_steps)
-        assert hires == [SAME, *fam.samplers] and i2i["offered"] == list(fam.samplers), i2i
-        assert (i2i["sampler"], float(i2i["cfg"])) == (fam.default_sampler, fam.default_guidance), i2i
-        assert fam.guidance_label in i2i["cfg label"] and f"{low:g}…{high:g}" in i2i["cfg label"], i2i
+        hires, i2i = _other_fields(page, list(fam.sampling.samplers), fam.sampling.default_steps)
+        assert hires == [SAME, *fam.sampling.samplers] and i2i["offered"] == list(fam.sampling.samplers), i2i
+        assert (i2i["sampler"], float(i2i["cfg"])) == (fam.sampling.default_sampler, fam.sampling.default_guidance), i2i
+        assert fam.sampling.guidance_label in i2i["cfg label"] and f"{low:g}…{high:g}" in i2i["cfg label"], i2i
         assert i2i["size"] == i2i["generate size"], i2i  # the native size, as on the Generate tab
 
 
@@ -76,7 +76,7 @@ def _generate(page, engine, arch: str) -> dict[str, str]:
     """Generate with the family's sampler and guidance as the page shows them (two steps, to be quick)."""
     set_number(page, "sd-steps", "2")
     settings = parse_infotext(read_parameters(generate_and_wait(page, engine))).settings
-    assert engine.snapshot().arch == arch and settings["Sampler"] == family(arch).default_sampler
+    assert engine.snapshot().arch == arch and settings["Sampler"] == family(arch).sampling.default_sampler
     return settings
 
 

@@ -131,7 +131,7 @@ def test_sends_fit_the_loaded_family_and_the_page_keeps_its_errors(page, served,
     page.click("#sd-history-send-img2img")
     page.wait_for_selector("#sd-i2i-note >> text=Settings sent from an infotext", timeout=TIMEOUT_MS)
     assert page.input_value("#sd-i2i-sampler input") == "Euler a"
-    assert offered(page, "sd-i2i-sampler") == list(family("sd15").samplers)
+    assert offered(page, "sd-i2i-sampler") == list(family("sd15").sampling.samplers)
     cfg_label = page.inner_text("#sd-i2i-cfg")
     assert "CFG scale" in cfg_label and "Distilled" not in cfg_label, cfg_label
     save(page, "newcomer-send-to-img2img.png")
@@ -149,7 +149,7 @@ def test_sends_fit_the_loaded_family_and_the_page_keeps_its_errors(page, served,
     page.click("#sd-pnginfo-send-generate")
     page.wait_for_selector("#sd-settings-note >> text='Euler', the nearest it has", timeout=TIMEOUT_MS)
     assert page.input_value("#sd-sampler input") == "Euler" and engine.snapshot().arch == "flux2-klein-4b"
-    assert family("flux2-klein-4b").guidance_label in page.inner_text("#sd-cfg")
+    assert family("flux2-klein-4b").sampling.guidance_label in page.inner_text("#sd-cfg")
     save(page, "newcomer-send-to-generate.png")
     drawn = parse_infotext(read_parameters(generate_and_wait(page, engine))).settings
     assert drawn["Sampler"] == "Euler" and drawn["Negative prompt unused"], drawn

@@ -63,7 +63,7 @@ def zimage():
 
 
 def _flux_net(kind: str) -> FluxControlNetModel:
-    transformer = family("flux-dev").tiny_configs["transformer"]
+    transformer = family("flux-dev").test_kit.tiny_configs["transformer"]
     configs = {"union": flux_controlnet.tiny_config(transformer, union=True),
                "xlabs": flux_controlnet._configs(dict(transformer))[6]}
     assert configs["xlabs"]["conditioning_embedding_channels"]

@@ -167,9 +167,10 @@ def test_t5_tokenizer_is_the_extracted_one():
 def test_flux_samplers_sizes_and_sequence_length(module_engine):
     module_engine.load_model(f"tiny-{SCHNELL}.safetensors")
     fam = family(SCHNELL)
-    assert (fam.default_steps, fam.max_sequence_length, family(DEV).max_sequence_length) == (4, 256, 512)
+    assert (fam.sampling.default_steps, fam.sampling.max_sequence_length,
+            family(DEV).sampling.max_sequence_length) == (4, 256, 512)
     assert fam.call_arguments(3.5) == {"guidance_scale": 3.5, "max_sequence_length": 256}
-    for sampler in fam.samplers:
+    for sampler in fam.sampling.samplers:
         images = module_engine.generate(GenerateParams("a cat", seed=1, **{**FAST_FLUX, "sampler": sampler}))
         assert images[0].image.size == (64, 64) and f"Sampler: {sampler}" in images[0].infotext
     with pytest.raises(ValueError, match="multiples of 16"):

@@ -154,8 +154,8 @@ def test_the_image_stays_close_to_bf16_in_every_family(engines, arch, record_pro
     weights, 64², 2 steps): fp8-compute quantises the inputs too, so it may differ more than storage,
     but stays a recognisably identical image. Figures in the test's properties (`-rA` shows them)."""
     fam = family(arch)
-    params = GenerateParams("a red cube", seed=7, steps=2, width=64, height=64, sampler=fam.default_sampler,
-                            cfg=fam.default_guidance)
+    params = GenerateParams("a red cube", seed=7, steps=2, width=64, height=64, sampler=fam.sampling.default_sampler,
+                            cfg=fam.sampling.default_guidance)
     images = {}
     for weights, engine in engines.items():
         snap = engine.load_model(_checkpoint(arch))

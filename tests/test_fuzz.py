@@ -118,7 +118,7 @@ def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
     lora_dir = target / "models" / "Lora"
     for arch in ARCHS:
         pipe = build_tiny_pipeline(arch)  # seed 0, like the demo checkpoints
-        targets = family(arch).lora_targets
+        targets = family(arch).test_kit.lora_targets
         for i, (stem, algo, layout, dtype) in enumerate(ADAPTERS):
             if family(arch).denoiser != "unet" and ("tucker" in algo or layout == "kohya_ldm"):
                 continue
@@ -350,7 +350,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _sampler(self, data) -> str:
         """A sampler the architecture has (Flux: flow-match Euler only)."""
-        return data.draw(st.sampled_from([s for s in SAMPLERS if s in family(self.arch).samplers]), label="sampler")
+        own = family(self.arch).sampling.samplers
+        return data.draw(st.sampled_from([s for s in SAMPLERS if s in own]), label="sampler")
 
     def _spec(self, data, name: str) -> LoraSpec:
         weight = data.draw(st.sampled_from(STRENGTHS), label="weight")

@@ -12,59 +12,28 @@ import base64
 import io
 import json
 import os
-import shutil
 
 import gradio as gr
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from app.adapters.errors import LoraApplyError
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests
 from app.demo import build_tiny_pipeline
-from app.engine.component_files import CONFIGS_METADATA_KEY
 from app.engine.generate import GenerateParams
-from app.engine.worker import Engine
 from app.families import family
-from app.settings import Settings
 from app.ui.generate_tab import family_updates
+from tests import family_files as kit
 
 ARCH = "flux2-klein-4b"
 FILE, FOLDER = f"tiny-{ARCH}.safetensors", f"tiny-{ARCH}-diffusers"
 W = 0.8  # LoRA strength
-
-
-@pytest.fixture(scope="module")
-def data(demo_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("klein")
-    for sub in ("models/Stable-diffusion", "models/Lora"):
-        (root / sub).mkdir(parents=True)
-        for path in (demo_dir / sub).glob(f"*{ARCH}*"):
-            (shutil.copytree(path, root / sub / path.name, copy_function=os.link) if path.is_dir()
-             else os.link(path, root / sub / path.name))
-    return root
-
-
-@pytest.fixture(scope="module")
-def eng(data):
-    engine = Engine(Settings(data_dir=data, device="cpu", strict_forwards=True))
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    """diffusers' own pipeline on the demo's weights (the demo builds them from seed 0)."""
-    return build_tiny_pipeline(ARCH)
-
-
-def params(**changes) -> GenerateParams:
-    return GenerateParams("a red cube", **{"steps": 2, "width": 64, "height": 64, "seed": 7, "sampler": "Euler",
-                                           "cfg": 1.0, **changes})
+data, eng, oracle = kit.data, kit.eng, kit.oracle  # the module's fixtures (tests/family_files.py)
+params = kit.params
 
 
 def theirs(pipe, p: GenerateParams, distilled: bool, **inputs) -> np.ndarray:
@@ -75,33 +44,23 @@ def theirs(pipe, p: GenerateParams, distilled: bool, **inputs) -> np.ndarray:
     return np.stack([np.asarray(im) for im in out])
 
 
-def ours(images) -> np.ndarray:
-    return np.stack([np.asarray(i.image) for i in images])
-
-
-def references() -> list[Image.Image]:
-    ramp = np.linspace(0, 255, 64 * 96, dtype=np.float32).reshape(64, 96)
-    return [Image.fromarray(np.stack([ramp, ramp[::-1], 255 - ramp], -1).astype(np.uint8)),
-            Image.new("RGB", (64, 64), (200, 40, 90))]
-
-
 def test_txt2img_equals_flux2_klein_pipeline_distilled_and_base(eng, oracle, data):
     """The distilled file at CFG 1 and the base folder (model_index `is_distilled: false`, diffusers'
     default) at CFG 4 (its unconditional pass with the empty prompt) give diffusers' pixels exactly; a
     file named "…base…" is undistilled, so CFG 4 changes its image, while the distilled file ignores it."""
     eng.load_model(FILE)
     assert eng.pipeline.config.is_distilled
-    assert np.array_equal(ours(eng.generate(params())), theirs(oracle, params(), True))
-    distilled_cfg4 = ours(eng.generate(params(cfg=4.0)))
-    assert np.array_equal(distilled_cfg4, ours(eng.generate(params())))
+    assert np.array_equal(kit.ours(eng.generate(params())), theirs(oracle, params(), True))
+    distilled_cfg4 = kit.ours(eng.generate(params(cfg=4.0)))
+    assert np.array_equal(distilled_cfg4, kit.ours(eng.generate(params())))
     eng.load_model(FOLDER)
     assert not eng.pipeline.config.is_distilled
-    assert np.array_equal(ours(eng.generate(params(cfg=4.0))), theirs(oracle, params(cfg=4.0), False))
+    assert np.array_equal(kit.ours(eng.generate(params(cfg=4.0))), theirs(oracle, params(cfg=4.0), False))
     base = data / "models/Stable-diffusion" / "tiny-flux-2-klein-base-4b.safetensors"
     os.link(data / "models/Stable-diffusion" / FILE, base)
     eng.load_model(base.name)
     assert not eng.pipeline.config.is_distilled
-    assert not np.array_equal(ours(eng.generate(params(cfg=4.0))), distilled_cfg4)
+    assert not np.array_equal(kit.ours(eng.generate(params(cfg=4.0))), distilled_cfg4)
 
 
 def test_the_page_fills_in_the_base_models_steps_and_guidance(eng, data):
@@ -124,20 +83,15 @@ def test_reference_editing_equals_flux2_klein_pipeline(eng, oracle):
     """One and two reference pictures (other sizes than the output, as users send them), batch 2: our
     `edit` gives diffusers' pixels exactly and the infotext says how many pictures it read."""
     eng.load_model(FILE)
-    pictures = references()
+    pictures = kit.references()
     for refs in (pictures[:1], pictures):
         made = eng.edit(params(batch=2), refs)
         expected = theirs(oracle, params(batch=2), True, image=refs)
-        assert np.array_equal(ours(made), expected), len(refs)
+        assert np.array_equal(kit.ours(made), expected), len(refs)
         assert f"Reference images: {len(refs)}" in made[0].infotext
-    assert not np.array_equal(ours(eng.edit(params(), pictures[:1])), ours(eng.generate(params())))
+    assert not np.array_equal(kit.ours(eng.edit(params(), pictures[:1])), kit.ours(eng.generate(params())))
     with pytest.raises(ValueError, match="FLUX.2 Klein 4B takes 1 to 4 reference images"):
         eng.edit(params(), pictures * 3)
-
-
-def _all_in_one(path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), "pt") as handle:
-        return {k: handle.get_tensor(k) for k in handle.keys()}, json.loads(handle.metadata()[CONFIGS_METADATA_KEY])
 
 
 def test_bfl_and_comfyui_separate_files_fp8_included(eng, data, oracle, tmp_path):
@@ -145,30 +99,11 @@ def test_bfl_and_comfyui_separate_files_fp8_included(eng, data, oracle, tmp_path
     per-tensor `weight_scale`) in the checkpoint folder, `qwen_3_4b.safetensors` in models/text_encoder
     and `flux2-vae.safetensors` in models/VAE. Text encoder and VAE load bit for bit; each transformer
     weight is its fp8 bytes times its scale."""
-    tensors, configs = _all_in_one(data / "models/Stable-diffusion" / FILE)
-    settings = Settings(data_dir=data)
-    pieces = {settings.text_encoder_dir / "qwen_3_4b.safetensors": ("text_encoders.qwen3_4b.transformer.",
-                                                                    "text_encoder"),
-              settings.vae_dir / "flux2-vae.safetensors": ("vae.", "vae")}
-    for path, (prefix, component) in pieces.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}, str(path),
-                  metadata={CONFIGS_METADATA_KEY: json.dumps({component: configs[component]})})
-    bare = {k.removeprefix("model.diffusion_model."): v for k, v in tensors.items() if k.startswith("model.")}
-    fp8 = {}
-    for key, tensor in bare.items():
-        if key.endswith(".weight") and tensor.dim() == 2:
-            scale = tensor.abs().max() / 448
-            fp8[key], fp8[key + "_scale"] = (tensor / scale).to(torch.float8_e4m3fn), scale.reshape(())
-        else:
-            fp8[key] = tensor
-    save_file(fp8, str(data / "models/Stable-diffusion" / "klein-4b-fp8.safetensors"),
-              metadata={CONFIGS_METADATA_KEY: json.dumps({"transformer": configs["transformer"]})})
-    eng.load_model("klein-4b-fp8.safetensors")
+    pieces = {"qwen_3_4b.safetensors": ("text_encoders.qwen3_4b.transformer.", "text_encoder"),
+              "flux2-vae.safetensors": ("vae.", "vae")}
+    fp8 = kit.load_separate_files(eng, oracle, data / "models/Stable-diffusion" / FILE, pieces,
+                                  "klein-4b-fp8.safetensors")
     pipe = eng.pipeline
-    for component in ("text_encoder", "vae"):
-        mine, reference = getattr(pipe, component).state_dict(), getattr(oracle, component).state_dict()
-        assert all(torch.equal(mine[k], reference[k]) for k in reference), component
     loaded = pipe.transformer.state_dict()
     q = loaded["transformer_blocks.0.attn.to_q.weight"]
     qkv = fp8["double_blocks.0.img_attn.qkv.weight"].float() * fp8["double_blocks.0.img_attn.qkv.weight_scale"]
@@ -179,11 +114,6 @@ def test_bfl_and_comfyui_separate_files_fp8_included(eng, data, oracle, tmp_path
 
 
 # ------------------------------------------------------------------------------------ LoRA formats
-def _factors(out_features: int, in_features: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rank, in_features, generator=g) * 0.1, torch.randn(out_features, rank, generator=g) * 0.1
-
-
 def _kohya_flux2(transformer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A kohya Flux.2 LoRA (BFL names, fused q/k/v, alpha 2 at rank 4) and the float64 ΔW per diffusers module."""
     block = transformer.transformer_blocks[0]
@@ -196,7 +126,7 @@ def _kohya_flux2(transformer) -> tuple[dict[str, torch.Tensor], dict[str, torch.
              "txt_in": (("context_embedder",), inner, transformer.context_embedder.in_features)}
     state, deltas = {}, {}
     for i, (bfl, (modules, out_f, in_f)) in enumerate(fused.items()):
-        down, up = _factors(out_f, in_f, 4, i)
+        down, up = kit.lora_factors(out_f, in_f, 4, i)
         key = f"lora_unet_{bfl}"
         state |= {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(2.0)}
         delta = (2.0 / 4) * up.double() @ down.double()
@@ -279,23 +209,23 @@ def test_a_qwen3_lora_fuses_to_the_formula_and_a_flux1_lora_is_refused_by_name(e
     eng.load_model(FILE)
     encoder = eng.pipeline.text_encoder
     q = encoder.model.layers[9].self_attn.q_proj
-    down, up = _factors(q.out_features, q.in_features, 4, 3)
+    down, up = kit.lora_factors(q.out_features, q.in_features, 4, 3)
     save_file({"lora_te_model_layers_9_self_attn_q_proj.lora_down.weight": down * 10,
                "lora_te_model_layers_9_self_attn_q_proj.lora_up.weight": up * 10,
                "lora_te_model_layers_9_self_attn_q_proj.alpha": torch.tensor(4.0)},
               str(data / "models/Lora" / "klein-qwen3.safetensors"))
-    w0, plain = q.weight.detach().clone(), ours(eng.generate(params()))
+    w0, plain = q.weight.detach().clone(), kit.ours(eng.generate(params()))
     eng.set_loras([LoraSpec("klein-qwen3", W)])
     expected = (w0.double() + W * (up.double() * 10) @ (down.double() * 10)).float()
     torch.testing.assert_close(q.weight.detach(), expected, rtol=2e-6, atol=2e-7)
-    assert not np.array_equal(ours(eng.generate(params())), plain)
+    assert not np.array_equal(kit.ours(eng.generate(params())), plain)
     eng.set_loras([])
     assert torch.equal(q.weight.detach(), w0)
     inner = eng.pipeline.transformer.transformer_blocks[0].attn.to_q
     flux1 = {}
     for layer in ("transformer.transformer_blocks.0.attn.to_q", "transformer.transformer_blocks.0.norm1.linear"):
         module = inner if layer.endswith("to_q") else torch.nn.Linear(inner.in_features, 6 * inner.in_features)
-        a, b = _factors(module.out_features, module.in_features, 4, 5)
+        a, b = kit.lora_factors(module.out_features, module.in_features, 4, 5)
         flux1 |= {f"{layer}.lora_A.weight": a, f"{layer}.lora_B.weight": b}
     save_file(flux1, str(data / "models/Lora" / "flux1-style.safetensors"))
     digests = adapter_state_digests(eng.pipeline)
@@ -311,17 +241,7 @@ def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_klein_generates(data, weights)
     error, changes the image, zero violations, and comes off leaving the stored bytes as they were."""
     lora = _kohya_flux2(build_tiny_pipeline(ARCH).transformer)[0]
     save_file(lora, str(data / "models/Lora" / "klein-fp32.safetensors"))
-    engine = Engine(Settings(data_dir=data, device="cpu", dtype="bf16", weights=weights, strict_forwards=True))
-    try:
-        engine.load_model(FILE)
-        digests, plain = adapter_state_digests(engine.pipeline), ours(engine.generate(params()))
-        engine.set_loras([LoraSpec("klein-fp32", 1.0)])
-        assert not np.array_equal(ours(engine.generate(params())), plain)
-        assert engine.snapshot().violations_found_total == 0
-        engine.set_loras([])
-        assert adapter_state_digests(engine.pipeline) == digests
-    finally:
-        engine.close()
+    kit.fp32_lora_generates(data, FILE, "klein-fp32", params(), weights)
 
 
 def test_the_a1111_img2img_api_reads_init_images_as_references_when_asked(eng, data):
@@ -334,7 +254,7 @@ def test_the_a1111_img2img_api_reads_init_images_as_references_when_asked(eng, d
     from app.ui.login_jobs import quota
 
     eng.load_model(FILE)
-    picture = references()[0]
+    picture = kit.references()[0]
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG")
     state = ApiState(UiContext(engine=eng, settings=eng.settings), quota(eng.settings, logins=False))
@@ -342,7 +262,7 @@ def test_the_a1111_img2img_api_reads_init_images_as_references_when_asked(eng, d
                 init_images=[base64.b64encode(buffer.getvalue()).decode()])
     answer = img2img.run(state, Img2ImgRequest(**body, reference_images=True))
     made = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer["images"][0]))))
-    assert np.array_equal(made, ours(eng.edit(params(), [picture]))[0])
+    assert np.array_equal(made, kit.ours(eng.edit(params(), [picture]))[0])
     assert "Reference images: 1" in json.loads(answer["info"])["infotexts"][0]
     plain = img2img.run(state, Img2ImgRequest(**body, denoising_strength=0.5))
     assert "Reference images" not in json.loads(plain["info"])["infotexts"][0]
@@ -359,9 +279,9 @@ def test_the_img2img_tabs_reference_panel_shows_for_klein_and_runs_the_engines_e
     eng.load_model(FILE)
     ctx = UiContext(engine=eng, settings=eng.settings)
     assert reference_panel_state(ctx) == (True, "Reference images (1-4)") and family("sd15").reference_images == 0
-    picture = references()[0]
+    picture = kit.references()[0]
     base = ["a red cube", "", "Euler", 2, 1.0, 7, 64, 64, 1]
     _params, call, _notes = edit_job(ctx, base, [(picture, None)])
-    assert np.array_equal(ours(call(None)), ours(eng.edit(params(), [picture])))
+    assert np.array_equal(kit.ours(call(None)), kit.ours(eng.edit(params(), [picture])))
     with pytest.raises(ValueError, match="add the reference images first"):
         edit_job(ctx, base, [])

@@ -83,7 +83,7 @@ def test_a_sent_sampler_a_family_lacks_becomes_its_nearest_and_distilled_guidanc
     assert notes == ["sampler 'DPM++ 2M': FLUX.2 Klein 4B has no such sampler; 'Euler', the nearest it has, was "
                      "put in"]
     assert nearest_sampler(family("flux-dev"), "DPM++ 2M Karras") == "Euler Karras"
-    assert nearest_sampler(family("flux-dev"), "LMS") == family("flux-dev").default_sampler
+    assert nearest_sampler(family("flux-dev"), "LMS") == family("flux-dev").sampling.default_sampler
     assert fit_to_family(fields, family("flux-dev"), [])["cfg"] == 3.5
     assert fit_to_family({**fields, "sampler": "Euler a"}, family("sd15"), []) == {"sampler": "Euler a", "cfg": 1}
 

@@ -20,11 +20,11 @@ def test_zero_latents_give_the_family_bias_as_grey():
     assert np.asarray(sdxl)[0, 0].tolist() == [141, 125, 127]  # ((0.1084, -0.0175, -0.0011) + 1) / 2 * 255
 
 
-@pytest.mark.parametrize("arch", [name for name, fam in FAMILIES.items() if fam.preview_rgb])
+@pytest.mark.parametrize("arch", [name for name, fam in FAMILIES.items() if fam.latent_format.preview_rgb])
 def test_each_channel_moves_the_colour_by_its_factors(arch):
     """Pixel (0, c) has latent channel c at 1.0, the rest 0: its colour is bias + that row, scaled
     from [-1, 1] to [0, 255]; batch items come out separately and bf16 input gives the same."""
-    factors, bias = family(arch).preview_rgb
+    factors, bias = family(arch).latent_format.preview_rgb
     channels = len(factors)
     latents = torch.zeros(2, channels, 1, channels)
     for channel in range(channels):

@@ -22,7 +22,7 @@ def test_samplers_from_the_bundled_config_match_the_diffusers_folder(demo_paths,
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
     bundled = scheduler_cls.from_pretrained(family(arch).config_dir, subfolder="scheduler")
     folder = scheduler_cls.from_pretrained(demo_paths[f"{arch}_folder"], subfolder="scheduler")
-    for name, (cls, overrides) in family(arch).samplers.items():
+    for name, (cls, overrides) in family(arch).sampling.samplers.items():
         ours, theirs = cls.from_config(bundled.config, **overrides), cls.from_config(folder.config, **overrides)
         ours.set_timesteps(20)
         theirs.set_timesteps(20)

@@ -53,8 +53,9 @@ def engine_pipeline(arch: str, **config):
 def latents(pipe, arch: str, threshold: float, steps: int = 10, cfg: float | None = None, hooks=None):
     """(latents, the pass's StepCache or None) of one seeded pass at `threshold`."""
     fam = family(arch)
-    params = GenerateParams("a red cube", steps=steps, width=SIDE, height=SIDE, seed=7, sampler=fam.default_sampler,
-                            cfg=fam.default_guidance if cfg is None else cfg)
+    params = GenerateParams("a red cube", steps=steps, width=SIDE, height=SIDE, seed=7,
+                            sampler=fam.sampling.default_sampler,
+                            cfg=fam.sampling.default_guidance if cfg is None else cfg)
     with step_cached(hooks or HookRegistry(), pipe, threshold) as cache:
         out = denoise(pipe, params, 7, width=SIDE, height=SIDE)
     return out, cache
@@ -183,8 +184,8 @@ def test_the_cache_composes_with_every_offload_mode_strict_forwards_and_a_lora(m
     checkpoint = f"tiny-{arch}.safetensors"
     moving.load_model(checkpoint)
     moving.set_loras([LoraSpec(f"demo-style-{arch}", 1.0)])
-    base = dict(prompt="a red cube", steps=6, width=SIDE, height=SIDE, seed=7, sampler=fam.default_sampler,
-                cfg=fam.default_guidance)
+    base = dict(prompt="a red cube", steps=6, width=SIDE, height=SIDE, seed=7, sampler=fam.sampling.default_sampler,
+                cfg=fam.sampling.default_guidance)
     try:
         for mode in offload.MODES:
             moving.set_offload(mode)

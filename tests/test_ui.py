@@ -352,7 +352,8 @@ def test_share_without_auth_requires_the_generated_password(tmp_path):
         assert authed.predict(api_name="/list_models") == sorted(
             [f"tiny-{arch}.safetensors" if "file" in fam.layouts else f"tiny-{arch}-diffusers"
              for arch, fam in FAMILIES.items()]
-            + [f"tiny-{arch}-inpainting.safetensors" for arch, fam in FAMILIES.items() if fam.tiny_inpainting_channels])
+            + [f"tiny-{arch}-inpainting.safetensors" for arch, fam in FAMILIES.items()
+               if fam.test_kit.tiny_inpainting_channels])
         # CPU seconds, not wall time: on a shared 2-core CI box other jobs stretch the wall clock.
         # Importing torch, diffusers and Gradio alone takes 12-14 CPU s on a 2-core CI box, so the
         # bound is on what follows them; the whole-process bound only catches a runaway start.
@@ -440,13 +441,13 @@ def test_the_img2img_tab_fills_its_family_fields_when_the_model_it_shows_changes
 
     sdxl, sd15 = snap("sdxl", (20, 5.0), 1024), snap("sd15", (20, 7.0), 512)
     fill, shown = family_fill(sdxl, None)
-    assert values(fill) == [family("sdxl").default_sampler, 20, 5.0, 1024, 1024]
+    assert values(fill) == [family("sdxl").sampling.default_sampler, 20, 5.0, 1024, 1024]
     assert shown == ModelShown("sdxl", (20, 5.0), 1024) and family_fill(sdxl, shown) == ({}, shown)
     fill, shown = family_fill(sd15, shown)
-    assert values(fill) == [family("sd15").default_sampler, 20, 7.0, 512, 512] and shown.native_size == 512
+    assert values(fill) == [family("sd15").sampling.default_sampler, 20, 7.0, 512, 512] and shown.native_size == 512
     klein, base = snap("flux2-klein-4b", (4, 1.0), 1024), snap("flux2-klein-4b", (50, 4.0), 1024)
     fill, shown = family_fill(klein, shown)
-    assert values(fill) == [family("flux2-klein-4b").default_sampler, 4, 1.0, 1024, 1024]
+    assert values(fill) == [family("flux2-klein-4b").sampling.default_sampler, 4, 1.0, 1024, 1024]
     fill, shown = family_fill(base, shown)
     assert values(fill) == [None, 50, 4.0, None, None] and shown.defaults == (50, 4.0)
     assert family_fill(snap(None, None, None), shown) == ({}, shown)

@@ -225,10 +225,11 @@ def test_defaults_samplers_and_sizes(engine):
     """Turbo: 8 steps, CFG 1; Base: 50 steps, CFG 5 with a negative prompt; flow-match Euler with each
     sigma schedule; sizes in multiples of 16; fp16 refused with the reason."""
     turbo, base = family(TURBO), family(BASE)
-    assert (turbo.default_steps, turbo.default_guidance, base.default_steps, base.default_guidance) == (8, 1.0, 50, 5.0)
+    assert (turbo.sampling.default_steps, turbo.sampling.default_guidance,
+            base.sampling.default_steps, base.sampling.default_guidance) == (8, 1.0, 50, 5.0)
     assert turbo.call_arguments(1.0) == {"guidance_scale": 0.0, "max_sequence_length": 512}
     engine.load_model(f"tiny-{TURBO}.safetensors")
-    for sampler in turbo.samplers:
+    for sampler in turbo.sampling.samplers:
         image = engine.generate(GenerateParams("a cat", steps=2, cfg=1.0, seed=1, width=64, height=64,
                                                sampler=sampler))[0]
         assert image.image.size == (64, 64) and f"Sampler: {sampler}" in image.infotext
@@ -282,8 +283,8 @@ def test_compiled_path_compiles_three_caption_lengths_and_runs_the_rest_eager():
     prompts = ["a", "a cat", "a red cat", "a red cat on", "a red cat on a mat"]
 
     def run(prompt: str) -> torch.Tensor:
-        request = GenerateParams(prompt, steps=2, width=64, height=64, cfg=fam.default_guidance,
-                                 sampler=fam.default_sampler, seed=3)
+        request = GenerateParams(prompt, steps=2, width=64, height=64, cfg=fam.sampling.default_guidance,
+                                 sampler=fam.sampling.default_sampler, seed=3)
         return generate.denoise(pipe, request, 3, width=64, height=64)
 
     eager = [run(p) for p in prompts]

@@ -78,10 +78,10 @@ def details(state: ApiState, req: Txt2ImgRequest) -> DetailParams | None:
 def sampler_for(name: str | None, schedule: str | None, arch: str | None) -> tuple[str, str | None]:
     """Our sampler for A1111's sampler (name or alias, any case) and schedule type on the loaded
     family (`arch`; any family's with none loaded), and a note when the family has no exact counterpart and runs
-    its nearest one instead (`Family.nearest_samplers`); 400 if there is neither."""
+    its nearest one instead (`Sampling.nearest_samplers`); 400 if there is neither."""
     fam = family(arch) if arch else None
-    ours = fam.samplers if fam else SCHEDULERS
-    known = {n: n for n in ours} | (dict(fam.nearest_samplers) if fam else {})
+    ours = fam.sampling.samplers if fam else SCHEDULERS
+    known = {n: n for n in ours} | (dict(fam.sampling.nearest_samplers) if fam else {})
     lookup = {n.lower(): n for n in known}
     lookup |= {alias: n for n, aliases in SAMPLER_ALIASES.items() if n in known for alias in aliases}
     asked = lookup.get((name or "Euler").strip().lower())

@@ -26,7 +26,7 @@ look keys up exactly. The spellings (each tagged, so a report can say which layo
 Text-encoder paths are spelled with and without transformers' `text_model.` level (transformers
 >= 5.6 dropped it from `CLIPTextModel`; trainers and older files still write it).
 
-Native names come from the family (`Family.native_modules`): each is a key with its *parts*, the
+Native names come from the family (`Adapters.native_modules`): each is a key with its *parts*, the
 model modules it covers and, for a fused file module (Flux's `img_attn.qkv` = `to_q`, `to_k`,
 `to_v`), the rows of the fused weight each one is. A key whose parts are several modules is split
 by `app.adapters.matching` into one adapter per module, each holding exactly its rows.
@@ -161,7 +161,7 @@ class KeyTable:
     def __init__(self, pipe, arch: str) -> None:
         fam = family(arch)
         self.arch = fam.lora_arch
-        self.foreign_layers = fam.foreign_adapter_layers
+        self.foreign_layers = fam.adapters.foreign_layers
         self.components = frozenset(c for c in fam.components if getattr(pipe, c, None) is not None)
         self._table: dict[str, tuple[Parts, str]] = {}
         ambiguous: set[str] = set()
@@ -187,12 +187,13 @@ class KeyTable:
             yield path, parts, PEFT_BARE
             for legacy in _legacy_spellings(path):
                 yield from ((f"{p}{legacy}", parts, LEGACY) for p in (f"{fam.denoiser}.", ""))
-        yield from fam.native_modules(denoiser)
+        yield from fam.adapters.native_modules(denoiser)
         for number, te in enumerate(fam.text_encoders, start=1):
             if te.component in self.components:
                 first = _FIRST_TE_PREFIXES if number == 1 else ()
-                kohya = tuple(dict.fromkeys((*first, f"lora_te{number}_", te.lora_prefix)))
-                dotted = (f"{te.component}.",) + (() if te.open_clip else (te.single_file_prefix,))
+                kohya = tuple(dict.fromkeys((*first, f"lora_te{number}_", fam.kohya_prefix(te.component))))
+                in_files = te.single_file_prefix is not None and not te.open_clip
+                dotted = (f"{te.component}.",) + ((te.single_file_prefix,) if in_files else ())
                 yield from self._text_encoder_aliases(te.component, getattr(pipe, te.component), kohya, dotted)
 
     @staticmethod

@@ -35,7 +35,7 @@ from app.adapters.errors import AdapterFormatError, IncompatibleAdapterError, Lo
 from app.adapters.files import AdapterFile
 from app.adapters.keys import DOTTED_SPELLINGS, KeyTable, LayerGroup, Parts, Target, component_named
 from app.adapters.peft_scale import PeftScales
-from app.families import adapter_arch_of
+from app.families import lora_arch_of
 from app.families.file_layout import row_index
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ def declared_architecture(metadata: Mapping[str, str]) -> str | None:
     """The LoRA architecture a file's training metadata names (modelspec / kohya), or None: the
     families' `adapter_markers` and the foreign ones (`app.families.FOREIGN_ADAPTERS`)."""
     text = f"{metadata.get('modelspec.architecture', '')} {metadata.get('ss_base_model_version', '')}"
-    found = adapter_arch_of(text)
+    found = lora_arch_of(text)
     return None if found is None else found[0]
 
 

@@ -44,7 +44,7 @@ Target = tuple[str, str]  # (component, module path), as `app.adapters.keys` res
 
 # --------------------------------------------------------------------------------------- layouts
 def _kohya_te(arch: str, component: str) -> str:
-    return family(arch).text_encoder(component).lora_prefix
+    return family(arch).kohya_prefix(component)
 
 
 def _peft_te(_arch: str, component: str) -> str:
@@ -72,8 +72,8 @@ class Layout:
     peft: bool = False
 
     def uses_ldm(self, arch: str) -> bool:
-        """LDM block names: always for "ldm"; for "arch", where kohya writes them (`Family.kohya_ldm_names`)."""
-        return self.unet_names == "ldm" or (self.unet_names == "arch" and family(arch).kohya_ldm_names)
+        """LDM block names: always for "ldm"; for "arch", where kohya writes them (`Adapters.kohya_ldm_names`)."""
+        return self.unet_names == "ldm" or (self.unet_names == "arch" and family(arch).adapters.kohya_ldm_names)
 
     def layer_key(self, component: str, name: str, arch: str) -> str:
         denoiser = family(arch).denoiser
@@ -148,10 +148,10 @@ def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] | None = 
                  seed: int = 0, alpha: float | None = None, strength: float = 0.5) -> dict[Target, Tensors]:
     """Float32 tensors of `algo` for every matching layer it applies to, by (component, path).
 
-    `targets` None: the family's spread (`Family.lora_targets`). `alpha` is stored for the
+    `targets` None: the family's spread (`TestKit.lora_targets`). `alpha` is stored for the
     algorithms that have one (None: no `alpha` key, i.e. scale 1).
     """
-    targets = family(arch).lora_targets if targets is None else targets
+    targets = family(arch).test_kit.lora_targets if targets is None else targets
     if algo not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algo!r}; choose one of {sorted(ALGORITHMS)}")
     algorithm = ALGORITHMS[algo]
@@ -178,7 +178,7 @@ def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] | None = 
 def adapter_metadata(arch: str, algo: str, rank: int, alpha: float | None) -> dict[str, str]:
     """kohya/LyCORIS-style training metadata: base model (what tools read the architecture from:
     the family's first two `adapter_markers`), network module and arguments."""
-    version, spec = family(arch).adapter_markers[:2]
+    version, spec = family(arch).adapters.markers[:2]
     plain = algo in ("lora", "dora")
     return {
         "ss_base_model_version": version,
@@ -243,7 +243,7 @@ def write_demo_loras(lora_dir: Path, pipe, arch: str) -> list[Path]:
     paths = []
     for stem, trigger, which, strength, seed in _DEMO_LORAS:
         path = Path(lora_dir) / f"{stem}-{arch}.safetensors"
-        targets = family(arch).demo_lora_targets[which]
+        targets = family(arch).test_kit.demo_lora_targets[which]
         write_adapter(path, pipe, arch, "lora", "kohya", torch.float16, targets=targets, rank=4, seed=seed,
                       alpha=4.0, strength=strength,
                       metadata={"ss_tag_frequency": tag_frequency(trigger), "ss_output_name": path.stem})

@@ -83,8 +83,3 @@ class Regions:
         for block in self.blocks:
             if isinstance(vars(block).get("forward"), BlockForward):
                 del block.forward
-
-
-def declared_repeated_blocks(denoiser: torch.nn.Module) -> tuple[str, ...]:
-    """The block classes a diffusers model declares as repeated (`_repeated_blocks`), for `Family.compile_regions`."""
-    return tuple(getattr(denoiser, "_repeated_blocks", None) or ())

@@ -20,8 +20,9 @@ The decode is ours rather than the diffusers pipeline's because the SDXL pipelin
 *replacing its dtype* in the middle of a call; our placement plan already keeps that VAE in fp32, so
 decoding in the VAE's own dtype is both correct and mutation-free.
 
-The tiles cut the last two axes and the batch is split on the first: no family's VAE has a frame axis
-(a video VAE's (batch, channels, frames, h, w) would need its output's frames kept apart too).
+The tiles cut the last two axes and the batch is split on the first: the engine's latents are images
+(batch, channels, h, w) whatever the VAE, and a video VAE's frame axis (`LatentFormat.frames`: it takes and
+returns (batch, channels, frames, h, w)) is added at its input and taken off its output, one frame.
 
 A stop lands inside the decode through the interrupt hooks and attention slices (`app.engine.interrupt`)
 of the VAE's blocks: a stop of a streamed batch keeps the images decoded before it.
@@ -63,20 +64,27 @@ def decode(pipe, latents: torch.Tensor) -> list[Image.Image]:
     # VAE rests on the CPU (maybe in a wider dtype) until its hooks bring it over. fp32 when it
     # must upcast.
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
-    latents = family_of(pipe).latents_for_vae(vae, latents.to(device=pipe._execution_device, dtype=dtype))
+    fam = family_of(pipe)
+    latents = fam.latents_for_vae(vae, latents.to(device=pipe._execution_device, dtype=dtype))
+    frames = fam.latent_format
+
+    def vae_decode(part: torch.Tensor) -> torch.Tensor:
+        """The VAE's pictures as RGB: an RGBA VAE's alpha channel is left out, as every tool that
+        reads the engine's pictures (upscalers, ControlNet maps, A1111 clients' JPEGs) reads RGB."""
+        return frames.from_vae_output(vae.decode(frames.to_vae_input(part), return_dict=False)[0])[:, :3]
     scale = pipe.vae_scale_factor
     rows, columns = latents.shape[-2:]
     image_pixels = rows * columns * scale * scale
     if latents.shape[0] * image_pixels <= WHOLE_DECODE_PIXELS:
         with torch.no_grad(), timeline.phase("decode"):
-            decoded = vae.decode(latents, return_dict=False)[0]
+            decoded = vae_decode(latents)
         with timeline.phase("image conversion"):
             return pipe.image_processor.postprocess(decoded.float(), output_type="pil")
     tiling = DECODE_TILING if image_pixels > WHOLE_DECODE_PIXELS else Tiling(tile=max(rows, columns), overlap=0)
     images = []
     for one in latents.split(1):
         def run(tile_rows: slice, tile_columns: slice, one=one) -> torch.Tensor:
-            decoded = vae.decode(one[..., tile_rows, tile_columns], return_dict=False)[0]
+            decoded = vae_decode(one[..., tile_rows, tile_columns])
             return decoded.float() * 0.5 + 0.5  # diffusers' `denormalize`; `tiled` clamps and rounds as it does
         try:
             with torch.no_grad(), timeline.phase("decode"):

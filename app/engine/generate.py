@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 # Every sampler name some family offers (each family's own table says what a name means for it:
 # "Euler" is Euler discrete on SD and flow-match Euler on Flux); a family refuses names it lacks.
-SCHEDULERS: dict[str, None] = dict.fromkeys(name for fam in FAMILIES.values() for name in fam.samplers)
+SCHEDULERS: dict[str, None] = dict.fromkeys(name for fam in FAMILIES.values() for name in fam.sampling.samplers)
 def _number(value: float) -> str:
     """Whole numbers in full (a seed range reads 4294967295, not 4.29497e+09), others as typed."""
     return str(int(value)) if value == int(value) else f"{value:g}"
@@ -74,7 +74,7 @@ MAX_SEED = 2**32 - 1
 # pixel-steps (batch x width x height x steps: 4 x 1024² x 238, or 16 x 512² x 238) is two to three
 # minutes on an H100; the per-field limits alone allowed 16 x 2048² x 150, ten times that.
 MAX_PROMPT_CHARS = 16_000
-_GUIDANCE = [fam.guidance_range for fam in FAMILIES.values()]
+_GUIDANCE = [fam.sampling.guidance_range for fam in FAMILIES.values()]
 MAX_PIXEL_STEPS = 1_000_000_000
 LIMITS: dict[str, Range] = {
     "steps": Range(1, 150),
@@ -267,8 +267,8 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
     negative prompt (Flux) ran without it, so none is written: a reader must not believe it counted; and
     wherever a written negative prompt was not read (that, or CFG 1), `Negative prompt unused` says why."""
     fam = family(ctx.arch) if ctx.arch is not None else None
-    distilled = fam is not None and fam.distilled_guidance
-    negative = params.negative_prompt if fam is None or fam.negative_prompt else ""
+    distilled = fam is not None and fam.sampling.distilled_guidance
+    negative = params.negative_prompt if fam is None or fam.sampling.negative_prompt else ""
     unused = fam.negative_unused(params.cfg) if fam is not None and params.negative_prompt.strip() else ""
     guidance = [("CFG scale", "1"), ("Distilled CFG Scale", f"{params.cfg:g}")] if distilled \
         else [("CFG scale", f"{params.cfg:g}")]
@@ -286,9 +286,9 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
 def scheduler_for(pipe, sampler: str):
     """A fresh scheduler for `sampler` on the pipeline's scheduler config; a sampler its family lacks is refused."""
     fam = family_of(pipe)
-    if sampler not in fam.samplers:
-        raise ValueError(f"{fam.label} has no sampler {sampler!r}; choose one of {', '.join(fam.samplers)}")
-    cls, overrides = fam.samplers[sampler]
+    if sampler not in fam.sampling.samplers:
+        raise ValueError(f"{fam.label} has no sampler {sampler!r}; choose one of {', '.join(fam.sampling.samplers)}")
+    cls, overrides = fam.sampling.samplers[sampler]
     return cls.from_config(pipe.scheduler.config, **overrides)
 
 

@@ -239,7 +239,7 @@ class Generating:
         reached, ending, arch = 0, False, self._lifecycle.facts().arch
         lifecycle = lifecycle or self._lifecycle
         stepper = None
-        previews = family(arch).preview_rgb is not None  # no factors: no preview
+        previews = family(arch).latent_format.preview_rgb is not None  # no factors: no preview
         taken: tuple[int, HostRead] | None = None  # the last preview's step and pixels, on their way to the host
 
         def on_step(step: int, total: int, latents) -> bool:

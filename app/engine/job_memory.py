@@ -133,8 +133,18 @@ def model_shape(fam: Family, pipe=None) -> ModelShape:
     configs): a tiny demo model is estimated as what it is, a model not loaded yet as a real one."""
     vae = _config(fam, pipe, "vae")
     widths = tuple((_width(_config(fam, pipe, te.component)), te.chunked) for te in fam.text_encoders)
-    blocks = vae.get("decoder_block_out_channels") or vae["block_out_channels"]
-    return ModelShape(blocks[0], 2 ** (len(blocks) - 1), widths, fam.max_sequence_length or CHUNK_TOKENS)
+    blocks = _vae_widths(vae)
+    return ModelShape(blocks[0], 2 ** (len(blocks) - 1), widths, fam.sampling.max_sequence_length or CHUNK_TOKENS)
+
+
+def _vae_widths(config: Mapping) -> list[int]:
+    """A VAE's block widths, full resolution first (one block per 2x scale step after the first): diffusers'
+    image VAEs state them (`block_out_channels`); the Wan-style video VAEs a base width and multipliers."""
+    blocks = config.get("decoder_block_out_channels") or config.get("block_out_channels")
+    if blocks:
+        return list(blocks)
+    base = config.get("decoder_base_dim") or config["base_dim"]
+    return [base * multiple for multiple in config["dim_mult"]]
 
 
 def _config(fam: Family, pipe, component: str) -> Mapping:

@@ -74,6 +74,9 @@ class LoadedModel:
     parts: PartFiles = PartFiles()  # the separate component files it was loaded with
 
 
+_LAYOUT_NAMES = {"file": "single files", "folder": "diffusers folders (with model_index.json)"}
+
+
 def facts_store(info: CheckpointInfo) -> Path:
     """Where the facts about a checkpoint's files are kept (beside it, a dot file)."""
     return info.path.parent / FACTS_FILE
@@ -103,7 +106,7 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | N
     else:
         _keys, metadata = read_safetensors_header(info.path)
         load = _parts_loader(parts) if family(arch).parts else _single_file_loader(metadata, facts)
-    if dtype == torch.float16 and not family(arch).fp16_ok:
+    if dtype == torch.float16 and not family(arch).precision.fp16_ok:
         raise ModelLoadError(f"{info.name}: {family(arch).label} overflows in fp16 (activations beyond ±65504 "
                              "become Inf and the image black); use bf16, or fp32 on the CPU")
     files = _run_loader(lambda *_: _weight_files(info, arch, parts), info, arch, dtype)
@@ -145,17 +148,26 @@ def _weight_files(info: CheckpointInfo, arch: str, parts: PartFiles) -> tuple[Pa
 
 def checkpoint_arch(info: CheckpointInfo) -> str:
     """The family of a checkpoint from its header or `model_index.json` alone (no weight read): what a
-    request planned before its model is loaded (the A1111 API's) is checked against."""
+    request planned before its model is loaded (the A1111 API's) is checked against. A checkpoint in a
+    layout its family does not load (`Family.layouts`: a single file of a folder-only family) is refused
+    saying which layout the family loads from, not as an unknown or broken file."""
     if info.kind == "folder":
         if not weights_file(info).is_file():
             raise ModelLoadError(f"{info.name}: no denoiser weights (unet/ or transformer/ "
                                  "diffusion_pytorch_model.safetensors) in the folder")
-        return _folder_arch(info)
-    keys, _metadata = read_safetensors_header(info.path)
-    try:
-        return detect_architecture(keys)
-    except UnknownArchitectureError as exc:
-        raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
+        arch = _folder_arch(info)
+    else:
+        keys, _metadata = read_safetensors_header(info.path)
+        try:
+            arch = detect_architecture(keys)
+        except UnknownArchitectureError as exc:
+            raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
+    fam = family(arch)
+    if info.kind not in fam.layouts:
+        loads = " or ".join(_LAYOUT_NAMES[layout] for layout in fam.layouts)
+        raise ModelLoadError(f"{info.name}: a {fam.label} checkpoint, but {fam.label} loads from {loads} only, "
+                             f"not from {_LAYOUT_NAMES[info.kind]}")
+    return arch
 
 
 def planned_arch(checkpoints_dir: Path, model: str) -> str | None:

@@ -108,7 +108,7 @@ class ComponentPlan:
     """Where one component's tensors live at rest and while its forward runs. `stored` names the
     layers whose weight rests in a storage dtype (fp8) instead, whatever the placement's dtype;
     `pinned` the tensors that keep their family's pinned dtype at rest and at compute
-    (`Family.pinned_dtypes`: RoPE `inv_freq` in fp32)."""
+    (`Precision.pinned_dtypes`: RoPE `inv_freq` in fp32)."""
 
     rest: Placement
     compute: Placement
@@ -243,7 +243,7 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
     planned) is the memory format of the 4-D weights of the family's convolutional components
     (`Family.conv_components`: UNet, VAE), at rest and at compute; text encoders and a DiT's
     transformer have no convolutions and get none. Policy beyond the plain request, as diffusers'
-    own pipelines do it: in fp16 the VAE of a family that upcasts (`Family.vae_upcast_in_fp16`:
+    own pipelines do it: in fp16 the VAE of a family that upcasts (`Precision.vae_upcast_in_fp16`:
     SDXL) is kept in fp32 when its config asks (`force_upcast`), because its fp16 decode overflows
     to NaN; on the CPU nothing runs in fp16 (see `resolve_dtype`).
     """
@@ -254,7 +254,8 @@ def plan_placement(pipe, dtype: torch.dtype, device: torch.device, offload: str,
     plans = {}
     for name, component in torch_components(pipe).items():
         comp_dtype = dtype
-        if name == "vae" and dtype == torch.float16 and fam.vae_upcast_in_fp16 and component.config.force_upcast:
+        upcast = fam.precision.vae_upcast_in_fp16 and dtype == torch.float16
+        if name == "vae" and upcast and component.config.force_upcast:
             comp_dtype = torch.float32
         layout = conv_format if name in fam.conv_components else None
         compute = Placement(device, comp_dtype, layout)

@@ -150,14 +150,16 @@ def encode(pipe, images: list, seed: int) -> torch.Tensor:
 
 
 def _encode_pixels(pipe, pixels: torch.Tensor, seed: int) -> torch.Tensor:
-    """(batch, 3, h, w) pixels in [-1, 1] -> scaled latents (see `encode`)."""
-    vae = pipe.vae
+    """(batch, 3, h, w) pixels in [-1, 1] -> scaled latents (see `encode`); a video VAE
+    (`LatentFormat.frames`) encodes each image as one frame, and the frame axis comes off its latents."""
+    vae, frames = pipe.vae, family_of(pipe).latent_format
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
     pixels = pixels.to(device=pipe._execution_device, dtype=dtype)
     latents = []
     with torch.no_grad():
         for i, generator in enumerate(generate.seed_generators(seed, len(pixels))):
-            latents.append(vae.encode(pixels[i:i + 1]).latent_dist.sample(generator).float())
+            sample = vae.encode(frames.to_vae_input(pixels[i:i + 1])).latent_dist.sample(generator)
+            latents.append(frames.from_vae_output(sample).float())
     return family_of(pipe).latents_from_vae(vae, torch.cat(latents))
 
 

@@ -21,7 +21,7 @@ step: a call is of the same step as the one before when it denoises the very sam
 (diffusers' pipelines hand one latents tensor to every call of a step). A batched CFG call holds both
 halves in one tensor, each cached at its own position.
 
-Not offered on step-distilled checkpoints (`Family.step_distilled`: each of their few steps differs),
+Not offered on step-distilled checkpoints (`Sampling.step_distilled`: each of their few steps differs),
 refused with a message; not on a compiled denoiser (the engine refuses it: a hook there would be traced
 into its graphs). Thresholds are this comparison's own: they are not diffusers' residual thresholds.
 """
@@ -151,7 +151,7 @@ def apply_step_cache(hooks: HookRegistry, pipe, threshold: float) -> StepCache |
     if threshold == 0:
         return None
     fam = family_of(pipe)
-    if fam.step_distilled(pipe):
+    if fam.sampling.step_distilled(pipe):
         raise ValueError(f"{fam.label} is step-distilled: each of its few steps differs, so a step cache has "
                          "nothing to reuse; set the step cache to 0")
     denoiser = getattr(pipe, fam.denoiser)

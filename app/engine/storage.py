@@ -11,7 +11,7 @@ removing it is bit-exact by construction.
 Which layers: the weights of linear and convolution layers of the denoiser and the text
 encoders. They stay in the compute dtype where peers keep high precision too: every norm and
 embedding (not linear/conv, so never chosen), the VAE, biases, and the family's sensitive first
-and last layers (`Family.high_precision`: SD's conv_in, conv_out, time and class embeddings,
+and last layers (`Precision.high_precision`: SD's conv_in, conv_out, time and class embeddings,
 text projection). The cast is a plain round-to-nearest cast (ComfyUI's `fp8_e4m3fn` weight
 dtype does the same): e4m3 keeps ~2 significant digits up to ±448, ample for these weights.
 
@@ -94,10 +94,10 @@ def component_layers(root: torch.nn.Module, component: str, family: Family, weig
     dtype = WEIGHTS_MODES[weights]
     if dtype is None:
         return {}
-    keep = re.compile("|".join(f"(?:^|\\.){re.escape(name)}(?:\\.|$)" for name in family.high_precision))
+    keep = re.compile("|".join(f"(?:^|\\.){re.escape(name)}(?:\\.|$)" for name in family.precision.high_precision))
     return {path: dtype for path, module in root.named_modules()
             if isinstance(module, _STORABLE) and family.pinned_dtype(component, path, "weight") is None
-            and not (family.high_precision and keep.search(path))}
+            and not (family.precision.high_precision and keep.search(path))}
 
 
 def matmul_layers(pipe, layers: Stored, weights: str, compute_dtype: torch.dtype) -> MatmulLayers:

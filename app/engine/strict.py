@@ -12,7 +12,7 @@ bf16, every such miss is a dtype mismatch the check names, on a CPU-only machine
 
 The check runs as the `debug.strict` hook of the hook registry (`app/hooks.py`): after the offload
 hooks have streamed a module's weights in and `quant.dequant` has widened 8-bit ones, before LoRA
-bypasses add to its output. A tensor pinned to its own dtype (`Family.pinned_dtypes`) must be in
+bypasses add to its output. A tensor pinned to its own dtype (`Precision.pinned_dtypes`) must be in
 that dtype; integer buffers (position ids) are checked for their device only.
 """
 

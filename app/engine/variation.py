@@ -18,7 +18,8 @@ change the size by drawing the noise at the old size. The rule, as A1111's `modu
 The seed's noise is drawn from the generators the pipeline was handed, with the call the pipeline
 itself makes, so the sampler's later draws (ancestral samplers) go on as without a variation, and
 a strength of 1 gives the variation seed's noise exactly (the slerp's coefficients are then 0 and
-1 exactly). The pipelines that take a variation are our txt2img classes (`VariedNoise` mixed in).
+1 exactly). The pipelines that take a variation are our txt2img classes (`app.families.pipelines.VariedNoise`
+mixed in).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
+
+from app.families.pipelines import VariedNoise
 
 NEARLY_PARALLEL = 0.9995  # A1111's threshold for falling back to a lerp
 SEED_SPACE = 2**32  # seeds wrap as the generators' do (`generate.seed_generators`)
@@ -148,21 +151,6 @@ def infotext_pairs(params, index: int) -> tuple[tuple[str, object], ...]:
     if params.seed_resize_from_w > 0 and params.seed_resize_from_h > 0:
         pairs.append(("Seed resize from", f"{params.seed_resize_from_w}x{params.seed_resize_from_h}"))
     return tuple(pairs)
-
-
-class VariedNoise:
-    """Mixed into our txt2img pipelines: while `drawing_with` holds a `Variation`, the first noise
-    follows it. `latent_grid` and `pack_noise` come from the pipeline class (Flux packs patches)."""
-
-    variation: Variation | None = None
-
-    def prepare_latents(self, batch_size, num_channels_latents, height, width, dtype, device, generator,
-                        latents=None):
-        if latents is None and self.variation is not None:
-            shape = (batch_size, num_channels_latents, *self.latent_grid(height, width))
-            latents = self.pack_noise(self.variation.noise(shape, self.latent_grid, dtype, device, generator))
-        return super().prepare_latents(batch_size, num_channels_latents, height, width, dtype, device, generator,
-                                       latents)
 
 
 @contextlib.contextmanager

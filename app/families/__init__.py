@@ -7,20 +7,36 @@ says all of that once, as data and small callables on `Family`, and generic code
 it never branches on a family's name. Every registered family is held to the same proof by one
 conformance suite (`tests/families/`), which runs with strict forwards on (`app/engine/strict.py`).
 
-How to add a family (Z-Image, Flux.2 Klein, …), in five lines:
+A family consists of these files (`<module>`: its module's name, `<family>`: a family's `name`), and
+no others (tests/families/test_isolation.py checks this list against every family added through it):
 
-1. Write `app/families/<name>.py` with a `Family(...)` and export it: `FAMILIES = (MY_FAMILY,)`
-   (the registry imports every module here that has `FAMILIES`; no list to edit elsewhere).
-2. State its pipeline classes (`pipeline_class`, `stage_pipelines`: subclasses of diffusers' with
-   `app.engine.pipelines.EnginePipeline` first), component classes and `tiny_configs` (the demo
-   and the tests build random-weight models from them), and bundle offline configs in `assets/`.
-3. State what differs from the defaults: text encoders, checkpoint markers and `parts` (single
-   files), samplers, guidance (range, `guidance_call`), `pinned_dtypes` (RoPE `inv_freq` in fp32),
-   `blocks` (group offload), `takes_embeddings`, `preview_rgb`, adapter markers and LoRA targets, and
-   `bench` (its benchmark rows and device-check sections: `benchmarks/` never names a family).
+- `app/families/<module>.py`: its `Family` records and pipeline classes, `FAMILIES = (…)` exported;
+- `app/families/<module>_layout.py` (optional): how its single files and LoRAs name its tensors;
+- `app/families/<module>_controlnet.py` (optional): its `ControlNetKit`;
+- `assets/configs/<family>/`: its bundled offline configs (`Family.config_dir`);
+- `assets/make_<module>_configs.py`: the script that wrote those configs;
+- `tests/test_<module>.py`: its native file formats (everything else is the conformance suite's);
+- and its section of README.md.
+
+How to add a family (Z-Image, Flux.2 Klein, …):
+
+1. Write `app/families/<module>.py` with a `Family(...)` and export it: `FAMILIES = (MY_FAMILY,)` (the
+   registry imports every module here that has `FAMILIES`, and refuses one that breaks a rule of the
+   contract, naming the rule: `check_contract`). It imports only from this package, never `app.engine`.
+2. Its pipeline classes build on `app.families.pipelines`: `EnginePipeline` first, `VariedNoise` on the txt2img
+   class, `StrengthSteps` on stage pipelines (`stage_pipelines`; none: img2img and inpaint are refused by name),
+   `PackedPatches` where the transformer denoises 2×2 patches. Bundle its offline configs in `assets/`.
+3. State only what differs from the defaults, grouped in records: `latent_format` (one `LatentFormat` per VAE,
+   shared: statistics in the pipeline's op order, preview factors, a video VAE's frame axis), `precision`
+   (`Precision`: pinned dtypes such as RoPE `inv_freq` in fp32, layers kept out of 8-bit storage), `adapters`
+   (`Adapters`: what LoRA metadata calls it, native layer names), `test_kit` (`TestKit`: tiny configs the demo
+   and every test build at DEMO_SIDE pixels, test LoRA targets, bench rows: `benchmarks/` never names a family),
+   and beside them text encoders (their file names only where it reads such files), checkpoint markers and
+   `parts` (single files), `layouts`, samplers, guidance, `blocks` (group offload), `controlnet`.
 4. Run `python -m pytest -n 0 tests/families`: the conformance suite parametrises itself over the
-   registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, stages).
-5. Add a test file for the family's native file formats only, and its README section.
+   registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, dtype changes,
+   stages or their refusal).
+5. Add `tests/test_<module>.py` for the family's native file formats only, and its README section.
 
 Detection order: single files are matched by `checkpoint_markers`; where several families match
 (FLUX.1 dev's markers are schnell's plus the guidance embedder), the one with the most markers wins,
@@ -37,6 +53,7 @@ defaults (steps, guidance, sampler; the size is the loaded model's native size) 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import importlib
 import json
@@ -64,6 +81,12 @@ from app.families.file_layout import Layout, all_in_one_state
 from app.families.ldm_layout import to_ldm_state_dict
 
 ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
+# The demo's rules (app/demo.py writes tiny models every test builds; tests/test_demo.py holds them to these):
+# a tiny model's native size is DEMO_SIDE pixels, and its image of a prompt is not flat (pixel std above
+# DEMO_MIN_STD, in [0, 1]) and changes with the prompt (some pixel by more than DEMO_MIN_CHANGE).
+DEMO_SIDE = 64
+DEMO_MIN_STD = 0.05
+DEMO_MIN_CHANGE = 0.01
 CLIP_TOKENIZER_DIR = ASSETS_DIR / "clip_tokenizer"
 # sampler name -> (scheduler class, overrides of the model's scheduler config)
 Samplers = Mapping[str, tuple[type, Mapping[str, object]]]
@@ -82,15 +105,17 @@ SD_SAMPLERS: Samplers = MappingProxyType({
 
 @dataclass(frozen=True)
 class TextEncoder:
-    """One text encoder of a family and every name it goes by."""
+    """One text encoder of a family and every name it goes by. The names of the files it may appear in are
+    optional: an encoder that never sits in a single file, a LoRA or an embedding states none (None), and
+    `check_contract` asks for each only where the family reads such files."""
 
     component: str  # pipeline attribute: "text_encoder", "text_encoder_2"
     tokenizer: str  # its tokenizer's pipeline attribute
     model_class: type[PreTrainedModel]
-    single_file_prefix: str  # where its tensors live in an LDM single file
-    open_clip: bool  # OpenCLIP key layout in single files (fused qkv), else CLIP's
-    lora_prefix: str  # kohya LoRA key prefix ("lora_te_", "lora_te1_", …)
-    embedding_key: str  # its vectors' key in a textual-inversion file ("emb_params", "clip_l", …)
+    single_file_prefix: str | None = None  # where its tensors live in a single file; None: never in one
+    open_clip: bool = False  # OpenCLIP key layout in single files (fused qkv), else CLIP's
+    lora_prefix: str | None = None  # kohya LoRA key prefix ("lora_te_", …); None: kohya's positional `lora_teN_`
+    embedding_key: str | None = None  # its vectors' key in a textual-inversion file ("emb_params", …); None: none
     pad_token: str | None = None  # the bundled CLIP tokenizer pads with this instead of its own
     config_class: type[PretrainedConfig] = CLIPTextConfig
     tokenizer_class: type = CLIPTokenizer
@@ -126,25 +151,84 @@ class ComponentFile:
 class LatentStats:
     """How a VAE's raw latents relate to the ones the denoiser works on, per channel or for all:
     denoised = (raw - mean) * scale / std, raw = denoised * std / scale + mean. SD: mean 0, std 1;
-    Flux: mean = the VAE's shift factor; VAEs with `latents_mean`/`latents_std` use those."""
+    Flux: mean = the VAE's shift factor; VAEs with `latents_mean`/`latents_std` use those.
 
-    scale: float
+    `inverse_std`: the family's pipeline states the std as its reciprocal r = 1/std, computed in the
+    latents' dtype (Qwen-Image: raw = denoised / r + mean, denoised = (raw - mean) * r). It is the
+    same number on paper, but rounds differently from `x * std`: an image off by a grey level against
+    the family's own pipeline. The op order is part of the format, so bit-exactness is."""
+
+    scale: float = 1.0
     mean: float | tuple[float, ...] = 0.0
     std: float | tuple[float, ...] = 1.0
+    inverse_std: bool = False
+
+    def to_vae(self, latents: torch.Tensor) -> torch.Tensor:
+        """Denoised latents -> what the VAE decodes."""
+        mean, std = _per_channel(self.mean, latents), _per_channel(self.std, latents)
+        if self.inverse_std:
+            return latents / (1.0 / std) / self.scale + mean
+        return latents * std / self.scale + mean
+
+    def from_vae(self, raw: torch.Tensor) -> torch.Tensor:
+        """What the VAE encoded -> the latents the denoiser works on (the inverse of `to_vae`)."""
+        mean, std = _per_channel(self.mean, raw), _per_channel(self.std, raw)
+        if self.inverse_std:
+            return (raw - mean) * (1.0 / std) * self.scale
+        return (raw - mean) * self.scale / std
 
 
 def vae_latent_stats(config) -> LatentStats:
-    """The rule diffusers' pipelines apply, read from the VAE's config (the default `latent_stats`)."""
+    """The rule diffusers' pipelines apply, read from the VAE's config (the default `LatentFormat.stats`)."""
+    scale = getattr(config, "scaling_factor", None) or 1.0
     mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
     if mean is not None and std is not None:
-        return LatentStats(config.scaling_factor, tuple(mean), tuple(std))
-    return LatentStats(config.scaling_factor, getattr(config, "shift_factor", None) or 0.0)
+        return LatentStats(scale, tuple(mean), tuple(std))
+    return LatentStats(scale, getattr(config, "shift_factor", None) or 0.0)
+
+
+def inverse_std_stats(config) -> LatentStats:
+    """`vae_latent_stats` with the std applied as its reciprocal (see `LatentStats.inverse_std`)."""
+    return dataclasses.replace(vae_latent_stats(config), inverse_std=True)
 
 
 def _per_channel(value: float | tuple[float, ...], like: torch.Tensor) -> float | torch.Tensor:
+    """A per-channel statistic as a tensor in `like`'s dtype on its device, shaped to broadcast over
+    axis 1 of any rank (an image's (b, c, h, w), a video VAE's (b, c, frames, h, w)), as pipelines build it."""
     if isinstance(value, tuple):
-        return torch.tensor(value, device=like.device, dtype=like.dtype).view(1, -1, 1, 1)
+        return torch.tensor(value).view(1, -1, *(1,) * (like.ndim - 2)).to(like.device, like.dtype)
     return value
+
+
+# (factors: one RGB row per latent channel, RGB bias): the live preview's linear map (app/preview.py)
+PreviewFactors = tuple[tuple[tuple[float, float, float], ...], tuple[float, float, float]]
+
+
+@dataclass(frozen=True)
+class LatentFormat:
+    """One latent space: what a VAE's latents are, shared by every family on that VAE (as ComfyUI keeps
+    one latent format per VAE). Why one object: the statistics, the preview factors and the frame axis
+    describe the VAE, not the family, and two families on one VAE must not state them twice.
+
+    The engine's latents are images, (batch, channels, h, w), whatever the VAE: a video VAE (`frames`:
+    Qwen-Image's, Wan's) takes and returns (batch, channels, frames, h, w), so the engine adds a one-frame
+    axis at the VAE's boundary and takes it off what the VAE gives back (`app/engine/decoding.py`,
+    `app/engine/stages.py`)."""
+
+    stats: Callable[[Any], LatentStats] = vae_latent_stats  # VAE config -> LatentStats
+    preview_rgb: PreviewFactors | None = None  # None: no live preview of the latents
+    frames: bool = False  # the VAE has a frame axis (a video VAE); images are one frame
+
+    def to_vae_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An image-shaped tensor (latents or pixels) as the VAE takes it: one frame where it has frames."""
+        return tensor.unsqueeze(2) if self.frames and tensor.ndim == 4 else tensor
+
+    def from_vae_output(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What the VAE gave back, image-shaped: its one frame where it has frames."""
+        return tensor[:, :, 0] if self.frames and tensor.ndim == 5 else tensor
+
+
+IMAGE_LATENTS = LatentFormat()  # SD's VAE rule, read from the VAE's config, no preview
 
 
 # (family, denoiser config, rows, latent side, empty(*shape) -> a meta tensor) -> one denoiser call's arguments
@@ -168,8 +252,87 @@ class BenchSpec:
     offload_check_s: int = 0  # > 0: a later section of every offload mode at `check`'s steps, this estimate
 
 
-# (factors: one RGB row per latent channel, RGB bias): the live preview's linear map (app/preview.py)
-PreviewFactors = tuple[tuple[tuple[float, float, float], ...], tuple[float, float, float]]
+@dataclass(frozen=True)
+class Precision:
+    """What dtypes a family's tensors keep beyond the model's (`Family.precision`)."""
+
+    # Tensors that keep their own dtype whatever the model's: fnmatch patterns over
+    # "component.module.tensor" -> dtype (RoPE `inv_freq` in fp32). The load check, the placement
+    # plan, every move, streaming and verify honour them.
+    pinned_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
+    # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
+    high_precision: tuple[str, ...] = ()
+    fp16_ok: bool = True  # False: activations overflow fp16 (Flux); an fp16 request is refused with why
+    # The VAE decodes in fp32 when the model computes in fp16 and the VAE's config says
+    # `force_upcast` — where the family's own diffusers pipeline does so (SDXL's VAE overflows fp16).
+    # Nowhere else: bf16 has fp32's range, and an SD1.5 pipeline never upcasts.
+    vae_upcast_in_fp16: bool = False
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """What LoRA files call a family and how they name its layers (`Family.adapters`; app/adapters/)."""
+
+    # What LoRA metadata calls the architecture ("flux" for dev and schnell; "": the family's name), its badge
+    # ("": the family's label), and the metadata markers (substrings of kohya's `ss_base_model_version` /
+    # `modelspec.architecture`): the synthetic writer writes markers[0] and markers[1], `declared_architecture`
+    # and the LoRA card badge match any of them (the longest match over all families wins).
+    lora_arch: str = ""
+    label: str = ""
+    markers: tuple[str, ...] = ()
+    # (architecture, fragments of layer names only it has): an adapter with an unmatched layer so named is
+    # refused as made for it, even where its other layers fit by shape (FLUX.1 LoRAs on FLUX.2 Klein 4B).
+    foreign_layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    kohya_ldm_names: bool = False  # kohya's sd-scripts name this UNet's layers with LDM names (SDXL)
+    native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
+
+
+@dataclass(frozen=True)
+class TestKit:
+    """What the demo, the tests and the benchmark build for a family (`Family.test_kit`), kept out of what
+    generation reads."""
+
+    __test__ = False  # a record, not a pytest test class
+
+    # Component configs of a tiny random-weight model of this family, by component: what the demo
+    # writes (app/demo.py) and every test builds. Keep the real structure, at a CPU-friendly size.
+    tiny_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    tiny_inpainting_channels: int | None = None  # the demo also writes an inpainting checkpoint with these
+    # Tiny pipeline -> nothing, after its random init: gives it, in place, what a trained model has where random
+    # weights would hide a path the demo's rules and the tests compare (how much the prompt reaches the image).
+    tiny_trained: Callable[[Any], None] = lambda pipe: None
+    lora_targets: tuple[str, ...] = ()  # module globs a test LoRA spreads over (every layer kind)
+    demo_lora_targets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the demo's style and detail LoRAs
+    bench: BenchSpec | None = None  # None: the benchmark does not run this family
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a family samples (`Family.sampling`): its samplers, the defaults the page fills in, its guidance
+    and prompt length."""
+
+    default_sampler: str = "Euler a"
+    samplers: Samplers = field(default_factory=lambda: SD_SAMPLERS)
+    # A1111 sampler names this family has no exact counterpart for -> the nearest of its own `samplers`: what an
+    # A1111 client's request runs instead (the answer says so), as Forge and ComfyUI run them on such models.
+    nearest_samplers: Mapping[str, str] = field(default_factory=dict)
+    default_steps: int = 20
+    default_guidance: float = 7.0
+    guidance_range: tuple[float, float] = (1.0, 30.0)  # what the CFG field takes for this family
+    guidance_label: str = "CFG scale"  # what the page calls the field
+    # guidance value -> pipeline-call arguments; None: `guidance_scale=value` (CFG, or Flux's distilled guidance)
+    guidance_call: Callable[[float], dict[str, object]] | None = None
+    distilled_guidance: bool = False  # guidance is an input of the model (Flux dev), not CFG
+    negative_prompt: bool = True  # False: the pipeline has no unconditional pass to use one in
+    max_sequence_length: int | None = None  # T5 tokens per prompt, where the family has T5
+    # (steps, guidance) for a loaded pipeline where checkpoints of one family want other settings (FLUX.2
+    # Klein's undistilled "base": 50 steps, guidance 4); None: `default_steps`, `default_guidance`.
+    loaded_defaults: Callable[[Any], tuple[int, float]] | None = None
+    # a step-distilled checkpoint: a few steps, each unlike the last (no step cache)
+    step_distilled: Callable[[Any], bool] = lambda pipe: False
+
+
 # Architectures whose LoRAs exist but that no family here runs: (LoRA arch, badge, metadata markers),
 # so a LoRA card and a refusal can still say what a file was made for.
 FOREIGN_ADAPTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -203,7 +366,7 @@ class ControlNetKit:
     # The diffusers configs its single files may have, tried in order until one fits the file's shapes
     # (full-size ones first, then `tiny_config`): a single file carries no config.
     single_file_configs: Callable[[], tuple[Mapping[str, object], ...]]
-    tiny_config: Mapping[str, object]  # a tiny ControlNet fitting `Family.tiny_configs` (tests, the demo)
+    tiny_config: Mapping[str, object]  # a tiny ControlNet fitting `TestKit.tiny_configs` (tests, the demo)
     arm: ControlArm  # units -> pipeline kwargs (see `ControlArm`)
     # A single file's state dict -> diffusers names (None: diffusers' own single-file converter of
     # `model_classes[0]`, e.g. LDM `control_model.*` names for SD); called as convert(state, config).
@@ -223,28 +386,18 @@ class Family:
     pipeline_class: type  # our pipeline subclass (EnginePipeline first)
     diffusers_pipeline: str  # `_class_name` in a diffusers folder's model_index.json
     text_encoders: tuple[TextEncoder, ...]
-    checkpoint_markers: tuple[str, ...]  # keys a single file must hold to be this family
     config_dir: Path  # bundled offline configs (model_index.json, component configs, scheduler)
+    # Keys a single file must hold to be this family; a folder-only family may state none, or state them so that
+    # a single file of it is refused as such (`layouts`) instead of as an unknown file.
+    checkpoint_markers: tuple[str, ...] = ()
     pipeline_kwargs: Mapping[str, object] = field(default_factory=dict)  # passed when a pipeline is built
-    # Layers whose weights stay in the compute dtype when the others are stored in 8 bits
-    # (app/engine/storage.py): the sensitive first and last layers and the conditioning embeddings.
-    high_precision: tuple[str, ...] = ()
-    # The VAE decodes in fp32 when the model computes in fp16 and the VAE's config says
-    # `force_upcast` — where the family's own diffusers pipeline does so (SDXL's VAE overflows fp16).
-    # Nowhere else: bf16 has fp32's range, and an SD1.5 pipeline never upcasts.
-    vae_upcast_in_fp16: bool = False
     # Stage pipeline classes by workflow ("img2img", "inpaint"), built on the loaded pipeline's
     # components (app/engine/stages.py); a family without one refuses that workflow by name.
     stage_pipelines: Mapping[str, type] = field(default_factory=dict)
-    default_sampler: str = "Euler a"
     size_multiple: int = 8  # width and height are rounded to this (the VAE's downscale factor)
     denoiser: str = "unet"  # the denoising component: "unet", or "transformer" for DiTs
     denoiser_class: type = UNet2DConditionModel
     vae_class: type = AutoencoderKL
-    # Component configs of a tiny random-weight model of this family, by component: what the demo
-    # writes (app/demo.py) and every test builds. Keep the real structure, at a CPU-friendly size.
-    tiny_configs: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
-    tiny_inpainting_channels: int | None = None  # the demo also writes an inpainting checkpoint with these
     layouts: tuple[str, ...] = ("file", "folder")  # checkpoint layouts it loads: single file, diffusers folder
     # Components built of 2-D convolutions, whose 4-D weights may rest channels_last (`--channels-last`);
     # text encoders have none, nor has a DiT's transformer (its patch embedding is a linear layer).
@@ -254,20 +407,6 @@ class Family:
     # Pipeline arguments a single file of `parts` implies, from its path (FLUX.2 Klein: distilled unless
     # named "…base…"); a diffusers folder states them in its model_index.json.
     file_pipeline_kwargs: Callable[[Path], Mapping[str, object]] = lambda path: {}
-    samplers: Samplers = field(default_factory=lambda: SD_SAMPLERS)
-    # A1111 sampler names this family has no exact counterpart for -> the nearest of its own `samplers`: what an
-    # A1111 client's request runs instead (the answer says so), as Forge and ComfyUI run them on such models.
-    nearest_samplers: Mapping[str, str] = field(default_factory=dict)
-    default_steps: int = 20
-    default_guidance: float = 7.0
-    guidance_range: tuple[float, float] = (1.0, 30.0)  # what the CFG field takes for this family
-    guidance_label: str = "CFG scale"  # what the page calls the field
-    # guidance value -> pipeline-call arguments; None: `guidance_scale=value` (CFG, or Flux's distilled guidance)
-    guidance_call: Callable[[float], dict[str, object]] | None = None
-    distilled_guidance: bool = False  # guidance is an input of the model (Flux dev), not CFG
-    fp16_ok: bool = True  # False: activations overflow fp16 (Flux); an fp16 request is refused with why
-    negative_prompt: bool = True  # False: the pipeline has no unconditional pass to use one in
-    max_sequence_length: int | None = None  # T5 tokens per prompt, where the family has T5
     # Textual-inversion embeddings (A1111's `embeddings/`): the file holds one tensor per text
     # encoder under `TextEncoder.embedding_key`. False: the folder is not read for this family.
     takes_embeddings: bool = True
@@ -275,35 +414,16 @@ class Family:
     # the img2img tab offers a "reference images" input and the A1111 img2img API reads `init_images` so
     # with `reference_images`. Each reference adds its tokens to every attention of every step.
     reference_images: int = 0
-    # Tensors that keep their own dtype whatever the model's: fnmatch patterns over
-    # "component.module.tensor" -> dtype (RoPE `inv_freq` in fp32). The load check, the placement
-    # plan, every move, streaming and verify honour them.
-    pinned_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     # A component's groups for `group` offload: None is the generic rule (app/engine/offload.py:
     # what executes: ModuleList/ModuleDict elements, other children whole, tensors the component
     # owns itself around its forward); a callable (component name, module) -> [modules] replaces it.
     blocks: Callable[[str, torch.nn.Module], list[torch.nn.Module]] | None = None
-    latent_stats: Callable[[Any], LatentStats] = vae_latent_stats  # VAE config -> LatentStats
-    preview_rgb: PreviewFactors | None = None  # None: no live preview of the latents
+    latent_format: LatentFormat = IMAGE_LATENTS  # the VAE's latent space: statistics, preview, frames
     # Does this loaded pipeline's denoiser read a mask and masked-image latents (an inpainting checkpoint)?
     inpainting: Callable[[Any], bool] = lambda pipe: False
-    # --- adapters: what LoRA metadata calls the architecture ("flux" for dev and schnell), its badge,
-    # and the metadata markers (substrings of kohya's `ss_base_model_version` / `modelspec.architecture`):
-    # the synthetic writer writes markers[0] and markers[1], `declared_architecture` and the LoRA
-    # card badge match any of them (the longest match over all families wins).
-    adapter_arch: str = ""
-    adapter_label: str = ""
-    adapter_markers: tuple[str, ...] = ()
-    # (architecture, fragments of layer names only it has): an adapter with an unmatched layer so named is
-    # refused as made for it, even where its other layers fit by shape (FLUX.1 LoRAs on FLUX.2 Klein 4B).
-    foreign_adapter_layers: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    kohya_ldm_names: bool = False  # kohya's sd-scripts name this UNet's layers with LDM names (SDXL)
-    lora_targets: tuple[str, ...] = ()  # module globs a test LoRA spreads over (every layer kind)
-    demo_lora_targets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # the demo's style and detail LoRAs
     folder_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # tells variants' folders apart
     # The side, in pixels, the loaded model was trained at: the size the page switches to on load.
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
-    native_modules: Callable[[Any], Any] = lambda denoiser: ()  # (alias, parts, spelling) of native names
     # A denoiser call's prompt length (the compiled path compiles only a few distinct ones, so a new
     # prompt never recompiles past torch's limit); None: axis 1 of `encoder_hidden_states`.
     prompt_length: Callable[[tuple, dict], int | None] | None = None
@@ -311,19 +431,18 @@ class Family:
     # once and shared by its instances (app/engine/compile_regions.py: seconds, not minutes, for a DiT's
     # dozens of blocks). None: the whole denoiser is compiled (with CUDA graphs in reduce-overhead mode).
     compile_regions: Callable[[torch.nn.Module], tuple[str, ...]] | None = None
-    # (steps, guidance) for a loaded pipeline where checkpoints of one family want other settings (FLUX.2
-    # Klein's undistilled "base": 50 steps, guidance 4); None: `default_steps`, `default_guidance`.
-    loaded_defaults: Callable[[Any], tuple[int, float]] | None = None
     # Families whose checkpoints may finish this one's txt2img after a switch point (A1111's refiner):
     # both pipelines take diffusers' `denoising_end` / `denoising_start`. Empty: no refiner stage.
     refiner_families: tuple[str, ...] = ()
     # Step caching (app/engine/step_cache.py): the denoiser's first block (a module path), which runs every step
-    # and whose output says whether the rest may be reused from the last whole step; and whether a loaded
-    # pipeline is step-distilled (a few steps, each unlike the last: nothing to reuse, the cache is refused).
+    # and whose output says whether the rest may be reused from the last whole step (`Sampling.step_distilled`:
+    # where the cache is refused).
     first_block: str = "down_blocks.0"
-    step_distilled: Callable[[Any], bool] = lambda pipe: False
-    bench: BenchSpec | None = None  # None: the benchmark does not run this family
+    sampling: Sampling = Sampling()  # samplers, defaults, guidance, prompt length
     controlnet: ControlNetKit | None = None  # None: this family takes no ControlNet (a unit is refused by name)
+    precision: Precision = Precision()  # dtypes beyond the model's: pinned tensors, 8-bit exceptions, fp16
+    adapters: Adapters = Adapters()  # what LoRA files call the family and how they name its layers
+    test_kit: TestKit = TestKit()  # tiny models, test LoRAs and bench rows: what the demo, tests and bench read
 
     @property
     def plain_pipeline_class(self) -> type:
@@ -340,51 +459,55 @@ class Family:
 
     @property
     def lora_arch(self) -> str:
-        return self.adapter_arch or self.name
+        """What LoRA metadata calls the architecture of this family's adapters ("flux" for dev and schnell)."""
+        return self.adapters.lora_arch or self.name
 
     @property
     def badge(self) -> str:
         """The short name a LoRA card shows for adapters of this family's architecture."""
-        return self.adapter_label or self.label
+        return self.adapters.label or self.label
 
     def defaults_for(self, pipe) -> tuple[int, float]:
         """The steps and guidance the page fills in when `pipe` is loaded."""
-        return self.loaded_defaults(pipe) if self.loaded_defaults else (self.default_steps, self.default_guidance)
+        sampling = self.sampling
+        if sampling.loaded_defaults:
+            return sampling.loaded_defaults(pipe)
+        return sampling.default_steps, sampling.default_guidance
 
     def pinned_dtype(self, component: str, module: str, tensor: str) -> torch.dtype | None:
         """The dtype `pinned_dtypes` holds this tensor in, or None (it follows the model's)."""
         path = ".".join(p for p in (component, module, tensor) if p)
-        return next((d for pattern, d in self.pinned_dtypes.items() if fnmatch.fnmatchcase(path, pattern)), None)
+        pinned = self.precision.pinned_dtypes.items()
+        return next((d for pattern, d in pinned if fnmatch.fnmatchcase(path, pattern)), None)
 
     def check_guidance(self, value: float) -> None:
         """Refuse a guidance value outside this family's range, naming the range and the field."""
-        low, high = self.guidance_range
+        low, high = self.sampling.guidance_range
         if not low <= value <= high:
-            raise ValueError(f"{self.label} takes {self.guidance_label} {low:g}…{high:g}, got {value:g}")
+            raise ValueError(f"{self.label} takes {self.sampling.guidance_label} {low:g}…{high:g}, got {value:g}")
 
     def negative_unused(self, guidance: float) -> str:
         """Why a negative prompt changes nothing at `guidance`, or "" where it counts: it is read only by an
         unconditional pass, which a family without CFG (distilled guidance, FLUX.2 Klein) never runs, nor
         CFG at 1 or below (diffusers' pipelines skip it there: Z-Image Turbo's default)."""
-        if not self.negative_prompt or self.distilled_guidance:
+        if not self.sampling.negative_prompt or self.sampling.distilled_guidance:
             return f"{self.label} runs no unconditional pass"
         if guidance <= 1:
-            return f"{self.guidance_label} {guidance:g} runs no unconditional pass (above 1 it does)"
+            return f"{self.sampling.guidance_label} {guidance:g} runs no unconditional pass (above 1 it does)"
         return ""
 
     def latents_for_vae(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """Denoised latents -> what the VAE decodes (the one rule `decode` uses; `latents_from_vae` inverts it)."""
-        stats = self.latent_stats(vae.config)
-        return latents * _per_channel(stats.std, latents) / stats.scale + _per_channel(stats.mean, latents)
+        return self.latent_format.stats(vae.config).to_vae(latents)
 
     def latents_from_vae(self, vae, raw: torch.Tensor) -> torch.Tensor:
         """What the VAE encoded -> the latents the denoiser works on (the inverse of `latents_for_vae`)."""
-        stats = self.latent_stats(vae.config)
-        return (raw - _per_channel(stats.mean, raw)) * stats.scale / _per_channel(stats.std, raw)
+        return self.latent_format.stats(vae.config).from_vae(raw)
 
     def matches(self, keys: frozenset[str] | set[str]) -> bool:
         """Does a single file with these tensor names hold this family's markers?"""
-        return any(all(p + m in keys for m in self.checkpoint_markers) for p in self.marker_prefixes)
+        return bool(self.checkpoint_markers) and any(all(p + m in keys for m in self.checkpoint_markers)
+                                                     for p in self.marker_prefixes)
 
     def single_file_state(self, pipe) -> dict:
         """The pipeline's weights as one single file of this family (the demo's and the tests' writer):
@@ -393,14 +516,19 @@ class Family:
 
     def call_arguments(self, guidance: float) -> dict[str, object]:
         """The pipeline-call arguments that differ by family (the prompts go as embeddings: app/prompts)."""
-        call = self.guidance_call
+        call = self.sampling.guidance_call
         out: dict[str, object] = {"guidance_scale": guidance} if call is None else dict(call(guidance))
-        if self.max_sequence_length is not None:
-            out["max_sequence_length"] = self.max_sequence_length
+        if self.sampling.max_sequence_length is not None:
+            out["max_sequence_length"] = self.sampling.max_sequence_length
         return out
 
     def text_encoder(self, component: str) -> TextEncoder:
         return next(te for te in self.text_encoders if te.component == component)
+
+    def kohya_prefix(self, component: str) -> str:
+        """The kohya LoRA key prefix of a text encoder: its own, else kohya's positional `lora_te<N>_`."""
+        number = next(n for n, te in enumerate(self.text_encoders, start=1) if te.component == component)
+        return self.text_encoder(component).lora_prefix or f"lora_te{number}_"
 
     def tokenizers(self) -> dict[str, object]:
         """The bundled tokenizer(s) as pipeline keyword arguments (no download, ever)."""
@@ -411,15 +539,48 @@ class Family:
         return out
 
 
+class FamilyContractError(ValueError):
+    """A family that breaks a rule of the contract, named with the rule when it is registered."""
+
+
+def check_contract(fam: Family) -> Family:
+    """Refuse a family that breaks a rule generic code or the demo relies on, naming the family and the rule
+    (found at registration, not by a crash in some test later); returns it."""
+    broken = [rule for rule, holds in _contract_rules(fam) if not holds]
+    if broken:
+        raise FamilyContractError(f"model family {fam.name!r} breaks the family contract: {'; '.join(broken)}")
+    return fam
+
+
+def _contract_rules(fam: Family) -> list[tuple[str, bool]]:
+    encoders = fam.text_encoders
+    ldm_file = "file" in fam.layouts and not fam.parts  # diffusers' single-file loader reads each encoder's prefix
+    return [
+        (f"layouts {fam.layouts} must be some of ('file', 'folder')", bool(fam.layouts)
+         and set(fam.layouts) <= {"file", "folder"}),
+        ("a family that loads single files ('file' in layouts) states checkpoint_markers",
+         "file" not in fam.layouts or bool(fam.checkpoint_markers)),
+        ("an LDM single-file family states each TextEncoder.single_file_prefix",
+         not ldm_file or all(te.single_file_prefix is not None for te in encoders)),
+        ("a family that takes embeddings states each TextEncoder.embedding_key",
+         not fam.takes_embeddings or all(te.embedding_key is not None for te in encoders)),
+        (f"the demo's tiny models are {DEMO_SIDE}² (DEMO_SIDE): size_multiple {fam.size_multiple} must divide it",
+         DEMO_SIDE % fam.size_multiple == 0),
+        ("tiny_configs states a config for the denoiser, the VAE and every text encoder (the demo builds them)",
+         set(fam.test_kit.tiny_configs) == {fam.denoiser, "vae", *(te.component for te in encoders)}),
+    ]
+
+
 def discover() -> dict[str, Family]:
     """Every family the modules of this package export (`FAMILIES = (...)` in a module), modules in
-    name order and each module's families in its own order. A name exported twice is a bug."""
+    name order and each module's families in its own order, each checked against the contract
+    (`check_contract`). A name exported twice is a bug."""
     found: dict[str, Family] = {}
     for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
         for fam in getattr(importlib.import_module(f"{__name__}.{module}"), "FAMILIES", ()):
             if fam.name in found:
                 raise ImportError(f"model family {fam.name!r} is exported twice (again by app/families/{module}.py)")
-            found[fam.name] = fam
+            found[fam.name] = check_contract(fam)
     return found
 
 
@@ -434,12 +595,12 @@ def detect(keys: frozenset[str] | set[str]) -> Family | None:
     return max(matching, key=lambda fam: len(fam.checkpoint_markers), default=None)
 
 
-def adapter_arch_of(text: str) -> tuple[str, str] | None:
+def lora_arch_of(text: str) -> tuple[str, str] | None:
     """(LoRA architecture, badge) named by a LoRA's recorded base model (kohya's `ss_base_model_version`,
     `modelspec.architecture`), families and foreign architectures alike; the longest marker found wins
     ("sdxl_base_v1-0" holds both SDXL's "sdxl" and "v1"). None when no marker is in it."""
     lowered = text.lower()
-    candidates = [(fam.lora_arch, fam.badge, m) for fam in FAMILIES.values() for m in fam.adapter_markers]
+    candidates = [(fam.lora_arch, fam.badge, m) for fam in FAMILIES.values() for m in fam.adapters.markers]
     candidates += [(arch, badge, m) for arch, badge, markers in FOREIGN_ADAPTERS for m in markers]
     found = [(len(marker), arch, badge) for arch, badge, marker in candidates if marker in lowered]
     return max(found)[1:] if found else None

@@ -107,6 +107,20 @@ def module_parts(layout: Layout) -> dict[str, tuple[tuple[str, Rows | None], ...
     return {k: tuple(sorted(v, key=lambda p: -1 if p[1] is None else p[1][0][0])) for k, v in parts.items()}
 
 
+def file_name_aliases(layout: Layout, component: str, kohya: str, lycoris: str, comfy: str):
+    """(LoRA key, parts, spelling) for every module of a single file's `layout` as trainers spell it over the
+    file's names (`app/adapters/keys.py`): kohya (`lora_unet_` + the name with `_`), LyCORIS (`lycoris_`), and
+    ComfyUI (`diffusion_model.` + the dotted name, or bare); a fused file module lists its row slices, so a
+    LoRA on it is cut exactly into the modules of `component` it covers. The spelling tags are the caller's."""
+    for name, found in module_parts(layout).items():
+        targets = tuple(((component, path), rows) for path, rows in found)
+        flat = name.replace(".", "_")
+        yield f"lora_unet_{flat}", targets, kohya
+        yield f"lycoris_{flat}", targets, lycoris
+        yield f"diffusion_model.{name}", targets, comfy
+        yield name, targets, comfy
+
+
 def all_in_one_state(pipe, parts) -> dict[str, torch.Tensor]:
     """A pipeline's components as one all-in-one file (each under its first prefix): what the demo
     writes for families that list `parts` (`app.families.ComponentFile`)."""

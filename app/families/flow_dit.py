@@ -13,9 +13,9 @@ from types import MappingProxyType
 
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
-from app.engine.compile_regions import declared_repeated_blocks
-from app.families import ComponentFile
+from app.families import ComponentFile, LatentFormat, Sampling
 from app.families.ldm_layout import vae_layout
+from app.families.pipelines import declared_repeated_blocks
 from app.families.tiny_parts import TINY_VAE
 
 # In an all-in-one under `vae.` (ComfyUI/Forge) or `first_stage_model.` (LDM), or a file of its own
@@ -26,12 +26,13 @@ TINY_FLUX_VAE = dict(TINY_VAE, latent_channels=16, scaling_factor=0.3611, shift_
                      use_post_quant_conv=False, force_upcast=True)
 # ComfyUI's published latent-preview fit for the 16-channel Flux latents (comfy/latent_formats.py, Flux;
 # ComfyUI's Z-Image model uses the same latent format)
-FLUX_PREVIEW = (((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433),
-                 (-0.0174, 0.0160, 0.0617), (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115),
-                 (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259), (-0.0245, 0.0250, 0.1180),
-                 (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
-                 (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499),
-                 (-0.1262, -0.0982, -0.0778)), (-0.0329, -0.0718, -0.0851))
+FLUX_LATENTS = LatentFormat(preview_rgb=(
+    ((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433),
+     (-0.0174, 0.0160, 0.0617), (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115),
+     (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259), (-0.0245, 0.0250, 0.1180),
+     (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
+     (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499),
+     (-0.1262, -0.0982, -0.0778)), (-0.0329, -0.0718, -0.0851)))
 
 
 class AncestralFlowEuler(FlowMatchEulerDiscreteScheduler):
@@ -67,12 +68,15 @@ SAMPLERS = MappingProxyType({
 # sigmas, so they run flow Euler on the same schedule (Karras: Euler Karras).
 NEAREST_SAMPLERS = MappingProxyType({"DDIM": "Euler", "UniPC": "Euler", "PLMS": "Euler", "DPM++ 2M": "Euler",
                                      "DPM++ 2M Karras": "Euler Karras"})
+# How such a DiT samples: flow Euler and its kin, A1111's other names run as their nearest
+# (`dataclasses.replace(FLOW_SAMPLING, default_steps=…)`).
+FLOW_SAMPLING = Sampling(default_sampler="Euler", samplers=SAMPLERS, nearest_samplers=NEAREST_SAMPLERS)
 # The `Family` fields such a DiT states alike: its transformer is the denoiser (no conv weights:
 # only the VAE may rest channels_last), its files may sit under ComfyUI's `model.diffusion_model.`,
-# sizes are whole 2×2 patches of 8× latents, bf16 or fp32 (activations overflow fp16), the native
-# size is the VAE's; `--compile` compiles the blocks diffusers declares repeated.
+# sizes are whole 2×2 patches of 8× latents, the native size is the VAE's (each DiT states
+# `Precision(fp16_ok=False)`: activations overflow fp16); `--compile` compiles the blocks diffusers declares repeated.
 DIT_SHARED = MappingProxyType(dict(
-    default_sampler="Euler", samplers=SAMPLERS, nearest_samplers=NEAREST_SAMPLERS, size_multiple=16,
+    size_multiple=16,
     denoiser="transformer", conv_components=("vae",),
-    marker_prefixes=("", "model.diffusion_model."), fp16_ok=False, preview_rgb=FLUX_PREVIEW,
+    marker_prefixes=("", "model.diffusion_model."),
     native_size=lambda pipe: pipe.vae.config.sample_size, compile_regions=declared_repeated_blocks))

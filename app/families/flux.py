@@ -3,7 +3,7 @@
 Two families on one architecture: dev is guidance-distilled (the guidance value is an input of
 the transformer, shown as "Guidance", no negative prompt) and uses a resolution-dependent time
 shift; schnell is timestep-distilled for 1–4 steps, has no guidance embedder and reads 256 T5
-tokens instead of 512. Adapters made for one fit the other (`adapter_arch = "flux"`).
+tokens instead of 512. Adapters made for one fit the other (`Adapters.lora_arch = "flux"`).
 
 Files come as a diffusers folder, as Black Forest Labs' transformer file (`double_blocks.*`,
 bare or under `model.diffusion_model.`) with the text encoders in `models/text_encoder`
@@ -17,6 +17,7 @@ from `_CLIP_L` and `_T5`; the transformer's BFL and xlabs spellings are `lora_al
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 import torch
@@ -27,40 +28,21 @@ from diffusers import (
     FluxInpaintPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
-    StableDiffusionImg2ImgPipeline,
 )
 from diffusers.image_processor import VaeImageProcessor
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, TextEncoder
+from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit, TextEncoder
 from app.families.file_layout import module_parts, own_names
-from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.flux_controlnet import flux_controlnet_kit
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
 from app.families.ldm_layout import clip_layout
+from app.families.pipelines import PackedPatches, StrengthSteps, VariedNoise
 from app.families.tiny_parts import TINY_CLIP_L
 
 
-class _PackedPatches(EnginePipeline):
-    """Flux pipelines denoise 2×2 latent patches packed into a sequence."""
-
-    def spatial_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Unpack the (batch, h/2·w/2, 4·channels) sequence of 2×2 patches (FluxPipeline's own rule)."""
-        return self._unpack_latents(latents, height, width, self.vae_scale_factor)
-
-    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        """FluxPipeline's rule: whole 2×2 patches of latents."""
-        patch = self.vae_scale_factor * 2
-        return 2 * (int(height) // patch), 2 * (int(width) // patch)
-
-    def pack_noise(self, noise: torch.Tensor) -> torch.Tensor:
-        """Spatial noise packed into the sequence of 2×2 patches the transformer denoises."""
-        return self._pack_latents(noise, *noise.shape)
-
-
-class SteadyFluxPipeline(_PackedPatches, VariedNoise, FluxPipeline):
+class SteadyFluxPipeline(PackedPatches, VariedNoise, FluxPipeline):
     """FLUX.1 pipeline whose execution device is set by the engine."""
 
 
@@ -69,7 +51,7 @@ def _fresh(generators: list[torch.Generator]) -> list[torch.Generator]:
     return [torch.Generator(g.device).manual_seed(g.initial_seed()) for g in generators]
 
 
-class _FluxControl(_PackedPatches):
+class _FluxControl(PackedPatches):
     """What FLUX.1's control pipelines change in diffusers', so a ControlNet steers the image the seed draws
     without it:
 
@@ -99,12 +81,10 @@ class SteadyFluxControlNetPipeline(_FluxControl, VariedNoise, FluxControlNetPipe
                                        _fresh(generator), latents)
 
 
-class SteadyFluxControlNetImg2ImgPipeline(_FluxControl, FluxControlNetImg2ImgPipeline):
+class SteadyFluxControlNetImg2ImgPipeline(_FluxControl, StrengthSteps, FluxControlNetImg2ImgPipeline):
     """FLUX.1 img2img (and the hires pass) steered by ControlNets. As the engine's other stage pipelines it takes
     latents the engine encoded (`FluxImg2ImgPipeline`'s latent path, which diffusers' control variant lacks:
-    it VAE-encodes whatever it is given) and runs int(steps × strength) steps (as `_FluxStage`)."""
-
-    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+    it VAE-encodes whatever it is given) and runs int(steps × strength) steps (`StrengthSteps`)."""
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer,
                  controlnet) -> None:
@@ -121,20 +101,11 @@ class SteadyFluxControlNetImg2ImgPipeline(_FluxControl, FluxControlNetImg2ImgPip
                                                    width, dtype, device, _fresh(generator), latents)
 
 
-class _FluxStage(_PackedPatches):
-    """Flux's img2img and inpaint run int(steps × strength) steps, as SD's pipelines and A1111 do and
-    as the engine announces (`stage_params`: progress, the NaN check): diffusers' Flux rule skips
-    int(steps − steps × strength) steps instead, one step more at e.g. 3 × 0.7. SD's rule reads
-    only the scheduler, so it serves flow matching as it is."""
-
-    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
-
-
-class SteadyFluxImg2ImgPipeline(_FluxStage, FluxImg2ImgPipeline):
+class SteadyFluxImg2ImgPipeline(PackedPatches, StrengthSteps, FluxImg2ImgPipeline):
     """FLUX.1 img2img (and hires fix second pass) stage pipeline."""
 
 
-class SteadyFluxInpaintPipeline(_FluxStage, FluxInpaintPipeline):
+class SteadyFluxInpaintPipeline(PackedPatches, StrengthSteps, FluxInpaintPipeline):
     """FLUX.1 inpaint stage pipeline (the regular transformer: the mask blends latents each step)."""
 
 
@@ -214,7 +185,7 @@ _CONTROL_PIPELINES = MappingProxyType({"txt2img": SteadyFluxControlNetPipeline,
 def _call_inputs(fam, cfg, rows: int, latent_side: int, empty) -> dict:
     """One transformer call for the bench's op counts: 2×2 latent patches as a sequence, T5 states,
     CLIP's pooled vector, 3 position axes, and dev's distilled guidance value."""
-    tokens, text = (latent_side // 2) ** 2, fam.max_sequence_length
+    tokens, text = (latent_side // 2) ** 2, fam.sampling.max_sequence_length
     guidance = {"guidance": empty(rows)} if cfg.guidance_embeds else {}
     return {"hidden_states": empty(rows, tokens, cfg.in_channels),
             "encoder_hidden_states": empty(rows, text, cfg.joint_attention_dim), "timestep": empty(rows),
@@ -245,30 +216,38 @@ def _family(name: str, label: str, dev: bool) -> Family:
         config_dir=ASSETS_DIR / "configs" / name,
         denoiser_class=FluxTransformer2DModel,
         **DIT_SHARED,
+        latent_format=FLUX_LATENTS,
         parts=_PARTS,
-        default_steps=28 if dev else 4,
-        default_guidance=3.5 if dev else 1.0,
-        distilled_guidance=dev,
         first_block="transformer_blocks.0",
-        step_distilled=lambda pipe: not dev,  # schnell runs 1-4 timestep-distilled steps; dev distils guidance only
-        # fp8 storage keeps the embedders, the final layers and T5's `wo` (which the T5 code casts
-        # its input to) in the compute dtype, as peers do.
-        high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo"),
-        negative_prompt=False,
-        max_sequence_length=512 if dev else 256,
-        adapter_arch="flux",
         folder_config=MappingProxyType({"transformer/config.json": {"guidance_embeds": dev}}),
-        native_modules=lora_aliases,
-        tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev),
-                                       "vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP_L, "text_encoder_2": _TINY_T5}),
-        guidance_label="Distilled CFG Scale" if dev else "CFG scale",
-        adapter_label="Flux",
-        adapter_markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux"),
-        lora_targets=_LORA_TARGETS,
-        demo_lora_targets=_DEMO_LORA_TARGETS,
         controlnet=flux_controlnet_kit(_CONTROL_PIPELINES, ASSETS_DIR / "configs" / name,
                                        dict(_TINY_TRANSFORMER, guidance_embeds=dev)),
-        bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
+        precision=Precision(
+            fp16_ok=False,
+            # fp8 storage keeps the embedders, the final layers and T5's `wo` (which the T5 code casts
+            # its input to) in the compute dtype, as peers do.
+            high_precision=("x_embedder", "context_embedder", "time_text_embed", "norm_out", "proj_out", "wo")),
+        adapters=Adapters(
+            lora_arch="flux",
+            native_modules=lora_aliases,
+            label="Flux",
+            markers=("flux1", f"flux-1-{'dev' if dev else 'schnell'}", "flux")),
+        test_kit=TestKit(
+            tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, guidance_embeds=dev),
+                                           "vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP_L,
+                                           "text_encoder_2": _TINY_T5}),
+            lora_targets=_LORA_TARGETS,
+            demo_lora_targets=_DEMO_LORA_TARGETS,
+            bench=_BENCH if dev else None,  # schnell is dev's architecture without the guidance embedder
+        ),
+        sampling=dataclasses.replace(FLOW_SAMPLING,
+            default_steps=28 if dev else 4,
+            default_guidance=3.5 if dev else 1.0,
+            distilled_guidance=dev,
+            step_distilled=lambda pipe: not dev,  # schnell runs 1-4 timestep-distilled steps; dev distils guidance only
+            negative_prompt=False,
+            max_sequence_length=512 if dev else 256,
+            guidance_label="Distilled CFG Scale" if dev else "CFG scale"),
     )
 
 

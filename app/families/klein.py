@@ -21,6 +21,7 @@ init image as a reference, as Klein was trained to.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -31,18 +32,26 @@ from diffusers import (
     Flux2KleinInpaintPipeline,
     Flux2KleinPipeline,
     Flux2Transformer2DModel,
-    StableDiffusionImg2ImgPipeline,
 )
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from app.engine.compile_regions import declared_repeated_blocks
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family, LatentStats, TextEncoder
+from app.families import (
+    ASSETS_DIR,
+    Adapters,
+    BenchSpec,
+    ComponentFile,
+    Family,
+    LatentFormat,
+    LatentStats,
+    Precision,
+    TestKit,
+    TextEncoder,
+)
 from app.families.file_layout import own_names
-from app.families.flow_dit import NEAREST_SAMPLERS, SAMPLERS
+from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING
 from app.families.flux_layout import bfl_aliases
 from app.families.klein_layout import transformer_layout, vae_layout
+from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer
 from app.families.tiny_parts import TINY_VAE
 
@@ -97,12 +106,10 @@ class SteadyKleinPipeline(_KleinLatents, VariedNoise, Flux2KleinPipeline):
                                                   device, generator, latents)
 
 
-class SteadyKleinStagePipeline(_KleinLatents, Flux2KleinInpaintPipeline):
+class SteadyKleinStagePipeline(_KleinLatents, StrengthSteps, Flux2KleinInpaintPipeline):
     """Klein's img2img and inpaint (diffusers' Klein inpaint pipeline): the engine hands it the VAE's
     latents, patchified here; img2img is inpaint with the whole picture masked. It runs
-    int(steps × strength) steps, as the engine announces (SD's rule, as for FLUX.1)."""
-
-    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+    int(steps × strength) steps, as the engine announces (`StrengthSteps`)."""
 
     def __call__(self, *, image: torch.Tensor, mask_image: torch.Tensor | None = None, masked_image_latents=None,
                  **kwargs):
@@ -170,6 +177,8 @@ _PREVIEW = (((0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0099, 0.009
              (-0.0465, -0.0204, -0.0312), (0.0095, 0.0012, -0.0066), (0.0290, -0.0034, 0.0025),
              (0.0220, 0.0169, -0.0048), (-0.0332, -0.0457, -0.0468), (-0.0085, 0.0389, 0.0609),
              (-0.0076, 0.0003, -0.0043), (-0.0111, -0.0460, -0.0614)), (-0.0329, -0.0718, -0.0851))
+# The VAE's own statistics normalise the latents inside the pipeline (its `bn`): the engine's are the VAE's own.
+_LATENTS = LatentFormat(stats=lambda config: LatentStats(1.0), preview_rgb=_PREVIEW)
 # Every layer kind: double-block attention (q and output), both MLPs, a single block's fused
 # projection and output, a shared modulation, the embedders, and Qwen3's attention and MLP.
 _LORA_TARGETS = (
@@ -197,7 +206,7 @@ _STAGES = MappingProxyType({"img2img": SteadyKleinStagePipeline, "inpaint": Stea
 def _call_inputs(fam, cfg, rows: int, latent_side: int, empty) -> dict:
     """One transformer call for the bench's op counts: 2×2 latent patches as a sequence, Qwen3 states,
     4 position axes with a batch dimension, no pooled vector."""
-    tokens, text, axes = (latent_side // 2) ** 2, fam.max_sequence_length, len(cfg.axes_dims_rope)
+    tokens, text, axes = (latent_side // 2) ** 2, fam.sampling.max_sequence_length, len(cfg.axes_dims_rope)
     guidance = {"guidance": empty(rows)} if cfg.guidance_embeds else {}
     return {"hidden_states": empty(rows, tokens, cfg.in_channels),
             "encoder_hidden_states": empty(rows, text, cfg.joint_attention_dim), "timestep": empty(rows),
@@ -231,50 +240,45 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         checkpoint_markers=(*markers, *((f"double_blocks.{double_blocks - 1}.img_attn.qkv.weight",)
                                         if size == "9b" else ())),
         config_dir=ASSETS_DIR / "configs" / f"flux2-klein-{size}",
-        default_sampler="Euler",
-        size_multiple=16,  # 8× VAE downscale, then 2×2 patches
-        denoiser="transformer",
+        **DIT_SHARED,  # its double and single blocks compile as diffusers declares them
         denoiser_class=Flux2Transformer2DModel,
         vae_class=AutoencoderKLFlux2,
-        conv_components=("vae",),
-        marker_prefixes=("", "model.diffusion_model."),
         parts=_parts(encoder, encoder_file),
         file_pipeline_kwargs=_distilled_flag,
-        samplers=SAMPLERS,
-        nearest_samplers=NEAREST_SAMPLERS,
-        default_steps=4,
-        default_guidance=1.0,
-        loaded_defaults=_defaults,
         first_block="transformer_blocks.0",
-        step_distilled=lambda pipe: pipe.config.is_distilled,  # the released 4-step checkpoints; "base" is not
-        fp16_ok=False,
-        # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to
-        # diffusers) and the final layers in the compute dtype, as peers do.
-        high_precision=("x_embedder", "context_embedder", "time_guidance_embed", "norm_out", "proj_out", "lm_head"),
-        negative_prompt=False,
-        max_sequence_length=512,
         takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has no such files
         reference_images=4,  # each adds up to 4,096 tokens (1024² / 16²) to every attention
-        pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32}),
-        # the VAE's own statistics normalise the latents inside the pipeline: the engine's are the VAE's own
-        latent_stats=lambda config: LatentStats(1.0),
+        latent_format=_LATENTS,
         # a folder is the 9B's when it has the 9B's eight double blocks, else the 4B's (FAMILIES lists the 9B first)
         folder_config=MappingProxyType({"transformer/config.json": {"num_layers": double_blocks}} if size == "9b"
                                        else {}),
-        native_size=lambda pipe: pipe.vae.config.sample_size,
-        native_modules=lora_aliases,
-        compile_regions=declared_repeated_blocks,  # its double and single blocks, as diffusers declares them
-        tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER, num_layers=double_blocks if size == "9b"
-                                                           else 2),
-                                       "vae": _TINY_VAE, "text_encoder": _TINY_QWEN3}),
-        preview_rgb=_PREVIEW,
-        adapter_arch=f"flux2-klein-{size}",
-        foreign_adapter_layers=(("FLUX.1", _FLUX1_LAYERS),),
-        adapter_label=f"Klein {size.upper()}",
-        adapter_markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}"),
-        lora_targets=_LORA_TARGETS,
-        demo_lora_targets=_DEMO_LORA_TARGETS,
-        bench=_BENCH if size == "4b" else None,  # the 9B is the 4B's architecture, deeper and wider
+        precision=Precision(
+            fp16_ok=False,
+            # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to
+            # diffusers) and the final layers in the compute dtype, as peers do.
+            high_precision=("x_embedder", "context_embedder", "time_guidance_embed", "norm_out", "proj_out", "lm_head"),
+            pinned_dtypes=MappingProxyType({"text_encoder.*rotary_emb.*inv_freq": torch.float32})),
+        adapters=Adapters(
+            native_modules=lora_aliases,
+            lora_arch=f"flux2-klein-{size}",
+            foreign_layers=(("FLUX.1", _FLUX1_LAYERS),),
+            label=f"Klein {size.upper()}",
+            markers=(f"flux2_klein_{size}", f"flux-2-klein-{size}", f"klein-{size}", f"klein_{size}")),
+        test_kit=TestKit(
+            tiny_configs=MappingProxyType({"transformer": dict(_TINY_TRANSFORMER,
+                                                               num_layers=double_blocks if size == "9b" else 2),
+                                           "vae": _TINY_VAE, "text_encoder": _TINY_QWEN3}),
+            lora_targets=_LORA_TARGETS,
+            demo_lora_targets=_DEMO_LORA_TARGETS,
+            bench=_BENCH if size == "4b" else None,  # the 9B is the 4B's architecture, deeper and wider
+        ),
+        sampling=dataclasses.replace(FLOW_SAMPLING,
+            default_steps=4,
+            default_guidance=1.0,
+            loaded_defaults=_defaults,
+            step_distilled=lambda pipe: pipe.config.is_distilled,  # the released 4-step checkpoints; "base" is not
+            negative_prompt=False,
+            max_sequence_length=512),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 from diffusers import (
@@ -13,12 +14,11 @@ from diffusers import (
 )
 from transformers import CLIPTextModel
 
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, Family, TextEncoder
+from app.families import ASSETS_DIR, Family, LatentFormat, Precision, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
+from app.families.pipelines import EnginePipeline, VariedNoise
 from app.families.sd_controlnet import sd_controlnet_kit
-from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
+from app.families.tiny_parts import SD_ADAPTERS, SD_SHARED, SD_TEST_KIT, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
 
 
 class SteadySDPipeline(EnginePipeline, VariedNoise, StableDiffusionPipeline):
@@ -61,29 +61,32 @@ SD15 = Family(
     text_encoders=(_CLIP,),
     checkpoint_markers=(UNET_PREFIX + "input_blocks.0.0.weight",
                         _CLIP.single_file_prefix + "embeddings.token_embedding.weight"),
-    high_precision=("conv_in", "conv_out", "time_embedding"),
+    precision=Precision(high_precision=("conv_in", "conv_out", "time_embedding")),
     config_dir=ASSETS_DIR / "configs" / "sd15",
     **SD_SHARED,
-    tiny_inpainting_channels=9,  # latents + mask + masked-image latents
-    # SD1.5 mirrors the real layout (attention on top levels, plain bottom level, layers_per_block 2).
-    tiny_configs=MappingProxyType({
-        "unet": _TINY_UNET,
-        "vae": dict(TINY_VAE, scaling_factor=0.18215),
-        "text_encoder": dict(TINY_CLIP_L, num_hidden_layers=5),
-    }),
     # ComfyUI's published latent-preview fit (comfy/latent_formats.py, SD15)
-    preview_rgb=(((0.3512, 0.2297, 0.3227), (0.3250, 0.4974, 0.2350), (-0.2829, 0.1762, 0.2721),
-                  (-0.2120, -0.2616, -0.7177)), (0.0, 0.0, 0.0)),
-    adapter_label="SD1.5",
-    adapter_markers=("sd_v1", "stable-diffusion-v1", "sd1", "sd_1", "sd 1", "v1"),
+    latent_format=LatentFormat(preview_rgb=(
+        ((0.3512, 0.2297, 0.3227), (0.3250, 0.4974, 0.2350), (-0.2829, 0.1762, 0.2721),
+         (-0.2120, -0.2616, -0.7177)), (0.0, 0.0, 0.0))),
+    adapters=dataclasses.replace(SD_ADAPTERS, label="SD1.5",
+                                 markers=("sd_v1", "stable-diffusion-v1", "sd1", "sd_1", "sd 1", "v1")),
     # The safety checker is never loaded (nothing to download, nothing to run).
     pipeline_kwargs=MappingProxyType({"safety_checker": None, "feature_extractor": None,
                                       "requires_safety_checker": False}),
     controlnet=_CONTROLNET,
-    bench=sd_bench(512, check=("--sections", "throughput,latency", "--batches", "1", "--loras", "0,3",
-                               "--no-channels-last", "--repeats", "4"),
-                   check_s=85, check_order=1,
-                   check_title="SD1.5 512²: ours vs diffusers eager, 3 fused LoRAs vs none and vs PEFT, LoRA "
-                               "add/re-weight/remove ms, peak VRAM; ABBA with control"),
+    test_kit=dataclasses.replace(
+        SD_TEST_KIT,
+        tiny_inpainting_channels=9,  # latents + mask + masked-image latents
+        # SD1.5 mirrors the real layout (attention on top levels, plain bottom level, layers_per_block 2).
+        tiny_configs=MappingProxyType({
+            "unet": _TINY_UNET,
+            "vae": dict(TINY_VAE, scaling_factor=0.18215),
+            "text_encoder": dict(TINY_CLIP_L, num_hidden_layers=5),
+        }),
+        bench=sd_bench(512, check=("--sections", "throughput,latency", "--batches", "1", "--loras", "0,3",
+                                   "--no-channels-last", "--repeats", "4"),
+                       check_s=85, check_order=1,
+                       check_title="SD1.5 512²: ours vs diffusers eager, 3 fused LoRAs vs none and vs PEFT, LoRA "
+                                   "add/re-weight/remove ms, peak VRAM; ABBA with control")),
 )
 FAMILIES = (SD15,)

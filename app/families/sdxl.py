@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 from diffusers import (
@@ -13,12 +14,11 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, Family, TextEncoder
+from app.families import ASSETS_DIR, Family, LatentFormat, Precision, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
+from app.families.pipelines import EnginePipeline, VariedNoise
 from app.families.sd_controlnet import sd_controlnet_kit
-from app.families.tiny_parts import SD_SHARED, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
+from app.families.tiny_parts import SD_ADAPTERS, SD_SHARED, SD_TEST_KIT, TINY_CLIP_L, TINY_UNET, TINY_VAE, sd_bench
 
 
 class SteadySDXLPipeline(EnginePipeline, VariedNoise, StableDiffusionXLPipeline):
@@ -74,25 +74,28 @@ SDXL = Family(
     checkpoint_markers=(UNET_PREFIX + "label_emb.0.0.weight",
                         _CLIP_L.single_file_prefix + "embeddings.token_embedding.weight",
                         _CLIP_G.single_file_prefix + "token_embedding.weight"),
-    high_precision=("conv_in", "conv_out", "time_embedding", "add_embedding", "text_projection"),
-    vae_upcast_in_fp16=True,
+    precision=Precision(high_precision=("conv_in", "conv_out", "time_embedding", "add_embedding", "text_projection"),
+                        vae_upcast_in_fp16=True),
     config_dir=ASSETS_DIR / "configs" / "sdxl",
     refiner_families=("sdxl",),
     **SD_SHARED,
-    # layers_per_block 1 (SD1.5's tiny UNet has 2), so the LDM block numbering is exercised for both values
-    tiny_configs=MappingProxyType({
-        "unet": _TINY_UNET,
-        "vae": dict(TINY_VAE, scaling_factor=0.13025, force_upcast=True),
-        "text_encoder": TINY_CLIP_L,
-        "text_encoder_2": _TINY_CLIP_G,
-    }),
     # ComfyUI's published latent-preview fit (comfy/latent_formats.py, SDXL)
-    preview_rgb=(((0.3651, 0.4232, 0.4341), (-0.2533, -0.0042, 0.1068), (0.1076, 0.1111, -0.0362),
-                  (-0.3165, -0.2492, -0.2188)), (0.1084, -0.0175, -0.0011)),
-    adapter_markers=("sdxl_base_v1-0", "stable-diffusion-xl-v1-base", "sdxl", "stable-diffusion-xl", "xl"),
-    kohya_ldm_names=True,
+    latent_format=LatentFormat(preview_rgb=(
+        ((0.3651, 0.4232, 0.4341), (-0.2533, -0.0042, 0.1068), (0.1076, 0.1111, -0.0362),
+         (-0.3165, -0.2492, -0.2188)), (0.1084, -0.0175, -0.0011))),
+    adapters=dataclasses.replace(SD_ADAPTERS, kohya_ldm_names=True, markers=(
+        "sdxl_base_v1-0", "stable-diffusion-xl-v1-base", "sdxl", "stable-diffusion-xl", "xl")),
     # benched beside SD1.5 in the compile and channels_last sections; no device-check section of its own
     controlnet=_CONTROLNET,
-    bench=sd_bench(1024),
+    test_kit=dataclasses.replace(
+        SD_TEST_KIT,
+        # layers_per_block 1 (SD1.5's tiny UNet has 2), so the LDM block numbering is exercised for both values
+        tiny_configs=MappingProxyType({
+            "unet": _TINY_UNET,
+            "vae": dict(TINY_VAE, scaling_factor=0.13025, force_upcast=True),
+            "text_encoder": TINY_CLIP_L,
+            "text_encoder_2": _TINY_CLIP_G,
+        }),
+        bench=sd_bench(1024)),
 )
 FAMILIES = (SDXL,)

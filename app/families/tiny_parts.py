@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 import torch
 
-from app.families import BenchSpec
+from app.families import Adapters, BenchSpec, TestKit
 from app.families.ldm_layout import lora_aliases
 
 TINY_CLIP_L = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=0, eos_token_id=2, pad_token_id=1,
@@ -73,11 +73,13 @@ def unet_call_inputs(_fam, cfg, rows: int, latent_side: int, empty) -> dict:
 
 
 def sd_bench(side: int, **check) -> BenchSpec:
-    """An SD family's `Family.bench`: its rows' side, the UNet call and LoRA layers above, and `check`
+    """An SD family's `TestKit.bench`: its rows' side, the UNet call and LoRA layers above, and `check`
     (the device-check section's fields of `BenchSpec`, where it has one)."""
     return BenchSpec(side, unet_call_inputs, _BENCH_LORA_LAYERS, _BENCH_LORA_CONVS, **check)
 
 
-# What SD1.5 and SDXL state alike (`Family(..., **SD_SHARED)`).
-SD_SHARED = MappingProxyType(dict(inpainting=unet_inpainting, native_modules=lora_aliases, lora_targets=SD_LORA_TARGETS,
-                                  demo_lora_targets=DEMO_LORA_TARGETS))
+# What SD1.5 and SDXL state alike (`Family(..., **SD_SHARED)`), and the records they state theirs from
+# (`dataclasses.replace(SD_ADAPTERS, markers=…)`).
+SD_SHARED = MappingProxyType(dict(inpainting=unet_inpainting))
+SD_ADAPTERS = Adapters(native_modules=lora_aliases)
+SD_TEST_KIT = TestKit(lora_targets=SD_LORA_TARGETS, demo_lora_targets=DEMO_LORA_TARGETS)

@@ -23,11 +23,11 @@ modules, fused `qkv` cut into `to_q`/`to_k`/`to_v` by rows (`lora_aliases`).
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 import torch
 from diffusers import (
-    StableDiffusionImg2ImgPipeline,
     ZImageControlNetPipeline,
     ZImageImg2ImgPipeline,
     ZImageInpaintPipeline,
@@ -36,12 +36,11 @@ from diffusers import (
 )
 from diffusers.image_processor import VaeImageProcessor
 
-from app.engine.pipelines import EnginePipeline
-from app.engine.variation import VariedNoise
-from app.families import ASSETS_DIR, BenchSpec, ComponentFile, Family
-from app.families.file_layout import module_parts
-from app.families.flow_dit import DIT_SHARED, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit
+from app.families.file_layout import file_name_aliases
+from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
+from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3, QWEN3_PART, QWEN3_PINNED
 from app.families.zimage_controlnet import zimage_controlnet_kit
 from app.families.zimage_layout import transformer_layout
@@ -75,15 +74,11 @@ class SteadyZImageControlNetPipeline(EnginePipeline, VariedNoise, ZImageControlN
         return torch.stack(maps, dim=1).flatten(0, 1)
 
 
-class _ZImageStage(EnginePipeline):
+class _ZImageStage(EnginePipeline, StrengthSteps):
     """The engine hands a stage pipeline latents it encoded itself (`app/engine/stages.py`).
 
     diffusers' Z-Image stage pipelines read them only if their image processor knows latents have 16
-    channels (it is built with SD's 4), and run int(steps − steps × strength) steps where SD's
-    pipelines, A1111 and the engine's progress run int(steps × strength): SD's rule, which reads only
-    the scheduler, serves flow matching as it is (as for FLUX.1)."""
-
-    get_timesteps = StableDiffusionImg2ImgPipeline.get_timesteps
+    channels (it is built with SD's 4); they run int(steps × strength) steps (`StrengthSteps`)."""
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer) -> None:
         # diffusers builds a pipeline from the names its __init__ states: both stage classes take these
@@ -113,13 +108,7 @@ def lora_aliases(transformer):
     """(key, parts, spelling) for each original module as kohya (`lora_unet_layers_0_attention_qkv`),
     LyCORIS over original names and ComfyUI (`diffusion_model.layers.0.attention.qkv`) spell it,
     `qkv` listing its three row slices; and ai-toolkit's `diffusion_model.` + diffusers path."""
-    for original, found in module_parts(transformer_layout(transformer)).items():
-        targets = tuple((("transformer", path), rows) for path, rows in found)
-        flat = original.replace(".", "_")
-        yield f"lora_unet_{flat}", targets, KOHYA_ORIGINAL
-        yield f"lycoris_{flat}", targets, LYCORIS
-        yield f"diffusion_model.{original}", targets, COMFY
-        yield original, targets, COMFY
+    yield from file_name_aliases(transformer_layout(transformer), "transformer", KOHYA_ORIGINAL, LYCORIS, COMFY)
     for path, module in transformer.named_modules():
         if path and getattr(module, "weight", None) is not None:
             yield f"diffusion_model.{path}", ((("transformer", path), None),), AI_TOOLKIT
@@ -196,32 +185,39 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         config_dir=ASSETS_DIR / "configs" / name,
         denoiser_class=ZImageTransformer2DModel,
         **DIT_SHARED,
+        latent_format=FLUX_LATENTS,
         parts=_PARTS,
         layouts=("file", "folder") if turbo else ("folder",),
-        default_steps=8 if turbo else 50,
-        default_guidance=1.0 if turbo else 5.0,
-        guidance_call=lambda cfg: {"guidance_scale": cfg - 1.0},
         first_block="layers.0",  # the first joint block (the refiners before it run on each stream alone)
-        step_distilled=lambda pipe: turbo,  # Turbo: 8 distilled steps
-        # fp8 storage keeps the embedders and the final layer in the compute dtype, as peers' files do
-        high_precision=("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer"),
-        max_sequence_length=512,
         takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has none
-        pinned_dtypes=QWEN3_PINNED,
-        adapter_arch="zimage",
-        adapter_label="Z-Image",
-        adapter_markers=("z_image", "z-image", "zimage"),
         # Turbo first: `family_of_pipeline` takes the first family whose `folder_config` fits, so a
         # folder with another shift is Base.
         folder_config=MappingProxyType({"scheduler/scheduler_config.json": {"shift": 3.0}} if turbo else {}),
-        native_modules=lora_aliases,
-        tiny_configs=MappingProxyType({"transformer": _TINY_TRANSFORMER, "vae": TINY_FLUX_VAE,
-                                       "text_encoder": _TINY_QWEN3}),
-        lora_targets=_LORA_TARGETS,
-        demo_lora_targets=_DEMO_LORA_TARGETS,
         controlnet=zimage_controlnet_kit({"txt2img": SteadyZImageControlNetPipeline}, ASSETS_DIR / "configs" / name,
                                          _TINY_TRANSFORMER),
-        bench=_BENCH if turbo else None,  # Base is Turbo's architecture
+        precision=Precision(
+            fp16_ok=False,
+            # fp8 storage keeps the embedders and the final layer in the compute dtype, as peers' files do
+            high_precision=("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer"),
+            pinned_dtypes=QWEN3_PINNED),
+        adapters=Adapters(
+            lora_arch="zimage",
+            label="Z-Image",
+            markers=("z_image", "z-image", "zimage"),
+            native_modules=lora_aliases),
+        test_kit=TestKit(
+            tiny_configs=MappingProxyType({"transformer": _TINY_TRANSFORMER, "vae": TINY_FLUX_VAE,
+                                           "text_encoder": _TINY_QWEN3}),
+            lora_targets=_LORA_TARGETS,
+            demo_lora_targets=_DEMO_LORA_TARGETS,
+            bench=_BENCH if turbo else None,  # Base is Turbo's architecture
+        ),
+        sampling=dataclasses.replace(FLOW_SAMPLING,
+            default_steps=8 if turbo else 50,
+            default_guidance=1.0 if turbo else 5.0,
+            guidance_call=lambda cfg: {"guidance_scale": cfg - 1.0},
+            step_distilled=lambda pipe: turbo,  # Turbo: 8 distilled steps
+            max_sequence_length=512),
     )
 
 

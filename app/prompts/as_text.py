@@ -40,8 +40,11 @@ def text_notes(fam, te, tokenizer, prompt: str, what: str) -> list[str]:
     if weighted:
         notes.append(f"{fam.label} reads the {what} as plain text: emphasis weights and BREAK have no effect "
                      "there and were left out")
+    limit = fam.sampling.max_sequence_length
+    if limit is None:  # the pipeline reads any length (its "tokenizer" may be a processor)
+        return notes
     length = templated_length(tokenizer, text, te.chat_template)
-    if fam.max_sequence_length is not None and length > fam.max_sequence_length:
+    if length > limit:
         notes.append(f"the {what} is {length} tokens long with its chat template and {fam.label} reads "
-                     f"{fam.max_sequence_length}: the last {length - fam.max_sequence_length} change nothing")
+                     f"{limit}: the last {length - limit} change nothing")
     return notes

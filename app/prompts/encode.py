@@ -60,15 +60,16 @@ def tokens_for(fam: Family, te: TextEncoder, tokenizer, text: str) -> Tokens:
     runs = token_runs(tokenizer)
     if te.chunked:
         return chunk_tokens(tokenizer, text, runs)
-    return sequence_tokens(tokenizer, text, fam.max_sequence_length, runs)
+    return sequence_tokens(tokenizer, text, fam.sampling.max_sequence_length, runs)
 
 
 def cut_note(fam: Family, te: TextEncoder, tokens: Tokens, what: str) -> str:
     """The user-visible note for a prompt cut at a fixed-length encoder ("" when nothing was cut)."""
     if not tokens.cut:
         return ""
-    return (f"the {what} is {fam.max_sequence_length - 1 + tokens.cut} tokens long and {fam.label} reads "
-            f"{fam.max_sequence_length - 1} (its {te.component.replace('_', ' ')}): the last {tokens.cut} tokens, from "
+    read = fam.sampling.max_sequence_length - 1
+    return (f"the {what} is {read + tokens.cut} tokens long and {fam.label} reads "
+            f"{read} (its {te.component.replace('_', ' ')}): the last {tokens.cut} tokens, from "
             f"\"{tokens.cut_at}…\", change nothing")
 
 
@@ -160,7 +161,7 @@ def _as_text(pipe, fam: Family, prompt: str, negative_prompt: str) -> Conditioni
     tokenizer = getattr(pipe, te.tokenizer)
     notes = text_notes(fam, te, tokenizer, prompt, "prompt")
     negative = None
-    if fam.negative_prompt:
+    if fam.sampling.negative_prompt:
         notes += text_notes(fam, te, tokenizer, negative_prompt, "negative prompt")
         negative = plain_text(negative_prompt)[0]
     return Conditioning(None, notes=tuple(notes), prompt=plain_text(prompt)[0], negative_prompt=negative)
@@ -172,7 +173,7 @@ def encode_prompts(pipe, prompt: str, negative_prompt: str, clip_skip: int = 1) 
     fam = family_of(pipe)
     if all(te.reads == "text" for te in fam.text_encoders):  # the pipeline reads it (app/prompts/as_text.py)
         return _as_text(pipe, fam, prompt, negative_prompt)
-    texts = (prompt, negative_prompt) if fam.negative_prompt else (prompt,)
+    texts = (prompt, negative_prompt) if fam.sampling.negative_prompt else (prompt,)
     tokens = [{te.component: tokens_for(fam, te, getattr(pipe, te.tokenizer), text) for te in fam.text_encoders}
               for text in texts]
     for te in fam.text_encoders:

@@ -30,7 +30,7 @@ def prompt_notes(fam: Family, prompt: str, negative_prompt: str) -> list[str]:
     if not fixed:
         return []
     texts = [(parse_prompt_loras(prompt)[0], "prompt")]
-    if fam.negative_prompt:
+    if fam.sampling.negative_prompt:
         texts.append((negative_prompt, "negative prompt"))
     tokenizers = _tokenizers(fam.name)
     return [note for te in fixed for text, what in texts
@@ -43,7 +43,7 @@ def prompt_chunks(fam: Family, prompt: str, negative_prompt: str, steps: int) ->
     """The chunks `fam`'s chunked encoders read for a pass of `steps`: per text pair the pass encodes (one, or
     one per edit where the family follows edits), the longer side's (the shorter is padded to it)."""
     chunked = [te for te in fam.text_encoders if te.chunked and te.reads != "text"]
-    pairs = edited_texts(parse_prompt_loras(prompt)[0], negative_prompt if fam.negative_prompt else "", steps)
+    pairs = edited_texts(parse_prompt_loras(prompt)[0], negative_prompt if fam.sampling.negative_prompt else "", steps)
     if not chunked:
         return len(pairs) if editable(fam) else 1
     tokenizers = _tokenizers(fam.name)

@@ -110,15 +110,15 @@ def family_updates(previous: Snapshot | ModelShown | None, current: Snapshot) ->
         return [gr.update()] * 4
     fam = family(current.arch)
     steps, guidance = current.defaults
-    samplers = [gr.Dropdown(choices=list(fam.samplers)), gr.Dropdown(choices=[SAME, *fam.samplers])]
+    samplers = [gr.Dropdown(choices=list(fam.sampling.samplers)), gr.Dropdown(choices=[SAME, *fam.sampling.samplers])]
     if previous is not None and current.arch == previous.arch:
         if current.defaults == previous.defaults:
             return [*samplers, gr.update(), gr.update()]
         return [*samplers, gr.Number(value=steps), gr.Number(value=guidance)]
-    low, high = fam.guidance_range
-    return [gr.Dropdown(choices=list(fam.samplers), value=fam.default_sampler),
-            gr.Dropdown(choices=[SAME, *fam.samplers], value=SAME), gr.Number(value=steps),
-            gr.Number(value=guidance, label=fam.guidance_label, info=f"{low:g}…{high:g}")]
+    low, high = fam.sampling.guidance_range
+    return [gr.Dropdown(choices=list(fam.sampling.samplers), value=fam.sampling.default_sampler),
+            gr.Dropdown(choices=[SAME, *fam.sampling.samplers], value=SAME), gr.Number(value=steps),
+            gr.Number(value=guidance, label=fam.sampling.guidance_label, info=f"{low:g}…{high:g}")]
 
 
 def negative_box(arch: str | None, guidance) -> gr.Textbox:

@@ -23,7 +23,7 @@ from app.adapters.errors import AdapterError, AdapterFormatError
 from app.adapters.matching import MatchReport
 from app.engine.lora_counters import LoraCounters
 from app.engine.snapshot import LoraState
-from app.families import adapter_arch_of
+from app.families import lora_arch_of
 from app.safetensors_files import SafetensorsFileError, lora_short_hash, read_header
 
 # Suffix -> algorithm name, checked in order (LoRA last: LoCon/DoRA files also carry lora_down).
@@ -142,7 +142,7 @@ def base_badge(base_model: str | None) -> str:
     or `modelspec.architecture`), from the families' adapter markers; "unknown" when none is recorded."""
     if not base_model:
         return "unknown"
-    found = adapter_arch_of(base_model)
+    found = lora_arch_of(base_model)
     return base_model[:16] if found is None else found[1]
 
 

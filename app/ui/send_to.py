@@ -95,14 +95,14 @@ def fields_from_infotext(settings: dict[str, str], notes: list[str]) -> dict[str
 
 def nearest_sampler(fam: Family, sampler: str) -> str:
     """`fam`'s own sampler for `sampler`: itself where `fam` has it, else the one the family names as its
-    nearest (`Family.nearest_samplers`, what the A1111 API runs too), else the one of the same method (the first
+    nearest (`Sampling.nearest_samplers`, what the A1111 API runs too), else the one of the same method (the first
     word: "Euler a" -> "Euler", "DPM++ 2M Karras" -> "DPM++ 2M"), else `fam`'s default."""
-    if sampler in fam.samplers:
+    if sampler in fam.sampling.samplers:
         return sampler
-    if sampler in fam.nearest_samplers:
-        return fam.nearest_samplers[sampler]
+    if sampler in fam.sampling.nearest_samplers:
+        return fam.sampling.nearest_samplers[sampler]
     method = sampler.split(" ")[0]
-    return next((own for own in fam.samplers if own.split(" ")[0] == method), fam.default_sampler)
+    return next((own for own in fam.sampling.samplers if own.split(" ")[0] == method), fam.sampling.default_sampler)
 
 
 def fit_to_family(fields: dict[str, object], fam: Family, notes: list[str]) -> dict[str, object]:
@@ -112,7 +112,7 @@ def fit_to_family(fields: dict[str, object], fam: Family, notes: list[str]) -> d
     scale` is 1: no CFG ran), another family the `CFG scale`."""
     fitted = dict(fields)
     distilled = fitted.pop("distilled_cfg", None)
-    if fam.distilled_guidance and distilled is not None:
+    if fam.sampling.distilled_guidance and distilled is not None:
         fitted["cfg"] = distilled
     sampler = fitted.get("sampler")
     if isinstance(sampler, str) and (own := nearest_sampler(fam, sampler)) != sampler:
@@ -127,9 +127,9 @@ def family_control(field: str, value: object, fam: Family | None):
     if fam is None or field not in ("sampler", "cfg"):
         return gr.update(value=value)
     if field == "sampler":
-        return gr.Dropdown(choices=list(fam.samplers), value=value)
-    low, high = fam.guidance_range
-    return gr.Number(value=value, label=fam.guidance_label, info=f"{low:g}…{high:g}")
+        return gr.Dropdown(choices=list(fam.sampling.samplers), value=value)
+    low, high = fam.sampling.guidance_range
+    return gr.Number(value=value, label=fam.sampling.guidance_label, info=f"{low:g}…{high:g}")
 
 
 def find_checkpoint(ctx: UiContext, model_hash: str, model_name: str) -> tuple[str | None, str]:

@@ -1,6 +1,7 @@
 """A family is its own files: adding one changes nothing outside `app/families/`, `assets/`, `tests/`
 and the README (the family contract's promise; for Z-Image and FLUX.2 Klein, their issues'
-acceptance). Checked both ways for the families added through the contract:
+acceptance). Checked both ways for every family module the registry reads (discovered, no list to keep), but the
+three that predate the contract:
 
 - no tracked file elsewhere names them (code, comments, configuration), so their diff could not
   have touched one; `benchmarks/results/` holds measured output, not code, and is read as data;
@@ -11,6 +12,9 @@ acceptance). Checked both ways for the families added through the contract:
 
 from __future__ import annotations
 
+import ast
+import importlib
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -19,26 +23,113 @@ from pathlib import Path
 
 import pytest
 
+from app import families
+from app.families import FAMILIES
+
 ROOT = Path(__file__).resolve().parents[2]
 OWN_PLACES = ("app/families/", "assets/", "tests/", "README.md", "benchmarks/results/")
-# module -> (what names it anywhere, its own files: module, layout, bundled configs and their script)
-ADDED_FAMILIES = {
-    "klein": (r"klein|flux\.?2", ("app/families/klein.py", "app/families/klein_layout.py",
-                                   "assets/configs/flux2-klein-4b", "assets/configs/flux2-klein-9b",
-                                   "assets/make_klein_configs.py")),
-    "zimage": (r"z-?image|cap_feat|qwen", ("app/families/zimage.py", "app/families/zimage_layout.py",
-                                           "assets/configs/zimage-turbo", "assets/configs/zimage-base",
-                                           "assets/make_zimage_configs.py")),
-}
+# The family modules from before the contract: generic code still names SD1.5, SDXL and FLUX.1 (their
+# LoRA conventions, comments). Every other module exporting `FAMILIES` is discovered and checked.
+PREDATING = ("flux", "sd15", "sdxl")
+
+
+def _family_modules() -> dict[str, tuple]:
+    """module name -> its families, for every module of app/families that exports some (as the registry finds them)."""
+    found = {}
+    for info in pkgutil.iter_modules(families.__path__):
+        exported = getattr(importlib.import_module(f"app.families.{info.name}"), "FAMILIES", ())
+        if exported:
+            found[info.name] = tuple(exported)
+    return found
+
+
+MODULES = _family_modules()
+ADDED = sorted(set(MODULES) - set(PREDATING))
+
+
+def _spelled(word: str) -> str:
+    """A word as a regex where its separators are optional ("Z-Image": z-image, zimage, z image, z_image)."""
+    return r"[-_. ]?".join(re.escape(part) for part in re.split(r"[-_. ]+", word.lower()) if part)
+
+
+def _words(module: str) -> tuple[str, ...]:
+    """What names a module's families: the module, and the first word of each family's name and label
+    ("flux2" of "flux2-klein-4b", "z-image" of "Z-Image Turbo"); variant words ("turbo", "4b") are not theirs."""
+    fams = MODULES[module]
+    return tuple(dict.fromkeys((module, *(f.name.split("-")[0] for f in fams), *(f.label.split()[0] for f in fams))))
+
+
+def _pattern(module: str) -> re.Pattern:
+    return re.compile("|".join(_spelled(word) for word in _words(module)), re.IGNORECASE)
+
+
+def _own_files(module: str) -> tuple[str, ...]:
+    """The module, the family modules named after it (`<module>_layout.py`, …), its families' bundled configs and
+    the assets named after it (the script writing those configs)."""
+    configs = {f.config_dir.relative_to(ROOT).as_posix() for f in MODULES[module]}
+    named = [path for path in _tracked() if path.startswith(("app/families/", "assets/"))
+             and re.fullmatch(rf"{module}(_\w+)?\.py|make_{module}_configs\.py", Path(path).name)]
+    return tuple(sorted({*named, *configs}))
+
+
+def test_families_are_discovered_and_no_familys_words_name_another():
+    """The checked modules are what the registry reads (no list to keep), and one family's words never match
+    another family's name, label or module (Z-Image's "qwen" once matched a Qwen-Image family's name)."""
+    assert {f.name for fams in MODULES.values() for f in fams} == set(FAMILIES) and ADDED
+    for module in ADDED:
+        others = [text for other, fams in MODULES.items() if other != module
+                  for text in (other, *(f.name for f in fams), *(f.label for f in fams))]
+        assert [text for text in others if _pattern(module).search(text)] == [], module
+        assert all(Path(ROOT / path).exists() for path in _own_files(module)), module
 
 
 def _tracked() -> list[str]:
     return subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
 
 
-@pytest.mark.parametrize("module", sorted(ADDED_FAMILIES))
+def _listed() -> list[tuple[str, bool]]:
+    """(path pattern, optional) for each file the contract's docstring says a family consists of."""
+    doc = families.__doc__
+    section = doc[doc.index("A family consists of these files"):doc.index("How to add a family")]
+    return [(m[1].rstrip("/"), bool(m[2])) for m in re.finditer(r"^- `([^`]+)`( \(optional\))?", section, re.M)]
+
+
+def _expand(pattern: str, module: str) -> set[str]:
+    names = [f.name for f in MODULES[module]] if "<family>" in pattern else [""]
+    return {pattern.replace("<module>", module).replace("<family>", name) for name in names}
+
+
+def test_the_contract_lists_exactly_the_files_a_family_consists_of():
+    """The docstring of `app/families/__init__.py` lists the files a family consists of: every discovered
+    family's own files (its modules, configs, config script, test file) are among them, and each file it
+    does not mark optional exists for each family, so a contributor can rely on the list both ways."""
+    listed = _listed()
+    assert len(listed) >= 5
+    for module in ADDED:
+        tests = [f"tests/test_{module}.py"] if (ROOT / f"tests/test_{module}.py").exists() else []
+        own = {*_own_files(module), *tests}
+        allowed = {path for pattern, _ in listed for path in _expand(pattern, module)}
+        required = {path for pattern, optional in listed if not optional for path in _expand(pattern, module)}
+        assert own - allowed == set(), module
+        assert required - own == set(), module
+
+
+def test_family_files_import_nothing_from_the_engine():
+    """A family builds on `app/families/` alone (its base classes and shared pieces live there): no module of the
+    package imports `app.engine`, so a new family never reaches into the engine, nor the engine's modules into it
+    by a cycle."""
+    found = []
+    for path in sorted((ROOT / "app/families").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}: {name}" for name in names if name.startswith("app.engine")]
+    assert found == []
+
+
+@pytest.mark.parametrize("module", ADDED)
 def test_no_file_outside_the_familys_places_names_it(module):
-    words = re.compile(ADDED_FAMILIES[module][0], re.IGNORECASE)
+    words = _pattern(module)
     hits = []
     for path in _tracked():
         if path.startswith(OWN_PLACES):
@@ -52,9 +143,9 @@ def test_no_file_outside_the_familys_places_names_it(module):
     assert hits == []
 
 
-@pytest.mark.parametrize("module", sorted(ADDED_FAMILIES))
+@pytest.mark.parametrize("module", ADDED)
 def test_the_application_without_the_familys_files_imports_and_plans_without_it(module, tmp_path):
-    own_files = ADDED_FAMILIES[module][1]
+    own_files = _own_files(module)
     for part in ("app", "assets", "benchmarks"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("results", "__pycache__"))
     for path in own_files:
@@ -78,5 +169,5 @@ print(sorted(FAMILIES)); print(config.ARCHS); print([s.key for s in devicecheck.
     proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     families, archs, sections = proc.stdout.splitlines()[-3:]
-    gone = re.compile(ADDED_FAMILIES[module][0], re.IGNORECASE)
+    gone = _pattern(module)
     assert "sd15" in families and not gone.search(families + archs + sections), proc.stdout[-500:]
