@@ -62,7 +62,8 @@ class Placing:
             return
         self._release_hooks(loaded)
         self._parked = offload.plan_for(loaded.model.pipe, loaded.plan.dtype, torch.device("cpu"), "none",
-                                        stored=loaded.stored, kept=loaded.matmul.kept())
+                                        stored=storage.dtypes(loaded.stored),
+                                        kept=storage.kept(loaded.stored, loaded.matmul))
         placement.apply_plan(loaded.model.pipe, self._parked, reason=reason)
 
     def unpark(self) -> None:
@@ -78,7 +79,7 @@ class Placing:
         rest = self._settings.rest_dtype
         conv_format = torch.channels_last if self._settings.channels_last else None
         return offload.plan_for(pipe, dtype, self._device, mode, None if rest is None else placement.DTYPES[rest],
-                                stored, conv_format, matmul.kept())
+                                storage.dtypes(stored), conv_format, storage.kept(stored, matmul))
 
     def _place(self, pipe, plan: placement.PlacementPlan, hooks: HookRegistry, reason: str) -> offload.OffloadStrategy:
         """Apply a plan and install its offload strategy; on failure no hook of it stays behind."""
