@@ -18,6 +18,7 @@ from app.paths import UnsafePathError, resolve_under, utf8_names
 from app.safetensors_files import SafetensorsFileError, read_header
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
+WEIGHT_SUFFIXES = (".safetensors", ".gguf")  # single weight files read (GGUF: app/gguf_files.py)
 _LORA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lycoris_")
 _LORA_MARKERS = (".lora_down.", ".lora_up.", ".lora_A.", ".lora_B.", ".hada_w1_a", ".lokr_w1", ".oft_blocks")
 # What other files dropped into the checkpoint folder look like, checked in order (SD2 before
@@ -103,7 +104,7 @@ def detect_architecture(keys: Iterable[str]) -> str:
 
 
 def discover_checkpoints(root: Path) -> list[CheckpointInfo]:
-    """`*.safetensors` files and diffusers folders in `root` and its direct subfolders, sorted by name.
+    """`*.safetensors` and `*.gguf` files and diffusers folders in `root` and its direct subfolders, sorted by name.
     Symlinks the user placed there are followed (model folders often live on another drive); names
     that are not valid UTF-8 are logged and left out."""
     root = Path(root)
@@ -113,7 +114,7 @@ def discover_checkpoints(root: Path) -> list[CheckpointInfo]:
     for entry in utf8_names(root, _candidates(root), "checkpoint"):
         if _is_diffusers_folder(entry):
             found.append(_info(root, entry, "folder"))
-        elif entry.is_file() and entry.suffix == ".safetensors":
+        elif entry.is_file() and entry.suffix in WEIGHT_SUFFIXES:
             found.append(_info(root, entry, "file"))
     return sorted(found, key=lambda info: info.name.lower())
 
@@ -166,8 +167,8 @@ def resolve_checkpoint(name_or_path: str, root: Path) -> CheckpointInfo:
             f"refusing {name_or_path!r}: {path.suffix} files are pickles and can run code when loaded; "
             "convert it to .safetensors"
         )
-    if path.suffix != ".safetensors":
-        raise UnsupportedCheckpointFormatError(f"{name_or_path!r} is not a .safetensors file")
+    if path.suffix not in WEIGHT_SUFFIXES:
+        raise UnsupportedCheckpointFormatError(f"{name_or_path!r} is not a .safetensors or .gguf file")
     return _info(root, path, "file")
 
 

@@ -25,8 +25,11 @@ from types import MappingProxyType
 
 import torch
 
+from app.gguf_files import PACKED
+
 SCALE = "weight_scale"  # the per-row float32 scales of an int8 (or fp8-matmul) layer, a buffer beside its weight
 INT8_MAX = 127.0
+FILE_LAYERS = "file_codecs"  # a component attribute the loader sets: {module path: codec} its file holds packed
 _TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row: its quantised values stay 0
 
 Dequant = Callable[[torch.nn.Module, torch.Tensor, torch.dtype], torch.Tensor]
@@ -85,7 +88,7 @@ def _gguf_codecs() -> dict[str, Codec]:
 
     return {f"gguf {name}": Codec(f"gguf {name}", torch.uint8, gguf_blocks.block_of(name), gguf_blocks.dequant(name),
                                   from_file=True)
-            for name in gguf_blocks.PACKED}
+            for name in PACKED}
 
 
 # Every codec by name: fp8 first, then int8 and the GGUF block types.

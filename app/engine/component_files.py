@@ -13,7 +13,8 @@ cannot read the tiny demo model the tests run. Here each component is:
 3. checked before anything is built: the model is built on the meta device (bounded by the
    file's tensor count, as `checkpoint_shapes` does for SD) and every tensor its layout needs
    must be in the file with the right shape, so a wrong or truncated file is refused by name;
-4. read: only the tensors it needs, cast once to the load dtype (fp8 files are widened here:
+4. read: only the tensors it needs (from a `.gguf` file, quantised layer weights stay packed:
+   app/engine/gguf_load.py), cast once to the load dtype (fp8 files are widened here:
    fp8 storage is another module's job), cut into the model's names by the family's layout, and
    assigned to a model whose parameters were never allocated (`init_empty_weights`).
 
@@ -34,10 +35,12 @@ import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
 
+from app.engine import gguf_load
 from app.engine.checkpoint_shapes import CheckpointShapeError, parameter_budget
 from app.families import ComponentFile, Family
 from app.families.file_layout import file_shapes, to_model
-from app.safetensors_files import SafetensorsFileError, read_header, read_shapes
+from app.gguf_files import is_gguf
+from app.safetensors_files import SafetensorsFileError, gguf_header, read_header, read_shapes
 
 log = logging.getLogger(__name__)
 CONFIGS_METADATA_KEY = "steady_diffusion.configs"  # component configs embedded by the demo and tests
@@ -87,7 +90,7 @@ def _open(path: Path) -> Source:
 def _folder_files(folder: Path | None) -> Iterator[Source]:
     if folder is None or not folder.is_dir():
         return
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in sorted([*folder.glob("*.safetensors"), *folder.glob("*.gguf")]):
         try:
             yield _open(path)
         except SafetensorsFileError as exc:
@@ -166,12 +169,18 @@ def load_part(part: ComponentFile, fam: Family, source: Source, checkpoint: Sour
     layout = part.layout(model)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     _check_shapes(part, source, file_shapes(layout, shapes))
-    with safe_open(str(source.path), "pt") as handle:
-        state = to_model(layout, _reader(handle, source, dtype), shapes)
+    packed: gguf_load.Packed = {}
+    if is_gguf(source.path):
+        state, packed = gguf_load.read_state(layout, gguf_header(source.path), source.prefix, dtype, shapes,
+                                             gguf_load.packable(model))
+    else:
+        with safe_open(str(source.path), "pt") as handle:
+            state = to_model(layout, _reader(handle, source, dtype), shapes)
     result = model.load_state_dict(state, strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
-    if result.unexpected_keys or set(result.missing_keys) - tied:
+    if result.unexpected_keys or set(result.missing_keys) - tied - set(packed):
         raise CheckpointShapeError(f"{part.label}: the layout left {sorted(result.missing_keys)[:_SHOWN]} unset")
+    gguf_load.attach(model, packed)
     if tied:
         model.tie_weights()
     return model.eval()

@@ -7,7 +7,7 @@ type in tests/test_gguf.py), and they run on whatever device the packed bytes ar
 widened on the compute device from the bytes that were streamed to it. The result is rounded once
 to the compute dtype.
 
-F16, BF16 and F32 tensors are not packed: the loader reads them as ordinary tensors.
+F16, BF16 and F32 tensors are not packed: the loader reads them as ordinary tensors (app/gguf_files.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ import gguf
 import torch
 
 from app.adapters.layer_ops import weight_shape
-
-# The packed block types read (ggml names). IQ* and TQ* types are refused by name when a file holds one.
-PACKED = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_K", "Q4_0", "Q4_1", "Q3_K", "Q2_K")
-PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # read as ordinary tensors
 
 
 def block_of(name: str) -> tuple[int, int]:
@@ -37,16 +33,22 @@ def _kernels() -> dict:
     return dequantize_functions
 
 
+def kernel(name: str) -> Callable[..., torch.Tensor]:
+    """The float32 dequantisation of quant type `name`: (blocks (n, bytes per block), block, type size) ->
+    values (n, block)."""
+    qtype = gguf.GGMLQuantizationType[name]
+    dequantise = _kernels()[qtype]
+    return lambda blocks, block, type_size: dequantise(blocks, block, type_size, dtype=torch.float32)
+
+
 def dequant(name: str) -> Callable[[torch.nn.Module, torch.Tensor, torch.dtype], torch.Tensor]:
     """The `quant.dequant` widening of quant type `name`: (layer, packed rows (out, bytes per row),
     compute dtype) -> the weight in its true shape (the layer's own: `weight_shape`)."""
-    qtype = gguf.GGMLQuantizationType[name]
     block, type_size = block_of(name)
+    widen_blocks = kernel(name)
 
     def widen(module: torch.nn.Module, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        blocks = packed.reshape(-1, type_size)
-        values = _kernels()[qtype](blocks, block, type_size, dtype=torch.float32)
-        return values.reshape(weight_shape(module)).to(dtype)
+        return widen_blocks(packed.reshape(-1, type_size), block, type_size).reshape(weight_shape(module)).to(dtype)
 
     return widen
 

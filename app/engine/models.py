@@ -49,6 +49,7 @@ from app.engine.file_scans import FileScans
 from app.engine.part_choices import PartFiles
 from app.families import FAMILIES, family, family_of_pipeline
 from app.families.ldm_layout import UNET_PREFIX
+from app.gguf_files import is_gguf
 from app.safetensors_files import FileFacts, FileIdentity, SafetensorsFileError, read_shapes
 
 logger = logging.getLogger(__name__)
@@ -151,11 +152,18 @@ def checkpoint_arch(info: CheckpointInfo) -> str:
             raise ModelLoadError(f"{info.name}: no denoiser weights (unet/ or transformer/ "
                                  "diffusion_pytorch_model.safetensors) in the folder")
         return _folder_arch(info)
-    keys, _metadata = read_safetensors_header(info.path)
+    keys, metadata = read_safetensors_header(info.path)
     try:
-        return detect_architecture(keys)
+        arch = detect_architecture(keys)
     except UnknownArchitectureError as exc:
-        raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
+        said = metadata.get("general.architecture")  # GGUF's own field: shown, never trusted
+        told = f" (its GGUF architecture field says {said!r}; families are told by tensor names and shapes)" \
+            if said else ""
+        raise UnknownArchitectureError(f"{info.name}: {exc}{told}") from exc
+    if is_gguf(info.path) and not family(arch).parts:
+        raise UnsupportedCheckpointFormatError(f"{info.name}: .gguf files are read for families assembled from "
+                                               f"parts (a transformer-only file); {family(arch).label} is not one")
+    return arch
 
 
 def planned_arch(checkpoints_dir: Path, model: str) -> str | None:

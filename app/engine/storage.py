@@ -17,7 +17,7 @@ dtype does the same): e4m3 keeps ~2 significant digits up to ±448, ample for th
 
 How a layer rests is its codec (app/engine/codecs.py: fp8, int8, the GGUF block types): the
 weights mode picks fp8 or int8 for the layers above; a `.gguf` file brings its packed layers with
-their codec (`FILE_LAYERS`, set by the loader on each component), whatever the mode.
+their codec (`codecs.FILE_LAYERS`, set by the loader on each component), whatever the mode.
 
 The `fp8-compute` mode stores the same layers, and the Linear ones that qualify (`MatmulLayers`,
 app/engine/fp8_matmul.py) are stored with a float32 scale per row and computed as fp8 matmuls, their
@@ -53,8 +53,6 @@ MATMUL_MODES = frozenset({"fp8-compute"})  # modes whose qualifying Linear layer
 _STORABLE = (torch.nn.Linear, torch.nn.Conv2d)
 
 Stored = dict[str, dict[str, Codec]]  # component -> {module path: the codec its weight rests in}
-# A component attribute the file loader sets: {module path: codec} of the layers the file holds packed (GGUF).
-FILE_LAYERS = "file_codecs"
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,7 @@ def component_layers(root: torch.nn.Module, component: str, family: Family, weig
     """Of one component (the denoiser, a text encoder, an attached ControlNet), the layers `layers_to_store`
     picks: those its file holds packed, then linear and convolution weights in the mode's codec, the family's
     high-precision layers and pinned tensors aside."""
-    packed: dict[str, Codec] = dict(getattr(root, FILE_LAYERS, None) or {})
+    packed: dict[str, Codec] = dict(getattr(root, codecs.FILE_LAYERS, None) or {})
     codec = WEIGHTS_MODES[weights]
     if codec is None:
         return packed
