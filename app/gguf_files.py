@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 PACKED = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_K", "Q4_0", "Q4_1", "Q3_K", "Q2_K")  # read as packed bytes
-PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # read as ordinary tensors
+PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,  # read as
+         "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}  # ordinary tensors
 SUFFIX = ".gguf"
 
 
@@ -62,6 +63,11 @@ class GGUFHeader:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: t.shape for name, t in self.tensors.items()}
+
+
+def same_shape(in_file: tuple[int, ...], wanted: tuple[int, ...]) -> bool:
+    """Whether a GGUF tensor's shape is the one wanted: GGUF has no 0-d tensors, a scalar is stored as (1,)."""
+    return tuple(in_file) == tuple(wanted) or (tuple(wanted) == () and tuple(in_file) == (1,))
 
 
 def read(path: Path) -> GGUFHeader:

@@ -39,7 +39,7 @@ from app.engine import gguf_load
 from app.engine.checkpoint_shapes import CheckpointShapeError, parameter_budget
 from app.families import ComponentFile, Family
 from app.families.file_layout import file_shapes, to_model
-from app.gguf_files import is_gguf
+from app.gguf_files import is_gguf, same_shape
 from app.safetensors_files import SafetensorsFileError, gguf_header, read_header, read_shapes
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ def _check_shapes(part: ComponentFile, source: Source, want: Mapping[str, tuple[
     if missing:
         raise CheckpointShapeError(f"{len(missing)} tensors of the {part.label} are missing from {source.path.name} "
                                    f"(e.g. {', '.join(source.prefix + k for k in missing[:_SHOWN])})")
-    wrong = sorted(k for k, shape in want.items() if tuple(have[source.prefix + k]) != tuple(shape))
+    fits = same_shape if is_gguf(source.path) else lambda have_shape, shape: tuple(have_shape) == tuple(shape)
+    wrong = sorted(k for k, shape in want.items() if not fits(have[source.prefix + k], shape))
     if wrong:
         shown = "; ".join(f"{source.prefix + k}: {list(have[source.prefix + k])}, expected {list(want[k])}"
                           for k in wrong[:_SHOWN])

@@ -47,7 +47,8 @@ def read_state(layout: Layout, header: GGUFHeader, prefix: str, dtype: torch.dty
         value = _floating(tensor)
         if where.rows is not None:
             value = torch.cat([value[start:stop] for start, stop in where.rows])
-        state[name] = value.reshape(shapes[name]).to(dtype)
+        value = value.reshape(shapes[name])
+        state[name] = value.to(dtype) if value.is_floating_point() else value
     return state, packed
 
 
