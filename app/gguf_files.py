@@ -91,8 +91,8 @@ def read(path: Path) -> GGUFHeader:
         if t.data_offset + t.n_bytes > size:
             raise GGUFFileError(f"{path.name}: tensor {t.name} ({kind}) ends past the end of the file; truncated?")
         tensors[t.name] = GGUFTensor(t.name, kind, tuple(int(d) for d in reversed(t.shape)), t.data)
-    metadata = {name: str(field.contents()) for name, field in reader.fields.items()
-                if field.types == [GGUFValueType.STRING]}
+    metadata = {name: bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+                for name, field in reader.fields.items() if field.types == [GGUFValueType.STRING]}
     return GGUFHeader(path, metadata, tensors)
 
 

@@ -10,6 +10,7 @@ step here owns its undo: a failed move puts the previous mode back, or raises `R
 
 from __future__ import annotations
 
+import logging
 import time
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -18,6 +19,8 @@ import torch
 
 from app.engine import compiled, offload, placement, storage, strict
 from app.hooks import HookRegistry
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from app.engine.lifecycle import _Loaded
@@ -116,7 +119,10 @@ class Placing:
         fused weights are written in place, so compiled graphs stay valid without a recompile."""
         compiled.disable(loaded.model.pipe)
         loaded.compile = None
-        if self._settings.compile and not loaded.stored:  # 8-bit weights widen in hooks: eager only
+        if self._settings.compile and loaded.stored:
+            log.info("--compile: the denoiser runs eager: %s rest in storage codecs, widened in a hook per "
+                     "forward that a compiled graph would bake in", ", ".join(storage.codec_counts(loaded.stored)))
+        if self._settings.compile and not loaded.stored:  # stored weights widen in hooks: eager only
             loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self._device,
                                              mode=self._settings.compile_mode, backend=self._settings.compile_backend,
                                              cache_dir=self._settings.compile_cache_dir,
