@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from accelerate import init_empty_weights
-from gguf_tools import quantise, write_gguf
 from safetensors.torch import save_file
 
 from app.adapters.layer_ops import weight_shape
@@ -30,6 +29,7 @@ from app.engine.worker import Engine
 from app.families import FAMILIES, family
 from app.gguf_files import PACKED
 from app.settings import Settings
+from benchmarks.gguf_writer import quantise, write_gguf
 
 ARCH = "flux-dev"
 KINDS = ("Q4_K", "Q5_K", "Q8_0", "Q4_0")

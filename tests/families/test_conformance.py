@@ -30,7 +30,6 @@ import numpy as np
 import pytest
 import torch
 import toy_family
-from gguf_tools import write_gguf
 from hook_plan import actual_hooks, expected_hooks
 from PIL import Image, ImageFilter
 from safetensors import safe_open
@@ -53,6 +52,7 @@ from app.prompts.notes import prompt_notes
 from app.report import build_bug_report
 from app.settings import OFFLOAD_CHOICES, Settings
 from app.ui import views
+from benchmarks.gguf_writer import write_gguf
 
 CONFORMING = [*FAMILIES, toy_family.NAME]
 STRENGTH = 0.8

@@ -1,4 +1,5 @@
-"""Tiny `.gguf` files for the tests, written with the `gguf` package, and their float32 dequantisation.
+"""`.gguf` files written with the `gguf` package (the tests' tiny ones, the bench's full-size ones) and what
+an exact reader must give back.
 
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 tensors are the `gguf` package's own quantisation of the weight. The
 package quantises no K type, so a K-type tensor here is synthetic: random scales and quants with the
@@ -23,8 +24,12 @@ from gguf import GGMLQuantizationType as T
 
 from app.engine.component_files import CONFIGS_METADATA_KEY
 
-# per K type: (offset of d, offset of dmin or None, the mean of sc·q, the mean of m) to centre values on 0
-_K_FIELDS = {"Q4_K": (0, 2, 31.5 * 7.5, 31.5), "Q5_K": (0, 2, 31.5 * 15.5, 31.5), "Q6_K": (208, None, 0.0, 0.0)}
+# per type written synthetic: (offset of d, offset of dmin or None, the mean of sc·q, the mean of m) to
+# centre values on 0 (a signed type's: 0); Q8_0 is written synthetic only where asked (the bench: full-size
+# weights, where the package's numpy quantiser would take minutes)
+_K_FIELDS = {"Q4_K": (0, 2, 31.5 * 7.5, 31.5), "Q5_K": (0, 2, 31.5 * 15.5, 31.5), "Q6_K": (208, None, 0.0, 0.0),
+             "Q8_0": (0, None, 0.0, 0.0)}
+_QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what `gguf.quants.quantize` writes
 
 
 def _k_blocks(values: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
@@ -40,9 +45,10 @@ def _k_blocks(values: np.ndarray, kind: str, rng: np.random.Generator) -> np.nda
     return raw.reshape(rows.shape[0], -1)
 
 
-def quantise(values: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
-    """`values` (rows, …) as packed bytes (rows, bytes per row) of `kind`."""
-    if kind in _K_FIELDS:
+def quantise(values: np.ndarray, kind: str, rng: np.random.Generator, synthetic: bool = False) -> np.ndarray:
+    """`values` (rows, …) as packed bytes (rows, bytes per row) of `kind`: `gguf`'s quantisation where it has
+    one and `synthetic` is off, else random blocks of the values' size."""
+    if kind not in _QUANTISED or (synthetic and kind in _K_FIELDS):
         return _k_blocks(values, kind, rng)
     return gguf.quants.quantize(values.reshape(values.shape[0], -1), T[kind])
 
@@ -53,10 +59,11 @@ def fits(shape: tuple[int, ...], kind: str) -> bool:
 
 
 def write_gguf(state: dict[str, torch.Tensor], path: Path, kinds: tuple[str, ...], configs: dict | None = None,
-               seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+               seed: int = 0, synthetic: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Write `state` to `path` as GGUF (quantised as the module doc says; the rest F32) with `configs` under
     `steady_diffusion.configs`. Returns the float32 tensors an exact reader must give back (`gguf`'s own
-    dequantisation of what was written) and each tensor's type."""
+    dequantisation of what was written; empty when `synthetic`, which skips that for full-size files)
+    and each tensor's type."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "flux")  # the architecture string every DiT converter writes
     if configs is not None:
@@ -68,15 +75,17 @@ def write_gguf(state: dict[str, torch.Tensor], path: Path, kinds: tuple[str, ...
         if "weight" in name and values.ndim == 2 and usable:
             kind = usable[turn % len(usable)]
             turn += 1
-            packed = quantise(values, kind, rng)
+            packed = quantise(values, kind, rng, synthetic)
             writer.add_tensor(name, packed, raw_dtype=T[kind])
-            back[name] = torch.from_numpy(gguf.quants.dequantize(packed, T[kind]).reshape(values.shape).copy())
+            if not synthetic:
+                back[name] = torch.from_numpy(gguf.quants.dequantize(packed, T[kind]).reshape(values.shape).copy())
         else:
             floating = tensor.is_floating_point()
             kind = "F32" if floating else "I" + str(tensor.dtype).removeprefix("torch.int")
             kept = values if floating else tensor.numpy()
             writer.add_tensor(name, np.ascontiguousarray(kept.reshape(kept.shape or (1,))))
-            back[name] = torch.from_numpy(values.copy()) if floating else tensor.detach().clone()
+            if not synthetic:
+                back[name] = torch.from_numpy(values.copy()) if floating else tensor.detach().clone()
         types[name] = kind
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
