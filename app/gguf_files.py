@@ -1,11 +1,11 @@
 """`.gguf` weight files: their header, their tensors as packed bytes, refused cleanly when unreadable.
 
-Why GGUF: city96's Q8_0 … Q2_K files of the DiT transformers (and GGUF T5-XXL / Qwen3 encoders) are
+Why GGUF: city96's Q8_0 … Q2_K files of the DiT transformers are
 how most people fit these models on 8-12 GB cards. A GGUF file is a header (key/value fields and a
 table of tensors: name, shape, quant type, offset) followed by the tensors' bytes, with no code in
 it: nothing is unpickled. Tensor names are the original (BFL/ComfyUI) ones, so the family is told
 from them and their shapes, as for a `.safetensors` file; the `general.architecture` string is not
-trusted (converters write "flux" for every DiT).
+trusted (converters write one string for several architectures).
 
 What is read: the header with the `gguf` package (`GGUFReader` maps the file and checks each tensor's
 extent against its size: a truncated file is refused here, before anything is built), every string

@@ -92,6 +92,9 @@ def _plan() -> tuple[Section, ...]:
     SD1.5 and SDXL, then each family's offload rows; lettered in that order."""
     headline, family_offload = _family_sections()
     controlled = [fam for fam in FAMILIES.values() if fam.bench and fam.controlnet]  # families with ControlNet rows
+    # the benched families read from .gguf files (assembled from parts): GGUF rows (issue 40)
+    packed = sorted((fam for fam in FAMILIES.values() if fam.bench and fam.bench.check and fam.parts),
+                    key=lambda fam: fam.bench.check_order)
     sections = [
         Section("gpu-tests", "", "-m gpu correctness tests, fast form: placement repair, forced OOM, LoRA math on "
                 "the weight's device, pinned backups, VRAM returned on switches, SD.Next sequences in every offload "
@@ -118,6 +121,11 @@ def _plan() -> tuple[Section, ...]:
                 ("--archs", "sd15,sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3",
                  "--repeats", "2")),
         *family_offload,
+        Section("gguf", "", f"GGUF Q8_0 and Q4_K, {', '.join(f.label for f in packed)}: ours from a transformer-only "
+                ".gguf (original names) vs diffusers' GGUFQuantizationConfig on the same blocks and vs diffusers "
+                "eager, 8 steps: it/s, per-image time, peak VRAM (estimate not yet from a run)", 240 * len(packed),
+                ("--archs", ",".join(f.name for f in packed), "--sections", "gguf", "--batches", "1", "--loras", "0,3",
+                 "--repeats", "2", "--steps", "8")),
     ]
     return tuple(dataclasses.replace(section, letter=string.ascii_lowercase[i]) for i, section in enumerate(sections))
 

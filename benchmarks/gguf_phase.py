@@ -10,7 +10,7 @@ dequantising forward does not depend on the values; `gguf`'s numpy quantiser wou
 full-size model and writes no K type). One pool per type: ours with no LoRA and with 3 LoRAs as
 bypasses, diffusers' GGUF pipeline, diffusers bf16 eager. Our full-precision engine is unloaded first.
 
-    python -m app.bench --archs flux-dev --sections gguf --batches 1 --loras 0,3 --repeats 4 --steps 8
+    python -m app.bench --archs <a DiT family> --sections gguf --batches 1 --loras 0,3 --repeats 2 --steps 8
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from app.engine.component_files import CONFIGS_METADATA_KEY
 # weights, where the package's numpy quantiser would take minutes)
 _K_FIELDS = {"Q4_K": (0, 2, 31.5 * 7.5, 31.5), "Q5_K": (0, 2, 31.5 * 15.5, 31.5), "Q6_K": (208, None, 0.0, 0.0),
              "Q8_0": (0, None, 0.0, 0.0)}
+ARCHITECTURE = "diffusion"  # the `general.architecture` field written: readers must not rely on it
 _QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what `gguf.quants.quantize` writes
 
 
@@ -65,7 +66,7 @@ def write_gguf(state: dict[str, torch.Tensor], path: Path, kinds: tuple[str, ...
     dequantisation of what was written; empty when `synthetic`, which skips that for full-size files)
     and each tensor's type."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "flux")  # the architecture string every DiT converter writes
+    writer = gguf.GGUFWriter(str(path), ARCHITECTURE)
     if configs is not None:
         writer.add_string(CONFIGS_METADATA_KEY, json.dumps(configs))
     back, types, turn = {}, {}, 0

@@ -19,6 +19,7 @@ costs (`bytes_per_weight`, scales included) and how the weight comes back (`dequ
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -59,6 +60,15 @@ class Codec:
             numel *= size
         scales = 4 * shape[0] if self.row_scale else 0
         return numel * self.block[1] // self.block[0] + scales
+
+
+def sensitive(high_precision: tuple[str, ...]) -> Callable[[str], bool]:
+    """Whether a module path lies in one of the family's high-precision layers (`Family.high_precision`):
+    they stay in the compute dtype in every codec (a GGUF file's packed ones are widened on load)."""
+    if not high_precision:
+        return lambda _path: False
+    keep = re.compile("|".join(f"(?:^|\\.){re.escape(name)}(?:\\.|$)" for name in high_precision))
+    return lambda path: keep.search(path) is not None
 
 
 def _cast(_module, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

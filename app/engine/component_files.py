@@ -173,7 +173,7 @@ def load_part(part: ComponentFile, fam: Family, source: Source, checkpoint: Sour
     packed: gguf_load.Packed = {}
     if is_gguf(source.path):
         state, packed = gguf_load.read_state(layout, gguf_header(source.path), source.prefix, dtype, shapes,
-                                             gguf_load.packable(model))
+                                             gguf_load.packable(model, fam.high_precision))
     else:
         with safe_open(str(source.path), "pt") as handle:
             state = to_model(layout, _reader(handle, source, dtype), shapes)

@@ -1,7 +1,7 @@
 """A component's tensors from a `.gguf` file: packed layers kept packed, everything else as usual.
 
 Why a reader of its own beside `file_layout.to_model`: the family's layout cuts file tensors into the
-model's names by whole rows (Flux's fused qkv into q, k and v) and reshapes them; GGUF's blocks run
+model's names by whole rows (a fused qkv into q, k and v) and reshapes them; GGUF's blocks run
 along a row, so a row range of packed bytes is the packed bytes of those rows and the same cut
 applies to them unchanged, but their shape is (rows, bytes per row), not the model's. So a Linear or
 convolution weight whose file tensor is quantised is kept packed (its codec: `gguf <type>`), and
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from app.engine import gguf_blocks
-from app.engine.codecs import CODECS, FILE_LAYERS, Codec
+from app.engine.codecs import CODECS, FILE_LAYERS, Codec, sensitive
 from app.families.file_layout import Layout
 from app.gguf_files import GGUFHeader, GGUFTensor, packed_rows, plain_tensor
 
@@ -26,9 +26,13 @@ _LAYERS = (torch.nn.Linear, torch.nn.Conv2d)
 Packed = dict[str, tuple[Codec, torch.Tensor]]  # model state-dict key -> (codec, packed rows)
 
 
-def packable(model: torch.nn.Module) -> frozenset[str]:
-    """The state-dict keys that may stay packed: the weights of Linear and convolution layers."""
-    return frozenset(f"{path}.weight" for path, module in model.named_modules() if isinstance(module, _LAYERS))
+def packable(model: torch.nn.Module, high_precision: tuple[str, ...]) -> frozenset[str]:
+    """The state-dict keys that may stay packed: the weights of Linear and convolution layers, but for the
+    family's high-precision layers (widened on load, as every codec leaves them: their inputs are cast by
+    their weight's dtype in some models, which a packed weight does not have)."""
+    wide = sensitive(high_precision)
+    return frozenset(f"{path}.weight" for path, module in model.named_modules()
+                     if isinstance(module, _LAYERS) and not wide(path))
 
 
 def read_state(layout: Layout, header: GGUFHeader, prefix: str, dtype: torch.dtype,

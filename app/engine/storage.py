@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -100,10 +99,10 @@ def component_layers(root: torch.nn.Module, component: str, family: Family, weig
     codec = WEIGHTS_MODES[weights]
     if codec is None:
         return packed
-    keep = re.compile("|".join(f"(?:^|\\.){re.escape(name)}(?:\\.|$)" for name in family.high_precision))
+    sensitive = codecs.sensitive(family.high_precision)
     return {**{path: codec for path, module in root.named_modules()
                if isinstance(module, _STORABLE) and family.pinned_dtype(component, path, "weight") is None
-               and not (family.high_precision and keep.search(path))}, **packed}
+               and not sensitive(path)}, **packed}
 
 
 def dtypes(layers: Stored) -> dict[str, dict[str, torch.dtype]]:
@@ -157,6 +156,7 @@ def store(pipe, layers: Stored, matmul: MatmulLayers | None = None) -> None:
                     weight.data, scale = fp8_matmul.quantise_rows(weight.data)
                     module.register_buffer(fp8_matmul.SCALE, scale)
                 elif codec.row_scale:
+                    weight.requires_grad_(False)  # an integer tensor cannot require grad (inference only here)
                     weight.data, scale = codecs.quantise_int8(weight.data)
                     module.register_buffer(codecs.SCALE, scale)
                 else:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fnmatch
 import io
-import json
 import os
 import shutil
 import zipfile
@@ -32,7 +31,6 @@ import torch
 import toy_family
 from hook_plan import actual_hooks, expected_hooks
 from PIL import Image, ImageFilter
-from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.adapters.files import read_adapter
@@ -40,9 +38,8 @@ from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests, write_demo_loras
 from app.controlnet.units import ControlUnit
-from app.demo import build_tiny_pipeline
+from app.demo import build_tiny_pipeline, component_configs
 from app.engine import checkpoint_files, compiled, fp8_matmul, models, offload, placement
-from app.engine.component_files import CONFIGS_METADATA_KEY
 from app.engine.detailing import DetailParams, DetailPass
 from app.engine.generate import GenerateParams, denoise
 from app.engine.strict import StrictForwardError
@@ -117,16 +114,13 @@ def int8(data):
 
 
 def gguf_checkpoint(data, arch: str) -> str:
-    """The family's demo file rewritten as an all-in-one `.gguf` (tests/gguf_tools.py: Q8_0 and Q4_0 where
-    rows are whole blocks, the rest F32), written on first use; its name under models/Stable-diffusion."""
+    """The family's demo model written as an all-in-one `.gguf` (benchmarks/gguf_writer.py: Q8_0 and Q4_0
+    where rows are whole blocks, the rest F32), on first use; its name under models/Stable-diffusion."""
     name = f"tiny-{arch}-q.gguf"
     target = data / "models/Stable-diffusion" / name
     if not target.exists():
-        source = data / "models/Stable-diffusion" / checkpoint(arch)
-        with safe_open(str(source), "pt") as handle:
-            state = {key: handle.get_tensor(key) for key in handle.keys()}
-            configs = json.loads(handle.metadata()[CONFIGS_METADATA_KEY])
-        write_gguf(state, target, ("Q8_0", "Q4_0"), configs)
+        pipe = build_tiny_pipeline(arch)
+        write_gguf(family(arch).single_file_state(pipe), target, ("Q8_0", "Q4_0"), component_configs(pipe, arch))
     return name
 
 
