@@ -1,9 +1,10 @@
 """GGUF files and the storage codecs (issue 40): exact reading, exact LoRAs, clean refusals, resting bytes.
 
-One tiny FLUX.1-dev model is written twice: as an all-in-one `.gguf` (tests/gguf_tools.py: Q4_K, Q5_K,
-Q8_0, Q4_0 layer by layer where the rows allow; the tiny transformer's rows are 16-64 wide, so the two
-K types land on the 256-wide timestep embedder only, Q8_0/Q4_0 on the 32- and 64-wide rows, the rest F32)
-and as a `.safetensors` holding `gguf`'s own float32 dequantisation of the same tensors.
+One tiny FLUX.1-dev model, its transformer widened to 256 (two heads of 128) so K-quant blocks (256
+weights) fit its rows, is written twice: as an all-in-one `.gguf` (benchmarks/gguf_writer.py: Q4_K, Q5_K,
+Q8_0, Q4_0 in turn, layer by layer, where the rows allow; the text encoders' 32-wide rows take Q8_0/Q4_0;
+the family's high-precision layers are widened on load) and as a `.safetensors` holding `gguf`'s own
+float32 dequantisation of the same tensors.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from benchmarks.gguf_writer import quantise, write_gguf
 
 ARCH = "flux-dev"
 KINDS = ("Q4_K", "Q5_K", "Q8_0", "Q4_0")
-# the layers the LoRAs touch: packed ones (ff.net.2: 64 wide, Q8_0/Q4_0; the timestep embedder: Q4_K/Q5_K)
-# and F32 ones (ff.net.0.proj, 16 wide), so bypasses over packed and plain layers run side by side
-LORA_TARGETS = ("transformer.*ff.net.*", "transformer.*time_text_embed.timestep_embedder.*")
+WIDE = {"attention_head_dim": 128, "axes_dims_rope": (16, 56, 56)}  # a 256-wide tiny transformer
+# the layers the LoRAs touch: packed ones of every kind (feed-forward, attention) and the timestep embedder's
+# (high precision: widened on load), so bypasses over packed and plain layers run side by side
+LORA_TARGETS = ("transformer.*ff.net.*", "transformer.*attn.to_[qkv]",
+                "transformer.*time_text_embed.timestep_embedder.*")
 ALGOS = ("lora", "loha", "lokr", "glora", "dora", "full", "ia3", "oft")  # one file each, applied together
 
 
@@ -46,6 +49,10 @@ def files(tmp_path_factory):
     models = root / "models" / "Stable-diffusion"
     models.mkdir(parents=True)
     pipe = build_tiny_pipeline(ARCH)
+    fam = family(ARCH)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pipe.register_modules(transformer=fam.denoiser_class(**{**fam.tiny_configs[fam.denoiser], **WIDE}).eval())
     configs = component_configs(pipe, ARCH)
     back, types = write_gguf(family(ARCH).single_file_state(pipe), models / "q.gguf", KINDS, configs)
     save_file({k: v.contiguous() for k, v in back.items()}, str(models / "ref.safetensors"),
@@ -113,8 +120,9 @@ def test_the_gguf_image_equals_the_dequantised_safetensors_and_loras_are_exact_b
     snap = engine.load_model("q.gguf")
     assert snap.stored_layers > 0 and snap.weights == "full"
     assert {entry.partition(" × ")[2] for entry in snap.stored_as} == {f"gguf {k}" for k in KINDS}
-    assert {r.storage for r in snap.placement if r.module.endswith("timestep_embedder.linear_1")} == \
-        {"fp32+gguf Q4_K"}
+    shown = {r.storage for r in snap.placement if r.component == "transformer" and r.module.endswith(".to_q")}
+    assert {f"fp32+gguf {k}" for k in KINDS} >= shown and len(shown) > 1  # Diagnostics names each layer's codec
+    assert {r.storage for r in snap.placement if r.module.endswith("timestep_embedder.linear_1")} == {"fp32"}
     first = _image(engine)
     assert np.array_equal(first, reference)
     packed = _packed(engine)
