@@ -10,6 +10,7 @@ float32 dequantisation of the same tensors.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import gguf
@@ -23,7 +24,7 @@ from app.adapters.layer_ops import weight_shape
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline, component_configs
-from app.engine import codecs, gguf_blocks, placement
+from app.engine import checkpoint_files, codecs, gguf_blocks, placement
 from app.engine.checkpoint_files import ModelLoadError
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
@@ -180,6 +181,24 @@ def test_int8_rests_in_rows_and_loras_over_it_come_off_bit_for_bit(files):
         assert np.abs(_image(eng) - first).mean() < 12
     finally:
         eng.close()
+
+
+def test_a_gguf_in_models_unet_is_listed_and_loads_as_unet_slash_its_name(engine, files):
+    """ComfyUI's folder: a transformer file in `models/unet` beside `models/Stable-diffusion` is listed as
+    `unet/<file>` and loads (the same image as from the checkpoint folder); a name that climbs out of it is
+    refused."""
+    root, _types = files
+    unet = root / "models" / "unet"
+    unet.mkdir(exist_ok=True)
+    os.link(root / "models" / "Stable-diffusion" / "q.gguf", unet / "q.gguf")
+    names = [info.name for info in checkpoint_files.discover_checkpoints(root / "models" / "Stable-diffusion")]
+    assert "unet/q.gguf" in names and "q.gguf" in names
+    engine.load_model("q.gguf")
+    first = _image(engine)
+    assert engine.load_model("unet/q.gguf").model == "unet/q.gguf"
+    assert np.array_equal(_image(engine), first)
+    with pytest.raises(ModelLoadError, match="outside|\\.\\."):
+        engine.load_model("unet/../Stable-diffusion/q.gguf")
 
 
 def _write(path, tensors: dict, kind: str = "F32", arch: str = "flux") -> None:
