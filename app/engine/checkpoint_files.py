@@ -1,9 +1,9 @@
 """What lies in the checkpoint folder: find checkpoints, resolve a user's name safely, recognise a file's family.
 
-Only `.safetensors` and `.gguf` files and diffusers folders count (and `models/unet`'s files); pickle formats are refused by name (they can
-run code when loaded), and names from the UI or the API never leave the folder. A file that is not
-a checkpoint of a family we run is described ("a LoRA", "SD3", "a standalone VAE") so the user knows
-where it belongs. Loading what was found is `models.py`'s job.
+Only `.safetensors` and `.gguf` files and diffusers folders count (and `models/unet`'s files); pickle
+formats are refused by name (they can run code when loaded), and names from the UI or the API never
+leave the folder. A file that is not a checkpoint of a family we run is described ("a LoRA", "SD3", "a
+standalone VAE") so the user knows where it belongs. Loading what was found is `models.py`'s job.
 """
 
 from __future__ import annotations
