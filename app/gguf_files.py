@@ -19,6 +19,8 @@ as ordinary tensors.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,19 @@ class GGUFHeader:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: t.shape for name, t in self.tensors.items()}
+
+    def renamed(self, rules: tuple[tuple[str, str], ...]) -> GGUFHeader:
+        """The header with each tensor name rewritten by the first (regex, replacement) rule that matches it
+        whole (llama.cpp's names -> a model's own); names no rule matches stay."""
+        if not rules:
+            return self
+        compiled = [(re.compile(pattern), replacement) for pattern, replacement in rules]
+
+        def name(old: str) -> str:
+            return next((rule.sub(replacement, old) for rule, replacement in compiled if rule.fullmatch(old)), old)
+
+        return dataclasses.replace(self, tensors={name(k): dataclasses.replace(t, name=name(k))
+                                                  for k, t in self.tensors.items()})
 
 
 def same_shape(in_file: tuple[int, ...], wanted: tuple[int, ...]) -> bool:

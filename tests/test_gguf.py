@@ -29,6 +29,7 @@ from app.engine.checkpoint_files import ModelLoadError
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
 from app.families import FAMILIES, family
+from app.families.file_layout import all_in_one_state
 from app.gguf_files import PACKED
 from app.settings import Settings
 from benchmarks.gguf_writer import quantise, write_gguf
@@ -199,6 +200,55 @@ def test_a_gguf_in_models_unet_is_listed_and_loads_as_unet_slash_its_name(engine
     assert np.array_equal(_image(engine), first)
     with pytest.raises(ModelLoadError, match="outside|\\.\\."):
         engine.load_model("unet/../Stable-diffusion/q.gguf")
+
+
+# llama.cpp's T5 encoder names, written out here independently of the loader's rules (app/families/flux.py)
+_LLAMA_T5 = {"shared": "token_embd", "encoder.final_layer_norm": "enc.output_norm",
+             **{f"layer.{ours}": theirs for ours, theirs in (
+                 ("0.layer_norm", "attn_norm"), ("0.SelfAttention.q", "attn_q"), ("0.SelfAttention.k", "attn_k"),
+                 ("0.SelfAttention.v", "attn_v"), ("0.SelfAttention.o", "attn_o"), ("1.layer_norm", "ffn_norm"),
+                 ("0.SelfAttention.relative_attention_bias", "attn_rel_b"), ("1.DenseReluDense.wi_0", "ffn_gate"),
+                 ("1.DenseReluDense.wi_1", "ffn_up"), ("1.DenseReluDense.wo", "ffn_down"))}}
+
+
+def _llama_t5_name(key: str) -> str:
+    stem = key.removesuffix(".weight")
+    if stem in _LLAMA_T5:
+        return _LLAMA_T5[stem] + ".weight"
+    _encoder, _block, index, rest = stem.split(".", 3)
+    return f"enc.blk.{index}.{_LLAMA_T5[rest]}.weight"
+
+
+def test_a_transformer_only_gguf_reads_a_t5_gguf_in_llama_cpp_names_from_the_text_encoder_folder(tmp_path):
+    """The set-up of city96's files: a transformer-only `.gguf` in the checkpoint folder, the T5 encoder as a
+    `.gguf` in llama.cpp's names (`enc.blk.0.attn_q.weight`, Q8_0) in models/text_encoder, CLIP and the VAE
+    as `.safetensors`. It loads (parts found by the marker through the part's `gguf_names`) and draws, bit
+    for bit, what the same set-up draws with the T5 file replaced by a `.safetensors` of `gguf`'s
+    dequantisation of it in the model's own names."""
+    pipe, fam = build_tiny_pipeline(ARCH), family(ARCH)
+    parts = {p.component: p for p in fam.parts}
+    models = tmp_path / "models"
+    for folder in ("Stable-diffusion", "text_encoder", "VAE"):
+        (models / folder).mkdir(parents=True)
+    write_gguf(all_in_one_state(pipe, [parts["transformer"]]), models / "Stable-diffusion" / "tr.gguf", ("Q8_0",),
+               component_configs(pipe, ARCH))
+    t5 = {k: v for k, v in pipe.text_encoder_2.state_dict().items() if k != "encoder.embed_tokens.weight"}
+    back, types = write_gguf({_llama_t5_name(k): v for k, v in t5.items()}, models / "text_encoder" / "t5.gguf",
+                             ("Q8_0",))
+    assert "Q8_0" in types.values()
+    rest = {k: v.contiguous() for k, v in all_in_one_state(pipe, [parts["text_encoder"], parts["vae"]]).items()}
+    save_file(rest, str(models / "text_encoder" / "rest.safetensors"))
+    os.link(models / "text_encoder" / "rest.safetensors", models / "VAE" / "rest.safetensors")
+    eng = Engine(Settings(data_dir=tmp_path, device="cpu", strict_forwards=True))
+    try:
+        eng.load_model("tr.gguf")  # the one T5 file of the folder
+        first = _image(eng)
+        plain = {k: back[_llama_t5_name(k)].contiguous() for k in t5}  # gguf's dequantisation, the model's names
+        save_file(plain, str(models / "text_encoder" / "t5.safetensors"))
+        eng.set_model_parts({"text_encoder_2": "t5.safetensors"})
+        assert np.array_equal(_image(eng), first)
+    finally:
+        eng.close()
 
 
 def _write(path, tensors: dict, kind: str = "F32", arch: str = "flux") -> None:

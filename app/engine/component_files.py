@@ -39,7 +39,7 @@ from app.engine import gguf_load
 from app.engine.checkpoint_shapes import CheckpointShapeError, parameter_budget
 from app.families import ComponentFile, Family
 from app.families.file_layout import file_shapes, to_model
-from app.gguf_files import is_gguf, same_shape
+from app.gguf_files import GGUFHeader, is_gguf, same_shape
 from app.safetensors_files import SafetensorsFileError, gguf_header, read_header, read_shapes
 
 log = logging.getLogger(__name__)
@@ -64,22 +64,29 @@ class Source:
 def find_source(part: ComponentFile, checkpoint: Source, chosen: Path | None, folder: Path | None) -> Source:
     """The checkpoint if it holds the part, else the chosen file, else the one file in `folder` that does."""
     for candidate in ([checkpoint] if chosen is None else [checkpoint, _open(chosen)]):
-        prefix = _prefix_in(part, candidate.keys)
+        prefix = _prefix_in(part, candidate)
         if prefix is not None:
             return Source(candidate.path, prefix, candidate.keys, candidate.metadata)
     if chosen is not None:
         raise MissingPartError(f"{chosen.name} holds no {part.label} (no {part.marker!r} tensor)")
-    found = [s for s in _folder_files(folder) if _prefix_in(part, s.keys) is not None]
+    found = [s for s in _folder_files(folder) if _prefix_in(part, s) is not None]
     where = f"{folder}" if folder is not None else "no folder"
     if len(found) != 1:
         listed = ", ".join(s.path.name for s in found)
         why = f"several files hold one ({listed}): choose one" if found else f"none was found in {where}"
         raise MissingPartError(f"{checkpoint.path.name} has no {part.label} and {why}")
-    return Source(found[0].path, _prefix_in(part, found[0].keys), found[0].keys, found[0].metadata)
+    return Source(found[0].path, _prefix_in(part, found[0]), found[0].keys, found[0].metadata)
 
 
-def _prefix_in(part: ComponentFile, keys: frozenset[str]) -> str | None:
+def _prefix_in(part: ComponentFile, source: Source) -> str | None:
+    keys = frozenset(_gguf(part, source).tensors) if is_gguf(source.path) and part.gguf_names else source.keys
     return next((p for p in part.prefixes if p + part.marker in keys), None)
+
+
+def _gguf(part: ComponentFile, source: Source) -> GGUFHeader:
+    """A GGUF source's header with its tensors named as the part's model names them (a file from llama.cpp's
+    converter names an encoder's tensors its own way: `ComponentFile.gguf_names` rewrites them)."""
+    return gguf_header(source.path).renamed(part.gguf_names)
 
 
 def _open(path: Path) -> Source:
@@ -130,7 +137,7 @@ def _shell(part: ComponentFile, config: dict, tensors: int):
 
 
 def _check_shapes(part: ComponentFile, source: Source, want: Mapping[str, tuple[int, ...]]) -> None:
-    have = read_shapes(source.path)
+    have = _gguf(part, source).shapes() if is_gguf(source.path) else read_shapes(source.path)
     missing = sorted(k for k in want if source.prefix + k not in have)
     if missing:
         raise CheckpointShapeError(f"{len(missing)} tensors of the {part.label} are missing from {source.path.name} "
@@ -172,7 +179,7 @@ def load_part(part: ComponentFile, fam: Family, source: Source, checkpoint: Sour
     _check_shapes(part, source, file_shapes(layout, shapes))
     packed: gguf_load.Packed = {}
     if is_gguf(source.path):
-        state, packed = gguf_load.read_state(layout, gguf_header(source.path), source.prefix, dtype, shapes,
+        state, packed = gguf_load.read_state(layout, _gguf(part, source), source.prefix, dtype, shapes,
                                              gguf_load.packable(model, fam.high_precision))
     else:
         with safe_open(str(source.path), "pt") as handle:
