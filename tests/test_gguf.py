@@ -72,14 +72,14 @@ def engine(files):
     eng.close()
 
 
-def _params() -> GenerateParams:
-    fam = family(ARCH)
+def _params(arch: str = ARCH) -> GenerateParams:
+    fam = family(arch)
     return GenerateParams(prompt="a red cube", steps=2, width=64, height=64, seed=7, sampler=fam.default_sampler,
                           cfg=fam.default_guidance)
 
 
-def _image(eng) -> np.ndarray:
-    return np.asarray(eng.generate(_params())[0].image, dtype=np.int16)
+def _image(eng, arch: str = ARCH) -> np.ndarray:
+    return np.asarray(eng.generate(_params(arch))[0].image, dtype=np.int16)
 
 
 def _packed(eng) -> dict[str, torch.Tensor]:
@@ -211,6 +211,13 @@ _LLAMA_T5 = {"shared": "token_embd", "encoder.final_layer_norm": "enc.output_nor
                  ("1.DenseReluDense.wi_1", "ffn_up"), ("1.DenseReluDense.wo", "ffn_down"))}}
 
 
+_LLAMA_QWEN3 = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                "mlp.down_proj": "ffn_down"}
+
+
 def _llama_t5_name(key: str) -> str:
     stem = key.removesuffix(".weight")
     if stem in _LLAMA_T5:
@@ -219,34 +226,46 @@ def _llama_t5_name(key: str) -> str:
     return f"enc.blk.{index}.{_LLAMA_T5[rest]}.weight"
 
 
-def test_a_transformer_only_gguf_reads_a_t5_gguf_in_llama_cpp_names_from_the_text_encoder_folder(tmp_path):
-    """The set-up of city96's files: a transformer-only `.gguf` in the checkpoint folder, the T5 encoder as a
-    `.gguf` in llama.cpp's names (`enc.blk.0.attn_q.weight`, Q8_0) in models/text_encoder, CLIP and the VAE
-    as `.safetensors`. It loads (parts found by the marker through the part's `gguf_names`) and draws, bit
-    for bit, what the same set-up draws with the T5 file replaced by a `.safetensors` of `gguf`'s
-    dequantisation of it in the model's own names."""
-    pipe, fam = build_tiny_pipeline(ARCH), family(ARCH)
+def _llama_qwen3_name(key: str) -> str:
+    stem, _, kind = key.rpartition(".")
+    if stem in _LLAMA_QWEN3:
+        return f"{_LLAMA_QWEN3[stem]}.{kind}"
+    _layers, index, rest = stem.split(".", 2)
+    return f"blk.{index}.{_LLAMA_QWEN3[rest]}.{kind}"
+
+
+@pytest.mark.parametrize(("arch", "encoder", "llama_name"), [(ARCH, "text_encoder_2", _llama_t5_name),
+                                                              ("zimage-turbo", "text_encoder", _llama_qwen3_name)])
+def test_a_transformer_only_gguf_reads_an_encoder_gguf_in_llama_cpp_names(tmp_path, arch, encoder, llama_name):
+    """The set-up of city96's files: a transformer-only `.gguf` in the checkpoint folder, the T5 (or Qwen3)
+    encoder as a `.gguf` in llama.cpp's names (`enc.blk.0.attn_q.weight`, `blk.0.attn_q.weight`; Q8_0) in
+    models/text_encoder, the other parts as `.safetensors`. It loads (parts found by the marker through the
+    part's `gguf_names`) and draws, bit for bit, what the same set-up draws with the encoder file replaced by
+    a `.safetensors` of `gguf`'s dequantisation of it in the model's own names."""
+    pipe, fam = build_tiny_pipeline(arch), family(arch)
     parts = {p.component: p for p in fam.parts}
     models = tmp_path / "models"
     for folder in ("Stable-diffusion", "text_encoder", "VAE"):
         (models / folder).mkdir(parents=True)
-    write_gguf(all_in_one_state(pipe, [parts["transformer"]]), models / "Stable-diffusion" / "tr.gguf", ("Q8_0",),
-               component_configs(pipe, ARCH))
-    t5 = {k: v for k, v in pipe.text_encoder_2.state_dict().items() if k != "encoder.embed_tokens.weight"}
-    back, types = write_gguf({_llama_t5_name(k): v for k, v in t5.items()}, models / "text_encoder" / "t5.gguf",
+    write_gguf(all_in_one_state(pipe, [parts[fam.denoiser]]), models / "Stable-diffusion" / "tr.gguf", ("Q8_0",),
+               component_configs(pipe, arch))
+    tied = set(getattr(getattr(pipe, encoder), "_tied_weights_keys", None) or {})
+    own = {k: v for k, v in getattr(pipe, encoder).state_dict().items() if k not in tied}
+    back, types = write_gguf({llama_name(k): v for k, v in own.items()}, models / "text_encoder" / "te.gguf",
                              ("Q8_0",))
     assert "Q8_0" in types.values()
-    rest = {k: v.contiguous() for k, v in all_in_one_state(pipe, [parts["text_encoder"], parts["vae"]]).items()}
+    others = [p for p in fam.parts if p.component not in (fam.denoiser, encoder)]
+    rest = {k: v.contiguous() for k, v in all_in_one_state(pipe, others).items()}
     save_file(rest, str(models / "text_encoder" / "rest.safetensors"))
     os.link(models / "text_encoder" / "rest.safetensors", models / "VAE" / "rest.safetensors")
     eng = Engine(Settings(data_dir=tmp_path, device="cpu", strict_forwards=True))
     try:
-        eng.load_model("tr.gguf")  # the one T5 file of the folder
-        first = _image(eng)
-        plain = {k: back[_llama_t5_name(k)].contiguous() for k in t5}  # gguf's dequantisation, the model's names
-        save_file(plain, str(models / "text_encoder" / "t5.safetensors"))
-        eng.set_model_parts({"text_encoder_2": "t5.safetensors"})
-        assert np.array_equal(_image(eng), first)
+        eng.load_model("tr.gguf")  # the one such encoder file of the folder
+        first = _image(eng, arch)
+        plain = {k: back[llama_name(k)].contiguous() for k in own}  # gguf's dequantisation, the model's names
+        save_file(plain, str(models / "text_encoder" / "te.safetensors"))
+        eng.set_model_parts({encoder: "te.safetensors"})
+        assert np.array_equal(_image(eng, arch), first)
     finally:
         eng.close()
 
