@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="full", choices=WEIGHTS_CHOICES,
                    help="fp8: store the large weights in 8 bits (about half the memory), computed in --dtype; "
                         "LoRAs then apply as exact bypass forwards. fp8-compute: the same, and the Linear layers "
-                        "that qualify run as fp8 matmuls (GPUs with compute capability 8.9+, or the CPU)")
+                        "that qualify run as fp8 matmuls (GPUs with compute capability 8.9+, or the CPU). "
+                        "int8: the large weights rest as int8 with a scale per output row (quantised on load "
+                        "from a bf16/fp16 file), computed in --dtype; LoRAs as exact bypass forwards")
     p.add_argument("--lora-backups", default="gpu", choices=("cpu", "gpu"),
                    help="where fused LoRAs keep the original weights (for exact undo): gpu = on the GPU while "
                         "2 GiB stay free, else pinned host memory (default: a slider move copies nothing over "

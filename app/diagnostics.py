@@ -85,23 +85,30 @@ def storage_label(dtype: torch.dtype) -> str:
     return dtype_name(dtype)
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def storage_summary(weights: str, stored_layers: int, bytes_saved: int, compute: str | None, *,
-                    matmul_layers: int = 0, matmul_unfit: tuple[str, ...] = ()) -> str:
-    """The Diagnostics line on weight storage: how many layers rest in 8 bits, in what, and the bytes saved;
-    in fp8-compute, how many of them run as fp8 matmuls and why the others widen instead."""
+                    matmul_layers: int = 0, matmul_unfit: tuple[str, ...] = (), stored_as: tuple[str, ...] = (),
+                    resting_bytes: int = 0) -> str:
+    """The Diagnostics line on weight storage: how many layers rest in which codec (fp8, int8, a GGUF block
+    type), the bytes they rest in and the bytes saved; in fp8-compute, how many of them run as fp8 matmuls
+    and why the others widen instead."""
     if compute is None:
         return ""
     if not stored_layers:
         return f"weights: {weights} — every weight rests in its compute dtype ({compute})"
-    saved = f"{bytes_saved / 2**30:.2f} GiB" if bytes_saved >= 2**30 else f"{bytes_saved / 2**20:.2f} MiB"
+    saved = f"{_size(bytes_saved)} saved ({bytes_saved:,} bytes), {_size(resting_bytes)} at rest"
     label = storage_label(STORAGE_DTYPES["fp8"])
+    names = [entry.partition(" × ")[2] for entry in stored_as]
+    held = (label if names in ([], ["fp8"]) else names[0]) if len(names) < 2 else f"codecs ({', '.join(stored_as)})"
     if weights in MATMUL_MODES:
         widened = f"; the other {stored_layers - matmul_layers} widen to {compute} ({'; '.join(matmul_unfit)})" \
             if matmul_unfit else ""
-        return (f"weights: {weights} — {stored_layers} layers rest in {label}, {matmul_layers} of them computed "
-                f"as {label} matmuls writing {compute}{widened}; {saved} saved ({bytes_saved:,} bytes)")
-    return (f"weights: {weights} — {stored_layers} layers rest in {label} and "
-            f"compute in {compute}; {saved} saved ({bytes_saved:,} bytes)")
+        return (f"weights: {weights} — {stored_layers} layers rest in {held}, {matmul_layers} of them computed "
+                f"as {label} matmuls writing {compute}{widened}; {saved}")
+    return f"weights: {weights} — {stored_layers} layers rest in {held} and compute in {compute}; {saved}"
 
 
 def _offload_state(plan: PlacementPlan, component: str) -> str:
@@ -113,9 +120,12 @@ def _offload_state(plan: PlacementPlan, component: str) -> str:
 
 def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], tuple[str, ...]],
                    violations: list[Violation], hooks: HookRegistry,
-                   modules: Iterable[tuple[str, str, torch.nn.Module]] | None = None) -> tuple[ModuleRow, ...]:
+                   modules: Iterable[tuple[str, str, torch.nn.Module]] | None = None,
+                   packed: Mapping[tuple[str, str], str] | None = None) -> tuple[ModuleRow, ...]:
     """One row per module that owns tensors or carries a named hook (mixed devices show as `a+b`);
-    with `modules` ((component, path, module)), the rows of those modules only, from their tensors alone."""
+    with `modules` ((component, path, module)), the rows of those modules only, from their tensors alone.
+    `packed` names the codec of each weight held packed from its file (`gguf Q4_K`: its bytes are uint8)."""
+    packed = packed or {}
     bad = {(v.component, v.module) for v in violations}
     acc: dict[tuple[str, str], dict] = {}
 
@@ -123,11 +133,12 @@ def placement_rows(pipe, plan: PlacementPlan, patched: Mapping[tuple[str, str], 
         return acc.setdefault((comp, path), {"cls": type(module).__name__, "devices": set(), "dtypes": set(),
                                              "floating": False, "params": 0, "bytes": 0, "hooks": hooks.names(module)})
 
-    for comp, path, module, _name, tensor, is_param in (iter_tensors(pipe) if modules is None
-                                                        else iter_module_tensors(modules)):
+    for comp, path, module, name, tensor, is_param in (iter_tensors(pipe) if modules is None
+                                                       else iter_module_tensors(modules)):
         row = row_for(comp, path, module)
         row["devices"].add(str(tensor.device))
-        row["dtypes"].add(storage_label(tensor.dtype))
+        codec = packed.get((comp, path)) if name == "weight" else None
+        row["dtypes"].add(codec or storage_label(tensor.dtype))
         row["floating"] |= tensor.is_floating_point()
         row["params"] += tensor.numel() if is_param else 0
         row["bytes"] += tensor.numel() * tensor.element_size()

@@ -151,7 +151,8 @@ def collect_report(engine, settings: Settings, log_lines: Iterable[str] = (), se
         "snapshot": snapshot,
         "weight_storage": diagnostics.storage_summary(
             snapshot.weights, snapshot.stored_layers, snapshot.bytes_saved, snapshot.dtype,
-            matmul_layers=snapshot.matmul_layers, matmul_unfit=snapshot.matmul_unfit) if snapshot is not None else "",
+            matmul_layers=snapshot.matmul_layers, matmul_unfit=snapshot.matmul_unfit, stored_as=snapshot.stored_as,
+            resting_bytes=snapshot.resting_bytes) if snapshot is not None else "",
         "history": snapshot.history if snapshot is not None else [],
         "lora_counters": snapshot.lora_counters if snapshot is not None else {},
         "errors": errors,

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from app import gguf_files
+
 # The largest finite fp16 value. A LoRA factor, alpha or embedding element beyond it cannot come
 # from a file trained or saved in half precision, and with every factor below it the float32 delta
 # math stays finite for every algorithm (LoHa's four-factor product stays under 2e19 per rank
@@ -53,14 +55,27 @@ def _opened(path: Path) -> Iterator:
         raise SafetensorsFileError(f"{path.name}: not a valid safetensors file ({_problem(path, exc)})") from exc
 
 
+def gguf_header(path: Path) -> gguf_files.GGUFHeader:
+    """A `.gguf` file's header (weights files are safetensors or GGUF: app/gguf_files.py), its errors as ours."""
+    try:
+        return gguf_files.read(path)
+    except gguf_files.GGUFFileError as exc:
+        raise SafetensorsFileError(str(exc)) from exc
+
+
 def read_header(path: Path) -> tuple[frozenset[str], dict[str, str]]:
     """Tensor names and metadata."""
+    if gguf_files.is_gguf(path):
+        header = gguf_header(path)
+        return header.keys, header.metadata
     with _opened(path) as handle:
         return frozenset(handle.keys()), dict(handle.metadata() or {})
 
 
 def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, from the header alone (no tensor data is read)."""
+    if gguf_files.is_gguf(path):
+        return gguf_header(path).shapes()
     with _opened(path) as handle:
         return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
 
@@ -168,6 +183,10 @@ def scan_file(path: Path, stop: threading.Event | None = None) -> ValueScan | No
     hashed and reduced (min/max: NaN propagates through both) as it passes."""
     digest, buffer = hashlib.sha256(), bytearray(_PIECE)
     nonfinite, largest = [], {}
+    if gguf_files.is_gguf(path):  # hashed whole: its values are blocks, not floats a min/max reads
+        with open(path, "rb") as handle:
+            done = _read(handle, digest, buffer, path.stat().st_size, None, stop)
+        return None if done is None else ValueScan(digest.hexdigest())
     with open(path, "rb") as handle:
         head = handle.read(8)
         header = handle.read(int.from_bytes(head, "little"))

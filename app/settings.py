@@ -23,7 +23,7 @@ COMPILE_BACKENDS = ("inductor", "eager", "aot_eager")
 # its strategy table and this tuple ever disagree.
 OFFLOAD_CHOICES = ("none", "model", "balanced", "sequential", "group")
 # How the large weights are kept (the same rule: `app.engine.storage` refuses to import if its modes differ).
-WEIGHTS_CHOICES = ("full", "fp8", "fp8-compute")
+WEIGHTS_CHOICES = ("full", "fp8", "fp8-compute", "int8")
 
 
 def _env_flag(name: str) -> bool:
@@ -67,7 +67,8 @@ class Settings:
     # CPU-only machine: how CI runs the moving code without a GPU.
     rest_dtype: str | None = None
     # "fp8": large weights rest in 8 bits, computed in the compute dtype; "fp8-compute": the same, and the
-    # Linear ones that qualify run as fp8 matmuls (CUDA sm89+ or the CPU; app/engine/fp8_matmul.py)
+    # Linear ones that qualify run as fp8 matmuls (CUDA sm89+ or the CPU; app/engine/fp8_matmul.py); "int8":
+    # they rest as int8 with a float32 scale per output row, quantised on load (app/engine/codecs.py)
     weights: str = "full"
     # Where fused LoRAs' exact copies of the original weights rest when the weights are on a GPU:
     # "gpu" (beside the weight while 2 GiB stay free, else pinned host memory: a re-weight reads W0

@@ -72,6 +72,7 @@ from benchmarks.config import (
 from benchmarks.config import base_environment as base_env
 from benchmarks.controlnet_phase import controlnet_phase
 from benchmarks.denoiser import tflop_per_step
+from benchmarks.gguf_phase import gguf_phase
 from benchmarks.measure import open_nvml
 from benchmarks.theirs import DiffusersSide
 from benchmarks.workload import prepare_model
@@ -90,7 +91,7 @@ def _run_phases(run: phases.ArchRun, bench: Bench) -> dict[str, str]:
         ("throughput", phases.throughput_phase), ("latency", phases.latency_phase), ("compile", phases.compile_phase),
         ("offload", phases.offload_phase), *([("offload", phases.budget_phase)] if budget else []),
         ("cache", cache_phase), ("controlnet", controlnet_phase),
-        ("fp8", phases.fp8_phase))  # fp8 last: it unloads our full-precision engine
+        ("fp8", phases.fp8_phase), ("gguf", gguf_phase))  # fp8 and gguf last: they unload our full-precision engine
         if bench.wants(section)]
     try:
         phases.load_phase(run, engine, theirs, bench)

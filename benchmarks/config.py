@@ -21,7 +21,7 @@ from app.families import FAMILIES, family
 
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile", "cache", "controlnet")
+SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile", "cache", "controlnet", "gguf")
 # what --archs takes: every family that states how it is benched (`TestKit.bench`); a full run without it does
 # SD1.5 and SDXL
 ARCHS = tuple(name for name, fam in FAMILIES.items() if fam.test_kit.bench)

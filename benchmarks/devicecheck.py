@@ -57,6 +57,8 @@ class Section:
     estimate_s: int  # device seconds on an H100, process start included
     bench: tuple[str, ...] = ()
     tests: bool = False
+    dry_run_archs: int = 0  # a dry run benches the first this many of its --archs (0: all): same code, less CPU
+
 
     def command(self, out: Path, dry_run: bool) -> list[str]:
         if self.tests:
@@ -67,6 +69,9 @@ class Section:
                 if flag in args:
                     del args[args.index(flag):args.index(flag) + 2]
             args.insert(0, "--smoke")
+            if self.dry_run_archs and "--archs" in args:
+                at = args.index("--archs") + 1
+                args[at] = ",".join(args[at].split(",")[:self.dry_run_archs])
         return [sys.executable, "-m", "app.bench", *args, "--out", str(out)]
 
 
@@ -93,6 +98,9 @@ def _plan() -> tuple[Section, ...]:
     SD1.5 and SDXL, then each family's offload rows; lettered in that order."""
     headline, family_offload = _family_sections()
     controlled = [fam for fam in FAMILIES.values() if fam.test_kit.bench and fam.controlnet]  # with ControlNet rows
+    # the benched families read from .gguf files (assembled from parts): GGUF rows (issue 40)
+    packed = sorted((fam for fam in FAMILIES.values() if fam.test_kit.bench and fam.test_kit.bench.check and fam.parts),
+                    key=lambda fam: fam.test_kit.bench.check_order)
     sections = [
         Section("gpu-tests", "", "-m gpu correctness tests, fast form: placement repair, forced OOM, LoRA math on "
                 "the weight's device, pinned backups, VRAM returned on switches, SD.Next sequences in every offload "
@@ -119,6 +127,11 @@ def _plan() -> tuple[Section, ...]:
                 ("--archs", "sd15,sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3",
                  "--repeats", "2")),
         *family_offload,
+        Section("gguf", "", f"GGUF Q8_0 and Q4_K, {', '.join(f.label for f in packed)}: ours from a transformer-only "
+                ".gguf (original names) vs diffusers' GGUFQuantizationConfig on the same blocks and vs diffusers "
+                "eager, 8 steps: it/s, per-image time, peak VRAM (estimate not yet from a run)", 240 * len(packed),
+                ("--archs", ",".join(f.name for f in packed), "--sections", "gguf", "--batches", "1", "--loras", "0,3",
+                 "--repeats", "2", "--steps", "8"), dry_run_archs=1),
     ]
     return tuple(dataclasses.replace(section, letter=string.ascii_lowercase[i]) for i, section in enumerate(sections))
 

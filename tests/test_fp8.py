@@ -114,9 +114,11 @@ def test_diagnostics_names_storage_and_compute_dtype_per_module_and_the_bytes_sa
     assert [table[0][header.index("storage dtype")], table[0][header.index("compute dtype")]] == ["fp8 e4m3fn", "bf16"]
 
     saved = sum(getattr(fp8.pipeline, c).get_submodule(p).weight.numel() for c, p in stored)  # 2 bytes -> 1
-    summary = diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype)
+    summary = diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype,
+                                          stored_as=snap.stored_as, resting_bytes=snap.resting_bytes)
+    assert snap.stored_as == (f"{len(stored)} × fp8",) and snap.resting_bytes == saved
     assert summary == (f"weights: fp8 — {len(stored)} layers rest in fp8 e4m3fn and compute in bf16; "
-                       f"{saved / 2**20:.2f} MiB saved ({saved:,} bytes)")
+                       f"{saved / 2**20:.2f} MiB saved ({saved:,} bytes), {saved / 2**20:.2f} MiB at rest")
     report = collect_report(fp8, fp8.settings)
     assert report["weight_storage"] == summary
     assert (report["snapshot"]["stored_layers"], report["snapshot"]["bytes_saved"]) == (len(stored), saved)
@@ -301,7 +303,8 @@ def test_diagnostics_name_the_fp8_matmul_layers_and_why_the_others_widen(compute
     conv = "down_blocks.0.resnets.0.conv1"
     assert (rows["unet", conv].storage, rows["unet", conv].compute) == ("bf16+fp8 e4m3fn", "bf16")
     summary = diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype,
-                                          matmul_layers=snap.matmul_layers, matmul_unfit=snap.matmul_unfit)
+                                          matmul_layers=snap.matmul_layers, matmul_unfit=snap.matmul_unfit,
+                                          stored_as=snap.stored_as, resting_bytes=snap.resting_bytes)
     widened = snap.stored_layers - snap.matmul_layers
     assert summary.startswith(f"weights: fp8-compute — {snap.stored_layers} layers rest in fp8 e4m3fn, "
                               f"{snap.matmul_layers} of them computed as fp8 e4m3fn matmuls writing bf16; "

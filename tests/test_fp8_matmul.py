@@ -23,7 +23,7 @@ from tiny import CHECKPOINTS, FAST
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import write_adapter
 from app.demo import build_tiny_pipeline
-from app.engine import fp8_matmul, storage
+from app.engine import codecs, fp8_matmul, storage
 from app.engine.checkpoint_files import ModelLoadError
 from app.engine.generate import GenerateParams
 from app.engine.worker import Engine
@@ -73,7 +73,7 @@ def test_one_fp8_linear_equals_the_float32_value_of_its_own_quantisation():
     once to bf16, so within one bf16 rounding of the float64 reference (and never the widened forward)."""
     pipe, layer = _one_layer()
     original = layer.weight.detach().clone()
-    layers = {"block": {"0": E4M3}}
+    layers = {"block": {"0": codecs.FP8}}
     matmul = storage.matmul_layers(pipe, layers, "fp8-compute", torch.bfloat16)
     assert matmul.layers == {"block": frozenset({"0"})} and not matmul.unfit
     storage.store(pipe, layers, matmul)
@@ -248,7 +248,7 @@ def test_on_cuda_the_fp8_linear_and_its_fused_quantisation_match_the_reference()
     if fp8_matmul.refusal(device):
         pytest.skip(fp8_matmul.refusal(device))
     pipe, layer = _one_layer(3072, 1536)
-    layers = {"block": {"0": E4M3}}
+    layers = {"block": {"0": codecs.FP8}}
     matmul = storage.matmul_layers(pipe, layers, "fp8-compute", torch.bfloat16)
     storage.store(pipe, layers, matmul)
     storage.install_dequant(HookRegistry(), pipe, layers, {"block": torch.bfloat16}, matmul)

@@ -22,6 +22,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def weight_shape(module: torch.nn.Module) -> tuple[int, ...]:
+    """The shape a layer's weight stands for, from the layer's own configuration (a GGUF layer's packed
+    weight has another shape: app/engine/codecs.py): Linear (out, in), ConvNd (out, in/groups, *kernel)."""
+    if isinstance(module, torch.nn.Linear):
+        return (module.out_features, module.in_features)
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        return (module.out_channels, module.in_channels // module.groups, *module.kernel_size)
+    return tuple(module.weight.shape)
+
+
 def _channel_view(t: Tensor, x: Tensor, channel_dim: int) -> Tensor:
     """A per-channel vector shaped to broadcast along `channel_dim` of `x`."""
     shape = [1] * x.dim()

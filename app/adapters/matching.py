@@ -34,6 +34,7 @@ from app.adapters.algos import Adapter, parse_layer
 from app.adapters.errors import AdapterFormatError, IncompatibleAdapterError, LoraApplyError
 from app.adapters.files import AdapterFile
 from app.adapters.keys import DOTTED_SPELLINGS, KeyTable, LayerGroup, Parts, Target, component_named
+from app.adapters.layer_ops import weight_shape
 from app.adapters.peft_scale import PeftScales
 from app.families import lora_arch_of
 from app.families.file_layout import row_index
@@ -179,7 +180,7 @@ def _parse(groups: list[LayerGroup], scales: PeftScales,
 def _split(adapter: Adapter, parts: Parts, module_for: Callable[[Target], torch.nn.Module]) -> dict[Target, Adapter]:
     """One adapter per target module. A layer spelled with a fused file module (Flux's `img_attn.qkv`)
     is checked against the fused weight, (Σ part rows, in…), then cut into each part's rows."""
-    weights = [module_for(target).weight.shape for target, _rows in parts]
+    weights = [weight_shape(module_for(target)) for target, _rows in parts]
     if len(parts) == 1 and parts[0][1] is None:
         adapter.validate_against(tuple(weights[0]))
         return {parts[0][0]: adapter}

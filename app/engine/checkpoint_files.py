@@ -1,13 +1,14 @@
 """What lies in the checkpoint folder: find checkpoints, resolve a user's name safely, recognise a file's family.
 
-Only `.safetensors` files and diffusers folders count; pickle formats are refused by name (they can
-run code when loaded), and names from the UI or the API never leave the folder. A file that is not
-a checkpoint of a family we run is described ("a LoRA", "SD3", "a standalone VAE") so the user knows
-where it belongs. Loading what was found is `models.py`'s job.
+Only `.safetensors` and `.gguf` files and diffusers folders count (and `models/unet`'s files); pickle
+formats are refused by name (they can run code when loaded), and names from the UI or the API never
+leave the folder. A file that is not a checkpoint of a family we run is described ("a LoRA", "SD3", "a
+standalone VAE") so the user knows where it belongs. Loading what was found is `models.py`'s job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from app.paths import UnsafePathError, resolve_under, utf8_names
 from app.safetensors_files import SafetensorsFileError, read_header
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
+WEIGHT_SUFFIXES = (".safetensors", ".gguf")  # single weight files read (GGUF: app/gguf_files.py)
+UNET_FOLDER = "unet"  # models/unet beside the checkpoint folder: transformer-only files (ComfyUI's folder)
 _LORA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lycoris_")
 _LORA_MARKERS = (".lora_down.", ".lora_up.", ".lora_A.", ".lora_B.", ".hada_w1_a", ".lokr_w1", ".oft_blocks")
 # What other files dropped into the checkpoint folder look like, checked in order (SD2 before
@@ -103,9 +106,10 @@ def detect_architecture(keys: Iterable[str]) -> str:
 
 
 def discover_checkpoints(root: Path) -> list[CheckpointInfo]:
-    """`*.safetensors` files and diffusers folders in `root` and its direct subfolders, sorted by name.
-    Symlinks the user placed there are followed (model folders often live on another drive); names
-    that are not valid UTF-8 are logged and left out."""
+    """`*.safetensors` and `*.gguf` files and diffusers folders in `root` and its direct subfolders, and the
+    weight files of `models/unet` beside it (ComfyUI's folder for transformer-only files, listed as
+    `unet/<file>`), sorted by name. Symlinks the user placed there are followed (model folders often live
+    on another drive); names that are not valid UTF-8 are logged and left out."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -113,8 +117,13 @@ def discover_checkpoints(root: Path) -> list[CheckpointInfo]:
     for entry in utf8_names(root, _candidates(root), "checkpoint"):
         if _is_diffusers_folder(entry):
             found.append(_info(root, entry, "folder"))
-        elif entry.is_file() and entry.suffix == ".safetensors":
+        elif entry.is_file() and entry.suffix in WEIGHT_SUFFIXES:
             found.append(_info(root, entry, "file"))
+    unet = root.parent / UNET_FOLDER
+    if unet.is_dir():
+        found += [dataclasses.replace(_info(unet, entry, "file"), name=f"{UNET_FOLDER}/{entry.name}")
+                  for entry in utf8_names(unet, sorted(unet.iterdir()), "checkpoint")
+                  if entry.is_file() and entry.suffix in WEIGHT_SUFFIXES]
     return sorted(found, key=lambda info: info.name.lower())
 
 
@@ -146,6 +155,10 @@ def resolve_checkpoint(name_or_path: str, root: Path) -> CheckpointInfo:
     safetensors files and diffusers folders: pickle-based files (.ckpt/.bin/.pt) can run code when
     loaded. A bare name without suffix also matches `<name>.safetensors`.
     """
+    folder, _, rest = str(name_or_path).partition("/")
+    if folder == UNET_FOLDER and rest and not (Path(root) / UNET_FOLDER).exists():
+        info = resolve_checkpoint(rest, Path(root).parent / UNET_FOLDER)
+        return dataclasses.replace(info, name=f"{UNET_FOLDER}/{info.name}")
     try:
         path = resolve_under(Path(root), name_or_path, "checkpoint")
     except UnsafePathError as exc:
@@ -166,8 +179,8 @@ def resolve_checkpoint(name_or_path: str, root: Path) -> CheckpointInfo:
             f"refusing {name_or_path!r}: {path.suffix} files are pickles and can run code when loaded; "
             "convert it to .safetensors"
         )
-    if path.suffix != ".safetensors":
-        raise UnsupportedCheckpointFormatError(f"{name_or_path!r} is not a .safetensors file")
+    if path.suffix not in WEIGHT_SUFFIXES:
+        raise UnsupportedCheckpointFormatError(f"{name_or_path!r} is not a .safetensors or .gguf file")
     return _info(root, path, "file")
 
 

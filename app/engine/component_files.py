@@ -13,7 +13,8 @@ cannot read the tiny demo model the tests run. Here each component is:
 3. checked before anything is built: the model is built on the meta device (bounded by the
    file's tensor count, as `checkpoint_shapes` does for SD) and every tensor its layout needs
    must be in the file with the right shape, so a wrong or truncated file is refused by name;
-4. read: only the tensors it needs, cast once to the load dtype (fp8 files are widened here:
+4. read: only the tensors it needs (from a `.gguf` file, quantised layer weights stay packed:
+   app/engine/gguf_load.py), cast once to the load dtype (fp8 files are widened here:
    fp8 storage is another module's job), cut into the model's names by the family's layout, and
    assigned to a model whose parameters were never allocated (`init_empty_weights`).
 
@@ -34,10 +35,12 @@ import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
 
+from app.engine import gguf_load
 from app.engine.checkpoint_shapes import CheckpointShapeError, parameter_budget
 from app.families import ComponentFile, Family
 from app.families.file_layout import file_shapes, to_model
-from app.safetensors_files import SafetensorsFileError, read_header, read_shapes
+from app.gguf_files import GGUFHeader, is_gguf, same_shape
+from app.safetensors_files import SafetensorsFileError, gguf_header, read_header, read_shapes
 
 log = logging.getLogger(__name__)
 CONFIGS_METADATA_KEY = "steady_diffusion.configs"  # component configs embedded by the demo and tests
@@ -61,22 +64,29 @@ class Source:
 def find_source(part: ComponentFile, checkpoint: Source, chosen: Path | None, folder: Path | None) -> Source:
     """The checkpoint if it holds the part, else the chosen file, else the one file in `folder` that does."""
     for candidate in ([checkpoint] if chosen is None else [checkpoint, _open(chosen)]):
-        prefix = _prefix_in(part, candidate.keys)
+        prefix = _prefix_in(part, candidate)
         if prefix is not None:
             return Source(candidate.path, prefix, candidate.keys, candidate.metadata)
     if chosen is not None:
         raise MissingPartError(f"{chosen.name} holds no {part.label} (no {part.marker!r} tensor)")
-    found = [s for s in _folder_files(folder) if _prefix_in(part, s.keys) is not None]
+    found = [s for s in _folder_files(folder) if _prefix_in(part, s) is not None]
     where = f"{folder}" if folder is not None else "no folder"
     if len(found) != 1:
         listed = ", ".join(s.path.name for s in found)
         why = f"several files hold one ({listed}): choose one" if found else f"none was found in {where}"
         raise MissingPartError(f"{checkpoint.path.name} has no {part.label} and {why}")
-    return Source(found[0].path, _prefix_in(part, found[0].keys), found[0].keys, found[0].metadata)
+    return Source(found[0].path, _prefix_in(part, found[0]), found[0].keys, found[0].metadata)
 
 
-def _prefix_in(part: ComponentFile, keys: frozenset[str]) -> str | None:
+def _prefix_in(part: ComponentFile, source: Source) -> str | None:
+    keys = frozenset(_gguf(part, source).tensors) if is_gguf(source.path) and part.gguf_names else source.keys
     return next((p for p in part.prefixes if p + part.marker in keys), None)
+
+
+def _gguf(part: ComponentFile, source: Source) -> GGUFHeader:
+    """A GGUF source's header with its tensors named as the part's model names them (a file from llama.cpp's
+    converter names an encoder's tensors its own way: `ComponentFile.gguf_names` rewrites them)."""
+    return gguf_header(source.path).renamed(part.gguf_names)
 
 
 def _open(path: Path) -> Source:
@@ -87,7 +97,7 @@ def _open(path: Path) -> Source:
 def _folder_files(folder: Path | None) -> Iterator[Source]:
     if folder is None or not folder.is_dir():
         return
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in sorted([*folder.glob("*.safetensors"), *folder.glob("*.gguf")]):
         try:
             yield _open(path)
         except SafetensorsFileError as exc:
@@ -127,12 +137,13 @@ def _shell(part: ComponentFile, config: dict, tensors: int):
 
 
 def _check_shapes(part: ComponentFile, source: Source, want: Mapping[str, tuple[int, ...]]) -> None:
-    have = read_shapes(source.path)
+    have = _gguf(part, source).shapes() if is_gguf(source.path) else read_shapes(source.path)
     missing = sorted(k for k in want if source.prefix + k not in have)
     if missing:
         raise CheckpointShapeError(f"{len(missing)} tensors of the {part.label} are missing from {source.path.name} "
                                    f"(e.g. {', '.join(source.prefix + k for k in missing[:_SHOWN])})")
-    wrong = sorted(k for k, shape in want.items() if tuple(have[source.prefix + k]) != tuple(shape))
+    fits = same_shape if is_gguf(source.path) else lambda have_shape, shape: tuple(have_shape) == tuple(shape)
+    wrong = sorted(k for k, shape in want.items() if not fits(have[source.prefix + k], shape))
     if wrong:
         shown = "; ".join(f"{source.prefix + k}: {list(have[source.prefix + k])}, expected {list(want[k])}"
                           for k in wrong[:_SHOWN])
@@ -166,12 +177,18 @@ def load_part(part: ComponentFile, fam: Family, source: Source, checkpoint: Sour
     layout = part.layout(model)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     _check_shapes(part, source, file_shapes(layout, shapes))
-    with safe_open(str(source.path), "pt") as handle:
-        state = to_model(layout, _reader(handle, source, dtype), shapes)
+    packed: gguf_load.Packed = {}
+    if is_gguf(source.path):
+        state, packed = gguf_load.read_state(layout, _gguf(part, source), source.prefix, dtype, shapes,
+                                             gguf_load.packable(model, fam.precision.high_precision))
+    else:
+        with safe_open(str(source.path), "pt") as handle:
+            state = to_model(layout, _reader(handle, source, dtype), shapes)
     result = model.load_state_dict(state, strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
-    if result.unexpected_keys or set(result.missing_keys) - tied:
+    if result.unexpected_keys or set(result.missing_keys) - tied - set(packed):
         raise CheckpointShapeError(f"{part.label}: the layout left {sorted(result.missing_keys)[:_SHOWN]} unset")
+    gguf_load.attach(model, packed)
     if tied:
         model.tie_weights()
     return model.eval()

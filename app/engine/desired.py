@@ -28,7 +28,8 @@ class Desired:
     model: str | None = None  # checkpoint name relative to the checkpoint folder
     dtype: str = "auto"  # the request ("auto", "fp16", …), resolved per device by placement
     offload: str = "none"
-    weights: str = "full"  # "full", "fp8": the large weights rest in 8 bits, "fp8-compute": and run fp8 matmuls
+    weights: str = "full"  # "full", "fp8": the large weights rest in 8 bits, "fp8-compute": and run fp8 matmuls,
+    # "int8": they rest as int8 rows with a float32 scale each
     loras: tuple[LoraSpec, ...] = ()
 
     def replace(self, **changes) -> Desired:

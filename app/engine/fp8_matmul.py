@@ -37,11 +37,11 @@ from collections.abc import Callable
 import torch
 from torch.utils._triton import has_triton
 
+from app.engine.codecs import SCALE  # the per-row float32 scales, a buffer of each fp8-matmul layer
 from app.hooks import ModelHook
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-SCALE = "weight_scale"  # the per-row float32 scales, a buffer of each fp8-matmul layer
 ALIGN = 16  # in and out features must be multiples of this (CUDA's fp8 GEMM alignment)
 OUT_DTYPE = torch.bfloat16  # the dtype the row-wise fp8 kernels write
 _TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row: its quantised values stay 0

@@ -140,7 +140,8 @@ class ModelLifecycle(Placing, ControlNetSlot):
                            dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
                            storage.bytes_saved(pipe, loaded.stored, pipe.compute_dtypes),
                            loaded.stack.backup_summary(), len(loaded.matmul), loaded.matmul.unfit_summary(),
-                           pipe.family.label + (" inpainting" if pipe.family.inpainting(pipe) else ""))
+                           pipe.family.label + (" inpainting" if pipe.family.inpainting(pipe) else ""),
+                           storage.codec_counts(loaded.stored), storage.resting_bytes(pipe, loaded.stored))
 
     def rows(self, violations) -> tuple[diagnostics.ModuleRow, ...]:
         """Diagnostics' rows, one per module. Built after the verify that ends every transition: with no
@@ -160,12 +161,14 @@ class ModelLifecycle(Placing, ControlNetSlot):
         if last is not None and last[0] == key:
             return last[1]
         args = (loaded.model.pipe, plan, patched, list(violations), loaded.hooks)
+        packed = storage.packed_names(loaded.stored)
         with phase("placement rows"):
             if written is not None and last is not None:  # kept rows hold no violation (see `shown` below)
-                fresh = {(r.component, r.module): r for r in diagnostics.placement_rows(*args, modules=written)}
+                fresh = {(r.component, r.module): r
+                         for r in diagnostics.placement_rows(*args, modules=written, packed=packed)}
                 rows = tuple(fresh.get((r.component, r.module), r) for r in last[1])
             else:
-                rows = diagnostics.placement_rows(*args)
+                rows = diagnostics.placement_rows(*args, packed=packed)
         loaded.shown = None if violations else (key, rows)
         return rows
 

@@ -49,6 +49,7 @@ from app.engine.file_scans import FileScans
 from app.engine.part_choices import PartFiles
 from app.families import FAMILIES, family, family_of_pipeline
 from app.families.ldm_layout import UNET_PREFIX
+from app.gguf_files import is_gguf
 from app.safetensors_files import FileFacts, FileIdentity, SafetensorsFileError, read_shapes
 
 logger = logging.getLogger(__name__)
@@ -157,16 +158,22 @@ def checkpoint_arch(info: CheckpointInfo) -> str:
                                  "diffusion_pytorch_model.safetensors) in the folder")
         arch = _folder_arch(info)
     else:
-        keys, _metadata = read_safetensors_header(info.path)
+        keys, metadata = read_safetensors_header(info.path)
         try:
             arch = detect_architecture(keys)
         except UnknownArchitectureError as exc:
-            raise UnknownArchitectureError(f"{info.name}: {exc}") from exc
+            said = metadata.get("general.architecture")  # GGUF's own field: shown, never trusted
+            told = f" (its GGUF architecture field says {said!r}; families are told by tensor names and shapes)" \
+                if said else ""
+            raise UnknownArchitectureError(f"{info.name}: {exc}{told}") from exc
     fam = family(arch)
     if info.kind not in fam.layouts:
         loads = " or ".join(_LAYOUT_NAMES[layout] for layout in fam.layouts)
         raise ModelLoadError(f"{info.name}: a {fam.label} checkpoint, but {fam.label} loads from {loads} only, "
                              f"not from {_LAYOUT_NAMES[info.kind]}")
+    if info.kind == "file" and is_gguf(info.path) and not fam.parts:
+        raise UnsupportedCheckpointFormatError(f"{info.name}: .gguf files are read for families assembled from "
+                                               f"parts (a transformer-only file); {fam.label} is not one")
     return arch
 
 

@@ -10,6 +10,7 @@ step here owns its undo: a failed move puts the previous mode back, or raises `R
 
 from __future__ import annotations
 
+import logging
 import time
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -18,6 +19,8 @@ import torch
 
 from app.engine import compiled, offload, placement, storage, strict
 from app.hooks import HookRegistry
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from app.engine.lifecycle import _Loaded
@@ -62,7 +65,8 @@ class Placing:
             return
         self._release_hooks(loaded)
         self._parked = offload.plan_for(loaded.model.pipe, loaded.plan.dtype, torch.device("cpu"), "none",
-                                        stored=loaded.stored, kept=loaded.matmul.kept())
+                                        stored=storage.dtypes(loaded.stored),
+                                        kept=storage.kept(loaded.stored, loaded.matmul))
         placement.apply_plan(loaded.model.pipe, self._parked, reason=reason)
 
     def unpark(self) -> None:
@@ -78,7 +82,7 @@ class Placing:
         rest = self._settings.rest_dtype
         conv_format = torch.channels_last if self._settings.channels_last else None
         return offload.plan_for(pipe, dtype, self._device, mode, None if rest is None else placement.DTYPES[rest],
-                                stored, conv_format, matmul.kept())
+                                storage.dtypes(stored), conv_format, storage.kept(stored, matmul))
 
     def _place(self, pipe, plan: placement.PlacementPlan, hooks: HookRegistry, reason: str) -> offload.OffloadStrategy:
         """Apply a plan and install its offload strategy; on failure no hook of it stays behind."""
@@ -115,7 +119,10 @@ class Placing:
         fused weights are written in place, so compiled graphs stay valid without a recompile."""
         compiled.disable(loaded.model.pipe)
         loaded.compile = None
-        if self._settings.compile and not loaded.stored:  # 8-bit weights widen in hooks: eager only
+        if self._settings.compile and loaded.stored:
+            log.info("--compile: the denoiser runs eager: %s rest in storage codecs, widened in a hook per "
+                     "forward that a compiled graph would bake in", ", ".join(storage.codec_counts(loaded.stored)))
+        if self._settings.compile and not loaded.stored:  # stored weights widen in hooks: eager only
             loaded.compile = compiled.enable(loaded.model.pipe, offload=loaded.plan.offload, device=self._device,
                                              mode=self._settings.compile_mode, backend=self._settings.compile_backend,
                                              cache_dir=self._settings.compile_cache_dir,

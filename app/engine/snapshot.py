@@ -107,6 +107,8 @@ class Snapshot:
     bytes_saved: int = 0  # by them, against the compute dtype
     matmul_layers: int = 0  # of them, computed as fp8 matmuls (fp8-compute)
     matmul_unfit: tuple[str, ...] = ()  # why the others widen instead: "n × reason", most first
+    stored_as: tuple[str, ...] = ()  # layers per codec, most first: "120 × gguf Q4_K"
+    resting_bytes: int = 0  # what the stored weights rest in, scales included
     loras: tuple[LoraSpec, ...] = ()  # applied to the model now
     lora_states: tuple[LoraState, ...] = ()  # every wanted LoRA: applied, set aside or disabled, and why
     lora_mode: str = "fused"  # "fused", "bypass" or "fused + bypass"
@@ -158,6 +160,8 @@ class LoadedFacts:
     matmul_layers: int = 0  # stored layers computed as fp8 matmuls
     matmul_unfit: tuple[str, ...] = ()  # why the other stored layers widen instead (MatmulLayers.unfit_summary)
     label: str = ""  # what the page calls it: the family's label, "SD1.5 inpainting" for an inpainting checkpoint
+    stored_as: tuple[str, ...] = ()  # layers per codec (storage.codec_counts)
+    resting_bytes: int = 0  # what the stored weights rest in (storage.resting_bytes)
 
 
 def lora_states(wanted: tuple[LoraSpec, ...], facts: LoadedFacts | None,
@@ -197,4 +201,5 @@ def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFa
                     defaults=facts.defaults, dtype=placement.dtype_name(facts.dtype), loras=facts.loras,
                     lora_mode=facts.lora_mode, embeddings=facts.embeddings, stored_layers=facts.stored_layers,
                     bytes_saved=facts.bytes_saved, lora_backups=facts.lora_backups, matmul_layers=facts.matmul_layers,
-                    matmul_unfit=facts.matmul_unfit, **common)
+                    matmul_unfit=facts.matmul_unfit, stored_as=facts.stored_as, resting_bytes=facts.resting_bytes,
+                    **common)

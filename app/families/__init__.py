@@ -145,6 +145,9 @@ class ComponentFile:
     layout: Callable[[Any], Layout]  # model -> {model key: FileTensor (no prefix)}
     folder: str | None = None  # Settings property of the folder holding separate files
     config_class: type[PretrainedConfig] | None = None  # None: a diffusers model (`load_config`)
+    # A `.gguf` file of this part written by llama.cpp's converter names tensors its own way: (regex, replacement)
+    # rules, each matched against a whole name, that rewrite them to the model's (app/engine/component_files.py)
+    gguf_names: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,16 @@ _T5 = TextEncoder("text_encoder_2", "tokenizer_2", T5EncoderModel, "text_encoder
                   tokenizer_class=T5TokenizerFast, tokenizer_dir=T5_TOKENIZER_DIR, chunked=False)
 
 
+# llama.cpp's names for a T5 encoder in a `.gguf` (city96's t5-v1_1-xxl-encoder files)
+T5_GGUF_NAMES = (
+    (r"token_embd\.weight", "shared.weight"), (r"enc\.output_norm\.weight", "encoder.final_layer_norm.weight"),
+    *((rf"enc\.blk\.(\d+)\.{theirs}\.weight", rf"encoder.block.\1.layer.{ours}.weight") for theirs, ours in (
+        ("attn_norm", "0.layer_norm"), ("attn_q", "0.SelfAttention.q"), ("attn_k", "0.SelfAttention.k"),
+        ("attn_v", "0.SelfAttention.v"), ("attn_o", "0.SelfAttention.o"),
+        ("attn_rel_b", "0.SelfAttention.relative_attention_bias"), ("ffn_norm", "1.layer_norm"),
+        ("ffn_gate", "1.DenseReluDense.wi_0"), ("ffn_up", "1.DenseReluDense.wi_1"),
+        ("ffn_down", "1.DenseReluDense.wo"))),
+)
 _PARTS = (
     ComponentFile("transformer", "transformer", FluxTransformer2DModel, ("model.diffusion_model.", ""),
                   "double_blocks.0.img_attn.qkv.weight", transformer_layout),
@@ -129,7 +139,7 @@ _PARTS = (
                   clip_layout, folder="text_encoder_dir", config_class=CLIPTextConfig),
     ComponentFile("text_encoder_2", "T5-XXL text encoder (t5xxl_fp16.safetensors)", T5EncoderModel,
                   (_T5.single_file_prefix, ""), "encoder.block.0.layer.0.SelfAttention.q.weight", own_names,
-                  folder="text_encoder_dir", config_class=T5Config),
+                  folder="text_encoder_dir", config_class=T5Config, gguf_names=T5_GGUF_NAMES),
     FLUX_VAE_PART,
 )
 

@@ -64,6 +64,15 @@ QWEN3 = TextEncoder("text_encoder", "tokenizer", Qwen3Model, "text_encoders.qwen
                     tokenizer_class=BundledQwen3Tokenizer, tokenizer_dir=QWEN3_TOKENIZER_DIR, reads="text",
                     chunked=False, chat_template=MappingProxyType({"enable_thinking": True}))
 QWEN3_PINNED = {"text_encoder.rotary_emb.*inv_freq": torch.float32}
+# llama.cpp's names for Qwen3 in a `.gguf` (its converter writes q and k unpermuted for this architecture)
+QWEN3_GGUF_NAMES = (
+    (r"token_embd\.weight", "embed_tokens.weight"), (r"output_norm\.weight", "norm.weight"),
+    *((rf"blk\.(\d+)\.{theirs}\.(weight|bias)", rf"layers.\1.{ours}.\2") for theirs, ours in (
+        ("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+        ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"), ("attn_q_norm", "self_attn.q_norm"),
+        ("attn_k_norm", "self_attn.k_norm"), ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"),
+        ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"))),
+)
 QWEN3_PART = ComponentFile("text_encoder", "Qwen3 text encoder (qwen_3_4b.safetensors)", Qwen3Model,
                            (QWEN3.single_file_prefix, "model.", ""), "layers.0.self_attn.q_proj.weight", own_names,
-                           folder="text_encoder_dir", config_class=Qwen3Config)
+                           folder="text_encoder_dir", config_class=Qwen3Config, gguf_names=QWEN3_GGUF_NAMES)

@@ -104,8 +104,8 @@ def _state_endpoints(ctx: UiContext) -> None:
 
     @gr.api(api_name="set_weights", concurrency_id="loras")
     def set_weights(weights: str, request: gr.Request = None) -> dict:
-        """Admin only (engine-wide): weight storage full, fp8 (large weights rest in 8 bits) or fp8-compute (and
-        Linear layers run as fp8 matmuls, CUDA sm89+ or CPU); reloads."""
+        """Admin only (engine-wide): weight storage full, fp8 (large weights rest in 8 bits), fp8-compute (and
+        Linear layers run as fp8 matmuls, CUDA sm89+ or CPU) or int8 (int8 rows, a scale each); reloads."""
         return _change(ctx, "set_weights", lambda: engine.set_weights(weights), request, admin=True)
 
     @gr.api(api_name="set_model_parts", concurrency_id="loras")

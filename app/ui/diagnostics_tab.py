@@ -53,7 +53,8 @@ def refresh(ctx: UiContext, engine: int | None, component: str, text: str, only_
     components = ["all", *dict.fromkeys(r.component for r in snap.placement)]
     shown = f"showing {len(rows)} of {matching} matching modules ({len(snap.placement)} total)"
     storage = diagnostics.storage_summary(snap.weights, snap.stored_layers, snap.bytes_saved, snap.dtype,
-                                          matmul_layers=snap.matmul_layers, matmul_unfit=snap.matmul_unfit)
+                                          matmul_layers=snap.matmul_layers, matmul_unfit=snap.matmul_unfit,
+                                          stored_as=snap.stored_as, resting_bytes=snap.resting_bytes)
     return [
         f"{views.status_html(snap)}<div class='sd-muted' id='sd-diag-updated'>updated {time.strftime('%H:%M:%S')}"
         f" · {mem_text}</div>",

@@ -1,4 +1,4 @@
-"""The model options beside the checkpoint: weight storage (full / fp8) and, for families that
+"""The model options beside the checkpoint: weight storage (full / fp8 / int8) and, for families that
 assemble a checkpoint from separate files (Flux), which text-encoder and VAE files it uses.
 
 The engine decides and remembers (`Engine.set_weights`, `Engine.set_model_parts`, the choices file
@@ -80,7 +80,8 @@ def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdow
         with user_errors("Changing the weight storage", ctx.settings.data_dir):
             require_admin(ctx.account(request), "Changing the weight storage")
             snap = run_with_progress(engine, lambda: engine.set_weights(weights), progress)
-        saved = f"; {snap.stored_layers} layers in 8 bits save {snap.bytes_saved / 2**20:.0f} MiB"
+        held = ", ".join(snap.stored_as)
+        saved = f"; {snap.stored_layers} layers stored ({held}) save {snap.bytes_saved / 2**20:.0f} MiB"
         return f"weights now **{snap.weights}**{saved if snap.stored_layers else ''}"
 
     def picker(component: str):

@@ -39,7 +39,7 @@ from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import adapter_state_digests, write_demo_loras
 from app.controlnet.units import ControlUnit
-from app.demo import build_tiny_pipeline
+from app.demo import build_tiny_pipeline, component_configs
 from app.engine import checkpoint_files, compiled, fp8_matmul, models, offload, placement
 from app.engine.detailing import DetailParams, DetailPass
 from app.engine.generate import GenerateParams, denoise
@@ -48,8 +48,9 @@ from app.engine.worker import Engine
 from app.families import FAMILIES, family
 from app.prompts.notes import prompt_notes
 from app.report import build_bug_report
-from app.settings import Settings
+from app.settings import OFFLOAD_CHOICES, Settings
 from app.ui import views
+from benchmarks.gguf_writer import write_gguf
 
 CONFORMING = [*FAMILIES, toy_family.NAME]
 STRENGTH = 0.8
@@ -103,6 +104,25 @@ def fp8(data):
     eng = _moving(data, "fp8")
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="module")
+def int8(data):
+    """As `moving`, the large weights stored as int8 rows with a float32 scale each (issue 40)."""
+    eng = _moving(data, "int8")
+    yield eng
+    eng.close()
+
+
+def gguf_checkpoint(data, arch: str) -> str:
+    """The family's demo model written as an all-in-one `.gguf` (benchmarks/gguf_writer.py: Q8_0 and Q4_0
+    where rows are whole blocks, the rest F32), on first use; its name under models/Stable-diffusion."""
+    name = f"tiny-{arch}-q.gguf"
+    target = data / "models/Stable-diffusion" / name
+    if not target.exists():
+        pipe = build_tiny_pipeline(arch)
+        write_gguf(family(arch).single_file_state(pipe), target, ("Q8_0", "Q4_0"), component_configs(pipe, arch))
+    return name
 
 
 @pytest.fixture(scope="module")
@@ -356,31 +376,41 @@ def test_every_offload_mode_with_rest_dtype_other_than_compute_dtype(moving, arc
     moving.set_loras([])
 
 
-@pytest.mark.parametrize("weights", ["fp8", "fp8-compute"])
-def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_streamed_modes(weights, arch, request):
+STORED_DTYPES = (placement.STORAGE_DTYPES["fp8"], torch.int8, torch.uint8)  # fp8, int8, GGUF's packed bytes
+_STORAGE_ENGINES = {"fp8": "fp8", "fp8-compute": "fp8_compute", "int8": "int8", "gguf": "moving"}
+
+
+@pytest.mark.parametrize("weights", ["fp8", "fp8-compute", "int8", "gguf"])
+def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_streamed_modes(weights, arch, request,
+                                                                                         data):
     """fp8 weights with a LoRA (a bypass: nothing is fused into 8 bits): the family's sensitive layers
     (`high_precision`) stay in bf16; with nothing moved, whole components moved and blocks streamed,
     the image is the same within rounding, the stored bytes never change, zero violations. With
-    fp8-compute (issue 41) the same, its fp8-matmul layers' float32 scales unchanged too."""
-    fp8 = request.getfixturevalue("fp8" if weights == "fp8" else "fp8_compute")
-    snap = fp8.load_model(checkpoint(arch))
+    fp8-compute (issue 41) the same, its fp8-matmul layers' float32 scales unchanged too. int8 and GGUF
+    (issue 40) the same in every offload mode: int8 rows with their float32 scales; a DiT family's GGUF
+    file's packed layers (the file chose them, sensitive ones included where their rows fit)."""
+    if weights == "gguf" and not family(arch).parts:
+        pytest.skip(f"{family(arch).label} is not assembled from parts: .gguf files are refused for it")
+    fp8 = request.getfixturevalue(_STORAGE_ENGINES[weights])
+    snap = fp8.load_model(gguf_checkpoint(data, arch) if weights == "gguf" else checkpoint(arch))
     assert snap.stored_layers > 0
     assert (snap.matmul_layers > 0) == (snap.weights == "fp8-compute")
     assert fp8.set_loras([LoraSpec(f"demo-style-{arch}", 0.8)]).lora_mode == "bypass"
     stored = {f"{c}.{p}": t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
-              if t.dtype == placement.STORAGE_DTYPES["fp8"]}
+              if t.dtype in STORED_DTYPES and n == "weight"}
     scales = {f"{c}.{p}": t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
               if n == fp8_matmul.SCALE}
-    sensitive = family(arch).precision.high_precision
+    sensitive = () if weights == "gguf" else family(arch).precision.high_precision
     assert len(stored) == snap.stored_layers and not [k for k in stored if set(k.split(".")) & set(sensitive)]
-    assert len(scales) == snap.matmul_layers and all(t.dtype == torch.float32 for t in scales.values())
+    assert len(scales) == (snap.stored_layers if weights == "int8" else snap.matmul_layers)
+    assert all(t.dtype == torch.float32 for t in scales.values())
     images = {}
-    for mode in ("none", "model", "group"):
+    for mode in ("none", "model", "group") if weights.startswith("fp8") else OFFLOAD_CHOICES:
         fp8.set_offload(mode)
         images[mode] = pixels(fp8.generate(params(arch)))
         assert fp8.snapshot().violations_found_total == 0, mode
     now = {f"{c}.{p}": t for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
-           if t.dtype == placement.STORAGE_DTYPES["fp8"]}
+           if t.dtype in STORED_DTYPES and n == "weight"}
     assert now.keys() == stored.keys() and all(torch.equal(now[k].view(torch.uint8), v.view(torch.uint8))
                                                for k, v in stored.items())
     now = {f"{c}.{p}": t for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline) if n == fp8_matmul.SCALE}
