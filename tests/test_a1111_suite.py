@@ -121,9 +121,10 @@ def _post(url: str, body: dict) -> dict:
 def test_a1111_txt2img_requests(base, arch, variant):
     """test_txt2img.py: each request answers 200 with its images at the asked size, and did what it asked."""
     changes = TXT2IMG_VARIANTS[variant]
-    if changes.get("enable_hr") and _refused_by_name(f"{base}/txt2img", {**TXT2IMG, **changes}, arch, "img2img", "hires fix"):
+    body = {**TXT2IMG, **changes}
+    if changes.get("enable_hr") and _refused_by_name(f"{base}/txt2img", body, arch, "img2img", "hires fix"):
         return
-    out = _post(f"{base}/txt2img", {**TXT2IMG, **changes})
+    out = _post(f"{base}/txt2img", body)
     info = json.loads(out["info"])
     count = changes.get("n_iter", 1) * changes.get("batch_size", 1)
     scale = 2 if changes.get("enable_hr") else 1
