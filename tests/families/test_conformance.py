@@ -395,7 +395,10 @@ def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_strea
     snap = fp8.load_model(gguf_checkpoint(data, arch) if weights == "gguf" else checkpoint(arch))
     assert snap.stored_layers > 0
     assert (snap.matmul_layers > 0) == (snap.weights == "fp8-compute")
-    assert fp8.set_loras([LoraSpec(f"demo-style-{arch}", 0.8)]).lora_mode == "bypass"
+    # a GGUF file packs the denoiser only: a LoRA's text-encoder layers (Qwen-Image's demo LoRA has some) fuse
+    # into the encoder's full-precision weights; the packed bytes below still never change
+    modes = ("bypass", "bypass + fused") if weights == "gguf" else ("bypass",)
+    assert fp8.set_loras([LoraSpec(f"demo-style-{arch}", 0.8)]).lora_mode in modes
     stored = {f"{c}.{p}": t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
               if t.dtype in STORED_DTYPES and n == "weight"}
     scales = {f"{c}.{p}": t.clone() for c, p, _m, n, t, _ in placement.iter_tensors(fp8.pipeline)
