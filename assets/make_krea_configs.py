@@ -21,20 +21,16 @@ from pathlib import Path
 
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
 from make_flux_configs import _diffusers_config, _write
+from make_qwen_image_configs import QWEN3_VL_8B
 from transformers import Qwen3VLConfig
 
 OUT = Path(__file__).resolve().parent / "configs" / "krea-2"
-QWEN3_VL_4B = Qwen3VLConfig(
-    text_config=dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-                     rms_norm_eps=1e-6, attention_bias=False, bos_token_id=151643, eos_token_id=151645,
-                     rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
-                                          mrope_interleaved=True)),
-    vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
-                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
-                       deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh", in_channels=3),
-    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-    tie_word_embeddings=True, architectures=["Qwen3VLModel"])
+# Qwen3-VL-8B's (Qwen-Image 2.1's) but for its widths, vision depth and DeepStack layers
+QWEN3_VL_4B = Qwen3VLConfig(**{
+    **QWEN3_VL_8B.to_dict(), "architectures": ["Qwen3VLModel"],
+    "text_config": {**QWEN3_VL_8B.text_config.to_dict(), "hidden_size": 2560, "intermediate_size": 9728},
+    "vision_config": {**QWEN3_VL_8B.vision_config.to_dict(), "depth": 24, "hidden_size": 1024,
+                      "intermediate_size": 4096, "out_hidden_size": 2560, "deepstack_visual_indexes": [5, 11, 17]}})
 MODEL_INDEX = {
     "_class_name": "Krea2Pipeline",
     "text_encoder_select_layers": list(range(2, 36, 3)),

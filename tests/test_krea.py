@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from diffusers import Krea2Pipeline
 from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
-from peft import LoraConfig
 from safetensors.torch import save_file
 
 from app.adapters.prompt import parse_prompt_loras
 from app.adapters.specs import LoraSpec
-from app.adapters.synthetic import adapter_state_digests
 from app.demo import build_tiny_pipeline
 from app.engine.generate import GenerateParams
 from app.families import family
 from tests import family_files as kit
 from tests.families.test_latent_formats import _pipeline_lines
-from tests.lora_tools import expected_deltas, peft_copy
 from tests.weight_digest import weights_digest
 
 ARCH = "krea-2"
@@ -52,20 +49,13 @@ def test_txt2img_equals_krea2_pipeline_without_and_with_cfg(eng, oracle):
     (Krea's guidance 2: `cond + 2·(cond − uncond)`, A1111's CFG 3) give diffusers' pixels exactly; the negative
     prompt changes the image. The base model's defaults are the model card's 28 steps at guidance 4.5."""
     assert eng.load_model(FILE).defaults == (28, 5.5)
-    assert np.array_equal(kit.ours(eng.generate(params())), theirs(oracle, params()))
-    eng.load_model(FOLDER)
-    cfg = params(cfg=3.0, negative_prompt="blurry", batch=2)
-    made = kit.ours(eng.generate(cfg))
-    assert np.array_equal(made, theirs(oracle, cfg))
-    assert not np.array_equal(made, kit.ours(eng.generate(params(cfg=3.0, negative_prompt="sharp", batch=2))))
+    kit.equals_oracle_without_and_with_cfg(eng, oracle, theirs, FILE, FOLDER)
 
 
 def test_decode_statistics_are_krea2_pipelines_arithmetic_bit_for_bit():
     """`Krea2Pipeline.__call__`'s de-normalising lines, run as diffusers writes them on the bundled VAE config's
     per-channel statistics, equal the family's latent format (Qwen-Image's VAE: the std as its reciprocal) bit for
     bit; the plain `x * std` rule is a grey level off now and then, which a 64² image may not show."""
-    from diffusers import Krea2Pipeline
-
     config = SimpleNamespace(**json.loads((family(ARCH).config_dir / "vae" / "config.json").read_text()))
     pipe = SimpleNamespace(vae=SimpleNamespace(config=config))
     latents = 3 * torch.randn(2, config.z_dim, 1, 16, 16, generator=torch.Generator().manual_seed(0))
@@ -115,10 +105,9 @@ def test_krea_file_names_are_diffusers_converters_and_comfyui_separate_files_loa
 
 
 # ------------------------------------------------------------------------------------ LoRA formats
-def _kohya(transformer, comfy: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A LoRA on Krea's module names (alpha 2 at rank 4), as kohya/musubi write it (`lora_unet_blocks_0_attn_wq`,
-    lora_down/up, alpha) or as ComfyUI and Krea's trainer do (`diffusion_model.…`, lora_A/B, alpha folded into the
-    down factor); and the float64 ΔW per diffusers module."""
+def _trainer_lora(data, transformer, layout: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """A LoRA on Krea's module names (alpha 2 at rank 4) written as kohya/musubi or ComfyUI and Krea's trainer
+    write it (`kit.trainer_keys`) to models/Lora; its name and the float64 ΔW per diffusers module."""
     layers = {"blocks.0.attn.wq": "transformer_blocks.0.attn.to_q", "blocks.1.mlp.down": "transformer_blocks.1.ff.down",
               "txtfusion.refiner_blocks.0.attn.gate": "text_fusion.refiner_blocks.0.attn.to_gate",
               "tproj.1": "time_mod_proj"}
@@ -126,29 +115,10 @@ def _kohya(transformer, comfy: bool) -> tuple[dict[str, torch.Tensor], dict[str,
     for i, (name, path) in enumerate(layers.items()):
         linear = transformer.get_submodule(path)
         down, up = kit.lora_factors(linear.out_features, linear.in_features, 4, i)
-        if comfy:
-            state |= {f"diffusion_model.{name}.lora_A.weight": down * 0.5, f"diffusion_model.{name}.lora_B.weight": up}
-        else:
-            key = "lora_unet_" + name.replace(".", "_")
-            state |= {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(2.0)}
+        state |= kit.trainer_keys(name, down, up, comfy=layout == "ComfyUI")
         deltas[path] = (2.0 / 4) * up.double() @ down.double()
-    return state, deltas
-
-
-def _peft(data, transformer) -> tuple[str, dict[str, torch.Tensor]]:
-    """A PEFT LoRA (rank 4, alpha 8, alpha 3 on the MLP output) saved by diffusers' own `save_lora_weights`
-    with its LoraConfig as adapter metadata."""
-    from diffusers import Krea2Pipeline
-    from peft.utils import get_peft_model_state_dict
-
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "ff.up", "ff.down"],
-                        alpha_pattern={"ff.down": 3})
-    module = peft_copy(transformer, config, seed=3)
-    folder = data / "peft-save"
-    Krea2Pipeline.save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(module),
-                                    transformer_lora_adapter_metadata=config.to_dict())
-    shutil.copyfile(folder / "pytorch_lora_weights.safetensors", data / "models/Lora" / "krea-peft.safetensors")
-    return "krea-peft", {path: d for (_c, path), d in expected_deltas({"transformer": module}).items()}
+    save_file(state, str(data / "models/Lora" / f"krea-{layout.lower()}.safetensors"))
+    return f"krea-{layout.lower()}", deltas
 
 
 @pytest.mark.parametrize("layout", ["diffusers PEFT", "kohya", "ComfyUI"])
@@ -157,27 +127,10 @@ def test_lora_formats_fuse_to_the_formula_on_exactly_their_modules_and_come_off(
     names land on diffusers' modules, the text fusion's and the shared modulation's included); removing it gives
     every tensor back bit for bit."""
     eng.load_model(FILE)
-    transformer = eng.pipeline.transformer
-    if layout == "diffusers PEFT":
-        name, deltas = _peft(data, oracle.transformer)
-    else:
-        state, deltas = _kohya(transformer, comfy=layout == "ComfyUI")
-        name = f"krea-{layout.lower()}"
-        save_file(state, str(data / "models/Lora" / f"{name}.safetensors"))
-    before = {k: v.clone() for k, v in transformer.state_dict().items()}
-    digests = adapter_state_digests(eng.pipeline)
-    assert eng.inspect_lora(name).unmatched_keys == 0
-    eng.set_loras([LoraSpec(name, W)])
-    after = transformer.state_dict()
-    for key, w0 in before.items():
-        path = key.removesuffix(".weight")
-        if path in deltas:
-            expected = (w0.double() + W * deltas[path]).float()
-            torch.testing.assert_close(after[key], expected, rtol=2e-6, atol=2e-7, msg=path)
-        else:
-            assert torch.equal(after[key], w0), key
-    eng.set_loras([])
-    assert adapter_state_digests(eng.pipeline) == digests
+    name, deltas = (kit.saved_peft_lora(data, Krea2Pipeline, oracle.transformer, ["to_q", "to_v", "ff.up", "ff.down"],
+                                        "krea-peft") if layout == "diffusers PEFT"
+                    else _trainer_lora(data, eng.pipeline.transformer, layout))
+    kit.fuses_to_the_formula(eng, name, deltas, W)
 
 
 @pytest.mark.parametrize("weights", ["full", "fp8"])
@@ -185,9 +138,8 @@ def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_model_generates(data, weights)
     """An fp32 kohya LoRA on the model computing in bf16 (weights bf16 with the fp32-pinned norm scales, or fp8
     with bypass forwards) generates with no dtype error, changes the image, zero violations, and comes off leaving
     the stored bytes as they were."""
-    lora = _kohya(build_tiny_pipeline(ARCH).transformer, comfy=False)[0]
-    save_file(lora, str(data / "models/Lora" / "krea-fp32.safetensors"))
-    kit.fp32_lora_generates(data, FILE, "krea-fp32", params(), weights)
+    name = _trainer_lora(data, build_tiny_pipeline(ARCH).transformer, "kohya")[0]
+    kit.fp32_lora_generates(data, FILE, name, params(), weights)
 
 
 def test_a_scheduled_lora_runs_its_strength_step_by_step_and_leaves_the_model_exact(eng):
