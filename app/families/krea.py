@@ -24,7 +24,17 @@ import torch
 from diffusers import AutoencoderKLQwenImage, Krea2Pipeline, Krea2Transformer2DModel
 from transformers import Qwen3VLConfig, Qwen3VLModel
 
-from app.families import ASSETS_DIR, DEMO_SIDE, Adapters, ComponentFile, Family, Precision, TestKit, TextEncoder
+from app.families import (
+    ASSETS_DIR,
+    DEMO_SIDE,
+    Adapters,
+    BenchSpec,
+    ComponentFile,
+    Family,
+    Precision,
+    TestKit,
+    TextEncoder,
+)
 from app.families.file_layout import own_names
 from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING
 from app.families.krea_layout import lora_aliases, transformer_layout
@@ -86,6 +96,21 @@ _DEMO_LORA_TARGETS = (
 )
 
 
+def _call_inputs(_fam, cfg, rows: int, latent_side: int, empty) -> dict:
+    """One transformer call for the bench's op counts: 2×2 latent patches as a sequence, the twelve tapped states
+    of the 512-token padded prompt and its mask, 3 position axes over text and image (its shapes are static: it
+    counts on the meta device)."""
+    tokens, text = (latent_side // 2) ** 2, 512
+    return {"hidden_states": empty(rows, tokens, cfg.in_channels),
+            "encoder_hidden_states": empty(rows, text, cfg.num_text_layers, cfg.text_hidden_dim),
+            "timestep": empty(rows), "position_ids": empty(text + tokens, 3), "return_dict": False}
+
+
+# The bench LoRAs' layers: attention projections (gate included) and the SwiGLU in every block.
+_BENCH = BenchSpec(1024, _call_inputs,
+                   r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_gate|to_out\.0)|ff\.(gate|up|down))$")
+
+
 def _groups(component: str, module: torch.nn.Module) -> list[torch.nn.Module] | None:
     """`group` offload's groups: `Qwen3VLModel` embeds the prompt itself (its `language_model.embed_tokens`)
     before it calls its language model, so the language model's parts are groups of their own; elsewhere the
@@ -142,5 +167,5 @@ KREA_2 = Family(
         pinned_dtypes={**QWEN3_VL_PINNED, "transformer.*norm*": torch.float32}),
     adapters=Adapters(markers=("krea-2", "krea_2", "krea2"), native_modules=lora_aliases),
     test_kit=TestKit(tiny_configs=_TINY, tiny_trained=_trained_like, lora_targets=_LORA_TARGETS,
-                     demo_lora_targets=_DEMO_LORA_TARGETS))
+                     demo_lora_targets=_DEMO_LORA_TARGETS, bench=_BENCH))
 FAMILIES = (KREA_2,)
