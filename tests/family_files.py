@@ -1,8 +1,8 @@
 """What a family's own test file (tests/test_klein.py, tests/test_qwen_image.py) builds alike: its module-scoped
 fixtures (`data`: the demo's files of the module's `ARCH` on hard links; `eng`: a strict CPU engine on them;
 `oracle`: diffusers' own pipeline on the same weights), the tiny single file's tensors and configs, ComfyUI's
-separate files (fp8 with `weight_scale` for the transformer), LoRA factors, reference pictures, and the
-fp32-LoRA-on-bf16/fp8 check. A test module imports the fixtures by name and states `ARCH`."""
+separate files (fp8 with `weight_scale` for the transformer), LoRA factors and the float64 fuse check, reference
+pictures, and the fp32-LoRA-on-bf16/fp8 check. A test module imports the fixtures by name and states `ARCH`."""
 
 from __future__ import annotations
 
@@ -65,6 +65,18 @@ def ours(images) -> np.ndarray:
     return np.stack([np.asarray(i.image) for i in images])
 
 
+def equals_oracle_without_and_with_cfg(eng, oracle, theirs, file: str, folder: str) -> None:
+    """`file` at CFG 1 and `folder` at CFG 3 with a negative prompt, batch 2, give `theirs(oracle, params)`'s
+    pixels exactly; the negative prompt changes the image."""
+    eng.load_model(file)
+    assert np.array_equal(ours(eng.generate(params())), theirs(oracle, params()))
+    eng.load_model(folder)
+    cfg = params(cfg=3.0, negative_prompt="blurry", batch=2)
+    made = ours(eng.generate(cfg))
+    assert np.array_equal(made, theirs(oracle, cfg))
+    assert not np.array_equal(made, ours(eng.generate(params(cfg=3.0, negative_prompt="sharp", batch=2))))
+
+
 def references() -> list[Image.Image]:
     """Two pictures of other sizes than the output, as users send them: a colour ramp and a flat colour."""
     ramp = np.linspace(0, 255, 64 * 96, dtype=np.float32).reshape(64, 96)
@@ -114,6 +126,56 @@ def lora_factors(out_features: int, in_features: int, rank: int, seed: int) -> t
     """(down, up) LoRA factors of a weight's order."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rank, in_features, generator=g) * 0.1, torch.randn(out_features, rank, generator=g) * 0.1
+
+
+def trainer_keys(name: str, down: torch.Tensor, up: torch.Tensor, comfy: bool) -> dict[str, torch.Tensor]:
+    """One layer's factors (alpha 2 at rank 4) as kohya/musubi write them over the file's module `name`
+    (`lora_unet_…`, lora_down/up, alpha) or as ComfyUI does (`diffusion_model.…`, lora_A/B, alpha folded into the
+    down factor)."""
+    if comfy:
+        return {f"diffusion_model.{name}.lora_A.weight": down * 0.5, f"diffusion_model.{name}.lora_B.weight": up}
+    key = "lora_unet_" + name.replace(".", "_")
+    return {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(2.0)}
+
+
+def saved_peft_lora(data: Path, pipeline_class, transformer, targets: list[str], name: str
+                    ) -> tuple[str, dict[str, torch.Tensor]]:
+    """A PEFT LoRA on `targets` (rank 4, alpha 8, alpha 3 on the last target) saved by diffusers' own
+    `pipeline_class.save_lora_weights` with its LoraConfig as adapter metadata, as LoRA `name`; and its float64
+    ΔW per transformer module."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from tests.lora_tools import expected_deltas, peft_copy
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, alpha_pattern={targets[-1]: 3})
+    module = peft_copy(transformer, config, seed=3)
+    folder = data / "peft-save"
+    pipeline_class.save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(module),
+                                     transformer_lora_adapter_metadata=config.to_dict())
+    shutil.copyfile(folder / "pytorch_lora_weights.safetensors", data / "models/Lora" / f"{name}.safetensors")
+    return name, {path: d for (_c, path), d in expected_deltas({"transformer": module}).items()}
+
+
+def fuses_to_the_formula(eng, name: str, deltas: dict[str, torch.Tensor], strength: float) -> None:
+    """LoRA `name` fused at `strength` on the loaded model: no unmatched key, every transformer module in `deltas`
+    (path -> float64 ΔW) is W0 + strength·ΔW, no other weight changes; removing it gives every tensor back bit
+    for bit."""
+    transformer = eng.pipeline.transformer
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    digests = adapter_state_digests(eng.pipeline)
+    assert eng.inspect_lora(name).unmatched_keys == 0
+    eng.set_loras([LoraSpec(name, strength)])
+    after = transformer.state_dict()
+    for key, w0 in before.items():
+        path = key.removesuffix(".weight")
+        if path in deltas:
+            expected = (w0.double() + strength * deltas[path]).float()
+            torch.testing.assert_close(after[key], expected, rtol=2e-6, atol=2e-7, msg=path)
+        else:
+            assert torch.equal(after[key], w0), key
+    eng.set_loras([])
+    assert adapter_state_digests(eng.pipeline) == digests
 
 
 def fp32_lora_generates(data: Path, checkpoint: str, lora: str, params, weights: str) -> None:

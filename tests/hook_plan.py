@@ -36,11 +36,12 @@ def _group_paths(pipe, name: str, component: torch.nn.Module) -> list[str]:
     the component itself where it owns tensors outside them), else the generic rule above (also on
     a holder that is no family's pipeline: the upscaler's)."""
     grouping = family_of(pipe).blocks if isinstance(pipe, DiffusionPipeline) else None
-    if grouping is None:
+    chosen = grouping(name, component) if grouping else None  # None: the generic rule for this component
+    if chosen is None:
         return [path for path, _block in _blocks(component)]
     paths = {id(m): p for p, m in component.named_modules()}
     own = [p for p, _block in _blocks(component) if p == ""]
-    return [paths[id(block)] for block in grouping(name, component)] + own
+    return [paths[id(block)] for block in chosen] + own
 
 
 def expected_hooks(pipe, mode: str, bypassed: set[Where] = frozenset(), stored: set[Where] = frozenset(),

@@ -331,7 +331,8 @@ def test_lora_targets_cover_each_familys_attention_and_feed_forward():
     and output, but not the final `proj_out` or the modulation layers; on FLUX.2 Klein 4B the 100 of its
     109 linears that are attention, feed-forward or the single blocks' fused input and output (FLUX.1's
     pattern found only the 40 double-block attention layers); on Z-Image Turbo 238 (attention and SwiGLU
-    in every block, refiners included). DiTs have no convs, so their third LoRA is a plain one."""
+    in every block, refiners included); on Krea 2 224 (28 blocks' attention with its gate and SwiGLU, not the
+    text fusion's). DiTs have no convs, so their third LoRA is a plain one."""
     from app.engine.checkpoint_shapes import meta_components
     from benchmarks.workload import lora_kinds, lora_targets
 
@@ -352,6 +353,7 @@ def test_lora_targets_cover_each_familys_attention_and_feed_forward():
             "transformer_blocks.4.ff.linear_in", "transformer_blocks.0.ff_context.linear_out"} <= klein
     assert not klein & {"proj_out", "context_embedder", "double_stream_modulation_img.linear"}
     assert len(lora_targets("zimage-turbo", denoiser("zimage-turbo"), True)) == 238
+    assert len(lora_targets("krea-2", denoiser("krea-2"), True)) == 224
 
 
 def test_flux_weight_sections_are_skipped_with_the_reason_not_shrunk(tmp_path):

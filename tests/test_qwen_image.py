@@ -15,15 +15,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig
 from safetensors.torch import save_file
 
 from app.adapters.specs import LoraSpec
-from app.adapters.synthetic import adapter_state_digests
 from app.demo import build_tiny_pipeline
 from app.engine.generate import GenerateParams
 from tests import family_files as kit
-from tests.lora_tools import expected_deltas, peft_copy
 
 ARCH = "qwen-image-2.1"
 FILE, FOLDER = f"tiny-{ARCH}.safetensors", f"tiny-{ARCH}-diffusers"
@@ -44,13 +41,7 @@ def theirs(pipe, p: GenerateParams, **inputs) -> np.ndarray:
 def test_txt2img_equals_qwen_image21_pipeline_without_and_with_cfg(eng, oracle):
     """The file at CFG 1 (no unconditional pass: the pipeline's default) and the folder at CFG 3 with a negative
     prompt (true CFG, A1111's formula) give diffusers' pixels exactly; the negative prompt changes the image."""
-    eng.load_model(FILE)
-    assert np.array_equal(kit.ours(eng.generate(params())), theirs(oracle, params()))
-    eng.load_model(FOLDER)
-    cfg = params(cfg=3.0, negative_prompt="blurry", batch=2)
-    made = kit.ours(eng.generate(cfg))
-    assert np.array_equal(made, theirs(oracle, cfg))
-    assert not np.array_equal(made, kit.ours(eng.generate(params(cfg=3.0, negative_prompt="sharp", batch=2))))
+    kit.equals_oracle_without_and_with_cfg(eng, oracle, theirs, FILE, FOLDER)
 
 
 def test_turbo_runs_its_authored_sigmas_at_their_step_count(eng, oracle, data):
@@ -116,33 +107,13 @@ def _kohya(transformer, comfy: bool) -> tuple[dict[str, torch.Tensor], dict[str,
     state, deltas = {}, {}
     for i, (name, (modules, out_f, in_f)) in enumerate(layers.items()):
         down, up = kit.lora_factors(out_f, in_f, 4, i)
-        if comfy:
-            state |= {f"diffusion_model.{name}.lora_A.weight": down * 0.5, f"diffusion_model.{name}.lora_B.weight": up}
-        else:
-            key = "lora_unet_" + name.replace(".", "_")
-            state |= {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(2.0)}
+        state |= kit.trainer_keys(name, down, up, comfy)
         delta = (2.0 / 4) * up.double() @ down.double()
         block_path = name.rpartition(".img_mlp")[0] if "img_mlp" in name else ""
         for j, module in enumerate(modules):
             path = f"{block_path}.{module}" if block_path else name
             deltas[path] = delta[j * (out_f // len(modules)):(j + 1) * (out_f // len(modules))]
     return state, deltas
-
-
-def _peft(data, transformer) -> tuple[str, dict[str, torch.Tensor]]:
-    """A PEFT LoRA (rank 4, alpha 8, alpha 3 on the MLP output) saved by diffusers' own `save_lora_weights`
-    with its LoraConfig as adapter metadata."""
-    from diffusers import QwenImage21Pipeline
-    from peft.utils import get_peft_model_state_dict
-
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "img_mlp.proj", "img_mlp.out"],
-                        alpha_pattern={"img_mlp.out": 3})
-    module = peft_copy(transformer, config, seed=3)
-    folder = data / "peft-save"
-    QwenImage21Pipeline.save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(module),
-                                          transformer_lora_adapter_metadata=config.to_dict())
-    shutil.copyfile(folder / "pytorch_lora_weights.safetensors", data / "models/Lora" / "qwen-peft.safetensors")
-    return "qwen-peft", {path: d for (_c, path), d in expected_deltas({"transformer": module}).items()}
 
 
 @pytest.mark.parametrize("layout", ["diffusers PEFT", "kohya", "ComfyUI"])
@@ -153,25 +124,15 @@ def test_lora_formats_fuse_to_the_formula_on_exactly_their_modules_and_come_off(
     eng.load_model(FILE)
     transformer = eng.pipeline.transformer
     if layout == "diffusers PEFT":
-        name, deltas = _peft(data, oracle.transformer)
+        from diffusers import QwenImage21Pipeline
+
+        name, deltas = kit.saved_peft_lora(data, QwenImage21Pipeline, oracle.transformer,
+                                           ["to_q", "to_v", "img_mlp.proj", "img_mlp.out"], "qwen-peft")
     else:
         state, deltas = _kohya(transformer, comfy=layout == "ComfyUI")
         name = f"qwen-{layout.lower()}"
         save_file(state, str(data / "models/Lora" / f"{name}.safetensors"))
-    before = {k: v.clone() for k, v in transformer.state_dict().items()}
-    digests = adapter_state_digests(eng.pipeline)
-    assert eng.inspect_lora(name).unmatched_keys == 0
-    eng.set_loras([LoraSpec(name, W)])
-    after = transformer.state_dict()
-    for key, w0 in before.items():
-        path = key.removesuffix(".weight")
-        if path in deltas:
-            expected = (w0.double() + W * deltas[path]).float()
-            torch.testing.assert_close(after[key], expected, rtol=2e-6, atol=2e-7, msg=path)
-        else:
-            assert torch.equal(after[key], w0), key
-    eng.set_loras([])
-    assert adapter_state_digests(eng.pipeline) == digests
+    kit.fuses_to_the_formula(eng, name, deltas, W)
 
 
 def test_a_qwen3_vl_lora_fuses_to_the_formula(eng, data):

@@ -151,11 +151,11 @@ def _check_shapes(part: ComponentFile, source: Source, want: Mapping[str, tuple[
                                    f"the shapes its config asks for ({shown}); refused before building anything")
 
 
-def _reader(handle, source: Source, dtype: torch.dtype):
-    """Read one file tensor in `dtype`. ComfyUI's scaled fp8 files store a scale beside each 8-bit
-    weight: `scale_weight` (FLUX.1's) or `weight_scale` (its newer layout, later families',
-    beside `comfy_quant`), one number or one per output row; it is applied while widening. Any other
-    count (NVFP4/MXFP8 block scales) is refused by name: it is not a factor per tensor or row."""
+def _reader(handle, source: Source, dtype: torch.dtype, pinned: Mapping[str, torch.dtype]):
+    """Read one file tensor in `dtype` (or the dtype the family pins it to, `pinned` by file key). ComfyUI's
+    scaled fp8 files store a scale beside each 8-bit weight: `scale_weight` (FLUX.1's) or `weight_scale` (its
+    newer layout, later families', beside `comfy_quant`), one number or one per output row; it is applied while
+    widening. Any other count (NVFP4/MXFP8 block scales) is refused by name: it is not a factor per tensor or row."""
     def read(key: str) -> torch.Tensor:
         tensor = handle.get_tensor(source.prefix + key)
         stem = source.prefix + key.removesuffix("weight")
@@ -167,7 +167,7 @@ def _reader(handle, source: Source, dtype: torch.dtype):
                                            "block-quantised format): only one scale per tensor or row is supported")
             rows = scale.reshape(-1, *(1,) * (tensor.dim() - 1)) if scale.numel() > 1 else scale
             tensor = tensor.to(torch.float32) * rows
-        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+        return tensor.to(pinned.get(key, dtype)) if tensor.is_floating_point() else tensor
     return read
 
 
@@ -182,8 +182,11 @@ def load_part(part: ComponentFile, fam: Family, source: Source, checkpoint: Sour
         state, packed = gguf_load.read_state(layout, _gguf(part, source), source.prefix, dtype, shapes,
                                              gguf_load.packable(model, fam.precision.high_precision))
     else:
+        # tensors the family pins (fp32 norm scales) are read in their own dtype, as `from_pretrained` keeps them
+        pinned = {where.key: kept for name, where in layout.items()
+                  if (kept := fam.pinned_dtype(part.component, *name.rpartition(".")[::2])) is not None}
         with safe_open(str(source.path), "pt") as handle:
-            state = to_model(layout, _reader(handle, source, dtype), shapes)
+            state = to_model(layout, _reader(handle, source, dtype, pinned), shapes)
     result = model.load_state_dict(state, strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     if result.unexpected_keys or set(result.missing_keys) - tied - set(packed):

@@ -298,7 +298,8 @@ class GroupOffload(OffloadStrategy):
         grouping = family_blocks(self.pipe)
         for name, component in placement.torch_components(self.pipe).items():
             plan, paths = self.plan.components[name], {id(m): p for p, m in component.named_modules()}
-            groups = [(g, list(g.modules())) for g in (grouping(name, component) if grouping else blocks(component))]
+            chosen = grouping(name, component) if grouping else None  # None: the generic rule for this component
+            groups = [(g, list(g.modules())) for g in (blocks(component) if chosen is None else chosen)]
             owners = own_tensors(component)
             for group, members in [*groups, *([(component, owners)] if owners else [])]:
                 self._members[id(group)] = [(m, plan.pinned_in(paths[id(m)])) for m in members]

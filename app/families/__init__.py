@@ -419,7 +419,8 @@ class Family:
     reference_images: int = 0
     # A component's groups for `group` offload: None is the generic rule (app/engine/offload.py:
     # what executes: ModuleList/ModuleDict elements, other children whole, tensors the component
-    # owns itself around its forward); a callable (component name, module) -> [modules] replaces it.
+    # owns itself around its forward); a callable (component name, module) -> [modules] replaces it
+    # (returning None for a component keeps the generic rule there).
     blocks: Callable[[str, torch.nn.Module], list[torch.nn.Module]] | None = None
     latent_format: LatentFormat = IMAGE_LATENTS  # the VAE's latent space: statistics, preview, frames
     # Does this loaded pipeline's denoiser read a mask and masked-image latents (an inpainting checkpoint)?

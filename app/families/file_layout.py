@@ -11,13 +11,14 @@ A `FileTensor` says where one model tensor lives in a file: a key, and optionall
 of that file tensor (in order) that make it up. A model tensor that is one block of a fused file
 tensor has one range; Flux's final modulation, whose (shift, scale) halves diffusers stores as
 (scale, shift), has two. Shapes that differ only by unit dimensions (LDM's 1×1-conv VAE attention)
-are reshaped.
+are reshaped, and so is a tensor a file stores flattened (`flat`: Krea 2's per-block modulation tables).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from math import prod
 
 import torch
 
@@ -29,6 +30,7 @@ class FileTensor:
     key: str
     rows: Rows | None = None  # None: the whole file tensor
     unit_dims: int = 0  # trailing 1s the file's shape adds to the model's (LDM's 1×1-conv VAE attention)
+    flat: bool = False  # the file holds the whole tensor as one row of its elements
 
 
 def row_index(rows: Rows) -> torch.Tensor:
@@ -67,6 +69,9 @@ def file_shapes(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> dict[s
     out: dict[str, tuple[int, ...]] = {}
     for name, where in layout.items():
         shape = (*shapes[name], *(1,) * where.unit_dims)
+        if where.flat:
+            out[where.key] = (prod(shape),)
+            continue
         if not shape:  # a 0-d tensor (a batch norm's step counter) is whole
             out[where.key] = shape
             continue
