@@ -177,16 +177,17 @@ def load_part(part: ComponentFile, fam: Family, source: Source, checkpoint: Sour
     layout = part.layout(model)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     _check_shapes(part, source, file_shapes(layout, shapes))
+    # tensors the family pins (fp32 norm scales) are read in their own dtype, as `from_pretrained` keeps them
+    pinned = {name: kept for name in layout
+              if (kept := fam.pinned_dtype(part.component, *name.rpartition(".")[::2])) is not None}
     packed: gguf_load.Packed = {}
     if is_gguf(source.path):
         state, packed = gguf_load.read_state(layout, _gguf(part, source), source.prefix, dtype, shapes,
-                                             gguf_load.packable(model, fam.precision.high_precision))
+                                             gguf_load.packable(model, fam.precision.high_precision), pinned)
     else:
-        # tensors the family pins (fp32 norm scales) are read in their own dtype, as `from_pretrained` keeps them
-        pinned = {where.key: kept for name, where in layout.items()
-                  if (kept := fam.pinned_dtype(part.component, *name.rpartition(".")[::2])) is not None}
         with safe_open(str(source.path), "pt") as handle:
-            state = to_model(layout, _reader(handle, source, dtype, pinned), shapes)
+            reader = _reader(handle, source, dtype, {layout[name].key: kept for name, kept in pinned.items()})
+            state = to_model(layout, reader, shapes)
     result = model.load_state_dict(state, strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     if result.unexpected_keys or set(result.missing_keys) - tied - set(packed):

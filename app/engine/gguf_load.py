@@ -36,8 +36,10 @@ def packable(model: torch.nn.Module, high_precision: tuple[str, ...]) -> frozens
 
 
 def read_state(layout: Layout, header: GGUFHeader, prefix: str, dtype: torch.dtype,
-               shapes: Mapping[str, tuple[int, ...]], keep: frozenset[str]) -> tuple[dict[str, torch.Tensor], Packed]:
-    """The model's floating state dict and its packed weights, from `header`'s tensors under `prefix`."""
+               shapes: Mapping[str, tuple[int, ...]], keep: frozenset[str],
+               pinned: Mapping[str, torch.dtype]) -> tuple[dict[str, torch.Tensor], Packed]:
+    """The model's floating state dict and its packed weights, from `header`'s tensors under `prefix`; a tensor
+    the family pins (`pinned`, by model name: fp32 norm scales) is read in its own dtype, not `dtype`."""
     state: dict[str, torch.Tensor] = {}
     packed: Packed = {}
     for name, where in layout.items():
@@ -52,7 +54,7 @@ def read_state(layout: Layout, header: GGUFHeader, prefix: str, dtype: torch.dty
         if where.rows is not None:
             value = torch.cat([value[start:stop] for start, stop in where.rows])
         value = value.reshape(shapes[name])
-        state[name] = value.to(dtype) if value.is_floating_point() else value
+        state[name] = value.to(pinned.get(name, dtype)) if value.is_floating_point() else value
     return state, packed
 
 
