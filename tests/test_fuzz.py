@@ -582,7 +582,7 @@ class EngineMachine(RuleBasedStateMachine):
         snap = self.engine.snapshot()
         stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
         plan = offload.plan_for(self.engine.pipeline, placement.DTYPES[snap.dtype], self.engine.device,
-                                snap.offload, stored=stored)
+                                snap.offload, stored=storage.dtypes(stored))
         # Which components an offload strategy keeps on the GPU between commands is its own call
         # (balanced mode); everything else about the plan is recomputed here from the snapshot.
         resident = self.engine.placement_plan.resident
