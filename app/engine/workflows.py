@@ -56,7 +56,8 @@ class Workflows:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass, then the `details` passes if any. Sizes and steps are checked before anything is queued."""
         arch = self._arch_for(desired)
-        self._require_stage(arch, "img2img", "hires fix")
+        if not hires.upscale_only:  # at strength 0 the upscale is the image: no second pass, no img2img stage
+            self._require_stage(arch, "img2img", "hires fix")
         self.check_upscaler(hires.upscaler, hires=True)
         hires.second_pass(params, _size_multiple(arch))
         self._admit("txt2img with hires fix", params, desired, hires)
