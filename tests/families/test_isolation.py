@@ -164,10 +164,10 @@ for package in (app, benchmarks):
                 raise
 from app.families import FAMILIES
 from benchmarks import config, devicecheck
-print(sorted(FAMILIES)); print(config.ARCHS); print([s.key for s in devicecheck.PLAN])
+print(sorted(FAMILIES)); print(config.FAMILY_NAMES); print([s.key for s in devicecheck.PLAN])
 """
     proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    families, archs, sections = proc.stdout.splitlines()[-3:]
+    families, family_names, sections = proc.stdout.splitlines()[-3:]
     gone = _pattern(module)
-    assert "sd15" in families and not gone.search(families + archs + sections), proc.stdout[-500:]
+    assert "sd15" in families and not gone.search(families + family_names + sections), proc.stdout[-500:]
