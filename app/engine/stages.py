@@ -156,7 +156,7 @@ def _encode_pixels(pipe, pixels: torch.Tensor, seed: int | None) -> torch.Tensor
     VAE (its encoder reads four channels) gets opaque pictures, as its pipeline converts them."""
     vae, frames = pipe.vae, family_of(pipe).latent_format
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
-    if _encoder_channels(vae) == 4:
+    if encoder_channels(vae) == 4:
         pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
     pixels = pixels.to(device=pipe._execution_device, dtype=dtype)
     generators = [None] * len(pixels) if seed is None else generate.seed_generators(seed, len(pixels))
@@ -169,7 +169,7 @@ def _encode_pixels(pipe, pixels: torch.Tensor, seed: int | None) -> torch.Tensor
     return family_of(pipe).latents_from_vae(vae, torch.cat(latents))
 
 
-def _encoder_channels(vae) -> int:
+def encoder_channels(vae) -> int:
     """The channels the VAE's encoder reads: its first convolution's input (3 for RGB, 4 for RGBA)."""
     return next(m for m in vae.encoder.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))).in_channels
 
