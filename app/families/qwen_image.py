@@ -116,7 +116,6 @@ _DEMO_LORA_TARGETS = (
 )
 
 
-
 def _call_inputs(_fam, cfg, rows: int, latent_side: int, empty) -> dict:
     """One later-step transformer call for the bench's counts: the target's latent tokens after the bench prompt's
     19 (its tokens through the pipeline's template), whose keys and values the first step cached; the image-slot
@@ -137,6 +136,7 @@ _BENCH = BenchSpec(1024, _call_inputs, r"^transformer_blocks\.\d+\.(attn\.(to_[q
                           "--steps", "8"), check_s=200, check_order=5, offload_check_s=420,
                    check_title="Qwen-Image 2.1 1024² bf16, 8 steps, no CFG, vs QwenImage21Pipeline (none, 3 fused "
                                "LoRAs, PEFT), fp8 storage with none and 3 LoRAs as bypass; resting VRAM")
+
 
 def _trained_like(pipe) -> None:
     """A random tiny model's attention is flat and its shared gates nearly shut, so the prompt moves its image
