@@ -2,12 +2,12 @@
 
 A family's latent channels map to RGB through a (channels × 3) matrix plus a bias. Where a latent
 space has published factors (`LatentFormat.preview_rgb`: the figures ComfyUI publishes for its
-latent previews, `comfy/latent_formats.py`) those are used. Where none exist (Qwen-Image's VAEs),
+latent previews, `comfy/latent_formats.py`) those are used. Where none exist (a new VAE's),
 the factors are fitted from the loaded VAE itself (`calibration_pictures`, `fit`): the engine
 encodes a fixed set of synthetic colour pictures once per loaded model, at its first previewed pass,
 and a least-squares fit with a bias maps those latents to the pictures' colours. Why a fit and not
 someone's numbers: it needs nothing but the VAE in hand, so every latent space gets a preview, and
-its error on the calibration colours is measured and logged (`PreviewFit.error`). The picture has
+its error on the calibration colours is measured and logged (`PreviewFit.rms_levels`). The picture has
 one pixel per latent pixel (1/8 or 1/16 of the image side); the page scales it up.
 """
 

@@ -6,7 +6,7 @@ call". What that call takes differs by family (a UNet reads a spatial latent and
 patches as a sequence; some run the CFG-doubled batch), so the family states it
 (`TestKit.bench.call_inputs`) and this module only builds the meta model and counts.
 
-Data-dependent shapes (Qwen-Image 2.1's transformer reads its image-slot mask on the host: `tolist()`,
+Data-dependent shapes (a transformer that reads its image-slot mask on the host: `tolist()`,
 `nonzero()`, `int(mask.sum())` lay out its joint sequence and block-causal segments) cannot run on meta
 tensors alone. Such a family hands those small index and mask inputs over as real CPU tensors and the
 weights and activations stay on meta; `MetaBoundary` moves a CPU operand to meta where it meets a meta

@@ -78,7 +78,7 @@ def meta_loras(arch: str, denoiser: torch.nn.Module, rank: int) -> dict[str, Ada
 def latent_side(arch: str) -> int:
     """The GPU bench's latent side for `arch`: its resolution through the VAE, read off the shape of one encode of
     the meta-device VAE (its config states the downscale in a field of its own per VAE class; its output does
-    not vary: 1/8, or 1/16 for Qwen-Image 2.1's)."""
+    not vary: 1/8, or 1/16 for an RGBA video VAE)."""
     fam, side = family(arch), PRESETS["full"].resolution[arch]
     with torch.device(META):
         vae = fam.vae_class.from_config(fam.vae_class.load_config(fam.config_dir / "vae"))
