@@ -108,7 +108,11 @@ def _call_inputs(_fam, cfg, rows: int, latent_side: int, empty) -> dict:
 
 # The bench LoRAs' layers: attention projections (gate included) and the SwiGLU in every block.
 _BENCH = BenchSpec(1024, _call_inputs,
-                   r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_gate|to_out\.0)|ff\.(gate|up|down))$")
+                   r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_gate|to_out\.0)|ff\.(gate|up|down))$",
+                   check=("--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3", "--repeats", "2",
+                          "--steps", "8"), check_s=240, check_order=6, offload_check_s=420,
+                   check_title="Krea 2 1024² bf16, 8 steps at CFG 5.5 (Krea's 4.5), vs Krea2Pipeline (none, 3 fused "
+                               "LoRAs, PEFT), fp8 storage with none and 3 LoRAs as bypass; resting VRAM")
 
 
 def _groups(component: str, module: torch.nn.Module) -> list[torch.nn.Module] | None:
