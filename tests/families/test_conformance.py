@@ -14,7 +14,8 @@ peft fuses to the formula and comes off bit for bit; every offload mode with wei
 and computing in bf16 draws the same image with zero violations and exactly the planned hooks; fp8
 storage keeps its bytes with whole components moved and blocks streamed; img2img and inpaint run
 where the family declares them; embeddings never shrink a table; Interrupt stops its loop within two
-steps, keeping the last whole step's image; Diagnostics and the bug report render. A family's own test file covers only its native file formats.
+steps, keeping the last whole step's image; Diagnostics and the bug report render. A family's own
+test file covers only its native file formats.
 """
 
 from __future__ import annotations
