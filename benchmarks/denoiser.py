@@ -5,6 +5,13 @@ Why one module: the timing hooks, the op counts and the TFLOP per step all wrap 
 call". What that call takes differs by family (a UNet reads a spatial latent and CLIP states, a DiT
 patches as a sequence; some run the CFG-doubled batch), so the family states it
 (`TestKit.bench.call_inputs`) and this module only builds the meta model and counts.
+
+Data-dependent shapes (a transformer that reads its image-slot mask on the host: `tolist()`,
+`nonzero()`, `int(mask.sum())` lay out its joint sequence and block-causal segments) cannot run on meta
+tensors alone. Such a family hands those small index and mask inputs over as real CPU tensors and the
+weights and activations stay on meta; `MetaBoundary` moves a CPU operand to meta where it meets a meta
+tensor (a boolean index as its real positions), so the Python paths follow the real masks, the counts are
+the full-size call's exactly, and nothing the size of a weight or an activation is ever allocated.
 """
 from __future__ import annotations
 
@@ -12,10 +19,40 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from app.families import family, family_of
 from benchmarks.config import runs_cfg
+
+META = torch.device("meta")
+INDEXING = frozenset({torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default})
+
+
+class MetaBoundary(TorchDispatchMode):
+    """Inside: an op that mixes meta and CPU tensors runs on meta, its CPU operands moved over (a boolean CPU index
+    becomes the long indices of its True positions, read on the host, as the real op reads them); ops on CPU
+    tensors alone run as they are. Enter it before any counting mode (`OpCounter`, `FlopCounterMode`): those then
+    see the family's own ops, and the moves made here are dispatched below them, uncounted."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
+            return func(*args, **kwargs)
+        if func in INDEXING:
+            positions = []
+            for index in args[1]:
+                if isinstance(index, torch.Tensor) and index.dtype == torch.bool and not index.is_meta:
+                    positions.extend(index.nonzero(as_tuple=True))
+                else:
+                    positions.append(index)
+            args = (args[0], positions, *args[2:])
+        return func(*tree_map(_on_meta, args), **tree_map(_on_meta, kwargs))
+
+
+def _on_meta(value):
+    return value.to(META) if isinstance(value, torch.Tensor) and not value.is_meta else value
 
 
 def denoiser_of(pipe) -> torch.nn.Module:
@@ -48,7 +85,8 @@ def rows_per_call(family_name: str, batch: int) -> int:
 
 def call_inputs(family_name: str, denoiser: torch.nn.Module, batch: int, latent_side: int) -> dict:
     """Keyword arguments of one call of a meta `denoiser` for `batch` images at `latent_side`² latent
-    pixels, in its dtype (empty tensors: the values do not matter to op counts or FLOPs)."""
+    pixels, in its dtype (empty tensors: the values do not matter to op counts or FLOPs; masks that steer the call's
+    Python paths are real CPU tensors, run under `MetaBoundary`)."""
     rows, cfg, dtype = rows_per_call(family_name, batch), denoiser.config, denoiser.dtype
 
     def empty(*shape: int) -> torch.Tensor:
@@ -62,6 +100,6 @@ def tflop_per_step(family_name: str, config: dict, batch: int, latent_side: int)
     uses CFG), counted by torch's FlopCounterMode on a meta-device copy: exact for the shapes, costs
     no memory and needs no GPU."""
     denoiser = meta_denoiser(family_name, config)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), MetaBoundary(), FlopCounterMode(display=False) as counter:
         denoiser(**call_inputs(family_name, denoiser, batch, latent_side))
     return counter.get_total_flops() / 1e12

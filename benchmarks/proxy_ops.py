@@ -31,15 +31,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL
 
 from app.adapters.files import AdapterFile
 from app.adapters.patcher import LoraStack
 from app.adapters.specs import LoraSpec
 from app.engine.placement import DTYPES
+from app.engine.stages import encoder_channels
 from app.families import family
 from benchmarks.config import PRESETS
-from benchmarks.denoiser import call_inputs, meta_denoiser
+from benchmarks.denoiser import MetaBoundary, call_inputs, meta_denoiser
 from benchmarks.measure import OpCounter
 from benchmarks.proxy_steps import DIFFUSERS, FUSED, NONE, ops_summary
 from benchmarks.workload import lora_kinds, lora_shapes, lora_targets
@@ -54,7 +54,7 @@ def count_call(family_name: str, denoiser: torch.nn.Module, latent_side: int) ->
     CFG): a first call goes uncounted, since LoRA bypasses prepare their factors on the first forward
     after a re-weight, once, not per step."""
     inputs = call_inputs(family_name, denoiser, 1, latent_side)
-    with torch.no_grad():
+    with torch.no_grad(), MetaBoundary():
         denoiser(**inputs)
         counter = OpCounter(denoiser)
         try:
@@ -77,9 +77,16 @@ def meta_loras(family_name: str, denoiser: torch.nn.Module, rank: int) -> dict[s
 
 
 def latent_side(family_name: str) -> int:
-    """The GPU bench's latent side for `family_name`: its resolution over the VAE's downscale factor."""
-    vae = AutoencoderKL.load_config(family(family_name).files.config_dir / "vae")
-    return PRESETS["full"].resolution[family_name] // 2 ** (len(vae["block_out_channels"]) - 1)
+    """The GPU bench's latent side for `family_name`: its resolution through the VAE, read off the shape of one encode
+    of the meta-device VAE (its config states the downscale in a field of its own per VAE class; its output does
+    not vary: 1/8, or 1/16 for an RGBA video VAE)."""
+    fam, side = family(family_name), PRESETS["full"].resolution[family_name]
+    with torch.device(META):
+        vae = fam.vae_class.from_config(fam.vae_class.load_config(fam.files.config_dir / "vae"))
+    pixels = torch.empty(1, encoder_channels(vae), side, side, device=META)
+    with torch.no_grad():
+        encoded = vae.encode(fam.latent_format.to_vae_input(pixels)).latent_dist.mean
+    return fam.latent_format.from_vae_output(encoded).shape[-1]
 
 
 def ops_section(family_name: str, config) -> dict[str, Any]:

@@ -278,7 +278,10 @@ def test_denoiser_flops_match_the_full_size_architectures():
     ~1.6 TFLOP per CFG step at 512², four times that at batch 4; FLUX.1-dev's transformer at 1024²
     (one pass, no CFG): 2 x 113 M token-wise weights per block x 4,608 tokens (the text stream's
     half of a double block sees 512) x 57 blocks, plus attention, about 74 TFLOP per step (the
-    modulation weights, a quarter of the 11.9 B, act on one vector)."""
+    modulation weights, a quarter of the 11.9 B, act on one vector). Qwen-Image 2.1 (7.1 B) reads its image-slot
+    mask on the host, which meta tensors alone cannot run (`MetaBoundary`): at 1024² a later step's call, 4,096
+    target tokens over the 19 cached prompt tokens, is 2 x 7.0 B block weights x 4,096 tokens plus attention,
+    about 66 TFLOP; Krea 2 (12.8 B) CFG-doubled, 2 x (2 x 12.2 B x 4,608 tokens plus attention), about 258."""
     from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 
 
@@ -288,6 +291,24 @@ def test_denoiser_flops_match_the_full_size_architectures():
     assert denoiser.tflop_per_step("sd15", unet_config, 4, 64) == pytest.approx(4 * one, rel=0.01)
     flux_config = FluxTransformer2DModel.load_config(family("flux-dev").files.config_dir / "transformer")
     assert 70 < denoiser.tflop_per_step("flux-dev", flux_config, 1, 128) < 80
+    for family_name, side, low, high in (("qwen-image-2.1", 64, 60, 72), ("krea-2", 128, 240, 275)):
+        config = family(family_name).denoiser_class.load_config(family(family_name).files.config_dir / "transformer")
+        assert low < denoiser.tflop_per_step(family_name, config, 1, side) < high, family_name
+
+
+def test_qwen_image_21_op_counts_run_on_meta_with_its_masks_on_the_host(tmp_path):
+    """Qwen-Image 2.1's full-size transformer lays out its sequence from the image-slot mask on the host; with the
+    mask real and everything else on meta (`MetaBoundary`) its ops count at 1024² (64² latent, 16× VAE read off the
+    VAE's encode): ours without LoRA, fused, and after removal dispatch exactly diffusers' list; as bypass forwards
+    each of the 224 touched layers (attention and SwiGLU of 32 blocks) adds two matmuls."""
+    section = proxy_ops.ops_section("qwen-image-2.1", proxies.ProxyConfig(cache_dir=tmp_path))
+    ops = section["ops"]
+    assert section["params_b"] > 7 and section["latent_side"] == 64 and section["layers_touched"] == 224
+    for variant in ("none / 3 / ours fused / 1", "none / 0 / ours, LoRAs removed / 1", "none / 0 / diffusers / 1"):
+        assert ops[variant]["same_as_ours_no_lora"] and not ops[variant]["differences"], variant
+    assert ops["none / 0 / ours / 1"]["total_per_call"] > 4000
+    added = ops["none / 3 / ours bypass / 1"]["differences"]["aten.mm"]
+    assert added[1] - added[0] == 2 * 224
 
 
 def test_flux_op_counts_on_meta_compare_ours_with_loras_and_diffusers(tmp_path):

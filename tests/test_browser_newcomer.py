@@ -193,5 +193,6 @@ def test_a_refused_upload_keeps_the_picture_and_says_why(page, served, tmp_path,
         save(page, f"newcomer-refused-upload-{tab.lower()}.png")
         close_toasts(page)
         page.locator(f"#{field} button[aria-label='Remove Image']").click()
-        page.wait_for_timeout(1500)
+        page.wait_for_function(f"() => !document.querySelector('#{field} img')", timeout=TIMEOUT_MS)
+        page.wait_for_timeout(1500)  # both events of the × have run by now, in whichever order they arrived
         assert page.locator(f"#{field} img").count() == 0, f"{tab}: the user's clear was undone"

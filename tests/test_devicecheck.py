@@ -68,9 +68,31 @@ def test_dry_run_bench_sections_write_the_flux_fp8_rows(dry_run):
     assert set(flux["models"]["flux-dev"]["resting_vram_gib"]) == {"ours full weights", "ours fp8 weights"}
 
 
+@pytest.mark.parametrize("family_name", ["qwen-image-2.1", "krea-2"])
+def test_dry_run_writes_qwen_image_21_and_krea_2_rows_against_their_pipelines(dry_run, family_name):
+    """Qwen-Image 2.1's and Krea 2's sections (f, g: headline; o, p: offload) compare ours with diffusers' own
+    pipeline (`QwenImage21Pipeline`, `Krea2Pipeline`) on the same weights: it/s and per-image seconds both sides
+    with 0 and 3 LoRAs, fp8 storage, and every offload mode against diffusers' model, sequential and group offload;
+    the resting-VRAM record is there (None on the CPU)."""
+    from app.families import family
+
+    _proc, out = dry_run
+    assert family(family_name).plain_pipeline_class.__name__ == {"qwen-image-2.1": "QwenImage21Pipeline",
+                                                                  "krea-2": "Krea2Pipeline"}[family_name]
+    headline = json.loads((out / f"smoke-{family_name}-throughput_fp8.json").read_text())
+    rows = {(r["section"], r["ours"], r["baseline"], r["loras"]): r for r in headline["rows"]}
+    for key in (("throughput", "ours", "diffusers", 0), ("throughput", "ours fused", "diffusers PEFT fused", 3)):
+        assert rows[key]["ours_its"] > 0 and rows[key]["ours_gen_s"] > 0 and rows[key]["baseline_gen_s"] > 0, key
+    assert {("fp8", "ours fp8", "diffusers"), ("fp8", "ours fp8 + 3 LoRAs bypass", "ours fp8")} <= {k[:3] for k in rows}
+    assert set(headline["models"][family_name]["resting_vram_gib"]) == {"ours full weights", "ours fp8 weights"}
+    offload = json.loads((out / f"smoke-{family_name}-offload.json").read_text())
+    assert {f"diffusers {mode} offload" for mode in ("model", "sequential", "group")} <= {
+        r["baseline"] for r in offload["rows"]}
+
+
 def test_the_first_three_sections_fit_the_issue_budget():
     """Priority (a)-(c) — GPU tests, SD1.5 against diffusers, Flux bf16/fp8 — sum to at most 540 s."""
-    assert [s.letter for s in devicecheck.PLAN] == list("abcdefghijklm")
+    assert [s.letter for s in devicecheck.PLAN] == list("abcdefghijklmnopq")
     assert sum(s.estimate_s for s in devicecheck.PLAN[:3]) <= 540
 
 

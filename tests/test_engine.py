@@ -324,7 +324,7 @@ def test_a_step_callbacks_host_read_waits_for_that_step_alone(read):
         watch.observe(1, latents)
         read_it = lambda: watch.observe(2, latents)  # noqa: E731
     else:  # the preview's pixels as the step callback takes them
-        taken = HostRead(preview_pixels(latents, "flux-dev"))
+        taken = HostRead(preview_pixels(latents, family("flux-dev").latent_format.preview_rgb))
         read_it = lambda: pictures(taken.value())  # noqa: E731
     for _ in range(40):
         torch.mm(a, a, out=out)  # step 2's work

@@ -1,4 +1,5 @@
-"""Live preview: the latent -> RGB projection, and the latents `generate.run` hands out while denoising."""
+"""Live preview: the latent -> RGB projection, the latents `generate.run` hands out while denoising, and the
+factors fitted from the loaded VAE where a latent space has none published (Qwen-Image 2.1, Krea 2)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,28 @@ import numpy as np
 import pytest
 import torch
 
-from app.engine import generate
+from app import preview
+from app.engine import generate, stages
 from app.engine.generate import GenerateParams
 from app.families import FAMILIES, family
 from app.preview import pictures, preview_pixels
 
+# Latent spaces without published factors, and their preview side at 64²: Qwen-Image 2.1's own RGBA VAE (64
+# channels at 1/16) and Qwen-Image's VAE that Krea 2 decodes with (16 channels at 1/8).
+FITTED = {"qwen-image-2.1": 4, "krea-2": 8}
+# The fit's bound on the calibration colours, as a share of the error of previewing every pixel as their mean
+# colour (RMS, 8-bit levels): a random tiny VAE's latents hold little of the colour linearly (measured: Qwen-Image
+# 2.1 0.46, Krea 2 0.83); a trained one's hold most (ComfyUI's published linear previews).
+FIT_BOUND = 0.9
+
+
+def factors_of(family_name: str):
+    return family(family_name).latent_format.preview_rgb
+
 
 def test_zero_latents_give_the_family_bias_as_grey():
     """A zero latent is "no signal": mid-grey for SD1.5, the bias for SDXL (its fit has one)."""
-    sd15, sdxl = (pictures(preview_pixels(torch.zeros(1, 4, 3, 5), family_name))[0] for family_name in ("sd15", "sdxl"))
+    sd15, sdxl = (pictures(preview_pixels(torch.zeros(1, 4, 3, 5), factors_of(name)))[0] for name in ("sd15", "sdxl"))
     assert sd15.size == (5, 3) and sd15.mode == "RGB"
     assert np.asarray(sd15)[0, 0].tolist() == [128, 128, 128]
     assert np.asarray(sdxl)[0, 0].tolist() == [141, 125, 127]  # ((0.1084, -0.0175, -0.0011) + 1) / 2 * 255
@@ -29,7 +43,7 @@ def test_each_channel_moves_the_colour_by_its_factors(family_name):
     latents = torch.zeros(2, channels, 1, channels)
     for channel in range(channels):
         latents[0, channel, 0, channel] = 1.0
-    first, second = pictures(preview_pixels(latents.to(torch.bfloat16), family_name))
+    first, second = pictures(preview_pixels(latents.to(torch.bfloat16), factors_of(family_name)))
     expected = [[round((min(max(b + f, -1), 1) + 1) / 2 * 255) for f, b in zip(row, bias, strict=True)]
                 for row in factors]
     assert np.abs(np.asarray(first)[0].astype(int) - np.array(expected)).max() <= 1
@@ -37,11 +51,9 @@ def test_each_channel_moves_the_colour_by_its_factors(family_name):
     assert (flat == flat[0, 0]).all()  # the all-zero second latent is one flat colour
 
 
-def test_wrong_shapes_and_families_are_refused():
-    with pytest.raises(ValueError, match="expected latents shaped"):
-        preview_pixels(torch.zeros(1, 16, 8, 8), "sd15")
-    with pytest.raises(ValueError, match="unknown model family 'flux'"):
-        preview_pixels(torch.zeros(1, 4, 8, 8), "flux")
+def test_wrong_shapes_are_refused():
+    with pytest.raises(ValueError, match=r"expected latents shaped \(batch, 4, h, w\)"):
+        preview_pixels(torch.zeros(1, 16, 8, 8), factors_of("sd15"))
 
 
 def test_the_step_callback_sees_the_latents_without_changing_the_image(engine):
@@ -53,7 +65,7 @@ def test_the_step_callback_sees_the_latents_without_changing_the_image(engine):
     seen = []
 
     def collect(step, total, latents):
-        seen.append((step, total, tuple(latents.shape), pictures(preview_pixels(latents, "sd15"))[0].size))
+        seen.append((step, total, tuple(latents.shape), pictures(preview_pixels(latents, factors_of("sd15")))[0].size))
         return False
 
     watched = generate.run(engine.pipeline, params, 3, on_step=collect)
@@ -82,7 +94,7 @@ def test_a_preview_is_shown_one_step_after_it_is_taken(data_dir, monkeypatch):
 
         def watched(pipe, params, seed, on_step, *args, **kwargs):
             def spy(step, total, latents):
-                seen[step] = [np.asarray(p) for p in pictures(preview_pixels(latents, "sd15"))]
+                seen[step] = [np.asarray(p) for p in pictures(preview_pixels(latents, factors_of("sd15")))]
                 return on_step(step, total, latents)
             return denoise(pipe, params, seed, spy, *args, **kwargs)
 
@@ -94,3 +106,64 @@ def test_a_preview_is_shown_one_step_after_it_is_taken(data_dir, monkeypatch):
             assert all(np.array_equal(a, b) for a, b in zip(frames, seen[of], strict=True)), of
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def previewing(demo_dir, tmp_path_factory):
+    """A CPU engine previewing every step, on hard links to the demo's Qwen-Image 2.1 and Krea 2 files."""
+    import os
+    import shutil
+
+    from app.engine.worker import Engine
+    from app.settings import Settings
+
+    data = tmp_path_factory.mktemp("previewing")
+    for sub in ("models/Stable-diffusion", "models/Lora"):
+        shutil.copytree(demo_dir / sub, data / sub, copy_function=os.link)
+    engine = Engine(Settings(data_dir=data, device="cpu", preview_every=1, strict_forwards=True))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("family_name", sorted(FITTED))
+def test_a_latent_space_without_published_factors_previews_through_a_fit_of_its_vae(previewing, family_name,
+                                                                                     monkeypatch):
+    """Qwen-Image 2.1 and Krea 2 publish no preview factors: during a real generation the engine fits them from the
+    loaded VAE (one encode of the calibration pictures through the engine's own `stages.encode`, before the first
+    previewed pass; the next generation on the same load encodes nothing), and each preview it publishes is that
+    fit's projection of its step's latents, bit for bit, one pixel per latent pixel (4² and 8² at 64²). The fit
+    reproduces the calibration colours within `FIT_BOUND` of the error of their mean colour."""
+    assert family(family_name).latent_format.preview_rgb is None
+    previewing.load_model(f"tiny-{family_name}.safetensors")
+    encodes, published, seen = [], [], {}
+    encode, set_progress, denoise = stages.encode, previewing._set_progress, generate.denoise
+
+    def record(phase, step, total, shown=None, of=None):
+        if shown is not None:
+            published.append((of, [np.asarray(p) for p in shown]))
+        set_progress(phase, step, total, shown, of)
+
+    def watched(pipe, params, seed, on_step, *args, **kwargs):
+        def spy(step, total, latents):
+            seen[step] = latents.clone()
+            return on_step(step, total, latents)
+        return denoise(pipe, params, seed, spy, *args, **kwargs)
+
+    monkeypatch.setattr(stages, "encode", lambda pipe, images, seed: encodes.append(seed) or encode(pipe, images, seed))
+    monkeypatch.setattr(previewing, "_set_progress", record)
+    monkeypatch.setattr(generate, "denoise", watched)
+    job = GenerateParams("a red cube", steps=3, width=64, height=64, cfg=1.0, sampler="Euler", seed=3)
+    previewing.generate(job)
+    previewing.generate(job)
+    assert encodes == [None]  # once per load, the distribution's mode
+    assert [of for of, _frames in published] == [1, 2, 1, 2]
+    scale = previewing.pipeline.vae_scale_factor
+    calibration = preview.calibration_pictures(scale)
+    fit = preview.fit(encode(previewing.pipeline, calibration, None), calibration, scale)
+    for of, frames in published:
+        expected = np.asarray(pictures(preview_pixels(seen[of], fit.factors))[0])
+        side = FITTED[family_name]
+        assert frames[0].shape == (side, side, 3) and np.array_equal(frames[0], expected), of
+    colours = preview.target_colours(calibration, scale)
+    mean_colour_error = (colours - colours.mean(0)).pow(2).mean().sqrt().item() * 127.5
+    assert fit.rms_levels < FIT_BOUND * mean_colour_error, (fit.rms_levels, mean_colour_error)

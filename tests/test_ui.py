@@ -530,3 +530,36 @@ def test_memory_timeline_labels_of_close_transitions_do_not_overlap():
     for x, tip in lines:  # a line under a label is one that label names
         assert all(tip == other or not left <= x <= right
                    for (left, right), (other, *_r) in zip(spans, drawn, strict=True)), x
+
+
+@pytest.mark.parametrize("clear_first", [True, False], ids=["clear-then-change", "change-then-clear"])
+def test_the_users_clear_empties_a_kept_upload_field_whichever_event_the_server_runs_first(clear_first):
+    """The × of a field that keeps its picture on a refused upload sends a clear and a change as two requests;
+    under load the server may run the change first, which puts the kept picture back. In either order (and
+    with the change each output that sets the picture causes), the field ends empty and holds nothing to
+    put back."""
+    import gradio as gr
+
+    from app.ui.kept_upload import keep_on_refusal
+
+    with gr.Blocks() as blocks:
+        image, note = gr.Image(), gr.Markdown()
+        keep_on_refusal(image, note)
+    handler = {trigger: block_fn for block_fn in blocks.fns.values() for _, trigger in block_fn.targets}
+    picture = Image.new("RGB", (8, 8), (200, 30, 30))
+    kept = handler["clear"].outputs[-1]
+    session = {image: None, kept: (picture, False), note: ""}  # the user has just pressed ×
+
+    def run(event):
+        block_fn = handler[event]
+        results = block_fn.fn(*(session[block] for block in block_fn.inputs))
+        results = results if len(block_fn.outputs) > 1 else (results,)
+        before = session[image]
+        session.update({b: r for b, r in zip(block_fn.outputs, results, strict=True) if r != gr.skip()})
+        if session[image] is not before:  # a value set from the server fires the field's change too
+            run("change")
+
+    for event in ("clear", "change") if clear_first else ("change", "clear"):
+        run(event)
+    assert session[image] is None, "the user's clear was undone"
+    assert session[kept][0] is None, "a later refused upload would bring the cleared picture back"

@@ -252,7 +252,8 @@ def test_hires_fix_live_preview_and_interrupt(engine):
     plain, seen = generate.run(engine.pipeline, params, 3), []
 
     def collect(step, total, latents):
-        seen.append((step, total, tuple(latents.shape), pictures(preview_pixels(latents, TURBO))[0].size))
+        preview = pictures(preview_pixels(latents, family(TURBO).latent_format.preview_rgb))[0]
+        seen.append((step, total, tuple(latents.shape), preview.size))
         return False
 
     watched = generate.run(engine.pipeline, params, 3, on_step=collect)

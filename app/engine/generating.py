@@ -230,16 +230,18 @@ class Generating:
     def _denoise_run(self, total: int, job: Job, phase: str, run, lifecycle=None) -> tuple[Any, int | None]:
         """One denoising pass of `total` steps, `run(on_step)`; returns its result and the step it was
         stopped at (None: all ran). Every `preview_every` steps the progress carries a cheap preview
-        of the latents. A stop lands between two steps (`on_step`) or inside one, before the next
+        of the latents (its factors: `ModelLifecycle.preview_factors`, fitted before the first such pass where
+        the latent space has none published). A stop lands between two steps (`on_step`) or inside one, before the next
         block of the model (`interrupt.stop_checks`); the latents reached are then decoded as they are
         within `STOPPED_DECODE_SECONDS` (`Job.decode_should_stop`), unless the stop drops them (the result
         is then None). LoRAs with a step schedule get each step's strength before it (`stepped_loras`: the
         schedule runs over this pass's own `total` steps) and are back at rest after the pass; `lifecycle`:
         the model the pass runs on when not the loaded one (the refiner's)."""
-        reached, ending, family_name = 0, False, self._lifecycle.facts().family
+        reached, ending = 0, False
         lifecycle = lifecycle or self._lifecycle
         stepper = None
-        previews = family(family_name).latent_format.preview_rgb is not None  # no factors: no preview
+        every = self.settings.preview_every
+        factors = lifecycle.preview_factors() if every and total > every else None  # None: no preview this pass
         taken: tuple[int, HostRead] | None = None  # the last preview's step and pixels, on their way to the host
 
         def on_step(step: int, total: int, latents) -> bool:
@@ -247,11 +249,10 @@ class Generating:
             k's work alone (`HostRead`); read at once, it drained the GPU's queue."""
             nonlocal reached, ending, taken
             reached = step
-            every = self.settings.preview_every
-            wanted = previews and every and step % every == 0 and step < total
+            wanted = factors is not None and step % every == 0 and step < total
             with timeline.phase("preview"):
                 shown, of = (None, None) if taken is None else (tuple(pictures(taken[1].value())), taken[0])
-                taken = (step, HostRead(preview_pixels(latents, family_name))) if wanted else None
+                taken = (step, HostRead(preview_pixels(latents, factors))) if wanted else None
             self._set_progress(phase, step, total, shown, of)
             ending = job.stop is not None
             if stepper is not None and not ending and step < total:

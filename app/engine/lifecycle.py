@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app import diagnostics, heap
+from app import diagnostics, heap, preview
 from app.adapters.errors import LoraApplyError
 from app.adapters.files import AdapterFile
 from app.adapters.matching import MatchReport
@@ -50,7 +50,7 @@ from app.engine.placing import Placing
 from app.engine.snapshot import LoadedFacts
 from app.engine.step_cache import step_cached
 from app.engine.timeline import phase
-from app.families import family
+from app.families import PreviewFactors, family
 from app.hooks import HookRegistry
 from app.safetensors_files import FileIdentity
 from app.settings import Settings
@@ -80,6 +80,7 @@ class _Loaded:
     stage_pipes: dict[str, object] = field(default_factory=dict)  # img2img/inpaint pipelines on the same components
     shown: tuple | None = None  # (what they depend on, the placement rows last built): `ModelLifecycle.rows`
     control: AttachedControlNets | None = None  # the ControlNet stack attached as a component (controlnet_slot.py)
+    preview: preview.PreviewFit | None = None  # live preview factors fitted from its VAE (`preview_factors`)
 
 
 class ModelLifecycle(Placing, ControlNetSlot):
@@ -351,6 +352,27 @@ class ModelLifecycle(Placing, ControlNetSlot):
             latents = stages.txt2img_latents(pipe, self.stage_for, params, seed, on_step, control=control)
             return [] if latents is None else decoding.decode(pipe, latents)  # None: stopped before a step
         return self.run_on_model(txt2img, f"{params.batch}x{params.width}x{params.height}")
+
+    def preview_factors(self) -> PreviewFactors:
+        """The loaded model's latent -> RGB preview factors: its latent space's published ones, else fitted from its
+        own VAE once per load (`app.preview`), at the first pass that shows a preview: the calibration pictures go
+        through the engine's encode on the execution device, placed and put back by the offload mode as every
+        encode is (before the pass: under model offload a fit mid-pass would send the denoiser away and back)."""
+        loaded = self._loaded
+        published = family(loaded.model.family).latent_format.preview_rgb
+        if published is not None:
+            return published
+        if loaded.preview is None:
+            started = time.perf_counter()
+            scale = loaded.model.pipe.vae_scale_factor
+            calibration = preview.calibration_pictures(scale)
+            with phase("preview fit"):
+                latents = self.run_on_model(lambda pipe: stages.encode(pipe, calibration, None), "preview fit")
+                loaded.preview = preview.fit(latents, calibration, scale)
+            log.info("live preview factors fitted from the VAE of %s in %.0f ms: calibration colours within %.1f "
+                     "8-bit levels RMS (worst pixel %.0f)", loaded.model.info.name, 1000 * (time.perf_counter() -
+                     started), loaded.preview.rms_levels, loaded.preview.max_levels)
+        return loaded.preview.factors
 
     def stage_for(self, kind: str):
         """The loaded model's `kind` stage pipeline (built once per model, on its components)."""

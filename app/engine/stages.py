@@ -141,26 +141,37 @@ def stage_pipeline(pipe, fam, kind: str):
     return stage
 
 
-def encode(pipe, images: list, seed: int) -> torch.Tensor:
+def encode(pipe, images: list, seed: int | None) -> torch.Tensor:
     """Images -> scaled latents, (batch, channels, h, w): on the execution device in the VAE's compute
     dtype (as `decode`), one image at a time with its own generator (image i seeded `seed + i`, so an
-    image does not depend on its batch position). Under offload the VAE's hooks bring the encoder in.
+    image does not depend on its batch position; seed None: the distribution's mode, no sampling, what
+    the live preview's fit reads). Under offload the VAE's hooks bring the encoder in.
     The inverse of `decoding.decode`'s scaling (`Family.latents_from_vae`)."""
     return _encode_pixels(pipe, image_ops.to_tensor(images), seed)
 
 
-def _encode_pixels(pipe, pixels: torch.Tensor, seed: int) -> torch.Tensor:
+def _encode_pixels(pipe, pixels: torch.Tensor, seed: int | None) -> torch.Tensor:
     """(batch, 3, h, w) pixels in [-1, 1] -> scaled latents (see `encode`); a video VAE
-    (`LatentFormat.frames`) encodes each image as one frame, and the frame axis comes off its latents."""
+    (`LatentFormat.frames`) encodes each image as one frame, and the frame axis comes off its latents; an RGBA
+    VAE (its encoder reads four channels) gets opaque pictures, as its pipeline converts them."""
     vae, frames = pipe.vae, family_of(pipe).latent_format
     dtype = pipe.compute_dtypes.get("vae") or next(vae.parameters()).dtype
+    if encoder_channels(vae) == 4:
+        pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
     pixels = pixels.to(device=pipe._execution_device, dtype=dtype)
+    generators = [None] * len(pixels) if seed is None else generate.seed_generators(seed, len(pixels))
     latents = []
     with torch.no_grad():
-        for i, generator in enumerate(generate.seed_generators(seed, len(pixels))):
-            sample = vae.encode(frames.to_vae_input(pixels[i:i + 1])).latent_dist.sample(generator)
+        for i, generator in enumerate(generators):
+            drawn = vae.encode(frames.to_vae_input(pixels[i:i + 1])).latent_dist
+            sample = drawn.mode() if generator is None else drawn.sample(generator)
             latents.append(frames.from_vae_output(sample).float())
     return family_of(pipe).latents_from_vae(vae, torch.cat(latents))
+
+
+def encoder_channels(vae) -> int:
+    """The channels the VAE's encoder reads: its first convolution's input (3 for RGB, 4 for RGBA)."""
+    return next(m for m in vae.encoder.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))).in_channels
 
 
 def upscale_latents(latents: torch.Tensor, hires: HiresParams, size: tuple[int, int], factor: int) -> torch.Tensor:

@@ -261,7 +261,7 @@ class LatentFormat:
     `app/engine/stages.py`)."""
 
     stats: Callable[[Any], LatentStats] = vae_latent_stats  # VAE config -> LatentStats
-    preview_rgb: PreviewFactors | None = None  # None: no live preview of the latents
+    preview_rgb: PreviewFactors | None = None  # None: none published; the engine fits them from the VAE (preview.py)
     frames: bool = False  # the VAE has a frame axis (a video VAE); images are one frame
 
     def to_vae_input(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -273,7 +273,7 @@ class LatentFormat:
         return tensor[:, :, 0] if self.frames and tensor.ndim == 5 else tensor
 
 
-IMAGE_LATENTS = LatentFormat()  # SD's VAE rule, read from the VAE's config, no preview
+IMAGE_LATENTS = LatentFormat()  # SD's VAE rule, read from the VAE's config, preview fitted
 
 
 # (family, denoiser config, rows, latent side, empty(*shape) -> a meta tensor) -> one denoiser call's arguments

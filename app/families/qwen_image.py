@@ -20,8 +20,20 @@ from types import MappingProxyType
 import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-from app.families import ASSETS_DIR, DEMO_SIDE, Adapters, ComponentFile, Family, Files, LatentFormat, Precision, TestKit
+from app.families import (
+    ASSETS_DIR,
+    DEMO_SIDE,
+    Adapters,
+    BenchSpec,
+    ComponentFile,
+    Family,
+    Files,
+    LatentFormat,
+    Precision,
+    TestKit,
+)
 from app.families.file_layout import own_names
 from app.families.flow_dit import DIT_PREFIXES, DIT_SHARED, FLOW_SAMPLING
 from app.families.pipelines import EnginePipeline, VariedNoise
@@ -105,6 +117,28 @@ _DEMO_LORA_TARGETS = (
 )
 
 
+def _call_inputs(_fam, cfg, rows: int, latent_side: int, empty) -> dict:
+    """One later-step transformer call for the bench's counts: the target's latent tokens after the bench prompt's
+    19 (its tokens through the pipeline's template), whose keys and values the first step cached; the image-slot
+    mask is a real CPU tensor, as the model lays out its sequence from it on the host (benchmarks/denoiser.py)."""
+    tokens, text, heads = latent_side ** 2, 19, (cfg.num_attention_heads, cfg.attention_head_dim)
+    cache = QwenImage21KVCache(cfg.num_layers)
+    for layer in cache.layer_caches:
+        layer.store(empty(rows, text, *heads), empty(rows, text, *heads))
+    slots = torch.cat([torch.zeros(rows, text, dtype=torch.bool), torch.ones(rows, tokens // 4, dtype=torch.bool)], 1)
+    return {"hidden_states": empty(rows, tokens, cfg.in_channels), "timestep": empty(rows), "img_mask": slots,
+            "encoder_hidden_states": empty(rows, text, cfg.context_in_dim), "kv_cache": cache,
+            "img_shapes": [[(1, latent_side, latent_side)]] * rows, "kv_cache_mode": "cached", "return_dict": False}
+
+
+# The bench LoRAs' layers: attention and the SwiGLU in every block (224 of 232 linears).
+_BENCH = BenchSpec(1024, _call_inputs, r"^transformer_blocks\.\d+\.(attn\.(to_[qkv]|to_out\.0)|img_mlp\.\w+)$",
+                   check=("--sections", "throughput,fp8", "--batches", "1", "--loras", "0,3", "--repeats", "2",
+                          "--steps", "8"), check_s=200, check_order=5, offload_check_s=420,
+                   check_title="Qwen-Image 2.1 1024² bf16, 8 steps, no CFG, vs QwenImage21Pipeline (none, 3 fused "
+                               "LoRAs, PEFT), fp8 storage with none and 3 LoRAs as bypass; resting VRAM")
+
+
 def _trained_like(pipe) -> None:
     """A random tiny model's attention is flat and its shared gates nearly shut, so the prompt moves its image
     by a tenth of an 8-bit level; a trained model's attention is sharp and its gates open. Query/key norms ×4,
@@ -131,7 +165,7 @@ QWEN_IMAGE_21 = Family(
     **{**DIT_SHARED, "size_multiple": 32,
        # 1024² as the pipeline makes it; a demo-size model (under 1024 wide) the demo's side
        "native_size": lambda pipe: 1024 if pipe.transformer.inner_dim >= 1024 else DEMO_SIDE},
-    latent_format=LatentFormat(frames=True),  # the VAE's own per-channel statistics; no preview fit yet
+    latent_format=LatentFormat(frames=True),  # the VAE's own per-channel statistics; preview fitted (preview.py)
     first_block="transformer_blocks.0",
     # 40 steps without guidance, true CFG above 1; Turbo: its `sample_sigmas`' count, a step-distilled model
     sampling=dataclasses.replace(
@@ -148,5 +182,5 @@ QWEN_IMAGE_21 = Family(
     adapters=Adapters(markers=("qwen_image_2.1", "qwen-image-2.1", "qwen_image_21", "qwenimage21"),
                       native_modules=lora_aliases),
     test_kit=TestKit(tiny_configs=_TINY, tiny_trained=_trained_like, lora_targets=_LORA_TARGETS,
-                     demo_lora_targets=_DEMO_LORA_TARGETS))
+                     demo_lora_targets=_DEMO_LORA_TARGETS, bench=_BENCH))
 FAMILIES = (QWEN_IMAGE_21,)

@@ -18,7 +18,7 @@ from diffusers import AutoencoderKLQwenImage
 from app.families import ComponentFile, LatentFormat, inverse_std_stats
 from app.families.file_layout import own_names
 
-QWEN_IMAGE_LATENTS = LatentFormat(stats=inverse_std_stats, frames=True)  # no published preview fit read yet
+QWEN_IMAGE_LATENTS = LatentFormat(stats=inverse_std_stats, frames=True)  # preview: fitted from the VAE (preview.py)
 QWEN_IMAGE_VAE_PART = ComponentFile("vae", "VAE (qwen_image_vae.safetensors)", AutoencoderKLQwenImage, ("vae.", ""),
                                     "decoder.up_blocks.0.upsamplers.0.resample.1.weight", own_names, folder="vae_dir")
 # Tiny: the real 16 channels and 8× (three 2× steps, no temporal ones), widths 8-16, one resnet per stage.

@@ -5,6 +5,10 @@ is the page's toast). Gradio's image field has by then let its picture go, so a 
 away the good image already there, and the next run had no init image. Here the field remembers the
 last picture it held (uploaded, or put in by a send) and takes it back when it empties without the
 user's clear (the × button).
+
+The × sends two events, the clear and the change it causes, as two requests: one lane runs them one at a time,
+but in the order they reach the server, which under load is either. So the clear empties the field itself: a
+change that ran first and put the picture back is undone, and one that runs after it finds nothing held.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import gradio as gr
 
 REFUSED = "⚠ The upload was refused (its reason is the message above): the picture before it is kept."
-LANE = "kept-upload"  # one lane, so a clear is handled before the change it causes
+LANE = "kept-upload"  # one lane: a clear and the change it causes never run at once
 
 
 def keep_on_refusal(image: gr.Image, note: gr.Markdown | gr.Textbox) -> None:
@@ -28,5 +32,5 @@ def keep_on_refusal(image: gr.Image, note: gr.Markdown | gr.Textbox) -> None:
             return gr.skip(), (None, False), gr.skip()
         return held, (held, True), REFUSED
 
-    image.clear(lambda: (None, False), None, kept, **private)
+    image.clear(lambda: (None, (None, False)), None, [image, kept], **private)
     image.change(changed, [image, kept, note], [image, kept, note], **private)

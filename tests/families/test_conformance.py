@@ -13,8 +13,9 @@ denoiser draws the eager latents and LoRAs change it without a recompile; a PEFT
 peft fuses to the formula and comes off bit for bit; every offload mode with weights resting in fp32
 and computing in bf16 draws the same image with zero violations and exactly the planned hooks; fp8
 storage keeps its bytes with whole components moved and blocks streamed; img2img and inpaint run
-where the family declares them; embeddings never shrink a table; Diagnostics and the bug report
-render. A family's own test file covers only its native file formats.
+where the family declares them; embeddings never shrink a table; Interrupt stops its loop within two
+steps, keeping the last whole step's image; Diagnostics and the bug report render. A family's own
+test file covers only its native file formats.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import toy_family
 from hook_plan import actual_hooks, expected_hooks
 from PIL import Image, ImageFilter
+from running_job import Running
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.adapters.files import read_adapter
@@ -562,6 +564,19 @@ def test_every_floating_tensor_takes_the_new_dtype_after_a_dtype_change(plain, f
         wrong = [f"{c}.{p}.{n} is {t.dtype}" for c, p, _m, n, t, _ in placement.iter_tensors(plain.pipeline)
                  if t.is_floating_point() and t.dtype != (fam.pinned_dtype(c, p, n) or dtype)]
         assert wrong == [], name
+
+
+def test_interrupt_stops_between_steps_and_keeps_the_partial_image(plain, family_name):
+    """A user's Interrupt lands within two steps of the request in every family's loop (its own pipeline
+    class runs the steps), keeps the image of the last whole step, and leaves the engine READY."""
+    plain.load_model(checkpoint(family_name))
+    job = Running(plain, params(family_name, steps=150))
+    asked_at = job.wait_for_step(2)
+    assert plain.interrupt(owner="tab-1")
+    job.join()
+    (image,) = job.result
+    assert not image.complete and asked_at <= image.stopped_at <= asked_at + 2, (asked_at, image.stopped_at)
+    assert plain.snapshot().state == "READY" and plain.snapshot().history[-1].outcome == "interrupted"
 
 
 def test_diagnostics_and_the_bug_report_render(plain, family_name, data):
