@@ -155,20 +155,24 @@ def test_the_qwen25_tokenizer_and_prompt_notes_count_as_the_pipeline_cuts(oracle
 
 
 # ------------------------------------------------------------------------------------ LoRA formats
-def _trainer_lora(transformer, comfy: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A LoRA on diffusers' module names (alpha 2 at rank 4) as kohya/musubi write it (`lora_unet_…`) or ComfyUI
-    does (`diffusion_model.…`), and the float64 ΔW per module."""
+def _trainer_lora(transformer, layout: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A LoRA on diffusers' module names (alpha 2 at rank 4) as kohya/musubi write it (`lora_unet_…`), as ComfyUI
+    does (`diffusion_model.…`) or bare with kohya's suffixes (Qwen-Image-Lightning's files), and the float64 ΔW per
+    module."""
     state, deltas = {}, {}
     for i, name in enumerate(("transformer_blocks.0.attn.to_q", "transformer_blocks.1.txt_mlp.net.2",
                               "transformer_blocks.0.img_mod.1", "img_in")):
         module = transformer.get_submodule(name)
         down, up = kit.lora_factors(module.out_features, module.in_features, 4, i)
-        state |= kit.trainer_keys(name, down, up, comfy)
+        keys = kit.trainer_keys(name, down, up, layout == "ComfyUI")
+        if layout == "bare":  # kohya's suffixes on the module's own name
+            keys = {k.replace("lora_unet_" + name.replace(".", "_"), name): v for k, v in keys.items()}
+        state |= keys
         deltas[name] = (2.0 / 4) * up.double() @ down.double()
     return state, deltas
 
 
-@pytest.mark.parametrize("layout", ["diffusers PEFT", "kohya", "ComfyUI"])
+@pytest.mark.parametrize("layout", ["diffusers PEFT", "kohya", "ComfyUI", "bare"])
 def test_lora_formats_fuse_to_the_formula_on_exactly_their_modules_and_come_off(eng, data, oracle, layout):
     """Fused at 0.8, every module the file covers is W0 + 0.8·ΔW in float64 and no other weight changes; removing
     it gives every tensor back bit for bit."""
@@ -177,7 +181,7 @@ def test_lora_formats_fuse_to_the_formula_on_exactly_their_modules_and_come_off(
         name, deltas = kit.saved_peft_lora(data, QwenImagePipeline, oracle.transformer,
                                            ["to_q", "add_k_proj", "to_add_out", "img_mlp.net.0.proj"], "qwen1-peft")
     else:
-        state, deltas = _trainer_lora(eng.pipeline.transformer, comfy=layout == "ComfyUI")
+        state, deltas = _trainer_lora(eng.pipeline.transformer, layout)
         name = f"qwen1-{layout.lower()}"
         save_file(state, str(data / "models/Lora" / f"{name}.safetensors"))
     kit.fuses_to_the_formula(eng, name, deltas, W)
@@ -187,6 +191,6 @@ def test_lora_formats_fuse_to_the_formula_on_exactly_their_modules_and_come_off(
 def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_model_generates(data, weights):
     """An fp32 kohya LoRA on the model computing in bf16 (weights bf16, or fp8 with bypass forwards) generates with
     no dtype error, changes the image, zero violations, and comes off leaving the stored bytes as they were."""
-    lora = _trainer_lora(build_tiny_pipeline(ARCH).transformer, comfy=False)[0]
+    lora = _trainer_lora(build_tiny_pipeline(ARCH).transformer, "kohya")[0]
     save_file(lora, str(data / "models/Lora" / "qwen1-fp32.safetensors"))
     kit.fp32_lora_generates(data, FILE, "qwen1-fp32", kit.params(), weights)
