@@ -80,9 +80,9 @@ def _tiny_pipeline(fam, configs, seed: int, in_channels: int | None):
         }
         for te in fam.text_encoders:
             components[te.component] = _trained_norm(te.model_class(te.config_class(**configs[te.component])))
-    index = json.loads((fam.config_dir / "model_index.json").read_text())
+    index = json.loads((fam.files.config_dir / "model_index.json").read_text())
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
-    components["scheduler"] = scheduler_cls.from_pretrained(fam.config_dir, subfolder="scheduler")
+    components["scheduler"] = scheduler_cls.from_pretrained(fam.files.config_dir, subfolder="scheduler")
     # Plain diffusers classes, so the written folders load in any diffusers-based tool.
     pipe = fam.plain_pipeline_class(**components, **fam.tokenizers(), **fam.pipeline_kwargs)
     for module in pipe.components.values():
@@ -194,14 +194,14 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
         folder.mkdir(parents=True, exist_ok=True)
     for arch in FAMILIES:
         pipe = build_tiny_pipeline(arch, seed)
-        if "file" in family(arch).layouts:
+        if "file" in family(arch).files.layouts:
             paths[f"{arch}_file"] = settings.checkpoints_dir / f"tiny-{arch}.safetensors"
             write_single_file(pipe, arch, paths[f"{arch}_file"])
-        if "folder" in family(arch).layouts and (folders or "file" not in family(arch).layouts):
+        if "folder" in family(arch).files.layouts and (folders or "file" not in family(arch).files.layouts):
             paths[f"{arch}_folder"] = settings.checkpoints_dir / f"tiny-{arch}-diffusers"
             pipe.save_pretrained(paths[f"{arch}_folder"], safe_serialization=True)
             (paths[f"{arch}_folder"] / DEMO_NOTE_FILE).write_text(DEMO_NOTE + "\n", encoding="utf-8")
-        if family(arch).takes_embeddings:
+        if family(arch).files.takes_embeddings:
             paths[f"{arch}_embedding"] = settings.embeddings_dir / f"tiny-{arch}-embedding.safetensors"
             save_file(embedding_tensors(pipe, arch, seed), str(paths[f"{arch}_embedding"]))
         if lora_writer is not None:

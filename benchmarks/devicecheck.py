@@ -99,7 +99,8 @@ def _plan() -> tuple[Section, ...]:
     headline, family_offload = _family_sections()
     controlled = [fam for fam in FAMILIES.values() if fam.test_kit.bench and fam.controlnet]  # with ControlNet rows
     # the benched families read from .gguf files (assembled from parts): GGUF rows (issue 40)
-    packed = sorted((fam for fam in FAMILIES.values() if fam.test_kit.bench and fam.test_kit.bench.check and fam.parts),
+    packed = sorted((fam for fam in FAMILIES.values()
+                     if fam.test_kit.bench and fam.test_kit.bench.check and fam.files.parts),
                     key=lambda fam: fam.test_kit.bench.check_order)
     sections = [
         Section("gpu-tests", "", "-m gpu correctness tests, fast form: placement repair, forced OOM, LoRA math on "

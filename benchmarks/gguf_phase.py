@@ -43,7 +43,7 @@ def write_files(model: PreparedModel, bench: Bench, kind: str) -> tuple[str, Pat
     the other parts as one single file in each folder the family reads them from (written once)."""
     fam, settings = family(model.arch), Settings(data_dir=model.data_dir)
     pipe = load_pipeline(model, bench, to_device=False)
-    denoiser_part = next(p for p in fam.parts if p.component == fam.denoiser)
+    denoiser_part = next(p for p in fam.files.parts if p.component == fam.denoiser)
     state = getattr(pipe, fam.denoiser).state_dict()
     layout = denoiser_part.layout(getattr(pipe, fam.denoiser))
     shapes = {k: tuple(v.shape) for k, v in state.items()}
@@ -52,7 +52,7 @@ def write_files(model: PreparedModel, bench: Bench, kind: str) -> tuple[str, Pat
                component_configs(pipe, model.arch), synthetic=True)  # every part's config, as the demo's files
     theirs = model.data_dir / f"{model.name}-{kind}-diffusers-names.gguf"
     write_gguf(state, theirs, (kind,), synthetic=True)  # seed 0 both: the same blocks in the same order
-    rest = [p for p in fam.parts if p.component != fam.denoiser]
+    rest = [p for p in fam.files.parts if p.component != fam.denoiser]
     for folder in {getattr(settings, p.folder) for p in rest}:
         target = folder / "bench-parts.safetensors"
         if not target.exists():
@@ -83,7 +83,7 @@ def gguf_phase(run, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None
     from benchmarks.phases import Pairing, _measure
 
     model = run.model
-    if not family(model.arch).parts:
+    if not family(model.arch).files.parts:
         run.notes["gguf"] = f"{family(model.arch).label} is not assembled from parts: no .gguf files are read for it"
         return
     engine.unload()

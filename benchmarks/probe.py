@@ -60,7 +60,7 @@ def _load_diffusers(spec: dict[str, Any]):
     """The offline way to call `from_single_file` (NOTES.md): `config=` a local folder, our tokenizers."""
     arch = spec["arch"]
     return family(arch).plain_pipeline_class.from_single_file(
-        spec["path"], config=str(family(arch).config_dir), dtype=DTYPES[spec["dtype"]], local_files_only=True,
+        spec["path"], config=str(family(arch).files.config_dir), dtype=DTYPES[spec["dtype"]], local_files_only=True,
         **family(arch).tokenizers(), **family(arch).pipeline_kwargs)
 
 

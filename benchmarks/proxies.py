@@ -106,7 +106,7 @@ def prepare(arch: str, config: ProxyConfig) -> ProxyModel:
     path = settings.checkpoints_dir / f"random-{arch}.safetensors"
     if not path.is_file():
         write_random_single_file(arch, path, DTYPES[config.storage_dtype])
-    denoiser = getattr(meta_components(arch, family(arch).config_dir), family(arch).denoiser)
+    denoiser = getattr(meta_components(arch, family(arch).files.config_dir), family(arch).denoiser)
     names = tuple(f"bench-{arch}-{kind}{i}" for i, kind in enumerate(lora_kinds(arch, denoiser)))
     if not all((settings.lora_dir / f"{n}.safetensors").is_file() for n in names):
         write_loras(denoiser, settings.lora_dir, arch, config.lora_rank)
@@ -199,12 +199,12 @@ def weights_skip(arch: str, config: ProxyConfig) -> str | None:
     """Why the weight sections cannot run for `arch` here, or None. The smallest thing they all need
     is the pipeline's file in the storage dtype; the sections check their own, larger, needs."""
     fam = family(arch)
-    meta = vars(meta_components(arch, fam.config_dir))
+    meta = vars(meta_components(arch, fam.files.config_dir))
     numel = sum(p.numel() for module in meta.values() for p in module.parameters())
     ok, why = fits(numel * DTYPES[config.storage_dtype].itemsize)
     if not ok:
         return (f"memory: the full-size {fam.label} pipeline ({numel / 1e9:.1f} B parameters) in "
                 f"{config.storage_dtype} {why}")
-    if fam.parts:
+    if fam.files.parts:
         return f"the proxies write LDM single files, and {fam.label} has none (its files are read by parts)"
     return None

@@ -52,7 +52,7 @@ def compile_section(arch: str, config, denoiser_config: dict | None = None) -> d
     fam = family(arch)
     if fam.compile_regions is None:
         return {"arch": arch, "skipped": f"{fam.label} compiles its denoiser whole (no repeated blocks named)"}
-    denoiser_config = denoiser_config or fam.denoiser_class.load_config(fam.config_dir / fam.denoiser)
+    denoiser_config = denoiser_config or fam.denoiser_class.load_config(fam.files.config_dir / fam.denoiser)
     dtype, side = DTYPES[config.storage_dtype], latent_side(arch)
     first_compile(arch, denoiser_config, dtype, side, "regional")  # warm-up: dynamo's first use, uncounted
     scopes = {scope: first_compile(arch, denoiser_config, dtype, side, scope) for scope in SCOPES}

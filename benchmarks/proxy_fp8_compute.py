@@ -61,7 +61,7 @@ def _stored_denoiser(arch: str, weights: str) -> torch.nn.Module:
     """The full-size denoiser on the meta device in bf16, its large weights stored as `weights` stores
     them and its `quant.dequant` hooks (or fp8 forwards) installed, as the engine's load does."""
     fam = family(arch)
-    denoiser = meta_denoiser(arch, fam.denoiser_class.load_config(fam.config_dir / fam.denoiser), torch.bfloat16)
+    denoiser = meta_denoiser(arch, fam.denoiser_class.load_config(fam.files.config_dir / fam.denoiser), torch.bfloat16)
     pipe = SimpleNamespace(**{**dict.fromkeys(fam.components, torch.nn.Module()), fam.denoiser: denoiser})
     stored = {fam.denoiser: storage.layers_to_store(pipe, fam, weights).get(fam.denoiser, {})}
     matmul = storage.matmul_layers(pipe, stored, weights, torch.bfloat16)

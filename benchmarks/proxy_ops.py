@@ -77,7 +77,7 @@ def meta_loras(arch: str, denoiser: torch.nn.Module, rank: int) -> dict[str, Ada
 
 def latent_side(arch: str) -> int:
     """The GPU bench's latent side for `arch`: its resolution over the VAE's downscale factor."""
-    vae = AutoencoderKL.load_config(family(arch).config_dir / "vae")
+    vae = AutoencoderKL.load_config(family(arch).files.config_dir / "vae")
     return PRESETS["full"].resolution[arch] // 2 ** (len(vae["block_out_channels"]) - 1)
 
 
@@ -85,7 +85,7 @@ def ops_section(arch: str, config) -> dict[str, Any]:
     """Op lists of ours (no LoRA, three fused, three then one as bypass, removed again) and of plain
     diffusers, and a summary saying which equal ours-without-LoRA's."""
     fam = family(arch)
-    denoiser_config = fam.denoiser_class.load_config(fam.config_dir / fam.denoiser)
+    denoiser_config = fam.denoiser_class.load_config(fam.files.config_dir / fam.denoiser)
     side = latent_side(arch)
     dtype = DTYPES[config.storage_dtype]  # what the GPU bench computes Flux in
     ours = meta_denoiser(arch, denoiser_config, dtype)

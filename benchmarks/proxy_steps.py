@@ -49,7 +49,7 @@ def _diffusers(model, config, shared=None):
     fam = family(model.arch)
     if shared is None:
         pipe = fam.plain_pipeline_class.from_single_file(
-            str(model.path), config=str(fam.config_dir), dtype=DTYPES[config.step_dtype], local_files_only=True,
+            str(model.path), config=str(fam.files.config_dir), dtype=DTYPES[config.step_dtype], local_files_only=True,
             **fam.tokenizers(), **fam.pipeline_kwargs)
     else:
         expected, _optional = fam.plain_pipeline_class._get_signature_keys(fam.plain_pipeline_class)

@@ -49,7 +49,7 @@ def random_pipeline(arch: str, device: torch.device, dtype: torch.dtype):
     dtype during the build), tensors the family pins (a rotary `inv_freq`) in their own dtype,
     as a load keeps them."""
     fam = family(arch)
-    config_dir = fam.config_dir
+    config_dir = fam.files.config_dir
     index = json.loads((config_dir / "model_index.json").read_text())
     with torch.device(device), default_dtype(dtype), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -80,7 +80,8 @@ def write_random_single_file(arch: str, path: Path, dtype: torch.dtype, seed: in
     SDXL (6.9 GB in bf16) never sits in memory whole. The layout comes from `ldm_plan` on meta
     components, i.e. exactly the keys and shapes our loader and diffusers' single-file loader read."""
     fam = family(arch)
-    shapes = {key: t.shape for key, t in sorted(to_ldm_state_dict(meta_components(arch, fam.config_dir), fam).items())}
+    state = to_ldm_state_dict(meta_components(arch, fam.files.config_dir), fam)
+    shapes = {key: t.shape for key, t in sorted(state.items())}
     header, offset = {}, 0
     for key, shape in shapes.items():
         size = math.prod(shape) * dtype.itemsize

@@ -25,7 +25,7 @@ from app.families import FAMILIES
 from app.settings import Settings
 
 # One checkpoint per family: its single file where the demo writes one, else its diffusers folder.
-CHECKPOINTS = {name: f"tiny-{name}.safetensors" if "file" in fam.layouts else f"tiny-{name}-diffusers"
+CHECKPOINTS = {name: f"tiny-{name}.safetensors" if "file" in fam.files.layouts else f"tiny-{name}-diffusers"
                for name, fam in FAMILIES.items()}
 TXT2IMG = {  # test_txt2img.py's request
     "batch_size": 1, "cfg_scale": 7, "denoising_strength": 0, "enable_hr": False, "eta": 0, "firstphase_height": 0,

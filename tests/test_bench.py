@@ -282,11 +282,11 @@ def test_denoiser_flops_match_the_full_size_architectures():
     from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 
 
-    unet_config = UNet2DConditionModel.load_config(family("sd15").config_dir / "unet")
+    unet_config = UNet2DConditionModel.load_config(family("sd15").files.config_dir / "unet")
     one = denoiser.tflop_per_step("sd15", unet_config, 1, 64)
     assert 1.3 < one < 1.9
     assert denoiser.tflop_per_step("sd15", unet_config, 4, 64) == pytest.approx(4 * one, rel=0.01)
-    flux_config = FluxTransformer2DModel.load_config(family("flux-dev").config_dir / "transformer")
+    flux_config = FluxTransformer2DModel.load_config(family("flux-dev").files.config_dir / "transformer")
     assert 70 < denoiser.tflop_per_step("flux-dev", flux_config, 1, 128) < 80
 
 
@@ -318,7 +318,7 @@ def test_full_size_builds_use_the_classes_the_bundled_model_index_names(arch):
     `AutoencoderKL`, and the device check's Klein sections failed at the first step's preview."""
     from app.engine.checkpoint_shapes import meta_components
 
-    config_dir = family(arch).config_dir
+    config_dir = family(arch).files.config_dir
     index = json.loads((config_dir / "model_index.json").read_text())
     for component, module in vars(meta_components(arch, config_dir)).items():
         assert type(module).__name__ == index[component][1], component
@@ -337,7 +337,7 @@ def test_lora_targets_cover_each_familys_attention_and_feed_forward():
     from benchmarks.workload import lora_kinds, lora_targets
 
     def denoiser(arch):
-        return getattr(meta_components(arch, family(arch).config_dir), family(arch).denoiser)
+        return getattr(meta_components(arch, family(arch).files.config_dir), family(arch).denoiser)
 
     unet = denoiser("sd15")
     assert (len(lora_targets("sd15", unet, False)), len(lora_targets("sd15", unet, True))) == (160, 204)

@@ -84,7 +84,7 @@ def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
     names = [info.name for info in checkpoint_files.discover_checkpoints(checkpoints)]
     layouts = {"folder": "tiny-{}-diffusers", "file": "tiny-{}.safetensors"}
     expected = [name for arch, fam in FAMILIES.items()
-                for name in (*(layouts[layout].format(arch) for layout in fam.layouts),
+                for name in (*(layouts[layout].format(arch) for layout in fam.files.layouts),
                              *([f"tiny-{arch}-inpainting.safetensors"]
                                if fam.test_kit.tiny_inpainting_channels else []))]
     assert names == sorted(expected)
@@ -92,10 +92,10 @@ def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
     assert (demo_dir / "models" / "Lora").is_dir()
     assert demo_paths["lora_dir"] == demo_dir / "models" / "Lora"
     assert sorted(p.name for p in (demo_dir / "embeddings").iterdir()) == sorted(
-        f"tiny-{arch}-embedding.safetensors" for arch, fam in FAMILIES.items() if fam.takes_embeddings)
+        f"tiny-{arch}-embedding.safetensors" for arch, fam in FAMILIES.items() if fam.files.takes_embeddings)
 
 
-@pytest.mark.parametrize("arch", [arch for arch, fam in FAMILIES.items() if "file" in fam.layouts])
+@pytest.mark.parametrize("arch", [arch for arch, fam in FAMILIES.items() if "file" in fam.files.layouts])
 def test_demo_single_file_is_the_family_layout_with_embedded_configs(demo_paths, arch):
     """Single files look like real checkpoints (the family's markers: LDM keys for SD, the all-in-one
     layout for Flux) and carry the tiny configs they were built from."""

@@ -139,10 +139,10 @@ def test_bundled_configs_describe_the_published_models():
     counts = {}
     with torch.device("meta"):
         for name in (DEV, SCHNELL):
-            folder = family(name).config_dir
+            folder = family(name).files.config_dir
             config = FluxTransformer2DModel.load_config(folder / "transformer")
             counts[name] = FluxTransformer2DModel.from_config(config)
-        folder = family(DEV).config_dir
+        folder = family(DEV).files.config_dir
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(folder / "vae"))
         clip = CLIPTextModel(CLIPTextConfig.from_pretrained(folder / "text_encoder"))
         t5 = T5EncoderModel(T5Config.from_pretrained(folder / "text_encoder_2"))

@@ -26,7 +26,7 @@ def _full_size_pipeline(cls):
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     fam = family("flux-dev")
-    folder = fam.config_dir
+    folder = fam.files.config_dir
     with torch.device("cuda"):
         parts = dict(
             transformer=FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(folder / "transformer")),

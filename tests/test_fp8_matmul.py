@@ -145,7 +145,7 @@ def _bypassed_fp8_layers(engine) -> list[tuple[str, str, torch.nn.Module]]:
 
 
 def _checkpoint(arch: str) -> str:
-    return f"tiny-{arch}.safetensors" if "file" in family(arch).layouts else f"tiny-{arch}-diffusers"
+    return f"tiny-{arch}.safetensors" if "file" in family(arch).files.layouts else f"tiny-{arch}-diffusers"
 
 
 # Krea 2's tiny model under fp8-compute: PSNR 28.4 dB against bf16 (bar 22) but SSIM 0.816 (bar 0.85) in the clean-clone

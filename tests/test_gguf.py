@@ -244,7 +244,7 @@ def test_a_transformer_only_gguf_reads_an_encoder_gguf_in_llama_cpp_names(tmp_pa
     part's `gguf_names`) and draws, bit for bit, what the same set-up draws with the encoder file replaced by
     a `.safetensors` of `gguf`'s dequantisation of it in the model's own names."""
     pipe, fam = build_tiny_pipeline(arch), family(arch)
-    parts = {p.component: p for p in fam.parts}
+    parts = {p.component: p for p in fam.files.parts}
     models = tmp_path / "models"
     for folder in ("Stable-diffusion", "text_encoder", "VAE"):
         (models / folder).mkdir(parents=True)
@@ -255,7 +255,7 @@ def test_a_transformer_only_gguf_reads_an_encoder_gguf_in_llama_cpp_names(tmp_pa
     back, types = write_gguf({llama_name(k): v for k, v in own.items()}, models / "text_encoder" / "te.gguf",
                              ("Q8_0",))
     assert "Q8_0" in types.values()
-    others = [p for p in fam.parts if p.component not in (fam.denoiser, encoder)]
+    others = [p for p in fam.files.parts if p.component not in (fam.denoiser, encoder)]
     rest = {k: v.contiguous() for k, v in all_in_one_state(pipe, others).items()}
     save_file(rest, str(models / "text_encoder" / "rest.safetensors"))
     os.link(models / "text_encoder" / "rest.safetensors", models / "VAE" / "rest.safetensors")
@@ -313,7 +313,8 @@ def test_bad_gguf_files_are_refused_by_name_and_the_loaded_model_stays(engine, f
 BOUNDS = {"gguf Q8_0": 0.55, "gguf Q4_K": 0.32, "int8": 0.52}  # resting bytes per layer / bf16, issue 40
 
 
-@pytest.mark.parametrize("arch", [a for a in FAMILIES if FAMILIES[a].parts and FAMILIES[a].test_kit.bench is not None])
+@pytest.mark.parametrize("arch", [name for name, fam in FAMILIES.items()
+                                  if fam.files.parts and fam.test_kit.bench is not None])
 def test_full_size_denoisers_rest_in_the_issue_bounds_layer_by_layer(arch):
     """CPU proxy (meta device, the full-size bundled config): every Linear weight of the denoiser rests in
     Q8_0 at ≤ 0.55×, Q4_K at ≤ 0.32× (layers whose rows are not whole 256-blocks in Q8_0's stead, counted as
@@ -322,7 +323,7 @@ def test_full_size_denoisers_rest_in_the_issue_bounds_layer_by_layer(arch):
     row: INT8 0.53×), and the sum over every Linear layer."""
     fam = family(arch)
     with init_empty_weights():
-        model = fam.denoiser_class.from_config(fam.denoiser_class.load_config(fam.config_dir / fam.denoiser))
+        model = fam.denoiser_class.from_config(fam.denoiser_class.load_config(fam.files.config_dir / fam.denoiser))
     shapes = [weight_shape(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert shapes
     for name, bound in BOUNDS.items():

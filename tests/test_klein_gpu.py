@@ -28,7 +28,7 @@ def _full_size_pipeline():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     fam = family(ARCH)
-    folder = fam.config_dir
+    folder = fam.files.config_dir
     with torch.device("cuda"):
         parts = dict(transformer=Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(
                          folder / "transformer")),

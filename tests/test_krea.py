@@ -56,7 +56,7 @@ def test_decode_statistics_are_krea2_pipelines_arithmetic_bit_for_bit():
     """`Krea2Pipeline.__call__`'s de-normalising lines, run as diffusers writes them on the bundled VAE config's
     per-channel statistics, equal the family's latent format (Qwen-Image's VAE: the std as its reciprocal) bit for
     bit; the plain `x * std` rule is a grey level off now and then, which a 64² image may not show."""
-    config = SimpleNamespace(**json.loads((family(ARCH).config_dir / "vae" / "config.json").read_text()))
+    config = SimpleNamespace(**json.loads((family(ARCH).files.config_dir / "vae" / "config.json").read_text()))
     pipe = SimpleNamespace(vae=SimpleNamespace(config=config))
     latents = 3 * torch.randn(2, config.z_dim, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     decode = {"self": pipe, "torch": torch, "latents": latents}

@@ -27,7 +27,7 @@ from app.engine.checkpoint_shapes import meta_components
 from app.families import family
 from app.families.ldm_layout import ldm_plan, to_ldm_state_dict, unet_module_to_ldm
 
-CONFIGS = {arch: family(arch).config_dir for arch in ('sd15', 'sdxl')}
+CONFIGS = {arch: family(arch).files.config_dir for arch in ('sd15', 'sdxl')}
 
 
 @pytest.fixture(scope="module")

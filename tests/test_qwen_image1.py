@@ -102,7 +102,7 @@ def test_file_names_are_comfyuis_read_as_the_libraries_read_them():
     """The VAE file's names are Wan's: diffusers' `convert_wan_vae_to_diffusers` maps each of ours back to our
     tensor, on the full-size VAE (three resnets and an upsampler per decoder stage); the encoder file's are the
     original checkpoint's, which transformers' own renaming rules for Qwen2.5-VL map to ours."""
-    config = {k: v for k, v in AutoencoderKLQwenImage.load_config(family(ARCH).config_dir / "vae").items()
+    config = {k: v for k, v in AutoencoderKLQwenImage.load_config(family(ARCH).files.config_dir / "vae").items()
               if not k.startswith("_")}
     with torch.device("meta"):
         vae = AutoencoderKLQwenImage(**config)
@@ -113,7 +113,7 @@ def test_file_names_are_comfyuis_read_as_the_libraries_read_them():
     legacy = ("^visual", r"^model(?!\.(language_model|visual))")  # transformers' rules for the original names
     rules = [(t.source_patterns[0], t.target_patterns[0]) for t in get_model_conversion_mapping(encoder)
              if isinstance(t, WeightRenaming) and t.source_patterns[0] in legacy]
-    part = family(ARCH).parts[1]
+    part = family(ARCH).files.parts[1]
     assert part.model_class is Qwen2_5_VLForConditionalGeneration and len(rules) == 2
     for name, where in part.layout(encoder).items():
         assert re.sub(rules[1][0], rules[1][1], re.sub(rules[0][0], rules[0][1], where.key)) == name, where.key

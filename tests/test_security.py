@@ -156,7 +156,7 @@ def test_file_that_is_not_sd15_sized_is_refused_against_the_bundled_config(data_
     tensor name but tiny tensors is refused by shape, naming the tensors. (The bundled config is
     trusted and diffusers builds it on the meta device, so no 860M-parameter UNet is allocated; our
     meta build runs only to explain diffusers' refusal.)"""
-    names = expected_shapes("sd15", family("sd15").config_dir)
+    names = expected_shapes("sd15", family("sd15").files.config_dir)
     path = data_dir / "models" / "Stable-diffusion" / "small.safetensors"
     save_file({name: torch.zeros(2) for name in names}, str(path))
     info = checkpoint_files.resolve_checkpoint(path.name, path.parent)

@@ -18,9 +18,9 @@ def test_samplers_from_the_bundled_config_match_the_diffusers_folder(demo_paths,
     """A single file takes its scheduler from the bundled config, a diffusers folder from its own;
     every sampler built from either must step through the same timesteps and sigmas: the original
     configs' "leading" spacing with steps_offset 1 (Euler, 20 steps: 951, 901, …)."""
-    index = json.loads((family(arch).config_dir / "model_index.json").read_text())
+    index = json.loads((family(arch).files.config_dir / "model_index.json").read_text())
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
-    bundled = scheduler_cls.from_pretrained(family(arch).config_dir, subfolder="scheduler")
+    bundled = scheduler_cls.from_pretrained(family(arch).files.config_dir, subfolder="scheduler")
     folder = scheduler_cls.from_pretrained(demo_paths[f"{arch}_folder"], subfolder="scheduler")
     for name, (cls, overrides) in family(arch).sampling.samplers.items():
         ours, theirs = cls.from_config(bundled.config, **overrides), cls.from_config(folder.config, **overrides)

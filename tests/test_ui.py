@@ -350,7 +350,7 @@ def test_share_without_auth_requires_the_generated_password(tmp_path):
         # One checkpoint per family, a single file where it loads one, and the inpainting checkpoints (issue
         # 45: the Inpaint sub-tab can be tried at once): the other folders are left to `python -m app.demo`.
         assert authed.predict(api_name="/list_models") == sorted(
-            [f"tiny-{arch}.safetensors" if "file" in fam.layouts else f"tiny-{arch}-diffusers"
+            [f"tiny-{arch}.safetensors" if "file" in fam.files.layouts else f"tiny-{arch}-diffusers"
              for arch, fam in FAMILIES.items()]
             + [f"tiny-{arch}-inpainting.safetensors" for arch, fam in FAMILIES.items()
                if fam.test_kit.tiny_inpainting_channels])

@@ -221,7 +221,7 @@ def test_a_real_inpainting_single_file_gets_a_nine_channel_unet_config():
     from app.families import family
     from app.families.ldm_layout import UNET_PREFIX
 
-    key, config_dir = UNET_PREFIX + "input_blocks.0.0.weight", family("sd15").config_dir
+    key, config_dir = UNET_PREFIX + "input_blocks.0.0.weight", family("sd15").files.config_dir
     override = unet_channel_override(config_dir, {key: (320, 9, 3, 3)})
     assert override["unet"]["in_channels"] == 9 and override["unet"]["out_channels"] == 4
     assert unet_channel_override(config_dir, {key: (320, 4, 3, 3)}) == {}

@@ -150,7 +150,7 @@ def test_a_folder_says_turbo_or_base_by_its_scheduler_shift(demo_paths, tmp_path
     """Turbo and Base share every tensor; their folders differ in the scheduler's static shift."""
     assert _load(demo_paths[f"{TURBO}_folder"]).family is family(TURBO)
     assert _load(demo_paths[f"{BASE}_folder"]).family is family(BASE)
-    assert family(TURBO).matches(frozenset(_read(demo_paths[f"{TURBO}_file"])[0]) - {"x"})
+    assert family(TURBO).files.matches(frozenset(_read(demo_paths[f"{TURBO}_file"])[0]) - {"x"})
 
 
 def test_bundled_configs_describe_the_published_models():
@@ -164,11 +164,11 @@ def test_bundled_configs_describe_the_published_models():
     counts = {}
     with torch.device("meta"):
         for name in (TURBO, BASE):
-            folder = family(name).config_dir
+            folder = family(name).files.config_dir
             config = ZImageTransformer2DModel.load_config(folder / "transformer")
             transformer = ZImageTransformer2DModel.from_config(config)
             counts[name] = sum(p.numel() for p in transformer.parameters())
-        folder = family(TURBO).config_dir
+        folder = family(TURBO).files.config_dir
         qwen = Qwen3Model(Qwen3Config.from_pretrained(folder / "text_encoder"))
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(folder / "vae"))
     assert counts[TURBO] == counts[BASE] == 6_154_908_736  # 6.15 B
@@ -177,7 +177,7 @@ def test_bundled_configs_describe_the_published_models():
     config = qwen.config
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (36, 32, 8)
     assert round(sum(p.numel() for p in vae.parameters()) / 1e6, 1) == 83.8
-    shifts = [json.loads((family(n).config_dir / "scheduler/scheduler_config.json").read_text())["shift"]
+    shifts = [json.loads((family(n).files.config_dir / "scheduler/scheduler_config.json").read_text())["shift"]
               for n in (TURBO, BASE)]
     assert shifts == [3.0, 6.0]
 

@@ -63,7 +63,7 @@ class Codec:
 
 
 def sensitive(high_precision: tuple[str, ...]) -> Callable[[str], bool]:
-    """Whether a module path lies in one of the family's high-precision layers (`Family.high_precision`):
+    """Whether a module path lies in one of the family's high-precision layers (`Precision.high_precision`):
     they stay in the compute dtype in every codec (a GGUF file's packed ones are widened on load)."""
     if not high_precision:
         return lambda _path: False

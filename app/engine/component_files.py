@@ -1,4 +1,4 @@
-"""Assemble a pipeline from single files component by component (families that list `parts`: Flux).
+"""Assemble a pipeline from single files component by component (families that list `Files.parts`: Flux).
 
 Why our own reader instead of diffusers' `from_single_file`: Flux ships as pieces — a transformer
 file in BFL's layout, a CLIP-L file, a T5-XXL file (fp16, bf16 or fp8), an `ae.safetensors` — or
@@ -112,7 +112,7 @@ def _config(part: ComponentFile, fam: Family, source: Source, checkpoint: Source
             configs = json.loads(text)
             if part.component in configs:
                 return configs[part.component]
-    folder = fam.config_dir / part.component
+    folder = fam.files.config_dir / part.component
     if part.config_class is not None:
         return part.config_class.from_pretrained(folder).to_dict()
     return dict(part.model_class.load_config(folder))
@@ -203,7 +203,7 @@ def source_files(fam: Family, checkpoint_path: Path, choices: Mapping[str, Path]
     """The files `assemble` reads the family's parts from (headers only are read to find them)."""
     checkpoint = _open(checkpoint_path)
     return [find_source(part, checkpoint, choices.get(part.component), folders.get(part.folder)).path
-            for part in fam.parts]
+            for part in fam.files.parts]
 
 
 def assemble(fam: Family, checkpoint_path: Path, dtype: torch.dtype, choices: Mapping[str, Path],
@@ -212,10 +212,10 @@ def assemble(fam: Family, checkpoint_path: Path, dtype: torch.dtype, choices: Ma
     file; `folders`: ComponentFile.folder -> directory), on the CPU in `dtype`."""
     checkpoint = _open(checkpoint_path)
     components = {}
-    for part in fam.parts:
+    for part in fam.files.parts:
         source = find_source(part, checkpoint, choices.get(part.component), folders.get(part.folder))
         components[part.component] = load_part(part, fam, source, checkpoint, dtype)
-    index = json.loads((fam.config_dir / "model_index.json").read_text())
-    scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(fam.config_dir, subfolder="scheduler")
+    index = json.loads((fam.files.config_dir / "model_index.json").read_text())
+    scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(fam.files.config_dir, subfolder="scheduler")
     return fam.pipeline_class(scheduler=scheduler, **components, **fam.tokenizers(), **fam.pipeline_kwargs,
-                              **fam.file_pipeline_kwargs(checkpoint_path))
+                              **fam.files.pipeline_kwargs(checkpoint_path))

@@ -72,7 +72,7 @@ class OtherFamilyEmbedding(EmbeddingError):
 
 def _families_reading(keys: set[str]) -> list[str]:
     """The labels of the families whose every text encoder finds its vectors among `keys`."""
-    return [fam.label for fam in FAMILIES.values() if fam.takes_embeddings and fam.text_encoders
+    return [fam.label for fam in FAMILIES.values() if fam.files.takes_embeddings and fam.text_encoders
             and all(te.embedding_key in keys for te in fam.text_encoders)]
 
 
@@ -111,11 +111,11 @@ def load_embedding(pipe, arch: str, path: Path) -> str:
 
 def load_all(pipe, arch: str, folder: Path, noted: set[tuple[str, int]]) -> tuple[str, ...]:
     """Load every fitting `.safetensors` embedding in `folder`; the others are skipped. A family that takes no
-    embeddings (`Family.takes_embeddings`) does not read the folder. Why the log stays quiet: a shared folder
+    embeddings (`Files.takes_embeddings`) does not read the folder. Why the log stays quiet: a shared folder
     holds every family's embeddings, and A1111 skips another family's without a word (the API lists them as
     skipped), so such a file is noted at debug level only; a file that is wrong for every family is noted once
     per content (`noted`: the caller's record of (path, mtime) already told), not on every model load."""
-    if not folder.is_dir() or not family(arch).takes_embeddings:
+    if not folder.is_dir() or not family(arch).files.takes_embeddings:
         return ()
     loaded = []
     for path in sorted(utf8_names(folder, folder.glob("*.safetensors"), "embedding")):

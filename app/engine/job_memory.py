@@ -150,7 +150,7 @@ def _vae_widths(config: Mapping) -> list[int]:
 def _config(fam: Family, pipe, component: str) -> Mapping:
     module = getattr(pipe, component, None) if pipe is not None else None
     if module is None:
-        return json.loads((fam.config_dir / component / "config.json").read_text())
+        return json.loads((fam.files.config_dir / component / "config.json").read_text())
     config = module.config
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 

@@ -106,7 +106,7 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | N
         load = _load_folder
     else:
         _keys, metadata = read_safetensors_header(info.path)
-        load = _parts_loader(parts) if family(arch).parts else _single_file_loader(metadata, facts)
+        load = _parts_loader(parts) if family(arch).files.parts else _single_file_loader(metadata, facts)
     if dtype == torch.float16 and not family(arch).precision.fp16_ok:
         raise ModelLoadError(f"{info.name}: {family(arch).label} overflows in fp16 (activations beyond ±65504 "
                              "become Inf and the image black); use bf16, or fp32 on the CPU")
@@ -140,7 +140,7 @@ def _weight_files(info: CheckpointInfo, arch: str, parts: PartFiles) -> tuple[Pa
     if info.kind == "folder":
         found = [f for f in sorted(info.path.glob("*/*.safetensors"))
                  if "." not in f.stem and f.parent.name != "safety_checker"]
-    elif family(arch).parts:
+    elif family(arch).files.parts:
         found = component_files.source_files(family(arch), info.path, parts.choices, parts.folders)
     else:
         found = []
@@ -150,7 +150,7 @@ def _weight_files(info: CheckpointInfo, arch: str, parts: PartFiles) -> tuple[Pa
 def checkpoint_arch(info: CheckpointInfo) -> str:
     """The family of a checkpoint from its header or `model_index.json` alone (no weight read): what a
     request planned before its model is loaded (the A1111 API's) is checked against. A checkpoint in a
-    layout its family does not load (`Family.layouts`: a single file of a folder-only family) is refused
+    layout its family does not load (`Files.layouts`: a single file of a folder-only family) is refused
     saying which layout the family loads from, not as an unknown or broken file."""
     if info.kind == "folder":
         if not weights_file(info).is_file():
@@ -167,11 +167,11 @@ def checkpoint_arch(info: CheckpointInfo) -> str:
                 if said else ""
             raise UnknownArchitectureError(f"{info.name}: {exc}{told}") from exc
     fam = family(arch)
-    if info.kind not in fam.layouts:
-        loads = " or ".join(_LAYOUT_NAMES[layout] for layout in fam.layouts)
+    if info.kind not in fam.files.layouts:
+        loads = " or ".join(_LAYOUT_NAMES[layout] for layout in fam.files.layouts)
         raise ModelLoadError(f"{info.name}: a {fam.label} checkpoint, but {fam.label} loads from {loads} only, "
                              f"not from {_LAYOUT_NAMES[info.kind]}")
-    if info.kind == "file" and is_gguf(info.path) and not fam.parts:
+    if info.kind == "file" and is_gguf(info.path) and not fam.files.parts:
         raise UnsupportedCheckpointFormatError(f"{info.name}: .gguf files are read for families assembled from "
                                                f"parts (a transformer-only file); {fam.label} is not one")
     return arch
@@ -249,7 +249,7 @@ def _single_file_loader(metadata: dict[str, str], facts: FileFacts):
         source = "its embedded config" if CONFIGS_METADATA_KEY in metadata else f"the {arch.upper()} architecture"
         shapes = read_shapes(info.path)
         with _config_folder(arch, metadata, info.name, shapes) as config_dir:
-            shipped = config_dir == fam.config_dir
+            shipped = config_dir == fam.files.config_dir
 
             def once(check) -> None:
                 facts.once(FileIdentity.of(info.path), "shapes_match", _config_digest(fam, config_dir), check)
@@ -297,13 +297,13 @@ def _config_folder(arch: str, metadata: dict[str, str], name: str, shapes: dict[
     if CONFIGS_METADATA_KEY in metadata:
         overrides = _embedded_configs(arch, metadata[CONFIGS_METADATA_KEY], name)
     else:
-        overrides = unet_channel_override(family(arch).config_dir, shapes)
+        overrides = unet_channel_override(family(arch).files.config_dir, shapes)
     if not overrides:
-        yield family(arch).config_dir
+        yield family(arch).files.config_dir
         return
     with tempfile.TemporaryDirectory(prefix="sd-config-") as tmp:
         folder = Path(tmp) / arch
-        shutil.copytree(family(arch).config_dir, folder)
+        shutil.copytree(family(arch).files.config_dir, folder)
         for component, config in overrides.items():
             (folder / component / "config.json").write_text(json.dumps(config))
         yield folder

@@ -56,7 +56,7 @@ def part_files(settings: Settings, checkpoint: str) -> PartFiles:
 def choose(settings: Settings, arch: str, checkpoint: str, parts: Mapping[str, str | None]) -> None:
     """Remember `parts` (component -> file name in its folder; None forgets a choice) for `checkpoint`."""
     fam, folders = family(arch), _folders(settings)
-    by_component = {p.component: p for p in fam.parts if p.folder is not None}
+    by_component = {p.component: p for p in fam.files.parts if p.folder is not None}
     stored = _stored(settings)
     mine = dict(stored.get(checkpoint, {}))
     for component, name in parts.items():
@@ -82,7 +82,7 @@ def available(settings: Settings, arch: str) -> dict[str, list[str]]:
     """component -> the `.safetensors` file names its folder offers (for the UI's pickers)."""
     folders = _folders(settings)
     out = {}
-    for part in family(arch).parts:
+    for part in family(arch).files.parts:
         if part.folder is not None:
             folder = folders[part.folder]
             out[part.component] = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []

@@ -13,7 +13,7 @@ no others (tests/families/test_isolation.py checks this list against every famil
 - `app/families/<module>.py`: its `Family` records and pipeline classes, `FAMILIES = (…)` exported;
 - `app/families/<module>_layout.py` (optional): how its single files and LoRAs name its tensors;
 - `app/families/<module>_controlnet.py` (optional): its `ControlNetKit`;
-- `assets/configs/<family>/`: its bundled offline configs (`Family.config_dir`);
+- `assets/configs/<family>/`: its bundled offline configs (`Files.config_dir`);
 - `assets/make_<module>_configs.py`: the script that wrote those configs;
 - `tests/test_<module>.py`: its native file formats (everything else is the conformance suite's);
 - and its section of README.md.
@@ -26,26 +26,28 @@ How to add a family (Z-Image, Flux.2 Klein, …):
 2. Its pipeline classes build on `app.families.pipelines`: `EnginePipeline` first, `VariedNoise` on the txt2img
    class, `StrengthSteps` on stage pipelines (`stage_pipelines`; none: img2img and inpaint are refused by name),
    `PackedPatches` where the transformer denoises 2×2 patches. Bundle its offline configs in `assets/`.
-3. State only what differs from the defaults, grouped in records: `latent_format` (one `LatentFormat` per VAE,
-   shared: statistics in the pipeline's op order, preview factors, a video VAE's frame axis), `precision`
+3. State only what differs from the defaults, grouped in records: `files` (`Files`: bundled configs, the layouts
+   it loads, checkpoint markers, the `parts` a single file is assembled from, what tells its folders apart, whether
+   it reads embeddings), `latent_format` (one `LatentFormat` per VAE, shared: statistics in the pipeline's op
+   order, preview factors, a video VAE's frame axis), `precision`
    (`Precision`: pinned dtypes such as RoPE `inv_freq` in fp32, layers kept out of 8-bit storage), `adapters`
    (`Adapters`: what LoRA metadata calls it, native layer names), `test_kit` (`TestKit`: tiny configs the demo
    and every test build at DEMO_SIDE pixels, test LoRA targets, bench rows: `benchmarks/` never names a family),
-   and beside them text encoders (their file names only where it reads such files), checkpoint markers and
-   `parts` (single files), `layouts`, samplers, guidance, `blocks` (group offload), `controlnet`.
+   `sampling` (`Sampling`: samplers, defaults, guidance), and beside them text encoders (their file names only
+   where it reads such files), `blocks` (group offload), `controlnet`.
 4. Run `python -m pytest -n 0 tests/families`: the conformance suite parametrises itself over the
    registry (load, seeds, PEFT LoRA bit-exact, every offload mode with strict forwards, fp8, dtype changes,
    stages or their refusal).
 5. Add `tests/test_<module>.py` for the family's native file formats only, and its README section.
 
-Detection order: single files are matched by `checkpoint_markers`; where several families match
+Detection order: single files are matched by `Files.checkpoint_markers`; where several families match
 (FLUX.1 dev's markers are schnell's plus the guidance embedder), the one with the most markers wins,
 so no family depends on import order. Folders are matched by `diffusers_pipeline` and
-`folder_config`. Within a module, `FAMILIES` is the order the registry lists them in; modules are
+`Files.folder_config`. Within a module, `FAMILIES` is the order the registry lists them in; modules are
 read in name order.
 
 What varies by family beyond names: the denoiser component (`unet`, or `transformer` for DiTs),
-how a single file is read (diffusers' own single-file loader for SD, or `parts`: components the
+how a single file is read (diffusers' own single-file loader for SD, or `Files.parts`: components the
 engine assembles from an all-in-one file or from separate files, as Flux ships), the samplers,
 guidance (CFG, or Flux-dev's distilled guidance: no negative prompt), the T5 sequence length,
 defaults (steps, guidance, sampler; the size is the loaded model's native size) and the size multiple.
@@ -148,6 +150,46 @@ class ComponentFile:
     # A `.gguf` file of this part written by llama.cpp's converter names tensors its own way: (regex, replacement)
     # rules, each matched against a whole name, that rewrite them to the model's (app/engine/component_files.py)
     gguf_names: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Files:
+    """How a family's checkpoints are found and read (`Family.files`): its bundled offline configs, the layouts it
+    loads, what tells a single file or a folder of it from another family's, how a single file is read, and
+    whether A1111's `embeddings/` folder is read for it. Why one record: the loader, the model list and the demo
+    read these together, and a family states only what differs from an SD checkpoint's."""
+
+    config_dir: Path  # bundled offline configs (model_index.json, component configs, scheduler)
+    layouts: tuple[str, ...] = ("file", "folder")  # checkpoint layouts it loads: single file, diffusers folder
+    # Keys a single file must hold to be this family; a folder-only family may state none, or state them so that
+    # a single file of it is refused as such (`layouts`) instead of as an unknown file.
+    checkpoint_markers: tuple[str, ...] = ()
+    marker_prefixes: tuple[str, ...] = ("",)  # checkpoint_markers may sit under any of these
+    parts: tuple[ComponentFile, ...] = ()  # empty: diffusers' single-file loader reads the file
+    # Pipeline arguments a single file of `parts` implies, from its path (FLUX.2 Klein: distilled unless
+    # named "…base…"); a diffusers folder states them in its model_index.json.
+    pipeline_kwargs: Callable[[Path], Mapping[str, object]] = lambda path: {}
+    # {config file in a folder: {key: value}}: what tells variants that share a diffusers pipeline class apart
+    folder_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    # Textual-inversion embeddings (A1111's `embeddings/`): the file holds one tensor per text
+    # encoder under `TextEncoder.embedding_key`. False: the folder is not read for this family.
+    takes_embeddings: bool = True
+
+    def matches(self, keys: frozenset[str] | set[str]) -> bool:
+        """Does a single file with these tensor names hold this family's markers?"""
+        return bool(self.checkpoint_markers) and any(all(p + m in keys for m in self.checkpoint_markers)
+                                                     for p in self.marker_prefixes)
+
+    def fits_folder(self, folder: Path) -> bool:
+        """Do a diffusers folder's component configs hold the values `folder_config` tells this variant by?"""
+        for config, values in self.folder_config.items():
+            try:
+                found = json.loads((folder / config).read_text())
+            except (OSError, ValueError):
+                return False
+            if any(found.get(k) != v for k, v in values.items()):
+                return False
+        return True
 
 
 @dataclass(frozen=True)
@@ -389,10 +431,7 @@ class Family:
     pipeline_class: type  # our pipeline subclass (EnginePipeline first)
     diffusers_pipeline: str  # `_class_name` in a diffusers folder's model_index.json
     text_encoders: tuple[TextEncoder, ...]
-    config_dir: Path  # bundled offline configs (model_index.json, component configs, scheduler)
-    # Keys a single file must hold to be this family; a folder-only family may state none, or state them so that
-    # a single file of it is refused as such (`layouts`) instead of as an unknown file.
-    checkpoint_markers: tuple[str, ...] = ()
+    files: Files  # how its checkpoints are found and read: configs, layouts, markers, parts
     pipeline_kwargs: Mapping[str, object] = field(default_factory=dict)  # passed when a pipeline is built
     # Stage pipeline classes by workflow ("img2img", "inpaint"), built on the loaded pipeline's
     # components (app/engine/stages.py); a family without one refuses that workflow by name.
@@ -401,18 +440,9 @@ class Family:
     denoiser: str = "unet"  # the denoising component: "unet", or "transformer" for DiTs
     denoiser_class: type = UNet2DConditionModel
     vae_class: type = AutoencoderKL
-    layouts: tuple[str, ...] = ("file", "folder")  # checkpoint layouts it loads: single file, diffusers folder
     # Components built of 2-D convolutions, whose 4-D weights may rest channels_last (`--channels-last`);
     # text encoders have none, nor has a DiT's transformer (its patch embedding is a linear layer).
     conv_components: tuple[str, ...] = ("unet", "vae")
-    marker_prefixes: tuple[str, ...] = ("",)  # checkpoint_markers may sit under any of these
-    parts: tuple[ComponentFile, ...] = ()  # empty: diffusers' single-file loader reads the file
-    # Pipeline arguments a single file of `parts` implies, from its path (FLUX.2 Klein: distilled unless
-    # named "…base…"); a diffusers folder states them in its model_index.json.
-    file_pipeline_kwargs: Callable[[Path], Mapping[str, object]] = lambda path: {}
-    # Textual-inversion embeddings (A1111's `embeddings/`): the file holds one tensor per text
-    # encoder under `TextEncoder.embedding_key`. False: the folder is not read for this family.
-    takes_embeddings: bool = True
     # How many reference images the txt2img pipeline edits from (`image=[…]`); 0: none. Where it takes some,
     # the img2img tab offers a "reference images" input and the A1111 img2img API reads `init_images` so
     # with `reference_images`. Each reference adds its tokens to every attention of every step.
@@ -425,7 +455,6 @@ class Family:
     latent_format: LatentFormat = IMAGE_LATENTS  # the VAE's latent space: statistics, preview, frames
     # Does this loaded pipeline's denoiser read a mask and masked-image latents (an inpainting checkpoint)?
     inpainting: Callable[[Any], bool] = lambda pipe: False
-    folder_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # tells variants' folders apart
     # The side, in pixels, the loaded model was trained at: the size the page switches to on load.
     native_size: Callable[[Any], int] = lambda pipe: pipe.unet.config.sample_size * pipe.vae_scale_factor
     # A denoiser call's prompt length (the compiled path compiles only a few distinct ones, so a new
@@ -508,15 +537,11 @@ class Family:
         """What the VAE encoded -> the latents the denoiser works on (the inverse of `latents_for_vae`)."""
         return self.latent_format.stats(vae.config).from_vae(raw)
 
-    def matches(self, keys: frozenset[str] | set[str]) -> bool:
-        """Does a single file with these tensor names hold this family's markers?"""
-        return bool(self.checkpoint_markers) and any(all(p + m in keys for m in self.checkpoint_markers)
-                                                     for p in self.marker_prefixes)
-
     def single_file_state(self, pipe) -> dict:
         """The pipeline's weights as one single file of this family (the demo's and the tests' writer):
         the LDM layout for SD, the all-in-one layout of `parts` otherwise."""
-        return all_in_one_state(pipe, self.parts) if self.parts else to_ldm_state_dict(pipe, self)
+        parts = self.files.parts
+        return all_in_one_state(pipe, parts) if parts else to_ldm_state_dict(pipe, self)
 
     def call_arguments(self, guidance: float) -> dict[str, object]:
         """The pipeline-call arguments that differ by family (the prompts go as embeddings: app/prompts)."""
@@ -557,17 +582,17 @@ def check_contract(fam: Family) -> Family:
 
 
 def _contract_rules(fam: Family) -> list[tuple[str, bool]]:
-    encoders = fam.text_encoders
-    ldm_file = "file" in fam.layouts and not fam.parts  # diffusers' single-file loader reads each encoder's prefix
+    encoders, files = fam.text_encoders, fam.files
+    ldm_file = "file" in files.layouts and not files.parts  # diffusers' single-file loader reads each encoder's prefix
     return [
-        (f"layouts {fam.layouts} must be some of ('file', 'folder')", bool(fam.layouts)
-         and set(fam.layouts) <= {"file", "folder"}),
-        ("a family that loads single files ('file' in layouts) states checkpoint_markers",
-         "file" not in fam.layouts or bool(fam.checkpoint_markers)),
+        (f"files.layouts {files.layouts} must be some of ('file', 'folder')", bool(files.layouts)
+         and set(files.layouts) <= {"file", "folder"}),
+        ("a family that loads single files ('file' in files.layouts) states files.checkpoint_markers",
+         "file" not in files.layouts or bool(files.checkpoint_markers)),
         ("an LDM single-file family states each TextEncoder.single_file_prefix",
          not ldm_file or all(te.single_file_prefix is not None for te in encoders)),
-        ("a family that takes embeddings states each TextEncoder.embedding_key",
-         not fam.takes_embeddings or all(te.embedding_key is not None for te in encoders)),
+        ("a family that takes embeddings (files.takes_embeddings) states each TextEncoder.embedding_key",
+         not files.takes_embeddings or all(te.embedding_key is not None for te in encoders)),
         (f"the demo's tiny models are {DEMO_SIDE}² (DEMO_SIDE): size_multiple {fam.size_multiple} must divide it",
          DEMO_SIDE % fam.size_multiple == 0),
         ("tiny_configs states a config for the denoiser, the VAE and every text encoder (the demo builds them)",
@@ -595,8 +620,8 @@ FAMILIES: dict[str, Family] = discover()
 def detect(keys: frozenset[str] | set[str]) -> Family | None:
     """The family of a single file's tensor names: of the families whose markers it holds, the one
     with the most markers (FLUX.1 dev's are schnell's plus the guidance embedder), else None."""
-    matching = [fam for fam in FAMILIES.values() if fam.matches(keys)]
-    return max(matching, key=lambda fam: len(fam.checkpoint_markers), default=None)
+    matching = [fam for fam in FAMILIES.values() if fam.files.matches(keys)]
+    return max(matching, key=lambda fam: len(fam.files.checkpoint_markers), default=None)
 
 
 def lora_arch_of(text: str) -> tuple[str, str] | None:
@@ -615,20 +640,9 @@ def family_of_pipeline(class_name: str, folder: Path | None = None) -> Family | 
     where variants share a class (Flux dev and schnell), the one whose `folder_config` values the
     folder's component configs hold."""
     for fam in FAMILIES.values():
-        if fam.diffusers_pipeline == class_name and (folder is None or _folder_fits(fam, folder)):
+        if fam.diffusers_pipeline == class_name and (folder is None or fam.files.fits_folder(folder)):
             return fam
     return None
-
-
-def _folder_fits(fam: Family, folder: Path) -> bool:
-    for config, values in fam.folder_config.items():
-        try:
-            found = json.loads((folder / config).read_text())
-        except (OSError, ValueError):
-            return False
-        if any(found.get(k) != v for k, v in values.items()):
-            return False
-    return True
 
 
 def family_of(pipe) -> Family:

@@ -128,7 +128,7 @@ def file_name_aliases(layout: Layout, component: str, kohya: str, lycoris: str, 
 
 def all_in_one_state(pipe, parts) -> dict[str, torch.Tensor]:
     """A pipeline's components as one all-in-one file (each under its first prefix): what the demo
-    writes for families that list `parts` (`app.families.ComponentFile`)."""
+    writes for families that list `Files.parts` (`app.families.ComponentFile`)."""
     out = {}
     for part in parts:
         model = getattr(pipe, part.component)

@@ -4,7 +4,7 @@ Why one module: FLUX.1 and Z-Image ship the very same `ae.safetensors` (83.8 M p
 0.3611, shift 0.1159) and denoise its latents in 2×2 patches with flow-match Euler, so how the VAE's
 file is found and named, its tiny demo config, its live preview factors, the samplers and the
 `Family` fields that follow (`DIT_SHARED`: `Family(..., **DIT_SHARED)`) are stated once. A family
-lists `FLUX_VAE_PART` among its `parts` and starts its tiny configs from `TINY_FLUX_VAE`.
+lists `FLUX_VAE_PART` among its `Files.parts` and starts its tiny configs from `TINY_FLUX_VAE`.
 """
 
 from __future__ import annotations
@@ -71,12 +71,14 @@ NEAREST_SAMPLERS = MappingProxyType({"DDIM": "Euler", "UniPC": "Euler", "PLMS": 
 # How such a DiT samples: flow Euler and its kin, A1111's other names run as their nearest
 # (`dataclasses.replace(FLOW_SAMPLING, default_steps=…)`).
 FLOW_SAMPLING = Sampling(default_sampler="Euler", samplers=SAMPLERS, nearest_samplers=NEAREST_SAMPLERS)
+# Where such a DiT's checkpoint markers sit in a single file (`Files.marker_prefixes`): bare, or under ComfyUI's
+# `model.diffusion_model.`.
+DIT_PREFIXES = ("", "model.diffusion_model.")
 # The `Family` fields such a DiT states alike: its transformer is the denoiser (no conv weights:
-# only the VAE may rest channels_last), its files may sit under ComfyUI's `model.diffusion_model.`,
-# sizes are whole 2×2 patches of 8× latents, the native size is the VAE's (each DiT states
+# only the VAE may rest channels_last), sizes are whole 2×2 patches of 8× latents, the native size is the VAE's
+# (each DiT states
 # `Precision(fp16_ok=False)`: activations overflow fp16); `--compile` compiles the blocks diffusers declares repeated.
 DIT_SHARED = MappingProxyType(dict(
     size_multiple=16,
     denoiser="transformer", conv_components=("vae",),
-    marker_prefixes=("", "model.diffusion_model."),
     native_size=lambda pipe: pipe.vae.config.sample_size, compile_regions=declared_repeated_blocks))

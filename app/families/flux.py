@@ -9,7 +9,7 @@ Files come as a diffusers folder, as Black Forest Labs' transformer file (`doubl
 bare or under `model.diffusion_model.`) with the text encoders in `models/text_encoder`
 (`clip_l.safetensors`, `t5xxl_fp16.safetensors`, …) and the VAE in `models/VAE` (`ae.safetensors`),
 or as the ComfyUI/Forge all-in-one (`model.diffusion_model.`, `text_encoders.clip_l.transformer.`,
-`text_encoders.t5xxl.transformer.`, `vae.`). `parts` says how each component is found and named.
+`text_encoders.t5xxl.transformer.`, `vae.`). `Files.parts` says how each component is found and named.
 LoRAs name the text encoders by those all-in-one prefixes too (ComfyUI), by `lora_te1_`/`lora_te3_`
 (sd-scripts) and by position, T5 as `lora_te2_` (OneTrainer): `app.adapters.keys` derives all three
 from `_CLIP_L` and `_T5`; the transformer's BFL and xlabs spellings are `lora_aliases` below.
@@ -32,9 +32,9 @@ from diffusers import (
 from diffusers.image_processor import VaeImageProcessor
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
-from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit, TextEncoder
+from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Files, Precision, TestKit, TextEncoder
 from app.families.file_layout import module_parts, own_names
-from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_PREFIXES, DIT_SHARED, FLOW_SAMPLING, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.flux_controlnet import flux_controlnet_kit
 from app.families.flux_layout import bfl_aliases, transformer_layout, xlabs_modules
 from app.families.ldm_layout import clip_layout
@@ -222,14 +222,17 @@ def _family(name: str, label: str, dev: bool) -> Family:
         stage_pipelines=_STAGES,
         diffusers_pipeline="FluxPipeline",
         text_encoders=(_CLIP_L, _T5),
-        checkpoint_markers=("double_blocks.0.img_attn.qkv.weight", *(("guidance_in.in_layer.weight",) if dev else ())),
-        config_dir=ASSETS_DIR / "configs" / name,
+        files=Files(
+            config_dir=ASSETS_DIR / "configs" / name,
+            checkpoint_markers=("double_blocks.0.img_attn.qkv.weight",
+                                *(("guidance_in.in_layer.weight",) if dev else ())),
+            marker_prefixes=DIT_PREFIXES,
+            parts=_PARTS,
+            folder_config=MappingProxyType({"transformer/config.json": {"guidance_embeds": dev}})),
         denoiser_class=FluxTransformer2DModel,
         **DIT_SHARED,
         latent_format=FLUX_LATENTS,
-        parts=_PARTS,
         first_block="transformer_blocks.0",
-        folder_config=MappingProxyType({"transformer/config.json": {"guidance_embeds": dev}}),
         controlnet=flux_controlnet_kit(_CONTROL_PIPELINES, ASSETS_DIR / "configs" / name,
                                        dict(_TINY_TRANSFORMER, guidance_embeds=dev)),
         precision=Precision(

@@ -41,6 +41,7 @@ from app.families import (
     BenchSpec,
     ComponentFile,
     Family,
+    Files,
     LatentFormat,
     LatentStats,
     Precision,
@@ -48,7 +49,7 @@ from app.families import (
     TextEncoder,
 )
 from app.families.file_layout import own_names
-from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING
+from app.families.flow_dit import DIT_PREFIXES, DIT_SHARED, FLOW_SAMPLING
 from app.families.flux_layout import bfl_aliases
 from app.families.klein_layout import transformer_layout, vae_layout
 from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
@@ -236,22 +237,25 @@ def _family(size: str, encoder_name: str, encoder_file: str, double_blocks: int)
         stage_pipelines=_STAGES,
         diffusers_pipeline="Flux2KleinPipeline",
         text_encoders=(encoder,),
-        # the 9B's eighth double block tells it from the 4B (five double blocks)
-        checkpoint_markers=(*markers, *((f"double_blocks.{double_blocks - 1}.img_attn.qkv.weight",)
-                                        if size == "9b" else ())),
-        config_dir=ASSETS_DIR / "configs" / f"flux2-klein-{size}",
+        files=Files(
+            config_dir=ASSETS_DIR / "configs" / f"flux2-klein-{size}",
+            # the 9B's eighth double block tells it from the 4B (five double blocks)
+            checkpoint_markers=(*markers, *((f"double_blocks.{double_blocks - 1}.img_attn.qkv.weight",)
+                                            if size == "9b" else ())),
+            marker_prefixes=DIT_PREFIXES,
+            parts=_parts(encoder, encoder_file),
+            pipeline_kwargs=_distilled_flag,
+            # a folder is the 9B's when it has the 9B's eight double blocks, else the 4B's (FAMILIES lists the 9B
+            # first)
+            folder_config=MappingProxyType({"transformer/config.json": {"num_layers": double_blocks}}
+                                           if size == "9b" else {}),
+            takes_embeddings=False),  # A1111 embeddings are CLIP vectors; Qwen3 has no such files
         **DIT_SHARED,  # its double and single blocks compile as diffusers declares them
         denoiser_class=Flux2Transformer2DModel,
         vae_class=AutoencoderKLFlux2,
-        parts=_parts(encoder, encoder_file),
-        file_pipeline_kwargs=_distilled_flag,
         first_block="transformer_blocks.0",
-        takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has no such files
         reference_images=4,  # each adds up to 4,096 tokens (1024² / 16²) to every attention
         latent_format=_LATENTS,
-        # a folder is the 9B's when it has the 9B's eight double blocks, else the 4B's (FAMILIES lists the 9B first)
-        folder_config=MappingProxyType({"transformer/config.json": {"num_layers": double_blocks}} if size == "9b"
-                                       else {}),
         precision=Precision(
             fp16_ok=False,
             # fp8 storage keeps the embedders (the first floating parameter says the transformer's dtype to

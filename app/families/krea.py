@@ -31,12 +31,13 @@ from app.families import (
     BenchSpec,
     ComponentFile,
     Family,
+    Files,
     Precision,
     TestKit,
     TextEncoder,
 )
 from app.families.file_layout import own_names
-from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING
+from app.families.flow_dit import DIT_PREFIXES, DIT_SHARED, FLOW_SAMPLING
 from app.families.krea_layout import lora_aliases, transformer_layout
 from app.families.pipelines import PackedPatches, VariedNoise
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer
@@ -141,16 +142,15 @@ KREA_2 = Family(
     pipeline_class=SteadyKrea2Pipeline,
     diffusers_pipeline="Krea2Pipeline",
     text_encoders=(QWEN3_VL_4B,),
-    checkpoint_markers=("txtfusion.projector.weight", "blocks.0.mod.lin"),
-    config_dir=ASSETS_DIR / "configs" / "krea-2",
+    files=Files(ASSETS_DIR / "configs" / "krea-2", marker_prefixes=DIT_PREFIXES, parts=_PARTS,
+                checkpoint_markers=("txtfusion.projector.weight", "blocks.0.mod.lin"), pipeline_kwargs=_distilled_flag,
+                takes_embeddings=False),  # A1111 embeddings are CLIP vectors; Qwen3-VL has none
     denoiser_class=Krea2Transformer2DModel,
     vae_class=AutoencoderKLQwenImage,
     **{**DIT_SHARED,
        # 1024² as the model card makes it; a demo-size model (under 1024 wide) the demo's side
        "native_size": lambda pipe: 1024 if pipe.transformer.hidden_size >= 1024 else DEMO_SIDE},
     latent_format=QWEN_IMAGE_LATENTS,
-    parts=_PARTS,
-    file_pipeline_kwargs=_distilled_flag,
     first_block="transformer_blocks.0",
     blocks=_groups,
     # the model card's 28 steps at Krea's guidance 4.5 (CFG 5.5); Turbo: 8 steps, no guidance
@@ -158,7 +158,6 @@ KREA_2 = Family(
         FLOW_SAMPLING, default_steps=28, default_guidance=5.5, guidance_call=lambda cfg: {"guidance_scale": cfg - 1},
         loaded_defaults=lambda pipe: (8, 1.0) if pipe.config.is_distilled else (28, 5.5),
         step_distilled=lambda pipe: bool(pipe.config.is_distilled)),
-    takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3-VL has none
     precision=Precision(
         fp16_ok=False,
         # fp8 storage keeps the embedders, the shared modulation, the layer projector and the final layer

@@ -7,7 +7,7 @@ Flux.2 Klein), and what it takes is the same everywhere:
   `tokenizer.json` gzip-compressed; `BundledQwen3Tokenizer.from_pretrained` expands it into a
   temporary folder once per process (1.3 s) and hands every pipeline that one object: the only
   change the app makes to a tokenizer is adding textual-inversion tokens, which a Qwen3 family
-  does not take (`Family.takes_embeddings`), and a deep copy per pipeline costs 0.65 s;
+  does not take (`Files.takes_embeddings`), and a deep copy per pipeline costs 0.65 s;
 * transformers keeps the rotary `inv_freq` (and its `original_inv_freq` copy) in fp32 whatever
   the model's dtype, so a family pins them (`QWEN3_PINNED`);
 * a separate file (`qwen_3_4b.safetensors`, fp8 "mixed" too) holds `Qwen3ForCausalLM`'s names

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
 
-from app.families import ASSETS_DIR, Adapters, ComponentFile, Family, LatentFormat, Precision, TestKit
+from app.families import ASSETS_DIR, Adapters, ComponentFile, Family, Files, LatentFormat, Precision, TestKit
 from app.families.file_layout import own_names
-from app.families.flow_dit import DIT_SHARED
+from app.families.flow_dit import DIT_PREFIXES, DIT_SHARED
 from app.families.pipelines import PackedPatches, VariedNoise
 from app.families.qwen3_vl import QWEN3_VL, QWEN3_VL_PART, QWEN3_VL_PINNED, TINY_QWEN3_VL
 from app.families.qwen_dit import QWEN_SAMPLING, TrueCfg, native_size
@@ -119,20 +119,19 @@ QWEN_IMAGE_21 = Family(
     pipeline_class=SteadyQwenImage21Pipeline,
     diffusers_pipeline="QwenImage21Pipeline",
     text_encoders=(QWEN3_VL,),
-    checkpoint_markers=("txt_in.text_norm.weight", "transformer_blocks.0.img_mlp.gate_up.weight"),
-    config_dir=ASSETS_DIR / "configs" / "qwen-image-2.1",
+    files=Files(ASSETS_DIR / "configs" / "qwen-image-2.1", marker_prefixes=DIT_PREFIXES, parts=_PARTS,
+                checkpoint_markers=("txt_in.text_norm.weight", "transformer_blocks.0.img_mlp.gate_up.weight"),
+                takes_embeddings=False),  # A1111 embeddings are CLIP vectors; Qwen3-VL has none
     denoiser_class=QwenImage21Transformer2DModel,
     vae_class=AutoencoderKLQwenImage21,
     **{**DIT_SHARED, "size_multiple": 32, "native_size": native_size},
     latent_format=LatentFormat(frames=True),  # the VAE's own per-channel statistics; no preview fit yet
-    parts=_PARTS,
     first_block="transformer_blocks.0",
     # 40 steps without guidance, true CFG above 1; Turbo: its `sample_sigmas`' count, a step-distilled model
     sampling=dataclasses.replace(
         QWEN_SAMPLING, default_steps=40, default_guidance=1.0,
         loaded_defaults=lambda pipe: (len(pipe.config.get("sample_sigmas") or ()) or 40, 1.0),
         step_distilled=lambda pipe: bool(pipe.config.get("sample_sigmas"))),
-    takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3-VL has none
     reference_images=4,  # each adds 4,096 tokens (1024² / 16²) to every attention; the pipeline takes up to 10
     precision=Precision(
         fp16_ok=False,

@@ -32,9 +32,9 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from app.families import ASSETS_DIR, Adapters, ComponentFile, Family, Precision, TestKit, TextEncoder
+from app.families import ASSETS_DIR, Adapters, ComponentFile, Family, Files, Precision, TestKit, TextEncoder
 from app.families.file_layout import FileTensor, file_name_aliases, own_names
-from app.families.flow_dit import DIT_SHARED
+from app.families.flow_dit import DIT_PREFIXES, DIT_SHARED
 from app.families.ldm_layout import LYCORIS
 from app.families.pipelines import PackedPatches, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer, expand_into
@@ -152,18 +152,17 @@ QWEN_IMAGE = Family(
                                       "inpaint": SteadyQwenImageInpaintPipeline}),
     diffusers_pipeline="QwenImagePipeline",
     text_encoders=(QWEN25_VL,),
-    checkpoint_markers=("txt_norm.weight", "transformer_blocks.0.txt_mod.1.weight",
-                        "transformer_blocks.0.img_mlp.net.0.proj.weight"),
-    config_dir=ASSETS_DIR / "configs" / "qwen-image",
+    files=Files(ASSETS_DIR / "configs" / "qwen-image", marker_prefixes=DIT_PREFIXES, parts=_PARTS,
+                checkpoint_markers=("txt_norm.weight", "transformer_blocks.0.txt_mod.1.weight",
+                                    "transformer_blocks.0.img_mlp.net.0.proj.weight"),
+                takes_embeddings=False),  # A1111 embeddings are CLIP vectors; Qwen2.5-VL has none
     denoiser_class=QwenImageTransformer2DModel,
     vae_class=AutoencoderKLQwenImage,
     **{**DIT_SHARED, "native_size": native_size},
     latent_format=QWEN_IMAGE_LATENTS,
-    parts=_PARTS,
     first_block="transformer_blocks.0",
     # the model card's 50 steps at CFG 4; the pipeline cuts the templated prompt at 512 tokens
     sampling=dataclasses.replace(QWEN_SAMPLING, default_steps=50, default_guidance=4.0, max_sequence_length=512),
-    takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen2.5-VL has none
     precision=Precision(
         fp16_ok=False,
         # fp8 storage keeps the embedders, the text norm and the final layers in the compute dtype

@@ -14,7 +14,7 @@ from diffusers import (
 )
 from transformers import CLIPTextModel
 
-from app.families import ASSETS_DIR, Family, LatentFormat, Precision, TextEncoder
+from app.families import ASSETS_DIR, Family, Files, LatentFormat, Precision, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
 from app.families.pipelines import EnginePipeline, VariedNoise
 from app.families.sd_controlnet import sd_controlnet_kit
@@ -59,10 +59,9 @@ SD15 = Family(
     stage_pipelines=MappingProxyType({"img2img": SteadySDImg2ImgPipeline, "inpaint": SteadySDInpaintPipeline}),
     diffusers_pipeline="StableDiffusionPipeline",
     text_encoders=(_CLIP,),
-    checkpoint_markers=(UNET_PREFIX + "input_blocks.0.0.weight",
-                        _CLIP.single_file_prefix + "embeddings.token_embedding.weight"),
+    files=Files(ASSETS_DIR / "configs" / "sd15", checkpoint_markers=(
+        UNET_PREFIX + "input_blocks.0.0.weight", _CLIP.single_file_prefix + "embeddings.token_embedding.weight")),
     precision=Precision(high_precision=("conv_in", "conv_out", "time_embedding")),
-    config_dir=ASSETS_DIR / "configs" / "sd15",
     **SD_SHARED,
     # ComfyUI's published latent-preview fit (comfy/latent_formats.py, SD15)
     latent_format=LatentFormat(preview_rgb=(

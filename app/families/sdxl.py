@@ -14,7 +14,7 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from app.families import ASSETS_DIR, Family, LatentFormat, Precision, TextEncoder
+from app.families import ASSETS_DIR, Family, Files, LatentFormat, Precision, TextEncoder
 from app.families.ldm_layout import UNET_PREFIX
 from app.families.pipelines import EnginePipeline, VariedNoise
 from app.families.sd_controlnet import sd_controlnet_kit
@@ -71,12 +71,11 @@ SDXL = Family(
     stage_pipelines=MappingProxyType({"img2img": SteadySDXLImg2ImgPipeline, "inpaint": SteadySDXLInpaintPipeline}),
     diffusers_pipeline="StableDiffusionXLPipeline",
     text_encoders=(_CLIP_L, _CLIP_G),
-    checkpoint_markers=(UNET_PREFIX + "label_emb.0.0.weight",
-                        _CLIP_L.single_file_prefix + "embeddings.token_embedding.weight",
-                        _CLIP_G.single_file_prefix + "token_embedding.weight"),
+    files=Files(ASSETS_DIR / "configs" / "sdxl", checkpoint_markers=(
+        UNET_PREFIX + "label_emb.0.0.weight", _CLIP_L.single_file_prefix + "embeddings.token_embedding.weight",
+        _CLIP_G.single_file_prefix + "token_embedding.weight")),
     precision=Precision(high_precision=("conv_in", "conv_out", "time_embedding", "add_embedding", "text_projection"),
                         vae_upcast_in_fp16=True),
-    config_dir=ASSETS_DIR / "configs" / "sdxl",
     refiner_families=("sdxl",),
     **SD_SHARED,
     # ComfyUI's published latent-preview fit (comfy/latent_formats.py, SDXL)

@@ -15,7 +15,7 @@ same image here (diffusers' 4.0, Base's card value).
 Files come as a diffusers folder, or as the ComfyUI transformer (`z_image_turbo_bf16.safetensors`,
 original names with fused `attention.qkv`, bf16, fp8 or fp8 "scaled") with the text encoder in
 `models/text_encoder` (`qwen_3_4b.safetensors`) and the VAE in `models/VAE` (`ae.safetensors`),
-as FLUX.1 does; `parts` says how each is found. LoRAs: diffusers/PEFT and musubi-tuner
+as FLUX.1 does; `Files.parts` says how each is found. LoRAs: diffusers/PEFT and musubi-tuner
 (`lora_unet_layers_0_attention_to_q`) name diffusers' modules and need nothing here; ai-toolkit
 writes them under `diffusion_model.`; kohya-style converted files and ComfyUI name the original
 modules, fused `qkv` cut into `to_q`/`to_k`/`to_v` by rows (`lora_aliases`).
@@ -36,9 +36,9 @@ from diffusers import (
 )
 from diffusers.image_processor import VaeImageProcessor
 
-from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Precision, TestKit
+from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Files, Precision, TestKit
 from app.families.file_layout import file_name_aliases
-from app.families.flow_dit import DIT_SHARED, FLOW_SAMPLING, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
+from app.families.flow_dit import DIT_PREFIXES, DIT_SHARED, FLOW_SAMPLING, FLUX_LATENTS, FLUX_VAE_PART, TINY_FLUX_VAE
 from app.families.ldm_layout import LYCORIS
 from app.families.pipelines import EnginePipeline, StrengthSteps, VariedNoise
 from app.families.qwen3 import QWEN3, QWEN3_PART, QWEN3_PINNED
@@ -180,19 +180,21 @@ def _family(name: str, label: str, turbo: bool) -> Family:
         diffusers_pipeline="ZImagePipeline",
         prompt_length=_caption_length,
         text_encoders=(QWEN3,),
-        checkpoint_markers=("layers.0.attention.qkv.weight", "cap_embedder.1.weight", "x_pad_token",
-                            "noise_refiner.0.adaLN_modulation.0.weight"),
-        config_dir=ASSETS_DIR / "configs" / name,
+        files=Files(
+            config_dir=ASSETS_DIR / "configs" / name,
+            layouts=("file", "folder") if turbo else ("folder",),
+            checkpoint_markers=("layers.0.attention.qkv.weight", "cap_embedder.1.weight", "x_pad_token",
+                                "noise_refiner.0.adaLN_modulation.0.weight"),
+            marker_prefixes=DIT_PREFIXES,
+            parts=_PARTS,
+            # Turbo first: `family_of_pipeline` takes the first family whose `folder_config` fits, so a
+            # folder with another shift is Base.
+            folder_config=MappingProxyType({"scheduler/scheduler_config.json": {"shift": 3.0}} if turbo else {}),
+            takes_embeddings=False),  # A1111 embeddings are CLIP vectors; Qwen3 has none
         denoiser_class=ZImageTransformer2DModel,
         **DIT_SHARED,
         latent_format=FLUX_LATENTS,
-        parts=_PARTS,
-        layouts=("file", "folder") if turbo else ("folder",),
         first_block="layers.0",  # the first joint block (the refiners before it run on each stream alone)
-        takes_embeddings=False,  # A1111 embeddings are CLIP vectors; Qwen3 has none
-        # Turbo first: `family_of_pipeline` takes the first family whose `folder_config` fits, so a
-        # folder with another shift is Base.
-        folder_config=MappingProxyType({"scheduler/scheduler_config.json": {"shift": 3.0}} if turbo else {}),
         controlnet=zimage_controlnet_kit({"txt2img": SteadyZImageControlNetPipeline}, ASSETS_DIR / "configs" / name,
                                          _TINY_TRANSFORMER),
         precision=Precision(

@@ -20,7 +20,7 @@ from app.ui.common import PROGRESS, UiContext, run_with_progress, user_errors
 
 # One picker per component any family reads from a file of its own; its label is the loaded family's
 # (`ComponentFile.label`: "T5-XXL text encoder (t5xxl_fp16.safetensors)").
-_PICKED = tuple(dict.fromkeys(p.component for fam in FAMILIES.values() for p in fam.parts if p.folder))
+_PICKED = tuple(dict.fromkeys(p.component for fam in FAMILIES.values() for p in fam.files.parts if p.folder))
 AUTO = "(the one file in its folder)"
 ADMIN_ONLY = "engine-wide: set by an admin login for every user"
 
@@ -59,9 +59,9 @@ def option_updates(ctx: UiContext, admin: bool | None = None) -> list:
     family (hidden when it has none) with the files its folders offer and the one chosen; with `admin`
     given, usable or not (`engine_wide`)."""
     snap = ctx.engine.snapshot()
-    offered = part_choices.available(ctx.settings, snap.arch) if snap.arch and family(snap.arch).parts else {}
+    offered = part_choices.available(ctx.settings, snap.arch) if snap.arch and family(snap.arch).files.parts else {}
     chosen = part_choices.chosen(ctx.settings, snap.model) if offered else {}
-    labels = {p.component: p.label for p in family(snap.arch).parts} if offered else {}
+    labels = {p.component: p.label for p in family(snap.arch).files.parts} if offered else {}
     pickers = [gr.Dropdown(choices=[AUTO, *offered[c]], value=chosen.get(c, AUTO), label=labels[c], visible=True,
                            **engine_wide(admin))
                if c in offered else gr.Dropdown(visible=False) for c in _PICKED]
@@ -70,7 +70,9 @@ def option_updates(ctx: UiContext, admin: bool | None = None) -> list:
 
 def _part_label(engine, component: str) -> str:
     arch = engine.snapshot().arch
-    return next((p.label for p in family(arch).parts if p.component == component), component) if arch else component
+    if not arch:
+        return component
+    return next((p.label for p in family(arch).files.parts if p.component == component), component)
 
 
 def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdown, **private) -> None:

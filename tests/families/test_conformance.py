@@ -134,7 +134,7 @@ def fp8_compute(data):
 
 
 def checkpoint(arch: str) -> str:
-    return f"tiny-{arch}.safetensors" if "file" in family(arch).layouts else f"tiny-{arch}-diffusers"
+    return f"tiny-{arch}.safetensors" if "file" in family(arch).files.layouts else f"tiny-{arch}-diffusers"
 
 
 def params(arch: str, **changes) -> GenerateParams:
@@ -155,7 +155,7 @@ def test_every_declared_layout_loads_the_saved_weights_bit_for_bit(data, arch):
     (the one whose hash is its "Model hash")."""
     fam, saved = family(arch), build_tiny_pipeline(arch)
     names = {"file": f"tiny-{arch}.safetensors", "folder": f"tiny-{arch}-diffusers"}
-    for layout in fam.layouts:
+    for layout in fam.files.layouts:
         path = data / "models/Stable-diffusion" / names[layout]
         info = checkpoint_files.CheckpointInfo(path.name, path, layout, 0)
         loaded = models.load_pipeline(info, torch.float32)
@@ -389,7 +389,7 @@ def test_fp8_storage_keeps_its_bytes_and_draws_the_same_image_in_whole_and_strea
     fp8-compute (issue 41) the same, its fp8-matmul layers' float32 scales unchanged too. int8 and GGUF
     (issue 40) the same in every offload mode: int8 rows with their float32 scales; a DiT family's GGUF
     file's packed layers (the file chose them, sensitive ones included where their rows fit)."""
-    if weights == "gguf" and not family(arch).parts:
+    if weights == "gguf" and not family(arch).files.parts:
         pytest.skip(f"{family(arch).label} is not assembled from parts: .gguf files are refused for it")
     fp8 = request.getfixturevalue(_STORAGE_ENGINES[weights])
     snap = fp8.load_model(gguf_checkpoint(data, arch) if weights == "gguf" else checkpoint(arch))
@@ -534,7 +534,7 @@ def test_embeddings_load_without_shrinking_a_table(plain, arch):
     resizing to the tokenizer used to cut the spare rows off."""
     fam = family(arch)
     snap = plain.load_model(checkpoint(arch))
-    if not fam.takes_embeddings:
+    if not fam.files.takes_embeddings:
         assert snap.embeddings == ()
         return
     assert snap.embeddings, "the demo embedding did not load"

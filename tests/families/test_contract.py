@@ -22,20 +22,23 @@ def test_a_family_breaking_a_rule_is_refused_naming_the_family_and_the_rule():
     rule. A folder-only family needs no markers and no encoder names for files it never reads."""
     toy = toy_family.toy_family()
     encoder = toy.text_encoders[0]
+    def files(**changes):
+        return dict(files=dataclasses.replace(toy.files, **changes))
+
     broken = {
-        "states checkpoint_markers": dict(layouts=("file", "folder"), checkpoint_markers=()),
-        "states each TextEncoder.single_file_prefix": dict(layouts=("file", "folder")),
-        "states each TextEncoder.embedding_key": dict(takes_embeddings=True),
+        "states files.checkpoint_markers": files(layouts=("file", "folder"), checkpoint_markers=()),
+        "states each TextEncoder.single_file_prefix": files(layouts=("file", "folder")),
+        "states each TextEncoder.embedding_key": files(takes_embeddings=True),
         "size_multiple 48 must divide it": dict(size_multiple=48),
         "tiny_configs states a config for the denoiser": dict(test_kit=dataclasses.replace(
             toy.test_kit, tiny_configs={"unet": toy.test_kit.tiny_configs["unet"]})),
-        r"layouts \('files',\) must be some of": dict(layouts=("files",)),
+        r"files.layouts \('files',\) must be some of": files(layouts=("files",)),
     }
     for rule, changes in broken.items():
         with pytest.raises(FamilyContractError, match=rf"model family 'toy' breaks the family contract: .*{rule}"):
             check_contract(dataclasses.replace(toy, **changes))
     assert encoder.single_file_prefix is encoder.lora_prefix is encoder.embedding_key is None
-    assert check_contract(dataclasses.replace(toy, checkpoint_markers=())).layouts == ("folder",)
+    assert check_contract(dataclasses.replace(toy, **files(checkpoint_markers=()))).files.layouts == ("folder",)
 
 
 def test_a_tiny_model_off_the_demos_native_size_is_refused_when_built(monkeypatch):
@@ -52,7 +55,7 @@ def test_a_single_file_of_a_folder_only_family_is_refused_as_such(monkeypatch, t
     folders only, before any loader runs (not a misleading single-file error), for a planned request too."""
     monkeypatch.setitem(FAMILIES, toy_family.NAME, toy_family.toy_family())
     path = tmp_path / "toy.safetensors"
-    save_file({marker: torch.zeros(1) for marker in family(toy_family.NAME).checkpoint_markers}, path)
+    save_file({marker: torch.zeros(1) for marker in family(toy_family.NAME).files.checkpoint_markers}, path)
     info = checkpoint_files.CheckpointInfo(path.name, path, "file", path.stat().st_size)
     expected = r"toy.safetensors: a Toy checkpoint, but Toy loads from diffusers folders .* only, not from single"
     with pytest.raises(models.ModelLoadError, match=expected):

@@ -89,7 +89,7 @@ def _own_words(module: str) -> tuple[str, ...]:
 def _own_files(module: str) -> tuple[str, ...]:
     """The module, the family modules named after it (`<module>_layout.py`, …), its families' bundled configs and
     the assets named after it (the script writing those configs)."""
-    configs = {f.config_dir.relative_to(ROOT).as_posix() for f in MODULES[module]}
+    configs = {f.files.config_dir.relative_to(ROOT).as_posix() for f in MODULES[module]}
     named = [path for path in _tracked() if path.startswith(("app/families/", "assets/"))
              and re.fullmatch(rf"{module}(_\w+)?\.py|make_{module}_configs\.py", Path(path).name)]
     return tuple(sorted({*named, *configs}))

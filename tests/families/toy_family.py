@@ -101,8 +101,9 @@ def toy_family():
                                   embedding_key=None)
     return check_contract(dataclasses.replace(
         sd15, name=NAME, label="Toy", pipeline_class=ToyPipeline, diffusers_pipeline="ToyPipeline",
-        denoiser_class=ToyUNet, layouts=("folder",), checkpoint_markers=("toy.only.marker",),
-        text_encoders=(encoder,), takes_embeddings=False, stage_pipelines={},  # txt2img only: img2img refused
+        denoiser_class=ToyUNet, text_encoders=(encoder,), stage_pipelines={},  # txt2img only: img2img refused
+        files=dataclasses.replace(sd15.files, layouts=("folder",), checkpoint_markers=("toy.only.marker",),
+                                  takes_embeddings=False),
         precision=dataclasses.replace(sd15.precision, pinned_dtypes={"unet.*inv_freq": torch.float32}),
         adapters=dataclasses.replace(sd15.adapters, lora_arch=NAME, markers=("toy_v1", "toy-v1"), label="Toy"),
         test_kit=dataclasses.replace(sd15.test_kit, tiny_inpainting_channels=None,
