@@ -121,6 +121,24 @@ def test_file_names_are_comfyuis_read_as_the_libraries_read_them():
         "model.layers.0.self_attn.q_proj.bias"
 
 
+def test_a_text_encoder_folder_with_qwen3_and_qwen25_files_offers_each_its_own():
+    """ComfyUI's `qwen_3_4b.safetensors` (Z-Image's) and `qwen_2.5_vl_7b.safetensors` both name their layers
+    `model.layers.…`: each part's marker is found in its own file only (Qwen3's is a query norm Qwen2.5 has not), so
+    neither family is asked to choose between them."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    from app.families.qwen3 import QWEN3_PART
+
+    with torch.device("meta"):
+        qwen3 = Qwen3Model(Qwen3Config(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64))
+    files = {"qwen3": {"model." + w.key for w in QWEN3_PART.layout(qwen3).values()},
+             "qwen25": {w.key for w in family(ARCH).files.parts[1].layout(build_tiny_pipeline(ARCH).text_encoder)
+                        .values()}}
+    for part, own in ((QWEN3_PART, "qwen3"), (family(ARCH).files.parts[1], "qwen25")):
+        assert [name for name, keys in files.items() if any(p + part.marker in keys for p in part.prefixes)] == [own]
+
+
 def test_comfyui_separate_files_fp8_included(eng, data, oracle):
     """What a ComfyUI user has: the bare transformer (here in fp8 e4m3 with ComfyUI's per-tensor `weight_scale`) in
     the checkpoint folder, `qwen_2.5_vl_7b.safetensors` in models/text_encoder and `qwen_image_vae.safetensors`

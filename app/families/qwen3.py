@@ -78,6 +78,8 @@ QWEN3_GGUF_NAMES = (
         ("attn_k_norm", "self_attn.k_norm"), ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"),
         ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"))),
 )
+# Its marker is a query norm: Qwen2.5-VL's file (`qwen_2.5_vl_7b.safetensors`, Qwen-Image's) names its layers alike
+# under `model.` but has none, so a folder holding both offers each family its own.
 QWEN3_PART = ComponentFile("text_encoder", "Qwen3 text encoder (qwen_3_4b.safetensors)", Qwen3Model,
-                           (QWEN3.single_file_prefix, "model.", ""), "layers.0.self_attn.q_proj.weight", own_names,
+                           (QWEN3.single_file_prefix, "model.", ""), "layers.0.self_attn.q_norm.weight", own_names,
                            folder="text_encoder_dir", config_class=Qwen3Config, gguf_names=QWEN3_GGUF_NAMES)
