@@ -69,6 +69,13 @@ _KEPT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}<|im_end
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def _without_qwen3_tokens(added):
+    """Added tokens (tokenizer.json's list, or tokenizer_config.json's map by id) without Qwen3's own four."""
+    if isinstance(added, list):
+        return [token for token in added if token["id"] < _QWEN3_ONLY]
+    return {i: token for i, token in added.items() if int(i) < _QWEN3_ONLY}
+
+
 class BundledQwen25Tokenizer(BundledQwen3Tokenizer):
     """`from_pretrained(folder)` for Qwen2.5-VL's tokenizer, made from the bundled Qwen3 one (`folder`): the same
     byte-level BPE vocabulary and merges and the same 22 special tokens; Qwen3 adds four after them, which Qwen2.5
@@ -81,11 +88,10 @@ class BundledQwen25Tokenizer(BundledQwen3Tokenizer):
             expand_into(folder, Path(tmp))
             for name, key in (("tokenizer.json", "added_tokens"), ("tokenizer_config.json", "added_tokens_decoder")):
                 spec = json.loads((Path(tmp) / name).read_text())
-                kept = spec[key]
-                spec[key] = ([t for t in kept if t["id"] < _QWEN3_ONLY] if isinstance(kept, list)
-                             else {i: t for i, t in kept.items() if int(i) < _QWEN3_ONLY})
-                (Path(tmp) / name).write_text(json.dumps({**spec, "chat_template": _KEPT_TEMPLATE}
-                                                         if key == "added_tokens_decoder" else spec))
+                spec[key] = _without_qwen3_tokens(spec[key])
+                if name == "tokenizer_config.json":
+                    spec["chat_template"] = _KEPT_TEMPLATE
+                (Path(tmp) / name).write_text(json.dumps(spec))
             return Qwen2Tokenizer.from_pretrained(tmp, local_files_only=True)
 
 
