@@ -55,13 +55,13 @@ def _trained_norm(encoder):
     return encoder
 
 
-def build_tiny_pipeline(arch: str, seed: int = 0, in_channels: int | None = None):
+def build_tiny_pipeline(family_name: str, seed: int = 0, in_channels: int | None = None):
     """A random-weight tiny pipeline on CPU in float32; the same seed gives the same weights.
     `in_channels=9` makes an inpainting checkpoint's UNet (latents + mask + masked-image latents).
 
     The global RNG is forked so building a pipeline does not disturb the caller's random state.
     """
-    fam = family(arch)  # registered: its tiny_configs state every component (`check_contract`)
+    fam = family(family_name)  # registered: its tiny_configs state every component (`check_contract`)
     pipe = _tiny_pipeline(fam, fam.test_kit.tiny_configs, seed, in_channels)
     if fam.native_size(pipe) != DEMO_SIDE:
         raise FamilyContractError(f"model family {fam.name!r} breaks the family contract: its tiny model's native "
@@ -93,9 +93,9 @@ def _tiny_pipeline(fam, configs, seed: int, in_channels: int | None):
     return pipe
 
 
-def component_configs(pipe, arch: str) -> dict[str, dict]:
+def component_configs(pipe, family_name: str) -> dict[str, dict]:
     """The model components' configs as JSON objects (what a tiny single file embeds)."""
-    names = [*family(arch).components, "vae"]
+    names = [*family(family_name).components, "vae"]
     configs = {}
     for name in names:
         module = getattr(pipe, name)
@@ -105,12 +105,12 @@ def component_configs(pipe, arch: str) -> dict[str, dict]:
     return configs
 
 
-def write_single_file(pipe, arch: str, path: Path) -> None:
+def write_single_file(pipe, family_name: str, path: Path) -> None:
     """Save in the family's single-file layout (LDM for SD, the all-in-one for Flux) with the
     component configs embedded in the metadata."""
-    metadata = {"format": "pt", CONFIGS_METADATA_KEY: json.dumps(component_configs(pipe, arch)),
+    metadata = {"format": "pt", CONFIGS_METADATA_KEY: json.dumps(component_configs(pipe, family_name)),
                 DEMO_METADATA_KEY: DEMO_NOTE}
-    save_file(family(arch).single_file_state(pipe), str(path), metadata=metadata)
+    save_file(family(family_name).single_file_state(pipe), str(path), metadata=metadata)
 
 
 def is_demo_checkpoint(path: Path) -> bool:
@@ -123,11 +123,11 @@ def is_demo_checkpoint(path: Path) -> bool:
         return False
 
 
-def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A random textual-inversion embedding in the A1111 layout for `arch`, scaled like the vocabulary."""
+def embedding_tensors(pipe, family_name: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random textual-inversion embedding in the A1111 layout for `family_name`, scaled like the vocabulary."""
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for te in family(arch).text_encoders:
+    for te in family(family_name).text_encoders:
         key = te.embedding_key
         table = getattr(pipe, te.component).get_input_embeddings().weight.detach()
         vectors = torch.randn(EMBEDDING_VECTORS, table.shape[1], generator=generator)
@@ -135,12 +135,13 @@ def embedding_tensors(pipe, arch: str, seed: int = 0) -> dict[str, torch.Tensor]
     return tensors
 
 
-def build_tiny_controlnet(arch: str, seed: int = 0, config: Mapping[str, object] | None = None) -> torch.nn.Module:
-    """A tiny random-weight ControlNet of `arch`'s (its kit's `tiny_config`, or `config`: another layout the
+def build_tiny_controlnet(family_name: str, seed: int = 0,
+                          config: Mapping[str, object] | None = None) -> torch.nn.Module:
+    """A tiny random-weight ControlNet of `family_name`'s (its kit's `tiny_config`, or `config`: another layout the
     kit reads). The layers a ControlNet is trained from zero (its zero convolutions, the hint embedding's last
     conv) are drawn too: left at zero the ControlNet would add nothing, and no test could tell one control
     image from another."""
-    kit = family(arch).controlnet
+    kit = family(family_name).controlnet
     torch.manual_seed(seed)
     model = kit.model_classes[0].from_config(dict(kit.tiny_config if config is None else config))
     with torch.no_grad():
@@ -152,19 +153,20 @@ def build_tiny_controlnet(arch: str, seed: int = 0, config: Mapping[str, object]
 
 def write_demo_controlnets(settings: Settings, seed: int = 0) -> dict[str, Path]:
     """For each family taking ControlNets, a tiny one as a diffusers folder in `models/ControlNet/`
-    (`tiny-<arch>-controlnet`), and in the users' single-file layout where the family has one
-    (`tiny-<arch>-controlnet-single.safetensors`: LDM names for SD1.5)."""
+    (`tiny-<family>-controlnet`), and in the users' single-file layout where the family has one
+    (`tiny-<family>-controlnet-single.safetensors`: LDM names for SD1.5)."""
     paths = {}
-    for arch, fam in FAMILIES.items():
+    for family_name, fam in FAMILIES.items():
         if fam.controlnet is None:
             continue
-        model = build_tiny_controlnet(arch, seed)
-        paths[f"{arch}_controlnet"] = settings.controlnet_dir / f"tiny-{arch}-controlnet"
-        model.save_pretrained(paths[f"{arch}_controlnet"], safe_serialization=True)
+        model = build_tiny_controlnet(family_name, seed)
+        paths[f"{family_name}_controlnet"] = settings.controlnet_dir / f"tiny-{family_name}-controlnet"
+        model.save_pretrained(paths[f"{family_name}_controlnet"], safe_serialization=True)
         if fam.controlnet.to_single_file is not None:
-            paths[f"{arch}_controlnet_file"] = settings.controlnet_dir / f"tiny-{arch}-controlnet-single.safetensors"
+            single = f"tiny-{family_name}-controlnet-single.safetensors"
+            paths[f"{family_name}_controlnet_file"] = settings.controlnet_dir / single
             state = fam.controlnet.to_single_file(model.state_dict(), model.config)
-            save_file({k: v.contiguous() for k, v in state.items()}, str(paths[f"{arch}_controlnet_file"]))
+            save_file({k: v.contiguous() for k, v in state.items()}, str(paths[f"{family_name}_controlnet_file"]))
     return paths
 
 
@@ -174,10 +176,10 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
     for every registered family (embeddings where the family takes them).
 
     LoRA files are not written here: `app/adapters` owns their formats, so a caller passes
-    `lora_writer(lora_dir, pipe, arch)`, called once per architecture with that tiny pipeline.
+    `lora_writer(lora_dir, pipe, family_name)`, called once per family with that tiny pipeline.
     Returns the written paths by name (`sd15_file`, `sd15_folder`, `sd15_embedding`, ... plus
     `checkpoints_dir`, `lora_dir`, `embeddings_dir`, and `upscaler_file`, the tiny upscaler model). With
-    `inpainting` also `<arch>_inpainting_file`, an inpainting checkpoint (a 9-channel UNet) of each family
+    `inpainting` also `<family>_inpainting_file`, an inpainting checkpoint (a 9-channel UNet) of each family
     stating `tiny_inpainting_channels`. The command line and the tests write both
     extras; the first start of the app writes the inpainting checkpoints (so the Inpaint sub-tab can be
     tried at once) but no folders: one checkpoint per family is all a newcomer needs (a folder for a
@@ -192,25 +194,27 @@ def write_demo(data_dir: Path, lora_writer: LoraWriter | None = None, seed: int 
     }
     for folder in paths.values():
         folder.mkdir(parents=True, exist_ok=True)
-    for arch in FAMILIES:
-        pipe = build_tiny_pipeline(arch, seed)
-        if "file" in family(arch).files.layouts:
-            paths[f"{arch}_file"] = settings.checkpoints_dir / f"tiny-{arch}.safetensors"
-            write_single_file(pipe, arch, paths[f"{arch}_file"])
-        if "folder" in family(arch).files.layouts and (folders or "file" not in family(arch).files.layouts):
-            paths[f"{arch}_folder"] = settings.checkpoints_dir / f"tiny-{arch}-diffusers"
-            pipe.save_pretrained(paths[f"{arch}_folder"], safe_serialization=True)
-            (paths[f"{arch}_folder"] / DEMO_NOTE_FILE).write_text(DEMO_NOTE + "\n", encoding="utf-8")
-        if family(arch).files.takes_embeddings:
-            paths[f"{arch}_embedding"] = settings.embeddings_dir / f"tiny-{arch}-embedding.safetensors"
-            save_file(embedding_tensors(pipe, arch, seed), str(paths[f"{arch}_embedding"]))
+    for family_name in FAMILIES:
+        pipe = build_tiny_pipeline(family_name, seed)
+        if "file" in family(family_name).files.layouts:
+            paths[f"{family_name}_file"] = settings.checkpoints_dir / f"tiny-{family_name}.safetensors"
+            write_single_file(pipe, family_name, paths[f"{family_name}_file"])
+        layouts = family(family_name).files.layouts
+        if "folder" in layouts and (folders or "file" not in layouts):
+            paths[f"{family_name}_folder"] = settings.checkpoints_dir / f"tiny-{family_name}-diffusers"
+            pipe.save_pretrained(paths[f"{family_name}_folder"], safe_serialization=True)
+            (paths[f"{family_name}_folder"] / DEMO_NOTE_FILE).write_text(DEMO_NOTE + "\n", encoding="utf-8")
+        if family(family_name).files.takes_embeddings:
+            paths[f"{family_name}_embedding"] = settings.embeddings_dir / f"tiny-{family_name}-embedding.safetensors"
+            save_file(embedding_tensors(pipe, family_name, seed), str(paths[f"{family_name}_embedding"]))
         if lora_writer is not None:
-            lora_writer(settings.lora_dir, pipe, arch)
-        channels = family(arch).test_kit.tiny_inpainting_channels
+            lora_writer(settings.lora_dir, pipe, family_name)
+        channels = family(family_name).test_kit.tiny_inpainting_channels
         if inpainting and channels is not None:
-            paths[f"{arch}_inpainting_file"] = settings.checkpoints_dir / f"tiny-{arch}-inpainting.safetensors"
-            write_single_file(build_tiny_pipeline(arch, seed, in_channels=channels), arch,
-                              paths[f"{arch}_inpainting_file"])
+            inpainting_file = settings.checkpoints_dir / f"tiny-{family_name}-inpainting.safetensors"
+            paths[f"{family_name}_inpainting_file"] = inpainting_file
+            write_single_file(build_tiny_pipeline(family_name, seed, in_channels=channels), family_name,
+                              paths[f"{family_name}_inpainting_file"])
     paths["upscaler_file"] = write_demo_upscaler(settings.data_dir / "models", seed)
     paths.update(write_demo_controlnets(settings, seed))
     return paths

@@ -15,10 +15,10 @@ from PIL import Image
 from app.families import family
 
 
-def preview_pixels(latents: torch.Tensor, arch: str) -> torch.Tensor:
+def preview_pixels(latents: torch.Tensor, family_name: str) -> torch.Tensor:
     """The (batch, h, w, 3) uint8 pictures of a (batch, channels, h, w) latent tensor, any float dtype,
     computed where the latents are: only this small result goes to the host (`pictures`)."""
-    fam = family(arch)
+    fam = family(family_name)
     if fam.latent_format.preview_rgb is None:
         raise ValueError(f"{fam.label} has no preview factors (LatentFormat.preview_rgb)")
     factors, bias = fam.latent_format.preview_rgb

@@ -191,6 +191,15 @@ def _versions_line(report: dict) -> str:
             f"gradio {libs.get('gradio')} · {gpu_text} · {v.get('platform')}")
 
 
+def model_line(snap: dict) -> str:
+    """The card's line about the loaded model. Reports written before the snapshot's "arch" key became "family"
+    (2026-11-29) are still read: a user attaches the card of whatever version they run."""
+    kind = snap.get("model_label") or snap.get("family") or snap.get("arch") or "-"
+    return (f"state {snap.get('state')} · model {snap.get('model') or 'none'} ({kind}, "
+            f"{snap.get('model_hash') or '-'}) · device {snap.get('device')} · dtype {snap.get('dtype') or '-'}"
+            f" (asked {snap.get('requested_dtype')}) · offload {snap.get('offload')}")
+
+
 def render_card(report: dict) -> Image.Image:
     """The PNG card for an issue tracker, drawn from a (redacted) report dict."""
     canvas = _Canvas()
@@ -199,10 +208,7 @@ def render_card(report: dict) -> Image.Image:
     canvas.text(report.get("created", ""), 12, _MUTED)
     if snap:
         found, repaired = snap.get("violations_found_total", 0), snap.get("violations_repaired_total", 0)
-        kind = snap.get("model_label") or snap.get("arch") or "-"
-        canvas.text(f"state {snap.get('state')} · model {snap.get('model') or 'none'} ({kind}, "
-                    f"{snap.get('model_hash') or '-'}) · device {snap.get('device')} · dtype {snap.get('dtype') or '-'}"
-                    f" (asked {snap.get('requested_dtype')}) · offload {snap.get('offload')}", 14)
+        canvas.text(model_line(snap), 14)
         canvas.text(f"violations found {found}, repaired {repaired} since start", 14, _BAD if found else _INK)
         if report.get("weight_storage"):
             canvas.text(report["weight_storage"].translate(_ASCII_PUNCTUATION), 14)

@@ -1,6 +1,6 @@
 """Benchmark: Steady Diffusion's engine against plain diffusers, side by side in one process.
 
-What it measures per architecture (SD1.5 at 512², SDXL and FLUX.1-dev at 1024²; random weights,
+What it measures per family (SD1.5 at 512², SDXL and FLUX.1-dev at 1024²; random weights,
 because speed does not depend on weight values; Flux in bf16, since it overflows fp16):
 
 * denoising speed (it/s and thread CPU time per step) at batch 1 and 4 with no LoRA and with 1 and 3
@@ -27,14 +27,14 @@ path), --smoke (CPU, tiny models, the eager dynamo backend; same code and schema
 nothing; used by a test), --cpu-proxies (CPU, full-size architectures: load time and RSS, ops and CPU
 time per step, re-weight time, fp8 storage, ops per denoiser call on the meta device for models that do
 not fit, as Flux; see `proxies.py`). A full run takes well over half an hour, so split it
-with --archs, --sections and --batches; each part writes its own files. Output: <stem>.json, <stem>.md
+with --families, --sections and --batches; each part writes its own files. Output: <stem>.json, <stem>.md
 (and .png) under benchmarks/results/<gpu>/ or cpu-<cpu>/ (or --out), the stem naming mode and restrictions.
 
     python -m app.bench --quick
-    python -m app.bench --archs sd15 --sections compile
-    python -m app.bench --archs flux-dev --sections throughput --batches 1 --repeats 4
-    python -m app.bench --cpu-proxies --archs sd15
-    python -m app.bench --cpu-proxies --archs flux-dev --sections ops
+    python -m app.bench --families sd15 --sections compile
+    python -m app.bench --families flux-dev --sections throughput --batches 1 --repeats 4
+    python -m app.bench --cpu-proxies --families sd15
+    python -m app.bench --cpu-proxies --families flux-dev --sections ops
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from app.engine.compile_cache import configure_cache
 from benchmarks import ours, phases, probe, proxies, proxy_report, report, stats
 from benchmarks.cache_phase import cache_phase
 from benchmarks.config import (
-    ARCHS,
+    FAMILY_NAMES,
     PRESETS,
     RESULTS_DIR,
     SCHEMA,
@@ -83,10 +83,10 @@ PROXY_SECTIONS = proxies.SECTIONS
 DEFAULT_PROXY_CACHE = Path.home() / ".cache" / "steady-diffusion-bench"
 
 
-def _run_phases(run: phases.ArchRun, bench: Bench) -> dict[str, str]:
+def _run_phases(run: phases.FamilyRun, bench: Bench) -> dict[str, str]:
     """Every wanted phase with our engine and a diffusers pipeline side by side; returns diffusers' notes."""
     engine, theirs = ours.new_engine(run.model, bench), DiffusersSide(run.model, bench)
-    budget = "balanced-3gib" in bench.config.offload_cases and run.model.arch in bench.config.budget_archs
+    budget = "balanced-3gib" in bench.config.offload_cases and run.model.family in bench.config.budget_families
     wanted = [phase for section, phase in (
         ("throughput", phases.throughput_phase), ("latency", phases.latency_phase), ("compile", phases.compile_phase),
         ("offload", phases.offload_phase), *([("offload", phases.budget_phase)] if budget else []),
@@ -100,7 +100,7 @@ def _run_phases(run: phases.ArchRun, bench: Bench) -> dict[str, str]:
                 phase(run, engine, theirs, bench)
             except Exception as exc:  # a failed phase must not cost the rows of the others; the run exits 1
                 name = phase.__name__.removesuffix("_phase")
-                log.exception("[%s] %s phase failed", run.model.arch, name)
+                log.exception("[%s] %s phase failed", run.model.family, name)
                 run.memory.setdefault("phase errors", {})[name] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
         ours.close(engine)
@@ -108,38 +108,39 @@ def _run_phases(run: phases.ArchRun, bench: Bench) -> dict[str, str]:
     return theirs.notes
 
 
-def bench_arch(arch: str, bench: Bench, results: dict[str, Any], measuring: dict[str, Any]) -> None:
-    """Prepare one architecture, run its phases and add the paired results; `measuring` holds the
-    architecture while its phases run, for a stop to save (`_stopped`)."""
-    log.info("[%s] building a random-weight model and its LoRAs", arch)
+def bench_family(family_name: str, bench: Bench, results: dict[str, Any], measuring: dict[str, Any]) -> None:
+    """Prepare one family, run its phases and add the paired results; `measuring` holds the
+    family while its phases run, for a stop to save (`_stopped`)."""
+    log.info("[%s] building a random-weight model and its LoRAs", family_name)
     cfg = bench.config
-    model = prepare_model(arch, bench.tmp, bench.device, bench.dtype, cfg.tiny, cfg.lora_rank)
-    latent_side = cfg.resolution[arch] // model.latent_scale
-    tflop = {b: tflop_per_step(arch, model.denoiser_config, b, latent_side) for b in cfg.batches}
-    results["models"][arch] = {"resolution": cfg.resolution[arch], "latent_side": latent_side,
-                               "denoiser_params_m": model.denoiser_params_m, "loras": list(model.loras),
-                               "lora_rank": cfg.lora_rank, "tflop_per_step": {str(b): t for b, t in tflop.items()}}
-    run = phases.ArchRun(model, tflop)
-    measuring.update(arch=arch, run=run, bench=bench)
+    model = prepare_model(family_name, bench.tmp, bench.device, bench.dtype, cfg.tiny, cfg.lora_rank)
+    latent_side = cfg.resolution[family_name] // model.latent_scale
+    tflop = {b: tflop_per_step(family_name, model.denoiser_config, b, latent_side) for b in cfg.batches}
+    results["models"][family_name] = {"resolution": cfg.resolution[family_name], "latent_side": latent_side,
+                                      "denoiser_params_m": model.denoiser_params_m, "loras": list(model.loras),
+                                      "lora_rank": cfg.lora_rank,
+                                      "tflop_per_step": {str(b): t for b, t in tflop.items()}}
+    run = phases.FamilyRun(model, tflop)
+    measuring.update(family=family_name, run=run, bench=bench)
     run.notes = _run_phases(run, bench)
     measuring.clear()
-    _add_measured(results, arch, run, bench)
+    _add_measured(results, family_name, run, bench)
     if bench.wants("load"):
         results["load"].append(report.load_row(run))
     results["compile"] += run.compile_info
     shutil.rmtree(model.data_dir)  # an SDXL folder and its LoRAs take ~8 GB
 
 
-def _add_measured(results: dict[str, Any], arch: str, run: phases.ArchRun, bench: Bench) -> None:
+def _add_measured(results: dict[str, Any], family_name: str, run: phases.FamilyRun, bench: Bench) -> None:
     """The rows of every pool `run` has measured, its LoRA latencies and its memory records."""
     cfg = bench.config
-    rows = (report.pair_row(run, p, bench.env, cfg.steps, cfg.resolution[arch], run.notes) for p in run.pairings)
+    rows = (report.pair_row(run, p, bench.env, cfg.steps, cfg.resolution[family_name], run.notes) for p in run.pairings)
     results["rows"] += [row for row in rows if row is not None]
     results["latency"] += report.latency_rows(run)
     if "resting" in run.memory:
-        results["models"][arch]["resting_vram_gib"] = run.memory["resting"]
+        results["models"][family_name]["resting_vram_gib"] = run.memory["resting"]
     if "phase errors" in run.memory:
-        results["models"][arch]["phase_errors"] = run.memory["phase errors"]
+        results["models"][family_name]["phase_errors"] = run.memory["phase errors"]
 
 
 def _stopped(results: dict[str, Any], measuring: dict[str, Any], save: Callable[[dict[str, Any]], Any]) -> None:
@@ -147,8 +148,8 @@ def _stopped(results: dict[str, Any], measuring: dict[str, Any], save: Callable[
     far, then exit at once, since the clean-up of a stop mid-generation could outlast the grace the
     device check gives before SIGKILL. A run that wrote nothing spent its device time for nothing."""
     if measuring:
-        _add_measured(results, measuring["arch"], measuring["run"], measuring["bench"])
-    results["stopped"] = (f"stopped by SIGTERM during {measuring.get('arch', 'the set-up')}: the rows of the "
+        _add_measured(results, measuring["family"], measuring["run"], measuring["bench"])
+    results["stopped"] = (f"stopped by SIGTERM during {measuring.get('family', 'the set-up')}: the rows of the "
                           "pools measured until then")
     results["acceptance"] = report.acceptance(results)
     for path in save(results).values():
@@ -160,7 +161,7 @@ def _stopped(results: dict[str, Any], measuring: dict[str, Any], save: Callable[
 
 def run(config: BenchConfig, compile_cache: Path | None = None, peak_override: float | None = None,
         save_on_stop: Callable[[dict[str, Any]], dict[str, Path]] | None = None) -> dict[str, Any]:
-    """Run every configured section for every architecture; returns the results document. With
+    """Run every configured section for every family; returns the results document. With
     `save_on_stop`, a SIGTERM saves what was measured so far through it and exits (`_stopped`)."""
     device = torch.device("cuda", 0) if config.device == "cuda" else torch.device("cpu")
     nvml, nvml_note = open_nvml(device)
@@ -185,8 +186,8 @@ def run(config: BenchConfig, compile_cache: Path | None = None, peak_override: f
             if "compile" in config.sections and config.compile_backend == "inductor":
                 configure_cache(cache, override=True)  # before anything compiles
             bench = Bench(config, device, Path(tmp), cache, nvml, env)
-            for arch in config.archs:
-                bench_arch(arch, bench, results, measuring)
+            for family_name in config.families:
+                bench_family(family_name, bench, results, measuring)
     finally:
         torch.set_num_threads(threads)
     results["acceptance"] = report.acceptance(results)
@@ -211,9 +212,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="SD1.5, batch 1, 0 and 3 LoRAs, balanced offload only (minutes on an H100)")
     mode.add_argument("--smoke", action="store_true", help="CPU, tiny models, seconds: checks the pipeline runs")
     mode.add_argument("--cpu-proxies", action="store_true",
-                      help=f"CPU, full-size models: sections {','.join(PROXY_SECTIONS)} (minutes per arch)")
+                      help=f"CPU, full-size models: sections {','.join(PROXY_SECTIONS)} (minutes per family)")
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<gpu or cpu>/)")
-    parser.add_argument("--archs", help=f"comma list of {','.join(ARCHS)} (default sd15,sdxl)")
+    parser.add_argument("--families", help=f"comma list of {','.join(FAMILY_NAMES)} (default sd15,sdxl)")
     parser.add_argument("--dtype", choices=("fp16", "bf16", "fp32"),
                         help="compute dtype (default: the mode's, fp16 on a GPU; bf16 when Flux runs)")
     parser.add_argument("--sections", help=f"comma list of {','.join(SECTIONS)} (proxies: {','.join(PROXY_SECTIONS)})")
@@ -234,11 +235,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _stem(mode: str, archs: tuple[str, ...], default_archs: tuple[str, ...], sections: tuple[str, ...],
+def _stem(mode: str, family_names: tuple[str, ...], default_families: tuple[str, ...], sections: tuple[str, ...],
           default_sections: tuple[str, ...]) -> str:
     stem = mode
-    if archs != default_archs:
-        stem += "-" + "_".join(archs)
+    if family_names != default_families:
+        stem += "-" + "_".join(family_names)
     if sections != default_sections:
         stem += "-" + "_".join(sections)
     return stem
@@ -247,26 +248,26 @@ def _stem(mode: str, archs: tuple[str, ...], default_archs: tuple[str, ...], sec
 def config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, str]:
     """The preset with the command line's overrides, and the output file stem naming them."""
     preset = PRESETS["quick" if args.quick else "smoke" if args.smoke else "full"]
-    archs = _csv(args.archs, ARCHS, "archs") or preset.archs
+    family_names = _csv(args.families, FAMILY_NAMES, "families") or preset.families
     sections = _csv(args.sections, SECTIONS, "sections") or preset.sections
     batches = tuple(int(b) for b in _csv(args.batches, ("1", "2", "3", "4", "8"), "batches") or preset.batches)
     loras = tuple(int(n) for n in _csv(args.loras, ("0", "1", "3"), "loras") or preset.lora_counts)
-    config = dataclasses.replace(preset, archs=archs, sections=sections, batches=batches, lora_counts=loras,
+    config = dataclasses.replace(preset, families=family_names, sections=sections, batches=batches, lora_counts=loras,
                                  channels_last_rows=not args.no_channels_last,
                                  repeats=args.repeats or preset.repeats, steps=args.steps or preset.steps,
                                  step_cache=args.step_cache,
-                                 dtype=run_dtype(preset.dtype, archs, args.dtype))
-    stem = _stem(preset.mode, archs, preset.archs, sections, preset.sections)
+                                 dtype=run_dtype(preset.dtype, family_names, args.dtype))
+    stem = _stem(preset.mode, family_names, preset.families, sections, preset.sections)
     return config, stem + ("-b" + "+".join(map(str, batches)) if batches != preset.batches else "")
 
 
 def proxy_config_from_args(args: argparse.Namespace) -> tuple[proxies.ProxyConfig, str]:
     default = proxies.ProxyConfig(cache_dir=args.proxy_cache)
-    archs = _csv(args.archs, ARCHS, "archs") or default.archs
+    family_names = _csv(args.families, FAMILY_NAMES, "families") or default.families
     sections = _csv(args.sections, PROXY_SECTIONS, "sections") or default.sections
-    config = dataclasses.replace(default, archs=archs, sections=sections, rounds=args.repeats or default.rounds,
-                                 steps=args.steps or default.steps)
-    return config, _stem("proxies", archs, default.archs, sections, default.sections)
+    config = dataclasses.replace(default, families=family_names, sections=sections,
+                                 rounds=args.repeats or default.rounds, steps=args.steps or default.steps)
+    return config, _stem("proxies", family_names, default.families, sections, default.sections)
 
 
 def main(argv: list[str] | None = None) -> int:

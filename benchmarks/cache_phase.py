@@ -24,7 +24,7 @@ from benchmarks import ours
 from benchmarks.config import Bench
 from benchmarks.denoiser import denoiser_of
 from benchmarks.measure import Variant, measure_interleaved, with_control
-from benchmarks.phases import ArchRun, Pairing
+from benchmarks.phases import FamilyRun, Pairing
 from benchmarks.theirs import DiffusersSide
 
 log = logging.getLogger("bench")
@@ -52,18 +52,18 @@ class WholeCalls:
         self._handle.remove()
 
 
-def cache_phase(run: ArchRun, engine: Engine, _theirs: DiffusersSide, bench: Bench) -> None:
+def cache_phase(run: FamilyRun, engine: Engine, _theirs: DiffusersSide, bench: Bench) -> None:
     """Ours at threshold `bench.config.step_cache` against ours uncached (batch 1, no LoRA); the row's
     extra fields: the PSNR of the cached image against the uncached one and the whole calls per
     generation of each."""
     model, threshold = run.model, bench.config.step_cache
-    fam = family(model.arch)
+    fam = family(model.family)
     if engine.snapshot().model is None:  # an earlier phase (the VRAM budget's) unloaded it
         ours.load(engine, model.name)
     engine.set_offload("none")
     if fam.sampling.step_distilled(engine.pipeline):
         run.notes["cache"] = f"{fam.label}'s benched checkpoint is step-distilled: no step cache"
-        log.info("[%s] cache: %s", model.arch, run.notes["cache"])
+        log.info("[%s] cache: %s", model.family, run.notes["cache"])
         return
     plain = ours.generator(engine, model, bench, 1)
     cached = ours.generator(engine, model, bench, 1, step_cache=threshold)
@@ -71,7 +71,7 @@ def cache_phase(run: ArchRun, engine: Engine, _theirs: DiffusersSide, bench: Ben
     uncached_key, cached_key = ("none", 0, "uncached", 1), ("none", 0, "step-cache", 1)
     variants = with_control({uncached_key: Variant(none, plain, denoiser), cached_key: Variant(none, cached, denoiser)},
                             uncached_key)
-    log.info("[%s] cache: threshold %g, %d ABBA rounds", model.arch, threshold, bench.config.repeats)
+    log.info("[%s] cache: threshold %g, %d ABBA rounds", model.family, threshold, bench.config.repeats)
     run.pools["cache"] = measure_interleaved(variants, bench.device, bench.config.repeats, bench.config.warmup,
                                              bench.nvml)
     counter = WholeCalls(denoiser, fam.first_block)

@@ -22,9 +22,9 @@ from app.families import FAMILIES, family
 SCHEMA = "steady-diffusion-bench/2"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTIONS = ("load", "throughput", "latency", "fp8", "offload", "compile", "cache", "controlnet", "gguf")
-# what --archs takes: every family that states how it is benched (`TestKit.bench`); a full run without it does
+# what --families takes: every family that states how it is benched (`TestKit.bench`); a full run without it does
 # SD1.5 and SDXL
-ARCHS = tuple(name for name, fam in FAMILIES.items() if fam.test_kit.bench)
+FAMILY_NAMES = tuple(name for name, fam in FAMILIES.items() if fam.test_kit.bench)
 OFFLOAD_CASES = ("model", "balanced", "balanced-3gib", "sequential", "group")
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 SEED = 1234
@@ -47,7 +47,7 @@ class BenchConfig:
     """
 
     mode: str
-    archs: tuple[str, ...]
+    families: tuple[str, ...]
     sections: tuple[str, ...]
     batches: tuple[int, ...]
     steps: int
@@ -64,9 +64,9 @@ class BenchConfig:
     dtype: str
     device: str
     tiny: bool
-    resolution: dict[str, int] = field(default_factory=lambda: {a: family(a).test_kit.bench.side for a in ARCHS})
+    resolution: dict[str, int] = field(default_factory=lambda: {a: family(a).test_kit.bench.side for a in FAMILY_NAMES})
     budget_gib: float = 3.0
-    budget_archs: tuple[str, ...] = ("sd15",)
+    budget_families: tuple[str, ...] = ("sd15",)
     channels_last_rows: bool = True  # the throughput pools' `--channels-last` engine, where the denoiser has convs
     step_cache: float = 0.1  # the cache section's threshold (`--step-cache`)
 
@@ -80,7 +80,7 @@ PRESETS = {
     # and every code path are the same.
     "smoke": BenchConfig("smoke", ("sd15", "sdxl"), SECTIONS, (1,), 2, 2, 0, 4, (0, 1, 3), OFFLOAD_CASES,
                          ("reduce-overhead",), "eager", 3, 2, False, "fp32", "cpu", True,
-                         dict.fromkeys(ARCHS, 64)),
+                         dict.fromkeys(FAMILY_NAMES, 64)),
 }
 
 
@@ -103,11 +103,11 @@ class Bench:
         return section in self.config.sections
 
 
-def run_dtype(preset_dtype: str, archs: tuple[str, ...], asked: str | None) -> str:
+def run_dtype(preset_dtype: str, family_names: tuple[str, ...], asked: str | None) -> str:
     """The compute dtype of a run: the one asked for, else the preset's, except that a preset's fp16
-    becomes bf16 when an architecture computes in bf16 only (Flux overflows fp16), so
-    `--archs flux-dev` runs as its users run it. Asking for fp16 with such an architecture is refused."""
-    refuses = [arch for arch in archs if not family(arch).precision.fp16_ok]
+    becomes bf16 when a family computes in bf16 only (Flux overflows fp16), so
+    `--families flux-dev` runs as its users run it. Asking for fp16 with such a family is refused."""
+    refuses = [family_name for family_name in family_names if not family(family_name).precision.fp16_ok]
     if asked == "fp16" and refuses:
         raise SystemExit(f"--dtype fp16: {', '.join(refuses)} overflows in fp16; use bf16 (the default for it)")
     if asked:
@@ -115,16 +115,16 @@ def run_dtype(preset_dtype: str, archs: tuple[str, ...], asked: str | None) -> s
     return "bf16" if preset_dtype == "fp16" and refuses else preset_dtype
 
 
-def guidance(arch: str) -> float:
+def guidance(family_name: str) -> float:
     """The guidance value both sides pass, in the CFG field's meaning (`Family.call_arguments` maps it
     to each pipeline's call): the family's own default, as its model card runs it: SD's CFG 7
     (`CFG_SCALE`), Flux dev's distilled 3.5, a distilled model's 1 (no CFG)."""
-    return family(arch).sampling.default_guidance
+    return family(family_name).sampling.default_guidance
 
 
-def runs_cfg(arch: str) -> bool:
-    """Does a generation at `guidance(arch)` run the unconditional pass too (a CFG-doubled batch)?"""
-    return family(arch).sampling.negative_prompt and guidance(arch) > 1
+def runs_cfg(family_name: str) -> bool:
+    """Does a generation at `guidance(family)` run the unconditional pass too (a CFG-doubled batch)?"""
+    return family(family_name).sampling.negative_prompt and guidance(family_name) > 1
 
 
 def has_package(name: str) -> bool:

@@ -27,7 +27,7 @@ from benchmarks import ours
 from benchmarks.config import PROMPT, SEED, Bench, guidance
 from benchmarks.denoiser import default_dtype, denoiser_of
 from benchmarks.measure import Variant, measure_interleaved, with_control
-from benchmarks.phases import ArchRun, Pairing
+from benchmarks.phases import FamilyRun, Pairing
 from benchmarks.theirs import DiffusersSide
 
 log = logging.getLogger("bench")
@@ -39,11 +39,11 @@ def _diffusers_base(cls: type) -> type:
     return next(c for c in cls.__mro__ if c.__module__.startswith("diffusers."))
 
 
-def _write_controlnet(run: ArchRun, bench: Bench) -> torch.nn.Module:
+def _write_controlnet(run: FamilyRun, bench: Bench) -> torch.nn.Module:
     """The ControlNet both sides run, saved as a diffusers folder in the run's `models/ControlNet/`."""
-    kit, arch = family(run.model.arch).controlnet, run.model.arch
+    kit, family_name = family(run.model.family).controlnet, run.model.family
     if bench.config.tiny:
-        net = build_tiny_controlnet(arch)
+        net = build_tiny_controlnet(family_name)
     else:
         with torch.device(bench.device), default_dtype(bench.dtype), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -52,9 +52,9 @@ def _write_controlnet(run: ArchRun, bench: Bench) -> torch.nn.Module:
     return net.to(device=bench.device, dtype=bench.dtype)
 
 
-def controlnet_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+def controlnet_phase(run: FamilyRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
     model = run.model
-    fam = family(model.arch)
+    fam = family(model.family)
     if fam.controlnet is None:
         run.notes["controlnet"] = f"{fam.label} takes no ControlNet"
         return
@@ -64,11 +64,11 @@ def controlnet_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
         theirs.load()
     engine.set_offload("none")
     theirs.to_state(0, False)
-    side = bench.config.resolution[model.arch]
+    side = bench.config.resolution[model.family]
     control = Image.fromarray(np.random.default_rng(SEED).integers(0, 255, (side, side, 3), dtype=np.uint8))
     net = _write_controlnet(run, bench)
     unit = ControlUnit(NAME, control)
-    params = GenerateParams(PROMPT, steps=bench.config.steps, cfg=guidance(model.arch), seed=SEED, width=side,
+    params = GenerateParams(PROMPT, steps=bench.config.steps, cfg=guidance(model.family), seed=SEED, width=side,
                             height=side, sampler="Euler", controlnet_units=(unit,))
     kit, pipeline = fam.controlnet, _diffusers_base(fam.controlnet.pipelines["txt2img"])
     # diffusers' multi-ControlNet class the stack is built on, holding the net; where diffusers has none (its
@@ -79,8 +79,8 @@ def controlnet_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
     parts = {k: v for k, v in theirs.pipe.components.items() if k in expected}
     control_pipe = pipeline(**parts, **{kit.component: net if single else multi([net])})
     control_pipe.set_progress_bar_config(disable=True)
-    armed = kit.arm(kit.stack_class([net]), "txt2img", [control], [unit], guidance(model.arch))
-    arguments = {**fam.call_arguments(guidance(model.arch)),
+    armed = kit.arm(kit.stack_class([net]), "txt2img", [control], [unit], guidance(model.family))
+    arguments = {**fam.call_arguments(guidance(model.family)),
                  **({k: v[0] if isinstance(v, list) else v for k, v in armed.items()} if single else armed)}
 
     def diffusers_generate():
@@ -94,7 +94,7 @@ def controlnet_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
     variants = with_control({ours_key: Variant(lambda: None, ours_generate, denoiser_of(engine.pipeline),
                                                ours.last_timeline(engine)),
                              theirs_key: Variant(lambda: None, diffusers_generate, theirs.denoiser)}, ours_key)
-    log.info("[%s] controlnet: %d ABBA rounds", model.arch, bench.config.repeats)
+    log.info("[%s] controlnet: %d ABBA rounds", model.family, bench.config.repeats)
     run.pools["controlnet"] = measure_interleaved(variants, bench.device, bench.config.repeats, bench.config.warmup,
                                                   bench.nvml)
     run.pairings.append(Pairing("controlnet", "controlnet", ours_key, "ours ControlNet", theirs_key,

@@ -35,33 +35,33 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def meta_denoiser(arch: str, config: dict, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def meta_denoiser(family_name: str, config: dict, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The family's denoiser built from `config` on the meta device in `dtype`: exact shapes, no memory."""
     with torch.device("meta"), default_dtype(dtype):
-        return family(arch).denoiser_class.from_config(config)
+        return family(family_name).denoiser_class.from_config(config)
 
 
-def rows_per_call(arch: str, batch: int) -> int:
+def rows_per_call(family_name: str, batch: int) -> int:
     """Images' rows in one denoiser call: doubled where CFG runs an unconditional pass."""
-    return 2 * batch if runs_cfg(arch) else batch
+    return 2 * batch if runs_cfg(family_name) else batch
 
 
-def call_inputs(arch: str, denoiser: torch.nn.Module, batch: int, latent_side: int) -> dict:
+def call_inputs(family_name: str, denoiser: torch.nn.Module, batch: int, latent_side: int) -> dict:
     """Keyword arguments of one call of a meta `denoiser` for `batch` images at `latent_side`² latent
     pixels, in its dtype (empty tensors: the values do not matter to op counts or FLOPs)."""
-    rows, cfg, dtype = rows_per_call(arch, batch), denoiser.config, denoiser.dtype
+    rows, cfg, dtype = rows_per_call(family_name, batch), denoiser.config, denoiser.dtype
 
     def empty(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, device="meta", dtype=dtype)
 
-    return family(arch).test_kit.bench.call_inputs(family(arch), cfg, rows, latent_side, empty)
+    return family(family_name).test_kit.bench.call_inputs(family(family_name), cfg, rows, latent_side, empty)
 
 
-def tflop_per_step(arch: str, config: dict, batch: int, latent_side: int) -> float:
+def tflop_per_step(family_name: str, config: dict, batch: int, latent_side: int) -> float:
     """TFLOP of one denoising step (one denoiser call, on the CFG-doubled batch where the family
     uses CFG), counted by torch's FlopCounterMode on a meta-device copy: exact for the shapes, costs
     no memory and needs no GPU."""
-    denoiser = meta_denoiser(arch, config)
+    denoiser = meta_denoiser(family_name, config)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        denoiser(**call_inputs(arch, denoiser, batch, latent_side))
+        denoiser(**call_inputs(family_name, denoiser, batch, latent_side))
     return counter.get_total_flops() / 1e12

@@ -57,7 +57,7 @@ class Section:
     estimate_s: int  # device seconds on an H100, process start included
     bench: tuple[str, ...] = ()
     tests: bool = False
-    dry_run_archs: int = 0  # a dry run benches the first this many of its --archs (0: all): same code, less CPU
+    dry_run_families: int = 0  # a dry run benches the first this many of its --families (0: all): same code, less CPU
 
 
     def command(self, out: Path, dry_run: bool) -> list[str]:
@@ -69,9 +69,9 @@ class Section:
                 if flag in args:
                     del args[args.index(flag):args.index(flag) + 2]
             args.insert(0, "--smoke")
-            if self.dry_run_archs and "--archs" in args:
-                at = args.index("--archs") + 1
-                args[at] = ",".join(args[at].split(",")[:self.dry_run_archs])
+            if self.dry_run_families and "--families" in args:
+                at = args.index("--families") + 1
+                args[at] = ",".join(args[at].split(",")[:self.dry_run_families])
         return [sys.executable, "-m", "app.bench", *args, "--out", str(out)]
 
 
@@ -81,14 +81,14 @@ def _family_sections() -> tuple[list[Section], list[Section]]:
     benched = sorted((fam for fam in FAMILIES.values() if fam.test_kit.bench and fam.test_kit.bench.check),
                      key=lambda fam: fam.test_kit.bench.check_order)
     headline = [Section(fam.name, "", fam.test_kit.bench.check_title, fam.test_kit.bench.check_s,
-                        ("--archs", fam.name, *fam.test_kit.bench.check)) for fam in benched]
+                        ("--families", fam.name, *fam.test_kit.bench.check)) for fam in benched]
     offload = []
     for fam in (f for f in benched if f.test_kit.bench.offload_check_s):
         bench = fam.test_kit.bench
         steps = bench.check[bench.check.index("--steps"):][:2] if "--steps" in bench.check else ()
         offload.append(Section(f"{fam.name}-offload", "", f"{fam.label} {bench.side}²: every offload mode vs "
                                "diffusers' model, sequential and group offload", bench.offload_check_s,
-                               ("--archs", fam.name, "--sections", "offload", "--batches", "1", "--repeats", "2",
+                               ("--families", fam.name, "--sections", "offload", "--batches", "1", "--repeats", "2",
                                 *steps)))
     return headline, offload
 
@@ -110,29 +110,29 @@ def _plan() -> tuple[Section, ...]:
         *headline,
         Section("step-cache", "", "first-block step cache (threshold 0.1) vs uncached ours, SD1.5 512² and FLUX.1-dev "
                 "1024², 20 steps: speed, whole denoiser calls, PSNR (estimate not yet from a run)", 150,
-                ("--archs", "sd15,flux-dev", "--sections", "cache", "--batches", "1", "--repeats", "4", "--steps",
+                ("--families", "sd15,flux-dev", "--sections", "cache", "--batches", "1", "--repeats", "4", "--steps",
                  "20")),
         Section("controlnet", "", "one ControlNet unit, ours vs diffusers' ControlNet pipeline on the same weights, "
                 f"{', '.join(f.label for f in controlled)} at their bench sides, 20 steps: it/s, per-image time, VRAM "
                 "(estimate not yet from a run)", 90 * len(controlled),
-                ("--archs", ",".join(f.name for f in controlled), "--sections", "controlnet", "--batches", "1",
+                ("--families", ",".join(f.name for f in controlled), "--sections", "controlnet", "--batches", "1",
                  "--repeats", "4", "--steps", "20")),
         Section("compile", "", "compiled denoiser (reduce-overhead): speed vs eager, recompiles and CUDA-graph "
                 "re-records across LoRA changes, SD1.5 then SDXL", 330,
-                ("--archs", "sd15,sdxl", "--sections", "compile", "--batches", "1", "--repeats", "2")),
+                ("--families", "sd15,sdxl", "--sections", "compile", "--batches", "1", "--repeats", "2")),
         Section("offload", "", "every offload mode vs diffusers' model/sequential/group offload, SD1.5 and "
                 "balanced under a 3 GiB budget", 200,
-                ("--archs", "sd15", "--sections", "offload", "--batches", "1", "--repeats", "2", "--steps", "10")),
+                ("--families", "sd15", "--sections", "offload", "--batches", "1", "--repeats", "2", "--steps", "10")),
         Section("channels-last", "", "channels_last on/off: SD1.5 512² and SDXL 1024², none and 3 fused LoRAs "
                 "(decides the CUDA default)", 230,
-                ("--archs", "sd15,sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3",
+                ("--families", "sd15,sdxl", "--sections", "throughput", "--batches", "1", "--loras", "0,3",
                  "--repeats", "2")),
         *family_offload,
         Section("gguf", "", f"GGUF Q8_0 and Q4_K, {', '.join(f.label for f in packed)}: ours from a transformer-only "
                 ".gguf (original names) vs diffusers' GGUFQuantizationConfig on the same blocks and vs diffusers "
                 "eager, 8 steps: it/s, per-image time, peak VRAM (estimate not yet from a run)", 240 * len(packed),
-                ("--archs", ",".join(f.name for f in packed), "--sections", "gguf", "--batches", "1", "--loras", "0,3",
-                 "--repeats", "2", "--steps", "8"), dry_run_archs=1),
+                ("--families", ",".join(f.name for f in packed), "--sections", "gguf", "--batches", "1",
+                 "--loras", "0,3", "--repeats", "2", "--steps", "8"), dry_run_families=1),
     ]
     return tuple(dataclasses.replace(section, letter=string.ascii_lowercase[i]) for i, section in enumerate(sections))
 
@@ -221,11 +221,11 @@ def _bench_figures(out: Path, started: float) -> dict:
         figures["acceptance"] += doc.get("acceptance", [])
         figures["rows"] += [{k: r.get(k) for k in ("id", "ours_its", "baseline_its", "ratio", "verdict",
                                                    "ours_vram_peak_gib")} for r in doc.get("rows", [])]
-        for arch, model in doc.get("models", {}).items():
+        for family_name, model in doc.get("models", {}).items():
             for key in ("resting_vram_gib", "phase_errors"):
                 if key in model:
-                    figures.setdefault(key, {})[arch] = model[key]
-        figures["latency"] = [{k: r.get(k) for k in ("arch", "op", "ours_ms", "baseline", "baseline_ms")}
+                    figures.setdefault(key, {})[family_name] = model[key]
+        figures["latency"] = [{k: r.get(k) for k in ("family", "op", "ours_ms", "baseline", "baseline_ms")}
                               for r in doc.get("latency", [])]
     return figures
 
@@ -278,12 +278,12 @@ def _figure_lines(outcome: Outcome) -> list[str]:
              for c in figs.get("acceptance", [])]
     lines += [f"- {r['id']}: {_fmt(r['ours_its'])} vs {_fmt(r['baseline_its'])} it/s, ratio {_fmt(r['ratio'])} "
               f"({r['verdict']}), peak VRAM {_fmt(r['ours_vram_peak_gib'])} GiB" for r in figs.get("rows", [])]
-    lines += [f"- {r['arch']} LoRA {r['op']}: {_fmt(r['ours_ms'])} ms (baseline {r['baseline']}: "
+    lines += [f"- {r['family']} LoRA {r['op']}: {_fmt(r['ours_ms'])} ms (baseline {r['baseline']}: "
               f"{_fmt(r['baseline_ms'])} ms)" for r in figs.get("latency", [])]
-    lines += [f"- {arch} weights at rest: " + ", ".join(f"{k} {_fmt(v)} GiB" for k, v in rest.items())
-              for arch, rest in figs.get("resting_vram_gib", {}).items()]
-    lines += [f"- {arch} phase failed: {phase}: {error}" for arch, errors in figs.get("phase_errors", {}).items()
-              for phase, error in errors.items()]
+    lines += [f"- {family_name} weights at rest: " + ", ".join(f"{k} {_fmt(v)} GiB" for k, v in rest.items())
+              for family_name, rest in figs.get("resting_vram_gib", {}).items()]
+    lines += [f"- {family_name} phase failed: {phase}: {error}"
+              for family_name, errors in figs.get("phase_errors", {}).items() for phase, error in errors.items()]
     return lines + ([f"- files: {', '.join(figs['files'])}"] if figs.get("files") else [])
 
 

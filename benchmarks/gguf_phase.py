@@ -10,7 +10,7 @@ dequantising forward does not depend on the values; `gguf`'s numpy quantiser wou
 full-size model and writes no K type). One pool per type: ours with no LoRA and with 3 LoRAs as
 bypasses, diffusers' GGUF pipeline, diffusers bf16 eager. Our full-precision engine is unloaded first.
 
-    python -m app.bench --archs <a DiT family> --sections gguf --batches 1 --loras 0,3 --repeats 2 --steps 8
+    python -m app.bench --families <a DiT family> --sections gguf --batches 1 --loras 0,3 --repeats 2 --steps 8
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ KINDS = ("Q8_0", "Q4_K")
 def write_files(model: PreparedModel, bench: Bench, kind: str) -> tuple[str, Path]:
     """Our transformer-only file (its name under models/Stable-diffusion) and diffusers' twin, same blocks;
     the other parts as one single file in each folder the family reads them from (written once)."""
-    fam, settings = family(model.arch), Settings(data_dir=model.data_dir)
+    fam, settings = family(model.family), Settings(data_dir=model.data_dir)
     pipe = load_pipeline(model, bench, to_device=False)
     denoiser_part = next(p for p in fam.files.parts if p.component == fam.denoiser)
     state = getattr(pipe, fam.denoiser).state_dict()
@@ -49,7 +49,7 @@ def write_files(model: PreparedModel, bench: Bench, kind: str) -> tuple[str, Pat
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     name = f"{model.name}-{kind}.gguf"
     write_gguf(to_file(layout, state, file_shapes(layout, shapes)), settings.checkpoints_dir / name, (kind,),
-               component_configs(pipe, model.arch), synthetic=True)  # every part's config, as the demo's files
+               component_configs(pipe, model.family), synthetic=True)  # every part's config, as the demo's files
     theirs = model.data_dir / f"{model.name}-{kind}-diffusers-names.gguf"
     write_gguf(state, theirs, (kind,), synthetic=True)  # seed 0 both: the same blocks in the same order
     rest = [p for p in fam.files.parts if p.component != fam.denoiser]
@@ -67,13 +67,13 @@ def write_files(model: PreparedModel, bench: Bench, kind: str) -> tuple[str, Pat
 
 def diffusers_gguf(model: PreparedModel, bench: Bench, path: Path):
     """The pipeline with diffusers' GGUF transformer, as its users load one (compute in the run's dtype)."""
-    fam = family(model.arch)
+    fam = family(model.family)
     denoiser = fam.denoiser_class.from_single_file(
         str(path), quantization_config=GGUFQuantizationConfig(compute_dtype=bench.dtype), config=str(model.folder),
         subfolder=fam.denoiser, torch_dtype=bench.dtype, local_files_only=True)
     pipe = fam.plain_pipeline_class.from_pretrained(model.folder, dtype=bench.dtype, local_files_only=True,
                                                     **{fam.denoiser: denoiser}, **fam.pipeline_kwargs)
-    pipe.scheduler = euler(model.arch, pipe.scheduler.config)
+    pipe.scheduler = euler(model.family, pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(bench.device)
 
@@ -83,8 +83,8 @@ def gguf_phase(run, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None
     from benchmarks.phases import Pairing, _measure
 
     model = run.model
-    if not family(model.arch).files.parts:
-        run.notes["gguf"] = f"{family(model.arch).label} is not assembled from parts: no .gguf files are read for it"
+    if not family(model.family).files.parts:
+        run.notes["gguf"] = f"{family(model.family).label} is not assembled from parts: no .gguf files are read for it"
         return
     engine.unload()
     free_memory()

@@ -58,9 +58,9 @@ def close(engine: Engine | None) -> None:
 
 def generator(engine: Engine, model: PreparedModel, bench: Bench, batch: int,
               steps: int | None = None, step_cache: float = 0.0) -> Callable[[], Any]:
-    side = bench.config.resolution[model.arch]
-    params = GenerateParams(PROMPT, steps=steps or bench.config.steps, cfg=guidance(model.arch), seed=SEED, width=side,
-                            height=side, batch=batch, sampler="Euler", step_cache=step_cache)
+    side = bench.config.resolution[model.family]
+    params = GenerateParams(PROMPT, steps=steps or bench.config.steps, cfg=guidance(model.family), seed=SEED,
+                            width=side, height=side, batch=batch, sampler="Euler", step_cache=step_cache)
     return functools.partial(engine.generate, params)
 
 
@@ -135,11 +135,11 @@ def restart_probe(model: PreparedModel, mode: str, compiled_its: float, bench: B
     """Time a fresh process from its first generation to compiled speed, from this run's caches (the
     engine keeps them under the data dir, which the child shares)."""
     spec = {"data_dir": str(model.data_dir), "model": model.name, "mode": mode,
-            "backend": bench.config.compile_backend, "resolution": bench.config.resolution[model.arch],
+            "backend": bench.config.compile_backend, "resolution": bench.config.resolution[model.family],
             "steps": bench.config.steps, "dtype": bench.config.dtype, "device": str(bench.device),
-            "guidance": guidance(model.arch),
+            "guidance": guidance(model.family),
             "target_its": compiled_its}
-    log.info("[%s] ours: warm-restart probe (%s)", model.arch, mode)
+    log.info("[%s] ours: warm-restart probe (%s)", model.family, mode)
     command = [sys.executable, "-m", "app.bench", "--restart-probe", json.dumps(spec)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False,
                           cwd=Path(__file__).resolve().parents[1])

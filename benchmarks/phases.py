@@ -1,4 +1,4 @@
-"""One architecture's run, phase by phase, with our engine and a diffusers pipeline alive side by side
+"""One family's run, phase by phase, with our engine and a diffusers pipeline alive side by side
 so every comparison runs in ABBA order: loads (each side alone, which also gives the isolated VRAM
 figures), denoising speed, LoRA latency, the compiled path, offload modes, the VRAM budget."""
 
@@ -52,8 +52,8 @@ class Pairing:
 
 
 @dataclass
-class ArchRun:
-    """What one architecture's phases measured."""
+class FamilyRun:
+    """What one family's phases measured."""
 
     model: PreparedModel
     tflop: dict[int, float]
@@ -67,8 +67,8 @@ class ArchRun:
     row_fields: dict[Key, dict[str, Any]] = field(default_factory=dict)  # extra fields of the row of an ours key
 
 
-def _measure(run: ArchRun, bench: Bench, pool: str, variants: dict[Key, Variant]) -> None:
-    log.info("[%s] %s: %d variants, %d ABBA rounds", run.model.arch, pool, len(variants), bench.config.repeats)
+def _measure(run: FamilyRun, bench: Bench, pool: str, variants: dict[Key, Variant]) -> None:
+    log.info("[%s] %s: %d variants, %d ABBA rounds", run.model.family, pool, len(variants), bench.config.repeats)
     run.pools[pool] = measure_interleaved(variants, bench.device, bench.config.repeats, bench.config.warmup,
                                           bench.nvml)
 
@@ -100,7 +100,7 @@ def _load_once(side: str, engine: Engine, theirs: DiffusersSide, bench: Bench) -
     return seconds, peak
 
 
-def load_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+def load_phase(run: FamilyRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
     """A warm-up load of each side (page cache, our hash facts; its VRAM figures kept), then timed loads
     in ABBA order with a control; leaves both sides loaded."""
     model = run.model
@@ -121,13 +121,13 @@ def load_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench
 
 
 # ------------------------------------------------------------------------------------ speed and latency
-def throughput_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+def throughput_phase(run: FamilyRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
     """Per batch, one pool: ours with 0/1/3 fused LoRAs, ours with `--channels-last` (a second engine,
     only where the denoiser is convolutional: Flux's transformer has no conv weight, and a third copy
     of its 34 GB pipeline would not fit), diffusers plain and with PEFT adapters unfused and fused, and
     the control (ours without LoRA, twice)."""
     model, counts = run.model, bench.config.lora_counts
-    fam = family(model.arch)
+    fam = family(model.family)
     wanted = bench.config.channels_last_rows and fam.denoiser in fam.conv_components
     nhwc = ours.loaded_engine(model, bench, channels_last=True) if wanted else None
     try:
@@ -159,7 +159,7 @@ def throughput_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench:
     theirs.to_state(0, False)
 
 
-def _channels_last_variants(run: ArchRun, nhwc: Engine, bench: Bench, pool: str, batch: int) -> dict[Key, Variant]:
+def _channels_last_variants(run: FamilyRun, nhwc: Engine, bench: Bench, pool: str, batch: int) -> dict[Key, Variant]:
     """Ours with UNet/VAE conv weights channels_last, with no LoRA and with 3 fused, each paired with
     ours contiguous in the same pool: the row that decides whether `--channels-last` becomes the CUDA
     default (an H100 profile spent 22.6% of CUDA time in cuDNN's NCHW->NHWC weight conversion)."""
@@ -173,7 +173,7 @@ def _channels_last_variants(run: ArchRun, nhwc: Engine, bench: Bench, pool: str,
     return variants
 
 
-def latency_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+def latency_phase(run: FamilyRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
     """LoRA add / re-weight / remove, ours and diffusers (PEFT unfused, and fused: unfuse, change,
     fuse), one round of each per repeat in ABBA order; re-weights in the first round only."""
     mine = functools.partial(ours.latency_round, engine, run.model, bench)
@@ -198,7 +198,7 @@ def _allocated_gib(bench: Bench) -> float | None:
     return torch.cuda.memory_allocated(bench.device) / 2**30
 
 
-def fp8_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+def fp8_phase(run: FamilyRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
     """Ours with large weights resting in fp8 (`--weights fp8`, computed in the run's dtype), with no
     LoRA and with 3 LoRAs as bypass forwards (an 8-bit weight is never fused into), against diffusers
     eager in one pool. Our full-precision engine is unloaded first, since a third copy of a full-size
@@ -238,7 +238,7 @@ def _stored_weights_pool(engine, theirs: DiffusersSide, bench: Bench, model, key
                          base: Variant(theirs.state_setup(0, False), theirs.generator(1), theirs.denoiser)}, key0)
 
 
-def _fp8_compute_pool(run: ArchRun, theirs: DiffusersSide, bench: Bench) -> None:
+def _fp8_compute_pool(run: FamilyRun, theirs: DiffusersSide, bench: Bench) -> None:
     """Ours with `--weights fp8-compute` (qualifying Linear layers as fp8 matmuls, which write bf16: the
     engine computes in bf16 whatever the run's dtype) against diffusers eager, with no LoRA and with 3
     as bf16 bypasses, in a pool of its own after the fp8 engine is closed (three full-size Flux copies
@@ -248,7 +248,7 @@ def _fp8_compute_pool(run: ArchRun, theirs: DiffusersSide, bench: Bench) -> None
     try:
         snap = engine.snapshot()
         run.notes["fp8 compute"] = f"{snap.matmul_layers} of {snap.stored_layers} stored layers as fp8 matmuls"
-        log.info("[%s] fp8 compute: %s", model.arch, run.notes["fp8 compute"])
+        log.info("[%s] fp8 compute: %s", model.family, run.notes["fp8 compute"])
         key0, key3 = ("none", 0, "fp8-compute", 1), ("none", 3, "fp8-compute-bypass", 1)
         base = ("none", 0, "eager", 1)
         _measure(run, bench, "fp8 compute", _stored_weights_pool(engine, theirs, bench, model, (key0, key3, base)))
@@ -268,13 +268,13 @@ def _wait_compiled(engine: Engine, timeout_s: float = 900) -> None:
         time.sleep(0.5)
 
 
-def compile_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+def compile_phase(run: FamilyRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
     """Per mode, a second engine built with the compile settings, against our eager engine and
     diffusers eager (no LoRA), and with three LoRAs against diffusers PEFT fused. A family that compiles
     by regions (its repeated blocks, without CUDA graphs whatever the mode) is measured once, as `regional`."""
     model = run.model
     for mode in bench.config.compile_modes:
-        log.info("[%s] ours: compiled engine (%s, %s)", model.arch, mode, bench.config.compile_backend)
+        log.info("[%s] ours: compiled engine (%s, %s)", model.family, mode, bench.config.compile_backend)
         compiled = ours.loaded_engine(model, bench, **ours.compile_settings(bench, mode))
         regional = bool(compiled.snapshot().compile.regions)
         scope = "regional" if regional else mode
@@ -290,9 +290,9 @@ def compile_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Be
             break
 
 
-def _compile_info(run: ArchRun, compiled: Engine, bench: Bench, scope: str, first_s: float) -> dict[str, Any]:
+def _compile_info(run: FamilyRun, compiled: Engine, bench: Bench, scope: str, first_s: float) -> dict[str, Any]:
     status = compiled.snapshot().compile
-    info = {"arch": run.model.arch, "mode": scope, "backend": status.backend, "phase": status.phase,
+    info = {"family": run.model.family, "mode": scope, "backend": status.backend, "phase": status.phase,
             "regions": list(status.regions),
             "first_generation_s": first_s, "first_compile_s": next((s for _l, s in status.compile_seconds), None),
             "compiles_after_warm": status.compiles, "note": status.note}
@@ -301,7 +301,7 @@ def _compile_info(run: ArchRun, compiled: Engine, bench: Bench, scope: str, firs
     return info
 
 
-def _compiled_pools(run: ArchRun, compiled: Engine, engine: Engine, theirs: DiffusersSide, bench: Bench,
+def _compiled_pools(run: FamilyRun, compiled: Engine, engine: Engine, theirs: DiffusersSide, bench: Bench,
                     mode: str) -> None:
     """`mode`: the compile mode, or `regional`; the pools and rows are named by it."""
     model, label, variant = run.model, f"ours compiled ({mode})", f"compiled-{mode}"
@@ -330,7 +330,7 @@ def _compiled_pools(run: ArchRun, compiled: Engine, engine: Engine, theirs: Diff
 
 
 # ------------------------------------------------------------------------------------ offload
-def offload_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+def offload_phase(run: FamilyRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
     """Each offload mode against its diffusers counterpart (a fresh diffusers pipeline per mode), and
     balanced against our own `none`. The main diffusers pipeline is freed first: balanced offload
     sizes itself by the VRAM it finds free."""
@@ -351,7 +351,7 @@ def offload_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Be
     engine.set_offload("none")
 
 
-def _offload_pool(run: ArchRun, bench: Bench, pool: str, theirs: DiffusersSide, case: str,
+def _offload_pool(run: FamilyRun, bench: Bench, pool: str, theirs: DiffusersSide, case: str,
                   variants: dict[Key, Variant], mine: Key) -> None:
     """Ours (`variants`) against diffusers' offload `case` on a fresh pipeline, or ours alone with the
     reason diffusers' counterpart could not run."""
@@ -368,7 +368,7 @@ def _offload_pool(run: ArchRun, bench: Bench, pool: str, theirs: DiffusersSide, 
         free_memory()
     if failed is not None:  # the row says why; ours is measured alone, the VRAM diffusers held freed
         theirs.notes[f"offload:{case}"] = f"diffusers {OFFLOAD_LABELS[case]} failed while generating: {failed}"[:300]
-        log.warning("[%s] %s", run.model.arch, theirs.notes[f"offload:{case}"])
+        log.warning("[%s] %s", run.model.family, theirs.notes[f"offload:{case}"])
         del variants[base]
         _measure(run, bench, pool, with_control(variants, mine))
     label = f"diffusers {case} offload"
@@ -388,7 +388,7 @@ def _baseline(generate: Callable[[], Any]) -> Callable[[], Any]:
     return call
 
 
-def budget_phase(run: ArchRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
+def budget_phase(run: FamilyRun, engine: Engine, theirs: DiffusersSide, bench: Bench) -> None:
     """Balanced offload under a VRAM budget (a start-up setting, so its own engine) against diffusers'
     model offload, with our main engine unloaded so the budget engine runs alone."""
     model = run.model

@@ -58,10 +58,11 @@ def _load_models_layer(spec: dict[str, Any]):
 
 def _load_diffusers(spec: dict[str, Any]):
     """The offline way to call `from_single_file` (NOTES.md): `config=` a local folder, our tokenizers."""
-    arch = spec["arch"]
-    return family(arch).plain_pipeline_class.from_single_file(
-        spec["path"], config=str(family(arch).files.config_dir), dtype=DTYPES[spec["dtype"]], local_files_only=True,
-        **family(arch).tokenizers(), **family(arch).pipeline_kwargs)
+    family_name = spec["family"]
+    return family(family_name).plain_pipeline_class.from_single_file(
+        spec["path"], config=str(family(family_name).files.config_dir), dtype=DTYPES[spec["dtype"]],
+        local_files_only=True,
+        **family(family_name).tokenizers(), **family(family_name).pipeline_kwargs)
 
 
 def run_load_probe(spec: dict[str, Any]) -> dict[str, Any]:
@@ -91,5 +92,5 @@ def spawn_load_probe(spec: dict[str, Any], timeout_s: float = 600) -> dict[str, 
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=root)
     if done.returncode != 0:
-        raise RuntimeError(f"load probe {spec['side']}/{spec['arch']} failed: {done.stderr.strip()[-1500:]}")
+        raise RuntimeError(f"load probe {spec['side']}/{spec['family']} failed: {done.stderr.strip()[-1500:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

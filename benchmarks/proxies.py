@@ -70,10 +70,10 @@ SECTIONS = ("load", "step", "reweight", "fp8", "ops", "timeline", "fp8-compute",
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """What a proxy run varies; the defaults keep each architecture's run within minutes on 2 cores."""
+    """What a proxy run varies; the defaults keep each family's run within minutes on 2 cores."""
 
     cache_dir: Path
-    archs: tuple[str, ...] = ("sd15", "sdxl")
+    families: tuple[str, ...] = ("sd15", "sdxl")
     sections: tuple[str, ...] = SECTIONS
     storage_dtype: str = "bf16"
     step_dtype: str = "fp32"
@@ -91,7 +91,7 @@ class ProxyConfig:
 class ProxyModel:
     """A cached random-weight single file in an A1111-layout data dir, with three LoRAs."""
 
-    arch: str
+    family: str
     data_dir: Path
     name: str
     path: Path
@@ -100,23 +100,23 @@ class ProxyModel:
     lora_numel: int  # UNet weights the three LoRAs touch (what fused LoRAs back up)
 
 
-def prepare(arch: str, config: ProxyConfig) -> ProxyModel:
+def prepare(family_name: str, config: ProxyConfig) -> ProxyModel:
     """The checkpoint and LoRAs, written once into the cache folder and reused by later runs."""
-    settings = Settings(data_dir=config.cache_dir / f"{arch}-{config.storage_dtype}")
-    path = settings.checkpoints_dir / f"random-{arch}.safetensors"
+    settings = Settings(data_dir=config.cache_dir / f"{family_name}-{config.storage_dtype}")
+    path = settings.checkpoints_dir / f"random-{family_name}.safetensors"
     if not path.is_file():
-        write_random_single_file(arch, path, DTYPES[config.storage_dtype])
-    denoiser = getattr(meta_components(arch, family(arch).files.config_dir), family(arch).denoiser)
-    names = tuple(f"bench-{arch}-{kind}{i}" for i, kind in enumerate(lora_kinds(arch, denoiser)))
+        write_random_single_file(family_name, path, DTYPES[config.storage_dtype])
+    denoiser = getattr(meta_components(family_name, family(family_name).files.config_dir), family(family_name).denoiser)
+    names = tuple(f"bench-{family_name}-{kind}{i}" for i, kind in enumerate(lora_kinds(family_name, denoiser)))
     if not all((settings.lora_dir / f"{n}.safetensors").is_file() for n in names):
-        write_loras(denoiser, settings.lora_dir, arch, config.lora_rank)
-    touched = sum(math.prod(shape) for _name, shape in lora_targets(arch, denoiser, convs=True))
-    return ProxyModel(arch, settings.data_dir, path.name, path, names, single_file_numel(path), touched)
+        write_loras(denoiser, settings.lora_dir, family_name, config.lora_rank)
+    touched = sum(math.prod(shape) for _name, shape in lora_targets(family_name, denoiser, convs=True))
+    return ProxyModel(family_name, settings.data_dir, path.name, path, names, single_file_numel(path), touched)
 
 
 # ------------------------------------------------------------------------------------ load
 def _load_spec(model: ProxyModel, side: str, config: ProxyConfig) -> dict[str, Any]:
-    return {"side": side, "arch": model.arch, "data_dir": str(model.data_dir), "name": model.name,
+    return {"side": side, "family": model.family, "data_dir": str(model.data_dir), "name": model.name,
             "path": str(model.path), "dtype": config.storage_dtype, "threads": 2}
 
 
@@ -138,7 +138,7 @@ def load_section(model: ProxyModel, config: ProxyConfig) -> dict[str, Any]:
                 target.parent.mkdir(parents=True)
                 os.link(model.path, target)
                 runs[key].append(spawn_load_probe({**specs[key], "data_dir": fresh}))
-    return {"arch": model.arch, "file_gib": model.path.stat().st_size / 2**30, "runs": runs,
+    return {"family": model.family, "file_gib": model.path.stat().st_size / 2**30, "runs": runs,
             "comparisons": _load_comparisons(runs)}
 
 
@@ -168,38 +168,38 @@ WEIGHT_SECTIONS = {"load": load_section, "step": step_section, "reweight": rewei
 
 
 def run_proxies(config: ProxyConfig, env: dict[str, Any]) -> dict[str, Any]:
-    """Every section for every architecture, one model in memory at a time."""
+    """Every section for every family, one model in memory at a time."""
     results = {"schema": SCHEMA, "config": {k: str(v) if isinstance(v, Path) else v
                                             for k, v in asdict(config).items()},
                "env": env, "method": stats.METHOD, "models": {}, **{section: [] for section in SECTIONS}}
     torch.set_num_threads(config.threads)
-    for arch in config.archs:
+    for family_name in config.families:
         if "ops" in config.sections:
-            results["ops"].append(ops_section(arch, config))
+            results["ops"].append(ops_section(family_name, config))
         if "fp8-compute" in config.sections:
-            results["fp8-compute"].append(fp8_compute_section(arch, config))
+            results["fp8-compute"].append(fp8_compute_section(family_name, config))
         if "compile" in config.sections:
-            results["compile"].append(compile_section(arch, config))
+            results["compile"].append(compile_section(family_name, config))
         wanted = [section for section in WEIGHT_SECTIONS if section in config.sections]
-        why = weights_skip(arch, config) if wanted else None
+        why = weights_skip(family_name, config) if wanted else None
         if why:
             for section in wanted:
-                results[section].append({"arch": arch, "skipped": why})
+                results[section].append({"family": family_name, "skipped": why})
             continue
         if wanted:
-            model = prepare(arch, config)
-            results["models"][arch] = {"file": model.name, "numel": model.numel, "lora_numel": model.lora_numel,
-                                       "file_gib": model.path.stat().st_size / 2**30}
+            model = prepare(family_name, config)
+            results["models"][family_name] = {"file": model.name, "numel": model.numel, "lora_numel": model.lora_numel,
+                                              "file_gib": model.path.stat().st_size / 2**30}
         for section in wanted:
             results[section].append(WEIGHT_SECTIONS[section](model, config))
     return results
 
 
-def weights_skip(arch: str, config: ProxyConfig) -> str | None:
-    """Why the weight sections cannot run for `arch` here, or None. The smallest thing they all need
+def weights_skip(family_name: str, config: ProxyConfig) -> str | None:
+    """Why the weight sections cannot run for `family_name` here, or None. The smallest thing they all need
     is the pipeline's file in the storage dtype; the sections check their own, larger, needs."""
-    fam = family(arch)
-    meta = vars(meta_components(arch, fam.files.config_dir))
+    fam = family(family_name)
+    meta = vars(meta_components(family_name, fam.files.config_dir))
     numel = sum(p.numel() for module in meta.values() for p in module.parameters())
     ok, why = fits(numel * DTYPES[config.storage_dtype].itemsize)
     if not ok:

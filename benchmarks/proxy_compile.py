@@ -30,11 +30,11 @@ BACKEND = "aot_eager"
 SCOPES = ("whole", "regional")
 
 
-def first_compile(arch: str, denoiser_config: dict, dtype: torch.dtype, side: int, scope: str) -> dict[str, Any]:
+def first_compile(family_name: str, denoiser_config: dict, dtype: torch.dtype, side: int, scope: str) -> dict[str, Any]:
     """Seconds of the first (compiling) call of a fresh meta denoiser, and the graphs compiled."""
-    denoiser = meta_denoiser(arch, denoiser_config, dtype)
-    regions = family(arch).compile_regions(denoiser) if scope == "regional" else ()
-    inputs = call_inputs(arch, denoiser, 1, side)
+    denoiser = meta_denoiser(family_name, denoiser_config, dtype)
+    regions = family(family_name).compile_regions(denoiser) if scope == "regional" else ()
+    inputs = call_inputs(family_name, denoiser, 1, side)
     state = CompileState(denoiser, backend=BACKEND, background=False, regions=regions)
     try:
         started = time.perf_counter()
@@ -47,15 +47,15 @@ def first_compile(arch: str, denoiser_config: dict, dtype: torch.dtype, side: in
         state.close()
 
 
-def compile_section(arch: str, config, denoiser_config: dict | None = None) -> dict[str, Any]:
-    """Whole against regional first compile of `arch`'s denoiser (the full-size config unless one is given)."""
-    fam = family(arch)
+def compile_section(family_name: str, config, denoiser_config: dict | None = None) -> dict[str, Any]:
+    """Whole against regional first compile of `family_name`'s denoiser (the full-size config unless one is given)."""
+    fam = family(family_name)
     if fam.compile_regions is None:
-        return {"arch": arch, "skipped": f"{fam.label} compiles its denoiser whole (no repeated blocks named)"}
+        return {"family": family_name, "skipped": f"{fam.label} compiles its denoiser whole (no repeated blocks named)"}
     denoiser_config = denoiser_config or fam.denoiser_class.load_config(fam.files.config_dir / fam.denoiser)
-    dtype, side = DTYPES[config.storage_dtype], latent_side(arch)
-    first_compile(arch, denoiser_config, dtype, side, "regional")  # warm-up: dynamo's first use, uncounted
-    scopes = {scope: first_compile(arch, denoiser_config, dtype, side, scope) for scope in SCOPES}
-    return {"arch": arch, "backend": BACKEND, "dtype": config.storage_dtype,
-            "resolution": PRESETS["full"].resolution[arch], "latent_side": side, **scopes,
+    dtype, side = DTYPES[config.storage_dtype], latent_side(family_name)
+    first_compile(family_name, denoiser_config, dtype, side, "regional")  # warm-up: dynamo's first use, uncounted
+    scopes = {scope: first_compile(family_name, denoiser_config, dtype, side, scope) for scope in SCOPES}
+    return {"family": family_name, "backend": BACKEND, "dtype": config.storage_dtype,
+            "resolution": PRESETS["full"].resolution[family_name], "latent_side": side, **scopes,
             "ratio": scopes["whole"]["first_compile_s"] / scopes["regional"]["first_compile_s"]}

@@ -112,7 +112,7 @@ def fp8_section(model, config) -> dict[str, Any]:
     wide = torch.empty((), dtype=DTYPES[dtype]).element_size()
     ok, why = fits(model.numel * (2 * wide + 2) + model.lora_numel * 4)  # full + 2 fp8 + copies (≤ full) + LoRAs
     if not ok:
-        return {"arch": model.arch, "skipped": why}
+        return {"family": model.family, "skipped": why}
     full, fp8, fused = _engine(model, "full", dtype), _engine(model, "fp8", dtype), _engine(model, "fp8", dtype)
     specs = lora_specs(model.loras, 3)
     copies = FusedCopies(fused, specs)
@@ -139,7 +139,7 @@ def fp8_section(model, config) -> dict[str, Any]:
             engine.unload()
             engine.close()
         free_memory()
-    return {"arch": model.arch, "dtype": dtype, "resolution": config.resolution, "steps": config.steps,
+    return {"family": model.family, "dtype": dtype, "resolution": config.resolution, "steps": config.steps,
             "resting_gib": {"full": bytes_full / 2**30, "fp8": bytes_fp8 / 2**30,
                             "fp8 + fused copies": (bytes_fp8 + copies.nbytes) / 2**30},
             "resting_ratio": bytes_fp8 / bytes_full, "stored_layers": snap.stored_layers,

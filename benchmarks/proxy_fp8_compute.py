@@ -57,11 +57,12 @@ class Fp8OpCounter(OpCounter):
         return {kind: count / self.calls for kind, count in sorted(self.kinds.items())} if self.calls else {}
 
 
-def _stored_denoiser(arch: str, weights: str) -> torch.nn.Module:
+def _stored_denoiser(family_name: str, weights: str) -> torch.nn.Module:
     """The full-size denoiser on the meta device in bf16, its large weights stored as `weights` stores
     them and its `quant.dequant` hooks (or fp8 forwards) installed, as the engine's load does."""
-    fam = family(arch)
-    denoiser = meta_denoiser(arch, fam.denoiser_class.load_config(fam.files.config_dir / fam.denoiser), torch.bfloat16)
+    fam = family(family_name)
+    config = fam.denoiser_class.load_config(fam.files.config_dir / fam.denoiser)
+    denoiser = meta_denoiser(family_name, config, torch.bfloat16)
     pipe = SimpleNamespace(**{**dict.fromkeys(fam.components, torch.nn.Module()), fam.denoiser: denoiser})
     stored = {fam.denoiser: storage.layers_to_store(pipe, fam, weights).get(fam.denoiser, {})}
     matmul = storage.matmul_layers(pipe, stored, weights, torch.bfloat16)
@@ -70,14 +71,14 @@ def _stored_denoiser(arch: str, weights: str) -> torch.nn.Module:
     return denoiser
 
 
-def fp8_compute_section(arch: str, config) -> dict[str, Any]:
+def fp8_compute_section(family_name: str, config) -> dict[str, Any]:
     """Casts and matrix products per call of the full-size denoiser at the GPU bench's resolution (meta
     device, batch 1): fp8 storage against fp8-compute."""
-    side = latent_side(arch)
+    side = latent_side(family_name)
     counts = {}
     for weights in ("fp8", "fp8-compute"):
-        denoiser = _stored_denoiser(arch, weights)
-        inputs = call_inputs(arch, denoiser, 1, side)
+        denoiser = _stored_denoiser(family_name, weights)
+        inputs = call_inputs(family_name, denoiser, 1, side)
         counter = Fp8OpCounter(denoiser)
         try:
             with torch.no_grad():
@@ -85,4 +86,5 @@ def fp8_compute_section(arch: str, config) -> dict[str, Any]:
         finally:
             counter.remove()
         counts[weights] = counter.kinds_per_call()
-    return {"arch": arch, "resolution": PRESETS["full"].resolution[arch], "latent_side": side, "per_call": counts}
+    return {"family": family_name, "resolution": PRESETS["full"].resolution[family_name], "latent_side": side,
+            "per_call": counts}

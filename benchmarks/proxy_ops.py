@@ -49,11 +49,11 @@ BYPASS, REMOVED = ("none", 3, "ours bypass", 1), ("none", 0, "ours, LoRAs remove
 BYPASS_ONE = ("none", 1, "ours bypass", 1)
 
 
-def count_call(arch: str, denoiser: torch.nn.Module, latent_side: int) -> dict[str, float]:
+def count_call(family_name: str, denoiser: torch.nn.Module, latent_side: int) -> dict[str, float]:
     """aten ops of one steady-state call of `denoiser` at batch 1 (CFG-doubled where the family uses
     CFG): a first call goes uncounted, since LoRA bypasses prepare their factors on the first forward
     after a re-weight, once, not per step."""
-    inputs = call_inputs(arch, denoiser, 1, latent_side)
+    inputs = call_inputs(family_name, denoiser, 1, latent_side)
     with torch.no_grad():
         denoiser(**inputs)
         counter = OpCounter(denoiser)
@@ -64,47 +64,48 @@ def count_call(arch: str, denoiser: torch.nn.Module, latent_side: int) -> dict[s
     return counter.per_call()
 
 
-def meta_loras(arch: str, denoiser: torch.nn.Module, rank: int) -> dict[str, AdapterFile]:
+def meta_loras(family_name: str, denoiser: torch.nn.Module, rank: int) -> dict[str, AdapterFile]:
     """The three bench LoRAs (`workload.lora_kinds`) as in-memory adapter files of fp16 meta tensors."""
     files = {}
-    for i, kind in enumerate(lora_kinds(arch, denoiser)):
-        name = f"bench-{arch}-{kind}{i}"
-        shapes = lora_shapes(lora_targets(arch, denoiser, convs=kind == "locon"), rank, family(arch).denoiser)
+    for i, kind in enumerate(lora_kinds(family_name, denoiser)):
+        name = f"bench-{family_name}-{kind}{i}"
+        targets = lora_targets(family_name, denoiser, convs=kind == "locon")
+        shapes = lora_shapes(targets, rank, family(family_name).denoiser)
         tensors = {key: torch.empty(shape, dtype=torch.float16, device=META) for key, shape in shapes.items()}
         files[name] = AdapterFile(name, Path(f"{name}.safetensors"), tensors, {}, name, 0)
     return files
 
 
-def latent_side(arch: str) -> int:
-    """The GPU bench's latent side for `arch`: its resolution over the VAE's downscale factor."""
-    vae = AutoencoderKL.load_config(family(arch).files.config_dir / "vae")
-    return PRESETS["full"].resolution[arch] // 2 ** (len(vae["block_out_channels"]) - 1)
+def latent_side(family_name: str) -> int:
+    """The GPU bench's latent side for `family_name`: its resolution over the VAE's downscale factor."""
+    vae = AutoencoderKL.load_config(family(family_name).files.config_dir / "vae")
+    return PRESETS["full"].resolution[family_name] // 2 ** (len(vae["block_out_channels"]) - 1)
 
 
-def ops_section(arch: str, config) -> dict[str, Any]:
+def ops_section(family_name: str, config) -> dict[str, Any]:
     """Op lists of ours (no LoRA, three fused, three then one as bypass, removed again) and of plain
     diffusers, and a summary saying which equal ours-without-LoRA's."""
-    fam = family(arch)
+    fam = family(family_name)
     denoiser_config = fam.denoiser_class.load_config(fam.files.config_dir / fam.denoiser)
-    side = latent_side(arch)
+    side = latent_side(family_name)
     dtype = DTYPES[config.storage_dtype]  # what the GPU bench computes Flux in
-    ours = meta_denoiser(arch, denoiser_config, dtype)
-    files = meta_loras(arch, ours, config.lora_rank)
+    ours = meta_denoiser(family_name, denoiser_config, dtype)
+    files = meta_loras(family_name, ours, config.lora_rank)
     specs = [LoraSpec(name) for name in files]
-    stack = LoraStack(SimpleNamespace(**{fam.denoiser: ours}), arch, META)
-    ops = {NONE: count_call(arch, ours, side)}
+    stack = LoraStack(SimpleNamespace(**{fam.denoiser: ours}), family_name, META)
+    ops = {NONE: count_call(family_name, ours, side)}
     stack.reconcile(specs, files)
-    ops[FUSED] = count_call(arch, ours, side)
+    ops[FUSED] = count_call(family_name, ours, side)
     stack.set_bypass(frozenset({fam.denoiser}))
-    ops[BYPASS] = count_call(arch, ours, side)
+    ops[BYPASS] = count_call(family_name, ours, side)
     stack.reconcile(specs[:1], files)
-    ops[BYPASS_ONE] = count_call(arch, ours, side)
+    ops[BYPASS_ONE] = count_call(family_name, ours, side)
     stack.reconcile([], files)
-    ops[REMOVED] = count_call(arch, ours, side)
-    ops[DIFFUSERS] = count_call(arch, meta_denoiser(arch, denoiser_config, dtype), side)
-    return {"arch": arch, "denoiser": type(ours).__name__, "dtype": config.storage_dtype,
-            "resolution": PRESETS["full"].resolution[arch],
+    ops[REMOVED] = count_call(family_name, ours, side)
+    ops[DIFFUSERS] = count_call(family_name, meta_denoiser(family_name, denoiser_config, dtype), side)
+    return {"family": family_name, "denoiser": type(ours).__name__, "dtype": config.storage_dtype,
+            "resolution": PRESETS["full"].resolution[family_name],
             "latent_side": side, "params_b": sum(p.numel() for p in ours.parameters()) / 1e9,
             "loras": {name: {"layers": len(f.tensors) // 2, "rank": config.lora_rank} for name, f in files.items()},
-            "layers_touched": len(lora_targets(arch, ours, convs=True)), "ops": ops_summary(ops),
+            "layers_touched": len(lora_targets(family_name, ours, convs=True)), "ops": ops_summary(ops),
             "per_call": {" / ".join(map(str, key)): counts for key, counts in ops.items()}}

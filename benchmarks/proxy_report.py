@@ -24,16 +24,16 @@ def _ratio(row: dict[str, Any]) -> str:
 
 
 def _comparison_rows(sections: list[dict[str, Any]]) -> list[list[str]]:
-    return [[s["arch"], row["ours"], row["baseline"], row["figure"], _estimate(row["ours_median"]),
+    return [[s["family"], row["ours"], row["baseline"], row["figure"], _estimate(row["ours_median"]),
              _estimate(row["baseline_median"]), _ratio(row), _interval(row["control_spread"]), row["verdict"]]
             for s in sections if "skipped" not in s for row in s["comparisons"]]
 
 
 def _skipped(sections: list[dict[str, Any]], what: str) -> list[str]:
-    return [f"- {what} {s['arch']}: skipped, {s['skipped']}" for s in sections if "skipped" in s]
+    return [f"- {what} {s['family']}: skipped, {s['skipped']}" for s in sections if "skipped" in s]
 
 
-HEADER = ["arch", "ours", "baseline", "figure", "ours", "baseline", "ratio [95%]", "control spread", "verdict"]
+HEADER = ["family", "ours", "baseline", "figure", "ours", "baseline", "ratio [95%]", "control spread", "verdict"]
 
 
 def _load(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
@@ -44,8 +44,8 @@ def _load(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
 def _ops_table(sections: list[dict[str, Any]]) -> list[str]:
     """Ops per call and distinct ops per variant; where the list differs from ours without LoRA, the
     ops that differ as [ours no LoRA, this variant] per call."""
-    return table(["arch", "variant", "ops per call", "distinct ops", "same op list as ours no LoRA"],
-                 [[s["arch"], variant, f"{o['total_per_call']:.0f}", o["distinct"],
+    return table(["family", "variant", "ops per call", "distinct ops", "same op list as ours no LoRA"],
+                 [[s["family"], variant, f"{o['total_per_call']:.0f}", o["distinct"],
                    "yes" if o["same_as_ours_no_lora"] else f"no: {json.dumps(o['differences'])[:400]}"]
                   for s in sections if "skipped" not in s for variant, o in s["ops"].items()])
 
@@ -58,7 +58,7 @@ def _step(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
 
 def _ops(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     lines = [f"## aten ops per denoiser call (meta device, full-size {cfg['storage_dtype']} models, batch 1)", ""]
-    lines += [f"- {s['arch']}: {s['denoiser']} ({s['params_b']:.2f} B parameters) at {s['resolution']}² px "
+    lines += [f"- {s['family']}: {s['denoiser']} ({s['params_b']:.2f} B parameters) at {s['resolution']}² px "
               f"({s['latent_side']}² latent); three rank-{cfg['lora_rank']} LoRAs on {s['layers_touched']} layers, "
               "applied by our LoraStack (fused in place; then as `lora.bypass` hooks; then removed)"
               for s in results["ops"]]
@@ -75,10 +75,10 @@ def _reweight(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     for r in (r for r in results["reweight"] if "skipped" not in r):
         for op in ("add", "reweight", "remove"):
             c = r["costs"][op]
-            rows.append([r["arch"], r["dtype"], op, _estimate(r["ms"][op], 0), _estimate(r["patch_ms"][op], 0),
+            rows.append([r["family"], r["dtype"], op, _estimate(r["ms"][op], 0), _estimate(r["patch_ms"][op], 0),
                          c["host_syncs"], c["tensor_walks"], c["aten_ops"], c["layers_written"],
                          f"{c['backup_bytes_read'] / 2**20:.1f}", f"{c['bytes_across'] / 2**20:.1f}"])
-    return lines + table(["arch", "dtype", "change", "ms (whole)", "of which patching ms", "host syncs",
+    return lines + table(["family", "dtype", "change", "ms (whole)", "of which patching ms", "host syncs",
                           "tensor walks", "aten ops", "layers written", "originals read MiB",
                           "MiB across devices"], rows)
 
@@ -87,10 +87,10 @@ def _fp8(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     lines = [f"## fp8 weight storage ({cfg['step_dtype']} compute, {cfg['resolution']}² px, three LoRAs as bypasses "
              "or fused into compute-dtype copies of the touched layers)", ""]
     measured = [s for s in results["fp8"] if "skipped" not in s]
-    lines += table(["arch", "resting GiB, all weights in the compute dtype", "resting GiB, fp8",
+    lines += table(["family", "resting GiB, all weights in the compute dtype", "resting GiB, fp8",
                     "resting GiB, fp8 + fused copies", "ratio fp8 / full", "layers in fp8", "layers copied",
                     "copies built ms", "pixels bypass vs fused: max / mean"],
-                   [[s["arch"], f"{s['resting_gib']['full']:.2f}", f"{s['resting_gib']['fp8']:.2f}",
+                   [[s["family"], f"{s['resting_gib']['full']:.2f}", f"{s['resting_gib']['fp8']:.2f}",
                      f"{s['resting_gib']['fp8 + fused copies']:.2f}", f"{s['resting_ratio']:.2f}×", s["stored_layers"],
                      s["fused_copies"]["layers"], f"{s['fused_copies']['build_ms']:.0f}",
                      f"{s['bypass_vs_fused_pixels']['max']} / {s['bypass_vs_fused_pixels']['mean']:.3f}"]
@@ -106,9 +106,9 @@ def _timeline(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     lines += table(HEADER, _comparison_rows(measured))
     for s in measured:
         for variant, phases in s["phases_ms"].items():
-            lines += [f"{s['arch']}, {variant}: " + ", ".join(f"{name} {p['cpu_ms']:.1f}/{p['wall_ms']:.1f}"
+            lines += [f"{s['family']}, {variant}: " + ", ".join(f"{name} {p['cpu_ms']:.1f}/{p['wall_ms']:.1f}"
                                                             for name, p in phases.items()) + " (CPU/wall ms)", ""]
-        lines += [f"{s['arch']}, host syncs per generation: " + "; ".join(
+        lines += [f"{s['family']}, host syncs per generation: " + "; ".join(
             f"{side} {c['total']} ({', '.join(f'{site} {n}' for site, n in c['sites'].items())})"
             for side, c in s["host_syncs"].items()), ""]
     return lines
@@ -122,18 +122,18 @@ def _fp8_compute(results: dict[str, Any], _cfg: dict[str, Any]) -> list[str]:
         for weights, kinds in s["per_call"].items():
             products = ", ".join(f"{k} {v:g}" for k, v in kinds.items() if k.split(" ")[0] not in
                                  ("widen", "widened", "quantise"))
-            rows.append([s["arch"], f"{s['resolution']}²", weights, f"{kinds.get('widen', 0):g}",
+            rows.append([s["family"], f"{s['resolution']}²", weights, f"{kinds.get('widen', 0):g}",
                          f"{kinds.get('widened elements', 0) / 1e6:,.0f}", f"{kinds.get('quantise', 0):g}", products])
-    return lines + table(["arch", "px", "weights", "widening casts", "widened elements (M)", "input quantisations",
+    return lines + table(["family", "px", "weights", "widening casts", "widened elements (M)", "input quantisations",
                           "matrix products by op and dtype"], rows)
 
 
 def _compile(results: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     lines = [f"## First compile, whole denoiser vs regional (meta device, full-size {cfg['storage_dtype']} "
              "models, dynamo + AOTAutograd traces: the `aot_eager` backend)", ""]
-    return lines + table(["arch", "scope", "first compile s", "graphs", "blocks compiled by regions",
+    return lines + table(["family", "scope", "first compile s", "graphs", "blocks compiled by regions",
                           "whole / regional"],
-                         [[s["arch"], scope, f"{s[scope]['first_compile_s']:.1f}", s[scope]["graphs"],
+                         [[s["family"], scope, f"{s[scope]['first_compile_s']:.1f}", s[scope]["graphs"],
                            s[scope]["blocks"] or "–", f"{s['ratio']:.1f}×" if scope == "regional" else ""]
                           for s in results["compile"] if "skipped" not in s for scope in ("whole", "regional")])
 
@@ -158,7 +158,7 @@ def render(results: dict[str, Any]) -> str:
         if any("skipped" not in s for s in results.get(key, [])):
             lines += section(results, cfg)
         notes += _skipped(results.get(key, []), what)
-    notes += [f"- step {s['arch']}: {note}" for s in results.get("step", []) if "skipped" not in s
+    notes += [f"- step {s['family']}: {note}" for s in results.get("step", []) if "skipped" not in s
               for note in (s["fused_note"], s["baseline_note"]) if note]
     return "\n".join(lines + (["## Not measured, or measured otherwise", "", *notes, ""] if notes else []))
 

@@ -46,7 +46,7 @@ def _diffusers(model, config, shared=None):
     """diffusers' own pipeline from the same file, with the sampler ours uses; or, where two copies
     do not fit in RAM, its pipeline class on `shared` (our pipeline's modules: the same weights, no
     copy), so the comparison is of the call paths around identical modules."""
-    fam = family(model.arch)
+    fam = family(model.family)
     if shared is None:
         pipe = fam.plain_pipeline_class.from_single_file(
             str(model.path), config=str(fam.files.config_dir), dtype=DTYPES[config.step_dtype], local_files_only=True,
@@ -94,7 +94,7 @@ def step_section(model, config) -> dict[str, Any]:
     itemsize = DTYPES[config.step_dtype].itemsize
     ok, why = fits(model.numel * itemsize)
     if not ok:
-        return {"arch": model.arch, "skipped": why}
+        return {"family": model.family, "skipped": why}
     fused, fused_note = fits((model.numel + model.lora_numel) * itemsize)
     own_copy, _ = fits((2 * model.numel + model.lora_numel * fused) * itemsize)
     baseline_note = "" if own_copy else "diffusers' pipeline class on our modules (two copies do not fit in RAM)"
@@ -112,7 +112,7 @@ def step_section(model, config) -> dict[str, Any]:
         engine.close()
         del pipe
         free_memory()
-    return {"arch": model.arch, "resolution": config.resolution, "steps": config.steps, "dtype": config.step_dtype,
+    return {"family": model.family, "resolution": config.resolution, "steps": config.steps, "dtype": config.step_dtype,
             "baseline_note": baseline_note, "fused_note": "" if fused else f"3 fused LoRAs skipped: {fused_note}",
             "ops": ops_summary(ops),
             "runs": {" / ".join(map(str, k)): {"its": r.its_runs, "cpu_ms": r.cpu_ms_runs, "user_ms": r.user_ms_runs,
@@ -164,7 +164,7 @@ def reweight_section(model, config) -> dict[str, Any]:
     change when backups rest in host memory, `--lora-backups cpu`) and bytes that did cross here."""
     ok, why = fits((model.numel + model.lora_numel) * DTYPES[config.storage_dtype].itemsize)
     if not ok:
-        return {"arch": model.arch, "skipped": why}
+        return {"family": model.family, "skipped": why}
     engine = _engine(model, config.storage_dtype)
     wall: dict[str, list[float]] = {}
     patch: dict[str, list[float]] = {}
@@ -183,7 +183,7 @@ def reweight_section(model, config) -> dict[str, Any]:
         engine.unload()
         engine.close()
         free_memory()
-    return {"arch": model.arch, "dtype": config.storage_dtype, "loras": 3, "rank": config.lora_rank,
+    return {"family": model.family, "dtype": config.storage_dtype, "loras": 3, "rank": config.lora_rank,
             "ms": {op: stats.median_interval(runs).as_dict() for op, runs in wall.items()}, "ms_runs": wall,
             "patch_ms": {op: stats.median_interval(runs).as_dict() for op, runs in patch.items()},
             "patch_ms_runs": patch, "costs": counts}

@@ -144,7 +144,7 @@ def timeline_section(model, config) -> dict[str, Any]:
     control, after a warm-up each: time outside the denoiser, our timeline's phases, host syncs."""
     ok, why = fits((model.numel + model.lora_numel) * DTYPES[config.step_dtype].itemsize)
     if not ok:
-        return {"arch": model.arch, "skipped": why}
+        return {"family": model.family, "skipped": why}
     config = dataclasses.replace(config, steps=TIMELINE_STEPS)
     side = config.resolution
     params = GenerateParams(config.prompt, steps=config.steps, cfg=CFG_SCALE, seed=config.seed, width=side,
@@ -172,6 +172,6 @@ def timeline_section(model, config) -> dict[str, Any]:
         engine.unload()
         engine.close()
         free_memory()
-    return {"arch": model.arch, "resolution": side, "steps": config.steps, "dtype": config.step_dtype,
+    return {"family": model.family, "resolution": side, "steps": config.steps, "dtype": config.step_dtype,
             "runs": runs, "phases_ms": {key: _phase_medians(runs[key]) for key in (OURS, FUSED)},
             "host_syncs": syncs, "comparisons": _comparisons(runs)}

@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw, ImageFont
 from benchmarks import stats
 from benchmarks.config import guidance
 from benchmarks.measure import Measurement, control_key
-from benchmarks.phases import ArchRun, Pairing
+from benchmarks.phases import FamilyRun, Pairing
 
 
 def _median(values: list[float]) -> float | None:
@@ -54,7 +54,7 @@ def _compare(pool: dict, mine: Measurement, base: Measurement | None, control_of
     return stats.compare(getattr(mine, series), [] if base is None else getattr(base, series), control_ratios, higher)
 
 
-def pair_row(run: ArchRun, p: Pairing, bench_env: dict[str, Any], steps: int, resolution: int,
+def pair_row(run: FamilyRun, p: Pairing, bench_env: dict[str, Any], steps: int, resolution: int,
              base_notes: dict[str, str]) -> dict[str, Any] | None:
     """One comparison; speed ratio ours/baseline (wall it/s) and CPU ratio baseline/ours (thread CPU
     per step), each with its interval, the pool's control spread and the verdict."""
@@ -64,8 +64,8 @@ def pair_row(run: ArchRun, p: Pairing, bench_env: dict[str, Any], steps: int, re
         return None
     offload, loras, _variant, batch = p.ours_key
     tflop, peak = run.tflop[batch], bench_env["peak_bf16_tflops"]
-    row = {"id": f"{run.model.arch}/{resolution}px/b{batch}/{offload}/{loras}lora/{p.ours_label} vs {p.base_label}",
-           "section": p.section, "arch": run.model.arch, "resolution": resolution, "batch": batch, "steps": steps,
+    row = {"id": f"{run.model.family}/{resolution}px/b{batch}/{offload}/{loras}lora/{p.ours_label} vs {p.base_label}",
+           "section": p.section, "family": run.model.family, "resolution": resolution, "batch": batch, "steps": steps,
            "offload": offload, "loras": loras, "ours": p.ours_label, "baseline": p.base_label, "tflop_per_step": tflop}
     row |= _side_fields("ours", mine, tflop, peak) | _side_fields("baseline", base, tflop, peak)
     row |= _compare(pool, mine, base, p.control_of, "its_runs", True)
@@ -75,7 +75,7 @@ def pair_row(run: ArchRun, p: Pairing, bench_env: dict[str, Any], steps: int, re
     return row
 
 
-def latency_rows(run: ArchRun) -> list[dict[str, Any]]:
+def latency_rows(run: FamilyRun) -> list[dict[str, Any]]:
     """LoRA change latency; ratio = baseline time / ours, control = ours twice per round."""
     rows = []
     mine, control = run.latency.get("ours", {}), run.latency.get("control:ours", {})
@@ -86,7 +86,7 @@ def latency_rows(run: ArchRun) -> list[dict[str, Any]]:
         for variant, label in (("peft-unfused", "diffusers PEFT unfused"),
                                ("peft-fused", "diffusers PEFT fused (unfuse, change, fuse)")):
             base = run.latency.get(variant, {}).get(op, [])
-            rows.append({"arch": run.model.arch, "op": op, "loras_after": after, "ours_ms": _median(mine[op]),
+            rows.append({"family": run.model.family, "op": op, "loras_after": after, "ours_ms": _median(mine[op]),
                          "ours_ms_runs": mine[op], "ours_patch_ms": _median(mine.get(f"{op}-patch", [])),
                          "baseline": label, "baseline_ms": _median(base), "baseline_ms_runs": base,
                          **stats.compare(mine[op], base, spread, higher_is_better=False),
@@ -94,12 +94,12 @@ def latency_rows(run: ArchRun) -> list[dict[str, Any]]:
     return rows
 
 
-def load_row(run: ArchRun) -> dict[str, Any]:
+def load_row(run: FamilyRun) -> dict[str, Any]:
     """Model load from the same diffusers folder (page cache warm after a first load of each side);
     ours includes placement, verification and the finite-weights check. Ratio = diffusers / ours."""
     loads = run.loads
     spread = stats.paired_ratios(loads.get("ours", []), loads.get("control:ours", []), False)
-    return {"arch": run.model.arch, "ours_s": _median(loads.get("ours", [])), "ours_s_runs": loads.get("ours", []),
+    return {"family": run.model.family, "ours_s": _median(loads.get("ours", [])), "ours_s_runs": loads.get("ours", []),
             "ours_first_s": loads["ours (first)"][0], "baseline": "diffusers from_pretrained + .to(device)",
             "baseline_s": _median(loads.get("diffusers", [])), "baseline_s_runs": loads.get("diffusers", []),
             "baseline_first_s": loads["diffusers (first)"][0],
@@ -135,13 +135,13 @@ def _row_checks(row: dict[str, Any]) -> list[dict[str, Any]]:
         return [_check("balanced (ample VRAM) vs ours none", where, ratio, ">= 0.95", lambda v: v >= 0.95, verdict)]
     if section == "compile" and row["loras"] == 0 and row["baseline"] == "diffusers" and row["batch"] == 1 \
             and "(regional)" not in row["id"]:  # the CUDA-graph targets; regional compile runs without them
-        target = 3.0 if row["arch"] == "sd15" else 2.0
+        target = 3.0 if row["family"] == "sd15" else 2.0
         return [_check("compiled vs diffusers eager", where, ratio, f">= {target}", lambda v: v >= target)]
     return []
 
 
 def _compile_checks(info: dict[str, Any]) -> list[dict[str, Any]]:
-    where = f"{info['arch']}/compiled ({info['mode']})"
+    where = f"{info['family']}/compiled ({info['mode']})"
     rerecords = info["cudagraph_rerecords_during_lora_ops"] or 0
     checks = [_check("recompiles + CUDA-graph re-records across LoRA changes", where,
                      info["recompiles_during_lora_ops"] + rerecords, "= 0", lambda v: v == 0),
@@ -159,9 +159,9 @@ def _compile_checks(info: dict[str, Any]) -> list[dict[str, Any]]:
 def acceptance(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Every target of the issues this run has data for; `passed` is None where the value is missing."""
     checks = [c for row in results["rows"] for c in _row_checks(row)]
-    checks += [_check("ours load time vs diffusers", r["arch"], r["ratio"], ">= 1.0", lambda v: v >= 1.0,
+    checks += [_check("ours load time vs diffusers", r["family"], r["ratio"], ">= 1.0", lambda v: v >= 1.0,
                       r["verdict"]) for r in results["load"]]
-    checks += [_check("ours LoRA re-weight latency (ms)", f"{r['arch']}/reweight", r["ours_ms"], "<= 20",
+    checks += [_check("ours LoRA re-weight latency (ms)", f"{r['family']}/reweight", r["ours_ms"], "<= 20",
                       lambda v: v <= 20) for r in results["latency"]
                if r["op"] == "reweight" and "unfused" in r["baseline"]]
     return checks + [c for info in results["compile"] for c in _compile_checks(info)]
@@ -191,7 +191,7 @@ def _intro(results: dict[str, Any]) -> list[str]:
     lines = [f"# Steady Diffusion vs diffusers: {env['gpu']} ({results['mode']})", "",
              *([f"**Partial:** {results['stopped']}.", ""] if results.get("stopped") else []),
              f"{env['created']} · torch {env['torch']} · CUDA {env['cuda']} · diffusers {env['diffusers']} · "
-             f"{cfg['dtype']} · {cfg['steps']} steps, Euler, guidance {_guidance(cfg['archs'])} · {cfg['repeats']} "
+             f"{cfg['dtype']} · {cfg['steps']} steps, Euler, guidance {_guidance(cfg['families'])} · {cfg['repeats']} "
              f"ABBA rounds after {cfg['warmup']} warm-up · "
              f"dense bf16 peak {_fmt(env['peak_bf16_tflops'], 1)} TFLOP/s", "",
              f"Statistics: {results['method']}. Ratio: ours relative to the baseline, > 1 means ours is better "
@@ -218,25 +218,25 @@ def _per_image(rows: list[dict[str, Any]]) -> list[str]:
     """Per image: each row's whole-generation seconds, and where ours went (median wall ms per phase of our
     timeline, `app/engine/timeline.py`), once per configuration of ours."""
     lines = ["## Per image (whole generation, s) and where ours went (median wall ms per phase)", ""]
-    lines += table(["arch", "LoRAs", "ours", "s", "baseline", "s", "baseline / ours"],
-                   [[r["arch"], r["loras"], r["ours"], r["ours_gen_s"], r["baseline"], r["baseline_gen_s"],
+    lines += table(["family", "LoRAs", "ours", "s", "baseline", "s", "baseline / ours"],
+                   [[r["family"], r["loras"], r["ours"], r["ours_gen_s"], r["baseline"], r["baseline_gen_s"],
                      _gen_ratio(r)] for r in rows])
     shown = {}
     for r in rows:
         if r.get("ours_timeline_ms"):
-            shown.setdefault((r["arch"], r["loras"], r["ours"]), r["ours_timeline_ms"])
-    for (arch, loras, ours), phases in shown.items():
-        lines += [f"- {arch}, {ours}, {loras} LoRAs: " + ", ".join(f"{name} {p['wall_ms']:.1f}"
+            shown.setdefault((r["family"], r["loras"], r["ours"]), r["ours_timeline_ms"])
+    for (family_name, loras, ours), phases in shown.items():
+        lines += [f"- {family_name}, {ours}, {loras} LoRAs: " + ", ".join(f"{name} {p['wall_ms']:.1f}"
                                                                  for name, p in phases.items()), ""]
     return lines
 
 
 def render_markdown(results: dict[str, Any]) -> str:
     lines = _intro(results) + ["## Denoising speed", ""]
-    lines += table(["arch", "px", "batch", "offload", "LoRAs", "ours", "it/s", "baseline", "it/s", "ratio",
+    lines += table(["family", "px", "batch", "offload", "LoRAs", "ours", "it/s", "baseline", "it/s", "ratio",
                      "ratio 95%", "control spread", "verdict", "CPU ms ours / base", "CPU ratio", "CPU verdict",
                      "peak VRAM GiB ours / base", "% peak ours", "note"],
-                    [[r["arch"], r["resolution"], r["batch"], r["offload"], r["loras"], r["ours"], r["ours_its"],
+                    [[r["family"], r["resolution"], r["batch"], r["offload"], r["loras"], r["ours"], r["ours_its"],
                       r["baseline"], r["baseline_its"], r["ratio"], r["ratio_interval"], r["control_spread"],
                       r["verdict"], f"{_fmt(r['ours_cpu_ms'])} / {_fmt(r['baseline_cpu_ms'])}", r["cpu_ratio"],
                       r["cpu_verdict"], f"{_fmt(r['ours_vram_peak_gib'])} / {_fmt(r['baseline_vram_peak_gib'])}",
@@ -244,25 +244,25 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += _per_image(results["rows"])
     lines += ["## LoRA change latency (ms)", "",
               "ours: the whole engine transition; of which patching: the LoRA math alone (the engine's timer).", ""]
-    lines += table(["arch", "op", "ours", "of which patching", "baseline", "baseline ms", "ratio", "control spread",
+    lines += table(["family", "op", "ours", "of which patching", "baseline", "baseline ms", "ratio", "control spread",
                      "verdict", "note"],
-                    [[r["arch"], r["op"], r["ours_ms"], r["ours_patch_ms"], r["baseline"], r["baseline_ms"], r["ratio"],
-                      r["control_spread"], r["verdict"], r["note"]] for r in results["latency"]])
+                    [[r["family"], r["op"], r["ours_ms"], r["ours_patch_ms"], r["baseline"], r["baseline_ms"],
+                      r["ratio"], r["control_spread"], r["verdict"], r["note"]] for r in results["latency"]])
     lines += ["## Model load (s) and isolated VRAM (GiB: torch / NVML)", ""]
-    lines += table(["arch", "ours", "first", "baseline", "baseline s", "first", "ratio", "control spread", "verdict",
+    lines += table(["family", "ours", "first", "baseline", "baseline s", "first", "ratio", "control spread", "verdict",
                      "VRAM load ours / base", "VRAM generate ours / base"],
-                    [[r["arch"], r["ours_s"], r["ours_first_s"], r["baseline"], r["baseline_s"], r["baseline_first_s"],
-                      r["ratio"], r["control_spread"], r["verdict"], _vram(r["memory"], "load"),
+                    [[r["family"], r["ours_s"], r["ours_first_s"], r["baseline"], r["baseline_s"],
+                      r["baseline_first_s"], r["ratio"], r["control_spread"], r["verdict"], _vram(r["memory"], "load"),
                       _vram(r["memory"], "generate")] for r in results["load"]])
-    resting = [[arch, side, gib] for arch, model in results["models"].items()
+    resting = [[family_name, side, gib] for family_name, model in results["models"].items()
                for side, gib in model.get("resting_vram_gib", {}).items()]
     if resting:
         lines += ["## Weights at rest (GiB of VRAM an engine frees when it unloads)", ""]
-        lines += table(["arch", "engine", "GiB"], resting)
+        lines += table(["family", "engine", "GiB"], resting)
     lines += ["## Compiled denoiser", ""]
-    lines += table(["arch", "mode", "backend", "phase", "first compile s", "graphs", "recompiles in LoRA ops",
+    lines += table(["family", "mode", "backend", "phase", "first compile s", "graphs", "recompiles in LoRA ops",
                      "CUDA-graph re-records", "LoRA changes reached output", "warm restart s", "note"],
-                    [[c["arch"], c["mode"], c["backend"], c["phase"], c["first_compile_s"], c["compiles_after_warm"],
+                    [[c["family"], c["mode"], c["backend"], c["phase"], c["first_compile_s"], c["compiles_after_warm"],
                       c["recompiles_during_lora_ops"], c["cudagraph_rerecords_during_lora_ops"],
                       c["lora_changes_reached_output"], c.get("warm_restart_s"),
                       c.get("warm_restart_note", c["note"])] for c in results["compile"]])
@@ -273,9 +273,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _guidance(archs: list[str]) -> str:
-    """Each architecture's guidance: CFG scale for SD, the distilled guidance input for Flux dev."""
-    return ", ".join(f"{arch} {guidance(arch):g}" for arch in archs)
+def _guidance(family_names: list[str]) -> str:
+    """Each family's guidance: CFG scale for SD, the distilled guidance input for Flux dev."""
+    return ", ".join(f"{family_name} {guidance(family_name):g}" for family_name in family_names)
 
 
 def _vram(memory: dict[str, dict[str, float | None]], phase: str) -> str:
@@ -301,7 +301,7 @@ def render_chart(results: dict[str, Any], path: Path) -> None:
     scale = max([1.0] + [r["ratio"] for r in rows if r["ratio"]]) * 1.05
     for i, row in enumerate(rows):
         y = top + i * line_h
-        label = f"{row['arch']} b{row['batch']} {row['offload']} {row['loras']}L: {row['ours']} vs {row['baseline']}"
+        label = f"{row['family']} b{row['batch']} {row['offload']} {row['loras']}L: {row['ours']} vs {row['baseline']}"
         draw.text((10, y + 4), label[:90], fill="black", font=font)
         if row["ratio"] is None:
             draw.text((label_w + 4, y + 4), f"n/a: {row['note']}"[:70], fill="gray", font=font)

@@ -34,18 +34,18 @@ def _enable_offload(pipe, case: str, device: torch.device) -> None:
                                   use_stream=True)
 
 
-def euler(arch: str, scheduler_config):
+def euler(family_name: str, scheduler_config):
     """The family's "Euler" sampler (SD's Euler discrete, Flux's flow-match Euler), which ours runs too."""
-    cls, overrides = family(arch).sampling.samplers["Euler"]
+    cls, overrides = family(family_name).sampling.samplers["Euler"]
     return cls.from_config(scheduler_config, **overrides)
 
 
 def load_pipeline(model: PreparedModel, bench: Bench, to_device: bool = True):
     """The saved folder loaded the way a diffusers user loads it, with the sampler ours uses."""
-    fam = family(model.arch)
+    fam = family(model.family)
     pipe = fam.plain_pipeline_class.from_pretrained(model.folder, dtype=bench.dtype, local_files_only=True,
                                                     **fam.pipeline_kwargs)
-    pipe.scheduler = euler(model.arch, pipe.scheduler.config)
+    pipe.scheduler = euler(model.family, pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     if to_device:
         pipe.to(bench.device)
@@ -53,8 +53,8 @@ def load_pipeline(model: PreparedModel, bench: Bench, to_device: bool = True):
 
 
 def generator(pipe, model: PreparedModel, bench: Bench, batch: int) -> Callable[[], Any]:
-    side = bench.config.resolution[model.arch]
-    family_arguments = family(model.arch).call_arguments(guidance(model.arch))
+    side = bench.config.resolution[model.family]
+    family_arguments = family(model.family).call_arguments(guidance(model.family))
 
     def generate():
         generators = [torch.Generator("cpu").manual_seed(SEED + i) for i in range(batch)]
@@ -79,7 +79,7 @@ class DiffusersSide:
         if not has_package("peft"):
             self.notes["lora"] = "diffusers loads LoRAs through peft, which is not installed"
         self._count, self._fused = 0, False
-        self._fused_components = [family(model.arch).denoiser]  # the LoRAs cover the denoiser only
+        self._fused_components = [family(model.family).denoiser]  # the LoRAs cover the denoiser only
 
     def load(self) -> float:
         """Load (timed, the GPU drained before and after); returns seconds."""
@@ -172,6 +172,6 @@ class DiffusersSide:
             _enable_offload(pipe, case, self.bench.device)
         except Exception as exc:  # noqa: BLE001 - reported in the row, the run goes on
             self.notes[f"offload:{case}"] = f"diffusers {label} failed: {type(exc).__name__}: {exc}"
-            log.warning("[%s] %s", self.model.arch, self.notes[f"offload:{case}"])
+            log.warning("[%s] %s", self.model.family, self.notes[f"offload:{case}"])
             return None
         return pipe

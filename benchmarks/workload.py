@@ -32,7 +32,7 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
 class PreparedModel:
     """A random-weight pipeline saved as a diffusers folder in an A1111-layout data dir, with LoRAs."""
 
-    arch: str
+    family: str
     data_dir: Path
     name: str  # the folder's name under models/Stable-diffusion (what Engine.load_model takes)
     folder: Path
@@ -43,17 +43,17 @@ class PreparedModel:
     denoiser_params_m: float
 
 
-def random_pipeline(arch: str, device: torch.device, dtype: torch.dtype):
+def random_pipeline(family_name: str, device: torch.device, dtype: torch.dtype):
     """The full-size pipeline from the bundled configs with random weights, initialised on `device`
     (seconds on a GPU, where the CPU would take minutes for SDXL) directly in `dtype` (the default
     dtype during the build), tensors the family pins (a rotary `inv_freq`) in their own dtype,
     as a load keeps them."""
-    fam = family(arch)
+    fam = family(family_name)
     config_dir = fam.files.config_dir
     index = json.loads((config_dir / "model_index.json").read_text())
     with torch.device(device), default_dtype(dtype), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        parts = {name: module.eval() for name, module in build_components(arch, config_dir).items()}
+        parts = {name: module.eval() for name, module in build_components(family_name, config_dir).items()}
     for name, module in parts.items():
         for path, tensor in [*module.named_parameters(), *module.named_buffers()]:
             module_path, _, leaf = path.rpartition(".")
@@ -75,12 +75,12 @@ def _random_like(key: str, shape: torch.Size, generator: torch.Generator, dtype:
     return (torch.randn(shape, generator=generator) / math.sqrt(fan_in)).to(dtype)
 
 
-def write_random_single_file(arch: str, path: Path, dtype: torch.dtype, seed: int = 0) -> Path:
+def write_random_single_file(family_name: str, path: Path, dtype: torch.dtype, seed: int = 0) -> Path:
     """A full-size LDM single file with random weights, written one tensor at a time so that even
     SDXL (6.9 GB in bf16) never sits in memory whole. The layout comes from `ldm_plan` on meta
     components, i.e. exactly the keys and shapes our loader and diffusers' single-file loader read."""
-    fam = family(arch)
-    state = to_ldm_state_dict(meta_components(arch, fam.files.config_dir), fam)
+    fam = family(family_name)
+    state = to_ldm_state_dict(meta_components(family_name, fam.files.config_dir), fam)
     shapes = {key: t.shape for key, t in sorted(state.items())}
     header, offset = {}, 0
     for key, shape in shapes.items():
@@ -107,10 +107,10 @@ def single_file_numel(path: Path) -> int:
         return sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
 
 
-def lora_targets(arch: str, denoiser: torch.nn.Module, convs: bool) -> list[tuple[str, tuple[int, ...]]]:
+def lora_targets(family_name: str, denoiser: torch.nn.Module, convs: bool) -> list[tuple[str, tuple[int, ...]]]:
     """(module path, weight shape) of the layers a bench LoRA covers: the linears the family names
     (`TestKit.bench.lora_layers`: attention and feed-forward), plus its convs for a LoCon."""
-    spec = family(arch).test_kit.bench
+    spec = family(family_name).test_kit.bench
     linears = re.compile(spec.lora_layers)
     conv_layers = re.compile(spec.lora_convs) if convs and spec.lora_convs else None
     found = []
@@ -145,34 +145,35 @@ def write_lora(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> Pat
     return path
 
 
-def lora_kinds(arch: str, denoiser: torch.nn.Module) -> tuple[str, ...]:
+def lora_kinds(family_name: str, denoiser: torch.nn.Module) -> tuple[str, ...]:
     """The three LoRAs every LoRA row uses: two on attention + feed-forward, and a LoCon that also
     covers the convs where the family names some (a third plain LoRA on a DiT)."""
-    with_convs = len(lora_targets(arch, denoiser, True)) > len(lora_targets(arch, denoiser, False))
+    with_convs = len(lora_targets(family_name, denoiser, True)) > len(lora_targets(family_name, denoiser, False))
     return ("lora", "lora", "locon" if with_convs else "lora")
 
 
-def write_loras(denoiser: torch.nn.Module, lora_dir: Path, arch: str, rank: int) -> tuple[list[str], list[Path]]:
+def write_loras(denoiser: torch.nn.Module, lora_dir: Path, family_name: str, rank: int) -> tuple[list[str], list[Path]]:
     """The three LoRA files (`lora_kinds`) for `denoiser`, in the LoRA library `lora_dir`."""
     lora_dir.mkdir(parents=True, exist_ok=True)
     names, paths = [], []
-    for i, kind in enumerate(lora_kinds(arch, denoiser)):
-        names.append(f"bench-{arch}-{kind}{i}")
-        shapes = lora_shapes(lora_targets(arch, denoiser, convs=kind == "locon"), rank, family(arch).denoiser)
+    for i, kind in enumerate(lora_kinds(family_name, denoiser)):
+        names.append(f"bench-{family_name}-{kind}{i}")
+        targets = lora_targets(family_name, denoiser, convs=kind == "locon")
+        shapes = lora_shapes(targets, rank, family(family_name).denoiser)
         paths.append(write_lora(lora_dir / f"{names[-1]}.safetensors", shapes, i))
     return names, paths
 
 
-def prepare_model(arch: str, tmp: Path, device: torch.device, dtype: torch.dtype, tiny: bool,
+def prepare_model(family_name: str, tmp: Path, device: torch.device, dtype: torch.dtype, tiny: bool,
                   rank: int) -> PreparedModel:
     """Build, save and free the random pipeline; write its three LoRAs."""
-    settings = Settings(data_dir=tmp / arch)
-    folder = settings.checkpoints_dir / f"bench-{arch}"
-    pipe = build_tiny_pipeline(arch) if tiny else random_pipeline(arch, device, dtype)
+    settings = Settings(data_dir=tmp / family_name)
+    folder = settings.checkpoints_dir / f"bench-{family_name}"
+    pipe = build_tiny_pipeline(family_name) if tiny else random_pipeline(family_name, device, dtype)
     pipe.save_pretrained(folder, safe_serialization=True)
     denoiser = denoiser_of(pipe)
-    names, paths = write_loras(denoiser, settings.lora_dir, arch, rank)
-    model = PreparedModel(arch, settings.data_dir, folder.name, folder, tuple(names), tuple(paths),
+    names, paths = write_loras(denoiser, settings.lora_dir, family_name, rank)
+    model = PreparedModel(family_name, settings.data_dir, folder.name, folder, tuple(names), tuple(paths),
                           dict(denoiser.config), pipe.vae_scale_factor,
                           sum(p.numel() for p in denoiser.parameters()) / 1e6)
     del pipe

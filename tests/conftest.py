@@ -22,7 +22,7 @@ from browser_kit import chromium, open_page  # noqa: E402
 @pytest.fixture(scope="session")
 def demo_paths(tmp_path_factory) -> dict[str, Path]:
     """Paths written once per session by `app.demo.write_demo` (tiny single files and diffusers
-    folders per family, the SD1.5 inpainting checkpoint, one embedding per arch, the demo LoRAs).
+    folders per family, the SD1.5 inpainting checkpoint, one embedding per family, the demo LoRAs).
     Shared: copy before modifying anything in it."""
     from app.adapters.synthetic import write_demo_loras
     from app.demo import write_demo

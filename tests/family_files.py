@@ -1,8 +1,8 @@
 """What a family's own test file (tests/test_klein.py, tests/test_qwen_image.py) builds alike: its module-scoped
-fixtures (`data`: the demo's files of the module's `ARCH` on hard links; `eng`: a strict CPU engine on them;
+fixtures (`data`: the demo's files of the module's `FAMILY` on hard links; `eng`: a strict CPU engine on them;
 `oracle`: diffusers' own pipeline on the same weights), the tiny single file's tensors and configs, ComfyUI's
 separate files (fp8 with `weight_scale` for the transformer), LoRA factors and the float64 fuse check, reference
-pictures, and the fp32-LoRA-on-bf16/fp8 check. A test module imports the fixtures by name and states `ARCH`."""
+pictures, and the fp32-LoRA-on-bf16/fp8 check. A test module imports the fixtures by name and states `FAMILY`."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ from app.settings import Settings
 
 @pytest.fixture(scope="module")
 def data(demo_dir, tmp_path_factory, request) -> Path:
-    """A data folder holding hard links to the session demo's checkpoints and LoRAs of the module's `ARCH`."""
-    arch = request.module.ARCH
-    root = tmp_path_factory.mktemp(arch)
+    """A data folder holding hard links to the session demo's checkpoints and LoRAs of the module's `FAMILY`."""
+    family_name = request.module.FAMILY
+    root = tmp_path_factory.mktemp(family_name)
     for sub in ("models/Stable-diffusion", "models/Lora"):
         (root / sub).mkdir(parents=True)
-        for path in (demo_dir / sub).glob(f"*{arch}*"):
+        for path in (demo_dir / sub).glob(f"*{family_name}*"):
             (shutil.copytree(path, root / sub / path.name, copy_function=os.link) if path.is_dir()
              else os.link(path, root / sub / path.name))
     return root
@@ -50,7 +50,7 @@ def eng(data):
 @pytest.fixture(scope="module")
 def oracle(request):
     """diffusers' own pipeline on the demo's weights (the demo builds them from seed 0)."""
-    pipe = build_tiny_pipeline(request.module.ARCH)
+    pipe = build_tiny_pipeline(request.module.FAMILY)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

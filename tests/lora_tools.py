@@ -90,8 +90,8 @@ def expected_deltas(peft_modules: dict[str, torch.nn.Module], *, peft_scale: boo
     return out
 
 
-def _peft_modules(pipe, arch: str, configs: dict[str, LoraConfig], seed: int) -> dict[str, torch.nn.Module]:
-    return {c: peft_copy(getattr(pipe, c), configs[c], seed + i) for i, c in enumerate(COMPONENTS[arch])}
+def _peft_modules(pipe, family_name: str, configs: dict[str, LoraConfig], seed: int) -> dict[str, torch.nn.Module]:
+    return {c: peft_copy(getattr(pipe, c), configs[c], seed + i) for i, c in enumerate(COMPONENTS[family_name])}
 
 
 def _state_dicts(modules: dict[str, torch.nn.Module]) -> dict[str, dict[str, torch.Tensor]]:
@@ -99,34 +99,34 @@ def _state_dicts(modules: dict[str, torch.nn.Module]) -> dict[str, dict[str, tor
 
 
 # --------------------------------------------------------------------------------------- writers
-def _configs(arch: str, *, dora: bool = False) -> dict[str, LoraConfig]:
+def _configs(family_name: str, *, dora: bool = False) -> dict[str, LoraConfig]:
     """Per component: rank/alpha patterns on the UNet, rsLoRA on the first text encoder."""
     configs = {
         "unet": LoraConfig(r=4, lora_alpha=8, target_modules=UNET_TARGETS, rank_pattern={"conv2": 2},
                            alpha_pattern={"ff.net.2": 3}, use_dora=dora),
         "text_encoder": LoraConfig(r=4, lora_alpha=4, target_modules=TEXT_TARGETS, use_rslora=True),
     }
-    if arch == "sdxl":
+    if family_name == "sdxl":
         configs["text_encoder_2"] = LoraConfig(r=2, lora_alpha=3, target_modules=TEXT_TARGETS)
     return configs
 
 
-def write_diffusers(folder: Path, pipe, arch: str, seed: int, *, dora: bool = False) -> ToolFile:
+def write_diffusers(folder: Path, pipe, family_name: str, seed: int, *, dora: bool = False) -> ToolFile:
     """diffusers' `save_lora_weights` with each component's LoraConfig as adapter metadata."""
-    configs = _configs(arch, dora=dora)
-    modules = _peft_modules(pipe, arch, configs, seed)
+    configs = _configs(family_name, dora=dora)
+    modules = _peft_modules(pipe, family_name, configs, seed)
     layers = {f"{c}_lora_layers": sd for c, sd in _state_dicts(modules).items()}
-    metadata = {f"{c}_lora_adapter_metadata": configs[c].to_dict() for c in COMPONENTS[arch]}
-    writer = StableDiffusionXLPipeline if arch == "sdxl" else StableDiffusionPipeline
+    metadata = {f"{c}_lora_adapter_metadata": configs[c].to_dict() for c in COMPONENTS[family_name]}
+    writer = StableDiffusionXLPipeline if family_name == "sdxl" else StableDiffusionPipeline
     writer.save_lora_weights(folder, **layers, **metadata)
     path = folder / "pytorch_lora_weights.safetensors"
     return ToolFile(path, expected_deltas(modules))
 
 
-def write_kohya(path: Path, pipe, arch: str, seed: int) -> ToolFile:
+def write_kohya(path: Path, pipe, family_name: str, seed: int) -> ToolFile:
     """diffusers' `convert_state_dict_to_kohya`: `lora_unet_`, `lora_te1_`/`lora_te2_` (also on
     SD1.5), alpha = rank as int64, so scale 1 whatever the LoraConfig said."""
-    modules = _peft_modules(pipe, arch, _configs(arch), seed)
+    modules = _peft_modules(pipe, family_name, _configs(family_name), seed)
     prefixed = {f"{c}.{k}": v for c, sd in _state_dicts(modules).items() for k, v in sd.items()}
     save_file(convert_state_dict_to_kohya(prefixed), str(path))
     return ToolFile(path, expected_deltas(modules, peft_scale=False))
@@ -156,9 +156,9 @@ def legacy_key(component: str, key: str) -> str:
     return f"{component}.{level}{key}"
 
 
-def write_legacy(path: Path, pipe, arch: str, seed: int, strays: dict[str, torch.Tensor]) -> ToolFile:
+def write_legacy(path: Path, pipe, family_name: str, seed: int, strays: dict[str, torch.Tensor]) -> ToolFile:
     """The legacy layout (no alpha: scale 1), plus `strays` that match no module."""
-    modules = _peft_modules(pipe, arch, _configs(arch), seed)
+    modules = _peft_modules(pipe, family_name, _configs(family_name), seed)
     tensors = {legacy_key(c, k): v for c, sd in _state_dicts(modules).items() for k, v in sd.items()}
     save_file({**tensors, **strays}, str(path))
     return ToolFile(path, expected_deltas(modules, peft_scale=False))

@@ -261,7 +261,7 @@ def _params(app, **changes):
     """The engine's parameters for the `SMALL` request with `changes`, as the UI's form builds them."""
     values = {"prompt": "a fox", "negative_prompt": "", "sampler": "Euler", "steps": 2, "cfg": 5.0, "seed": 0,
               "width": 64, "height": 64, "batch": 1, "n_iter": 1} | changes
-    return params_from_form(values, app[1].snapshot().arch)[0]
+    return params_from_form(values, app[1].snapshot().family)[0]
 
 
 def test_inpaint_keeps_the_unmasked_pixels_and_says_only_masked_is_not_built(api, app):
@@ -344,7 +344,7 @@ def test_png_info_takes_images_over_the_json_cap_up_to_the_upload_cap(app):
 def test_options_switch_the_checkpoint_by_any_of_its_names(api, app):
     try:
         api.set_options({"sd_model_checkpoint": SDXL})
-        assert app[1].snapshot().model == SDXL and app[1].snapshot().arch == "sdxl"
+        assert app[1].snapshot().model == SDXL and app[1].snapshot().family == "sdxl"
         assert api.get_options()["sd_model_checkpoint"].startswith(f"{SDXL} [")
         api.set_options({"sd_model_checkpoint": "tiny-sd15"})  # A1111's model_name works too
         assert app[1].snapshot().model == MODEL

@@ -46,12 +46,12 @@ def _same(a, b) -> list[bool]:
 
 
 # ------------------------------------------------------------------------------------- variation seeds
-@pytest.mark.parametrize("arch", ["sd15", "flux-dev"])
-def test_variation_strength_runs_from_the_seeds_image_to_the_variation_seeds_image(engine, arch):
+@pytest.mark.parametrize("family_name", ["sd15", "flux-dev"])
+def test_variation_strength_runs_from_the_seeds_image_to_the_variation_seeds_image(engine, family_name):
     """Strength 0 is the plain seed's image bit for bit; strength 1 is the variation seed's image bit
     for bit (image i of the batch takes variation seed subseed + i, and every image keeps the seed);
     0.5 differs from both. SD's spatial latents and Flux's packed patches alike."""
-    engine.load_model(CHECKPOINTS[arch])
+    engine.load_model(CHECKPOINTS[family_name])
     plain = _pixels(engine.generate(PARAMS))
     other = _pixels(engine.generate(dataclasses.replace(PARAMS, seed=9)))
     none = engine.generate(dataclasses.replace(PARAMS, subseed=9, subseed_strength=0.0))

@@ -90,7 +90,7 @@ def base(suite_data):
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def arch(request, base) -> str:
+def family_name(request, base) -> str:
     """Each family's demo checkpoint loaded in turn, as a client switches (`POST /options`)."""
     name = CHECKPOINTS[request.param]
     answer = requests.post(f"{base}/options", json={"sd_model_checkpoint": name}, timeout=300)
@@ -98,16 +98,16 @@ def arch(request, base) -> str:
     return request.param
 
 
-def _refused_by_name(url: str, body: dict, arch: str, workflow: str) -> bool:
+def _refused_by_name(url: str, body: dict, family_name: str, workflow: str) -> bool:
     """A family that declares no stage pipeline for `workflow` (img2img, inpaint) answers A1111's request with a
     422 naming the workflow and the family, never a 500 or a wrong image: True when that is what happened, False
     when the family has the workflow (the caller then checks the 200). Hires fix at strength 0 (the suite's) is
     the upscale alone and answers 200 on every family."""
-    if workflow in FAMILIES[arch].stage_pipelines:
+    if workflow in FAMILIES[family_name].stage_pipelines:
         return False
     answer = requests.post(url, json=body, timeout=300)
     assert answer.status_code == 422, answer.text
-    assert f"{workflow} is not available for {FAMILIES[arch].label}" in answer.json()["detail"], answer.text
+    assert f"{workflow} is not available for {FAMILIES[family_name].label}" in answer.json()["detail"], answer.text
     return True
 
 
@@ -118,7 +118,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 @pytest.mark.parametrize("variant", list(TXT2IMG_VARIANTS))
-def test_a1111_txt2img_requests(base, arch, variant):
+def test_a1111_txt2img_requests(base, family_name, variant):
     """test_txt2img.py: each request answers 200 with its images at the asked size, and did what it asked."""
     changes = TXT2IMG_VARIANTS[variant]
     out = _post(f"{base}/txt2img", {**TXT2IMG, **changes})
@@ -137,7 +137,7 @@ def test_a1111_txt2img_requests(base, arch, variant):
 
 
 @pytest.mark.parametrize("variant", ["simple", "masked", "inverted_mask", "sd_upscale"])
-def test_a1111_img2img_requests(base, arch, variant):
+def test_a1111_img2img_requests(base, family_name, variant):
     """test_img2img.py: img2img, inpaint with a mask and with it inverted, and the "SD upscale" script (overlap 8,
     Lanczos, scale 2: the 64² picture comes back at 128²)."""
     body = {**IMG2IMG, "init_images": [_b64(_picture())]}
@@ -146,7 +146,7 @@ def test_a1111_img2img_requests(base, arch, variant):
     if variant == "sd_upscale":
         body.update(script_name="sd upscale", script_args=["", 8, "Lanczos", 2.0])
     workflow = "inpaint" if variant in ("masked", "inverted_mask") else "img2img"
-    if _refused_by_name(f"{base}/img2img", body, arch, workflow):
+    if _refused_by_name(f"{base}/img2img", body, family_name, workflow):
         return
     out = _post(f"{base}/img2img", body)
     assert [_image(b64).size for b64 in out["images"]] == [(128, 128) if variant == "sd_upscale" else (64, 64)]
@@ -247,11 +247,11 @@ def test_plms_is_pndm_and_differs_from_ddim(base):
     assert _pixels(plms["images"][0]) != _pixels(ddim["images"][0])
 
 
-@pytest.mark.parametrize("arch_name", ["sd15", "flux-dev"])
-def test_tiling_wraps_for_the_job_only(base, arch_name):
+@pytest.mark.parametrize("family_name", ["sd15", "flux-dev"])
+def test_tiling_wraps_for_the_job_only(base, family_name):
     """Tiling changes the picture (the convolutions pad circularly) and is put back: the next request without it
     gives the very same pixels as before it."""
-    model = CHECKPOINTS[arch_name]
+    model = CHECKPOINTS[family_name]
     before = _post(f"{base}/txt2img", _on(model))["images"][0]
     tiled = _post(f"{base}/txt2img", _on(model, tiling=True))["images"][0]
     after = _post(f"{base}/txt2img", _on(model))["images"][0]

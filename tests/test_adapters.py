@@ -48,7 +48,7 @@ class TinyModel:
     (sharing storage with the parameters, so in-place fusing shows through), `pristine` copies."""
 
     pipe: object
-    arch: str
+    family: str
     live: Tensors
     pristine: Tensors
 
@@ -63,19 +63,19 @@ class TinyModel:
 
 @pytest.fixture(scope="module")
 def tiny() -> Callable[[str, torch.dtype], TinyModel]:
-    """`tiny(arch, dtype)`: a pipeline built once per module, restored to its original weights on
+    """`tiny(family, dtype)`: a pipeline built once per module, restored to its original weights on
     every call so a test never sees what an earlier (possibly failed) one fused."""
     cache: dict[tuple[str, torch.dtype], TinyModel] = {}
 
-    def get(arch: str, dtype: torch.dtype) -> TinyModel:
-        if (arch, dtype) not in cache:
-            pipe = build_tiny_pipeline(arch)
+    def get(family_name: str, dtype: torch.dtype) -> TinyModel:
+        if (family_name, dtype) not in cache:
+            pipe = build_tiny_pipeline(family_name)
             live = {}
-            for component in COMPONENTS[arch]:
+            for component in COMPONENTS[family_name]:
                 module = getattr(pipe, component).to(dtype)
                 live.update({f"{component}.{k}": v for k, v in module.state_dict().items()})
-            cache[(arch, dtype)] = TinyModel(pipe, arch, live, {k: v.clone() for k, v in live.items()})
-        model = cache[(arch, dtype)]
+            cache[(family_name, dtype)] = TinyModel(pipe, family_name, live, {k: v.clone() for k, v in live.items()})
+        model = cache[(family_name, dtype)]
         model.restore()
         return model
 
@@ -84,7 +84,7 @@ def tiny() -> Callable[[str, torch.dtype], TinyModel]:
 
 def _fuse(model: TinyModel, entries: list[tuple[LoraSpec, object]]) -> tuple[LoraStack, dict]:
     """Fuse (spec, SyntheticAdapter) pairs through a fresh LoraStack, reading each file back from disk."""
-    stack = LoraStack(model.pipe, model.arch)
+    stack = LoraStack(model.pipe, model.family)
     files = {spec.name: read_adapter(spec.name, adapter.path) for spec, adapter in entries}
     return stack, stack.reconcile([spec for spec, _ in entries], files)
 
@@ -276,11 +276,11 @@ def test_writer_spells_keys_as_trainers_do_and_files_read_back_exactly(tiny, tmp
                            "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight",
                            "text_encoder_2.text_model.encoder.layers.0.mlp.fc1.lora_A.weight"],
     }
-    for (arch, layout), keys in cases.items():
-        adapter = write_adapter(tmp_path / f"{arch}-{layout}.safetensors", tiny(arch, F32).pipe, arch, "lora",
-                                layout, BF16, alpha=2.0)
+    for (family_name, layout), keys in cases.items():
+        adapter = write_adapter(tmp_path / f"{family_name}-{layout}.safetensors", tiny(family_name, F32).pipe,
+                                family_name, "lora", layout, BF16, alpha=2.0)
         on_disk = load_file(adapter.path)
-        assert set(keys) <= on_disk.keys(), (arch, layout, sorted(on_disk)[:4])
+        assert set(keys) <= on_disk.keys(), (family_name, layout, sorted(on_disk)[:4])
         assert on_disk.keys() == adapter.tensors.keys()
         assert all(torch.equal(on_disk[k], v) and on_disk[k].dtype == BF16 for k, v in adapter.tensors.items())
         assert sum(len(t) for t in adapter.layers.values()) == len(on_disk)
@@ -306,18 +306,18 @@ def test_every_algorithm_fuses_to_the_formula_on_sd15(tiny, tmp_path, algo, file
     _assert_fused(model, [])
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+@pytest.mark.parametrize("family_name", ["sd15", "sdxl"])
 @pytest.mark.parametrize(("layout", "algo"), [(lay, algo) for lay in LAYOUTS for algo in ("lora", "dora")])
-def test_every_layout_reaches_the_same_modules(tiny, tmp_path, arch, layout, algo):
+def test_every_layout_reaches_the_same_modules(tiny, tmp_path, family_name, layout, algo):
     """kohya keys with diffusers or LDM UNet names, LyCORIS `lycoris_` keys and PEFT/diffusers dotted
     keys (unscaled, 1-D DoRA magnitude) all resolve to the intended modules of both architectures,
     text encoders included, and fuse to the formula."""
-    model = tiny(arch, F32)
-    adapter = write_adapter(tmp_path / "a.safetensors", model.pipe, arch, algo, layout, F16, alpha=2.0, seed=2)
+    model = tiny(family_name, F32)
+    adapter = write_adapter(tmp_path / "a.safetensors", model.pipe, family_name, algo, layout, F16, alpha=2.0, seed=2)
     spec = LoraSpec("a", 0.9)
     _, report = _fuse(model, [(spec, adapter)])
     assert (report["a"].matched_layers, report["a"].unmatched_keys) == (len(adapter.layers), 0)
-    assert {c for c, _ in adapter.layers} == set(COMPONENTS[arch])
+    assert {c for c, _ in adapter.layers} == set(COMPONENTS[family_name])
     _assert_fused(model, [(spec, algo, adapter)])
 
 
@@ -471,15 +471,15 @@ def _assert_refused_cleanly(engine: Engine, before: dict[str, str], message: str
     assert adapter_state_digests(engine.pipeline) == before
 
 
-@pytest.mark.parametrize(("lora_arch", "model_arch"), [("sdxl", "sd15"), ("sd15", "sdxl")])
-def test_lora_for_the_other_architecture_is_refused_whole(engine, tiny, lora_arch, model_arch):
+@pytest.mark.parametrize(("lora_arch", "model_family"), [("sdxl", "sd15"), ("sd15", "sdxl")])
+def test_lora_for_the_other_architecture_is_refused_whole(engine, tiny, lora_arch, model_family):
     """An SDXL LoRA on SD1.5, and an SD1.5 LoRA on SDXL, are refused with a message naming both
     architectures (cross-attention widths differ), before any weight is written."""
     lora_dir = engine.settings.lora_dir
     write_adapter(lora_dir / "other.safetensors", tiny(lora_arch, F32).pipe, lora_arch, "lora", "kohya", F16)
-    engine.load_model(CHECKPOINTS[model_arch])
+    engine.load_model(CHECKPOINTS[model_family])
     before = adapter_state_digests(engine.pipeline)
-    pattern = rf"does not fit this {model_arch.upper()} model \(it looks made for {lora_arch.upper()}\)"
+    pattern = rf"does not fit this {model_family.upper()} model \(it looks made for {lora_arch.upper()}\)"
     with pytest.raises(LoraApplyError, match=pattern) as caught:
         engine.set_loras([LoraSpec("other")])
     _assert_refused_cleanly(engine, before, str(caught.value))

@@ -43,7 +43,7 @@ from app.engine import offload, placement
 from app.engine.checkpoint_files import (
     CheckpointNotFoundError,
     ModelLoadError,
-    UnknownArchitectureError,
+    UnknownFamilyError,
     UnsafeCheckpointPathError,
     UnsupportedCheckpointFormatError,
     discover_checkpoints,
@@ -93,9 +93,9 @@ def env(demo_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("bad_inputs")
     for sub in ("models/Stable-diffusion", "embeddings"):
         shutil.copytree(demo_dir / sub, data / sub, copy_function=os.link)
-    for arch in ("sd15", "sdxl"):
-        write_adapter(data / "models" / "Lora" / f"{arch}-good.safetensors", build_tiny_pipeline(arch), arch,
-                      "lora", "kohya", alpha=4.0)
+    for family_name in ("sd15", "sdxl"):
+        write_adapter(data / "models" / "Lora" / f"{family_name}-good.safetensors", build_tiny_pipeline(family_name),
+                      family_name, "lora", "kohya", alpha=4.0)
     engine = Engine(Settings(data_dir=data, device="cpu"))
     yield Env(data, engine)
     engine.close()
@@ -452,16 +452,16 @@ BAD_CHECKPOINTS = {
                         r"bad-header_not_json\.safetensors: .*invalid JSON in header"),
     "header_too_large": (lambda env: struct.pack("<Q", 10**15) + b"{}", ModelLoadError,
                          r"bad-header_too_large\.safetensors: .*header too large"),
-    "no_tensors": (lambda env: _header_file({"__metadata__": {"format": "pt"}}), UnknownArchitectureError,
+    "no_tensors": (lambda env: _header_file({"__metadata__": {"format": "pt"}}), UnknownFamilyError,
                    r"bad-no_tensors\.safetensors: " + NOT_KNOWN + r": unrecognised layout with 0 tensors"),
     "random_tensors": (_ckpt_tensors(lambda env: {"foo.weight": torch.ones(2), "bar.bias": torch.ones(2)}),
-                       UnknownArchitectureError,
+                       UnknownFamilyError,
                        r"bad-random_tensors\.safetensors: " + NOT_KNOWN + r": unrecognised layout "
                        r"with 2 tensors"),
-    "lora_in_checkpoint_folder": (lambda env: _good_bytes(env), UnknownArchitectureError,
+    "lora_in_checkpoint_folder": (lambda env: _good_bytes(env), UnknownFamilyError,
                                   NOT_KNOWN + r": looks like a LoRA/LyCORIS adapter "
                                   r"\(put it in models/Lora\)"),
-    "unet_only": (_ckpt_tensors(_unet_only), UnknownArchitectureError,
+    "unet_only": (_ckpt_tensors(_unet_only), UnknownFamilyError,
                   NOT_KNOWN + r": looks like a UNet without its text encoder"),
 }
 
@@ -586,7 +586,7 @@ def test_checkpoint_removed_between_listing_and_loading(env, ready):
 def test_every_refusal_is_a_value_error_the_ui_can_show(env, ready):
     """Every input refusal above is a ValueError subclass, so the UI shows the message instead of a
     traceback."""
-    for cls in (AdapterError, AdapterFormatError, LoraApplyError, ModelLoadError, UnknownArchitectureError,
+    for cls in (AdapterError, AdapterFormatError, LoraApplyError, ModelLoadError, UnknownFamilyError,
                 UnsafeCheckpointPathError, UnsupportedCheckpointFormatError, CheckpointNotFoundError, UnsafePathError):
         assert issubclass(cls, ValueError), cls
 

@@ -33,7 +33,7 @@ from benchmarks import (
 )
 
 ROW_KEYS = {
-    "id", "section", "arch", "resolution", "batch", "steps", "offload", "loras", "ours", "baseline",
+    "id", "section", "family", "resolution", "batch", "steps", "offload", "loras", "ours", "baseline",
     "tflop_per_step", "ratio", "ratio_interval", "control_spread", "verdict", "cpu_ratio", "cpu_verdict", "note",
     *(f"{side}_{field}" for side in ("ours", "baseline")
       for field in ("its", "its_runs", "cpu_ms", "cpu_ms_runs", "gen_s", "timeline_ms", "vram_transient_gib",
@@ -46,7 +46,7 @@ VERDICTS = {"no difference", "ours better", "ours worse", "not measured"}
 def smoke(tmp_path_factory):
     """One smoke run (SD1.5 only, to keep the test short; SDXL takes the same code paths)."""
     out = tmp_path_factory.mktemp("bench")
-    assert app_bench.main(["--smoke", "--archs", "sd15", "--out", str(out)]) == 0
+    assert app_bench.main(["--smoke", "--families", "sd15", "--out", str(out)]) == 0
     return out, json.loads((out / "smoke-sd15.json").read_text())
 
 
@@ -186,8 +186,8 @@ def test_regional_compile_row_of_a_dit(tmp_path):
     engine, `regional` (modes do not apply: no CUDA graphs): its first compile, graphs, no recompile
     across the LoRA changes, rows against diffusers and our eager engine, and the "first compile <= 30 s"
     target, in the smoke form the GPU command runs at full size."""
-    arch = next(name for name, fam in FAMILIES.items() if fam.compile_regions and fam.test_kit.bench)
-    assert app_bench.main(["--smoke", "--archs", arch, "--sections", "compile", "--out", str(tmp_path)]) == 0
+    family_name = next(name for name, fam in FAMILIES.items() if fam.compile_regions and fam.test_kit.bench)
+    assert app_bench.main(["--smoke", "--families", family_name, "--sections", "compile", "--out", str(tmp_path)]) == 0
     results = json.loads(next(tmp_path.glob("*.json")).read_text())
     (info,) = results["compile"]
     assert info["mode"] == "regional" and info["regions"] and info["regions"][0] in info["note"]
@@ -206,10 +206,10 @@ def test_compile_proxy_whole_against_regional(tmp_path):
     by regions a few graphs for many blocks (each class once per run of blocks), both through the engine's
     CompileState; a UNet family is skipped with the reason; the Markdown has the section. (Full size:
     `--cpu-proxies --sections compile`; here a tiny config with four blocks per run, in seconds.)"""
-    arch, runs = "flux-dev", 2  # its double and its single blocks
-    deeper = {**family(arch).test_kit.tiny_configs["transformer"], "num_layers": 4, "num_single_layers": 4}
+    family_name, runs = "flux-dev", 2  # its double and its single blocks
+    deeper = {**family(family_name).test_kit.tiny_configs["transformer"], "num_layers": 4, "num_single_layers": 4}
     cfg = proxies.ProxyConfig(cache_dir=tmp_path)
-    section = proxy_compile.compile_section(arch, cfg, deeper)
+    section = proxy_compile.compile_section(family_name, cfg, deeper)
     whole, regional = section["whole"], section["regional"]
     assert whole["graphs"] == 1 and whole["regions"] == [] and whole["first_compile_s"] > 0
     assert regional["blocks"] == 4 * runs and 1 <= regional["graphs"] <= 2 * runs < regional["blocks"]
@@ -219,7 +219,7 @@ def test_compile_proxy_whole_against_regional(tmp_path):
     markdown = proxy_report.render({"env": {"created": "now", "torch": "t", "diffusers": "d", "cpu": "c"},
                                     "config": {"threads": 1, "rounds": 1, "storage_dtype": "bf16"},
                                     "method": "m", "compile": [section]})
-    assert "## First compile, whole denoiser vs regional" in markdown and f"| {arch} | regional |" in markdown
+    assert "## First compile, whole denoiser vs regional" in markdown and f"| {family_name} | regional |" in markdown
 
 
 def test_order_statistic_interval_and_verdicts():
@@ -266,7 +266,7 @@ def test_op_counter_sees_the_unet_ops_only():
 def test_load_probe_reports_time_cpu_and_memory(data_dir):
     """The child side of a load probe, run in-process on the tiny demo file: our engine's load with its
     wall time, process CPU time and RSS figures, and the engine's start timed apart."""
-    spec = {"side": "ours", "arch": "sd15", "data_dir": str(data_dir), "name": "tiny-sd15.safetensors",
+    spec = {"side": "ours", "family": "sd15", "data_dir": str(data_dir), "name": "tiny-sd15.safetensors",
             "dtype": "fp32"}
     result = probe.run_load_probe(spec)
     assert result["load_s"] > 0 and result["cpu_s"] > 0 and result["start_s"] > 0
@@ -311,16 +311,16 @@ def test_flux_op_counts_on_meta_compare_ours_with_loras_and_diffusers(tmp_path):
     assert section["per_call"]["none / 3 / ours bypass / 1"] == section["per_call"]["none / 1 / ours bypass / 1"]
 
 
-@pytest.mark.parametrize("arch", sorted(FAMILIES))
-def test_full_size_builds_use_the_classes_the_bundled_model_index_names(arch):
+@pytest.mark.parametrize("family_name", sorted(FAMILIES))
+def test_full_size_builds_use_the_classes_the_bundled_model_index_names(family_name):
     """The bench's random-weight pipelines and the single-file shape checks build every component as
     the family's bundled `model_index.json` names it. Both once built FLUX.2 Klein's VAE as a plain
     `AutoencoderKL`, and the device check's Klein sections failed at the first step's preview."""
     from app.engine.checkpoint_shapes import meta_components
 
-    config_dir = family(arch).files.config_dir
+    config_dir = family(family_name).files.config_dir
     index = json.loads((config_dir / "model_index.json").read_text())
-    for component, module in vars(meta_components(arch, config_dir)).items():
+    for component, module in vars(meta_components(family_name, config_dir)).items():
         assert type(module).__name__ == index[component][1], component
 
 
@@ -336,8 +336,8 @@ def test_lora_targets_cover_each_familys_attention_and_feed_forward():
     from app.engine.checkpoint_shapes import meta_components
     from benchmarks.workload import lora_kinds, lora_targets
 
-    def denoiser(arch):
-        return getattr(meta_components(arch, family(arch).files.config_dir), family(arch).denoiser)
+    def denoiser(family_name):
+        return getattr(meta_components(family_name, family(family_name).files.config_dir), family(family_name).denoiser)
 
     unet = denoiser("sd15")
     assert (len(lora_targets("sd15", unet, False)), len(lora_targets("sd15", unet, True))) == (160, 204)
@@ -359,12 +359,12 @@ def test_lora_targets_cover_each_familys_attention_and_feed_forward():
 def test_flux_weight_sections_are_skipped_with_the_reason_not_shrunk(tmp_path):
     """Sections that need real weights never swap in a smaller model: Flux gets a reason (memory here,
     where its 34 GB bf16 pipeline does not fit) and no model entry, while its ops section runs."""
-    proxy_config = proxies.ProxyConfig(cache_dir=tmp_path, archs=("flux-dev",), sections=("load", "step", "ops"))
+    proxy_config = proxies.ProxyConfig(cache_dir=tmp_path, families=("flux-dev",), sections=("load", "step", "ops"))
     results = proxies.run_proxies(proxy_config, config.base_environment())
     assert results["models"] == {} and len(results["ops"]) == 1
     for section in ("load", "step"):
         (entry,) = results[section]
-        assert entry["arch"] == "flux-dev" and entry["skipped"]
+        assert entry["family"] == "flux-dev" and entry["skipped"]
     if psutil.virtual_memory().available < 40 * 2**30:
         assert results["load"][0]["skipped"].startswith("memory: the full-size FLUX.1-dev pipeline (16.9 B")
     markdown = proxy_report.render(results)
@@ -391,7 +391,7 @@ def test_app_bench_runs_the_one_implementation():
     """`python -m app.bench` is a thin entry point to the benchmarks package, not a copy."""
     assert app_bench.bench is bench
     with pytest.raises(SystemExit, match="sd15, sdxl"):
-        bench.config_from_args(bench.parse_args(["--archs", "sd3"]))
+        bench.config_from_args(bench.parse_args(["--families", "sd3"]))
     with pytest.raises(SystemExit, match="load, step, reweight"):
         bench.proxy_config_from_args(bench.parse_args(["--cpu-proxies", "--sections", "throughput"]))
 
@@ -405,7 +405,7 @@ def test_the_step_baseline_on_shared_modules_is_diffusers_own_class_on_our_weigh
 
     engine.load_model("tiny-sd15.safetensors")
     cfg = SimpleNamespace(step_dtype="fp32", prompt="a cat", steps=2, resolution=64, seed=1)
-    pipe, generate = proxy_steps._diffusers(SimpleNamespace(arch="sd15"), cfg, shared=engine.pipeline)
+    pipe, generate = proxy_steps._diffusers(SimpleNamespace(family="sd15"), cfg, shared=engine.pipeline)
     assert type(pipe) is family("sd15").plain_pipeline_class
     assert pipe.unet is engine.pipeline.unet and pipe.vae is engine.pipeline.vae
     assert pipe.scheduler is not engine.pipeline.scheduler
@@ -423,7 +423,7 @@ def test_a_bench_stopped_by_sigterm_saves_the_pools_it_measured(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "app.bench", "--smoke", "--archs", "sd15", "--sections",
+    proc = subprocess.Popen([sys.executable, "-m", "app.bench", "--smoke", "--families", "sd15", "--sections",
                              "throughput,offload", "--batches", "1", "--loras", "0", "--out", str(tmp_path)],
                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
@@ -464,8 +464,8 @@ def test_a_failure_costs_no_measured_row_and_a_failing_baseline_is_a_note(tmp_pa
 
     monkeypatch.setattr(theirs.DiffusersSide, "offload_pipeline", offload_pipeline)
     monkeypatch.setattr(phases, "latency_phase", latency_phase)
-    assert app_bench.main(["--smoke", "--archs", "sd15", "--sections", "throughput,latency,offload", "--batches", "1",
-                           "--loras", "0", "--out", str(tmp_path)]) == 1
+    assert app_bench.main(["--smoke", "--families", "sd15", "--sections", "throughput,latency,offload",
+                           "--batches", "1", "--loras", "0", "--out", str(tmp_path)]) == 1
     (saved,) = tmp_path.glob("*.json")
     doc = json.loads(saved.read_text())
     assert doc["models"]["sd15"]["phase_errors"] == {"latency": "ValueError: a phase that fails"}

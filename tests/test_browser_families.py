@@ -25,7 +25,7 @@ FLUX, SD15, KLEIN = "tiny-flux-dev.safetensors", "tiny-sd15.safetensors", "tiny-
 def served(tmp_path_factory, demo_dir):
     """A fresh start: the first checkpoint by name that loads, a tiny FLUX.1-dev (its diffusers folder)."""
     with fresh_start(tmp_path_factory.mktemp("browser-families"), demo_dir) as started:
-        assert started[1].snapshot().arch == "flux-dev"
+        assert started[1].snapshot().family == "flux-dev"
         yield started
 
 
@@ -54,8 +54,8 @@ def _other_fields(page, samplers: list[str], steps: int) -> tuple[list[str], dic
     return hires, image_to_image
 
 
-def _expect_family(page, arch: str, other_lists: bool = True) -> None:
-    fam = family(arch)
+def _expect_family(page, family_name: str, other_lists: bool = True) -> None:
+    fam = family(family_name)
     page.wait_for_function(f"document.querySelector('#sd-sampler input').value === {fam.sampling.default_sampler!r}",
                            timeout=TIMEOUT_MS)
     shown = _fields(page)
@@ -72,11 +72,12 @@ def _expect_family(page, arch: str, other_lists: bool = True) -> None:
         assert i2i["size"] == i2i["generate size"], i2i  # the native size, as on the Generate tab
 
 
-def _generate(page, engine, arch: str) -> dict[str, str]:
+def _generate(page, engine, family_name: str) -> dict[str, str]:
     """Generate with the family's sampler and guidance as the page shows them (two steps, to be quick)."""
     set_number(page, "sd-steps", "2")
     settings = parse_infotext(read_parameters(generate_and_wait(page, engine))).settings
-    assert engine.snapshot().arch == arch and settings["Sampler"] == family(arch).sampling.default_sampler
+    assert engine.snapshot().family == family_name
+    assert settings["Sampler"] == family(family_name).sampling.default_sampler
     return settings
 
 
@@ -114,7 +115,7 @@ def test_the_reference_images_panel_follows_the_loaded_family(page, served):
     panel.first.wait_for(timeout=TIMEOUT_MS)
     panel.first.click()
     page.wait_for_selector("#sd-i2i-references >> text=Reference images (1-4)", timeout=TIMEOUT_MS)
-    assert engine.snapshot().arch == "flux2-klein-4b"
+    assert engine.snapshot().family == "flux2-klein-4b"
     save(page, "reference-images.png")
     page.get_by_role("tab", name="Generate").first.click()
     _load(page, SD15)
@@ -122,4 +123,4 @@ def test_the_reference_images_panel_follows_the_loaded_family(page, served):
     page.get_by_role("tab", name="img2img").nth(1).click()
     page.wait_for_function("""() => ![...document.querySelectorAll('[role=tab]')]
         .some(t => t.innerText.trim() === 'Reference images' && t.offsetParent !== null)""", timeout=TIMEOUT_MS)
-    assert engine.snapshot().arch == "sd15"
+    assert engine.snapshot().family == "sd15"

@@ -55,7 +55,7 @@ FOREIGN = ("a lighthouse at dusk\nNegative prompt: fog\nSteps: 2, Sampler: DPM++
 def served(tmp_path_factory, demo_dir):
     """A fresh start on the demo models: the first checkpoint by name, a tiny FLUX.1-dev."""
     with fresh_start(tmp_path_factory.mktemp("browser-newcomer"), demo_dir) as started:
-        assert started[1].snapshot().arch == "flux-dev"
+        assert started[1].snapshot().family == "flux-dev"
         yield started
 
 
@@ -148,7 +148,7 @@ def test_sends_fit_the_loaded_family_and_the_page_keeps_its_errors(page, served,
     page.fill("#sd-pnginfo-text textarea", FOREIGN)
     page.click("#sd-pnginfo-send-generate")
     page.wait_for_selector("#sd-settings-note >> text='Euler', the nearest it has", timeout=TIMEOUT_MS)
-    assert page.input_value("#sd-sampler input") == "Euler" and engine.snapshot().arch == "flux2-klein-4b"
+    assert page.input_value("#sd-sampler input") == "Euler" and engine.snapshot().family == "flux2-klein-4b"
     assert family("flux2-klein-4b").sampling.guidance_label in page.inner_text("#sd-cfg")
     save(page, "newcomer-send-to-generate.png")
     drawn = parse_infotext(read_parameters(generate_and_wait(page, engine))).settings

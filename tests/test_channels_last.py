@@ -82,17 +82,17 @@ def test_the_flag_reaches_settings_and_is_off_by_default():
     assert settings_from_args(parser.parse_args(["--channels-last"])).channels_last is True
 
 
-@pytest.mark.parametrize(("arch", "planned"), [("sd15", {"unet", "vae"}), ("flux-dev", {"vae"})])
-def test_the_plan_gives_a_layout_to_conv_components_only(arch, planned):
+@pytest.mark.parametrize(("family_name", "planned"), [("sd15", {"unet", "vae"}), ("flux-dev", {"vae"})])
+def test_the_plan_gives_a_layout_to_conv_components_only(family_name, planned):
     """From the family's `conv_components`: UNet and VAE for SD, only the VAE for Flux (its
     transformer has no convolutions); never a text encoder. Without the setting no layout is planned."""
-    pipe = build_tiny_pipeline(arch)
+    pipe = build_tiny_pipeline(family_name)
     cpu = torch.device("cpu")
     for mode in OFFLOAD_CHOICES:
         plan = plan_for(pipe, torch.float32, cpu, mode, conv_format=CL)
         for name, comp in plan.components.items():
             want = CL if name in planned else None
-            assert (comp.rest.memory_format, comp.compute.memory_format) == (want, want), (arch, mode, name)
+            assert (comp.rest.memory_format, comp.compute.memory_format) == (want, want), (family_name, mode, name)
         off = plan_for(pipe, torch.float32, cpu, mode)
         assert {c.rest.memory_format for c in off.components.values()} == {None}
 

@@ -278,13 +278,13 @@ def test_cache_dir_and_unreadable_mega_cache(tmp_path, monkeypatch):
 REGIONAL = tuple({f.denoiser_class: f.name for f in FAMILIES.values() if f.compile_regions}.values())
 
 
-def _deep_dit(arch: str, copies: int = 3):
+def _deep_dit(family_name: str, copies: int = 3):
     """The family's tiny pipeline with every run of repeated blocks `copies` times as long (re-seeded
     deep copies appended): several instances per block class, so a compile per instance would show.
     Returns the pipeline, its denoiser and the number of runs (ModuleLists of repeated blocks)."""
-    pipe = build_tiny_pipeline(arch)
-    denoiser = getattr(pipe, family(arch).denoiser)
-    names = set(family(arch).compile_regions(denoiser))
+    pipe = build_tiny_pipeline(family_name)
+    denoiser = getattr(pipe, family(family_name).denoiser)
+    names = set(family(family_name).compile_regions(denoiser))
     generator = torch.Generator().manual_seed(1)
     runs = [m for m in denoiser.modules() if isinstance(m, torch.nn.ModuleList) and len(m)
             and all(type(block).__name__ in names for block in m)]
@@ -325,8 +325,8 @@ def _blocks(denoiser, state) -> list[torch.nn.Module]:
     return [m for m in denoiser.modules() if type(m).__name__ in state.status().regions]
 
 
-@pytest.mark.parametrize("arch", REGIONAL)
-def test_regional_compile_shares_one_graph_per_block_class(arch):
+@pytest.mark.parametrize("family_name", REGIONAL)
+def test_regional_compile_shares_one_graph_per_block_class(family_name):
     """Issue 41 (6), regional compilation: `--compile` on a DiT compiles each repeated block class once,
     its instances sharing the graph (parameters are graph inputs), not once per block: with three times
     the tiny model's blocks, at most two graphs per run of blocks (a run's input layout: FLUX's first
@@ -334,13 +334,13 @@ def test_regional_compile_shares_one_graph_per_block_class(arch):
     caption refiner and main layers), fewer than the blocks. The output is the
     eager one; the blocks stay the same modules with the same parameters (placement, verify and the
     patcher see them), and disable gives every block its plain forward back."""
-    pipe, denoiser, runs = _deep_dit(arch)
+    pipe, denoiser, runs = _deep_dit(family_name)
     call = _denoiser_call(pipe)
     eager = _denoise(denoiser, call)
     modules, params = dict(denoiser.named_modules()), dict(denoiser.named_parameters())
     state = compiled.enable(pipe, backend="eager", background=False, device="cpu")
     try:
-        assert state.compiles == 0 and state.status().regions == family(arch).compile_regions(denoiser)
+        assert state.compiles == 0 and state.status().regions == family(family_name).compile_regions(denoiser)
         torch.testing.assert_close(_denoise(denoiser, call), eager)
         blocks = _blocks(denoiser, state)
         assert len(blocks) >= 3 * runs
@@ -359,11 +359,11 @@ def test_regional_lora_changes_reach_the_output_without_recompiling(tmp_path):
     """Issue 41 (6): LoRAs fuse with copy_ into the blocks' own parameters, so adding, re-weighting and
     removing them under the regionally compiled DiT changes its output exactly as in eager (the same
     blocks' plain forwards), with no new graph; removing all restores the first output bit for bit."""
-    arch = REGIONAL[0]
-    pipe, denoiser, _runs = _deep_dit(arch, copies=2)
+    family_name = REGIONAL[0]
+    pipe, denoiser, _runs = _deep_dit(family_name, copies=2)
     call = _denoiser_call(pipe)
-    files = _lora_files(tmp_path, denoiser, component=family(arch).denoiser, within="blocks")
-    stack = LoraStack(pipe, arch)
+    files = _lora_files(tmp_path, denoiser, component=family(family_name).denoiser, within="blocks")
+    stack = LoraStack(pipe, family_name)
     state = compiled.enable(pipe, backend="eager", background=False, device="cpu")
     plain = type(denoiser).forward.__get__(denoiser)  # the blocks run their plain forward outside the state
     try:
@@ -439,23 +439,23 @@ def test_regional_compile_in_the_engine_with_strict_forwards_loras_and_offload_c
     and every verify after a command passes (the blocks keep their parameters); a LoRA change recompiles
     nothing; an offload mode that moves weights takes the compiled path off the blocks (as the whole
     compile is taken off) and `none` puts it back."""
-    arch = REGIONAL[0]
+    family_name = REGIONAL[0]
     eng = Engine(Settings(data_dir=data_dir, device="cpu", compile=True, compile_backend="eager",
                           strict_forwards=True))
     params = GenerateParams("a cat", seed=7, **{**FAST, "cfg": 1.0})
     try:
-        eng.load_model(f"tiny-{arch}.safetensors")
+        eng.load_model(f"tiny-{family_name}.safetensors")
         eng.generate(params)
         status = _compiled_by_now(eng)
         assert status.phase == "compiled" and status.regions and status.mode == "default", status.note
         eng.generate(params)
         graphs = eng.snapshot().compile.compiles
-        eng.set_loras([LoraSpec(f"demo-style-{arch}", 0.8)])
+        eng.set_loras([LoraSpec(f"demo-style-{family_name}", 0.8)])
         eng.generate(params)
-        eng.set_loras([LoraSpec(f"demo-style-{arch}", 0.5)])
+        eng.set_loras([LoraSpec(f"demo-style-{family_name}", 0.5)])
         eng.generate(params)
         assert eng.snapshot().compile.compiles == graphs
-        denoiser = getattr(eng.pipeline, family(arch).denoiser)
+        denoiser = getattr(eng.pipeline, family(family_name).denoiser)
         eng.set_offload("model")
         assert eng.snapshot().compile.phase == "eager"
         assert not [m for m in denoiser.modules() if "forward" in vars(m)]
@@ -475,13 +475,13 @@ def test_compile_whole_flag_keeps_the_dit_whole(data_dir):
     is touched, the configured mode with its CUDA graphs) instead of by regions, the family's default."""
     settings = settings_from_args(build_parser().parse_args(["--compile", "--compile-whole"]))
     assert settings.compile_whole and not Settings().compile_whole
-    arch = REGIONAL[0]
+    family_name = REGIONAL[0]
     eng = Engine(Settings(data_dir=data_dir, device="cpu", compile=True, compile_backend="eager", compile_whole=True))
     try:
-        eng.load_model(f"tiny-{arch}.safetensors")
+        eng.load_model(f"tiny-{family_name}.safetensors")
         status = eng.snapshot().compile
         assert status.regions == () and status.mode == "reduce-overhead" and "blocks" not in status.note
-        denoiser = getattr(eng.pipeline, family(arch).denoiser)
+        denoiser = getattr(eng.pipeline, family(family_name).denoiser)
         assert "forward" in vars(denoiser) and not [m for m in denoiser.modules() if "forward" in vars(m)][1:]
     finally:
         eng.close()
@@ -548,13 +548,13 @@ def test_regional_inductor_blocks_match_eager_and_survive_lora_changes(tmp_path)
     """Issue 41 (6) with inductor on the GPU: a bf16 tiny DiT with twice its blocks compiles by regions
     (fewer graphs than blocks), matches its eager forward within bf16 rounding, and LoRA add/re-weight/
     remove reach the output with no new graph; removing all restores the first output exactly."""
-    arch = REGIONAL[0]
-    pipe, denoiser, runs = _deep_dit(arch, copies=2)
+    family_name = REGIONAL[0]
+    pipe, denoiser, runs = _deep_dit(family_name, copies=2)
     pipe.to("cuda", torch.bfloat16)
     call = _denoiser_call(pipe)
     plain = type(denoiser).forward.__get__(denoiser)  # the blocks' plain forwards, outside the state
-    files = _lora_files(tmp_path, denoiser, component=family(arch).denoiser, within="blocks")
-    stack = LoraStack(pipe, arch)
+    files = _lora_files(tmp_path, denoiser, component=family(family_name).denoiser, within="blocks")
+    stack = LoraStack(pipe, family_name)
     try:
         state = compiled.enable(pipe, background=False, device="cuda")
         base = _denoise(denoiser, call)

@@ -73,33 +73,35 @@ def pixels(image) -> np.ndarray:
     return np.asarray(image.image if hasattr(image, "image") else image, dtype=np.int16)
 
 
-def diffusers_pipe(data, arch: str, controlnet):
-    pipe = ORACLES[arch].from_pretrained(data / f"models/Stable-diffusion/tiny-{arch}-diffusers", controlnet=controlnet,
-                                         **family(arch).pipeline_kwargs)
+def diffusers_pipe(data, family_name: str, controlnet):
+    pipe = ORACLES[family_name].from_pretrained(data / f"models/Stable-diffusion/tiny-{family_name}-diffusers",
+                                                controlnet=controlnet,
+                                                **family(family_name).pipeline_kwargs)
     pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_our_image_equals_diffusers_controlnet_pipeline_and_weight_0_is_no_controlnet(engine, data, arch):
+@pytest.mark.parametrize("family_name", ["sd15", "sdxl"])
+def test_our_image_equals_diffusers_controlnet_pipeline_and_weight_0_is_no_controlnet(engine, data, family_name):
     """The oracle: with one unit, our image (fp32, CPU) is diffusers' `StableDiffusion[XL]ControlNetPipeline`'s on
     the same weights, seed and settings, bit for bit. Weight 0 gives the image without ControlNet bit for bit (the
     residuals are exact zeros); another control image gives another image; the infotext names the unit as the
     extension writes it and PNG Info reads it back."""
-    engine.load_model(f"tiny-{arch}-diffusers")
-    model = f"tiny-{arch}-controlnet"
+    engine.load_model(f"tiny-{family_name}-diffusers")
+    model = f"tiny-{family_name}-controlnet"
     ours = engine.generate(params(ControlUnit(model, picture(1))))[0]
     net = ControlNetModel.from_pretrained(data / f"models/ControlNet/{model}")
-    theirs = diffusers_pipe(data, arch, net)("a red cube", image=picture(1), height=64, width=64, num_inference_steps=3,
-                                             guidance_scale=7.0, generator=torch.Generator().manual_seed(7)).images[0]
+    theirs = diffusers_pipe(data, family_name, net)("a red cube", image=picture(1), height=64, width=64,
+                                                    num_inference_steps=3, guidance_scale=7.0,
+                                                    generator=torch.Generator().manual_seed(7)).images[0]
     assert np.array_equal(pixels(ours), pixels(theirs))
     plain = engine.generate(params())[0]
     zero = engine.generate(params(ControlUnit(model, picture(1), weight=0.0)))[0]
     other = engine.generate(params(ControlUnit(model, picture(2))))[0]
     assert np.array_equal(pixels(zero), pixels(plain))
     assert not np.array_equal(pixels(ours), pixels(plain)) and not np.array_equal(pixels(other), pixels(ours))
-    title = engine.controlnet_models(arch)[0]
+    title = engine.controlnet_models(family_name)[0]
     assert f'ControlNet 0: "Module: none, Model: {title}, Weight: 1, Resize Mode: Crop and Resize, Processor Res: ' \
            '512, Threshold A: -1, Threshold B: -1, Guidance Start: 0, Guidance End: 1, Pixel Perfect: False, Control ' \
            'Mode: Balanced"' in ours.infotext
@@ -295,15 +297,15 @@ def test_model_offload_keeps_the_controlnet_beside_the_denoiser(data, monkeypatc
 
 
 def test_the_demo_writes_a_tiny_controlnet_for_every_family_with_a_kit(data):
-    """`app.demo` writes `tiny-<arch>-controlnet` (a diffusers folder) for each family declaring ControlNet
+    """`app.demo` writes `tiny-<family>-controlnet` (a diffusers folder) for each family declaring ControlNet
     support, each listed with its `name [hash]` title and recognised as made for that family by its shapes."""
     library = ControlNetLibrary(data / "models/ControlNet")
-    kits = [arch for arch in FAMILIES if family(arch).controlnet is not None]
+    kits = [family_name for family_name in FAMILIES if family(family_name).controlnet is not None]
     assert {"sd15", "sdxl"} <= set(kits)
-    for arch in kits:
-        entry = library.resolve(f"tiny-{arch}-controlnet")
+    for family_name in kits:
+        entry = library.resolve(f"tiny-{family_name}-controlnet")
         fits = library.facts(entry)[1]
-        assert entry.folder and arch in fits and library.title(entry) in library.titles(arch)
+        assert entry.folder and family_name in fits and library.title(entry) in library.titles(family_name)
         assert all(library.title(entry) not in library.titles(other) for other in kits if other not in fits)
 
 

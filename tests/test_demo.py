@@ -46,17 +46,17 @@ def test_tiny_pipeline_is_deterministic_per_seed_and_leaves_global_rng_alone():
     assert not torch.equal(first["unet.conv_in.weight"], other["unet.conv_in.weight"])
 
 
-def test_tiny_pipeline_rejects_unknown_architecture():
+def test_tiny_pipeline_rejects_unknown_family():
     """Only registered families have tiny versions; the error lists them."""
     with pytest.raises(ValueError, match="sd15"):
         demo.build_tiny_pipeline("sd3")
 
 
-@pytest.mark.parametrize("arch", list(FAMILIES))
-def test_tiny_pipeline_draws_a_prompt_dependent_image(arch):
+@pytest.mark.parametrize("family_name", list(FAMILIES))
+def test_tiny_pipeline_draws_a_prompt_dependent_image(family_name):
     """Random weights still give images with structure that change with the prompt, so tests that
     compare images (LoRA on/off, seeds, batches) can see a difference."""
-    pipe = demo.build_tiny_pipeline(arch)
+    pipe = demo.build_tiny_pipeline(family_name)
     cat, dog = _image(pipe, "a photo of a cat"), _image(pipe, "a painting of a dog")
     assert cat.shape == (DEMO_SIDE, DEMO_SIDE, 3)
     assert cat.std() > DEMO_MIN_STD
@@ -83,26 +83,26 @@ def test_write_demo_creates_the_a1111_layout(demo_dir, demo_paths):
     checkpoints = demo_dir / "models" / "Stable-diffusion"
     names = [info.name for info in checkpoint_files.discover_checkpoints(checkpoints)]
     layouts = {"folder": "tiny-{}-diffusers", "file": "tiny-{}.safetensors"}
-    expected = [name for arch, fam in FAMILIES.items()
-                for name in (*(layouts[layout].format(arch) for layout in fam.files.layouts),
-                             *([f"tiny-{arch}-inpainting.safetensors"]
+    expected = [name for family_name, fam in FAMILIES.items()
+                for name in (*(layouts[layout].format(family_name) for layout in fam.files.layouts),
+                             *([f"tiny-{family_name}-inpainting.safetensors"]
                                if fam.test_kit.tiny_inpainting_channels else []))]
     assert names == sorted(expected)
     assert "tiny-sd15-inpainting.safetensors" in names
     assert (demo_dir / "models" / "Lora").is_dir()
     assert demo_paths["lora_dir"] == demo_dir / "models" / "Lora"
     assert sorted(p.name for p in (demo_dir / "embeddings").iterdir()) == sorted(
-        f"tiny-{arch}-embedding.safetensors" for arch, fam in FAMILIES.items() if fam.files.takes_embeddings)
+        f"tiny-{name}-embedding.safetensors" for name, fam in FAMILIES.items() if fam.files.takes_embeddings)
 
 
-@pytest.mark.parametrize("arch", [arch for arch, fam in FAMILIES.items() if "file" in fam.files.layouts])
-def test_demo_single_file_is_the_family_layout_with_embedded_configs(demo_paths, arch):
+@pytest.mark.parametrize("family_name", [name for name, fam in FAMILIES.items() if "file" in fam.files.layouts])
+def test_demo_single_file_is_the_family_layout_with_embedded_configs(demo_paths, family_name):
     """Single files look like real checkpoints (the family's markers: LDM keys for SD, the all-in-one
     layout for Flux) and carry the tiny configs they were built from."""
-    fam = family(arch)
-    with safe_open(str(demo_paths[f"{arch}_file"]), "pt") as handle:
+    fam = family(family_name)
+    with safe_open(str(demo_paths[f"{family_name}_file"]), "pt") as handle:
         keys, metadata = set(handle.keys()), handle.metadata()
-    assert checkpoint_files.detect_architecture(keys) == arch
+    assert checkpoint_files.detect_family(keys) == family_name
     configs = json.loads(metadata[models.CONFIGS_METADATA_KEY])
     assert set(configs) == {*fam.components, "vae"} == set(fam.test_kit.tiny_configs)
     tiny = json.loads(json.dumps(fam.test_kit.tiny_configs[fam.denoiser]))  # tuples as JSON lists
@@ -121,10 +121,10 @@ def test_write_demo_calls_the_lora_writer_once_per_family(tmp_path):
     """LoRA files come from app/adapters through this hook, given the Lora folder and each tiny pipeline."""
     calls = []
     demo.write_demo(
-        tmp_path, lora_writer=lambda folder, pipe, arch: calls.append((folder, type(pipe).__name__, arch))
+        tmp_path, lora_writer=lambda folder, pipe, family_name: calls.append((folder, type(pipe).__name__, family_name))
     )
     lora_dir = tmp_path.resolve() / "models" / "Lora"
-    assert calls == [(lora_dir, fam.plain_pipeline_class.__name__, arch) for arch, fam in FAMILIES.items()]
+    assert calls == [(lora_dir, fam.plain_pipeline_class.__name__, name) for name, fam in FAMILIES.items()]
 
 
 def test_cli_writes_into_the_given_folder(tmp_path, monkeypatch, capsys):

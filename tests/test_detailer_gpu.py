@@ -49,7 +49,7 @@ def _timed(engine: Engine, run) -> tuple[float, int]:
 
 @pytest.mark.parametrize("full_model", ["sd15"], indirect=True)
 def test_a_face_pass_costs_no_more_than_an_inpaint_of_its_crop(full_model):  # noqa: F811
-    _arch, data_dir = full_model
+    _family_name, data_dir = full_model
     ramp = np.linspace(0, 255, 512, dtype=np.uint8)
     photo = Image.fromarray(np.stack([np.tile(ramp, (512, 1)), np.tile(ramp, (512, 1)).T,
                                       np.full((512, 512), 120, np.uint8)], axis=-1))

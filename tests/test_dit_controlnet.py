@@ -171,8 +171,8 @@ def test_xlabs_file_reads_to_the_model_it_was_written_from(tmp_path):
     assert all(torch.equal(read.state_dict()[k], state[k]) for k in state)
 
 
-def _loaded(folder, name: str, tensors: dict, arch: str) -> torch.nn.Module:
-    """`tensors` saved as a single file and read by the engine's ControlNet loader for `arch`."""
+def _loaded(folder, name: str, tensors: dict, family_name: str) -> torch.nn.Module:
+    """`tensors` saved as a single file and read by the engine's ControlNet loader for `family_name`."""
     from safetensors.torch import save_file
 
     from app.controlnet import loading
@@ -180,7 +180,7 @@ def _loaded(folder, name: str, tensors: dict, arch: str) -> torch.nn.Module:
 
     path = folder / f"{name}.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, path)
-    return loading.load(ControlNetEntry(name, path, path), family(arch), torch.float32)
+    return loading.load(ControlNetEntry(name, path, path), family(family_name), torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ Z-Image

@@ -178,13 +178,14 @@ def test_vae_upcasts_only_where_diffusers_does(engine):
     as diffusers' SDXL pipeline does; in bf16, and for SD1.5 (whose pipeline never upcasts), it
     computes in the model's dtype, so it takes no second cast at load and no fp32 memory."""
     cuda = torch.device("cuda")  # a plan is data: it can name a GPU on a machine without one
-    for arch, dtype, vae_dtype in (("sdxl", torch.float16, torch.float32), ("sdxl", torch.bfloat16, torch.bfloat16),
-                                   ("sd15", torch.float16, torch.float16)):
-        pipe = build_tiny_pipeline(arch)
-        pipe.family = family(arch)
+    for family_name, dtype, vae_dtype in (("sdxl", torch.float16, torch.float32),
+                                          ("sdxl", torch.bfloat16, torch.bfloat16),
+                                          ("sd15", torch.float16, torch.float16)):
+        pipe = build_tiny_pipeline(family_name)
+        pipe.family = family(family_name)
         assert pipe.vae.config.force_upcast
         plan = placement.plan_placement(pipe, dtype, cuda, "none", moves_weights=False)
-        assert (plan.expected("vae").dtype, plan.expected("unet").dtype) == (vae_dtype, dtype), arch
+        assert (plan.expected("vae").dtype, plan.expected("unet").dtype) == (vae_dtype, dtype), family_name
     engine.load_model("tiny-sdxl.safetensors", dtype="bf16")
     assert {p.dtype for p in engine.pipeline.vae.parameters()} == {torch.bfloat16}
     assert engine.generate(GenerateParams("a cat", seed=1, **FAST))

@@ -19,7 +19,7 @@ from app.adapters.synthetic import ALGORITHMS, Layer
 from app.demo import build_tiny_pipeline
 from app.hooks import HookRegistry
 
-ARCH, RANK, ALPHA, STRENGTH = "flux-dev", 4, 2.0, 0.7
+FAMILY, RANK, ALPHA, STRENGTH = "flux-dev", 4, 2.0, 0.7
 # BFL module -> (diffusers parts in row order) for block 0, as BFL's and diffusers' code define them.
 FUSED = {
     "double_blocks.0.img_attn.qkv": ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k",
@@ -35,7 +35,7 @@ FUSED = {
 
 @pytest.fixture(scope="module")
 def pipe():
-    return build_tiny_pipeline(ARCH)
+    return build_tiny_pipeline(FAMILY)
 
 
 def _weight(pipe, path: str, component: str = "transformer") -> torch.Tensor:
@@ -54,7 +54,7 @@ def _lora_factors(out: int, inp: int, seed: int) -> tuple[torch.Tensor, torch.Te
 def _apply(pipe, tmp_path, name: str, tensors: dict, metadata: dict | None = None, bypass=frozenset()):
     path = tmp_path / f"{name}.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
-    stack = LoraStack(pipe, ARCH, torch.device("cpu"), hooks=HookRegistry(), bypass=bypass)
+    stack = LoraStack(pipe, FAMILY, torch.device("cpu"), hooks=HookRegistry(), bypass=bypass)
     file = read_adapter(name, path)
     reports = stack.reconcile((LoraSpec(name, STRENGTH),), {name: file})
     return stack, reports[name], file
@@ -162,7 +162,7 @@ def test_peft_written_by_peft(pipe, tmp_path):
     from diffusers import FluxPipeline
     from peft.utils import get_peft_model_state_dict
 
-    fresh = build_tiny_pipeline(ARCH)
+    fresh = build_tiny_pipeline(FAMILY)
     config = peft.LoraConfig(r=RANK, lora_alpha=8, target_modules=["to_q", "to_k", "proj_mlp"], init_lora_weights=False)
     fresh.transformer.add_adapter(config)
     state = get_peft_model_state_dict(fresh.transformer)
@@ -171,7 +171,7 @@ def test_peft_written_by_peft(pipe, tmp_path):
     targeted = [p for p, _m in pipe.transformer.named_modules() if p.endswith(("to_q", "to_k", "proj_mlp"))]
     before = {p: _weight(pipe, p).clone() for p in targeted}
     file = read_adapter("peft", tmp_path / "peft.safetensors")
-    stack = LoraStack(pipe, ARCH, torch.device("cpu"))
+    stack = LoraStack(pipe, FAMILY, torch.device("cpu"))
     report = stack.reconcile((LoraSpec("peft", STRENGTH),), {"peft": file})["peft"]
     assert report.matched_layers == len(before) and "metadata" in report.scale_source
     for path, w0 in before.items():
@@ -222,7 +222,7 @@ def test_lycoris_algorithms_on_fused_bfl_layers(pipe, tmp_path, algo):
 def test_bypass_equals_fused_and_fp32_glora_on_bf16(tmp_path, dtype):
     """The same file fused and as bypass forwards (what sequential/group offload use) gives the same
     layer outputs; an fp32 GLoRA on a bf16 Flux applies both ways without a dtype error."""
-    pipe = build_tiny_pipeline(ARCH).to(dtype)
+    pipe = build_tiny_pipeline(FAMILY).to(dtype)
     g = torch.Generator().manual_seed(4)
     tensors = {}
     for bfl in ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear1"):

@@ -60,26 +60,26 @@ def _stored_digest(engine) -> str:
     return h.hexdigest()
 
 
-def _widen_by_hand(engine, arch: str) -> None:
+def _widen_by_hand(engine, family_name: str) -> None:
     """What fp8 storage means, done by hand on a full-precision engine: each stored weight cast to
     fp8 and back (outside the engine's knowledge: only the values change, not the dtypes)."""
-    for component, paths in storage.layers_to_store(engine.pipeline, family(arch), "fp8").items():
+    for component, paths in storage.layers_to_store(engine.pipeline, family(family_name), "fp8").items():
         root = getattr(engine.pipeline, component)
         for path in paths:
             weight = root.get_submodule(path).weight
             weight.data.copy_(weight.data.to(FP8).to(weight.dtype))
 
 
-@pytest.mark.parametrize("arch", ["sd15"])  # the conformance suite runs fp8 in every mode for every family
-def test_fp8_storage_draws_what_the_widened_weights_draw_in_every_offload_mode(engines, arch):
+@pytest.mark.parametrize("family_name", ["sd15"])  # the conformance suite runs fp8 in every mode for every family
+def test_fp8_storage_draws_what_the_widened_weights_draw_in_every_offload_mode(engines, family_name):
     fp8, full = engines
-    full.load_model(CHECKPOINTS[arch])
-    _widen_by_hand(full, arch)
+    full.load_model(CHECKPOINTS[family_name])
+    _widen_by_hand(full, family_name)
     reference = np.asarray(full.generate(PARAMS)[0].image)
     full.unload()
-    snap = fp8.load_model(CHECKPOINTS[arch])
+    snap = fp8.load_model(CHECKPOINTS[family_name])
     stored = _stored_digest(fp8)
-    layers = storage.layers_to_store(fp8.pipeline, family(arch), "fp8")
+    layers = storage.layers_to_store(fp8.pipeline, family(family_name), "fp8")
     assert snap.stored_layers == sum(map(len, layers.values())) > 0
     assert snap.bytes_saved == sum(getattr(fp8.pipeline, c).get_submodule(p).weight.numel()
                                    for c, paths in layers.items() for p in paths)  # 2 bytes -> 1

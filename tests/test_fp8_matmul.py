@@ -144,8 +144,9 @@ def _bypassed_fp8_layers(engine) -> list[tuple[str, str, torch.nn.Module]]:
     return [(c, p, m) for c, p, m in found if fp8_matmul.SCALE in m._buffers]
 
 
-def _checkpoint(arch: str) -> str:
-    return f"tiny-{arch}.safetensors" if "file" in family(arch).files.layouts else f"tiny-{arch}-diffusers"
+def _checkpoint(family_name: str) -> str:
+    single = "file" in family(family_name).files.layouts
+    return f"tiny-{family_name}.safetensors" if single else f"tiny-{family_name}-diffusers"
 
 
 # Krea 2's tiny model under fp8-compute: PSNR 28.4 dB against bf16 (bar 22) but SSIM 0.816 (bar 0.85) in the clean-clone
@@ -153,26 +154,27 @@ def _checkpoint(arch: str) -> str:
 KNOWN_BELOW_BAR = {"krea-2": "fp8-compute SSIM 0.816 < 0.85 on the tiny model (PSNR 28.4 dB): under investigation"}
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.xfail(reason=KNOWN_BELOW_BAR[a], strict=True))
-                                  if a in KNOWN_BELOW_BAR else a for a in sorted(FAMILIES)])
-def test_the_image_stays_close_to_bf16_in_every_family(engines, arch, record_property):
+@pytest.mark.parametrize("family_name", [
+    pytest.param(a, marks=pytest.mark.xfail(reason=KNOWN_BELOW_BAR[a], strict=True)) if a in KNOWN_BELOW_BAR else a
+    for a in sorted(FAMILIES)])
+def test_the_image_stays_close_to_bf16_in_every_family(engines, family_name, record_property):
     """PSNR and SSIM of fp8-compute and of fp8 storage against the same model in bf16 (tiny random
     weights, 64², 2 steps): fp8-compute quantises the inputs too, so it may differ more than storage,
     but stays a recognisably identical image. Figures in the test's properties (`-rA` shows them)."""
-    fam = family(arch)
+    fam = family(family_name)
     params = GenerateParams("a red cube", seed=7, steps=2, width=64, height=64, sampler=fam.sampling.default_sampler,
                             cfg=fam.sampling.default_guidance)
     images = {}
     for weights, engine in engines.items():
-        snap = engine.load_model(_checkpoint(arch))
+        snap = engine.load_model(_checkpoint(family_name))
         images[weights] = np.asarray(engine.generate(params)[0].image)
         if weights == "fp8-compute":
             assert snap.matmul_layers > 0 and snap.violations_found_total == 0
         engine.unload()
     for weights in ("fp8", "fp8-compute"):
         quality = psnr(images[weights], images["full"]), ssim(images[weights], images["full"])
-        record_property(f"{arch} {weights} PSNR dB, SSIM", quality)
-        print(f"{arch} {weights}: PSNR {quality[0]:.2f} dB, SSIM {quality[1]:.4f}")
+        record_property(f"{family_name} {weights} PSNR dB, SSIM", quality)
+        print(f"{family_name} {weights}: PSNR {quality[0]:.2f} dB, SSIM {quality[1]:.4f}")
         assert quality[0] >= 22 and quality[1] >= 0.85, (weights, quality)
 
 

@@ -17,7 +17,7 @@ the ones that do not fit (set aside, re-applied on switching back). After every 
   offload mode, the snapshot reports no violation found (none is ever injected here, so even a
   repaired one would mean some code path misplaced a tensor) and the last history row is `ok`
   (or, for an action the engine must refuse, `failed, rolled back` with the state intact);
-* the snapshot equals the desired state: model, architecture, dtype (fp16 on the CPU is stored
+* the snapshot equals the desired state: model, family, dtype (fp16 on the CPU is stored
   as fp32 by policy), requested dtype, offload mode, applied LoRAs;
 * weights, bit for bit: with no LoRA every tensor equals a freshly loaded pipeline at that dtype
   (the checkpoint) and the LoRA stack holds no backup; with LoRAs every tensor equals a fresh
@@ -76,8 +76,8 @@ from app.upscalers import files as upscaler_files
 from app.upscalers.demo import DEMO_FOLDER, DEMO_NAME
 from app.upscalers.extras import ExtrasParams
 
-ARCHS = ("sd15", "sdxl", "flux-dev", "zimage-turbo", "flux2-klein-4b")
-MODELS = {arch: f"tiny-{arch}.safetensors" for arch in ARCHS}
+FAMILY_NAMES = ("sd15", "sdxl", "flux-dev", "zimage-turbo", "flux2-klein-4b")
+MODELS = {family_name: f"tiny-{family_name}.safetensors" for family_name in FAMILY_NAMES}
 # Strengths a slider or the API can send: zero, negative, above one, beyond the slider range.
 STRENGTHS = (0.0, 1.0, 0.5, -1.0, 1.1, 2.5, -0.3, 4.0)
 # (file stem suffix, algorithm, key layout, stored dtype): every algorithm once, plain LoRA in
@@ -111,35 +111,35 @@ WEIGHTED_ACTIONS = tuple(a for a, n in ACTION_WEIGHTS.items() for _ in range(n))
 
 def make_fuzz_data(demo_dir: Path, target: Path) -> Path:
     """A data folder with the demo checkpoints (hard links) and one adapter file per entry of
-    `ADAPTERS` and architecture, written against the same tiny pipelines the checkpoints hold
+    `ADAPTERS` and family, written against the same tiny pipelines the checkpoints hold
     (a DiT has no convolutions and no LDM names: the Tucker and LDM-named entries are left out)."""
     for sub in ("models/Stable-diffusion", "embeddings", f"models/{DEMO_FOLDER}"):
         shutil.copytree(demo_dir / sub, target / sub, copy_function=os.link)
     lora_dir = target / "models" / "Lora"
-    for arch in ARCHS:
-        pipe = build_tiny_pipeline(arch)  # seed 0, like the demo checkpoints
-        targets = family(arch).test_kit.lora_targets
+    for family_name in FAMILY_NAMES:
+        pipe = build_tiny_pipeline(family_name)  # seed 0, like the demo checkpoints
+        targets = family(family_name).test_kit.lora_targets
         for i, (stem, algo, layout, dtype) in enumerate(ADAPTERS):
-            if family(arch).denoiser != "unet" and ("tucker" in algo or layout == "kohya_ldm"):
+            if family(family_name).denoiser != "unet" and ("tucker" in algo or layout == "kohya_ldm"):
                 continue
             # A cyclic window of the default targets: adapters overlap partly, as real ones do,
             # and each touches ~10 layers (re-fusing cost grows with layers × stacked adapters).
             window = tuple(targets[(2 * i + k) % len(targets)] for k in range(5))
             kwargs = dict(seed=100 + i, alpha=2.0 if i % 2 else None, strength=0.5)
-            path = lora_dir / f"{arch}-{stem}.safetensors"
+            path = lora_dir / f"{family_name}-{stem}.safetensors"
             for chosen in (window, targets):  # a window may hold no layer the algorithm applies to (norm, Tucker)
                 try:
-                    write_adapter(path, pipe, arch, algo, layout, dtype, targets=chosen, **kwargs)
+                    write_adapter(path, pipe, family_name, algo, layout, dtype, targets=chosen, **kwargs)
                     break
                 except ValueError:
                     continue  # neither does the family (a norm adapter on Z-Image, whose norms are all RMSNorm)
     return target
 
 
-def lora_names(data_dir: Path, arch: str | None = None) -> tuple[str, ...]:
-    """The adapter files of the fuzz's data folder (those written for `arch`, or all)."""
+def lora_names(data_dir: Path, family_name: str | None = None) -> tuple[str, ...]:
+    """The adapter files of the fuzz's data folder (those written for `family_name`, or all)."""
     names = sorted(p.stem for p in (data_dir / "models" / "Lora").glob("*.safetensors"))
-    return tuple(n for n in names if arch is None or n.startswith(f"{arch}-"))
+    return tuple(n for n in names if family_name is None or n.startswith(f"{family_name}-"))
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -201,7 +201,8 @@ class References:
         self.engine(model, dtype, weights)
         return self._checkpoint[(model, dtype, weights)]
 
-    def fused_digests(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...], weights: str = "full"):
+    def fused_digests(self, model: str, dtype: str, family_name: str, specs: tuple[LoraSpec, ...],
+                      weights: str = "full"):
         """{(component, module): digest of weight+bias} of a fresh fuse of `specs` (with fp8 weights, a
         fresh bypass: fusing into 8-bit weights is never done; the digests are then the checkpoint's)."""
         key = (model, dtype, specs, weights)
@@ -210,7 +211,7 @@ class References:
         eng = self.engine(model, dtype, weights)
         pipe, pristine = eng.pipeline, self._pristine[(model, dtype, weights)]
         # fusion math on the compute device, as the engine does
-        stack = LoraStack(pipe, arch, eng.device, bypass=offload.bypass_components(eng.placement_plan))
+        stack = LoraStack(pipe, family_name, eng.device, bypass=offload.bypass_components(eng.placement_plan))
         files = {s.name: eng.library.open(s.name) for s in specs}
         for spec in specs:
             for target in stack.prepare(spec.name, files[spec.name]).layers:
@@ -225,9 +226,9 @@ class References:
         self._fused[key] = digests
         return digests
 
-    def probes(self, model: str, dtype: str, arch: str, specs: tuple[LoraSpec, ...], weights: str = "full"):
+    def probes(self, model: str, dtype: str, family_name: str, specs: tuple[LoraSpec, ...], weights: str = "full"):
         """{(component, module): output of the freshly fused layer on its probe input}."""
-        self.fused_digests(model, dtype, arch, specs, weights)
+        self.fused_digests(model, dtype, family_name, specs, weights)
         return self._probes[(model, dtype, specs, weights)]
 
     def close(self) -> None:
@@ -235,7 +236,7 @@ class References:
             eng.close()
 
 
-def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arch: str,
+def assert_weights(engine: Engine, refs: References, model: str, dtype: str, family_name: str,
                    specs: tuple[LoraSpec, ...], weights: str) -> None:
     """Every tensor of the engine's pipeline equals the checkpoint's bit for bit, except the
     weight and bias of modules a fresh fuse of `specs` patches, which equal that fuse bit for bit
@@ -243,7 +244,7 @@ def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arc
     depend on where a weight rested when it was fused). Under a streamed offload mode LoRAs are
     bypass forwards: then every stored tensor is the checkpoint's, the bypassed layers are the
     fresh fuse's, and their outputs on a probe input equal the fresh fuse's within rounding."""
-    fused = refs.fused_digests(model, dtype, arch, specs, weights) if specs else {}
+    fused = refs.fused_digests(model, dtype, family_name, specs, weights) if specs else {}
     stack = engine.lora_stack
     bypass = bool(stack.bypass_components)
     checkpoint = refs.checkpoint(model, dtype, weights)
@@ -261,7 +262,7 @@ def assert_weights(engine: Engine, refs: References, model: str, dtype: str, arc
         return
     assert set(stack.bypassed()) == set(fused), "bypassed layers differ from a fresh fuse's patched layers"
     tolerance = {torch.float32: 2e-5}.get(placement.DTYPES[dtype], 4e-2)
-    for target, want in (refs.probes(model, dtype, arch, specs, weights) if specs else {}).items():
+    for target, want in (refs.probes(model, dtype, family_name, specs, weights) if specs else {}).items():
         got = layer_output(_module(engine.pipeline, target), engine.pipeline.compute_dtypes[target[0]])
         assert float((got - want).abs().max()) <= tolerance * float(want.abs().max()), f"{target}: bypass != fuse"
 
@@ -277,17 +278,17 @@ class FuzzConfig:
     refused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     upscaler_file: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the demo upscaler's tensors
     upscaler_model: object = None  # spandrel's descriptor of it (for its dtype rule)
-    # The architectures loads draw from, in this order: the two halves of the CPU budget draw the same
+    # The families loads draw from, in this order: the two halves of the CPU budget draw the same
     # random choices, so each half lists them in its own order to walk different sequences.
-    archs: tuple[str, ...] = ARCHS
+    families: tuple[str, ...] = FAMILY_NAMES
 
     def __post_init__(self) -> None:
-        """Sort every adapter file, per loaded architecture, into usable or refused by asking the
+        """Sort every adapter file, per loaded family, into usable or refused by asking the
         engine (`inspect_lora`): the synthetic SDXL files that touch only layers SD1.5 has with the
         same shapes (Tucker convs, say) legitimately fit both, and are usable on both."""
-        for arch in ARCHS:
+        for family_name in FAMILY_NAMES:
             dtype = placement.dtype_name(placement.resolve_dtype(self.dtypes[0], torch.device(self.device)))
-            eng = self.refs.engine(MODELS[arch], dtype)
+            eng = self.refs.engine(MODELS[family_name], dtype)
             usable, refused = [], []
             for name in lora_names(self.data_dir):
                 try:
@@ -295,8 +296,8 @@ class FuzzConfig:
                     usable.append(name)
                 except LoraApplyError:
                     refused.append(name)
-            assert set(lora_names(self.data_dir, arch)) <= set(usable), refused
-            self.usable[arch], self.refused[arch] = tuple(usable), tuple(refused)
+            assert set(lora_names(self.data_dir, family_name)) <= set(usable), refused
+            self.usable[family_name], self.refused[family_name] = tuple(usable), tuple(refused)
         path = self.data_dir / "models" / DEMO_FOLDER / f"{DEMO_NAME}.safetensors"
         self.upscaler_file = upscaler_files.read_state_dict(path)
         self.upscaler_model = upscaler_arch.describe(self.upscaler_file, DEMO_NAME)
@@ -313,7 +314,7 @@ class EngineMachine(RuleBasedStateMachine):
         # Strict forwards: every module's forward checks its tensors' placement (app/engine/strict.py).
         self.engine = Engine(Settings(data_dir=cfg.data_dir, device=cfg.device, strict_forwards=True))
         self.model: str | None = None
-        self.arch = "sd15"  # the architecture LoRA choices are made for (kept across unload)
+        self.family = "sd15"  # the family LoRA choices are made for (kept across unload)
         self.requested = "auto"
         self.offload = "none"
         self.weights = "full"
@@ -346,11 +347,11 @@ class EngineMachine(RuleBasedStateMachine):
         self.requested = dtype
 
     def _usable(self) -> tuple[str, ...]:
-        return self.config.usable[self.arch]
+        return self.config.usable[self.family]
 
     def _sampler(self, data) -> str:
-        """A sampler the architecture has (Flux: flow-match Euler only)."""
-        own = family(self.arch).sampling.samplers
+        """A sampler the family has (Flux: flow-match Euler only)."""
+        own = family(self.family).sampling.samplers
         return data.draw(st.sampled_from([s for s in SAMPLERS if s in own]), label="sampler")
 
     def _spec(self, data, name: str) -> LoraSpec:
@@ -358,8 +359,8 @@ class EngineMachine(RuleBasedStateMachine):
         te = data.draw(st.one_of(st.none(), st.sampled_from(STRENGTHS)), label="te_weight")
         return LoraSpec(name, weight=weight, te_weight=te)
 
-    def _fitting(self, specs: tuple[LoraSpec, ...], arch: str) -> tuple[LoraSpec, ...]:
-        return tuple(s for s in specs if s.name in self.config.usable[arch])
+    def _fitting(self, specs: tuple[LoraSpec, ...], family_name: str) -> tuple[LoraSpec, ...]:
+        return tuple(s for s in specs if s.name in self.config.usable[family_name])
 
     def _set(self, specs: tuple[LoraSpec, ...]) -> None:
         """set_loras: with a model loaded, a list holding a LoRA that cannot apply to it (made for
@@ -379,23 +380,23 @@ class EngineMachine(RuleBasedStateMachine):
         self.desired = specs
         self.applied = specs if self.model else ()
 
-    def _load(self, arch: str, dtype: str | None) -> None:
+    def _load(self, family_name: str, dtype: str | None) -> None:
         """load_model: the desired list is re-applied minus what does not fit the new model (set
         aside, not fatal: switching back re-applies it)."""
         self._count("load_model")
-        self.engine.load_model(MODELS[arch], dtype=dtype)
-        self.model, self.arch = MODELS[arch], arch
+        self.engine.load_model(MODELS[family_name], dtype=dtype)
+        self.model, self.family = MODELS[family_name], family_name
         self._requested(dtype or self.requested)
-        self.applied = self._fitting(self.desired, arch)
+        self.applied = self._fitting(self.desired, family_name)
         if len(self.applied) < len(self.desired):
             self.config.stats["set_aside"] += 1
 
     # ------------------------------------------------------------------ actions
     @initialize(data=st.data())
     def first_load(self, data) -> None:
-        arch = data.draw(st.sampled_from(self.config.archs), label="arch")
+        family_name = data.draw(st.sampled_from(self.config.families), label="family")
         self.requested = data.draw(st.sampled_from(self.config.dtypes), label="dtype")
-        self._load(arch, self.requested)
+        self._load(family_name, self.requested)
 
     @rule(action=st.sampled_from(WEIGHTED_ACTIONS), data=st.data())
     def act(self, action: str, data) -> None:
@@ -427,7 +428,7 @@ class EngineMachine(RuleBasedStateMachine):
         """Insert a LoRA the loaded model cannot take (other architecture, or a missing file) into
         the current list; with no model loaded the list is simply stored."""
         listed = {s.name for s in self.desired}  # a duplicate would be refused before queueing
-        bad = data.draw(st.sampled_from([n for n in (*self.config.refused[self.arch], "missing-lora")
+        bad = data.draw(st.sampled_from([n for n in (*self.config.refused[self.family], "missing-lora")
                                          if n not in listed]), label="refused")
         specs = list(self.desired)
         specs.insert(data.draw(st.integers(0, len(specs)), label="at"), LoraSpec(bad, 1.0))
@@ -444,19 +445,19 @@ class EngineMachine(RuleBasedStateMachine):
         self._count("set_weights")
         self.engine.set_weights(weights)
         self.weights = weights
-        self.applied = self._fitting(self.desired, self.arch) if self.model else ()
+        self.applied = self._fitting(self.desired, self.family) if self.model else ()
 
     def _do_set_dtype(self, data) -> None:
         dtype = data.draw(st.sampled_from(self.config.dtypes), label="dtype")
         self._count("set_dtype")
         self.engine.set_dtype(dtype)
         self._requested(dtype)
-        self.applied = self._fitting(self.desired, self.arch) if self.model else ()
+        self.applied = self._fitting(self.desired, self.family) if self.model else ()
 
     def _do_load_model(self, data) -> None:
-        arch = data.draw(st.sampled_from(self.config.archs), label="arch")
+        family_name = data.draw(st.sampled_from(self.config.families), label="family")
         dtype = data.draw(st.one_of(st.none(), st.sampled_from(self.config.dtypes)), label="dtype")
-        self._load(arch, dtype)
+        self._load(family_name, dtype)
 
     def _do_unload(self, data) -> None:
         self._count("unload")
@@ -485,7 +486,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(images) == 1 and images[0].image.size == (64, 64)
         merged = {s.name: s for s in self.desired}
         merged.update({s.name: s for s in tags})
-        for spec in self._fitting(tuple(merged.values()), self.arch):  # the run carried every fitting tag
+        for spec in self._fitting(tuple(merged.values()), self.family):  # the run carried every fitting tag
             assert f"{spec.name}: {spec.unet_strength:g}" in images[0].infotext, (spec, images[0].infotext)
 
     def _workflow(self, data, action: str, run) -> None:
@@ -569,7 +570,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         dtype = placement.dtype_name(placement.resolve_dtype(self.requested, self.engine.device))
         assert snap.state == EngineState.READY.value
-        assert (snap.model, snap.arch, snap.dtype) == (self.model, self.arch, dtype)
+        assert (snap.model, snap.family, snap.dtype) == (self.model, self.family, dtype)
         assert snap.loras == self.applied, (snap.loras, self.applied)
         for spec in self.applied:
             counters = snap.lora_counters[spec.name]
@@ -580,7 +581,7 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             return
         snap = self.engine.snapshot()
-        stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
+        stored = storage.layers_to_store(self.engine.pipeline, family(self.family), self.weights)
         plan = offload.plan_for(self.engine.pipeline, placement.DTYPES[snap.dtype], self.engine.device,
                                 snap.offload, stored=storage.dtypes(stored))
         # Which components an offload strategy keeps on the GPU between commands is its own call
@@ -594,7 +595,7 @@ class EngineMachine(RuleBasedStateMachine):
         if self.model is None:
             return
         dtype = placement.dtype_name(placement.resolve_dtype(self.requested, self.engine.device))
-        assert_weights(self.engine, self.config.refs, self.model, dtype, self.arch, self.applied, self.weights)
+        assert_weights(self.engine, self.config.refs, self.model, dtype, self.family, self.applied, self.weights)
         stack = self.engine.lora_stack
         bypass = offload.MODES[self.offload].streams_weights or self.weights != "full"
         assert bool(stack.bypass_components) == bypass, (stack.bypass_components, self.offload, self.weights)
@@ -609,9 +610,9 @@ class EngineMachine(RuleBasedStateMachine):
             return
         snap = self.engine.snapshot()
         refs, specs = self.config.refs, self.applied
-        fused = refs.fused_digests(self.model, snap.dtype, self.arch, specs, self.weights) if specs else {}
+        fused = refs.fused_digests(self.model, snap.dtype, self.family, specs, self.weights) if specs else {}
         bypass = offload.MODES[self.offload].streams_weights or self.weights != "full"
-        stored = storage.layers_to_store(self.engine.pipeline, family(self.arch), self.weights)
+        stored = storage.layers_to_store(self.engine.pipeline, family(self.family), self.weights)
         model_hooks = {where: names for where, names in actual_hooks(snap).items() if where[0] != COMPONENT}
         assert model_hooks == expected_hooks(self.engine.pipeline, self.offload, set(fused) if bypass else set(),
                                              {(c, p) for c, paths in stored.items() for p in paths}, strict=True)
@@ -672,11 +673,11 @@ def fuzz_data(demo_dir, tmp_path_factory) -> Path:
 CPU_EXAMPLES, CPU_STEPS, CPU_MIN_TRANSITIONS = 16, 110, 1000
 
 
-def run_cpu_fuzz(fuzz_data: Path, record_property, archs: tuple[str, ...]) -> None:
-    """One half of the CPU budget, its loads drawn from `archs` in that order; the invariants hold after
+def run_cpu_fuzz(fuzz_data: Path, record_property, family_names: tuple[str, ...]) -> None:
+    """One half of the CPU budget, its loads drawn from `family_names` in that order; the invariants hold after
     every transition, and every action ran often enough to mean something."""
     refs = References(fuzz_data, "cpu")
-    config = FuzzConfig(fuzz_data, "cpu", DTYPE_CHOICES, refs, collections.Counter(), archs=archs)
+    config = FuzzConfig(fuzz_data, "cpu", DTYPE_CHOICES, refs, collections.Counter(), families=family_names)
     try:
         run_fuzz(config, CPU_EXAMPLES, CPU_STEPS)
     finally:
@@ -697,7 +698,7 @@ def test_fuzz_engine_api_cpu(fuzz_data, record_property):
     every offload mode, every adapter algorithm, strengths 0/negative/>1, prompt tags, debug and
     strict toggles) keep placement clean, the snapshot equal to the desired state and the weights
     bit-equal to the checkpoint or to a fresh fuse of the same LoRA list."""
-    run_cpu_fuzz(fuzz_data, record_property, ARCHS)
+    run_cpu_fuzz(fuzz_data, record_property, FAMILY_NAMES)
 
 
 @pytest.mark.gpu

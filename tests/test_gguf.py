@@ -34,7 +34,7 @@ from app.gguf_files import PACKED
 from app.settings import Settings
 from benchmarks.gguf_writer import quantise, write_gguf
 
-ARCH = "flux-dev"
+FAMILY = "flux-dev"
 KINDS = ("Q4_K", "Q5_K", "Q8_0", "Q4_0")
 WIDE = {"attention_head_dim": 128, "axes_dims_rope": (16, 56, 56)}  # a 256-wide tiny transformer
 # the layers the LoRAs touch: packed ones of every kind (feed-forward, attention) and the timestep embedder's
@@ -50,18 +50,18 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     models = root / "models" / "Stable-diffusion"
     models.mkdir(parents=True)
-    pipe = build_tiny_pipeline(ARCH)
-    fam = family(ARCH)
+    pipe = build_tiny_pipeline(FAMILY)
+    fam = family(FAMILY)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         wide = {**fam.test_kit.tiny_configs[fam.denoiser], **WIDE}
         pipe.register_modules(transformer=fam.denoiser_class(**wide).eval())
-    configs = component_configs(pipe, ARCH)
-    back, types = write_gguf(family(ARCH).single_file_state(pipe), models / "q.gguf", KINDS, configs)
+    configs = component_configs(pipe, FAMILY)
+    back, types = write_gguf(family(FAMILY).single_file_state(pipe), models / "q.gguf", KINDS, configs)
     save_file({k: v.contiguous() for k, v in back.items()}, str(models / "ref.safetensors"),
               metadata={"format": "pt", "steady_diffusion.configs": json.dumps(configs)})
     for algo in ALGOS:
-        write_adapter(root / "models" / "Lora" / f"{algo}.safetensors", pipe, ARCH, algo, targets=LORA_TARGETS,
+        write_adapter(root / "models" / "Lora" / f"{algo}.safetensors", pipe, FAMILY, algo, targets=LORA_TARGETS,
                       seed=len(algo), strength=0.5)
     return root, types
 
@@ -73,14 +73,14 @@ def engine(files):
     eng.close()
 
 
-def _params(arch: str = ARCH) -> GenerateParams:
-    fam = family(arch)
+def _params(family_name: str = FAMILY) -> GenerateParams:
+    fam = family(family_name)
     return GenerateParams(prompt="a red cube", steps=2, width=64, height=64, seed=7,
                           sampler=fam.sampling.default_sampler, cfg=fam.sampling.default_guidance)
 
 
-def _image(eng, arch: str = ARCH) -> np.ndarray:
-    return np.asarray(eng.generate(_params(arch))[0].image, dtype=np.int16)
+def _image(eng, family_name: str = FAMILY) -> np.ndarray:
+    return np.asarray(eng.generate(_params(family_name))[0].image, dtype=np.int16)
 
 
 def _packed(eng) -> dict[str, torch.Tensor]:
@@ -235,21 +235,22 @@ def _llama_qwen3_name(key: str) -> str:
     return f"blk.{index}.{_LLAMA_QWEN3[rest]}.{kind}"
 
 
-@pytest.mark.parametrize(("arch", "encoder", "llama_name"), [(ARCH, "text_encoder_2", _llama_t5_name),
-                                                              ("zimage-turbo", "text_encoder", _llama_qwen3_name)])
-def test_a_transformer_only_gguf_reads_an_encoder_gguf_in_llama_cpp_names(tmp_path, arch, encoder, llama_name):
+@pytest.mark.parametrize(("family_name", "encoder", "llama_name"),
+                         [(FAMILY, "text_encoder_2", _llama_t5_name),
+                          ("zimage-turbo", "text_encoder", _llama_qwen3_name)])
+def test_a_transformer_only_gguf_reads_an_encoder_gguf_in_llama_cpp_names(tmp_path, family_name, encoder, llama_name):
     """The set-up of city96's files: a transformer-only `.gguf` in the checkpoint folder, the T5 (or Qwen3)
     encoder as a `.gguf` in llama.cpp's names (`enc.blk.0.attn_q.weight`, `blk.0.attn_q.weight`; Q8_0) in
     models/text_encoder, the other parts as `.safetensors`. It loads (parts found by the marker through the
     part's `gguf_names`) and draws, bit for bit, what the same set-up draws with the encoder file replaced by
     a `.safetensors` of `gguf`'s dequantisation of it in the model's own names."""
-    pipe, fam = build_tiny_pipeline(arch), family(arch)
+    pipe, fam = build_tiny_pipeline(family_name), family(family_name)
     parts = {p.component: p for p in fam.files.parts}
     models = tmp_path / "models"
     for folder in ("Stable-diffusion", "text_encoder", "VAE"):
         (models / folder).mkdir(parents=True)
     write_gguf(all_in_one_state(pipe, [parts[fam.denoiser]]), models / "Stable-diffusion" / "tr.gguf", ("Q8_0",),
-               component_configs(pipe, arch))
+               component_configs(pipe, family_name))
     tied = set(getattr(getattr(pipe, encoder), "_tied_weights_keys", None) or {})
     own = {k: v for k, v in getattr(pipe, encoder).state_dict().items() if k not in tied}
     back, types = write_gguf({llama_name(k): v for k, v in own.items()}, models / "text_encoder" / "te.gguf",
@@ -262,11 +263,11 @@ def test_a_transformer_only_gguf_reads_an_encoder_gguf_in_llama_cpp_names(tmp_pa
     eng = Engine(Settings(data_dir=tmp_path, device="cpu", strict_forwards=True))
     try:
         eng.load_model("tr.gguf")  # the one such encoder file of the folder
-        first = _image(eng, arch)
+        first = _image(eng, family_name)
         plain = {k: back[llama_name(k)].contiguous() for k in own}  # gguf's dequantisation, the model's names
         save_file(plain, str(models / "text_encoder" / "te.safetensors"))
         eng.set_model_parts({encoder: "te.safetensors"})
-        assert np.array_equal(_image(eng, arch), first)
+        assert np.array_equal(_image(eng, family_name), first)
     finally:
         eng.close()
 
@@ -313,15 +314,15 @@ def test_bad_gguf_files_are_refused_by_name_and_the_loaded_model_stays(engine, f
 BOUNDS = {"gguf Q8_0": 0.55, "gguf Q4_K": 0.32, "int8": 0.52}  # resting bytes per layer / bf16, issue 40
 
 
-@pytest.mark.parametrize("arch", [name for name, fam in FAMILIES.items()
-                                  if fam.files.parts and fam.test_kit.bench is not None])
-def test_full_size_denoisers_rest_in_the_issue_bounds_layer_by_layer(arch):
+@pytest.mark.parametrize("family_name", [name for name, fam in FAMILIES.items()
+                                         if fam.files.parts and fam.test_kit.bench is not None])
+def test_full_size_denoisers_rest_in_the_issue_bounds_layer_by_layer(family_name):
     """CPU proxy (meta device, the full-size bundled config): every Linear weight of the denoiser rests in
     Q8_0 at ≤ 0.55×, Q4_K at ≤ 0.32× (layers whose rows are not whole 256-blocks in Q8_0's stead, counted as
     Q8_0), INT8 at ≤ 0.52× (its float32 row scales included) the bytes of bf16: each layer whose rows are
     256 wide or more (all but the 64-wide patch embedders, where a float32 scale per row costs 1/16 of the
     row: INT8 0.53×), and the sum over every Linear layer."""
-    fam = family(arch)
+    fam = family(family_name)
     with init_empty_weights():
         model = fam.denoiser_class.from_config(fam.denoiser_class.load_config(fam.files.config_dir / fam.denoiser))
     shapes = [weight_shape(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -334,6 +335,6 @@ def test_full_size_denoisers_rest_in_the_issue_bounds_layer_by_layer(arch):
                 codec = codecs.CODECS["gguf Q8_0"]
             rest, bf16 = codec.resting_bytes(shape), 2 * shape[0] * shape[1]
             narrow = codec.name != name or shape[1] < 256  # a fallback, or a row its scale weighs on (x_embedder)
-            assert rest <= bound * bf16 or narrow, (arch, name, shape, rest / bf16)
+            assert rest <= bound * bf16 or narrow, (family_name, name, shape, rest / bf16)
             total, wide = total + rest, wide + bf16
-        assert total <= bound * wide, (arch, name, total / wide)
+        assert total <= bound * wide, (family_name, name, total / wide)

@@ -33,18 +33,18 @@ LORA = "locon"
 
 @pytest.fixture(scope="module", params=["sd15", "sdxl"])
 def full_model(request, tmp_path_factory):
-    """(arch, data dir) holding `full-<arch>` (a diffusers folder, fp16) and `locon.safetensors`."""
-    arch = request.param
-    settings = Settings(data_dir=tmp_path_factory.mktemp(f"full-{arch}"))
-    pipe = random_pipeline(arch, torch.device("cuda"), torch.float16)
-    pipe.save_pretrained(settings.checkpoints_dir / f"full-{arch}", safe_serialization=True)
+    """(family, data dir) holding `full-<family>` (a diffusers folder, fp16) and `locon.safetensors`."""
+    family_name = request.param
+    settings = Settings(data_dir=tmp_path_factory.mktemp(f"full-{family_name}"))
+    pipe = random_pipeline(family_name, torch.device("cuda"), torch.float16)
+    pipe.save_pretrained(settings.checkpoints_dir / f"full-{family_name}", safe_serialization=True)
     settings.lora_dir.mkdir(parents=True)
-    shapes = lora_shapes(lora_targets(arch, pipe.unet, convs=True), 16, "unet")
+    shapes = lora_shapes(lora_targets(family_name, pipe.unet, convs=True), 16, "unet")
     write_lora(settings.lora_dir / f"{LORA}.safetensors", shapes, 0)
     del pipe
     gc.collect()
     torch.cuda.empty_cache()
-    return arch, settings.data_dir
+    return family_name, settings.data_dir
 
 
 def _generate(engine: Engine) -> np.ndarray:
@@ -63,14 +63,14 @@ def _sequence(engine: Engine, offloads: tuple[str, str, str]) -> list[np.ndarray
     return images
 
 
-def in_every_mode(data_dir, arch: str, dtype: str, sequence, switches: dict[str, tuple[str, str, str]],
+def in_every_mode(data_dir, family_name: str, dtype: str, sequence, switches: dict[str, tuple[str, str, str]],
                   inspect=None) -> tuple[dict[str, list[np.ndarray]], object, object]:
-    """Run `sequence(engine, offloads)` on `full-<arch>` in strict mode once per offload mode, then once
+    """Run `sequence(engine, offloads)` on `full-<family>` in strict mode once per offload mode, then once
     per entry of `switches` (modes switched between its parts). Returns (images by run name, the last
     snapshot, what `inspect(engine)` found before the model was unloaded)."""
     engine = Engine(Settings(data_dir=data_dir, device="cuda", dtype=dtype, strict=True))
     try:
-        engine.load_model(f"full-{arch}")
+        engine.load_model(f"full-{family_name}")
         runs = {mode: sequence(engine, (mode, mode, mode)) for mode in OFFLOAD_CHOICES}
         runs.update({name: sequence(engine, offloads) for name, offloads in switches.items()})
         found = None if inspect is None else inspect(engine)
@@ -86,9 +86,9 @@ def test_sdnext_sequence_in_every_offload_mode(full_model, dtype):
     """Zero errors and zero placement violations in every mode and across mode switches; one seed gives
     the same images everywhere. The tolerance is half the change a 1.0 → 1.1 strength step makes, so a
     LoRA that one mode failed to apply (or restore) cannot hide in it."""
-    arch, data_dir = full_model
-    skip_outside(SEQUENCE_CASES, pytest, arch, dtype)
-    runs, snap, _ = in_every_mode(data_dir, arch, dtype, _sequence, {
+    family_name, data_dir = full_model
+    skip_outside(SEQUENCE_CASES, pytest, family_name, dtype)
+    runs, snap, _ = in_every_mode(data_dir, family_name, dtype, _sequence, {
         "switching": ("sequential", "group", "balanced"), "switching back": ("model", "none", "sequential")})
     assert snap.last_error is None and snap.violations_found_total == 0
     assert all(row.outcome == "ok" for row in snap.history)
@@ -103,5 +103,5 @@ def test_sdnext_sequence_in_every_offload_mode(full_model, dtype):
     for name, images in runs.items():
         for stage, (image, expected) in enumerate(zip(images, reference, strict=True)):
             diff = np.abs(image - expected).mean()
-            assert diff <= tolerance, (f"{arch} {dtype} {name}, stage {stage}: mean pixel difference {diff:.3f} "
+            assert diff <= tolerance, (f"{family_name} {dtype} {name}, stage {stage}: mean pixel difference {diff:.3f} "
                                        f"(tolerance {tolerance:.3f}, a 1.0->1.1 step changes {strength_step:.3f})")

@@ -60,9 +60,9 @@ def _shares_weights(engine: Engine) -> bool:
 def test_workflow_sequence_in_every_offload_mode(full_model, dtype):  # noqa: F811 - the fixture
     """Strict mode on CUDA: zero violations, all rows ok, stage pipelines on the loaded weights, and
     the same images in every mode (fp16 0.3, bf16 1.5 grey levels mean, as for txt2img)."""
-    arch, data_dir = full_model
-    skip_outside(WORKFLOW_CASES, pytest, arch, dtype)
-    runs, snap, shared = in_every_mode(data_dir, arch, dtype, _sequence,
+    family_name, data_dir = full_model
+    skip_outside(WORKFLOW_CASES, pytest, family_name, dtype)
+    runs, snap, shared = in_every_mode(data_dir, family_name, dtype, _sequence,
                                        {"switching": ("sequential", "group", "balanced")}, _shares_weights)
     assert snap.last_error is None and snap.violations_found_total == 0
     assert all(row.outcome == "ok" for row in snap.history)
@@ -71,4 +71,4 @@ def test_workflow_sequence_in_every_offload_mode(full_model, dtype):  # noqa: F8
     for name, images in runs.items():
         for stage, (image, expected) in enumerate(zip(images, runs["none"], strict=True)):
             diff = np.abs(image - expected).mean()
-            assert diff <= tolerance, f"{arch} {dtype} {name}, stage {stage}: mean difference {diff:.3f}"
+            assert diff <= tolerance, f"{family_name} {dtype} {name}, stage {stage}: mean difference {diff:.3f}"

@@ -29,8 +29,8 @@ from app.families import family
 from app.ui.generate_tab import family_updates
 from tests import family_files as kit
 
-ARCH = "flux2-klein-4b"
-FILE, FOLDER = f"tiny-{ARCH}.safetensors", f"tiny-{ARCH}-diffusers"
+FAMILY = "flux2-klein-4b"
+FILE, FOLDER = f"tiny-{FAMILY}.safetensors", f"tiny-{FAMILY}-diffusers"
 W = 0.8  # LoRA strength
 data, eng, oracle = kit.data, kit.eng, kit.oracle  # the module's fixtures (tests/family_files.py)
 params = kit.params
@@ -168,7 +168,7 @@ def _lokr(transformer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
 
 
 def _diffusers_fused(state: dict[str, torch.Tensor], paths) -> dict[str, torch.Tensor]:
-    pipe = build_tiny_pipeline(ARCH)
+    pipe = build_tiny_pipeline(FAMILY)
     pipe.load_lora_weights(dict(state))
     pipe.fuse_lora(lora_scale=W)
     modules = dict(pipe.transformer.named_modules())
@@ -239,7 +239,7 @@ def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_klein_generates(data, weights)
     """InvokeAI 6.13.5 fixed a crash applying a LoRA to FLUX.2 with fp8 storage: here an fp32 kohya Flux.2
     LoRA on Klein computing in bf16 (weights bf16, or fp8 with bypass forwards) generates with no dtype
     error, changes the image, zero violations, and comes off leaving the stored bytes as they were."""
-    lora = _kohya_flux2(build_tiny_pipeline(ARCH).transformer)[0]
+    lora = _kohya_flux2(build_tiny_pipeline(FAMILY).transformer)[0]
     save_file(lora, str(data / "models/Lora" / "klein-fp32.safetensors"))
     kit.fp32_lora_generates(data, FILE, "klein-fp32", params(), weights)
 

@@ -2,7 +2,7 @@
 pipeline beside diffusers' `Flux2KleinPipeline` on the same components in the same run: the same latents,
 ours at least as fast with no more VRAM; each offload mode's it/s and peak VRAM printed. The device
 check's Klein section measures the same engine-level in ABBA rounds, with fp8 storage and 3 LoRAs
-(`benchmarks/devicecheck.py`, `--archs flux2-klein-4b`).
+(`benchmarks/devicecheck.py`, `--families flux2-klein-4b`).
 
     python -m pytest -o addopts=-ra -m gpu tests/test_klein_gpu.py -s
 """
@@ -18,7 +18,7 @@ from app.engine import offload, placement
 from app.families import family
 from app.hooks import HookRegistry
 
-ARCH, STEPS, SIDE = "flux2-klein-4b", 4, 1024
+FAMILY, STEPS, SIDE = "flux2-klein-4b", 4, 1024
 
 
 def _full_size_pipeline():
@@ -27,7 +27,7 @@ def _full_size_pipeline():
     from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    fam = family(ARCH)
+    fam = family(FAMILY)
     folder = fam.files.config_dir
     with torch.device("cuda"):
         parts = dict(transformer=Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(
@@ -63,10 +63,10 @@ def test_klein_4b_full_size_ours_vs_flux2_klein_pipeline():
     _run(theirs)  # warm-up
     baseline, their_peak, their_latents = _run(theirs)
     ours = SteadyKleinPipeline(**theirs.components, is_distilled=True)
-    ours.family, ours.execution_device = family(ARCH), torch.device("cuda", 0)
+    ours.family, ours.execution_device = family(FAMILY), torch.device("cuda", 0)
     _run(ours)
     mine, my_peak, my_latents = _run(ours)
-    print(f"{ARCH} 1024² bf16 {STEPS} steps: ours {mine:.3f} it/s {my_peak:.2f} GiB, "
+    print(f"{FAMILY} 1024² bf16 {STEPS} steps: ours {mine:.3f} it/s {my_peak:.2f} GiB, "
           f"Flux2KleinPipeline {baseline:.3f} it/s {their_peak:.2f} GiB")
     assert torch.equal(my_latents, their_latents)  # the same components, the same call: the same latents
     assert mine >= 0.97 * baseline and my_peak <= their_peak * 1.01

@@ -29,8 +29,8 @@ from tests import family_files as kit
 from tests.families.test_latent_formats import _pipeline_lines
 from tests.weight_digest import weights_digest
 
-ARCH = "krea-2"
-FILE, FOLDER = f"tiny-{ARCH}.safetensors", f"tiny-{ARCH}-diffusers"
+FAMILY = "krea-2"
+FILE, FOLDER = f"tiny-{FAMILY}.safetensors", f"tiny-{FAMILY}-diffusers"
 W = 0.8  # LoRA strength
 data, eng, oracle = kit.data, kit.eng, kit.oracle  # the module's fixtures (tests/family_files.py)
 params = kit.params
@@ -56,12 +56,12 @@ def test_decode_statistics_are_krea2_pipelines_arithmetic_bit_for_bit():
     """`Krea2Pipeline.__call__`'s de-normalising lines, run as diffusers writes them on the bundled VAE config's
     per-channel statistics, equal the family's latent format (Qwen-Image's VAE: the std as its reciprocal) bit for
     bit; the plain `x * std` rule is a grey level off now and then, which a 64² image may not show."""
-    config = SimpleNamespace(**json.loads((family(ARCH).files.config_dir / "vae" / "config.json").read_text()))
+    config = SimpleNamespace(**json.loads((family(FAMILY).files.config_dir / "vae" / "config.json").read_text()))
     pipe = SimpleNamespace(vae=SimpleNamespace(config=config))
     latents = 3 * torch.randn(2, config.z_dim, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     decode = {"self": pipe, "torch": torch, "latents": latents}
     exec(_pipeline_lines(Krea2Pipeline.__call__, "latents_mean = (", "latents = latents / latents_std"), decode)
-    assert torch.equal(family(ARCH).latents_for_vae(pipe.vae, latents[:, :, 0]), decode["latents"][:, :, 0])
+    assert torch.equal(family(FAMILY).latents_for_vae(pipe.vae, latents[:, :, 0]), decode["latents"][:, :, 0])
 
 
 def test_turbo_file_runs_the_fixed_shift_with_its_defaults(eng, oracle, data):
@@ -138,7 +138,7 @@ def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_model_generates(data, weights)
     """An fp32 kohya LoRA on the model computing in bf16 (weights bf16 with the fp32-pinned norm scales, or fp8
     with bypass forwards) generates with no dtype error, changes the image, zero violations, and comes off leaving
     the stored bytes as they were."""
-    name = _trainer_lora(data, build_tiny_pipeline(ARCH).transformer, "kohya")[0]
+    name = _trainer_lora(data, build_tiny_pipeline(FAMILY).transformer, "kohya")[0]
     kit.fp32_lora_generates(data, FILE, name, params(), weights)
 
 
@@ -147,7 +147,7 @@ def test_a_scheduled_lora_runs_its_strength_step_by_step_and_leaves_the_model_ex
     attention's query holds W0 + s·ΔW (float64, to a few float32 ulps), the image differs from the constant
     strength 1, and after the job every tensor is bit for bit the resting state."""
     eng.load_model(FILE)
-    style = f"demo-style-{ARCH}"
+    style = f"demo-style-{FAMILY}"
     q = eng.pipeline.transformer.transformer_blocks[0].attn.to_q
     w0 = q.weight.detach().double().clone()
     eng.set_loras([LoraSpec(style, 1.0)])

@@ -39,23 +39,23 @@ BIASED_CONVS = ("unet.*resnets.*.conv[12]", "unet.*resnets.*.conv_shortcut", "un
 
 @pytest.fixture(scope="module")
 def tiny():
-    """`tiny(arch)`: an fp32 tiny pipeline built once per module, used only to shape adapter files
+    """`tiny(family)`: an fp32 tiny pipeline built once per module, used only to shape adapter files
     (the demo checkpoints hold the same modules)."""
     cache = {}
 
-    def get(arch: str):
-        if arch not in cache:
-            cache[arch] = build_tiny_pipeline(arch)
-        return cache[arch]
+    def get(family_name: str):
+        if family_name not in cache:
+            cache[family_name] = build_tiny_pipeline(family_name)
+        return cache[family_name]
 
     return get
 
 
-def _write(engine: Engine, tiny, name: str, algo: str = "lora", arch: str = "sd15", **kwargs):
+def _write(engine: Engine, tiny, name: str, algo: str = "lora", family_name: str = "sd15", **kwargs):
     """A kohya-layout fp16 adapter named `name` in the engine's LoRA folder."""
     kwargs.setdefault("alpha", 2.0)
-    return write_adapter(engine.settings.lora_dir / f"{name}.safetensors", tiny(arch), arch, algo, "kohya",
-                         torch.float16, **kwargs)
+    return write_adapter(engine.settings.lora_dir / f"{name}.safetensors", tiny(family_name), family_name, algo,
+                         "kohya", torch.float16, **kwargs)
 
 
 def _generate(engine: Engine, prompt: str = "a cat", seed: int = 3, **kwargs):
@@ -76,9 +76,9 @@ class FreshFuse:
     """Copies of the engine's UNet/text encoders as loaded (call before any LoRA), fused from scratch
     on demand: what any path through set_loras must end at."""
 
-    def __init__(self, engine: Engine, arch: str) -> None:
-        self.engine, self.arch = engine, arch
-        components = ("unet", "text_encoder", "text_encoder_2") if arch == "sdxl" else ("unet", "text_encoder")
+    def __init__(self, engine: Engine, family_name: str) -> None:
+        self.engine, self.family = engine, family_name
+        components = ("unet", "text_encoder", "text_encoder_2") if family_name == "sdxl" else ("unet", "text_encoder")
         self.pipe = SimpleNamespace(**{c: copy.deepcopy(getattr(engine.pipeline, c)) for c in components})
         self.original = {c: copy.deepcopy(getattr(self.pipe, c).state_dict()) for c in components}
 
@@ -86,7 +86,7 @@ class FreshFuse:
         for component, state in self.original.items():
             getattr(self.pipe, component).load_state_dict(state)
         files = {s.name: read_adapter(s.name, self.engine.library.path_for(s.name)) for s in specs}
-        LoraStack(self.pipe, self.arch).reconcile(specs, files)
+        LoraStack(self.pipe, self.family).reconcile(specs, files)
         return adapter_state_digests(self.pipe)
 
 
@@ -381,7 +381,7 @@ def test_inspect_lora_reports_what_set_loras_would_without_applying(engine, tiny
     set_loras reports and the same refusal for another architecture, with no weight written and
     no history row."""
     adapter = _write(engine, tiny, "a")
-    _write(engine, tiny, "xl", arch="sdxl")
+    _write(engine, tiny, "xl", family_name="sdxl")
     engine.load_model(CHECKPOINTS["sd15"])
     before, rows = adapter_state_digests(engine.pipeline), len(engine.snapshot().history)
     report = engine.inspect_lora("a")
@@ -432,19 +432,19 @@ def test_switching_to_a_model_the_lora_does_not_fit_keeps_generating(engine, tin
 
 
 # ---------------------------------------------------------------------------------- demo LoRAs
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_demo_loras_match_fully_carry_trigger_words_and_change_the_image(engine, tiny, arch):
+@pytest.mark.parametrize("family_name", ["sd15", "sdxl"])
+def test_demo_loras_match_fully_carry_trigger_words_and_change_the_image(engine, tiny, family_name):
     """`write_demo_loras` (the demo's `lora_writer` hook) writes plain kohya LoRAs with base-model
     metadata and a trigger word; each matches every key of its architecture and visibly changes
     the tiny model's image."""
-    paths = write_demo_loras(engine.settings.lora_dir, tiny(arch), arch)
-    assert [p.stem for p in paths] == [f"demo-style-{arch}", f"demo-detail-{arch}"]
-    engine.load_model(CHECKPOINTS[arch])
+    paths = write_demo_loras(engine.settings.lora_dir, tiny(family_name), family_name)
+    assert [p.stem for p in paths] == [f"demo-style-{family_name}", f"demo-detail-{family_name}"]
+    engine.load_model(CHECKPOINTS[family_name])
     plain = _pixels(_generate(engine))
     for path in paths:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata()
-        assert ("xl" in metadata["ss_base_model_version"]) == (arch == "sdxl")
+        assert ("xl" in metadata["ss_base_model_version"]) == (family_name == "sdxl")
         assert json.loads(metadata["ss_tag_frequency"])
         counters = engine.set_loras([LoraSpec(path.stem)]).lora_counters[path.stem]
         assert counters.unmatched_keys == 0 and counters.matched_layers > 10

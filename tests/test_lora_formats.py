@@ -47,38 +47,38 @@ UNMATCHED = {"legacy": len(STRAYS)}
 
 @pytest.fixture(scope="module")
 def tool_files(tmp_path_factory):
-    """`tool_files(arch)`: every format's file for `arch`, written once per module."""
+    """`tool_files(family)`: every format's file for `family_name`, written once per module."""
     cache: dict[str, dict[str, ToolFile]] = {}
 
-    def get(arch: str) -> dict[str, ToolFile]:
-        if arch not in cache:
-            pipe, root = build_tiny_pipeline(arch), tmp_path_factory.mktemp(f"tool-{arch}")
-            cache[arch] = {
-                "diffusers": write_diffusers(root / "diffusers", pipe, arch, seed=1),
-                "diffusers_dora": write_diffusers(root / "dora", pipe, arch, seed=2, dora=True),
-                "kohya": write_kohya(root / "kohya.safetensors", pipe, arch, seed=3),
-                "legacy": write_legacy(root / "legacy.safetensors", pipe, arch, seed=4, strays=STRAYS),
+    def get(family_name: str) -> dict[str, ToolFile]:
+        if family_name not in cache:
+            pipe, root = build_tiny_pipeline(family_name), tmp_path_factory.mktemp(f"tool-{family_name}")
+            cache[family_name] = {
+                "diffusers": write_diffusers(root / "diffusers", pipe, family_name, seed=1),
+                "diffusers_dora": write_diffusers(root / "dora", pipe, family_name, seed=2, dora=True),
+                "kohya": write_kohya(root / "kohya.safetensors", pipe, family_name, seed=3),
+                "legacy": write_legacy(root / "legacy.safetensors", pipe, family_name, seed=4, strays=STRAYS),
                 "peft_folder": write_peft_folder(root / "peft", pipe, seed=5),
             }
-        return cache[arch]
+        return cache[family_name]
 
     return get
 
 
 @pytest.fixture(scope="module")
 def model():
-    """`model(arch)`: a tiny fp32 pipeline built once per module, every weight and bias put back
+    """`model(family)`: a tiny fp32 pipeline built once per module, every weight and bias put back
     to its original bits on each call, and those original tensors."""
     cache: dict[str, tuple[object, dict[str, torch.Tensor]]] = {}
 
-    def get(arch: str):
-        if arch not in cache:
-            pipe = build_tiny_pipeline(arch)
-            cache[arch] = (pipe, {f"{c}.{k}": v.clone() for c in COMPONENTS[arch]
-                                  for k, v in getattr(pipe, c).state_dict().items()})
-        pipe, pristine = cache[arch]
+    def get(family_name: str):
+        if family_name not in cache:
+            pipe = build_tiny_pipeline(family_name)
+            cache[family_name] = (pipe, {f"{c}.{k}": v.clone() for c in COMPONENTS[family_name]
+                                         for k, v in getattr(pipe, c).state_dict().items()})
+        pipe, pristine = cache[family_name]
         with torch.no_grad():
-            for component in COMPONENTS[arch]:
+            for component in COMPONENTS[family_name]:
                 for key, tensor in getattr(pipe, component).state_dict().items():
                     tensor.copy_(pristine[f"{component}.{key}"])
         return pipe, pristine
@@ -86,18 +86,19 @@ def model():
     return get
 
 
-def _fuse(pipe, arch: str, entries: list[tuple[str, ToolFile, float]]):
+def _fuse(pipe, family_name: str, entries: list[tuple[str, ToolFile, float]]):
     """Fuse (name, file, strength) through a fresh LoraStack reading each file from disk."""
-    stack = LoraStack(pipe, arch)
+    stack = LoraStack(pipe, family_name)
     files = {name: read_adapter(name, tool.path) for name, tool, _ in entries}
     return stack, stack.reconcile([LoraSpec(name, w) for name, _, w in entries], files)
 
 
-def _assert_fused(pipe, arch: str, pristine: dict[str, torch.Tensor], entries: list[tuple[ToolFile, float]]) -> float:
+def _assert_fused(pipe, family_name: str, pristine: dict[str, torch.Tensor],
+                  entries: list[tuple[ToolFile, float]]) -> float:
     """Every weight equals W0 + Σ w·D within its ulps budget, every other tensor keeps its bits;
     returns the largest error seen, in float32 ulps of the layer's magnitude."""
     worst = 0.0
-    for component in COMPONENTS[arch]:
+    for component in COMPONENTS[family_name]:
         for key, tensor in getattr(pipe, component).state_dict().items():
             target, original = (component, key.removesuffix(".weight")), pristine[f"{component}.{key}"]
             touching = [(tool, w) for tool, w in entries if key.endswith(".weight") and target in tool.expected]
@@ -112,8 +113,8 @@ def _assert_fused(pipe, arch: str, pristine: dict[str, torch.Tensor], entries: l
     return worst
 
 
-def _assert_restored(pipe, arch: str, pristine: dict[str, torch.Tensor]) -> None:
-    for component in COMPONENTS[arch]:
+def _assert_restored(pipe, family_name: str, pristine: dict[str, torch.Tensor]) -> None:
+    for component in COMPONENTS[family_name]:
         for key, tensor in getattr(pipe, component).state_dict().items():
             original = pristine[f"{component}.{key}"]
             assert torch.equal(tensor.view(torch.int32), original.view(torch.int32)), f"{component}.{key} not restored"
@@ -122,32 +123,32 @@ def _assert_restored(pipe, arch: str, pristine: dict[str, torch.Tensor]) -> None
 # ------------------------------------------------------------------------ fused = the formula
 @pytest.mark.parametrize("strength", [1.0, 0.6])
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_tool_written_files_fuse_to_the_formula(model, tool_files, arch, fmt, strength):
+@pytest.mark.parametrize("family_name", ["sd15", "sdxl"])
+def test_tool_written_files_fuse_to_the_formula(model, tool_files, family_name, fmt, strength):
     """Each tool's file, alone at strength w, moves every module it names to W0 + w·scale·B@A (PEFT's
     scale, from the file's metadata or adapter_config.json), reaches every layer (attention,
     feed-forward, resnet convs, time/added embeddings, every text encoder), counts exactly the
     tensors that match nothing, and restores every bit when removed."""
-    pipe, pristine = model(arch)
-    tool = tool_files(arch)[fmt]
-    stack, report = _fuse(pipe, arch, [("a", tool, strength)])
+    pipe, pristine = model(family_name)
+    tool = tool_files(family_name)[fmt]
+    stack, report = _fuse(pipe, family_name, [("a", tool, strength)])
     assert (report["a"].matched_layers, report["a"].unmatched_keys) == (len(tool.expected), UNMATCHED.get(fmt, 0))
-    _assert_fused(pipe, arch, pristine, [(tool, strength)])
+    _assert_fused(pipe, family_name, pristine, [(tool, strength)])
     stack.reconcile([], {})
-    _assert_restored(pipe, arch, pristine)
+    _assert_restored(pipe, family_name, pristine)
 
 
 def test_the_files_cover_every_kind_of_layer(tool_files):
     """Guards the test above: the written files really reach attention, feed-forward, resnet
     convs, the time embedding (and SDXL's added embedding) and every text encoder, with rank and
     alpha patterns, rsLoRA and DoRA in play."""
-    for arch in ("sd15", "sdxl"):
-        targets = {f"{c}.{p}" for tool in tool_files(arch).values() for c, p in tool.expected}
+    for family_name in ("sd15", "sdxl"):
+        targets = {f"{c}.{p}" for tool in tool_files(family_name).values() for c, p in tool.expected}
         needles = ["attn1.to_q", "attn2.to_out.0", "ff.net.0.proj", "ff.net.2", "resnets.0.conv1", "conv2",
                    "conv_shortcut", "time_emb_proj", "time_embedding.linear_2", "self_attn.out_proj", "mlp.fc2"]
-        needles += ["add_embedding.linear_1", "text_encoder_2.text_projection"] if arch == "sdxl" else []
+        needles += ["add_embedding.linear_1", "text_encoder_2.text_projection"] if family_name == "sdxl" else []
         for needle in needles:
-            assert any(needle in t for t in targets), (arch, needle)
+            assert any(needle in t for t in targets), (family_name, needle)
     meta = json.loads(load_file_metadata(tool_files("sd15")["diffusers"].path)["lora_adapter_metadata"])
     assert (meta["unet.lora_alpha"], meta["unet.r"], meta["text_encoder.use_rslora"]) == (8, 4, True)
 
@@ -159,69 +160,69 @@ def load_file_metadata(path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(("first", "second"), [("diffusers", "kohya"), ("legacy", "diffusers_dora"),
                                                ("peft_folder", "legacy")])
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_two_tool_files_stacked(model, tool_files, arch, first, second):
+@pytest.mark.parametrize("family_name", ["sd15", "sdxl"])
+def test_two_tool_files_stacked(model, tool_files, family_name, first, second):
     """Two files of different layouts at strengths 1 and 0.6 sum their deltas, each taken against
     W0; dropping the first leaves exactly the second; dropping both restores every bit."""
-    pipe, pristine = model(arch)
-    a, b = tool_files(arch)[first], tool_files(arch)[second]
-    stack, _ = _fuse(pipe, arch, [("a", a, 1.0), ("b", b, 0.6)])
-    _assert_fused(pipe, arch, pristine, [(a, 1.0), (b, 0.6)])
+    pipe, pristine = model(family_name)
+    a, b = tool_files(family_name)[first], tool_files(family_name)[second]
+    stack, _ = _fuse(pipe, family_name, [("a", a, 1.0), ("b", b, 0.6)])
+    _assert_fused(pipe, family_name, pristine, [(a, 1.0), (b, 0.6)])
     stack.reconcile([LoraSpec("b", 0.6)], {"b": read_adapter("b", b.path)})
-    _assert_fused(pipe, arch, pristine, [(b, 0.6)])
+    _assert_fused(pipe, family_name, pristine, [(b, 0.6)])
     stack.reconcile([], {})
-    _assert_restored(pipe, arch, pristine)
+    _assert_restored(pipe, family_name, pristine)
 
 
-@pytest.mark.parametrize(("arch", "fmt"), [("sd15", "diffusers"), ("sd15", "kohya"), ("sdxl", "diffusers"),
-                                           ("sdxl", "diffusers_dora")])
-def test_diffusers_fuses_these_files_to_the_same_weights(model, tool_files, arch, fmt):
+@pytest.mark.parametrize(("family_name", "fmt"), [("sd15", "diffusers"), ("sd15", "kohya"), ("sdxl", "diffusers"),
+                                                  ("sdxl", "diffusers_dora")])
+def test_diffusers_fuses_these_files_to_the_same_weights(model, tool_files, family_name, fmt):
     """Where diffusers reads a layout right, its own `load_lora_weights` + `fuse_lora` on a fresh
     pipeline gives our fused weights: the same alpha from the metadata, the same `lora_te1_` text
     encoder, the same DoRA."""
-    pipe, pristine = model(arch)
-    tool = tool_files(arch)[fmt]
-    _fuse(pipe, arch, [("a", tool, 1.0)])
-    theirs = build_tiny_pipeline(arch)
+    pipe, pristine = model(family_name)
+    tool = tool_files(family_name)[fmt]
+    _fuse(pipe, family_name, [("a", tool, 1.0)])
+    theirs = build_tiny_pipeline(family_name)
     theirs.load_lora_weights(str(tool.path.parent), weight_name=tool.path.name)
-    theirs.fuse_lora(components=list(COMPONENTS[arch]), lora_scale=1.0)
+    theirs.fuse_lora(components=list(COMPONENTS[family_name]), lora_scale=1.0)
     theirs.unload_lora_weights()
-    for component in COMPONENTS[arch]:
+    for component in COMPONENTS[family_name]:
         ours = getattr(pipe, component).state_dict()
         for key, tensor in getattr(theirs, component).state_dict().items():
             torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{component}.{key}")
 
 
-@pytest.mark.parametrize(("arch", "layout", "spelled"), [
+@pytest.mark.parametrize(("family_name", "layout", "spelled"), [
     ("sdxl", "kohya", ("lora_unet_label_emb_0_0", "lora_unet_time_embed_2", "lora_unet_input_blocks_3_1_",
                        "lora_unet_input_blocks_0_0.", "lora_unet_out_2.", "lora_te2_text_projection.")),
     ("sd15", "kohya_ldm", ("lora_unet_time_embed_0", "lora_unet_input_blocks_1_1_", "lora_unet_output_blocks_",
                            "lora_unet_input_blocks_0_0.", "lora_unet_out_2.")),
 ])
-def test_kohya_files_with_ldm_block_names_fuse_to_the_formula(model, tmp_path, arch, layout, spelled):
+def test_kohya_files_with_ldm_block_names_fuse_to_the_formula(model, tmp_path, family_name, layout, spelled):
     """kohya names UNet layers by LDM blocks on SDXL (`input_blocks_3_1_…`, `label_emb_0_0` for the
     added embedding, `time_embed_2`, `input_blocks_0_0` and `out_2` for conv_in/conv_out, plus
     `lora_te2_text_projection`), and some SD1.5 tools do too. Compared with the formula, not
     with diffusers: the installed diffusers refuses SD1.5 LDM names outright (it remaps them only
     when given a UNet config, which its SD1.5 loader does not pass), and earlier diffusers releases
     dropped SDXL's `label_emb` keys, so diffusers is no reference here."""
-    pipe, pristine = model(arch)
+    pipe, pristine = model(family_name)
     targets = ("unet.time_embedding.linear_*", "unet.add_embedding.linear_*", "unet.*attn[12].to_[qk]",
                "unet.*resnets.*.conv[12]", "unet.*ff.net.2", "unet.conv_in", "unet.conv_out",
                "text_encoder*.layers.0.mlp.fc1", "text_encoder_2.text_projection")
-    written = write_adapter(tmp_path / "ldm.safetensors", pipe, arch, "lora", layout, targets=targets, alpha=3.0)
+    written = write_adapter(tmp_path / "ldm.safetensors", pipe, family_name, "lora", layout, targets=targets, alpha=3.0)
     for needle in spelled:
         assert any(k.startswith(needle) for k in written.tensors), (needle, sorted(written.tensors)[:5])
     expected = {target: float(t["alpha"]) / t["lora_down.weight"].shape[0] * (
         t["lora_up.weight"].double().flatten(1) @ t["lora_down.weight"].double().flatten(1)).reshape(
         getattr(pipe, target[0]).get_submodule(target[1]).weight.shape) for target, t in written.layers.items()}
     tool = ToolFile(written.path, expected)
-    stack, report = _fuse(pipe, arch, [("a", tool, 0.6)])
+    stack, report = _fuse(pipe, family_name, [("a", tool, 0.6)])
     assert (report["a"].matched_layers, report["a"].unmatched_keys) == (len(expected), 0)
     assert report["a"].layout.startswith("kohya (LDM block names)")
-    _assert_fused(pipe, arch, pristine, [(tool, 0.6)])
+    _assert_fused(pipe, family_name, pristine, [(tool, 0.6)])
     stack.reconcile([], {})
-    _assert_restored(pipe, arch, pristine)
+    _assert_restored(pipe, family_name, pristine)
 
 
 # ------------------------------------------------------------------------------ per-file report
@@ -271,12 +272,12 @@ def test_lora_te1_file_applies_on_sd15_and_foreign_files_are_refused_whole(model
     assert any(k.startswith("lora_te1_") for k in load_file(kohya.path))
     _, report = _fuse(pipe, "sd15", [("a", kohya, 1.0)])
     assert report["a"].fits == "SD15" and ("text_encoder", "encoder.layers.0.self_attn.q_proj") in kohya.expected
-    for arch, foreign, pattern in (("sd15", tool_files("sdxl")["diffusers"], r"\(it looks made for SDXL\)"),
-                                   ("sdxl", tool_files("sd15")["kohya"], r"layers have the wrong shape")):
-        pipe, pristine = model(arch)
-        with pytest.raises(LoraApplyError, match=rf"does not fit this {arch.upper()} model.*{pattern}"):
-            _fuse(pipe, arch, [("x", foreign, 1.0)])
-        _assert_restored(pipe, arch, pristine)
+    for family_name, foreign, pattern in (("sd15", tool_files("sdxl")["diffusers"], r"\(it looks made for SDXL\)"),
+                                          ("sdxl", tool_files("sd15")["kohya"], r"layers have the wrong shape")):
+        pipe, pristine = model(family_name)
+        with pytest.raises(LoraApplyError, match=rf"does not fit this {family_name.upper()} model.*{pattern}"):
+            _fuse(pipe, family_name, [("x", foreign, 1.0)])
+        _assert_restored(pipe, family_name, pristine)
 
 
 # ------------------------------------------------------------------------------------- refusals

@@ -112,12 +112,12 @@ def _record_steps(engine, component: str, targets, runs: list, name: str) -> tor
     return getattr(engine.pipeline, component).register_forward_pre_hook(record)
 
 
-@pytest.mark.parametrize("arch", list(FAMILIES))
-def test_scheduled_weights_are_w0_plus_s_delta_at_every_step_and_exact_after(module_engine, arch):
+@pytest.mark.parametrize("family_name", list(FAMILIES))
+def test_scheduled_weights_are_w0_plus_s_delta_at_every_step_and_exact_after(module_engine, family_name):
     """A panel LoRA with a schedule: before each step the denoiser's layers hold W0 + s(step)·ΔW (float64, to a
     few float32 ulps), the text encoder and a constant LoRA's layers keep theirs, the re-weight runs only when s
     changes, and after the job every parameter of the pipeline is bit for bit the resting state."""
-    _check_scheduled_steps(module_engine, arch)
+    _check_scheduled_steps(module_engine, family_name)
 
 
 @pytest.mark.gpu
@@ -135,12 +135,12 @@ def test_scheduled_weights_on_gpu_in_fp16(gpu_data_dir, offload):
         engine.close()
 
 
-def _check_scheduled_steps(engine, arch: str, dtype: str | None = None) -> None:
+def _check_scheduled_steps(engine, family_name: str, dtype: str | None = None) -> None:
     """`test_scheduled_weights_are_w0_plus_s_delta_at_every_step_and_exact_after` on `engine`; in a bypass mode
     the stored weights never change and the strength in effect is the hook's."""
-    component = FAMILIES[arch]
-    style, detail = f"demo-style-{arch}", f"demo-detail-{arch}"
-    engine.load_model(CHECKPOINTS[arch], dtype=dtype)
+    component = FAMILIES[family_name]
+    style, detail = f"demo-style-{family_name}", f"demo-detail-{family_name}"
+    engine.load_model(CHECKPOINTS[family_name], dtype=dtype)
     engine.set_loras([LoraSpec(detail, 0.5)])
     base = engine.lora_stack.patched_modules()
     engine.set_loras([LoraSpec(style, 1.0), LoraSpec(detail, 0.5)])

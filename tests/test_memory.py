@@ -37,8 +37,8 @@ def rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def lora_list(arch: str, weight: float = 1.0) -> list[LoraSpec]:
-    return [LoraSpec(f"{arch}-{algo}", weight) for algo in ALGOS]
+def lora_list(family_name: str, weight: float = 1.0) -> list[LoraSpec]:
+    return [LoraSpec(f"{family_name}-{algo}", weight) for algo in ALGOS]
 
 
 def assert_stack_empty(engine: Engine) -> None:
@@ -53,10 +53,11 @@ def data(demo_dir, tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("memory")
     for sub in ("models/Stable-diffusion", "embeddings"):
         shutil.copytree(demo_dir / sub, target / sub, copy_function=os.link)
-    for arch in MODELS:
-        pipe = build_tiny_pipeline(arch)
+    for family_name in MODELS:
+        pipe = build_tiny_pipeline(family_name)
         for algo in ALGOS:
-            write_adapter(target / "models" / "Lora" / f"{arch}-{algo}.safetensors", pipe, arch, algo, "lycoris")
+            write_adapter(target / "models" / "Lora" / f"{family_name}-{algo}.safetensors", pipe, family_name, algo,
+                          "lycoris")
     return target
 
 
@@ -92,11 +93,11 @@ def test_switching_models_back_and_forth_returns_ram(data):
     readings = []
     try:
         for _ in range(MODEL_CYCLES):
-            for arch in ("sd15", "sdxl"):
-                snap = engine.load_model(MODELS[arch], dtype="fp32")
+            for family_name in ("sd15", "sdxl"):
+                snap = engine.load_model(MODELS[family_name], dtype="fp32")
                 assert snap.history[-1].outcome == "ok"
                 assert_stack_empty(engine)
-                snap = engine.set_loras(lora_list(arch))
+                snap = engine.set_loras(lora_list(family_name))
                 assert len(snap.loras) == len(ALGOS) and engine.lora_stack._backups
             readings.append(rss())
         engine.unload()
@@ -210,10 +211,10 @@ def test_gpu_switches_return_vram_and_ram(data):
             engine.set_offload(offload)
             vram, ram = [], []
             for i in range(MODEL_CYCLES):
-                for arch in ("sd15", "sdxl"):
+                for family_name in ("sd15", "sdxl"):
                     engine.set_loras([])
-                    engine.load_model(MODELS[arch], dtype="fp16" if i % 2 else "bf16")
-                    engine.set_loras(lora_list(arch))
+                    engine.load_model(MODELS[family_name], dtype="fp16" if i % 2 else "bf16")
+                    engine.set_loras(lora_list(family_name))
                     engine.set_loras([])
                     assert_stack_empty(engine)
                 torch.cuda.synchronize()

@@ -19,7 +19,7 @@ from app.engine import checkpoint_files, models
 from app.engine.checkpoint_files import (
     CheckpointNotFoundError,
     ModelLoadError,
-    UnknownArchitectureError,
+    UnknownFamilyError,
     UnsafeCheckpointPathError,
     UnsupportedCheckpointFormatError,
 )
@@ -27,13 +27,13 @@ from app.engine.checkpoint_shapes import meta_components
 from app.families import family
 from app.families.ldm_layout import ldm_plan, to_ldm_state_dict, unet_module_to_ldm
 
-CONFIGS = {arch: family(arch).files.config_dir for arch in ('sd15', 'sdxl')}
+CONFIGS = {family_name: family(family_name).files.config_dir for family_name in ('sd15', 'sdxl')}
 
 
 @pytest.fixture(scope="module")
 def meta_pipes() -> dict[str, SimpleNamespace]:
     """Full-size components on the meta device: real names and shapes, no memory."""
-    return {arch: meta_components(arch, CONFIGS[arch]) for arch in ("sd15", "sdxl")}
+    return {family_name: meta_components(family_name, CONFIGS[family_name]) for family_name in ("sd15", "sdxl")}
 
 
 def _millions(module: torch.nn.Module) -> float:
@@ -44,7 +44,7 @@ def _millions(module: torch.nn.Module) -> float:
 
 
 @pytest.mark.parametrize(
-    "arch, component, expected",
+    "family_name, component, expected",
     [
         ("sd15", "unet", 859.52),
         ("sd15", "vae", 83.65),
@@ -55,9 +55,9 @@ def _millions(module: torch.nn.Module) -> float:
         ("sdxl", "text_encoder_2", 694.66),
     ],
 )
-def test_bundled_configs_describe_the_published_models(meta_pipes, arch, component, expected):
+def test_bundled_configs_describe_the_published_models(meta_pipes, family_name, component, expected):
     """The offline configs rebuild the real SD1.5 / SDXL base architectures, parameter for parameter."""
-    assert _millions(getattr(meta_pipes[arch], component)) == expected
+    assert _millions(getattr(meta_pipes[family_name], component)) == expected
 
 
 def test_sdxl_vae_config_upcasts_and_uses_its_own_scaling_factor(meta_pipes):
@@ -133,12 +133,12 @@ def test_unet_module_names_refuse_an_index_beyond_layers_per_block():
         unet_module_to_ldm("down_blocks.x.resnets.0", 2)
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_full_size_ldm_layout_is_what_diffusers_single_file_loader_expects(meta_pipes, arch):
+@pytest.mark.parametrize("family_name", ["sd15", "sdxl"])
+def test_full_size_ldm_layout_is_what_diffusers_single_file_loader_expects(meta_pipes, family_name):
     """Our LDM writer and diffusers' LDM reader are inverses on the real architectures: every tensor
     comes back under its own name and shape (checked on the meta device, so it costs nothing)."""
-    pipe = meta_pipes[arch]
-    ldm = to_ldm_state_dict(pipe, family(arch))
+    pipe = meta_pipes[family_name]
+    ldm = to_ldm_state_dict(pipe, family(family_name))
     converted = {
         "unet": sfu.convert_ldm_unet_checkpoint(ldm, dict(pipe.unet.config)),
         "vae": sfu.convert_ldm_vae_checkpoint(dict(ldm), dict(pipe.vae.config)),
@@ -146,7 +146,7 @@ def test_full_size_ldm_layout_is_what_diffusers_single_file_loader_expects(meta_
             k.removeprefix("text_model."): v for k, v in sfu.convert_ldm_clip_checkpoint(ldm).items()
         },
     }
-    if arch == "sdxl":
+    if family_name == "sdxl":
         prefix = family("sdxl").text_encoder("text_encoder_2").single_file_prefix
         converted["text_encoder_2"] = sfu.convert_open_clip_checkpoint(
             pipe.text_encoder_2, ldm, prefix=prefix
@@ -171,14 +171,14 @@ def test_open_clip_layout_fuses_qkv_and_transposes_the_projection():
     assert ldm["first_stage_model.decoder.mid.attn_1.q.weight"].ndim == 4
 
 
-# ------------------------------------------------------------------------------------- architecture
+# ------------------------------------------------------------------------------------------- family
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_detect_architecture_on_full_size_key_sets(meta_pipes, arch):
-    """The key set of a real checkpoint (as our LDM plan names it) is recognised as its architecture."""
-    keys = {entry.key for entry in ldm_plan(meta_pipes[arch], family(arch))}
-    assert checkpoint_files.detect_architecture(keys) == arch
+@pytest.mark.parametrize("family_name", ["sd15", "sdxl"])
+def test_detect_family_on_full_size_key_sets(meta_pipes, family_name):
+    """The key set of a real checkpoint (as our LDM plan names it) is recognised as its family."""
+    keys = {entry.key for entry in ldm_plan(meta_pipes[family_name], family(family_name))}
+    assert checkpoint_files.detect_family(keys) == family_name
 
 
 @pytest.mark.parametrize(
@@ -203,17 +203,17 @@ def test_detect_architecture_on_full_size_key_sets(meta_pipes, arch):
         (["encoder.down.0.block.0.conv1.weight", "decoder.conv_in.weight"], "standalone VAE"),
     ],
 )
-def test_detect_architecture_says_what_a_foreign_file_looks_like(keys, found):
+def test_detect_family_says_what_a_foreign_file_looks_like(keys, found):
     """A file in the checkpoint folder that is not SD1.5/SDXL is named for what it is, with an example key."""
-    with pytest.raises(UnknownArchitectureError, match=found) as caught:
-        checkpoint_files.detect_architecture(keys)
+    with pytest.raises(UnknownFamilyError, match=found) as caught:
+        checkpoint_files.detect_family(keys)
     assert keys[0] in str(caught.value) or keys[-1] in str(caught.value)
 
 
-def test_detect_architecture_lists_key_count_and_samples_when_unrecognised():
+def test_detect_family_lists_key_count_and_samples_when_unrecognised():
     """An unknown layout is described by its size and a few keys, so a bug report shows what it was."""
-    with pytest.raises(UnknownArchitectureError, match=r"3 tensors \(e.g. alpha, beta, gamma\)"):
-        checkpoint_files.detect_architecture(["gamma", "alpha", "beta"])
+    with pytest.raises(UnknownFamilyError, match=r"3 tensors \(e.g. alpha, beta, gamma\)"):
+        checkpoint_files.detect_family(["gamma", "alpha", "beta"])
 
 
 # ------------------------------------------------------------------------------- discover / resolve
@@ -338,7 +338,7 @@ def test_truncated_checkpoint_fails_with_file_and_reason(tmp_path, demo_paths):
 def test_lora_in_checkpoint_folder_is_named_as_such(tmp_path):
     """Loading a LoRA as a checkpoint explains what the file is instead of failing inside diffusers."""
     save_file({"lora_unet_conv_in.lora_down.weight": torch.zeros(1, 4)}, str(tmp_path / "style.safetensors"))
-    with pytest.raises(UnknownArchitectureError, match="style.safetensors.*LoRA"):
+    with pytest.raises(UnknownFamilyError, match="style.safetensors.*LoRA"):
         models.load_pipeline(checkpoint_files.resolve_checkpoint("style.safetensors", tmp_path), torch.float32)
 
 
@@ -403,7 +403,7 @@ def test_folder_of_another_pipeline_class_is_named(tmp_path):
     folder = tmp_path / "flux"
     _safetensors(folder / "unet" / "diffusion_pytorch_model.safetensors")
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(UnknownArchitectureError, match="flux: model_index.json names 'FluxPipeline'"):
+    with pytest.raises(UnknownFamilyError, match="flux: model_index.json names 'FluxPipeline'"):
         models.load_pipeline(checkpoint_files.resolve_checkpoint("flux", tmp_path), torch.float32)
 
 
@@ -412,7 +412,7 @@ def test_load_refuses_a_pipeline_that_breaks_the_cpu_dtype_contract(demo_paths, 
     the load fails naming it instead of handing placement a mixed pipeline."""
     stray = build_tiny_pipeline("sd15")
     stray.unet.conv_in.bias.data = stray.unet.conv_in.bias.data.double()
-    monkeypatch.setattr(models, "_load_folder", lambda info, arch, dtype: stray)
+    monkeypatch.setattr(models, "_load_folder", lambda info, family_name, dtype: stray)
     info = checkpoint_files.resolve_checkpoint("tiny-sd15-diffusers", demo_paths["checkpoints_dir"])
     with pytest.raises(ModelLoadError, match=r"unet.conv_in.bias on cpu in torch.float64"):
         models.load_pipeline(info, torch.float32)

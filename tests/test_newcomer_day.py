@@ -93,16 +93,16 @@ def test_a_negative_prompt_nothing_reads_is_noted_and_stated_in_the_infotext():
     their infotext says why; SD1.5 at CFG 7 reads it (no note, the negative prompt written)."""
     values = dict(prompt="a fox", negative_prompt="blurry", sampler="Euler", steps=4, seed=1, width=64, height=64,
                   batch=1)
-    for arch, cfg, why in (("flux-dev", 3.5, "FLUX.1-dev runs no unconditional pass"),
-                           ("zimage-turbo", 1, "CFG scale 1 runs no unconditional pass (above 1 it does)")):
-        params, notes = params_from_form({**values, "cfg": cfg}, arch)
+    for family_name, cfg, why in (("flux-dev", 3.5, "FLUX.1-dev runs no unconditional pass"),
+                                  ("zimage-turbo", 1, "CFG scale 1 runs no unconditional pass (above 1 it does)")):
+        params, notes = params_from_form({**values, "cfg": cfg}, family_name)
         assert f"the negative prompt is not used: {why}" in notes, notes
-        assert parse_infotext(infotext(params, 1, RunContext("m", "abc", arch=arch))).settings[
+        assert parse_infotext(infotext(params, 1, RunContext("m", "abc", family=family_name))).settings[
             "Negative prompt unused"] == why
     params, notes = params_from_form({**values, "cfg": 7, "sampler": "Euler a"}, "sd15")
-    text = parse_infotext(infotext(params, 1, RunContext("m", "abc", arch="sd15")))
+    text = parse_infotext(infotext(params, 1, RunContext("m", "abc", family="sd15")))
     assert not notes and text.negative_prompt == "blurry" and "Negative prompt unused" not in text.settings
-    assert infotext(GenerateParams("a fox", cfg=7), 1, RunContext("m", "abc", arch="sd15")).count("unused") == 0
+    assert infotext(GenerateParams("a fox", cfg=7), 1, RunContext("m", "abc", family="sd15")).count("unused") == 0
 
 
 def test_the_inpainting_demo_is_written_at_first_start_and_named_so(app, tmp_path):

@@ -14,22 +14,22 @@ from app.preview import pictures, preview_pixels
 
 def test_zero_latents_give_the_family_bias_as_grey():
     """A zero latent is "no signal": mid-grey for SD1.5, the bias for SDXL (its fit has one)."""
-    sd15, sdxl = (pictures(preview_pixels(torch.zeros(1, 4, 3, 5), arch))[0] for arch in ("sd15", "sdxl"))
+    sd15, sdxl = (pictures(preview_pixels(torch.zeros(1, 4, 3, 5), family_name))[0] for family_name in ("sd15", "sdxl"))
     assert sd15.size == (5, 3) and sd15.mode == "RGB"
     assert np.asarray(sd15)[0, 0].tolist() == [128, 128, 128]
     assert np.asarray(sdxl)[0, 0].tolist() == [141, 125, 127]  # ((0.1084, -0.0175, -0.0011) + 1) / 2 * 255
 
 
-@pytest.mark.parametrize("arch", [name for name, fam in FAMILIES.items() if fam.latent_format.preview_rgb])
-def test_each_channel_moves_the_colour_by_its_factors(arch):
+@pytest.mark.parametrize("family_name", [name for name, fam in FAMILIES.items() if fam.latent_format.preview_rgb])
+def test_each_channel_moves_the_colour_by_its_factors(family_name):
     """Pixel (0, c) has latent channel c at 1.0, the rest 0: its colour is bias + that row, scaled
     from [-1, 1] to [0, 255]; batch items come out separately and bf16 input gives the same."""
-    factors, bias = family(arch).latent_format.preview_rgb
+    factors, bias = family(family_name).latent_format.preview_rgb
     channels = len(factors)
     latents = torch.zeros(2, channels, 1, channels)
     for channel in range(channels):
         latents[0, channel, 0, channel] = 1.0
-    first, second = pictures(preview_pixels(latents.to(torch.bfloat16), arch))
+    first, second = pictures(preview_pixels(latents.to(torch.bfloat16), family_name))
     expected = [[round((min(max(b + f, -1), 1) + 1) / 2 * 255) for f, b in zip(row, bias, strict=True)]
                 for row in factors]
     assert np.abs(np.asarray(first)[0].astype(int) - np.array(expected)).max() <= 1

@@ -85,11 +85,11 @@ def _reference_latents(pipe, texts: list[str], switch_after: int, params: Genera
                     **first.call_arguments()).images
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_a_prompt_edit_switches_the_conditioning_after_its_step(engine, arch):
+@pytest.mark.parametrize("family_name", ["sd15", "sdxl"])
+def test_a_prompt_edit_switches_the_conditioning_after_its_step(engine, family_name):
     """`a [cat:dog:2] x` over 5 steps, batch 2: the latents equal the pass that reads `a cat x` for steps
     0-2 and `a dog x` for 3-4 (bit for bit), and differ from each prompt alone."""
-    engine.load_model(CHECKPOINTS[arch])
+    engine.load_model(CHECKPOINTS[family_name])
     pipe = engine.pipeline
     params = GenerateParams("a [cat:dog:2] x", "blurry", steps=5, width=64, height=64, cfg=5.0, sampler="Euler",
                             batch=2, seed=7)
@@ -123,8 +123,8 @@ def test_a_family_that_cannot_follow_an_edit_says_what_it_reads():
     _params, notes = params_from_form(form, "flux-dev")
     assert any("cannot change its prompt during a pass" in n and '"a cat"' in n for n in notes), notes
     assert not any("prompt editing" in n for n in params_from_form(form, "sd15")[1])
-    for arch in ("flux2-klein-4b", "zimage-turbo"):  # they read the prompt as text: the first step's, unweighted
-        notes = params_from_form(form, arch)[1]
+    for family_name in ("flux2-klein-4b", "zimage-turbo"):  # they read the prompt as text: the first step's, unweighted
+        notes = params_from_form(form, family_name)[1]
         assert any('"a cat"' in n for n in notes) and not any("emphasis weights" in n for n in notes), notes
 
 

@@ -60,10 +60,10 @@ PARSES: dict[str, list[tuple[str, float]]] = {
 @pytest.fixture(scope="module")
 def pipes():
     out = {}
-    for arch in ("sd15", "sdxl", "flux-dev"):
-        pipe = build_tiny_pipeline(arch)
-        pipe.family = family(arch)
-        out[arch] = pipe
+    for family_name in ("sd15", "sdxl", "flux-dev"):
+        pipe = build_tiny_pipeline(family_name)
+        pipe.family = family(family_name)
+        out[family_name] = pipe
     return out
 
 

@@ -22,8 +22,8 @@ from app.demo import build_tiny_pipeline
 from app.engine.generate import GenerateParams
 from tests import family_files as kit
 
-ARCH = "qwen-image-2.1"
-FILE, FOLDER = f"tiny-{ARCH}.safetensors", f"tiny-{ARCH}-diffusers"
+FAMILY = "qwen-image-2.1"
+FILE, FOLDER = f"tiny-{FAMILY}.safetensors", f"tiny-{FAMILY}-diffusers"
 W = 0.8  # LoRA strength
 data, eng, oracle = kit.data, kit.eng, kit.oracle  # the module's fixtures (tests/family_files.py)
 params = kit.params
@@ -158,7 +158,7 @@ def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_model_generates(data, weights)
     """An fp32 kohya LoRA (fused `gate_up` included) on the model computing in bf16 (weights bf16, or fp8 with
     bypass forwards) generates with no dtype error, changes the image, zero violations, and comes off leaving
     the stored bytes as they were."""
-    lora = _kohya(build_tiny_pipeline(ARCH).transformer, comfy=False)[0]
+    lora = _kohya(build_tiny_pipeline(FAMILY).transformer, comfy=False)[0]
     save_file(lora, str(data / "models/Lora" / "qwen-fp32.safetensors"))
     kit.fp32_lora_generates(data, FILE, "qwen-fp32", params(), weights)
 
@@ -171,7 +171,7 @@ def test_prompt_notes_and_the_memory_estimate_read_its_encoder_and_video_vae():
     from app.families import family
     from app.prompts.notes import prompt_notes
 
-    fam = family(ARCH)
+    fam = family(FAMILY)
     notes = prompt_notes(fam, "a (red:1.3) cube", "")
     assert len(notes) == 1 and "emphasis weights and BREAK have no effect" in notes[0]
     shape = model_shape(fam)

@@ -33,8 +33,8 @@ from app.families.qwen3 import QWEN3_TOKENIZER_DIR, BundledQwen3Tokenizer
 from app.families.qwen_vae import wan_layout
 from tests import family_files as kit
 
-ARCH = "qwen-image"
-FILE, FOLDER = f"tiny-{ARCH}.safetensors", f"tiny-{ARCH}-diffusers"
+FAMILY = "qwen-image"
+FILE, FOLDER = f"tiny-{FAMILY}.safetensors", f"tiny-{FAMILY}-diffusers"
 W = 0.8  # LoRA strength
 data, eng, oracle = kit.data, kit.eng, kit.oracle  # the module's fixtures (tests/family_files.py)
 
@@ -102,18 +102,18 @@ def test_file_names_are_comfyuis_read_as_the_libraries_read_them():
     """The VAE file's names are Wan's: diffusers' `convert_wan_vae_to_diffusers` maps each of ours back to our
     tensor, on the full-size VAE (three resnets and an upsampler per decoder stage); the encoder file's are the
     original checkpoint's, which transformers' own renaming rules for Qwen2.5-VL map to ours."""
-    config = {k: v for k, v in AutoencoderKLQwenImage.load_config(family(ARCH).files.config_dir / "vae").items()
+    config = {k: v for k, v in AutoencoderKLQwenImage.load_config(family(FAMILY).files.config_dir / "vae").items()
               if not k.startswith("_")}
     with torch.device("meta"):
         vae = AutoencoderKLQwenImage(**config)
     theirs = {where.key: name for name, where in wan_layout(vae).items()}
     assert "decoder.middle.0.residual.0.gamma" in theirs and len(theirs) == len(vae.state_dict())
     assert convert_wan_vae_to_diffusers({k: k for k in theirs}) == {name: k for k, name in theirs.items()}
-    encoder = build_tiny_pipeline(ARCH).text_encoder
+    encoder = build_tiny_pipeline(FAMILY).text_encoder
     legacy = ("^visual", r"^model(?!\.(language_model|visual))")  # transformers' rules for the original names
     rules = [(t.source_patterns[0], t.target_patterns[0]) for t in get_model_conversion_mapping(encoder)
              if isinstance(t, WeightRenaming) and t.source_patterns[0] in legacy]
-    part = family(ARCH).files.parts[1]
+    part = family(FAMILY).files.parts[1]
     assert part.model_class is Qwen2_5_VLForConditionalGeneration and len(rules) == 2
     for name, where in part.layout(encoder).items():
         assert re.sub(rules[1][0], rules[1][1], re.sub(rules[0][0], rules[0][1], where.key)) == name, where.key
@@ -133,9 +133,9 @@ def test_a_text_encoder_folder_with_qwen3_and_qwen25_files_offers_each_its_own()
         qwen3 = Qwen3Model(Qwen3Config(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64))
     files = {"qwen3": {"model." + w.key for w in QWEN3_PART.layout(qwen3).values()},
-             "qwen25": {w.key for w in family(ARCH).files.parts[1].layout(build_tiny_pipeline(ARCH).text_encoder)
+             "qwen25": {w.key for w in family(FAMILY).files.parts[1].layout(build_tiny_pipeline(FAMILY).text_encoder)
                         .values()}}
-    for part, own in ((QWEN3_PART, "qwen3"), (family(ARCH).files.parts[1], "qwen25")):
+    for part, own in ((QWEN3_PART, "qwen3"), (family(FAMILY).files.parts[1], "qwen25")):
         assert [name for name, keys in files.items() if any(p + part.marker in keys for p in part.prefixes)] == [own]
 
 
@@ -167,9 +167,9 @@ def test_the_qwen25_tokenizer_and_prompt_notes_count_as_the_pipeline_cuts(oracle
     long = ", ".join(["a red cube on a table"] * 90)
     templated = tokenizer(oracle.prompt_template_encode.format(long))["input_ids"]
     kept = len(templated) - oracle.prompt_template_encode_start_idx
-    notes = prompt_notes(family(ARCH), long, "")
+    notes = prompt_notes(family(FAMILY), long, "")
     assert kept > 512 and any(f"is {kept} tokens long" in n and "reads 512" in n for n in notes), notes
-    assert prompt_notes(family(ARCH), "a red cube", "") == []
+    assert prompt_notes(family(FAMILY), "a red cube", "") == []
 
 
 # ------------------------------------------------------------------------------------ LoRA formats
@@ -209,6 +209,6 @@ def test_lora_formats_fuse_to_the_formula_on_exactly_their_modules_and_come_off(
 def test_an_fp32_lora_on_a_bf16_and_an_fp8_stored_model_generates(data, weights):
     """An fp32 kohya LoRA on the model computing in bf16 (weights bf16, or fp8 with bypass forwards) generates with
     no dtype error, changes the image, zero violations, and comes off leaving the stored bytes as they were."""
-    lora = _trainer_lora(build_tiny_pipeline(ARCH).transformer, "kohya")[0]
+    lora = _trainer_lora(build_tiny_pipeline(FAMILY).transformer, "kohya")[0]
     save_file(lora, str(data / "models/Lora" / "qwen1-fp32.safetensors"))
     kit.fp32_lora_generates(data, FILE, "qwen1-fp32", kit.params(), weights)

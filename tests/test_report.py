@@ -17,7 +17,7 @@ from served_app import LORAS, write_kohya_lora
 from app.engine.checkpoint_files import ModelLoadError
 from app.engine.worker import Engine
 from app.report import build_bug_report, jsonable, redact
-from app.report_card import placement_colour, render_card
+from app.report_card import model_line, placement_colour, render_card
 from app.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +91,15 @@ def test_card_colours_placement_and_frames_violations():
     assert colours <= pixels, "both placements must appear in the strip"
     assert (209, 36, 47) in pixels, "the violation frame (and the failing LoRA) must be drawn in red"
     assert placement_colour("cuda:0", "bf16") != placement_colour("cpu", "bf16") != placement_colour("cpu", "fp32")
+
+
+def test_card_names_the_family_of_old_and_new_reports():
+    """The card names the loaded model's family from the snapshot's "family" key, and from "arch" in a report
+    written before the key was renamed (a user attaches whatever their version wrote)."""
+    for key in ("family", "arch"):
+        assert "model m (sdxl, -)" in model_line({"state": "READY", "model": "m", key: "sdxl"}), key
+    assert "model m (SDXL, -)" in model_line({"model": "m", "model_label": "SDXL", "family": "sdxl"})
+    assert "model none (-, -)" in model_line({})
 
 
 def test_bundle_from_a_live_engine_is_complete_and_redacted(data_dir):

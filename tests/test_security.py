@@ -168,7 +168,7 @@ def test_file_that_is_not_sd15_sized_is_refused_against_the_bundled_config(data_
 def test_matching_config_still_loads(data_dir):
     """The check refuses nothing honest: the demo checkpoint loads and every tensor is in place."""
     info = checkpoint_files.resolve_checkpoint(SD15, data_dir / "models" / "Stable-diffusion")
-    assert models.load_pipeline(info, torch.float32).arch == "sd15"
+    assert models.load_pipeline(info, torch.float32).family == "sd15"
 
 
 # ---------------------------------------------------------------------------- 4. non-UTF-8 names

@@ -13,16 +13,16 @@ import torch
 from app.families import family
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_samplers_from_the_bundled_config_match_the_diffusers_folder(demo_paths, arch):
+@pytest.mark.parametrize("family_name", ["sd15", "sdxl"])
+def test_samplers_from_the_bundled_config_match_the_diffusers_folder(demo_paths, family_name):
     """A single file takes its scheduler from the bundled config, a diffusers folder from its own;
     every sampler built from either must step through the same timesteps and sigmas: the original
     configs' "leading" spacing with steps_offset 1 (Euler, 20 steps: 951, 901, …)."""
-    index = json.loads((family(arch).files.config_dir / "model_index.json").read_text())
+    index = json.loads((family(family_name).files.config_dir / "model_index.json").read_text())
     scheduler_cls = getattr(diffusers, index["scheduler"][1])
-    bundled = scheduler_cls.from_pretrained(family(arch).files.config_dir, subfolder="scheduler")
-    folder = scheduler_cls.from_pretrained(demo_paths[f"{arch}_folder"], subfolder="scheduler")
-    for name, (cls, overrides) in family(arch).sampling.samplers.items():
+    bundled = scheduler_cls.from_pretrained(family(family_name).files.config_dir, subfolder="scheduler")
+    folder = scheduler_cls.from_pretrained(demo_paths[f"{family_name}_folder"], subfolder="scheduler")
+    for name, (cls, overrides) in family(family_name).sampling.samplers.items():
         ours, theirs = cls.from_config(bundled.config, **overrides), cls.from_config(folder.config, **overrides)
         ours.set_timesteps(20)
         theirs.set_timesteps(20)

@@ -40,19 +40,19 @@ from benchmarks.cache_phase import psnr
 SIDE = 64
 
 
-def engine_pipeline(arch: str, **config):
+def engine_pipeline(family_name: str, **config):
     """The family's own pipeline class (ours: `spatial_latents`) on a tiny random-weight model."""
-    fam = family(arch)
-    plain = build_tiny_pipeline(arch)
+    fam = family(family_name)
+    plain = build_tiny_pipeline(family_name)
     pipe = fam.pipeline_class(**plain.components, **config)
     pipe.family = fam
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def latents(pipe, arch: str, threshold: float, steps: int = 10, cfg: float | None = None, hooks=None):
+def latents(pipe, family_name: str, threshold: float, steps: int = 10, cfg: float | None = None, hooks=None):
     """(latents, the pass's StepCache or None) of one seeded pass at `threshold`."""
-    fam = family(arch)
+    fam = family(family_name)
     params = GenerateParams("a red cube", steps=steps, width=SIDE, height=SIDE, seed=7,
                             sampler=fam.sampling.default_sampler,
                             cfg=fam.sampling.default_guidance if cfg is None else cfg)
@@ -67,15 +67,15 @@ def decoded(pipe, lat: torch.Tensor) -> np.ndarray:
     return np.stack([np.asarray(im) for im in decoding.decode(pipe, lat)])
 
 
-@pytest.mark.parametrize("arch", ["sd15", "flux-dev"])
-def test_threshold_zero_installs_nothing_and_an_unreachable_one_changes_no_bit(arch):
+@pytest.mark.parametrize("family_name", ["sd15", "flux-dev"])
+def test_threshold_zero_installs_nothing_and_an_unreachable_one_changes_no_bit(family_name):
     """0 is off: no hook, no state. A threshold no step's change is under (1e-12) runs every step whole
     through the hooks, and the latents are the uncached ones bit for bit: caching the output and the
     first block's output never touches what the pipeline computes."""
-    pipe, hooks = engine_pipeline(arch), HookRegistry()
+    pipe, hooks = engine_pipeline(family_name), HookRegistry()
     assert apply_step_cache(hooks, pipe, 0) is None and not list(hooks.hooked())
-    uncached, _ = latents(pipe, arch, 0)
-    exact, cache = latents(pipe, arch, 1e-12, hooks=hooks)
+    uncached, _ = latents(pipe, family_name, 0)
+    exact, cache = latents(pipe, family_name, 1e-12, hooks=hooks)
     assert torch.equal(exact, uncached)
     assert (cache.computed, cache.skipped) == (10, 0)
     assert not list(hooks.hooked())  # taken off after the pass
@@ -92,23 +92,23 @@ class _Passes:
         self.count += 1
 
 
-# (arch, threshold, at least this many of 10 calls reused, PSNR floor of the decoded image vs uncached)
+# (family, threshold, at least this many of 10 calls reused, PSNR floor of the decoded image vs uncached)
 SKIPS = [("sd15", 0.2, 2, 35.0), ("flux-dev", 0.05, 5, 25.0)]
 
 
-@pytest.mark.parametrize(("arch", "threshold", "at_least", "floor"), SKIPS)
-def test_a_threshold_skips_the_later_blocks_and_the_image_stays_close(arch, threshold, at_least, floor):
+@pytest.mark.parametrize(("family_name", "threshold", "at_least", "floor"), SKIPS)
+def test_a_threshold_skips_the_later_blocks_and_the_image_stays_close(family_name, threshold, at_least, floor):
     """At a threshold, at least `at_least` of 10 denoiser calls reuse the last whole step: the first block
     runs every call, the last block only on the calls that ran whole (counted), so the work is really
     skipped; and the decoded image is within `floor` dB PSNR of the uncached one (tiny random-weight
     models: the figures the bench reports on full-size ones are its own)."""
-    pipe = engine_pipeline(arch)
-    denoiser = getattr(pipe, family(arch).denoiser)
+    pipe = engine_pipeline(family_name)
+    denoiser = getattr(pipe, family(family_name).denoiser)
     later = next(m for n, m in denoiser.named_children() if n in ("up_blocks", "single_transformer_blocks"))
-    first, last = _Passes(denoiser.get_submodule(family(arch).first_block)), _Passes(later[-1])
-    uncached, _ = latents(pipe, arch, 0)
+    first, last = _Passes(denoiser.get_submodule(family(family_name).first_block)), _Passes(later[-1])
+    uncached, _ = latents(pipe, family_name, 0)
     first.count = last.count = 0
-    cached, cache = latents(pipe, arch, threshold)
+    cached, cache = latents(pipe, family_name, threshold)
     assert cache.skipped >= at_least and cache.computed + cache.skipped == 10, (cache.computed, cache.skipped)
     assert first.count == 10 and last.count == cache.computed
     quality = psnr(decoded(pipe, cached), decoded(pipe, uncached))
@@ -120,11 +120,11 @@ def test_the_calls_of_one_step_keep_their_own_caches():
     own reference and output: a reused output is always that of an earlier call in the same position of
     its step (never the other prompt's), and calls are reused at all (a cache shared by both calls would
     compare each with the other prompt's first block and rarely reuse)."""
-    arch = "flux2-klein-4b"
-    pipe = engine_pipeline(arch, is_distilled=False)
+    family_name = "flux2-klein-4b"
+    pipe = engine_pipeline(family_name, is_distilled=False)
     outputs: list[torch.Tensor] = []
     handle = pipe.transformer.register_forward_hook(lambda _m, _a, out: outputs.append(out[0].clone()))
-    _, cache = latents(pipe, arch, 0.3, steps=8, cfg=4.0)
+    _, cache = latents(pipe, family_name, 0.3, steps=8, cfg=4.0)
     handle.remove()
     assert len(outputs) == 16 and cache.skipped >= 4, cache.skipped
     for index, output in enumerate(outputs):
@@ -134,13 +134,13 @@ def test_the_calls_of_one_step_keep_their_own_caches():
     assert reused == cache.skipped
 
 
-@pytest.mark.parametrize(("arch", "config"), [("zimage-turbo", {}), ("flux-schnell", {}),
-                                              ("flux2-klein-4b", {"is_distilled": True})])
-def test_a_step_distilled_checkpoint_refuses_the_cache_by_name(arch, config):
+@pytest.mark.parametrize(("family_name", "config"), [("zimage-turbo", {}), ("flux-schnell", {}),
+                                                     ("flux2-klein-4b", {"is_distilled": True})])
+def test_a_step_distilled_checkpoint_refuses_the_cache_by_name(family_name, config):
     """Step-distilled checkpoints (a few steps, each unlike the last) have nothing to reuse: the cache is
     refused with the model's name and what to do, and nothing is installed; threshold 0 is still fine."""
-    pipe, hooks = engine_pipeline(arch, **config), HookRegistry()
-    with pytest.raises(ValueError, match=f"{family(arch).label} is step-distilled.*set the step cache to 0"):
+    pipe, hooks = engine_pipeline(family_name, **config), HookRegistry()
+    with pytest.raises(ValueError, match=f"{family(family_name).label} is step-distilled.*set the step cache to 0"):
         apply_step_cache(hooks, pipe, 0.1)
     assert not list(hooks.hooked())
     assert apply_step_cache(hooks, pipe, 0) is None
@@ -173,17 +173,17 @@ def moving(module_engine):
     eng.close()
 
 
-@pytest.mark.parametrize(("arch", "threshold"), [("sd15", 0.2), ("flux-dev", 0.05)])
-def test_the_cache_composes_with_every_offload_mode_strict_forwards_and_a_lora(moving, arch, threshold):
+@pytest.mark.parametrize(("family_name", "threshold"), [("sd15", 0.2), ("flux-dev", 0.05)])
+def test_the_cache_composes_with_every_offload_mode_strict_forwards_and_a_lora(moving, family_name, threshold):
     """Through the engine, with strict forwards on and a LoRA on the denoiser (fused with offload none, a
     bypass where weights stream): in every offload mode a cached generation differs from the uncached one
     (steps were reused) by at most a few grey levels, the verify after it finds nothing, and the hooks left
     are exactly the mode's (the cache's are gone with its pass). Skipped blocks are never streamed in, and
     a block group offload copied ahead for them goes back at the job's end."""
-    fam = family(arch)
-    checkpoint = f"tiny-{arch}.safetensors"
+    fam = family(family_name)
+    checkpoint = f"tiny-{family_name}.safetensors"
     moving.load_model(checkpoint)
-    moving.set_loras([LoraSpec(f"demo-style-{arch}", 1.0)])
+    moving.set_loras([LoraSpec(f"demo-style-{family_name}", 1.0)])
     base = dict(prompt="a red cube", steps=6, width=SIDE, height=SIDE, seed=7, sampler=fam.sampling.default_sampler,
                 cfg=fam.sampling.default_guidance)
     try:
@@ -209,7 +209,7 @@ def test_the_threshold_travels_through_the_infotext_and_the_api():
     infotext without it resets the field to 0, so a sent image is remade as it was made), and the A1111
     API takes it per request in `override_settings` as `steady_step_cache` (its request schema stays A1111's),
     checked by the same range as the UI."""
-    ctx = RunContext("tiny", None, arch="sd15")
+    ctx = RunContext("tiny", None, family="sd15")
     text = infotext(GenerateParams("a fox", step_cache=0.15), 7, ctx)
     assert "Step cache: 0.15" in text
     assert fields_from_infotext(parse_infotext(text).settings, [])["step_cache"] == 0.15

@@ -127,7 +127,7 @@ def test_a_stray_tensor_is_still_found_before_the_next_generation(sd15):
 
 
 def _diffusers_call(engine, steps: int):
-    fam = family(engine.snapshot().arch)
+    fam = family(engine.snapshot().family)
     cls = fam.plain_pipeline_class
     expected, _optional = cls._get_signature_keys(cls)
     pipe = cls(**{k: v for k, v in engine.pipeline.components.items() if k in expected})

@@ -350,9 +350,9 @@ def test_share_without_auth_requires_the_generated_password(tmp_path):
         # One checkpoint per family, a single file where it loads one, and the inpainting checkpoints (issue
         # 45: the Inpaint sub-tab can be tried at once): the other folders are left to `python -m app.demo`.
         assert authed.predict(api_name="/list_models") == sorted(
-            [f"tiny-{arch}.safetensors" if "file" in fam.files.layouts else f"tiny-{arch}-diffusers"
-             for arch, fam in FAMILIES.items()]
-            + [f"tiny-{arch}-inpainting.safetensors" for arch, fam in FAMILIES.items()
+            [f"tiny-{family_name}.safetensors" if "file" in fam.files.layouts else f"tiny-{family_name}-diffusers"
+             for family_name, fam in FAMILIES.items()]
+            + [f"tiny-{family_name}-inpainting.safetensors" for family_name, fam in FAMILIES.items()
                if fam.test_kit.tiny_inpainting_channels])
         # CPU seconds, not wall time: on a shared 2-core CI box other jobs stretch the wall clock.
         # Importing torch, diffusers and Gradio alone takes 12-14 CPU s on a 2-core CI box, so the
@@ -433,8 +433,8 @@ def test_the_img2img_tab_fills_its_family_fields_when_the_model_it_shows_changes
     from app.ui.generate_tab import ModelShown
     from app.ui.img2img_tab import FAMILY_FIELDS, family_fill
 
-    def snap(arch, defaults, side):
-        return SimpleNamespace(arch=arch, defaults=defaults, native_size=side)
+    def snap(family_name, defaults, side):
+        return SimpleNamespace(family=family_name, defaults=defaults, native_size=side)
 
     def values(fill):  # the value an update or a returned component sets (Gradio sends its arguments); None: kept
         return [(u if isinstance(u, dict) else u.constructor_args).get("value") for u in map(fill.get, FAMILY_FIELDS)]

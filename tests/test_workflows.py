@@ -48,9 +48,9 @@ def _pixels(result) -> np.ndarray:
     return np.asarray(result[0].image, dtype=np.int16)
 
 
-def sequence(engine: Engine, arch: str, loras: bool = True) -> list[np.ndarray]:
+def sequence(engine: Engine, family_name: str, loras: bool = True) -> list[np.ndarray]:
     """txt2img → hires fix → img2img → inpaint, the LoRAs re-weighted between the workflows."""
-    style, detail = f"demo-style-{arch}", f"demo-detail-{arch}"
+    style, detail = f"demo-style-{family_name}", f"demo-detail-{family_name}"
     engine.set_loras([LoraSpec(style, 1.0)] if loras else [])
     hires = dataclasses.replace(HIRES, prompt=f"a red house <lora:{style}:0.5>") if loras else HIRES
     first = _pixels(engine.generate(PARAMS))
@@ -88,20 +88,20 @@ def dtype_engine(request, demo_dir, tmp_path_factory):
     engine.close()
 
 
-@pytest.mark.parametrize("arch", list(CHECKPOINTS))
-def test_the_workflow_sequence_is_clean_in_every_offload_mode(dtype_engine, arch):
+@pytest.mark.parametrize("family_name", list(CHECKPOINTS))
+def test_the_workflow_sequence_is_clean_in_every_offload_mode(dtype_engine, family_name):
     """Strict mode, every offload mode: every transition `ok`, zero violations, the stages in the
     history in order, no second copy of any weight, the LoRAs in every stage (the images differ
     from the same sequence without them by far more than modes differ from each other), and one
     seed gives the same images in every mode (bit for bit where whole components compute in one
     dtype; within two grey levels where streamed modes leave neighbours at rest in fp32)."""
     name, engine = dtype_engine
-    engine.load_model(CHECKPOINTS[arch])
+    engine.load_model(CHECKPOINTS[family_name])
     runs = {}
     for mode in OFFLOAD_CHOICES:
         engine.set_offload(mode)
         start = len(engine.snapshot().history)
-        runs[mode] = sequence(engine, arch)
+        runs[mode] = sequence(engine, family_name)
         snap = engine.snapshot()
         rows = snap.history[start:]
         assert all(row.outcome == "ok" and row.violations_found == 0 for row in rows), (mode, rows)
@@ -109,14 +109,14 @@ def test_the_workflow_sequence_is_clean_in_every_offload_mode(dtype_engine, arch
         assert snap.violations_found_total == 0 and placement.verify(engine.pipeline, engine.placement_plan) == []
         assert_shared_weights(engine)
     engine.set_offload("none")
-    bare = sequence(engine, arch, loras=False)
+    bare = sequence(engine, family_name, loras=False)
     for mode, images in runs.items():
         exact = mode in ("none", "model", "balanced")
         for stage, (image, expected) in enumerate(zip(images, runs["none"], strict=True)):
             diff = np.abs(image - expected).mean()
-            assert diff == 0 if exact else diff < 2.0, (name, arch, mode, stage, diff)
+            assert diff == 0 if exact else diff < 2.0, (name, family_name, mode, stage, diff)
     for stage, (image, without) in enumerate(zip(runs["none"], bare, strict=True)):
-        assert np.abs(image - without).mean() > 4.0, (name, arch, stage)  # the LoRAs reached every stage
+        assert np.abs(image - without).mean() > 4.0, (name, family_name, stage)  # the LoRAs reached every stage
 
 
 def test_the_same_seed_gives_the_same_images_and_the_hires_infotext_round_trips(engine):
@@ -202,7 +202,7 @@ def test_an_inpainting_checkpoint_inpaints_and_runs_img2img_as_a_full_mask(engin
     pixels are the original's exactly (the overlay). txt2img and hires fix run on it as A1111 runs
     them (a blank picture masked whole as its conditioning), the same seed giving the same image."""
     snap = engine.load_model("tiny-sd15-inpainting.safetensors")
-    assert engine.pipeline.unet.config.in_channels == 9 and snap.arch == "sd15"
+    assert engine.pipeline.unet.config.in_channels == 9 and snap.family == "sd15"
     image = Image.new("RGB", (64, 64), (40, 120, 200))
     painted = _pixels(engine.inpaint(PARAMS, image, _mask(), mask_blur=0, inpainting_fill="fill"))
     assert (painted[:8] == np.asarray(image)[:8]).all() and (painted[24:40, 24:40] != (40, 120, 200)).any()

@@ -203,17 +203,17 @@ def engine(module_engine):
     return module_engine
 
 
-@pytest.mark.parametrize(("arch", "cfg", "negative", "guidance_scale"),
+@pytest.mark.parametrize(("family_name", "cfg", "negative", "guidance_scale"),
                          [(TURBO, 1.0, "", 0.0), (BASE, 4.0, "blurry, text", 3.0)])
-def test_our_image_equals_diffusers_zimage_pipeline(engine, demo_paths, arch, cfg, negative, guidance_scale):
+def test_our_image_equals_diffusers_zimage_pipeline(engine, demo_paths, family_name, cfg, negative, guidance_scale):
     """The oracle: on the tiny model, the engine's image (fp32 on the CPU) is diffusers'
     `ZImagePipeline`'s on the same folder, seed and settings, bit for bit. Turbo runs without CFG
     (CFG scale 1 = diffusers' guidance 0: one pass); Base with CFG scale 4 = diffusers' 3.0 and a
     negative prompt (A1111's neg + s·(pos − neg) is Z-Image's pos + (s − 1)·(pos − neg))."""
-    engine.load_model(f"tiny-{arch}-diffusers")
+    engine.load_model(f"tiny-{family_name}-diffusers")
     ours = engine.generate(GenerateParams("a red cube on a table", negative, steps=3, cfg=cfg, seed=7, width=64,
                                           height=64, sampler="Euler"))[0]
-    pipe = ZImagePipeline.from_pretrained(demo_paths[f"{arch}_folder"], dtype=torch.float32)
+    pipe = ZImagePipeline.from_pretrained(demo_paths[f"{family_name}_folder"], dtype=torch.float32)
     theirs = pipe("a red cube on a table", negative_prompt=negative or None, height=64, width=64,
                   num_inference_steps=3, guidance_scale=guidance_scale, max_sequence_length=512,
                   generator=torch.Generator().manual_seed(7)).images[0]

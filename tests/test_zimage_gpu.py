@@ -3,7 +3,7 @@ through our pipeline beside plain diffusers `ZImagePipeline` on the same modules
 same latents, ours not slower and taking no more VRAM; each offload mode's it/s and peak VRAM printed
 (finite latents, placement as planned); then fp8 storage (our `quant.dequant` hooks) beside diffusers'
 own layerwise fp8 casting. The device check's section (h) measures the same engine-level in ABBA
-rounds, with 3 LoRAs (`benchmarks/devicecheck.py`, `--archs zimage-turbo`).
+rounds, with 3 LoRAs (`benchmarks/devicecheck.py`, `--families zimage-turbo`).
 
     python -m pytest -o addopts=-ra -m gpu tests/test_zimage_gpu.py -s
 """
@@ -19,7 +19,7 @@ from app.engine import offload, placement, storage
 from app.families import family
 from app.hooks import HookRegistry
 
-ARCH, STEPS, SIDE = "zimage-turbo", 8, 1024
+FAMILY, STEPS, SIDE = "zimage-turbo", 8, 1024
 NOISE = 0.97  # two runs of the same code differ by up to ~3% on a shared GPU
 
 
@@ -44,13 +44,13 @@ def _best(pipe) -> tuple[float, float, torch.Tensor]:
 def theirs():
     from benchmarks.workload import random_pipeline
 
-    pipe = random_pipeline(ARCH, torch.device("cuda", 0), torch.bfloat16)
+    pipe = random_pipeline(FAMILY, torch.device("cuda", 0), torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 def _ours(theirs):
-    fam = family(ARCH)
+    fam = family(FAMILY)
     pipe = fam.pipeline_class(**theirs.components)
     pipe.family, pipe.execution_device = fam, torch.device("cuda", 0)
     pipe.set_progress_bar_config(disable=True)
@@ -64,7 +64,7 @@ def test_zimage_full_size_ours_vs_diffusers_bf16_and_offload_modes(theirs):
     baseline, their_peak, their_latents = _best(theirs)
     ours = _ours(theirs)
     mine, my_peak, my_latents = _best(ours)
-    print(f"{ARCH} {SIDE}² bf16 {STEPS} steps: ours {mine:.3f} it/s {my_peak:.2f} GiB, "
+    print(f"{FAMILY} {SIDE}² bf16 {STEPS} steps: ours {mine:.3f} it/s {my_peak:.2f} GiB, "
           f"diffusers {baseline:.3f} it/s {their_peak:.2f} GiB ({mine / baseline:.3f}×)")
     assert torch.equal(my_latents, their_latents)  # the same components, the same call: the same latents
     assert mine >= NOISE * baseline and my_peak <= their_peak * 1.01
@@ -89,9 +89,9 @@ def test_zimage_full_size_fp8_storage_vs_diffusers_layerwise_casting():
     (fp8 storage, bf16 compute) on another copy of the same weights."""
     from benchmarks.workload import random_pipeline
 
-    pipe = random_pipeline(ARCH, torch.device("cuda", 0), torch.bfloat16)
+    pipe = random_pipeline(FAMILY, torch.device("cuda", 0), torch.bfloat16)
     ours = _ours(pipe)
-    fam, before = family(ARCH), torch.cuda.memory_allocated()
+    fam, before = family(FAMILY), torch.cuda.memory_allocated()
     layers = storage.layers_to_store(ours, fam, "fp8")
     compute = {c: torch.bfloat16 for c in fam.components}
     saved = storage.bytes_saved(ours, layers, compute)
@@ -103,12 +103,12 @@ def test_zimage_full_size_fp8_storage_vs_diffusers_layerwise_casting():
     assert torch.isfinite(latents).all()
     del ours, pipe
     torch.cuda.empty_cache()
-    theirs = random_pipeline(ARCH, torch.device("cuda", 0), torch.bfloat16)
+    theirs = random_pipeline(FAMILY, torch.device("cuda", 0), torch.bfloat16)
     for component in ("transformer", "text_encoder"):
         getattr(theirs, component).enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn,
                                                             compute_dtype=torch.bfloat16)
     theirs.set_progress_bar_config(disable=True)
     baseline, their_peak, _latents = _best(theirs)
-    print(f"{ARCH} {SIDE}² fp8 storage {STEPS} steps: ours {mine:.3f} it/s {my_peak:.2f} GiB, diffusers layerwise "
+    print(f"{FAMILY} {SIDE}² fp8 storage {STEPS} steps: ours {mine:.3f} it/s {my_peak:.2f} GiB, diffusers layerwise "
           f"{baseline:.3f} it/s {their_peak:.2f} GiB; {saved / 2**30:.2f} GiB saved at rest")
     assert mine >= NOISE * baseline

@@ -32,7 +32,7 @@ from app.adapters.specs import LoraSpec
 from app.adapters.synthetic import ALGORITHMS, Layer
 from app.demo import build_tiny_pipeline
 
-ARCH, RANK, ALPHA, STRENGTH = "zimage-turbo", 4, 2.0, 0.7
+FAMILY, RANK, ALPHA, STRENGTH = "zimage-turbo", 4, 2.0, 0.7
 SCALE = ALPHA / RANK
 QKV = ("to_q", "to_k", "to_v")
 # diffusers modules a LoRA over diffusers names targets: attention, feed-forward, modulation, the
@@ -49,7 +49,7 @@ ORIGINAL = {"layers.1.attention.qkv": tuple(f"layers.1.attention.{p}" for p in Q
 @pytest.fixture
 def pipe():
     """A fresh tiny Z-Image (diffusers' own ZImagePipeline class, seed-0 weights)."""
-    return build_tiny_pipeline(ARCH)
+    return build_tiny_pipeline(FAMILY)
 
 
 def _weight(pipe, path: str) -> torch.Tensor:
@@ -125,14 +125,14 @@ FORMATS = {  # name -> writer; diffusers' converter reads every one of them
 def _apply(pipe, tmp_path, name: str, tensors: dict, metadata: dict | None = None):
     path = tmp_path / f"{name}.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
-    stack = LoraStack(pipe, ARCH, torch.device("cpu"))
+    stack = LoraStack(pipe, FAMILY, torch.device("cpu"))
     report = stack.reconcile((LoraSpec(name, STRENGTH),), {name: read_adapter(name, path)})[name]
     return stack, report, path
 
 
 def _diffusers_fused(path, deltas) -> dict[str, torch.Tensor]:
     """diffusers' own reading: load_lora_weights + fuse_lora(lora_scale=w) on a fresh copy."""
-    theirs = build_tiny_pipeline(ARCH)
+    theirs = build_tiny_pipeline(FAMILY)
     theirs.load_lora_weights(str(path), adapter_name="x")
     theirs.fuse_lora(lora_scale=STRENGTH)
     theirs.unload_lora_weights()
@@ -164,7 +164,7 @@ def test_diffusers_peft_file_written_by_peft_matches_diffusers(pipe, tmp_path):
     from diffusers import ZImagePipeline
     from peft.utils import get_peft_model_state_dict
 
-    source = build_tiny_pipeline(ARCH)
+    source = build_tiny_pipeline(FAMILY)
     config = peft.LoraConfig(r=RANK, lora_alpha=8, target_modules=["to_q", "to_v", "w2", "layers.0.adaLN_modulation.0"],
                              init_lora_weights=False)
     source.transformer.add_adapter(config)
@@ -175,7 +175,7 @@ def test_diffusers_peft_file_written_by_peft_matches_diffusers(pipe, tmp_path):
     deltas = {p: 2.0 * state[f"transformer.{p}.lora_B.weight"].double()
               @ state[f"transformer.{p}.lora_A.weight"].double() for p in targets}
     raw = {p: _weight(pipe, p).clone() for p in targets}
-    stack = LoraStack(pipe, ARCH, torch.device("cpu"))
+    stack = LoraStack(pipe, FAMILY, torch.device("cpu"))
     file = read_adapter("peft", tmp_path / "peft.safetensors")
     report = stack.reconcile((LoraSpec("peft", STRENGTH),), {"peft": file})
     assert report["peft"].matched_layers == len(targets) > 10 and "metadata" in report["peft"].scale_source

@@ -98,12 +98,12 @@ def target_model(state: ApiState, wanted: str | None, account: Account) -> str:
     return target
 
 
-def arch_of(state: ApiState, model: str) -> str | None:
+def family_of_model(state: ApiState, model: str) -> str | None:
     """The family a request for `model` is planned for (its sizes, sampler, defaults): the loaded model's,
     else read from the checkpoint's header, as the job's reconcile loads it only after the planning.
     None when it cannot be read: the load then says why."""
     snap = state.engine.snapshot()
-    return snap.arch if model == snap.model else models.planned_arch(state.ctx.settings.checkpoints_dir, model)
+    return snap.family if model == snap.model else models.planned_family(state.ctx.settings.checkpoints_dir, model)
 
 
 def ensure_model(state: ApiState, wanted: str | None, account: Account) -> None:

@@ -60,11 +60,11 @@ from app.engine.stage_params import LATENT_UPSCALERS
 
 def _refuse_bad_input(req: Txt2ImgRequest, state: ApiState, account: Account) -> None:
     """Check the numbers (and the hires fix's) before the request waits in the lane or switches a checkpoint."""
-    arch = state.engine.snapshot().arch
-    txt2img.plan(req, arch, state.ctx.styles_for(account), state.clip_skip(account))
+    family_name = state.engine.snapshot().family
+    txt2img.plan(req, family_name, state.ctx.styles_for(account), state.clip_skip(account))
     if isinstance(req, Img2ImgRequest):
         img2img.script_args(state, req)
-    txt2img.hires(req, arch)
+    txt2img.hires(req, family_name)
     controlnet.request_units(req.alwayson_scripts, state.ctx.settings)  # a unit the app cannot run: 422 now
     if req.restore_faces:  # a face model must be in models/GFPGAN or models/Codeformer now (never downloaded)
         state.engine.check_face_restorer()

@@ -75,11 +75,11 @@ def details(state: ApiState, req: Txt2ImgRequest) -> DetailParams | None:
     return passes.detail_params(asked.units, DetectorLibrary(state.ctx.settings.adetailer_dir), asked.skip_img2img)
 
 
-def sampler_for(name: str | None, schedule: str | None, arch: str | None) -> tuple[str, str | None]:
+def sampler_for(name: str | None, schedule: str | None, family_name: str | None) -> tuple[str, str | None]:
     """Our sampler for A1111's sampler (name or alias, any case) and schedule type on the loaded
-    family (`arch`; any family's with none loaded), and a note when the family has no exact counterpart and runs
+    family (`family_name`; any family's with none loaded), and a note when the family has no exact counterpart and runs
     its nearest one instead (`Sampling.nearest_samplers`); 400 if there is neither."""
-    fam = family(arch) if arch else None
+    fam = family(family_name) if family_name else None
     ours = fam.sampling.samplers if fam else SCHEDULERS
     known = {n: n for n in ours} | (dict(fam.sampling.nearest_samplers) if fam else {})
     lookup = {n.lower(): n for n in known}
@@ -107,7 +107,7 @@ def field_value(req: Txt2ImgRequest, field: str) -> Any:
     return type(req).model_fields[field].get_default(call_default_factory=True) if value is None else value
 
 
-def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
+def plan(req: Txt2ImgRequest, family_name: str | None, book: StyleBook,
          clip_skip: int = 1) -> tuple[GenerateParams, tuple[str, ...]]:
     """The engine's parameters and notes (rounding, a cut prompt); refuses unsupported features and
     out-of-range values. `styles` (names in the account's `book`) are applied to the prompts as A1111
@@ -131,24 +131,24 @@ def plan(req: Txt2ImgRequest, arch: str | None, book: StyleBook,
         values[field] = 0 if isinstance(value, int) and value < 0 else value
     if req.refiner_switch_at is not None:
         values["refiner_switch_at"] = req.refiner_switch_at
-    values["sampler"], stand_in = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, arch)
-    hires_stand_in = sampler_for(req.hr_sampler_name, req.hr_scheduler, arch)[1] \
+    values["sampler"], stand_in = sampler_for(req.sampler_name or req.sampler_index, req.scheduler, family_name)
+    hires_stand_in = sampler_for(req.hr_sampler_name, req.hr_scheduler, family_name)[1] \
         if req.enable_hr and req.hr_sampler_name else None
     values["clip_skip"] = (req.override_settings or {}).get(CLIP_SKIP, clip_skip)
     values["step_cache"] = (req.override_settings or {}).get(STEP_CACHE, 0)
     values["tiling"] = bool(req.tiling)
     values["restore_faces"] = bool(req.restore_faces)
-    params, notes = params_from_form(values, arch)
+    params, notes = params_from_form(values, family_name)
     stand_ins = [stand_in, hires_stand_in and f"hires pass: {hires_stand_in}"]
     return params, (*(note for note in stand_ins if note), *notes)
 
 
-def hires(req: Txt2ImgRequest, arch: str | None) -> HiresParams | None:
+def hires(req: Txt2ImgRequest, family_name: str | None) -> HiresParams | None:
     """A1111's `enable_hr` fields as the engine's hires fix (None when not asked for); a bad value is
     refused (422, `errors`) with the range, like every other field."""
     if not req.enable_hr:
         return None
-    sampler = sampler_for(req.hr_sampler_name, req.hr_scheduler, arch)[0] if req.hr_sampler_name else SAME
+    sampler = sampler_for(req.hr_sampler_name, req.hr_scheduler, family_name)[0] if req.hr_sampler_name else SAME
     return HiresParams(scale=field_value(req, "hr_scale"), upscaler=req.hr_upscaler or "Latent",
                        steps=field_value(req, "hr_second_pass_steps"),
                        denoising_strength=field_value(req, "denoising_strength"),
@@ -191,11 +191,11 @@ def run(state: ApiState, req: Txt2ImgRequest, account: Account = LOCAL_ACCOUNT,
     units = controlnet.request_units(req.alwayson_scripts, state.ctx.settings)
     notes = [*notes, *unsupported_overrides(state.ctx.settings, req.override_settings or {})]
     produce = produce or (lambda params, desired: state.engine.generate(
-        params, owner=owner_of(account), hires=hires(req, checkpoints.arch_of(state, desired.model)),
+        params, owner=owner_of(account), hires=hires(req, checkpoints.family_of_model(state, desired.model)),
         desired=desired, details=details(state, req)))
 
     def generate(model: str) -> Outcome:
-        params, rounding = plan(req, checkpoints.arch_of(state, model), state.ctx.styles_for(account),
+        params, rounding = plan(req, checkpoints.family_of_model(state, model), state.ctx.styles_for(account),
                                 state.clip_skip(account))
         if req.refiner_checkpoint not in (None, "", "None", "none"):  # A1111's spellings of "no refiner"
             params = dataclasses.replace(params, refiner_checkpoint=checkpoints.resolve(

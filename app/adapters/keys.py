@@ -158,8 +158,8 @@ def _legacy_spellings(path: str) -> list[str]:
 class KeyTable:
     """Every spelling of every weight-bearing module of a pipeline's denoiser and text encoders."""
 
-    def __init__(self, pipe, arch: str) -> None:
-        fam = family(arch)
+    def __init__(self, pipe, family_name: str) -> None:
+        fam = family(family_name)
         self.arch = fam.lora_arch
         self.foreign_layers = fam.adapters.foreign_layers
         self.components = frozenset(c for c in fam.components if getattr(pipe, c, None) is not None)

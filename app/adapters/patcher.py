@@ -159,7 +159,7 @@ class LoraStack:
     """The adapters applied to one pipeline (fused, or as bypass forwards), with what is needed to
     change or undo them. `bypass` names the components whose layers take bypass hooks."""
 
-    def __init__(self, pipe, arch: str, compute_device: torch.device | None = None, *,
+    def __init__(self, pipe, family_name: str, compute_device: torch.device | None = None, *,
                  hooks: HookRegistry | None = None, bypass: frozenset[str] = frozenset(),
                  gpu_backups: bool = True, allows_partial: Callable[[str], bool] = _never) -> None:
         self._gpu_backups = gpu_backups
@@ -172,7 +172,7 @@ class LoraStack:
         self._hooks = hooks if hooks is not None else HookRegistry()
         self._bypass_components = frozenset(bypass)
         self._bypassed: dict[Target, BypassLayer] = {}
-        self._arch = arch
+        self._family_name = family_name
         self._compute_device = compute_device
         self._table: KeyTable | None = None
         self._modules: dict[Target, torch.nn.Module] = {}
@@ -266,7 +266,7 @@ class LoraStack:
         rank-64 LoRAs on SD1.5). Bypass layers keep the file's dtype (their forwards cast once per
         re-weight anyway). An inspection uploads nothing."""
         if self._table is None:
-            self._table = KeyTable(self._pipe, self._arch)
+            self._table = KeyTable(self._pipe, self._family_name)
         prepared = match_adapter(name, file, self._table, self._module, allow_partial=self._allows_partial(name))
         if not upload or self._compute_device is None:
             return prepared

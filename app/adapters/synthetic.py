@@ -43,11 +43,11 @@ __all__ = [
 Target = tuple[str, str]  # (component, module path), as `app.adapters.keys` resolves keys
 
 # --------------------------------------------------------------------------------------- layouts
-def _kohya_te(arch: str, component: str) -> str:
-    return family(arch).kohya_prefix(component)
+def _kohya_te(family_name: str, component: str) -> str:
+    return family(family_name).kohya_prefix(component)
 
 
-def _peft_te(_arch: str, component: str) -> str:
+def _peft_te(_family_name: str, component: str) -> str:
     return f"{component}."
 
 
@@ -59,7 +59,7 @@ _PEFT_SUFFIXES = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B
 class Layout:
     """How one trainer spells an adapter's keys.
 
-    `unet_names`: "diffusers" module paths, "ldm" block names, or "arch" — LDM names on SDXL and
+    `unet_names`: "diffusers" module paths, "ldm" block names, or "family" — LDM names on SDXL and
     diffusers names on SD1.5, which is what kohya's sd-scripts write. `peft`: dotted paths and
     PEFT suffixes (`lora_A`/`lora_B`, a 1-D `lora_magnitude_vector`); PEFT keeps alpha in its
     adapter_config.json, so its files hold none and ΔW is unscaled.
@@ -67,18 +67,19 @@ class Layout:
 
     name: str
     unet_prefix: str
-    te_prefix: Callable[[str, str], str]  # (arch, text-encoder component) -> key prefix
+    te_prefix: Callable[[str, str], str]  # (family, text-encoder component) -> key prefix
     unet_names: str = "diffusers"
     peft: bool = False
 
-    def uses_ldm(self, arch: str) -> bool:
-        """LDM block names: always for "ldm"; for "arch", where kohya writes them (`Adapters.kohya_ldm_names`)."""
-        return self.unet_names == "ldm" or (self.unet_names == "arch" and family(arch).adapters.kohya_ldm_names)
+    def uses_ldm(self, family_name: str) -> bool:
+        """LDM block names: always for "ldm"; for "family", where kohya writes them (`Adapters.kohya_ldm_names`)."""
+        return self.unet_names == "ldm" or (self.unet_names == "family"
+                                            and family(family_name).adapters.kohya_ldm_names)
 
-    def layer_key(self, component: str, name: str, arch: str) -> str:
-        denoiser = family(arch).denoiser
+    def layer_key(self, component: str, name: str, family_name: str) -> str:
+        denoiser = family(family_name).denoiser
         own = self.unet_prefix.format(denoiser=denoiser)
-        prefix = own if component == denoiser else self.te_prefix(arch, component)
+        prefix = own if component == denoiser else self.te_prefix(family_name, component)
         return prefix + (name if self.peft else name.replace(".", "_"))
 
     def stored(self, tensors: Tensors) -> Tensors:
@@ -104,7 +105,7 @@ class Layout:
 LAYOUTS: dict[str, Layout] = {
     layout.name: layout
     for layout in (
-        Layout("kohya", "lora_unet_", _kohya_te, unet_names="arch"),
+        Layout("kohya", "lora_unet_", _kohya_te, unet_names="family"),
         Layout("kohya_ldm", "lora_unet_", _kohya_te, unet_names="ldm"),
         Layout("kohya_diffusers", "lora_unet_", _kohya_te),
         Layout("lycoris", "lycoris_", _kohya_te),
@@ -135,23 +136,23 @@ def _trainer_path(component: torch.nn.Module, path: str) -> str:
     return path if has_level else f"text_model.{path}"
 
 
-def _targets(pipe, arch: str, patterns: Sequence[str]):
+def _targets(pipe, family_name: str, patterns: Sequence[str]):
     """(component, path, module, kind) of every adapter-able module matching a pattern, in model order."""
-    for component in family(arch).components:
+    for component in family(family_name).components:
         for path, module in getattr(pipe, component).named_modules():
             kind = _kind(module)
             if kind and any(fnmatch.fnmatchcase(f"{component}.{path}", p) for p in patterns):
                 yield component, path, module, kind
 
 
-def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] | None = None, rank: int = 4,
+def build_layers(pipe, family_name: str, algo: str, *, targets: Sequence[str] | None = None, rank: int = 4,
                  seed: int = 0, alpha: float | None = None, strength: float = 0.5) -> dict[Target, Tensors]:
     """Float32 tensors of `algo` for every matching layer it applies to, by (component, path).
 
     `targets` None: the family's spread (`TestKit.lora_targets`). `alpha` is stored for the
     algorithms that have one (None: no `alpha` key, i.e. scale 1).
     """
-    targets = family(arch).test_kit.lora_targets if targets is None else targets
+    targets = family(family_name).test_kit.lora_targets if targets is None else targets
     if algo not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algo!r}; choose one of {sorted(ALGORITHMS)}")
     algorithm = ALGORITHMS[algo]
@@ -161,7 +162,7 @@ def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] | None = 
         return torch.randn(*shape, generator=generator)
 
     layers = {}
-    for component, path, module, kind in _targets(pipe, arch, targets):
+    for component, path, module, kind in _targets(pipe, family_name, targets):
         bias = getattr(module, "bias", None)
         layer = Layer(kind, module.weight.detach().float().cpu(), None if bias is None else bias.detach().float().cpu())
         tensors = algorithm.build(layer, rank, draw, strength)
@@ -175,10 +176,10 @@ def build_layers(pipe, arch: str, algo: str, *, targets: Sequence[str] | None = 
     return layers
 
 
-def adapter_metadata(arch: str, algo: str, rank: int, alpha: float | None) -> dict[str, str]:
+def adapter_metadata(family_name: str, algo: str, rank: int, alpha: float | None) -> dict[str, str]:
     """kohya/LyCORIS-style training metadata: base model (what tools read the architecture from:
     the family's first two `adapter_markers`), network module and arguments."""
-    version, spec = family(arch).adapters.markers[:2]
+    version, spec = family(family_name).adapters.markers[:2]
     plain = algo in ("lora", "dora")
     return {
         "ss_base_model_version": version,
@@ -195,7 +196,7 @@ def tag_frequency(trigger: str) -> str:
     return json.dumps({f"10_{trigger}": {trigger: 24, "scenery": 7}})
 
 
-def write_adapter(path: Path, pipe, arch: str, algo: str = "lora", layout: str = "kohya",
+def write_adapter(path: Path, pipe, family_name: str, algo: str = "lora", layout: str = "kohya",
                   dtype: torch.dtype = torch.float32, *, targets: Sequence[str] | None = None, rank: int = 4,
                   seed: int = 0, alpha: float | None = None, strength: float = 0.5,
                   metadata: Mapping[str, str] | None = None) -> SyntheticAdapter:
@@ -207,19 +208,19 @@ def write_adapter(path: Path, pipe, arch: str, algo: str = "lora", layout: str =
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(LAYOUTS)}")
     spelling, ldm_names = LAYOUTS[layout], None
-    if spelling.uses_ldm(arch):
+    if spelling.uses_ldm(family_name):
         ldm_names = unet_module_map(pipe.unet)
     tensors, layers = {}, {}
-    built = build_layers(pipe, arch, algo, targets=targets, rank=rank, seed=seed, alpha=alpha, strength=strength)
+    built = build_layers(pipe, family_name, algo, targets=targets, rank=rank, seed=seed, alpha=alpha, strength=strength)
     for (component, module_path), raw in built.items():
         stored = {k: v.to(dtype) if v.is_floating_point() else v for k, v in spelling.stored(raw).items()}
-        if component == family(arch).denoiser:
+        if component == family(family_name).denoiser:
             name = ldm_names[module_path] if ldm_names is not None else module_path
         else:
             name = _trainer_path(getattr(pipe, component), module_path)
         layers[(component, module_path)] = stored
-        tensors.update(spelling.file_keys(spelling.layer_key(component, name, arch), stored))
-    written = {**adapter_metadata(arch, algo, rank, alpha), **(metadata or {})}
+        tensors.update(spelling.file_keys(spelling.layer_key(component, name, family_name), stored))
+    written = {**adapter_metadata(family_name, algo, rank, alpha), **(metadata or {})}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=written)
@@ -234,17 +235,17 @@ _DEMO_LORAS = (
 )
 
 
-def write_demo_loras(lora_dir: Path, pipe, arch: str) -> list[Path]:
+def write_demo_loras(lora_dir: Path, pipe, family_name: str) -> list[Path]:
     """The demo's LoRAs for one architecture (the `lora_writer` hook of `app.demo.write_demo`).
 
-    Plain kohya LoRAs in fp16 with training metadata and a trigger word each: `demo-style-<arch>`
-    on attention and text-encoder layers, `demo-detail-<arch>` a LoCon on the UNet's resnet convs.
+    Plain kohya LoRAs in fp16 with training metadata and a trigger word each: `demo-style-<family>`
+    on attention and text-encoder layers, `demo-detail-<family>` a LoCon on the UNet's resnet convs.
     """
     paths = []
     for stem, trigger, which, strength, seed in _DEMO_LORAS:
-        path = Path(lora_dir) / f"{stem}-{arch}.safetensors"
-        targets = family(arch).test_kit.demo_lora_targets[which]
-        write_adapter(path, pipe, arch, "lora", "kohya", torch.float16, targets=targets, rank=4, seed=seed,
+        path = Path(lora_dir) / f"{stem}-{family_name}.safetensors"
+        targets = family(family_name).test_kit.demo_lora_targets[which]
+        write_adapter(path, pipe, family_name, "lora", "kohya", torch.float16, targets=targets, rank=4, seed=seed,
                       alpha=4.0, strength=strength,
                       metadata={"ss_tag_frequency": tag_frequency(trigger), "ss_output_name": path.stem})
         paths.append(path)

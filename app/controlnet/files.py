@@ -114,8 +114,8 @@ class ControlNetLibrary:
     def title(self, entry: ControlNetEntry) -> str:
         return f"{entry.name} [{self.facts(entry)[0]}]"
 
-    def titles(self, arch: str | None = None) -> list[str]:
-        """`name [hash]` of every usable ControlNet (for `arch`'s family only, when given), as the extension's
+    def titles(self, family_name: str | None = None) -> list[str]:
+        """`name [hash]` of every usable ControlNet (for `family_name`'s family only, when given), as the extension's
         `/controlnet/model_list` answers; an unreadable file is left out (`resolve` says why)."""
         out = []
         for entry in self.usable():
@@ -123,7 +123,7 @@ class ControlNetLibrary:
                 short, fits = self.facts(entry)
             except ControlNetFileError:
                 continue
-            if arch is None or arch in fits:
+            if family_name is None or family_name in fits:
                 out.append(f"{entry.name} [{short}]")
         return out
 

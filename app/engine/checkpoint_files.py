@@ -51,7 +51,7 @@ class ModelLoadError(ValueError):
     """A checkpoint could not be found, was refused, or failed to load; the message names the file."""
 
 
-class UnknownArchitectureError(ModelLoadError):
+class UnknownFamilyError(ModelLoadError):
     """The file is valid but is not a checkpoint of a supported family (app/families)."""
 
 
@@ -77,13 +77,13 @@ class CheckpointInfo:
     size_bytes: int
 
 
-# ------------------------------------------------------------------------------------ architecture
+# ------------------------------------------------------------------------------------------ family
 
 
-def detect_architecture(keys: Iterable[str]) -> str:
+def detect_family(keys: Iterable[str]) -> str:
     """The name of the family of a single file's keys (`app.families.detect`); otherwise say what it looks like.
 
-    Each architecture needs one marker key per component (UNet, every text encoder), so a partial
+    Each family needs one marker key per component (UNet, every text encoder), so a partial
     file is not mistaken for a loadable one; foreign files are described for the user.
     """
     keys = set(keys)
@@ -93,11 +93,11 @@ def detect_architecture(keys: Iterable[str]) -> str:
     for description, matches in _OTHER_FORMATS:
         example = next((k for k in sorted(keys) if matches(k)), None)
         if example is not None:
-            raise UnknownArchitectureError(
+            raise UnknownFamilyError(
                 f"{_NOT_KNOWN}: looks like {description} ({example!r})"
             )
     samples = ", ".join(sorted(keys)[:5])
-    raise UnknownArchitectureError(
+    raise UnknownFamilyError(
         f"{_NOT_KNOWN}: unrecognised layout with {len(keys)} tensors (e.g. {samples})"
     )
 

@@ -38,11 +38,11 @@ class CheckpointShapeError(ValueError):
     """The config and the file's tensors disagree; the message says where and how."""
 
 
-def build_components(arch: str, config_dir: Path) -> dict[str, torch.nn.Module]:
+def build_components(family_name: str, config_dir: Path) -> dict[str, torch.nn.Module]:
     """The family's denoiser, VAE and text encoder(s) from the configs in `config_dir`, on the
     current default device (the caller's `torch.device(...)` context): one builder for the meta
     shapes here and for the benchmark's random-weight pipelines, so both describe the same model."""
-    fam = family(arch)
+    fam = family(family_name)
     denoiser = fam.denoiser_class
     parts = {fam.denoiser: denoiser.from_config(denoiser.load_config(config_dir / fam.denoiser)),
              "vae": fam.vae_class.from_config(fam.vae_class.load_config(config_dir / "vae"))}
@@ -51,12 +51,12 @@ def build_components(arch: str, config_dir: Path) -> dict[str, torch.nn.Module]:
     return parts
 
 
-def meta_components(arch: str, config_dir: Path, max_parameters: int | None = None) -> SimpleNamespace:
+def meta_components(family_name: str, config_dir: Path, max_parameters: int | None = None) -> SimpleNamespace:
     """Denoiser (`unet`, or `transformer` for DiTs), VAE and text encoder(s) built from `config_dir` on
     the meta device: names and shapes of the full pipeline at no memory cost. With `max_parameters`,
     building stops past that many."""
     with torch.device("meta"), parameter_budget(max_parameters):
-        return SimpleNamespace(**build_components(arch, config_dir))
+        return SimpleNamespace(**build_components(family_name, config_dir))
 
 
 @contextlib.contextmanager
@@ -82,37 +82,39 @@ def parameter_budget(limit: int | None) -> Iterator[None]:
         handle.remove()
 
 
-def expected_shapes(arch: str, config_dir: Path, max_parameters: int | None = None) -> dict[str, tuple[int, ...]]:
+def expected_shapes(family_name: str, config_dir: Path,
+                    max_parameters: int | None = None) -> dict[str, tuple[int, ...]]:
     """Every tensor an LDM single file of this config must hold, with its shape."""
     try:
-        meta = meta_components(arch, config_dir, max_parameters)
+        meta = meta_components(family_name, config_dir, max_parameters)
     except CheckpointShapeError:
         raise
     except Exception as exc:  # the config is untrusted input to third-party constructors: any error is its fault
-        raise CheckpointShapeError(f"the config does not build a {arch} model ({type(exc).__name__}: {exc})") from exc
-    return {key: tuple(tensor.shape) for key, tensor in to_ldm_state_dict(meta, family(arch)).items()}
+        raise CheckpointShapeError(f"the config does not build a {family_name} model "
+                                   f"({type(exc).__name__}: {exc})") from exc
+    return {key: tuple(tensor.shape) for key, tensor in to_ldm_state_dict(meta, family(family_name)).items()}
 
 
-def check_header_shapes(arch: str, config_dir: Path, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+def check_header_shapes(family_name: str, config_dir: Path, shapes: dict[str, tuple[int, ...]], source: str) -> None:
     """Refuse unless the file (`shapes`, from its header) holds every tensor `source` (the config's
     description, for messages) asks for, each with the shape it asks for: checked before building,
     on the meta device, for a config we did not ship."""
-    _compare(arch, expected_shapes(arch, config_dir, PARAMETERS_PER_TENSOR * len(shapes)), shapes, source)
+    _compare(family_name, expected_shapes(family_name, config_dir, PARAMETERS_PER_TENSOR * len(shapes)), shapes, source)
 
 
-def check_loaded_shapes(pipe, arch: str, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+def check_loaded_shapes(pipe, family_name: str, shapes: dict[str, tuple[int, ...]], source: str) -> None:
     """The same check against the pipeline diffusers built from a config we ship: its size is bounded
     and diffusers builds it on the meta device, so nothing is gained by building it twice (a third
     of the load), while diffusers, which loads single files non-strictly, would leave a tensor the
     file lacks at its random or meta initial value. Reads shapes only, never a weight."""
-    _compare(arch, ldm_shapes(pipe, family(arch)), shapes, source)
+    _compare(family_name, ldm_shapes(pipe, family(family_name)), shapes, source)
 
 
-def _compare(arch: str, expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
+def _compare(family_name: str, expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
              source: str) -> None:
     missing = sorted(expected.keys() - shapes.keys())
     if missing:
-        raise CheckpointShapeError(f"{len(missing)} tensors of the {arch} pipeline are missing from the file "
+        raise CheckpointShapeError(f"{len(missing)} tensors of the {family_name} pipeline are missing from the file "
                                    f"(e.g. {', '.join(missing[:_SHOWN])})")
     wrong = sorted(key for key, shape in expected.items() if tuple(shapes[key]) != shape)
     if wrong:

@@ -47,16 +47,16 @@ def units_for_pass(units: tuple[ControlUnit, ...], which: str) -> tuple[ControlU
 class ControlRuns:
     """The ControlNet half of `Engine` (see the module docstring)."""
 
-    def controlnet_models(self, arch: str | None = None) -> list[str]:
-        """`name [hash]` of every usable ControlNet (`arch`'s only, when given): `/controlnet/model_list`."""
-        return self.controlnet_library.titles(arch)
+    def controlnet_models(self, family_name: str | None = None) -> list[str]:
+        """`name [hash]` of every usable ControlNet (`family_name`'s only, when given): `/controlnet/model_list`."""
+        return self.controlnet_library.titles(family_name)
 
     def unload_controlnets(self):
         """Detach the ControlNet stack from the loaded model and give its memory back (the next unit reads its
         model again); a transition of its own, verified like any."""
         return self._call("unload_controlnets", "", EngineState.MOVING, self._lifecycle.release_controlnets)
 
-    def _check_units(self, units: tuple[ControlUnit, ...], arch: str | None, kind: str) -> None:
+    def _check_units(self, units: tuple[ControlUnit, ...], family_name: str | None, kind: str) -> None:
         """Refuse, before queueing, units the job cannot run: too many, a model missing, pickled, unreadable
         or made for another family, or a family or workflow (`kind`) without a control pipeline."""
         if not units:
@@ -64,9 +64,9 @@ class ControlRuns:
         check_units(units)
         if self.settings.compile:
             raise ValueError("ControlNet units run on the eager model: turn the compiled path (--compile) off")
-        if arch is None:
+        if family_name is None:
             return
-        fam = family(arch)
+        fam = family(family_name)
         if fam.controlnet is None:
             raise ValueError(f"{fam.label} models take no ControlNet: remove the ControlNet units")
         if kind not in fam.controlnet.pipelines:
@@ -77,7 +77,7 @@ class ControlRuns:
                 source_of(i, unit, None)
             entry = library.resolve(unit.model)
             made_for = library.facts(entry)[1]
-            if arch not in made_for:
+            if family_name not in made_for:
                 what = f"{family(made_for[0]).label} models" if made_for else "no model family here"
                 raise ControlNetFileError(f"ControlNet unit {i}: {entry.name} is made for {what}; the model is "
                                           f"{fam.label}: choose a {fam.label} ControlNet")

@@ -76,7 +76,7 @@ class ControlNetSlot:
         loaded = self._loaded
         if loaded is None:
             raise RuntimeError("no model loaded: load a checkpoint first")
-        fam = family(loaded.model.arch)
+        fam = family(loaded.model.family)
         if fam.controlnet is None:
             raise ValueError(f"{fam.label} models take no ControlNet")
         if loaded.compile is not None:
@@ -97,7 +97,7 @@ class ControlNetSlot:
         loaded = self._loaded
         if loaded is None or loaded.control is None:
             return
-        self._attach(loaded, family(loaded.model.arch), None)
+        self._attach(loaded, family(loaded.model.family), None)
         release_memory()
 
     def _nets_for(self, loaded: _Loaded, fam: Family, entries: Sequence[ControlNetEntry]) -> dict:

@@ -158,9 +158,9 @@ class Detailing:
 
     def check_detail(self, detail: DetailParams, desired) -> None:
         """Refuse, before queueing, detail passes the model cannot run: its family has no inpaint stage."""
-        arch = self._arch_for(desired)
-        if arch is not None and "inpaint" not in family(arch).stage_pipelines:
-            raise ValueError(f"the detailer redraws regions by inpainting, which {family(arch).label} models "
+        family_name = self._family_for(desired)
+        if family_name is not None and "inpaint" not in family(family_name).stage_pipelines:
+            raise ValueError(f"the detailer redraws regions by inpainting, which {family(family_name).label} models "
                              "cannot do yet")
         if not detail.passes:
             raise ValueError("the detailer is on but has no unit to run: enable a unit or turn it off")
@@ -231,7 +231,7 @@ class Detailing:
         blurred = grey.filter(ImageFilter.GaussianBlur(unit.mask_blur)) if unit.mask_blur else grey
         if blurred.getextrema()[1] < _PAINTED:
             return None
-        fam = family(self._lifecycle.facts().arch)
+        fam = family(self._lifecycle.facts().family)
         own = (unit.width, unit.height) if unit.width and unit.height else None
         if not unit.only_masked:
             box = (0, 0, *image.size)

@@ -5,7 +5,7 @@ encoder and `clip_g` (n, 1280) for the second. A file named `foo` adds tokens `f
 and the diffusers pipelines expand `foo` in a prompt to all of them. Vectors are cast to the
 encoder's own weight dtype and device before being written — the inference side of the
 OneTrainer `expected scalar type Float but found Half` report, where an fp32 vector met an
-fp16 encoder. Files that do not fit the loaded architecture, hold NaN/Inf or absurd values, or
+fp16 encoder. Files that do not fit the loaded family, hold NaN/Inf or absurd values, or
 whose names are not valid UTF-8 are skipped with a log line.
 """
 
@@ -24,9 +24,9 @@ from app.safetensors_files import read_header, refuse_bad_values
 log = logging.getLogger(__name__)
 
 
-def _layout(arch: str) -> tuple[tuple[str, str, str], ...]:
+def _layout(family_name: str) -> tuple[tuple[str, str, str], ...]:
     """(key in the file, tokenizer attribute, text encoder attribute) per text encoder."""
-    return tuple((te.embedding_key, te.tokenizer, te.component) for te in family(arch).text_encoders)
+    return tuple((te.embedding_key, te.tokenizer, te.component) for te in family(family_name).text_encoders)
 
 
 class EmbeddingError(ValueError):
@@ -76,17 +76,17 @@ def _families_reading(keys: set[str]) -> list[str]:
             and all(te.embedding_key in keys for te in fam.text_encoders)]
 
 
-def _check_fits(pipe, arch: str, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _check_fits(pipe, family_name: str, path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Every check before the first token is added, so a misfit never half-loads."""
-    layout = _layout(arch)
+    layout = _layout(family_name)
     missing = [key for key, _tok, _enc in layout if key not in tensors]
     if missing:
         readers = _families_reading(set(tensors))
         if readers:
             raise OtherFamilyEmbedding(f"{path.name}: for {' and '.join(dict.fromkeys(readers))} models, not "
-                                       f"{family(arch).label}")
+                                       f"{family(family_name).label}")
         raise EmbeddingError(f"{path.name}: its tensors {sorted(tensors)} are no family's embedding layout "
-                             f"({family(arch).label} reads {', '.join(key for key, _t, _e in layout)})")
+                             f"({family(family_name).label} reads {', '.join(key for key, _t, _e in layout)})")
     for key, tok_attr, enc_attr in layout:
         if path.stem in getattr(pipe, tok_attr).get_vocab():
             raise EmbeddingError(f"{path.name}: token {path.stem!r} already exists in the vocabulary")
@@ -96,31 +96,31 @@ def _check_fits(pipe, arch: str, path: Path, tensors: dict[str, torch.Tensor]) -
                                  f"the {enc_attr} expects {width}")
 
 
-def load_embedding(pipe, arch: str, path: Path) -> str:
+def load_embedding(pipe, family_name: str, path: Path) -> str:
     """Add one embedding file to `pipe`; returns the token name. Raises EmbeddingError if it does not fit."""
     read_header(path)
     tensors = load_file(str(path), device="cpu")
-    _check_fits(pipe, arch, path, tensors)
-    refuse_bad_values(path, {key: tensors[key] for key, _tok, _enc in _layout(arch)}, EmbeddingError)
-    for key, tok_attr, enc_attr in _layout(arch):
+    _check_fits(pipe, family_name, path, tensors)
+    refuse_bad_values(path, {key: tensors[key] for key, _tok, _enc in _layout(family_name)}, EmbeddingError)
+    for key, tok_attr, enc_attr in _layout(family_name):
         vectors = tensors[key].reshape(-1, tensors[key].shape[-1])
         tokens = _token_names(path.stem, vectors.shape[0])
         _add_vectors(getattr(pipe, tok_attr), getattr(pipe, enc_attr), tokens, vectors)
     return path.stem
 
 
-def load_all(pipe, arch: str, folder: Path, noted: set[tuple[str, int]]) -> tuple[str, ...]:
+def load_all(pipe, family_name: str, folder: Path, noted: set[tuple[str, int]]) -> tuple[str, ...]:
     """Load every fitting `.safetensors` embedding in `folder`; the others are skipped. A family that takes no
     embeddings (`Files.takes_embeddings`) does not read the folder. Why the log stays quiet: a shared folder
     holds every family's embeddings, and A1111 skips another family's without a word (the API lists them as
     skipped), so such a file is noted at debug level only; a file that is wrong for every family is noted once
     per content (`noted`: the caller's record of (path, mtime) already told), not on every model load."""
-    if not folder.is_dir() or not family(arch).files.takes_embeddings:
+    if not folder.is_dir() or not family(family_name).files.takes_embeddings:
         return ()
     loaded = []
     for path in sorted(utf8_names(folder, folder.glob("*.safetensors"), "embedding")):
         try:
-            loaded.append(load_embedding(pipe, arch, path))
+            loaded.append(load_embedding(pipe, family_name, path))
         except OtherFamilyEmbedding as exc:
             log.debug("embedding %s skipped: %s", path.name, exc)
         except (EmbeddingError, ValueError) as exc:

@@ -153,10 +153,10 @@ def check_work(runs: int, batch: int, width: int, height: int, steps: int, what:
                          f"{MAX_PIXEL_STEPS:,}; use fewer images, runs, steps or pixels")
 
 
-def round_size(field: str, value: int, arch: str | None) -> tuple[int, str]:
+def round_size(field: str, value: int, family_name: str | None) -> tuple[int, str]:
     """Round a side down to the family's multiple, as A1111 does (its latents are `side // 8`), and
     say so: (rounded, note), the note empty when nothing changed."""
-    fam = None if arch is None else family(arch)
+    fam = None if family_name is None else family(family_name)
     multiple = DEFAULT_SIZE_MULTIPLE if fam is None else fam.size_multiple
     rounded = value - value % multiple
     if rounded == value:
@@ -166,7 +166,7 @@ def round_size(field: str, value: int, arch: str | None) -> tuple[int, str]:
                      "(rounded down, as A1111 does)")
 
 
-def params_from_form(values: dict[str, object], arch: str | None) -> tuple[GenerateParams, tuple[str, ...]]:
+def params_from_form(values: dict[str, object], family_name: str | None) -> tuple[GenerateParams, tuple[str, ...]]:
     """Raw form or API values -> (parameters, notes about what was rounded).
 
     Every field is checked against `LIMITS` first and all refusals are reported in one message;
@@ -181,15 +181,15 @@ def params_from_form(values: dict[str, object], arch: str | None) -> tuple[Gener
         raise ValueError(";\n".join(problems))
     notes = []
     for field in ("width", "height"):
-        checked[field], note = round_size(field, checked[field], arch)
+        checked[field], note = round_size(field, checked[field], family_name)
         notes.append(note)
     params = GenerateParams(str(values.get("prompt") or ""), str(values.get("negative_prompt") or ""),
                             sampler=str(values.get("sampler")),
                             refiner_checkpoint=str(values.get("refiner_checkpoint") or ""),
                             tiling=bool(values.get("tiling")), restore_faces=bool(values.get("restore_faces")),
                             **checked)
-    if arch is not None:
-        fam = family(arch)
+    if family_name is not None:
+        fam = family(family_name)
         notes += prompt_notes(fam, *encoded_texts(fam, params.prompt, params.negative_prompt, params.steps))
         notes.append(negative_note(fam, params.negative_prompt, params.cfg))
         notes.append(not_edited_note(fam, params.prompt, params.negative_prompt, params.steps))
@@ -252,7 +252,7 @@ class RunContext:
     model_name: str
     model_hash: str | None  # None: the file could not be read, and the pair is left out as A1111 does
     loras: tuple[tuple, ...] = ()
-    arch: str | None = None  # the family, for how guidance is written
+    family: str | None = None  # the family, for how guidance is written
 
 
 def resolve_seed(seed: int) -> int:
@@ -266,7 +266,7 @@ def infotext(params: GenerateParams, seed: int, ctx: RunContext, extra: tuple[tu
     strength`, `Hires upscale`, …), written after `Model` as A1111 writes them. A family that has no
     negative prompt (Flux) ran without it, so none is written: a reader must not believe it counted; and
     wherever a written negative prompt was not read (that, or CFG 1), `Negative prompt unused` says why."""
-    fam = family(ctx.arch) if ctx.arch is not None else None
+    fam = family(ctx.family) if ctx.family is not None else None
     distilled = fam is not None and fam.sampling.distilled_guidance
     negative = params.negative_prompt if fam is None or fam.sampling.negative_prompt else ""
     unused = fam.negative_unused(params.cfg) if fam is not None and params.negative_prompt.strip() else ""

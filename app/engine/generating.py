@@ -185,7 +185,7 @@ class Generating:
         batch_run = batch_run or (lambda first, phase, run_params: self._denoise_run(
             params.steps, job, phase, lambda on_step: self._lifecycle.denoise(
                 run_params, first, on_step, self._control_pass(run_params, "only"))))
-        with seamless.tiled(self._lifecycle.pipeline, family(facts.arch).conv_components, params.tiling):
+        with seamless.tiled(self._lifecycle.pipeline, family(facts.family).conv_components, params.tiling):
             return self._runs(params, saved_prompt, job, batch_run, extra, seed, step, facts, applied)
 
     def _runs(self, params: GenerateParams, saved_prompt: str, job: Job, batch_run, extra, seed: int, step: int,
@@ -203,7 +203,7 @@ class Generating:
             for i, image in enumerate(images or ()):  # none when a stop came before the first step ended
                 if ctx is None:
                     with timeline.phase("model hash"):
-                        ctx = RunContext(facts.model, self._lifecycle.model_hash(), applied, facts.arch)
+                        ctx = RunContext(facts.model, self._lifecycle.model_hash(), applied, facts.family)
                 image_seed = first + i * step
                 restored = ()
                 if params.restore_faces:  # A1111 restores before saving, after every pass
@@ -236,10 +236,10 @@ class Generating:
         is then None). LoRAs with a step schedule get each step's strength before it (`stepped_loras`: the
         schedule runs over this pass's own `total` steps) and are back at rest after the pass; `lifecycle`:
         the model the pass runs on when not the loaded one (the refiner's)."""
-        reached, ending, arch = 0, False, self._lifecycle.facts().arch
+        reached, ending, family_name = 0, False, self._lifecycle.facts().family
         lifecycle = lifecycle or self._lifecycle
         stepper = None
-        previews = family(arch).latent_format.preview_rgb is not None  # no factors: no preview
+        previews = family(family_name).latent_format.preview_rgb is not None  # no factors: no preview
         taken: tuple[int, HostRead] | None = None  # the last preview's step and pixels, on their way to the host
 
         def on_step(step: int, total: int, latents) -> bool:
@@ -251,7 +251,7 @@ class Generating:
             wanted = previews and every and step % every == 0 and step < total
             with timeline.phase("preview"):
                 shown, of = (None, None) if taken is None else (tuple(pictures(taken[1].value())), taken[0])
-                taken = (step, HostRead(preview_pixels(latents, arch))) if wanted else None
+                taken = (step, HostRead(preview_pixels(latents, family_name))) if wanted else None
             self._set_progress(phase, step, total, shown, of)
             ending = job.stop is not None
             if stepper is not None and not ending and step < total:

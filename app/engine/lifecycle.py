@@ -134,7 +134,7 @@ class ModelLifecycle(Placing, ControlNetSlot):
         pipe, bypass = loaded.model.pipe, loaded.stack.bypass_components
         patched = {component for component, _ in loaded.stack.patched_modules()}
         modes = sorted({"bypass" if c in bypass else "fused" for c in patched}) or ["fused"]
-        return LoadedFacts(loaded.model.info.name, loaded.model.arch, loaded.scan.short_hash(),
+        return LoadedFacts(loaded.model.info.name, loaded.model.family, loaded.scan.short_hash(),
                            pipe.family.native_size(pipe), pipe.family.defaults_for(pipe), loaded.plan.dtype,
                            loaded.plan.offload, loaded.stack.applied, " + ".join(modes), loaded.embeddings,
                            dict(loaded.set_aside), loaded.weights, sum(map(len, loaded.stored.values())),
@@ -280,7 +280,7 @@ class ModelLifecycle(Placing, ControlNetSlot):
         self._progress(f"loading {info.name}", 0, 3)
         t0 = time.perf_counter()
         fresh = models.load_pipeline(info, dtype, part_choices.part_files(self._settings, info.name), self._scans)
-        stored = storage.layers_to_store(fresh.pipe, family(fresh.arch), want.weights)
+        stored = storage.layers_to_store(fresh.pipe, family(fresh.family), want.weights)
         matmul = storage.matmul_layers(fresh.pipe, stored, want.weights, dtype)
         storage.store(fresh.pipe, stored, matmul)
         self._timers.record("load", time.perf_counter() - t0)
@@ -301,7 +301,8 @@ class ModelLifecycle(Placing, ControlNetSlot):
         try:
             if old is not None and self._device.type != "cpu":
                 self.park("park previous model")
-            embedded = embeddings.load_all(fresh.pipe, fresh.arch, self._settings.embeddings_dir, self._embedding_notes)
+            embedded = embeddings.load_all(fresh.pipe, fresh.family, self._settings.embeddings_dir,
+                                           self._embedding_notes)
             strategy = self._place(fresh.pipe, plan, hooks, reason="load")
             storage.install_dequant(hooks, fresh.pipe, stored, fresh.pipe.compute_dtypes, matmul, readers)
         except BaseException:
@@ -314,7 +315,7 @@ class ModelLifecycle(Placing, ControlNetSlot):
             old.stack.release()
         self._parked = None
         fresh.pipe.set_progress_bar_config(disable=True)
-        stack = LoraStack(fresh.pipe, fresh.arch, self._device, hooks=hooks, bypass=offload.bypass_components(plan),
+        stack = LoraStack(fresh.pipe, fresh.family, self._device, hooks=hooks, bypass=offload.bypass_components(plan),
                           gpu_backups=self._settings.lora_backups == "gpu",
                           allows_partial=lambda name: allows_partial(self._settings, name))
         readers.stack = stack
@@ -354,7 +355,7 @@ class ModelLifecycle(Placing, ControlNetSlot):
     def stage_for(self, kind: str):
         """The loaded model's `kind` stage pipeline (built once per model, on its components)."""
         loaded = self._loaded
-        return stages.stage_on(loaded.model.pipe, family(loaded.model.arch), loaded.stage_pipes, kind)
+        return stages.stage_on(loaded.model.pipe, family(loaded.model.family), loaded.stage_pipes, kind)
 
     def interruptible(self, should_stop: Callable[[], bool]) -> contextlib.AbstractContextManager:
         """A stop checked before every block while entered (`stop_checks`); not on a compiled model. Large

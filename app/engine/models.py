@@ -36,9 +36,9 @@ from app.engine import component_files
 from app.engine.checkpoint_files import (
     CheckpointInfo,
     ModelLoadError,
-    UnknownArchitectureError,
+    UnknownFamilyError,
     UnsupportedCheckpointFormatError,
-    detect_architecture,
+    detect_family,
     read_safetensors_header,
     resolve_checkpoint,
     weights_file,
@@ -69,7 +69,7 @@ class LoadedModel:
     from, the first the one whose sha256 names it ("Model hash", `checkpoint_files.weights_file`)."""
 
     pipe: Any
-    arch: str
+    family: str
     info: CheckpointInfo
     files: tuple[Path, ...]
     parts: PartFiles = PartFiles()  # the separate component files it was loaded with
@@ -100,39 +100,39 @@ def load_pipeline(info: CheckpointInfo, dtype: torch.dtype, parts: PartFiles | N
     """
     parts = parts or PartFiles()
     facts = FileFacts(None) if scans is None else scans.facts(facts_store(info))
-    arch = checkpoint_arch(info)
+    family_name = checkpoint_family(info)
     if info.kind == "folder":
         _validate_folder_weights(info)
         load = _load_folder
     else:
         _keys, metadata = read_safetensors_header(info.path)
-        load = _parts_loader(parts) if family(arch).files.parts else _single_file_loader(metadata, facts)
-    if dtype == torch.float16 and not family(arch).precision.fp16_ok:
-        raise ModelLoadError(f"{info.name}: {family(arch).label} overflows in fp16 (activations beyond ±65504 "
+        load = _parts_loader(parts) if family(family_name).files.parts else _single_file_loader(metadata, facts)
+    if dtype == torch.float16 and not family(family_name).precision.fp16_ok:
+        raise ModelLoadError(f"{info.name}: {family(family_name).label} overflows in fp16 (activations beyond ±65504 "
                              "become Inf and the image black); use bf16, or fp32 on the CPU")
-    files = _run_loader(lambda *_: _weight_files(info, arch, parts), info, arch, dtype)
+    files = _run_loader(lambda *_: _weight_files(info, family_name, parts), info, family_name, dtype)
     refusal = None if scans is None else scans.known_refusal(info.name, facts_store(info), files, dtype)
     if refusal:
         raise ModelLoadError(refusal)
-    pipe = _run_loader(load, info, arch, dtype)
-    pipe.family = family(arch)
+    pipe = _run_loader(load, info, family_name, dtype)
+    pipe.family = family(family_name)
     _check_loaded(pipe, dtype, info.name)
-    logger.info("loaded %s (%s, %s)", info.name, arch, dtype)
-    return LoadedModel(pipe=pipe, arch=arch, info=info, files=files, parts=parts)
+    logger.info("loaded %s (%s, %s)", info.name, family_name, dtype)
+    return LoadedModel(pipe=pipe, family=family_name, info=info, files=files, parts=parts)
 
 
-def _run_loader(load, info: CheckpointInfo, arch: str, dtype: torch.dtype):
+def _run_loader(load, info: CheckpointInfo, family_name: str, dtype: torch.dtype):
     try:
-        return load(info, arch, dtype)
+        return load(info, family_name, dtype)
     except ModelLoadError:
         raise
     except (component_files.MissingPartError, CheckpointShapeError, SafetensorsFileError) as exc:
         raise ModelLoadError(f"{info.name}: {exc}") from exc
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
-        raise ModelLoadError(f"{info.name}: diffusers failed to load it as {arch}: {exc}") from exc
+        raise ModelLoadError(f"{info.name}: diffusers failed to load it as {family_name}: {exc}") from exc
 
 
-def _weight_files(info: CheckpointInfo, arch: str, parts: PartFiles) -> tuple[Path, ...]:
+def _weight_files(info: CheckpointInfo, family_name: str, parts: PartFiles) -> tuple[Path, ...]:
     """The files the pipeline's tensors come from, the one whose hash names it first: a single file;
     a family's part files (headers read to find them); a folder's component weights, without the
     variants (`*.fp16.safetensors`) and the safety checker, which are never loaded."""
@@ -140,14 +140,14 @@ def _weight_files(info: CheckpointInfo, arch: str, parts: PartFiles) -> tuple[Pa
     if info.kind == "folder":
         found = [f for f in sorted(info.path.glob("*/*.safetensors"))
                  if "." not in f.stem and f.parent.name != "safety_checker"]
-    elif family(arch).files.parts:
-        found = component_files.source_files(family(arch), info.path, parts.choices, parts.folders)
+    elif family(family_name).files.parts:
+        found = component_files.source_files(family(family_name), info.path, parts.choices, parts.folders)
     else:
         found = []
     return tuple(dict.fromkeys([first, *found]))
 
 
-def checkpoint_arch(info: CheckpointInfo) -> str:
+def checkpoint_family(info: CheckpointInfo) -> str:
     """The family of a checkpoint from its header or `model_index.json` alone (no weight read): what a
     request planned before its model is loaded (the A1111 API's) is checked against. A checkpoint in a
     layout its family does not load (`Files.layouts`: a single file of a folder-only family) is refused
@@ -156,17 +156,17 @@ def checkpoint_arch(info: CheckpointInfo) -> str:
         if not weights_file(info).is_file():
             raise ModelLoadError(f"{info.name}: no denoiser weights (unet/ or transformer/ "
                                  "diffusion_pytorch_model.safetensors) in the folder")
-        arch = _folder_arch(info)
+        family_name = _folder_family(info)
     else:
         keys, metadata = read_safetensors_header(info.path)
         try:
-            arch = detect_architecture(keys)
-        except UnknownArchitectureError as exc:
+            family_name = detect_family(keys)
+        except UnknownFamilyError as exc:
             said = metadata.get("general.architecture")  # GGUF's own field: shown, never trusted
             told = f" (its GGUF architecture field says {said!r}; families are told by tensor names and shapes)" \
                 if said else ""
-            raise UnknownArchitectureError(f"{info.name}: {exc}{told}") from exc
-    fam = family(arch)
+            raise UnknownFamilyError(f"{info.name}: {exc}{told}") from exc
+    fam = family(family_name)
     if info.kind not in fam.files.layouts:
         loads = " or ".join(_LAYOUT_NAMES[layout] for layout in fam.files.layouts)
         raise ModelLoadError(f"{info.name}: a {fam.label} checkpoint, but {fam.label} loads from {loads} only, "
@@ -174,29 +174,29 @@ def checkpoint_arch(info: CheckpointInfo) -> str:
     if info.kind == "file" and is_gguf(info.path) and not fam.files.parts:
         raise UnsupportedCheckpointFormatError(f"{info.name}: .gguf files are read for families assembled from "
                                                f"parts (a transformer-only file); {fam.label} is not one")
-    return arch
+    return family_name
 
 
-def planned_arch(checkpoints_dir: Path, model: str) -> str | None:
+def planned_family(checkpoints_dir: Path, model: str) -> str | None:
     """`checkpoint_arch` of the checkpoint named `model`, or None when it cannot be read (its load says why)."""
     try:
-        return checkpoint_arch(resolve_checkpoint(model, checkpoints_dir))
+        return checkpoint_family(resolve_checkpoint(model, checkpoints_dir))
     except (ModelLoadError, OSError):
         return None
 
 
-def _pipeline_kwargs(arch: str, dtype: torch.dtype) -> dict[str, Any]:
-    return {"dtype": dtype, "local_files_only": True, **family(arch).pipeline_kwargs}
+def _pipeline_kwargs(family_name: str, dtype: torch.dtype) -> dict[str, Any]:
+    return {"dtype": dtype, "local_files_only": True, **family(family_name).pipeline_kwargs}
 
 
-def _folder_arch(info: CheckpointInfo) -> str:
+def _folder_family(info: CheckpointInfo) -> str:
     try:
         class_name = json.loads((info.path / "model_index.json").read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"{info.name}: unreadable model_index.json ({exc})") from exc
     fam = family_of_pipeline(class_name, info.path)
     if fam is None:
-        raise UnknownArchitectureError(
+        raise UnknownFamilyError(
             f"{info.name}: model_index.json names {class_name!r}; "
             f"supported: {sorted(f.diffusers_pipeline for f in FAMILIES.values())}"
         )
@@ -220,10 +220,10 @@ def _validate_folder_weights(info: CheckpointInfo) -> None:
             read_safetensors_header(weights)
 
 
-def _load_folder(info: CheckpointInfo, arch: str, dtype: torch.dtype):
+def _load_folder(info: CheckpointInfo, family_name: str, dtype: torch.dtype):
     """A diffusers folder brings its own tokenizers (they may carry added tokens), so ours stay out."""
-    kwargs = _pipeline_kwargs(arch, dtype)
-    return family(arch).pipeline_class.from_pretrained(info.path, use_safetensors=True, **kwargs)
+    kwargs = _pipeline_kwargs(family_name, dtype)
+    return family(family_name).pipeline_class.from_pretrained(info.path, use_safetensors=True, **kwargs)
 
 
 def _single_file_loader(metadata: dict[str, str], facts: FileFacts):
@@ -244,28 +244,30 @@ def _single_file_loader(metadata: dict[str, str], facts: FileFacts):
     builds models.
     """
 
-    def load(info: CheckpointInfo, arch: str, dtype: torch.dtype):
-        fam = family(arch)
-        source = "its embedded config" if CONFIGS_METADATA_KEY in metadata else f"the {arch.upper()} architecture"
+    def load(info: CheckpointInfo, family_name: str, dtype: torch.dtype):
+        fam = family(family_name)
+        bundled = f"the {family_name.upper()} architecture"
+        source = "its embedded config" if CONFIGS_METADATA_KEY in metadata else bundled
         shapes = read_shapes(info.path)
-        with _config_folder(arch, metadata, info.name, shapes) as config_dir:
+        with _config_folder(family_name, metadata, info.name, shapes) as config_dir:
             shipped = config_dir == fam.files.config_dir
 
             def once(check) -> None:
                 facts.once(FileIdentity.of(info.path), "shapes_match", _config_digest(fam, config_dir), check)
 
             if not shipped:
-                once(lambda: check_header_shapes(arch, config_dir, shapes, source))
+                once(lambda: check_header_shapes(family_name, config_dir, shapes, source))
             try:
                 with no_init_weights():
                     pipe = fam.pipeline_class.from_single_file(
-                        str(info.path), config=str(config_dir), **fam.tokenizers(), **_pipeline_kwargs(arch, dtype))
+                        str(info.path), config=str(config_dir), **fam.tokenizers(),
+                        **_pipeline_kwargs(family_name, dtype))
             except (OSError, RuntimeError, KeyError, ValueError):
                 if shipped:
-                    check_header_shapes(arch, config_dir, shapes, source)
+                    check_header_shapes(family_name, config_dir, shapes, source)
                 raise
             if shipped:
-                once(lambda: check_loaded_shapes(pipe, arch, shapes, source))
+                once(lambda: check_loaded_shapes(pipe, family_name, shapes, source))
             return pipe
 
     return load
@@ -283,27 +285,27 @@ def _config_digest(fam, config_dir: Path) -> str:
 def _parts_loader(parts: PartFiles):
     """Loader for families that assemble a single file component by component (see component_files)."""
 
-    def load(info: CheckpointInfo, arch: str, dtype: torch.dtype):
-        return component_files.assemble(family(arch), info.path, dtype, parts.choices, parts.folders)
+    def load(info: CheckpointInfo, family_name: str, dtype: torch.dtype):
+        return component_files.assemble(family(family_name), info.path, dtype, parts.choices, parts.folders)
 
     return load
 
 
 @contextlib.contextmanager
-def _config_folder(arch: str, metadata: dict[str, str], name: str, shapes: dict[str, tuple[int, ...]]
+def _config_folder(family_name: str, metadata: dict[str, str], name: str, shapes: dict[str, tuple[int, ...]]
                    ) -> Iterator[Path]:
     """The bundled config folder, or a temporary copy with the file's embedded component configs, or
     with the UNet's input channels the file holds (an inpainting checkpoint's 9)."""
     if CONFIGS_METADATA_KEY in metadata:
-        overrides = _embedded_configs(arch, metadata[CONFIGS_METADATA_KEY], name)
+        overrides = _embedded_configs(family_name, metadata[CONFIGS_METADATA_KEY], name)
     else:
-        overrides = unet_channel_override(family(arch).files.config_dir, shapes)
+        overrides = unet_channel_override(family(family_name).files.config_dir, shapes)
     if not overrides:
-        yield family(arch).files.config_dir
+        yield family(family_name).files.config_dir
         return
     with tempfile.TemporaryDirectory(prefix="sd-config-") as tmp:
-        folder = Path(tmp) / arch
-        shutil.copytree(family(arch).files.config_dir, folder)
+        folder = Path(tmp) / family_name
+        shutil.copytree(family(family_name).files.config_dir, folder)
         for component, config in overrides.items():
             (folder / component / "config.json").write_text(json.dumps(config))
         yield folder
@@ -319,12 +321,12 @@ def unet_channel_override(config_dir: Path, shapes: dict[str, tuple[int, ...]]) 
     return {"unet": {**config, "in_channels": conv_in[1]}}
 
 
-def _embedded_configs(arch: str, text: str, name: str) -> dict[str, dict]:
+def _embedded_configs(family_name: str, text: str, name: str) -> dict[str, dict]:
     try:
         configs = json.loads(text)
     except ValueError as exc:
         raise ModelLoadError(f"{name}: metadata {CONFIGS_METADATA_KEY!r} is not valid JSON ({exc})") from exc
-    allowed = {"unet", "vae", *family(arch).components}
+    allowed = {"unet", "vae", *family(family_name).components}
     if not isinstance(configs, dict) or not set(configs) <= allowed:
         raise ModelLoadError(
             f"{name}: metadata {CONFIGS_METADATA_KEY!r} must map {sorted(allowed)} to configs"

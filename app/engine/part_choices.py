@@ -53,9 +53,9 @@ def part_files(settings: Settings, checkpoint: str) -> PartFiles:
     return PartFiles({component: folders[folder] / name for component, (folder, name) in chosen.items()}, folders)
 
 
-def choose(settings: Settings, arch: str, checkpoint: str, parts: Mapping[str, str | None]) -> None:
+def choose(settings: Settings, family_name: str, checkpoint: str, parts: Mapping[str, str | None]) -> None:
     """Remember `parts` (component -> file name in its folder; None forgets a choice) for `checkpoint`."""
-    fam, folders = family(arch), _folders(settings)
+    fam, folders = family(family_name), _folders(settings)
     by_component = {p.component: p for p in fam.files.parts if p.folder is not None}
     stored = _stored(settings)
     mine = dict(stored.get(checkpoint, {}))
@@ -78,11 +78,11 @@ def chosen(settings: Settings, checkpoint: str) -> dict[str, str]:
     return {component: name for component, (_folder, name) in _stored(settings).get(checkpoint, {}).items()}
 
 
-def available(settings: Settings, arch: str) -> dict[str, list[str]]:
+def available(settings: Settings, family_name: str) -> dict[str, list[str]]:
     """component -> the `.safetensors` file names its folder offers (for the UI's pickers)."""
     folders = _folders(settings)
     out = {}
-    for part in family(arch).files.parts:
+    for part in family(family_name).files.parts:
         if part.folder is not None:
             folder = folders[part.folder]
             out[part.component] = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []

@@ -45,9 +45,9 @@ class Refining:
         """txt2img finished by `params.refiner_checkpoint` after `params.refiner_switch_at` of the schedule;
         `owner` and `desired` as `Engine.generate`'s, `details` its detail passes (the refiner takes the base
         model's dtype, offload and storage from the `Desired` the job reconciled to)."""
-        arch = self._arch_for(desired)
-        if arch is not None and not family(arch).refiner_families:
-            raise ValueError(f"{family(arch).label} models have no refiner stage; clear the refiner checkpoint")
+        family_name = self._family_for(desired)
+        if family_name is not None and not family(family_name).refiner_families:
+            raise ValueError(f"{family(family_name).label} models have no refiner stage; clear the refiner checkpoint")
         named: list[tuple[str, object]] = []  # "Refiner" and "Refiner switch at", once the refiner has run
         detail = (f"{params.steps} steps, refiner {params.refiner_checkpoint} from {params.refiner_switch_at:g} "
                   f"{params.width}x{params.height} x{params.batch}x{params.n_iter}")
@@ -106,7 +106,7 @@ class Refining:
     def _refiner_in(self, params: GenerateParams, named: list) -> None:
         """Park the base where room is needed, then place (or load) the refiner by the base's dtype, offload
         mode and weight storage; a checkpoint the base's family does not take as a refiner is refused."""
-        refiner, base = self._refiner_lifecycle(), family(self._lifecycle.facts().arch)
+        refiner, base = self._refiner_lifecycle(), family(self._lifecycle.facts().family)
         if self._needs_room():
             self._lifecycle.park("park the base for the refiner")
         try:
@@ -114,10 +114,10 @@ class Refining:
                            weights=self._desired.weights)
             refiner.realise(want, ())
             facts = refiner.facts()
-            if facts.arch not in base.refiner_families:
+            if facts.family not in base.refiner_families:
                 refiner.unload()
                 takes = " or ".join(family(name).label for name in base.refiner_families)
-                raise ValueError(f"{params.refiner_checkpoint} is a {family(facts.arch).label} checkpoint; "
+                raise ValueError(f"{params.refiner_checkpoint} is a {family(facts.family).label} checkpoint; "
                                  f"{base.label} takes {takes} checkpoints as refiners")
         except BaseException:
             self._refiner_out()

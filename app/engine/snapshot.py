@@ -93,7 +93,7 @@ class Snapshot:
 
     state: str
     model: str | None = None
-    arch: str | None = None
+    family: str | None = None
     model_label: str | None = None  # "SD1.5", "SD1.5 inpainting": the family as the page names the loaded model
     model_hash: str | None = None  # None also while a first load's file is being read (file_scans)
     native_size: int | None = None  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
@@ -143,7 +143,7 @@ class LoadedFacts:
     """What the snapshot shows about the loaded model."""
 
     model: str
-    arch: str
+    family: str
     model_hash: str | None  # None while the file is being read (file_scans)
     native_size: int  # the side, in pixels, the model was trained at (UNet sample size × VAE factor)
     defaults: tuple[int, float]  # Family.defaults_for
@@ -196,7 +196,7 @@ def build_snapshot(*, state: str, device: str, desired: Desired, facts: LoadedFa
                   taken_at=time.time())
     if facts is None:
         return Snapshot(**common)
-    return Snapshot(model=facts.model, arch=facts.arch, model_label=facts.label or facts.arch,
+    return Snapshot(model=facts.model, family=facts.family, model_label=facts.label or facts.family,
                     model_hash=facts.model_hash, native_size=facts.native_size,
                     defaults=facts.defaults, dtype=placement.dtype_name(facts.dtype), loras=facts.loras,
                     lora_mode=facts.lora_mode, embeddings=facts.embeddings, stored_layers=facts.stored_layers,

@@ -135,11 +135,11 @@ class Engine(Generating, Workflows, Detailing, Refining, Upscaling, ControlRuns,
             if facts is None:
                 raise RuntimeError("no model loaded: load the checkpoint whose parts you choose first")
             before = part_choices.chosen(self.settings, facts.model)
-            part_choices.choose(self.settings, facts.arch, facts.model, parts)
+            part_choices.choose(self.settings, facts.family, facts.model, parts)
             try:
                 self._realise(self._desired, self._desired.loras)
             except BaseException:
-                part_choices.choose(self.settings, facts.arch, facts.model,
+                part_choices.choose(self.settings, facts.family, facts.model,
                                     {c: before.get(c) for c in {*before, *parts}})
                 raise
         detail = ", ".join(f"{c}={n}" for c, n in parts.items())
@@ -199,7 +199,7 @@ class Engine(Generating, Workflows, Detailing, Refining, Upscaling, ControlRuns,
         through the detail passes (`Detailing`, app/engine/detailing.py)."""
         if hires is None:
             self._admit("txt2img", params, desired)
-        self._check_units(params.controlnet_units, self._arch_for(desired), "txt2img")
+        self._check_units(params.controlnet_units, self._family_for(desired), "txt2img")
         if refined(params):
             if params.controlnet_units:
                 raise ValueError("ControlNet units and the refiner do not run together yet: use one of them")

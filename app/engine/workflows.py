@@ -55,13 +55,13 @@ class Workflows:
                       desired: Desired | None = None, details: DetailParams | None = None) -> list[GeneratedImage]:
         """A1111's txt2img with "Hires. fix": `params` is the first pass, `hires` the upscale and
         second pass, then the `details` passes if any. Sizes and steps are checked before anything is queued."""
-        arch = self._arch_for(desired)
+        family_name = self._family_for(desired)
         if not hires.upscale_only:  # at strength 0 the upscale is the image: no second pass, no img2img stage
-            self._require_stage(arch, "img2img", "hires fix")
+            self._require_stage(family_name, "img2img", "hires fix")
         self.check_upscaler(hires.upscaler, hires=True)
-        hires.second_pass(params, _size_multiple(arch))
+        hires.second_pass(params, _size_multiple(family_name))
         self._admit("txt2img with hires fix", params, desired, hires)
-        self._check_units(params.controlnet_units, arch, "img2img")  # the hires pass's pipeline
+        self._check_units(params.controlnet_units, family_name, "img2img")  # the hires pass's pipeline
         detail = (f"{params.steps}+{hires.steps or params.steps} steps {params.width}x{params.height} "
                   f"{hires.upscaler} x{hires.scale:g} x{params.batch}x{params.n_iter}")
         return self._workflow("txt2img_hires", detail, params, owner, hires.infotext_pairs(params),
@@ -84,9 +84,9 @@ class Workflows:
         source = InitImages(tuple(init_images), denoising_strength, resize_mode, mask, mask_blur, inpainting_fill,
                             inpainting_mask_invert)
         source.steps_run(params)
-        self._require_stage(self._arch_for(desired), source.workflow, source.workflow)
+        self._require_stage(self._family_for(desired), source.workflow, source.workflow)
         self._admit(source.workflow, params, desired, encodes=True)
-        self._check_units(params.controlnet_units, self._arch_for(desired), source.workflow)
+        self._check_units(params.controlnet_units, self._family_for(desired), source.workflow)
         if variation.of(params) is not None or params.refiner_checkpoint:
             raise ValueError(f"variation seeds, \"resize seed from\" and the refiner apply to txt2img; set the "
                              f"variation strength and the resize sizes to 0 and clear the refiner for "
@@ -119,13 +119,13 @@ class Workflows:
         reads `references` (1 to the family's `reference_images` pictures, each encoded by the pipeline's
         rule at up to 1024², their tokens beside the image's), so the prompt edits or combines them.
         The infotext names how many it read. `owner` and `desired` as `Engine.generate`'s."""
-        arch = self._arch_for(desired)
+        family_name = self._family_for(desired)
         if not references:
             raise ValueError("reference editing takes at least one reference image")
         if params.controlnet_units:
             raise ValueError("reference editing takes no ControlNet units")
-        if arch is not None:
-            fam = family(arch)
+        if family_name is not None:
+            fam = family(family_name)
             if not fam.reference_images:
                 raise ValueError(f"{fam.label} models take no reference images: use img2img or inpaint")
             if len(references) > fam.reference_images:
@@ -144,24 +144,24 @@ class Workflows:
         return self._lifecycle.stage_pipelines
 
     # ------------------------------------------------------------------ the command (worker side)
-    def _arch_for(self, desired: Desired | None) -> str | None:
+    def _family_for(self, desired: Desired | None) -> str | None:
         """The family a job is checked for before it is queued: that of the model its `desired` names (read
         from the checkpoint's header when another one is loaded: the job's reconcile loads it), else the
         loaded one's."""
         snap = self.snapshot()
         if desired is None or not desired.model or desired.model == snap.model:
-            return snap.arch
-        return models.planned_arch(self.settings.checkpoints_dir, desired.model)
+            return snap.family
+        return models.planned_family(self.settings.checkpoints_dir, desired.model)
 
     def _admit(self, kind: str, params: GenerateParams, desired: Desired | None, hires: HiresParams | None = None,
                encodes: bool = False) -> None:
         """Refuse, before queueing, a job of `kind` whose prompt has more chunks than the cap or whose memory
         estimate is over the budget (app/engine/job_memory.py); the model is the one the job will run on.
         `encodes`: the job VAE-encodes its batch first (img2img, inpaint)."""
-        arch = self._arch_for(desired)
-        if arch is None:
+        family_name = self._family_for(desired)
+        if family_name is None:
             return  # no model to run on: the job is refused as such
-        fam = family(arch)
+        fam = family(family_name)
         second = None if hires is None else hires.second_pass(params, fam.size_multiple)
         chunks = max(prompt_chunks(fam, run.prompt, run.negative_prompt, run.steps)
                      for run in (params, second) if run is not None)
@@ -180,10 +180,10 @@ class Workflows:
             shape, params, chunks, what, encodes=encodes, second=second, upscale_cost=cost))
 
     @staticmethod
-    def _require_stage(arch: str | None, kind: str, what: str) -> None:
-        """Refuse, before queueing, a workflow the family `arch` has no stage pipeline for (Flux)."""
-        if arch is not None and kind not in family(arch).stage_pipelines:
-            raise ValueError(f"{what} is not available for {family(arch).label} models yet")
+    def _require_stage(family_name: str | None, kind: str, what: str) -> None:
+        """Refuse, before queueing, a workflow the family `family_name` has no stage pipeline for (Flux)."""
+        if family_name is not None and kind not in family(family_name).stage_pipelines:
+            raise ValueError(f"{what} is not available for {family(family_name).label} models yet")
 
     def _workflow(self, name: str, detail: str, params: GenerateParams, owner: str | None,
                   extra: tuple[tuple[str, object], ...], batch_run, desired: Desired | None,
@@ -268,7 +268,7 @@ class Workflows:
         """One run of the hires fix: three stages. A first pass stopped by Interrupt or Skip is
         decoded and returned as it is (no second pass), as A1111 does."""
         carry, plan = self._lifecycle.carry, lambda: self._lifecycle.plan
-        second = hires.second_pass(params, _size_multiple(self.snapshot().arch))
+        second = hires.second_pass(params, _size_multiple(self.snapshot().family))
 
         def first_pass():
             stripped = self._with_loras(params, passes)
@@ -331,7 +331,7 @@ class Workflows:
                             control=None, **inputs) -> tuple[list[Image.Image], int | None]:
         """A stage pipeline's pass from the carried inputs, decoded on the loaded pipeline's VAE; with `control`
         (a `ControlPass`) the family's control pipeline of that `kind` runs it."""
-        if control is not None and kind not in family(self.snapshot().arch).controlnet.pipelines:
+        if control is not None and kind not in family(self.snapshot().family).controlnet.pipelines:
             raise ValueError(f"ControlNet units with {kind} are not available for this model yet")
         stage = kind if control is None else CONTROL_STAGE + kind
 
@@ -395,8 +395,8 @@ def _size(params: GenerateParams) -> str:
     return f"{params.batch}x{params.width}x{params.height}"
 
 
-def _size_multiple(arch: str | None) -> int:
-    return generate.DEFAULT_SIZE_MULTIPLE if arch is None else family(arch).size_multiple
+def _size_multiple(family_name: str | None) -> int:
+    return generate.DEFAULT_SIZE_MULTIPLE if family_name is None else family(family_name).size_multiple
 
 
 def _no_model() -> None:

@@ -1,6 +1,6 @@
 """Model families as plug-ins: a family is one file in this package, found by the registry.
 
-Why: SD1.5 and SDXL used to be spelled out in a dozen dicts and `if arch == "sdxl"` ladders
+Why: SD1.5 and SDXL used to be spelled out in a dozen dicts and `if family == "sdxl"` ladders
 (configs, tokenizers, checkpoint markers, pipeline classes, text-encoder prefixes for single files
 and for LoRA keys, embedding layouts, demo configs, LoRA metadata, preview factors). A family now
 says all of that once, as data and small callables on `Family`, and generic code asks the family;
@@ -290,7 +290,7 @@ class BenchSpec:
     call_inputs: CallInputs  # one denoiser call on meta tensors: op counts and TFLOP per step
     lora_layers: str  # regex over the denoiser's linear layers the bench LoRAs cover (attention, feed-forward)
     lora_convs: str | None = None  # regex over the conv layers its LoCon adds; None: no LoCon (no convs)
-    check: tuple[str, ...] = ()  # the device check's section: `app.bench` arguments after `--archs`; (): none
+    check: tuple[str, ...] = ()  # the device check's section: `app.bench` arguments after `--families`; (): none
     check_s: int = 0  # that section's estimate, device seconds on an H100, process start included
     check_title: str = ""  # what the section shows, for its plan line and summary
     check_order: int = 0  # families' sections run in this order (the device check's priorities)

@@ -261,7 +261,7 @@ def generate_params(ctx: UiContext, prompt, negative, sampler, steps, cfg, seed,
                   subseed_strength=subseed_strength, seed_resize_from_w=seed_resize_from_w,
                   seed_resize_from_h=seed_resize_from_h, refiner_checkpoint=refiner,
                   refiner_switch_at=refiner_switch_at, step_cache=step_cache)
-    params, notes = params_from_form(values, ctx.engine.snapshot().arch)
+    params, notes = params_from_form(values, ctx.engine.snapshot().family)
     return params, (*notes, *missing_lora_notes(ctx, params))
 
 
@@ -284,7 +284,7 @@ def snapshot_summary(ctx: UiContext) -> dict:
     wanted one with its status and the reason it was set aside) and counters."""
     snap = ctx.engine.snapshot()
     return {
-        "state": snap.state, "model": snap.model, "arch": snap.arch, "device": snap.device, "dtype": snap.dtype,
+        "state": snap.state, "model": snap.model, "family": snap.family, "device": snap.device, "dtype": snap.dtype,
         "offload": snap.offload,
         "loras": [{"name": s.name, "unet_weight": s.unet_strength, "te_weight": s.te_strength,
                    "schedule": s.schedule_text} for s in snap.loras],

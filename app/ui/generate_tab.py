@@ -90,13 +90,13 @@ class ModelShown(NamedTuple):
     """What a tab's family fields were last filled for (what `family_updates` and
     `native_size_updates` compare): kept per page by a tab that fills them when it opens."""
 
-    arch: str | None
+    family: str | None
     defaults: tuple[int, float] | None
     native_size: int | None
 
     @classmethod
     def of(cls, snap: Snapshot) -> ModelShown:
-        return cls(snap.arch, snap.defaults, snap.native_size)
+        return cls(snap.family, snap.defaults, snap.native_size)
 
 
 def family_updates(previous: Snapshot | ModelShown | None, current: Snapshot) -> list:
@@ -106,12 +106,12 @@ def family_updates(previous: Snapshot | ModelShown | None, current: Snapshot) ->
     (the hires pass's: the same), steps, and the guidance with its name and range ("Distilled CFG Scale"
     on FLUX.1-dev). Between two models of one family the user's choices stay, unless the two want other
     steps and guidance (a distilled and an undistilled checkpoint): then those two are filled in."""
-    if current.arch is None:
+    if current.family is None:
         return [gr.update()] * 4
-    fam = family(current.arch)
+    fam = family(current.family)
     steps, guidance = current.defaults
     samplers = [gr.Dropdown(choices=list(fam.sampling.samplers)), gr.Dropdown(choices=[SAME, *fam.sampling.samplers])]
-    if previous is not None and current.arch == previous.arch:
+    if previous is not None and current.family == previous.family:
         if current.defaults == previous.defaults:
             return [*samplers, gr.update(), gr.update()]
         return [*samplers, gr.Number(value=steps), gr.Number(value=guidance)]
@@ -121,13 +121,13 @@ def family_updates(previous: Snapshot | ModelShown | None, current: Snapshot) ->
             gr.Number(value=guidance, label=fam.sampling.guidance_label, info=f"{low:g}…{high:g}")]
 
 
-def negative_box(arch: str | None, guidance) -> gr.Textbox:
+def negative_box(family_name: str | None, guidance) -> gr.Textbox:
     """The negative prompt box as the loaded family at `guidance` reads it: its label and placeholder say
     so where nothing reads it (`Family.negative_unused`: distilled guidance, no CFG at all, CFG 1), so a newcomer does
     not write one believing it counts. It stays editable: the text comes back into use on a model or CFG
     that reads it."""
-    why = family(arch).negative_unused(float(guidance)) if arch is not None and isinstance(guidance, int | float) \
-        else ""
+    why = family(family_name).negative_unused(float(guidance)) \
+        if family_name is not None and isinstance(guidance, int | float) else ""
     if not why:
         return gr.Textbox(label=NEGATIVE_LABEL, placeholder="")
     return gr.Textbox(label=f"{NEGATIVE_LABEL} (not used: {why})",
@@ -137,7 +137,7 @@ def negative_box(arch: str | None, guidance) -> gr.Textbox:
 def wire_negative_box(ctx: UiContext, cfg: gr.Number, negative: gr.Textbox, *after: object) -> dict:
     """Redraw `negative` (`negative_box`) when the guidance changes; returns the event arguments `after`
     (a model load, the page load, a tab's fill) runs too."""
-    redraw = dict(fn=lambda value: negative_box(ctx.engine.snapshot().arch, value), inputs=cfg, outputs=negative,
+    redraw = dict(fn=lambda value: negative_box(ctx.engine.snapshot().family, value), inputs=cfg, outputs=negative,
                   api_visibility="private", show_progress="hidden")
     cfg.change(**redraw)
     return redraw

@@ -141,7 +141,7 @@ def family_fill(snap: Snapshot, shown: ModelShown | None) -> tuple[dict[str, obj
     the user's choices stay (`family_updates`). Without this the tab kept SD's 20 steps, CFG 7 and a
     64² size for every model: a distilled model ran 20 steps at CFG 7, SDXL drew at 64²."""
     now = ModelShown.of(snap)
-    if snap.arch is None or shown == now:
+    if snap.family is None or shown == now:
         return {}, shown
     sampler, _hires, steps, cfg = family_updates(shown, snap)
     size = native_size_updates(shown.native_size if shown else None, snap.native_size)
@@ -220,8 +220,8 @@ def _inpaint_panel(ctx: UiContext, base: list, out: _Outputs, page: list, cn: li
 def reference_panel_state(ctx: UiContext) -> tuple[bool, str]:
     """(is the reference panel shown, its gallery's label) for the model the engine's snapshot names:
     shown while its family takes reference images, the label saying how many."""
-    arch = ctx.engine.snapshot().arch
-    most = family(arch).reference_images if arch is not None else 0
+    family_name = ctx.engine.snapshot().family
+    most = family(family_name).reference_images if family_name is not None else 0
     return most > 0, f"Reference images (1-{most})" if most else "Reference images"
 
 

@@ -59,9 +59,10 @@ def option_updates(ctx: UiContext, admin: bool | None = None) -> list:
     family (hidden when it has none) with the files its folders offer and the one chosen; with `admin`
     given, usable or not (`engine_wide`)."""
     snap = ctx.engine.snapshot()
-    offered = part_choices.available(ctx.settings, snap.arch) if snap.arch and family(snap.arch).files.parts else {}
+    has_parts = snap.family is not None and bool(family(snap.family).files.parts)
+    offered = part_choices.available(ctx.settings, snap.family) if has_parts else {}
     chosen = part_choices.chosen(ctx.settings, snap.model) if offered else {}
-    labels = {p.component: p.label for p in family(snap.arch).files.parts} if offered else {}
+    labels = {p.component: p.label for p in family(snap.family).files.parts} if offered else {}
     pickers = [gr.Dropdown(choices=[AUTO, *offered[c]], value=chosen.get(c, AUTO), label=labels[c], visible=True,
                            **engine_wide(admin))
                if c in offered else gr.Dropdown(visible=False) for c in _PICKED]
@@ -69,10 +70,10 @@ def option_updates(ctx: UiContext, admin: bool | None = None) -> list:
 
 
 def _part_label(engine, component: str) -> str:
-    arch = engine.snapshot().arch
-    if not arch:
+    family_name = engine.snapshot().family
+    if not family_name:
         return component
-    return next((p.label for p in family(arch).files.parts if p.component == component), component)
+    return next((p.label for p in family(family_name).files.parts if p.component == component), component)
 
 
 def wire_model_options(ctx: UiContext, options: ModelOptions, status: gr.Markdown, **private) -> None:

@@ -245,7 +245,7 @@ def loaded_fill(target: SendTarget, before, snap, shown):
     (`family_updates`, `native_size_updates`)."""
     if target.shown is not None:
         return family_fill(snap, shown)
-    if snap.arch is None or snap.model == before.model:
+    if snap.family is None or snap.model == before.model:
         return {}, None
     sampler, hires, steps, cfg = family_updates(before, snap)
     width, height = native_size_updates(before.native_size, snap.native_size)
@@ -276,7 +276,7 @@ def wire_send(ctx: UiContext, button: gr.Button, text: gr.Textbox, picture: gr.c
             if plan is not None and plan.checkpoint is not None:
                 status = loaded_text(run_with_progress(engine, lambda: engine.load_model(plan.checkpoint), progress))
         snap, fitted = engine.snapshot(), []
-        fam = family(snap.arch) if snap.arch is not None else None
+        fam = family(snap.family) if snap.family is not None else None
         known = {} if plan is None else plan.fields if fam is None else fit_to_family(plan.fields, fam, fitted)
         fill, shown = loaded_fill(target, before, snap, shown)
         fields = [family_control(f, known[f], fam) if f in known else fill.get(f, gr.update()) for f in target.fields]

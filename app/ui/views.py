@@ -93,7 +93,7 @@ def status_html(snap: Snapshot, index: int | None = None) -> str:
     model = html.escape(snap.model or "no model loaded")
     parts = [
         ("" if index is None else f"engine {index} ") + f"<span class='sd-state sd-{css}'>{state}</span>{progress}",
-        f"model <b>{model}</b>" + (f" ({html.escape(snap.model_label or snap.arch)})" if snap.arch else ""),
+        f"model <b>{model}</b>" + (f" ({html.escape(snap.model_label or snap.family)})" if snap.family else ""),
         f"{snap.device} · {snap.dtype or snap.requested_dtype} · offload {snap.offload}"
         + (f" · {html.escape(holder_text(snap.held_for))}" if snap.model else ""),
         f"LoRAs {html.escape(loras_text(snap))}" + (f" ({snap.lora_mode})" if snap.loras else ""),

@@ -38,7 +38,7 @@ def checked(ctx: UiContext, values: dict, stage_fields: tuple[str, ...]) -> tupl
     """(request, workflow numbers, rounding notes); every problem of both rule sets in one ValueError."""
     problems, params, notes, stage = [], None, (), {}
     try:
-        params, notes = params_from_form(values, ctx.engine.snapshot().arch)
+        params, notes = params_from_form(values, ctx.engine.snapshot().family)
     except ValueError as exc:
         problems.append(str(exc))
     try:

@@ -59,7 +59,7 @@ def test_a_single_file_of_a_folder_only_family_is_refused_as_such(monkeypatch, t
     info = checkpoint_files.CheckpointInfo(path.name, path, "file", path.stat().st_size)
     expected = r"toy.safetensors: a Toy checkpoint, but Toy loads from diffusers folders .* only, not from single"
     with pytest.raises(models.ModelLoadError, match=expected):
-        models.checkpoint_arch(info)
+        models.checkpoint_family(info)
     with pytest.raises(models.ModelLoadError, match=expected):
         models.load_pipeline(info, torch.float32)
-    assert models.planned_arch(tmp_path, path.name) is None
+    assert models.planned_family(tmp_path, path.name) is None
