@@ -70,6 +70,16 @@ def test_txt2img_equals_qwen_image_pipeline_without_and_with_cfg(eng, oracle):
     kit.equals_oracle_without_and_with_cfg(eng, oracle, _call, FILE, FOLDER)
 
 
+def test_one_step_is_refused_by_name_and_the_model_stays(eng):
+    """One step of Qwen-Image's terminal-stretched schedule is NaN in diffusers: txt2img and img2img refuse it with
+    the reason (not the NaN check's "values out of range"), and the next job runs on the same model."""
+    eng.load_model(FILE)
+    for job in (lambda p: eng.generate(p), lambda p: eng.img2img(p, [_picture()], denoising_strength=1.0)):
+        with pytest.raises(ValueError, match="terminal sigma .* takes 2 steps or more; got 1"):
+            job(kit.params(steps=1))
+    assert eng.generate(kit.params())[0].image.size == (64, 64)
+
+
 def test_img2img_equals_qwen_image_img2img_pipeline(eng, oracle):
     """img2img at strength 0.5 over 4 steps (2 run; diffusers' and A1111's step rules agree there), CFG 3, batch 2:
     given the latents its own encode makes, `QwenImageImg2ImgPipeline` draws our pixels exactly."""

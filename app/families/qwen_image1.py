@@ -50,15 +50,27 @@ class _Latents(PackedPatches):
         return latents if latents.dim() == 4 else super().spatial_latents(latents, height, width)[:, :, 0]
 
 
-class SteadyQwenImagePipeline(_Latents, TrueCfg, VariedNoise, QwenImagePipeline):
+class _TerminalSigma:
+    """Qwen-Image's published schedule is stretched to end at a terminal sigma (`shift_terminal` 0.02), which
+    diffusers computes as 0 / 0 for a single step: its image would be NaN, so one step is refused by name."""
+
+    def __call__(self, *args, num_inference_steps: int = 50, **kwargs):
+        terminal = self.scheduler.config.get("shift_terminal")
+        if terminal and num_inference_steps < 2:
+            raise ValueError(f"Qwen-Image's schedule ends at a terminal sigma ({terminal:g}), which takes 2 steps or "
+                             f"more; got {num_inference_steps}")
+        return super().__call__(*args, num_inference_steps=num_inference_steps, **kwargs)
+
+
+class SteadyQwenImagePipeline(_Latents, _TerminalSigma, TrueCfg, VariedNoise, QwenImagePipeline):
     """Qwen-Image txt2img."""
 
 
-class SteadyQwenImageImg2ImgPipeline(_Latents, TrueCfg, StrengthSteps, QwenImageImg2ImgPipeline):
+class SteadyQwenImageImg2ImgPipeline(_Latents, _TerminalSigma, TrueCfg, StrengthSteps, QwenImageImg2ImgPipeline):
     """Qwen-Image img2img (and the hires pass): it reads the latents the engine encoded (16 channels)."""
 
 
-class SteadyQwenImageInpaintPipeline(_Latents, TrueCfg, StrengthSteps, QwenImageInpaintPipeline):
+class SteadyQwenImageInpaintPipeline(_Latents, _TerminalSigma, TrueCfg, StrengthSteps, QwenImageInpaintPipeline):
     """Qwen-Image inpaint: the regular transformer, the latent mask blends the init latents in each step."""
 
 
