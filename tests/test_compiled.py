@@ -299,13 +299,14 @@ def _deep_dit(family_name: str, copies: int = 3):
 
 
 def _denoiser_call(pipe) -> tuple[tuple, dict]:
-    """The arguments of the first denoiser call of a one-step 32² generation, to call it directly."""
+    """The arguments of the first denoiser call of a two-step 32² generation, to call it directly (two: one step
+    of a schedule stretched to a terminal sigma, Qwen-Image's `shift_terminal`, is NaN in diffusers)."""
     calls = []
     denoiser = getattr(pipe, family_of(pipe).denoiser)
     handle = denoiser.register_forward_pre_hook(lambda _m, a, k: calls.append((a, k)), with_kwargs=True)
     try:
         with torch.no_grad():
-            pipe(prompt="a cat", num_inference_steps=1, height=32, width=32, output_type="latent",
+            pipe(prompt="a cat", num_inference_steps=2, height=32, width=32, output_type="latent",
                  generator=torch.Generator().manual_seed(0))
     finally:
         handle.remove()

@@ -35,6 +35,14 @@ _COMPRESSED = "tokenizer.json.gz"
 _PLAIN = ("tokenizer_config.json", "special_tokens_map.json")
 
 
+def expand_into(folder: Path, target: Path) -> None:
+    """The bundled tokenizer's files, `tokenizer.json` expanded, written into `target` (a temporary folder)."""
+    with gzip.open(folder / _COMPRESSED, "rb") as src, open(target / "tokenizer.json", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    for name in _PLAIN:
+        shutil.copyfile(folder / name, target / name)
+
+
 class BundledQwen3Tokenizer:
     """`from_pretrained(folder)` for the bundled, gzip-compressed Qwen3 tokenizer (`TextEncoder.tokenizer_class`)."""
 
@@ -42,16 +50,13 @@ class BundledQwen3Tokenizer:
     @functools.cache
     def _load(folder: Path) -> Qwen2Tokenizer:
         with tempfile.TemporaryDirectory(prefix="qwen3-tokenizer-") as tmp:
-            with gzip.open(folder / _COMPRESSED, "rb") as src, open(Path(tmp) / "tokenizer.json", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            for name in _PLAIN:
-                shutil.copyfile(folder / name, Path(tmp) / name)
+            expand_into(folder, Path(tmp))
             return Qwen2Tokenizer.from_pretrained(tmp, local_files_only=True)
 
     @classmethod
     def from_pretrained(cls, folder: Path, **kwargs) -> Qwen2Tokenizer:
         if kwargs:
-            raise TypeError(f"the bundled Qwen3 tokenizer takes no options, got {sorted(kwargs)}")
+            raise TypeError(f"{cls.__name__} takes no options, got {sorted(kwargs)}")
         return cls._load(Path(folder))
 
 
@@ -73,6 +78,8 @@ QWEN3_GGUF_NAMES = (
         ("attn_k_norm", "self_attn.k_norm"), ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"),
         ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"))),
 )
+# Its marker is a query norm: Qwen2.5-VL's file (`qwen_2.5_vl_7b.safetensors`, Qwen-Image's) names its layers alike
+# under `model.` but has none, so a folder holding both offers each family its own.
 QWEN3_PART = ComponentFile("text_encoder", "Qwen3 text encoder (qwen_3_4b.safetensors)", Qwen3Model,
-                           (QWEN3.single_file_prefix, "model.", ""), "layers.0.self_attn.q_proj.weight", own_names,
+                           (QWEN3.single_file_prefix, "model.", ""), "layers.0.self_attn.q_norm.weight", own_names,
                            folder="text_encoder_dir", config_class=Qwen3Config, gguf_names=QWEN3_GGUF_NAMES)

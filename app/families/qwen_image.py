@@ -22,28 +22,19 @@ import torch
 from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-from app.families import (
-    ASSETS_DIR,
-    DEMO_SIDE,
-    Adapters,
-    BenchSpec,
-    ComponentFile,
-    Family,
-    Files,
-    LatentFormat,
-    Precision,
-    TestKit,
-)
+from app.families import ASSETS_DIR, Adapters, BenchSpec, ComponentFile, Family, Files, LatentFormat, Precision, TestKit
 from app.families.file_layout import own_names
-from app.families.flow_dit import DIT_PREFIXES, DIT_SHARED, FLOW_SAMPLING
-from app.families.pipelines import EnginePipeline, VariedNoise
+from app.families.flow_dit import DIT_PREFIXES, DIT_SHARED
+from app.families.pipelines import PackedPatches, VariedNoise
 from app.families.qwen3_vl import QWEN3_VL, QWEN3_VL_PART, QWEN3_VL_PINNED, TINY_QWEN3_VL
+from app.families.qwen_dit import QWEN_SAMPLING, TrueCfg, native_size
 from app.families.qwen_image_layout import lora_aliases, transformer_layout
 
 
-class SteadyQwenImage21Pipeline(EnginePipeline, VariedNoise, QwenImage21Pipeline):
+class SteadyQwenImage21Pipeline(PackedPatches, TrueCfg, VariedNoise, QwenImage21Pipeline):
     """Qwen-Image 2.1 txt2img and reference editing (`image=[…]`). It denoises the latents unpatched, as a
-    (batch, rows·columns, 64) sequence; the engine's spatial latents are (batch, 64, rows, columns)."""
+    (batch, rows·columns, 64) sequence (FLUX.1's latent grid, without its patches); the engine's spatial latents are
+    (batch, 64, rows, columns)."""
 
     def __call__(self, *args, num_inference_steps: int = 40, sigmas=None, height: int | None = None,
                  width: int | None = None, output_resolution: int | None = None, **kwargs):
@@ -55,14 +46,8 @@ class SteadyQwenImage21Pipeline(EnginePipeline, VariedNoise, QwenImage21Pipeline
             sigmas = (authored if authored and len(authored) == num_inference_steps
                       else np.linspace(1.0, 1 / num_inference_steps, num_inference_steps))
         side = output_resolution or (round(math.sqrt(height * width)) if height and width else 1024)
-        if kwargs.get("true_cfg_scale", 1.0) <= 1:  # no unconditional pass reads it (diffusers warns each call)
-            kwargs.pop("negative_prompt", None)
         return super().__call__(*args, num_inference_steps=num_inference_steps, sigmas=sigmas, height=height,
                                 width=width, output_resolution=side, **kwargs)
-
-    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        multiple = self.vae_scale_factor * 2
-        return 2 * (int(height) // multiple), 2 * (int(width) // multiple)
 
     def pack_noise(self, noise: torch.Tensor) -> torch.Tensor:
         return noise.flatten(2).transpose(1, 2)
@@ -162,14 +147,12 @@ QWEN_IMAGE_21 = Family(
                 takes_embeddings=False),  # A1111 embeddings are CLIP vectors; Qwen3-VL has none
     denoiser_class=QwenImage21Transformer2DModel,
     vae_class=AutoencoderKLQwenImage21,
-    **{**DIT_SHARED, "size_multiple": 32,
-       # 1024² as the pipeline makes it; a demo-size model (under 1024 wide) the demo's side
-       "native_size": lambda pipe: 1024 if pipe.transformer.inner_dim >= 1024 else DEMO_SIDE},
+    **{**DIT_SHARED, "size_multiple": 32, "native_size": native_size},
     latent_format=LatentFormat(frames=True),  # the VAE's own per-channel statistics; preview fitted (preview.py)
     first_block="transformer_blocks.0",
     # 40 steps without guidance, true CFG above 1; Turbo: its `sample_sigmas`' count, a step-distilled model
     sampling=dataclasses.replace(
-        FLOW_SAMPLING, default_steps=40, default_guidance=1.0, guidance_call=lambda cfg: {"true_cfg_scale": cfg},
+        QWEN_SAMPLING, default_steps=40, default_guidance=1.0,
         loaded_defaults=lambda pipe: (len(pipe.config.get("sample_sigmas") or ()) or 40, 1.0),
         step_distilled=lambda pipe: bool(pipe.config.get("sample_sigmas"))),
     reference_images=4,  # each adds 4,096 tokens (1024² / 16²) to every attention; the pipeline takes up to 10

@@ -59,8 +59,31 @@ def _words(module: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((module, *(f.name.split("-")[0] for f in fams), *(f.label.split()[0] for f in fams))))
 
 
-def _pattern(module: str) -> re.Pattern:
-    return re.compile("|".join(_spelled(word) for word in _words(module)), re.IGNORECASE)
+def _pattern(module: str, words: tuple[str, ...] | None = None) -> re.Pattern:
+    return re.compile("|".join(_spelled(word) for word in (_words(module) if words is None else words)) or "(?!)",
+                      re.IGNORECASE)
+
+
+def _texts(module: str) -> tuple[str, ...]:
+    """The module's name and its families' names and labels: what another module's words must not match."""
+    return (module, *(f.name for f in MODULES[module]), *(f.label for f in MODULES[module]))
+
+
+def _line(module: str) -> set[str]:
+    return {f.label.split()[0].lower() for f in MODULES[module]}
+
+
+def _kin(module: str) -> set[str]:
+    """The modules of one model line with `module`: their families' labels start with the same word (Qwen-Image and
+    Qwen-Image 2.1, each in its own module), so their words name each other's families and none tells them apart.
+    Any other match is a word too broad (Z-Image's "qwen" once matched a Qwen-Image family's name): an error."""
+    return {other for other in ADDED if other != module and _line(other) & _line(module)}
+
+
+def _own_words(module: str) -> tuple[str, ...]:
+    """The module's words that name no kin module (`_kin`): what only this module's families answer to."""
+    kin_texts = [text for other in _kin(module) for text in _texts(other)]
+    return tuple(w for w in _words(module) if not any(_pattern(module, (w,)).search(t) for t in kin_texts))
 
 
 def _own_files(module: str) -> tuple[str, ...]:
@@ -74,11 +97,12 @@ def _own_files(module: str) -> tuple[str, ...]:
 
 def test_families_are_discovered_and_no_familys_words_name_another():
     """The checked modules are what the registry reads (no list to keep), and one family's words never match
-    another family's name, label or module (Z-Image's "qwen" once matched a Qwen-Image family's name)."""
+    another family's name, label or module (Z-Image's "qwen" once matched a Qwen-Image family's name) but a kin
+    module's of the same model line, whose words name it back (`_kin`)."""
     assert {f.name for fams in MODULES.values() for f in fams} == set(FAMILIES) and ADDED
     for module in ADDED:
-        others = [text for other, fams in MODULES.items() if other != module
-                  for text in (other, *(f.name for f in fams), *(f.label for f in fams))]
+        others = [text for other in MODULES if other != module and other not in _kin(module)
+                  for text in _texts(other)]
         assert [text for text in others if _pattern(module).search(text)] == [], module
         assert all(Path(ROOT / path).exists() for path in _own_files(module)), module
 
@@ -168,6 +192,9 @@ print(sorted(FAMILIES)); print(config.FAMILY_NAMES); print([s.key for s in devic
 """
     proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    families, family_names, sections = proc.stdout.splitlines()[-3:]
-    gone = _pattern(module)
-    assert "sd15" in families and not gone.search(families + family_names + sections), proc.stdout[-500:]
+    families, bench_families, sections = proc.stdout.splitlines()[-3:]
+    names = {f.name for f in MODULES[module]}  # by name, and by its words that no kin module's families answer to
+    gone = re.compile("|".join(rf"'{re.escape(name)}(-offload)?'" for name in names) + "|" +
+                      _pattern(module, _own_words(module)).pattern, re.IGNORECASE)
+    assert set(ast.literal_eval(families)) == set(FAMILIES) - names, proc.stdout[-500:]
+    assert not gone.search(families + bench_families + sections), proc.stdout[-500:]
