@@ -151,6 +151,18 @@ def pixels(images) -> np.ndarray:
     return np.stack([np.asarray(i.image, dtype=np.int16) for i in images])
 
 
+def _last_row(engine):
+    """The history's last row: where `_rows_since` starts (the history is bounded, so a length is no mark)."""
+    history = engine.snapshot().history
+    return history[-1] if history else None
+
+
+def _rows_since(engine, mark) -> tuple:
+    """The history rows after `mark` (a `_last_row`), however many older rows the bound has dropped since."""
+    history = engine.snapshot().history
+    return history if mark is None else history[history.index(mark) + 1:]
+
+
 def test_every_declared_layout_loads_the_saved_weights_bit_for_bit(data, family_name):
     """Single file (the family's own layout: LDM, ComfyUI's all-in-one) and diffusers folder give
     back every tensor of the tiny model that was written, in fp32, bit for bit, as the family's
@@ -281,10 +293,10 @@ def test_a_refiner_finishes_where_the_family_takes_one_and_is_refused_elsewhere(
                                   refiner_switch_at=0.5))
         return
     for refiner in fam.refiner_families:
-        start = len(plain.snapshot().history)
+        mark = _last_row(plain)
         made = plain.generate(params(family_name, steps=4, refiner_checkpoint=checkpoint(refiner),
                                      refiner_switch_at=0.5))
-        rows = plain.snapshot().history[start:]
+        rows = _rows_since(plain, mark)
         assert [r.command for r in rows] == ["txt2img", "refiner load", "refiner", "refiner unload"], rows
         assert all(r.outcome == "ok" and r.violations_found == 0 for r in rows), rows
         assert "Refiner switch at: 0.5" in made[0].infotext
@@ -451,12 +463,12 @@ def test_img2img_and_inpaint_run_where_the_family_declares_them(moving, family_n
         return
     for mode in ("model", "sequential", "group"):
         moving.set_offload(mode)
-        start = len(moving.snapshot().history)
+        mark = _last_row(moving)
         if "img2img" in stages:
             assert moving.img2img(params(family_name), [image], denoising_strength=0.7)[0].image.size == (64, 64)
         if "inpaint" in stages:
             assert moving.inpaint(params(family_name), image, mask, denoising_strength=0.9)[0].image.size == (64, 64)
-        rows = moving.snapshot().history[start:]
+        rows = _rows_since(moving, mark)
         assert rows and all(row.outcome == "ok" and row.violations_found == 0 for row in rows), (mode, rows)
     moving.set_offload("none")
 
@@ -479,9 +491,9 @@ def test_the_detail_pass_runs_in_every_offload_mode_where_the_family_inpaints(mo
     outside = np.asarray(mask.filter(ImageFilter.GaussianBlur(2))) == 0
     for mode in offload.MODES:
         moving.set_offload(mode)
-        start = len(moving.snapshot().history)
+        mark = _last_row(moving)
         out = moving.img2img(params(family_name, steps=2), [picture], details=details)[0].image
-        rows = moving.snapshot().history[start:]
+        rows = _rows_since(moving, mark)
         assert [r.command for r in rows] == ["detail detect", "detail encode", "detail"], (mode, rows)
         assert all(row.outcome == "ok" and row.violations_found == 0 for row in rows), (mode, rows)
         assert np.array_equal(np.asarray(out)[outside], np.asarray(picture)[outside]), mode
