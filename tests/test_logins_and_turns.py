@@ -222,6 +222,15 @@ def test_another_login_cannot_close_cancel_or_read_a_running_job(app):
 
 
 # ---------------------------------------------------------------------- finding 5: accounts, not sessions
+def _wait_until_held(app: Served, account: str, count: int, timeout_s: float = 60) -> None:
+    """Until the request guard counts `count` jobs of `account`: requests sent on threads arrive when the server
+    gets to them, which under load is later than any fixed pause (after a 0.5 s one the 9th came in first)."""
+    deadline = time.monotonic() + timeout_s
+    while app.login_jobs.held(account) < count:
+        assert time.monotonic() < deadline, f"only {app.login_jobs.held(account)} of {count} requests arrived"
+        time.sleep(0.05)
+
+
 def _slow_jobs_done(engine: Engine, since: float) -> int:
     """How many of the slow jobs (256²) the engine finished after `since` (its history)."""
     size = f"{SLOW['width']}x{SLOW['height']}"
@@ -281,7 +290,7 @@ def test_a_second_logins_request_runs_next_while_another_fills_its_quota_through
         sender.start()
     try:
         _wait_until_generating(app.engine)
-        time.sleep(0.5)  # all 8 have arrived (they wait on the event loop, not in threads)
+        _wait_until_held(app, ALICE[0], QUOTA)  # all 8 have arrived
         ninth = alice.post("/sdapi/v1/txt2img", json=dict(prompt="a fox", **SMALL))
         assert ninth.status_code == 429 and "--account-queue-size" in ninth.json()["detail"], ninth.text
         joined = _join(app.ui(ALICE), app, f"alice-{uuid.uuid4().hex[:8]}", **SMALL)

@@ -93,12 +93,16 @@ class LoginJobs:
         with self._lock:
             return len(self._owner_of)
 
+    def held(self, account: str) -> int:
+        """The jobs `account` has waiting or running: the API's counted here and the UI's in Gradio's queue."""
+        return self._pending[account] + self.gradio_jobs(account)
+
     @contextlib.contextmanager
     def job(self, account: str, limit: Quota) -> Iterator[None]:
         """Count one job of `account` while the block runs; `QuotaFull` (nothing counted) when it may not
         have one more. Asked on the event loop, which is where Gradio's queue changes."""
         with self._lock:
-            held = self._pending[account] + self.gradio_jobs(account)
+            held = self.held(account)
             if held >= limit.jobs:
                 raise QuotaFull(f"this login already has {held} jobs waiting or running, the most one login may "
                                 f"have ({limit.flag} {limit.jobs}); wait for one to finish")
